@@ -1,0 +1,95 @@
+"""Fixtures for the harness tests: a toy course (one short day) built in a temp folder."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
+
+REPO = Path(__file__).resolve().parents[2]
+DAY = "toy"
+
+PARAMETERS = '''profile: str = "auto"  # tiny | full | auto
+device: str = "auto"
+seed: int = 0
+max_steps: int = 0
+world_size: int = 1
+data_dir: str = ""
+log_dir: str = "runs/toy"
+'''
+
+
+def _solution(gid: str, source: str):
+    return new_code_cell(source, metadata={"nbgrader": {
+        "grade": False, "grade_id": gid, "locked": False, "schema_version": 3, "solution": True, "task": False}})
+
+
+def _test(gid: str, source: str, points: int):
+    return new_code_cell(source, metadata={"nbgrader": {
+        "grade": True, "grade_id": gid, "locked": True, "points": points, "schema_version": 3,
+        "solution": False, "task": False}})
+
+
+def toy_notebook():
+    cells = [
+        new_markdown_cell("# Toy day\nTwo exercises, used by the harness tests."),
+        new_code_cell("import math"),
+        new_code_cell(PARAMETERS, metadata={"tags": ["parameters"]}),
+        new_code_cell("print('profile', profile, 'seed', seed)"),
+        _solution("add", "def add(a, b):\n    ### BEGIN SOLUTION\n    return a + b\n    ### END SOLUTION"),
+        _test("add_test", "assert add(2, 3) == 5\n### BEGIN HIDDEN TESTS\nassert add(-1, 1) == 0\n"
+                          "### END HIDDEN TESTS", 2),
+        _solution("norm", "def norm(x, y):\n    ### BEGIN SOLUTION\n    return math.hypot(x, y)\n"
+                          "    ### END SOLUTION"),
+        _test("norm_test", "assert abs(norm(3, 4) - 5) < 1e-12\n### BEGIN HIDDEN TESTS\n"
+                           "assert abs(norm(5, 12) - 13) < 1e-12\n### END HIDDEN TESTS", 3),
+        new_code_cell("result = sum(range(10))\nprint('experiment', result)"),
+    ]
+    return new_notebook(cells=cells, metadata={"kernelspec": {
+        "name": "python3", "display_name": "Python 3", "language": "python"}})
+
+
+def dlo(*args: str, root: Path, check: bool = True, timeout: float = 600) -> subprocess.CompletedProcess:
+    """Run the `dlo` command as a user would (a child process)."""
+    proc = subprocess.run([sys.executable, "-m", "dlo.cli", "--root", str(root), *args], capture_output=True,
+                          text=True, timeout=timeout, env={**os.environ, "DLO_PROFILE": "tiny"})
+    if check and proc.returncode != 0:
+        raise AssertionError(f"dlo {' '.join(args)} -> rc {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+@pytest.fixture
+def toy_root(tmp_path) -> Path:
+    root = tmp_path / "toycourse"
+    nb_path = root / "solutions" / DAY / f"{DAY}.ipynb"
+    nb_path.parent.mkdir(parents=True)
+    nbformat.write(toy_notebook(), nb_path)
+    dlo("release", root=root)
+    return root
+
+
+def edit_cells(path: Path, dest: Path, edit) -> Path:
+    """Copy a notebook to dest, applying edit(cell) to every cell (a student's changes)."""
+    nb = json.loads(path.read_text())
+    for cell in nb["cells"]:
+        edit(cell)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    dest.write_text(json.dumps(nb))
+    return dest
+
+
+def grade_id(cell) -> str | None:
+    return cell.get("metadata", {}).get("nbgrader", {}).get("grade_id")
+
+
+def read_csv(path: Path) -> list[dict]:
+    import csv
+
+    with path.open() as f:
+        return list(csv.DictReader(f))

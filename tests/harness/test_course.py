@@ -1,0 +1,71 @@
+"""The real course, every day found in solutions/: it releases, runs, and grades honestly.
+
+These run whole notebooks on the tiny profile (about a minute each on 2 cores), so each day is
+executed three times in all: by papermill, and by the autograder as the solution and as the
+untouched student notebook.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from conftest import REPO, dlo, read_csv
+from dlo.harness.days import list_days
+
+DAYS = list_days(REPO)
+pytestmark = [pytest.mark.course, pytest.mark.slow]
+
+
+def test_the_course_has_days():
+    assert "day1_optimizers" in DAYS
+
+
+def test_dlo_check_passes():
+    assert "ok" in dlo("check", root=REPO).stdout
+
+
+def test_every_solution_executes_on_the_tiny_profile(tmp_path):
+    out = tmp_path / "executed"
+    dlo("run", "--all", "--profile", "tiny", "--out", str(out), root=REPO, timeout=300 * len(DAYS))
+    for day in DAYS:
+        nb = json.loads((out / day / f"{day}.ipynb").read_text())
+        errors = [o for c in nb["cells"] for o in c.get("outputs", []) if o["output_type"] == "error"]
+        assert not errors, f"{day}: {errors[0]['ename']}: {errors[0]['evalue']}"
+
+
+@pytest.fixture(scope="module")
+def graded(tmp_path_factory):
+    """One grading run: the instructors' solutions and the untouched student notebooks."""
+    tmp = tmp_path_factory.mktemp("course")
+    for day in DAYS:
+        for student, folder in (("solution", "solutions"), ("untouched", "course")):
+            dest = tmp / "submitted" / student / day
+            dest.mkdir(parents=True)
+            shutil.copyfile(REPO / folder / day / f"{day}.ipynb", dest / f"{day}.ipynb")
+    out = tmp / "grading"
+    dlo("grade", str(tmp / "submitted"), "--out", str(out), "--profile", "tiny", root=REPO,
+        timeout=400 * len(DAYS))
+    return out
+
+
+@pytest.mark.parametrize("day", DAYS)
+def test_solution_scores_full_marks(graded, day):
+    row = next(r for r in read_csv(graded / "scores.csv") if r["student"] == "solution" and r["day"] == day)
+    assert row["status"] == "graded" and float(row["max_score"]) > 0
+    assert float(row["score"]) == float(row["max_score"])
+
+
+@pytest.mark.parametrize("day", DAYS)
+def test_untouched_notebook_scores_zero_on_every_cell_and_runs_to_the_end(graded, day):
+    cells = [r for r in read_csv(graded / "cells.csv") if r["student"] == "untouched" and r["day"] == day]
+    assert cells and all(float(r["score"]) == 0 for r in cells), cells
+    nb = json.loads((graded / "course" / "autograded" / "untouched" / day / f"{day}.ipynb").read_text())
+    code = [c for c in nb["cells"] if c["cell_type"] == "code"]
+    assert code[-1].get("execution_count"), "the grader did not reach the last cell"
+    # Only the exercises and their tests may fail: experiments use dlo's implementations.
+    failing = [c["source"][:80] for c in code if any(o["output_type"] == "error" for o in c.get("outputs", []))
+               and not c["metadata"].get("nbgrader")]
+    assert not failing, f"cells outside the exercises fail without a solution: {failing}"
