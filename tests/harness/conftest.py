@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -64,14 +65,21 @@ def dlo(*args: str, root: Path, check: bool = True, timeout: float = 600) -> sub
     return proc
 
 
-@pytest.fixture
-def toy_root(tmp_path) -> Path:
-    root = tmp_path / "toycourse"
+@pytest.fixture(scope="session")
+def toy_template(tmp_path_factory) -> Path:
+    """A released toy course, built once (nbgrader takes seconds to start)."""
+    root = tmp_path_factory.mktemp("template") / "toycourse"
     nb_path = root / "solutions" / DAY / f"{DAY}.ipynb"
     nb_path.parent.mkdir(parents=True)
     nbformat.write(toy_notebook(), nb_path)
     dlo("release", root=root)
     return root
+
+
+@pytest.fixture
+def toy_root(toy_template, tmp_path) -> Path:
+    """A fresh copy of the released toy course that a test may change."""
+    return Path(shutil.copytree(toy_template, tmp_path / "toycourse"))
 
 
 def edit_cells(path: Path, dest: Path, edit) -> Path:

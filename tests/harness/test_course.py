@@ -12,7 +12,7 @@ import shutil
 
 import pytest
 
-from conftest import REPO, dlo, read_csv
+from tests.harness.conftest import REPO, dlo, read_csv
 from dlo.harness.days import list_days
 
 DAYS = list_days(REPO)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 import tomllib
 
-from conftest import REPO
+from tests.harness.conftest import REPO
 
 
 def test_environment_yml_lists_the_same_packages_as_pyproject():

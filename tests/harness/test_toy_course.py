@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 
-from conftest import DAY, dlo, edit_cells, grade_id, read_csv
+from tests.harness.conftest import DAY, dlo, edit_cells, grade_id, read_csv
 
 
 def test_release_strips_solutions_and_hidden_tests(toy_root):
@@ -93,10 +92,8 @@ def test_grade_scores_every_student_despite_raising_hanging_and_dying_code(toy_r
     submitted = tmp_path / "submitted"
     _student(toy_root, submitted, "solution", lambda c: None)
     _student(toy_root, submitted, "untouched", lambda c: None)
-    _student(toy_root, submitted, "student", _solve_all)  # correct, own words
     # Edited the locked test cells so they pass: graded with the original tests anyway.
     _student(toy_root, submitted, "tamperer", _chain(_replace("add_test", "pass"), _replace("norm_test", "pass")))
-    _student(toy_root, submitted, "wrong", _chain(_solve_all, _replace("add", "def add(a, b):\n    return a - b")))
     _student(toy_root, submitted, "hanger", _chain(_solve_all, _replace(
         "add", "import time\nwhile True:\n    time.sleep(0.1)")))
     _student(toy_root, submitted, "killer", _chain(_solve_all, _replace("add", "import os\nos._exit(1)")))
@@ -108,8 +105,7 @@ def test_grade_scores_every_student_despite_raising_hanging_and_dying_code(toy_r
     assert proc.returncode == 0, proc.stdout + proc.stderr
     scores = {r["student"]: r for r in read_csv(out / "scores.csv")}
     got = {s: float(r["score"]) for s, r in scores.items()}
-    assert got == {"solution": 5, "student": 5, "untouched": 0, "tamperer": 0, "wrong": 3, "hanger": 3,
-                   "killer": 3, "ghost": 0}, proc.stdout
+    assert got == {"solution": 5, "untouched": 0, "tamperer": 0, "hanger": 3, "killer": 3, "ghost": 0}, proc.stdout
     assert all(float(r["max_score"]) == 5 for r in scores.values())
     assert scores["ghost"]["status"] == f"missing {DAY}.ipynb"
     cells = {(r["student"], r["cell"]): float(r["score"]) for r in read_csv(out / "cells.csv")}
@@ -117,8 +113,8 @@ def test_grade_scores_every_student_despite_raising_hanging_and_dying_code(toy_r
     assert (out / "feedback" / "solution" / f"{DAY}.html").is_file()
     assert sorted(p.read_bytes() for p in submitted.rglob("*.ipynb")) == before  # submissions untouched
 
-    one = tmp_path / "one"
-    shutil.copytree(submitted / "wrong", one / "wrong")
+    one = tmp_path / "one"  # a wrong answer alone: --require-full must fail
+    _student(toy_root, one, "wrong", _chain(_solve_all, _replace("add", "def add(a, b):\n    return a - b")))
     strict = dlo("grade", str(one), "--out", str(tmp_path / "g2"), "--require-full", root=toy_root, check=False)
     assert strict.returncode == 1 and "not every submission has full marks" in strict.stdout
 

@@ -81,7 +81,6 @@ def autograde_one(course: Path, submitted: Path, student: str, day: str, profile
     if proc.returncode != 0:
         (course / f"autograde_{student}_{day}.log").write_text(proc.stdout + proc.stderr)
         return f"error: autograde failed (see {course.name}/autograde_{student}_{day}.log)"
-    nbgrader(["generate_feedback", day, f"--student={student}", "--force"], course)
     return "graded"
 
 
@@ -130,6 +129,8 @@ def main(root: Path, submitted: str, out: str | None, profile: str, cell_timeout
     for i, (student, day) in enumerate(found, 1):
         print(f"[{i}/{len(found)}] autograding {student} / {day} ...", flush=True)
         graded.append((student, day, autograde_one(course, submitted_dir, student, day, profile, notebook_timeout)))
+    for day in sorted({d for _, d, status in graded if status == "graded"}):
+        nbgrader(["generate_feedback", day, "--force"], course)  # every graded student at once
     rows, cells = collect(course, graded + [(r["student"], r["day"], r["status"]) for r in bad])
     _copy_feedback(course, out_dir / "feedback")
 

@@ -1,0 +1,104 @@
+"""`dlo bench [OP ...]`: run the GPU kernel benchmarks beside torch baselines and the device peak.
+
+Every module of `dlo.kernels` that defines `bench() -> list[dict]` is an op, named after the module.
+Rows carry at least "impl" and "ms", and "GB/s" or "TFLOP/s" with "% peak"; torch baselines have an
+impl name starting with "torch". Results go to `<out_dir>/<YYYY-MM-DD>_<device-slug>.json`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib
+import json
+import pkgutil
+import re
+import sys
+from pathlib import Path
+
+import torch
+
+NO_GPU_MESSAGE = "dlo bench needs a CUDA GPU; kernels are tested on CPU with TRITON_INTERPRET=1 via make test"
+COLUMNS = ("op", "impl", "dtype", "size", "tensors", "ms", "GB/s", "TFLOP/s", "% peak", "x best torch")
+
+
+def registry() -> dict:
+    """Op name -> bench function, for every `dlo.kernels` module exposing `bench`."""
+    import dlo.kernels
+    ops = {}
+    for info in pkgutil.iter_modules(dlo.kernels.__path__):
+        module = importlib.import_module(f"dlo.kernels.{info.name}")
+        if callable(getattr(module, "bench", None)):
+            ops[info.name] = module.bench
+    return ops
+
+
+def add_ratios(rows: list[dict]) -> list[dict]:
+    """Set "x best torch" = (fastest torch baseline's ms) / ms among rows of the same op, dtype and size."""
+    def case(r):
+        return r.get("op"), r.get("dtype"), r.get("size")
+    best: dict[tuple, float] = {}
+    for r in rows:
+        if str(r["impl"]).startswith("torch"):
+            best[case(r)] = min(best.get(case(r), float("inf")), r["ms"])
+    for r in rows:
+        r["x best torch"] = best[case(r)] / r["ms"] if case(r) in best else None
+    return rows
+
+
+def _cell(value) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.3g}" if abs(value) < 100 else f"{value:.0f}"
+    return str(value)
+
+
+def format_table(rows: list[dict]) -> str:
+    """Plain-text table of the known columns present in any row; numbers right-aligned."""
+    cols = [c for c in COLUMNS if any(c in r for r in rows)]
+    for r in rows:  # then any other keys, in first-seen order
+        cols += [c for c in r if c not in cols and c not in COLUMNS]
+    cells = [[_cell(r.get(c)) for c in cols] for r in rows]
+    widths = [max([len(c)] + [len(line[i]) for line in cells]) for i, c in enumerate(cols)]
+    numeric = [all(isinstance(r.get(c), (int, float)) or r.get(c) is None for r in rows) for c in cols]
+
+    def line(values):
+        return "  ".join(v.rjust(w) if num else v.ljust(w) for v, w, num in zip(values, widths, numeric)).rstrip()
+    return "\n".join([line(cols), line(["-" * w for w in widths])] + [line(v) for v in cells])
+
+
+def _slug(name: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
+def _write_json(rows: list[dict], out_dir: str | Path) -> Path:
+    import triton
+    from dlo.hardware import device_name, peak
+    name = device_name()
+    today = datetime.date.today().isoformat()
+    record = {"date": today, "device": name, "peak": peak(), "torch": torch.__version__,
+              "triton": triton.__version__, "cuda": torch.version.cuda, "rows": rows}
+    path = Path(out_dir) / f"{today}_{_slug(name)}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=2) + "\n")
+    return path
+
+
+def main(ops: list[str], out_dir: str | Path = "bench/results") -> int:
+    """Run the named benchmarks (all when `ops` is empty); 0 on success, 1 for an unknown op, 2 without CUDA."""
+    known = registry()
+    unknown = [op for op in ops if op not in known]
+    if unknown:
+        print(f"unknown op(s) {', '.join(unknown)}; available: {', '.join(sorted(known))}", file=sys.stderr)
+        return 1
+    if not torch.cuda.is_available():
+        print(NO_GPU_MESSAGE, file=sys.stderr)
+        return 2
+    rows = []
+    for op in ops or sorted(known):
+        print(f"benchmarking {op} ...", flush=True)
+        rows += [{"op": op, **row} for row in known[op]()]
+    add_ratios(rows)
+    print(format_table(rows))
+    print(f"wrote {_write_json(rows, out_dir)}")
+    return 0

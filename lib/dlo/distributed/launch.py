@@ -1,0 +1,335 @@
+"""Run a function on N ranks from a notebook cell: `launch(fn, world_size, *args, **kwargs)`.
+
+Design. A notebook is one long-lived process that has already imported torch, started its thread
+pools and maybe touched CUDA, so forking it is unsafe (a forked CUDA context is dead, forked
+thread pools can deadlock). Each rank is therefore a fresh interpreter
+(`python -m dlo.distributed._worker`). A fresh interpreter cannot import a function that lives in
+the notebook's `__main__`, which is why the usual `multiprocessing.spawn` route fails for
+notebook-defined functions; cloudpickle instead serialises such functions (and closures, lambdas,
+classes from `__main__`) by value. The payload goes through a temp file, together with the
+parent's `sys.path`, so functions from the student's own modules resolve in the workers too.
+
+Rendezvous is PyTorch's env:// method on 127.0.0.1 with a port the parent finds free by binding
+port 0. Every rank writes a result file (its pickled return value, or its traceback text) and the
+parent polls the processes: a rank that reports an exception, dies from a signal or exits without
+a result is a failure, and all rank process groups are killed at once (each worker runs in its own
+session, so `os.killpg` also takes its children), because the surviving ranks would otherwise wait
+forever in their next collective. The same cleanup runs for a timeout and for KeyboardInterrupt.
+
+Under torchrun or srun the processes already exist: `launch` then only initialises the process
+group from the environment, runs `fn` on this rank and all-gathers the results, so the same cell
+code scales from a laptop to several nodes.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import io
+import math
+import os
+import pickle
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import cloudpickle
+import torch
+import torch.distributed as dist
+
+
+class RankError(RuntimeError):
+    """A rank raised, was killed by a signal, or exited without a result."""
+
+    def __init__(self, message, rank, exitcode=None, remote_traceback="", pids=(), port=None):
+        super().__init__(message)
+        self.rank, self.exitcode, self.remote_traceback = rank, exitcode, remote_traceback
+        self.pids, self.port = list(pids), port
+
+
+# ---------------------------------------------------------------------------------- small helpers
+
+def rank() -> int:
+    """This process's rank, 0 when no process group is initialised."""
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def world_size() -> int:
+    """Number of ranks, 1 when no process group is initialised."""
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def is_main() -> bool:
+    """True on rank 0 (and when not distributed): the rank that logs, saves and prints."""
+    return rank() == 0
+
+
+def _cuda_count() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def dumps(obj) -> bytes:
+    """cloudpickle `obj`, moving CUDA tensors to CPU so any process can load the result."""
+    buf = io.BytesIO()
+    _CpuPickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    return buf.getvalue()
+
+
+def _rebuild(t):
+    return t
+
+
+class _CpuPickler(cloudpickle.CloudPickler):
+    def reducer_override(self, obj):
+        if isinstance(obj, torch.Tensor) and obj.is_cuda:
+            cpu = obj.detach().cpu()  # detach: torch refuses to pickle non-leaf tensors
+            if isinstance(obj, torch.nn.Parameter):
+                cpu = torch.nn.Parameter(cpu, requires_grad=obj.requires_grad)
+            return _rebuild, (cpu,)
+        return super().reducer_override(obj)
+
+
+# ----------------------------------------------------------------- torchrun / srun (no spawning)
+
+def _env_ranks():
+    """(rank, world_size, local_rank) set by torchrun or srun, or None outside such a launcher.
+
+    A one-task Slurm allocation (say, a Jupyter job) counts as no launcher: there `launch`
+    spawns its ranks locally like on a laptop.
+    """
+    env = os.environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0))
+    if "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
+        return int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0))
+    return None
+
+
+def init_from_env(backend=None) -> torch.device:
+    """Initialise the default process group from torchrun's or srun's environment.
+
+    backend None picks "nccl" when this rank has a GPU (LOCAL_RANK < device count), else "gloo".
+    Does nothing when a process group already exists. Returns the device this rank should use.
+    """
+    if dist.is_initialized():
+        cuda = "nccl" in dist.get_backend()
+        return torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    found = _env_ranks()
+    if found is None:
+        raise RuntimeError("init_from_env: neither RANK/WORLD_SIZE (torchrun) nor SLURM_PROCID/SLURM_NTASKS "
+                           "(srun) is set; start the script with torchrun or srun, or call launch(fn, n) "
+                           "to spawn n local ranks")
+    rank_, world, local = found
+    missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if missing:
+        raise RuntimeError(f"init_from_env: {' and '.join(missing)} not set. Under srun the sbatch script must "
+                           "export them, e.g. MASTER_ADDR=$(scontrol show hostnames $SLURM_JOB_NODELIST | "
+                           "head -n 1) and MASTER_PORT=29500")
+    if backend is None:
+        backend = "nccl" if local < _cuda_count() else "gloo"
+    if "nccl" in backend:
+        if local >= _cuda_count():
+            raise ValueError(f"backend {backend!r} on local rank {local} needs GPU {local}, "
+                             f"but this node shows {_cuda_count()} CUDA device(s)")
+        torch.cuda.set_device(local)  # before init: NCCL binds each rank to its own GPU
+    dist.init_process_group(backend, init_method="env://", rank=rank_, world_size=world)
+    return torch.device("cuda", local) if "nccl" in backend else torch.device("cpu")
+
+
+def _run_here(fn, world, backend, args, kwargs):
+    """fn on this rank of a torchrun/srun job; every rank returns the gathered results."""
+    owned = not dist.is_initialized()
+    init_from_env(backend)
+    blob = dumps(fn(*args, **kwargs))
+    gathered = [None] * world
+    dist.all_gather_object(gathered, blob)  # bytes: the CPU move already happened in dumps
+    if owned:  # keep the group for the rest of the script (is_main() etc.), but close it at exit:
+        atexit.register(_destroy)  # one left open can abort the interpreter ("terminate called...")
+    return [cloudpickle.loads(b) for b in gathered]
+
+
+def _destroy():
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------------------------- spawning
+
+JOIN_TIMEOUT = 60.0  # seconds the ranks get to start and rendezvous, whatever `timeout` says
+
+
+def _pick_backend(backend, world_size):
+    gpus = _cuda_count()
+    if backend is None:
+        return "nccl" if gpus >= world_size else "gloo"
+    if "nccl" in backend and gpus < world_size:
+        raise ValueError(f"backend {backend!r} needs one GPU per rank: world_size={world_size} but "
+                         f"{gpus} CUDA device(s) are visible; use backend='gloo' (CPU) or fewer ranks")
+    return backend
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker_env(r, world_size, port):
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r),
+               WORLD_SIZE=str(world_size), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(world_size),
+               PYTHONUNBUFFERED="1")
+    # N ranks that each use every core oversubscribe the CPU (torchrun does the same split).
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world_size)))
+    if sys.platform.startswith("linux"):
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # rendezvous is local; skip hostname lookup
+    return env
+
+
+def _pump(pipe, prefix, tail, lock):
+    """Copy a worker pipe line by line to sys.stdout (what Jupyter shows), keeping a short tail."""
+    for raw in iter(pipe.readline, b""):
+        line = raw.decode(errors="replace").rstrip("\r\n")
+        tail.append(line)
+        with lock:
+            sys.stdout.write(f"{prefix}{line}\n")
+            sys.stdout.flush()
+    pipe.close()
+
+
+def _kill(procs):
+    for p in procs:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)  # the whole session: the rank and anything it started
+        except (ProcessLookupError, PermissionError):
+            pass  # the group is already gone (and its id may have been reused)
+    for p in procs:
+        p.wait()
+
+
+def _load(path):
+    if not os.path.exists(path):
+        return None
+    with open(path, "rb") as f:
+        return cloudpickle.load(f)
+
+
+def _watch(procs, workdir, timeout):
+    """Poll the ranks until all succeed, one fails, or time runs out; returns an outcome tuple.
+
+    The clock starts twice: first for all ranks to join the process group (interpreter start,
+    torch import, rendezvous; at least JOIN_TIMEOUT seconds, as a cold torch import on a busy node
+    can be slow), then `timeout` for fn itself.
+    """
+    n = len(procs)
+    outcome, ready, joined = [None] * n, [False] * n, False
+    start = time.monotonic()
+    while True:
+        failed = []
+        for r, p in enumerate(procs):
+            ready[r] = ready[r] or os.path.exists(os.path.join(workdir, f"ready-{r}"))
+            if outcome[r] is None:
+                outcome[r] = _load(os.path.join(workdir, f"result-{r}.pkl"))
+            code = p.poll()
+            if outcome[r] is not None and outcome[r][0] == "error":
+                failed.append((1, outcome[r][2], r, code, outcome[r][1]))
+            elif code is not None and outcome[r] is None:
+                failed.append((0, time.time(), r, code, None))
+            elif code is not None and code != 0:  # fn returned, the final barrier failed
+                failed.append((2, time.time(), r, code, None))
+        if failed:
+            # Blame the cause, not the ranks that then lost their peers: a rank dead without a
+            # word (signal, os._exit) first, then the earliest exception, then the final barrier.
+            prio, _, r, code, remote_tb = min(failed)
+            return ("failed", prio, r, code, remote_tb)
+        if all(p.poll() is not None for p in procs):
+            return ("ok", [o[1] for o in outcome])
+        if all(ready) and not joined:
+            start, joined = time.monotonic(), True
+        elapsed = time.monotonic() - start
+        if elapsed > (timeout if joined else max(timeout, JOIN_TIMEOUT)):
+            finished = [r for r in range(n) if outcome[r] is not None]
+            joined_ranks = [r for r in range(n) if ready[r]]
+            return ("timeout", joined, finished if joined else joined_ranks, elapsed)
+        time.sleep(0.05)
+
+
+def _error(outcome, tails, pids, port, timeout):
+    """Turn a non-ok outcome from `_watch` into the exception the caller sees."""
+    if outcome[0] == "timeout":
+        _, joined, good, elapsed = outcome
+        others = [r for r in range(len(pids)) if r not in good]
+        if joined:
+            msg = (f"ranks {others} still running after {elapsed:.1f} s (ranks {good} finished): "
+                   f"a collective mismatch or deadlock? (timeout={timeout})")
+        else:
+            msg = (f"ranks {others} had not joined the process group after {elapsed:.1f} s (joined: {good}): "
+                   f"stuck at import, or the rendezvous on 127.0.0.1:{port} is blocked?")
+        err = TimeoutError(msg)
+        err.ranks, err.pids, err.port = others, list(pids), port
+        return err
+    _, prio, r, code, remote_tb = outcome
+    if remote_tb is not None:
+        msg = f"rank {r} raised an exception; its traceback:\n{remote_tb}"
+    else:
+        how = (f"was killed by signal {signal.Signals(-code).name} (exit code {code})" if code < 0
+               else f"returned, then failed in the final barrier (exit code {code})" if prio == 2
+               else f"exited with code {code} without returning a result")
+        last = "\n".join(tails[r]) or "(no output)"
+        msg = f"rank {r} {how}; its last output lines:\n{last}"
+    return RankError(msg, r, exitcode=code, remote_traceback=remote_tb or "", pids=pids, port=port)
+
+
+def launch(fn, world_size, *args, backend=None, timeout=300.0, **kwargs) -> list:
+    """Run `fn(*args, **kwargs)` on `world_size` ranks with torch.distributed ready; return the
+    per-rank return values as a list indexed by rank.
+
+    Locally this spawns `world_size` fresh processes (backend None: "nccl" when there is a GPU per
+    rank, else "gloo"). Under torchrun/srun it runs fn on this rank only and every rank gets the
+    gathered list. Raises RankError when a rank fails, TimeoutError when fn runs longer than
+    `timeout` seconds (None: no limit).
+    """
+    if not callable(fn):
+        raise TypeError(f"launch: fn must be callable, got {type(fn).__name__}")
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"launch: world_size must be a positive int, got {world_size!r}")
+    found = _env_ranks()
+    if found is not None:
+        if found[1] != world_size:
+            raise ValueError(f"launch(fn, {world_size}) but the launcher started {found[1]} processes "
+                             f"(WORLD_SIZE/SLURM_NTASKS={found[1]}); make them agree")
+        return _run_here(fn, world_size, backend, args, kwargs)
+    timeout = math.inf if timeout is None else float(timeout)
+    return _spawn(fn, world_size, _pick_backend(backend, world_size), timeout, args, kwargs)
+
+
+def _spawn(fn, world_size, backend, timeout, args, kwargs):
+    workdir = tempfile.mkdtemp(prefix="dlo-launch-")
+    with open(os.path.join(workdir, "payload.pkl"), "wb") as f:
+        # sys.path travels as plain pickle: the worker needs it before it can unpickle fn
+        pickle.dump((list(sys.path), backend, cloudpickle.dumps((fn, args, kwargs))), f)
+    port, procs, readers, lock = _free_port(), [], [], threading.Lock()
+    tails = [collections.deque(maxlen=20) for _ in range(world_size)]
+    try:
+        for r in range(world_size):
+            p = subprocess.Popen([sys.executable, "-m", "dlo.distributed._worker", workdir],
+                                 env=_worker_env(r, world_size, port), stdin=subprocess.DEVNULL,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+            procs.append(p)
+            for pipe in (p.stdout, p.stderr):
+                t = threading.Thread(target=_pump, args=(pipe, f"[rank {r}] ", tails[r], lock), daemon=True)
+                t.start()
+                readers.append(t)
+        outcome = _watch(procs, workdir, timeout)
+    finally:  # success, failure, timeout or KeyboardInterrupt: leave no rank behind
+        _kill(procs)
+        for t in readers:
+            t.join(timeout=5.0)
+        shutil.rmtree(workdir, ignore_errors=True)
+    if outcome[0] == "ok":
+        return outcome[1]
+    raise _error(outcome, tails, [p.pid for p in procs], port, timeout)

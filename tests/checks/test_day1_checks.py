@@ -1,0 +1,328 @@
+"""The Day 1 autograder checks accept the dlo reference and reject stubs and plausible mistakes.
+
+Every wrong implementation below is one slip away from a correct one (the kind of bug a student
+makes); a check that let one of them through would hand out points for a wrong answer.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from dlo import lr_finder, schedules
+from dlo.checks import day1
+from dlo.optim import reference, utils
+
+
+def stub(*args, **kwargs):
+    raise NotImplementedError()
+
+
+# ----------------------------------------------------------------------------- wrong optimizer steps
+
+def sgd_dampened_first_step(param, grad, buf, *, lr, momentum=0.9, weight_decay=0.0, dampening=0.0,
+                            nesterov=False):
+    d = grad + weight_decay * param
+    buf = (1 - dampening) * d if buf is None else buf.mul_(momentum).add_((1 - dampening) * d)
+    param.sub_(lr * (d + momentum * buf if nesterov else buf))
+    return buf
+
+
+def sgd_no_nesterov(param, grad, buf, *, nesterov=False, **hp):
+    return reference.sgd_momentum_step(param, grad, buf, nesterov=False, **hp)
+
+
+def sgd_new_tensor(param, grad, buf, **hp):
+    """Updates a copy: the caller's param never moves."""
+    return reference.sgd_momentum_step(param.clone(), grad, buf, **hp)
+
+
+def sgd_mutates_grad(param, grad, buf, *, weight_decay=0.0, **hp):
+    grad.add_(weight_decay * param)
+    return reference.sgd_momentum_step(param, grad, buf, weight_decay=0.0, **hp)
+
+
+def adam_l2(param, grad, m, v, step, *, weight_decay=1e-2, **hp):
+    """Adam with L2 regularisation: the decay goes through the moments (not decoupled)."""
+    reference.adamw_step(param, grad + weight_decay * param, m, v, step, weight_decay=0.0, **hp)
+
+
+def adamw_no_bias_correction(param, grad, m, v, step, *, lr, beta1, beta2, eps, weight_decay):
+    param.mul_(1 - lr * weight_decay)
+    m.mul_(beta1).add_((1 - beta1) * grad)
+    v.mul_(beta2).add_((1 - beta2) * grad * grad)
+    param.sub_(lr * m / (v.sqrt() + eps))
+
+
+def adamw_eps_inside_sqrt(param, grad, m, v, step, *, lr, beta1, beta2, eps, weight_decay):
+    param.mul_(1 - lr * weight_decay)
+    m.mul_(beta1).add_((1 - beta1) * grad)
+    v.mul_(beta2).add_((1 - beta2) * grad * grad)
+    param.sub_(lr * (m / (1 - beta1 ** step)) / torch.sqrt(v / (1 - beta2 ** step) + eps))
+
+
+def adamw_decay_after_update(param, grad, m, v, step, *, lr, weight_decay, **hp):
+    reference.adamw_step(param, grad, m, v, step, lr=lr, weight_decay=0.0, **hp)
+    param.mul_(1 - lr * weight_decay)
+
+
+def _lamb(param, grad, m, v, step, *, lr, beta1, beta2, eps, weight_decay, bias_correction=True,
+          trust_on_adam=False, zero_fallback=True):
+    m.mul_(beta1).add_((1 - beta1) * grad)
+    v.mul_(beta2).add_((1 - beta2) * grad * grad)
+    bc1, bc2 = (1 - beta1 ** step, 1 - beta2 ** step) if bias_correction else (1.0, 1.0)
+    r = (m / bc1) / ((v / bc2).sqrt() + eps)
+    u = r + weight_decay * param
+    w_norm, u_norm = param.norm().item(), (r if trust_on_adam else u).norm().item()
+    trust = w_norm / u_norm if (w_norm > 0 and u_norm > 0) or not zero_fallback else 1.0
+    param.sub_(lr * trust * u)
+    return trust
+
+
+def lamb_no_bias_correction(*a, **kw):
+    return _lamb(*a, bias_correction=False, **kw)
+
+
+def lamb_trust_on_adam_direction(*a, **kw):
+    return _lamb(*a, trust_on_adam=True, **kw)
+
+
+def lamb_no_zero_fallback(*a, **kw):
+    return _lamb(*a, zero_fallback=False, **kw)
+
+
+def lamb_returns_nothing(*a, **kw):
+    _lamb(*a, **kw)
+
+
+@pytest.mark.parametrize("fn", [sgd_dampened_first_step, sgd_no_nesterov, sgd_new_tensor, sgd_mutates_grad])
+def test_sgd_rejects_wrong(fn):
+    with pytest.raises(AssertionError):
+        day1.check_sgd_momentum_step(fn, seed=0)
+
+
+@pytest.mark.parametrize("fn", [adam_l2, adamw_no_bias_correction, adamw_eps_inside_sqrt, adamw_decay_after_update])
+def test_adamw_rejects_wrong(fn):
+    with pytest.raises(AssertionError):
+        day1.check_adamw_step(fn, seed=0)
+
+
+@pytest.mark.parametrize("fn", [lamb_no_bias_correction, lamb_trust_on_adam_direction, lamb_no_zero_fallback,
+                                lamb_returns_nothing])
+def test_lamb_rejects_wrong(fn):
+    with pytest.raises(AssertionError):
+        day1.check_lamb_step(fn, seed=0)
+
+
+# ----------------------------------------------------------------------------- wrong schedules
+
+def warmup_off_by_one(step, *, base_lr, warmup_steps, total_steps, min_lr=0.0, start_factor=0.01):
+    if step < warmup_steps:
+        return base_lr * (start_factor + (1 - start_factor) * (step + 1) / warmup_steps)
+    return schedules.warmup_cosine(step, base_lr=base_lr, warmup_steps=warmup_steps, total_steps=total_steps,
+                                   min_lr=min_lr, start_factor=start_factor)
+
+
+def cosine_over_total(step, *, base_lr, warmup_steps, total_steps, min_lr=0.0, start_factor=0.01):
+    """Decays over total_steps instead of total_steps - warmup_steps."""
+    if step < warmup_steps:
+        return base_lr * (start_factor + (1 - start_factor) * step / warmup_steps)
+    return min_lr + (base_lr - min_lr) * (1 + math.cos(math.pi * (step - warmup_steps) / total_steps)) / 2
+
+
+def one_cycle_peak_off(step, *, max_lr, total_steps, pct_start=0.3, div_factor=25.0, final_div_factor=1e4):
+    lo, peak = max_lr / div_factor, pct_start * total_steps  # torch peaks at pct_start * total - 1
+    end = lo / final_div_factor
+    if step <= peak:
+        return lo + (max_lr - lo) * (1 - math.cos(math.pi * step / peak)) / 2
+    return end + (max_lr - end) * (1 + math.cos(math.pi * (step - peak) / (total_steps - 1 - peak))) / 2
+
+
+def one_cycle_linear(step, *, max_lr, total_steps, pct_start=0.3, div_factor=25.0, final_div_factor=1e4):
+    lo, peak = max_lr / div_factor, pct_start * total_steps - 1
+    if step <= peak:
+        return lo + (max_lr - lo) * step / peak
+    return max_lr + (lo / final_div_factor - max_lr) * (step - peak) / (total_steps - 1 - peak)
+
+
+def one_cycle_tensor(step, **kw):
+    return torch.tensor([schedules.one_cycle(step, **kw)] * 2)
+
+
+@pytest.mark.parametrize("fn", [warmup_off_by_one, cosine_over_total])
+def test_warmup_cosine_rejects_wrong(fn):
+    with pytest.raises(AssertionError):
+        day1.check_warmup_cosine(fn, seed=0)
+
+
+@pytest.mark.parametrize("fn", [one_cycle_peak_off, one_cycle_linear, one_cycle_tensor])
+def test_one_cycle_rejects_wrong(fn):
+    with pytest.raises(AssertionError):
+        day1.check_one_cycle(fn, seed=0)
+
+
+# ----------------------------------------------------------------------------- wrong LR range tests
+
+def _range_test(step_fn, *, min_lr=1e-7, max_lr=10.0, num_steps=100, beta=0.98, diverge=4.0,
+                bias_correction=True, keep_last=False, decade=10.0):
+    lrs, losses, smoothed, avg, best = [], [], [], 0.0, math.inf
+    for i in range(num_steps):
+        lr = min_lr * (max_lr / min_lr) ** (i / (num_steps - 1))
+        loss = float(step_fn(lr))
+        if not math.isfinite(loss):
+            break
+        avg = beta * avg + (1 - beta) * loss
+        smooth = avg / (1 - beta ** (i + 1)) if bias_correction else avg
+        if smooth > diverge * best and not keep_last:
+            break
+        lrs.append(lr), losses.append(loss), smoothed.append(smooth)
+        if smooth > diverge * best:
+            break
+        best = min(best, smooth)
+    lo = int(np.argmin(smoothed))
+    lr_min = lrs[int(np.argmin(np.gradient(smoothed, np.log10(lrs))[:lo]))] if lo > 0 else lrs[0]
+    return lr_finder.LRFinderResult(lrs=lrs, losses=losses, smoothed=smoothed, lr_max=lrs[lo] / decade, lr_min=lr_min)
+
+
+def range_test_no_bias_correction(step_fn, **kw):
+    return _range_test(step_fn, bias_correction=False, **kw)
+
+
+def range_test_keeps_diverging_point(step_fn, **kw):
+    return _range_test(step_fn, keep_last=True, **kw)
+
+
+def range_test_lr_max_at_minimum(step_fn, **kw):
+    return _range_test(step_fn, decade=1.0, **kw)
+
+
+def range_test_ignores_nan(step_fn, *, min_lr=1e-7, max_lr=10.0, num_steps=100, **kw):
+    def finite(lr):
+        loss = step_fn(lr)
+        return loss if math.isfinite(loss) else 1.0
+    return _range_test(finite, min_lr=min_lr, max_lr=max_lr, num_steps=num_steps, **kw)
+
+
+def test_range_test_wrong_variants_agree_with_reference_when_fixed():
+    """_range_test (the base of the wrong variants) is itself right: each variant is one slip off."""
+    day1.check_lr_range_test(_range_test, seed=0)
+
+
+@pytest.mark.parametrize("fn", [range_test_no_bias_correction, range_test_keeps_diverging_point,
+                                range_test_lr_max_at_minimum, range_test_ignores_nan])
+def test_lr_range_test_rejects_wrong(fn):
+    with pytest.raises(AssertionError):
+        day1.check_lr_range_test(fn, seed=0)
+
+
+# ----------------------------------------------------------------------------- wrong clipping / accumulation
+
+def clip_no_eps(parameters, max_norm, norm_type=2.0):
+    grads = [p.grad for p in parameters if p.grad is not None]
+    total = utils._total_norm(grads, float(norm_type))
+    for g in grads:
+        g.mul_(torch.clamp(max_norm / total, max=1.0))
+    return total
+
+
+def clip_per_parameter(parameters, max_norm, norm_type=2.0):
+    norms = [torch.nn.utils.clip_grad_norm_([p], max_norm, norm_type) for p in parameters if p.grad is not None]
+    return torch.linalg.vector_norm(torch.stack(norms), norm_type)
+
+
+def clip_iterates_twice(parameters, max_norm, norm_type=2.0):
+    """Breaks on model.parameters(): a generator is empty the second time."""
+    total = utils.grad_norm(parameters, norm_type)
+    for p in parameters:
+        if p.grad is not None:
+            p.grad.mul_(torch.clamp(max_norm / (total + 1e-6), max=1.0))
+    return total
+
+
+def clip_returns_after(parameters, max_norm, norm_type=2.0):
+    params = list(parameters)
+    utils.clip_grad_norm(params, max_norm, norm_type)
+    return utils.grad_norm(params, norm_type)
+
+
+def accum_no_division(model, loss_fn, x, y, micro_batches):
+    model.zero_grad()
+    for xc, yc in zip(x.tensor_split(micro_batches), y.tensor_split(micro_batches)):
+        loss_fn(model(xc), yc).backward()
+    return loss_fn(model(x), y).detach()
+
+
+def accum_mean_of_means(model, loss_fn, x, y, micro_batches):
+    """Divides each chunk's mean by k: right only when all chunks have the same size."""
+    model.zero_grad()
+    total = 0.0
+    for xc, yc in zip(x.tensor_split(micro_batches), y.tensor_split(micro_batches)):
+        loss = loss_fn(model(xc), yc) / micro_batches
+        loss.backward()
+        total += loss.detach()
+    return total
+
+
+def accum_whole_batch(model, loss_fn, x, y, micro_batches):
+    model.zero_grad()
+    loss = loss_fn(model(x), y)
+    loss.backward()
+    return loss.detach()
+
+
+def accum_no_zero_grad(model, loss_fn, x, y, micro_batches):
+    total = 0.0
+    for xc, yc in zip(x.tensor_split(micro_batches), y.tensor_split(micro_batches)):
+        loss = loss_fn(model(xc), yc) * (len(xc) / len(x))
+        loss.backward()
+        total += loss.detach()
+    return total
+
+
+@pytest.mark.parametrize("fn", [clip_no_eps, clip_per_parameter, clip_iterates_twice, clip_returns_after])
+def test_clip_rejects_wrong(fn):
+    with pytest.raises(AssertionError):
+        day1.check_clip_grad_norm(fn, seed=0)
+
+
+@pytest.mark.parametrize("fn", [accum_no_division, accum_mean_of_means, accum_whole_batch, accum_no_zero_grad])
+def test_accumulation_rejects_wrong(fn):
+    with pytest.raises(AssertionError):
+        day1.check_accumulate_gradients(fn, seed=0)
+
+
+# ----------------------------------------------------------------------------- reference passes, stub fails
+
+CHECKS = [
+    (day1.check_sgd_momentum_step, reference.sgd_momentum_step),
+    (day1.check_adamw_step, reference.adamw_step),
+    (day1.check_lamb_step, reference.lamb_step),
+    (day1.check_warmup_cosine, schedules.warmup_cosine),
+    (day1.check_one_cycle, schedules.one_cycle),
+    (day1.check_lr_range_test, lr_finder.lr_range_test),
+    (day1.check_clip_grad_norm, utils.clip_grad_norm),
+    (day1.check_accumulate_gradients, utils.accumulate_gradients),
+]
+IDS = [c.__name__.removeprefix("check_") for c, _ in CHECKS]
+
+
+@pytest.mark.parametrize("check,ref", CHECKS, ids=IDS)
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_reference_passes(check, ref, seed, capsys):
+    check(ref, seed=seed)
+    out = capsys.readouterr().out.strip()
+    assert out.endswith(f"seed={seed})") and ": ok (" in out
+
+
+@pytest.mark.parametrize("check,ref", CHECKS, ids=IDS)
+def test_stub_fails(check, ref):
+    with pytest.raises(NotImplementedError):
+        check(stub, seed=0)
+
+
+def test_failure_message_names_hyperparameters():
+    with pytest.raises(AssertionError, match=r"adamw_step: .*lr=.*weight_decay=.*max abs error"):
+        day1.check_adamw_step(adam_l2, seed=0)

@@ -1,0 +1,265 @@
+"""Tests for dlo.distributed.launch: results, __main__ functions, failures, timeouts, torchrun.
+
+Every launch starts fresh interpreters that import torch (about 1-2 s each on 2 cores), so the
+file keeps to eight launches (plus one torchrun). Wall-clock bounds below are hang guards, not speed checks.
+"""
+
+import _thread
+import os
+import re
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+import torch
+
+import dlo.distributed as dd
+from dlo.distributed import RankError, launch
+
+PY = sys.executable
+
+
+def _alive(pid):
+    """True while pid exists and is not a zombie (Linux /proc)."""
+    stat = f"/proc/{pid}/stat"
+    if not os.path.exists(stat):
+        return False
+    with open(stat) as f:
+        state = f.read().rsplit(")", 1)[1].split()[0]
+    return state not in ("Z", "X")
+
+
+def _worker_children():
+    """Pids of dlo workers that are still children of this test process."""
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                cmd = f.read()
+        except OSError:  # the process ended while we looked
+            continue
+        if ppid == os.getpid() and b"dlo.distributed._worker" in cmd:
+            found.append(int(name))
+    return found
+
+
+def _assert_all_gone(pids, port):
+    assert pids and not [p for p in pids if _alive(p)], f"leftover workers {pids}"
+    assert _worker_children() == []
+    with socket.socket() as s:  # SO_REUSEADDR as any server would: TIME_WAIT is not a leak
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", port))
+
+
+def test_helpers_without_process_group():
+    assert (dd.rank(), dd.world_size(), dd.is_main()) == (0, 1, True)
+
+
+@pytest.mark.parametrize("n", [3, 4])  # 2 ranks: test_function_from_main_script
+def test_results_by_rank(n, capsys):
+    scale = 10.0  # captured by the closure below: cloudpickle ships it by value
+
+    def body(offset, *, power):
+        import torch.distributed as dist
+
+        import dlo.distributed as dd
+
+        r = dist.get_rank()
+        t = torch.tensor([float(r + offset) ** power])
+        dist.all_reduce(t)  # sum over ranks of (r + offset) ** power
+        print(f"hi from {r} of {dist.get_world_size()}")
+        return r, dd.world_size(), dd.is_main(), scale * t.item()
+
+    out = launch(body, n, 1, power=2)
+    total = sum(float(r + 1) ** 2 for r in range(n))
+    assert out == [(r, n, r == 0, scale * total) for r in range(n)]
+    lines = capsys.readouterr().out.splitlines()
+    for r in range(n):
+        assert f"[rank {r}] hi from {r} of {n}" in lines
+    assert _worker_children() == []
+
+
+def test_function_from_main_script(tmp_path):
+    script = tmp_path / "student.py"
+    script.write_text(textwrap.dedent("""
+        import torch, torch.distributed as dist
+        from dlo.distributed import launch
+
+        class Box:  # a __main__ class, shipped both ways by value
+            def __init__(self, v):
+                self.v = v
+
+        def gather_ranks(base):
+            t = torch.zeros(dist.get_world_size())
+            t[dist.get_rank()] = base + dist.get_rank()
+            dist.all_reduce(t)
+            return Box(t.tolist())
+
+        if __name__ == "__main__":
+            print("RESULT", [b.v for b in launch(gather_ranks, 2, 5)])
+    """))
+    done = subprocess.run([PY, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "RESULT [[5.0, 6.0], [5.0, 6.0]]" in done.stdout
+
+
+def test_raising_rank_kills_the_others(capsys):
+    def body():
+        import subprocess
+        import time
+
+        import torch.distributed as dist
+
+        if dist.get_rank() == 1:
+            child = subprocess.Popen(["sleep", "120"])  # must die with its rank
+            print(f"child pid {child.pid}")
+            time.sleep(0.5)
+            raise ValueError("boom on rank 1")
+        dist.all_reduce(torch.ones(1))  # blocks: rank 1 never joins
+        return "unreachable"
+
+    t0 = time.monotonic()
+    with pytest.raises(RankError) as info:
+        launch(body, 2, timeout=60)
+    assert time.monotonic() - t0 < 30  # hang guard
+    err = info.value
+    assert err.rank == 1 and isinstance(err, RuntimeError)
+    assert "rank 1" in str(err) and "Traceback" in str(err)
+    assert 'raise ValueError("boom on rank 1")' in str(err) and "ValueError: boom on rank 1" in str(err)
+    child = int(re.search(r"\[rank 1\] child pid (\d+)", capsys.readouterr().out).group(1))
+    assert not _alive(child)
+    _assert_all_gone(err.pids, err.port)
+
+
+def test_rank_killed_by_signal():
+    def body():
+        import os
+        import signal
+
+        import torch.distributed as dist
+
+        if dist.get_rank() == 0:
+            print("about to die")
+            os.kill(os.getpid(), signal.SIGKILL)
+        dist.all_reduce(torch.ones(1))
+
+    with pytest.raises(RankError) as info:
+        launch(body, 2, timeout=60)
+    err = info.value
+    assert err.rank == 0 and err.exitcode == -9
+    assert "SIGKILL" in str(err) and "about to die" in str(err)
+    _assert_all_gone(err.pids, err.port)
+
+
+def test_timeout_names_the_hanging_rank():
+    def body():
+        import time
+
+        import torch.distributed as dist
+
+        if dist.get_rank() == 1:
+            time.sleep(600)
+        return "done"
+
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError) as info:
+        launch(body, 2, timeout=3)
+    assert time.monotonic() - t0 < 30  # hang guard
+    err = info.value
+    assert "ranks [1] still running after" in str(err) and "ranks [0] finished" in str(err)
+    assert err.ranks == [1]
+    _assert_all_gone(err.pids, err.port)
+
+
+def test_keyboard_interrupt_kills_all_ranks():
+    def body():
+        import time
+
+        time.sleep(600)
+
+    timer = threading.Timer(3.0, _thread.interrupt_main)  # what Jupyter's stop button does
+    timer.start()
+    with pytest.raises(KeyboardInterrupt):
+        launch(body, 2, timeout=60)
+    timer.cancel()
+    assert _worker_children() == []
+
+
+def test_nccl_without_enough_gpus_fails_fast():
+    n = torch.cuda.device_count() + 1
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match="needs one GPU per rank"):
+        launch(print, n, backend="nccl")
+    assert time.monotonic() - t0 < 5  # no spawn, no rendezvous
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="positive int"):
+        launch(print, 0)
+    with pytest.raises(TypeError, match="callable"):
+        launch("print", 2)
+
+
+def test_launcher_env_mismatch_and_missing_master(monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="started 2 processes"):
+        launch(print, 3)
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("SLURM_PROCID", "1")
+    monkeypatch.setenv("SLURM_NTASKS", "2")
+    with pytest.raises(RuntimeError, match="sbatch script must export"):
+        launch(print, 2)
+
+
+def test_torchrun_path(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent("""
+        import os, torch, torch.distributed as dist
+        import dlo.distributed
+        from dlo.distributed import launch
+
+        def body(k):
+            t = torch.tensor([float(dist.get_rank() + k)])
+            dist.all_reduce(t)
+            return dist.get_rank(), t.item(), os.getpid()
+
+        out = launch(body, 2, 1)
+        assert dlo.distributed.is_main() == (os.environ["RANK"] == "0")  # the group stays up
+        with open(f"rank{os.environ['RANK']}.txt", "w") as f:  # a file each: stdout lines interleave
+            f.write(f"RANK{os.environ['RANK']} PID {os.getpid()} GOT {out}")
+    """))
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    done = subprocess.run([PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)],
+                          capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    text = "\n".join((tmp_path / f"rank{r}.txt").read_text() for r in (0, 1))
+    got = re.findall(r"RANK(\d) PID (\d+) GOT (.*)", text)
+    assert [g[0] for g in got] == ["0", "1"], text
+    # fn ran in the two torchrun processes themselves (no spawning) and both got the same list
+    expected = f"[(0, 3.0, {got[0][1]}), (1, 3.0, {got[1][1]})]"
+    assert got[0][2] == got[1][2] == expected
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_nccl_results_come_back_on_cpu():
+    def body():
+        import torch.distributed as dist
+
+        t = torch.full((3,), float(dist.get_rank() + 1), device="cuda")
+        dist.all_reduce(t)
+        return t, torch.cuda.current_device()
+
+    out = launch(body, 2)  # backend None: nccl with a GPU per rank
+    for r, (t, dev) in enumerate(out):
+        assert t.device.type == "cpu" and t.tolist() == [3.0, 3.0, 3.0] and dev == r

@@ -1,0 +1,80 @@
+"""`dlo bench` on a machine without CUDA, the table helpers, and the device-peak table."""
+
+import json
+
+import pytest
+import torch
+
+from dlo import bench, hardware
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on machines without CUDA")
+def test_main_without_gpu_returns_2(capsys, tmp_path):
+    assert bench.main(["fused_adamw"], out_dir=tmp_path) == 2
+    assert "dlo bench needs a CUDA GPU" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
+
+
+def test_unknown_op_lists_the_known_ones(capsys):
+    assert "fused_adamw" in bench.registry()
+    assert bench.main(["fused_adamw", "flash_attention_v9"]) == 1
+    err = capsys.readouterr().err
+    assert "flash_attention_v9" in err and "available: " in err and "fused_adamw" in err.split("available: ")[1]
+
+
+def test_ratios_and_table():
+    rows = [{"op": "x", "impl": "torch a", "size": 10, "ms": 2.0, "GB/s": 50.0, "% peak": None},
+            {"op": "x", "impl": "torch b", "size": 10, "ms": 4.0, "GB/s": 25.0, "% peak": None},
+            {"op": "x", "impl": "dlo triton", "size": 10, "ms": 0.5, "GB/s": 1234.5, "% peak": 25.7, "note": "hi"}]
+    bench.add_ratios(rows)
+    assert [r["x best torch"] for r in rows] == [1.0, 0.5, 4.0]  # against the faster baseline, 2 ms
+    lines = bench.format_table(rows).splitlines()
+    assert lines[0].split() == ["op", "impl", "size", "ms", "GB/s", "%", "peak", "x", "best", "torch", "note"]
+    assert set(lines[1]) == {"-", " "} and len(lines) == 5
+    assert lines[4].split()[1:3] == ["dlo", "triton"] and "1234" in lines[4] and "-" in lines[2].split()
+    # numbers are right-aligned: the ms column ends at the same offset on every line
+    ends = {line.index(cell) + len(cell) for line, cell in zip(lines[2:], ["2", "4", "0.5"])}
+    assert len(ends) == 1
+
+
+def test_write_json(tmp_path):
+    path = bench._write_json([{"impl": "torch a", "ms": 1.0}], tmp_path / "results")
+    record = json.loads(path.read_text())
+    assert path.name == f"{record['date']}_{bench._slug(record['device'])}.json"
+    assert record["rows"] == [{"impl": "torch a", "ms": 1.0}] and record["torch"] == torch.__version__
+    assert bench._slug("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
+
+
+@pytest.mark.parametrize("name, label, gbs", [
+    ("NVIDIA A100-SXM4-40GB", "A100 40GB", 1555), ("NVIDIA A100-PCIE-40GB", "A100 40GB", 1555),
+    ("NVIDIA A100-SXM4-80GB", "A100 80GB SXM", 2039), ("NVIDIA A100 80GB PCIe", "A100 80GB PCIe", 1935),
+    ("NVIDIA H100 80GB HBM3", "H100 SXM", 3350), ("NVIDIA H100 PCIe", "H100 PCIe", 2000),
+    ("NVIDIA H200", "H200 SXM", 4800), ("Tesla V100-SXM2-16GB", "V100", 900), ("NVIDIA L40S", "L40S", 864)])
+def test_peak_lookup(name, label, gbs):
+    peak = hardware.peak_for_name(name)
+    assert (peak["name"], peak["hbm_gbs"]) == (label, gbs)
+
+
+def test_peak_figures_and_unknowns():
+    h100, h200 = hardware.peak_for_name("NVIDIA H100 80GB HBM3"), hardware.peak_for_name("NVIDIA H200")
+    assert (h100["fp32_tflops"], h100["tf32_tflops"], h100["bf16_tflops"], h100["int8_tops"]) == (67, 494, 989, 1979)
+    assert {k: v for k, v in h200.items() if k.endswith(("tflops", "tops"))} == \
+        {k: v for k, v in h100.items() if k.endswith(("tflops", "tops"))}
+    assert hardware.peak_for_name("Tesla V100-PCIE-32GB")["bf16_tflops"] is None
+    assert hardware.peak_for_name("NVIDIA GeForce GTX 1080") is None
+    assert hardware.peak("cpu") is None and hardware.device_name("cpu") == "cpu"
+
+
+def test_main_on_a_pretend_gpu(monkeypatch, tmp_path, capsys):
+    """The GPU path of main with a stub op: table printed, JSON written, ratios added."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(hardware, "device_name", lambda device=None: "NVIDIA H200")
+    monkeypatch.setattr(bench, "registry", lambda: {"stub": lambda: [{"impl": "torch x", "ms": 3.0},
+                                                                     {"impl": "dlo y", "ms": 1.0}]})
+    assert bench.main([], out_dir=tmp_path) == 0
+    (path,) = tmp_path.iterdir()
+    record = json.loads(path.read_text())
+    assert path.name.endswith("_nvidia-h200.json") and record["peak"]["hbm_gbs"] == 4800
+    assert [(r["op"], r["impl"], r["x best torch"]) for r in record["rows"]] == [("stub", "torch x", 1.0),
+                                                                                ("stub", "dlo y", 3.0)]
+    assert "dlo y" in capsys.readouterr().out
