@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from dlo import tables
+
 NO_GPU_MESSAGE = "dlo bench needs a CUDA GPU; kernels are tested on CPU with TRITON_INTERPRET=1 via make test"
 COLUMNS = ("op", "impl", "dtype", "size", "tensors", "ms", "GB/s", "TFLOP/s", "% peak", "x best torch")
 
@@ -45,26 +47,12 @@ def add_ratios(rows: list[dict]) -> list[dict]:
     return rows
 
 
-def _cell(value) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        return f"{value:.3g}" if abs(value) < 100 else f"{value:.0f}"
-    return str(value)
-
-
 def format_table(rows: list[dict]) -> str:
-    """Plain-text table of the known columns present in any row; numbers right-aligned."""
+    """The known benchmark columns first, then any others, in first-seen order."""
     cols = [c for c in COLUMNS if any(c in r for r in rows)]
-    for r in rows:  # then any other keys, in first-seen order
-        cols += [c for c in r if c not in cols and c not in COLUMNS]
-    cells = [[_cell(r.get(c)) for c in cols] for r in rows]
-    widths = [max([len(c)] + [len(line[i]) for line in cells]) for i, c in enumerate(cols)]
-    numeric = [all(isinstance(r.get(c), (int, float)) or r.get(c) is None for r in rows) for c in cols]
-
-    def line(values):
-        return "  ".join(v.rjust(w) if num else v.ljust(w) for v, w, num in zip(values, widths, numeric)).rstrip()
-    return "\n".join([line(cols), line(["-" * w for w in widths])] + [line(v) for v in cells])
+    for r in rows:
+        cols += [c for c in r if c not in cols]
+    return tables.format_table(rows, cols)
 
 
 def _slug(name: str) -> str:

@@ -5,6 +5,7 @@ import os
 import pytest
 import torch
 
+
 @pytest.fixture
 def device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"

@@ -22,7 +22,7 @@ from nbgrader.api import Gradebook, MissingEntry
 
 from dlo.harness.days import list_days
 from dlo.harness.nbgrader_cli import generate_assignments, nbgrader
-from dlo.harness.tables import format_table
+from dlo.tables import format_table
 
 CONFIG = '''from nbgrader.converters.autograde import Autograde
 from nbgrader.preprocessors import Execute

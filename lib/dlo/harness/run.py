@@ -20,7 +20,7 @@ from pathlib import Path
 import papermill
 
 from dlo.harness.days import notebook_path, select_days
-from dlo.harness.tables import format_table
+from dlo.tables import format_table
 
 # Parameters naming paths: resolved against the caller's working directory, not the notebook's.
 PATH_PARAMETERS = ("data_dir", "log_dir")

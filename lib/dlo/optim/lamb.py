@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from dlo.optim.reference import lamb_step
+from dlo.optim.utils import check_adam_hyperparameters
 
 
 class LAMB(torch.optim.Optimizer):
@@ -16,14 +17,7 @@ class LAMB(torch.optim.Optimizer):
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6,
                  weight_decay: float = 0.01):
-        if lr < 0:
-            raise ValueError(f"invalid learning rate {lr}: must be >= 0")
-        if not all(0.0 <= b < 1.0 for b in betas):
-            raise ValueError(f"invalid betas {betas}: each must be in [0, 1)")
-        if eps < 0:
-            raise ValueError(f"invalid eps {eps}: must be >= 0")
-        if weight_decay < 0:
-            raise ValueError(f"invalid weight_decay {weight_decay}: must be >= 0")
+        check_adam_hyperparameters(lr, betas, eps, weight_decay)
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
 
     @torch.no_grad()

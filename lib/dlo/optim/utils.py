@@ -69,3 +69,15 @@ def accumulate_gradients(model: nn.Module, loss_fn: Callable[[Tensor, Tensor], T
         loss.backward()  # .grad accumulates (adds) across the chunks
         total = loss.detach() if total is None else total + loss.detach()
     return total
+
+
+def check_adam_hyperparameters(lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> None:
+    """The argument checks torch's Adam family makes, shared by LAMB and FusedAdamW."""
+    if lr < 0:
+        raise ValueError(f"invalid learning rate {lr}: must be >= 0")
+    if not all(0.0 <= b < 1.0 for b in betas):
+        raise ValueError(f"invalid betas {betas}: each must be in [0, 1)")
+    if eps < 0:
+        raise ValueError(f"invalid eps {eps}: must be >= 0")
+    if weight_decay < 0:
+        raise ValueError(f"invalid weight_decay {weight_decay}: must be >= 0")
