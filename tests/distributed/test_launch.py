@@ -7,6 +7,7 @@ file keeps to eight launches (plus one torchrun). Wall-clock bounds below are ha
 import _thread
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -185,11 +186,17 @@ def test_keyboard_interrupt_kills_all_ranks():
 
         time.sleep(600)
 
+    # A shell that starts a job in the background ignores SIGINT, and then interrupt_main() does
+    # nothing: install Python's handler for the duration, as an interactive kernel has it.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     timer = threading.Timer(3.0, _thread.interrupt_main)  # what Jupyter's stop button does
     timer.start()
-    with pytest.raises(KeyboardInterrupt):
-        launch(body, 2, timeout=60)
-    timer.cancel()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            launch(body, 2, timeout=60)
+    finally:
+        timer.cancel()
+        signal.signal(signal.SIGINT, previous)
     assert _worker_children() == []
 
 
