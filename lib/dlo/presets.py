@@ -33,11 +33,68 @@ class Day1Preset:
     bench_numel: int = 1 << 20     # total parameters in the optimizer-step timing table
 
 
+@dataclass(frozen=True)
+class Day2Preset:
+    """Day 2 (mixed precision). Defaults are the `tiny` scale; `full` times a GPT-2-sized model on a GPU."""
+
+    n_train: int = 1024            # training images for the short fp32 vs bf16 runs
+    n_test: int = 512
+    image_size: int = 16
+    width: int = 16                # SmallCNN base width
+    batch_size: int = 64
+    max_steps: int = 30            # optimizer steps of each accuracy run
+    lr: float = 3e-3               # AdamW
+    init_scale: float = 2.0 ** 16  # loss scaler start, as torch.amp.GradScaler
+    growth_interval: int = 10      # clean steps before the scale doubles (GradScaler: 2000)
+    lm_vocab: int = 256            # the decoder-only transformer of the memory/speed table
+    lm_d_model: int = 64
+    lm_layers: int = 2
+    lm_heads: int = 4
+    lm_seq: int = 64
+    lm_batch: int = 4
+    measure_steps: int = 2         # timed steps per configuration (GPU table only)
+
+
+@dataclass(frozen=True)
+class Day3Preset:
+    """Day 3 (activation and training-state checkpointing). Defaults are the `tiny` scale."""
+
+    vocab: int = 256               # byte-level tokens of the synthetic language-model data
+    d_model: int = 64
+    n_heads: int = 4
+    n_layers: int = 8              # transformer blocks in the stack (sqrt(8) ~ 3 segments)
+    seq_len: int = 64
+    batch_size: int = 8
+    dropout: float = 0.1           # dropout makes RNG replay in recomputation matter
+    measure_reps: int = 3          # timed forward+backward passes per policy (median)
+    max_steps: int = 24            # optimizer steps of the exact-resume run
+    interrupt_at: int = 10         # the simulated preemption happens after this step
+    save_every: int = 4
+    keep_last: int = 2
+    lr: float = 3e-3
+    big_numel: int = 1 << 21       # floats in the payload of the SIGKILL demo (8 MB)
+
+
 PRESETS: dict[str, dict[str, object]] = {
     "day1_optimizers": {
         "tiny": Day1Preset(),
         "full": Day1Preset(n_train=50_000, n_test=10_000, image_size=32, width=64, small_batch=128,
                            large_batch=4096, max_steps=2000, warmup_steps=200, sgd_lr=0.1, adamw_lr=3e-3,
                            lamb_lr=2e-2, lr_finder_steps=200, bench_numel=1 << 26),
+    },
+    "day2_mixed_precision": {
+        "tiny": Day2Preset(),
+        # 12 layers, d_model 768, untied 50257-token embedding and head: ~160M parameters, near the
+        # 155M model of the seed's float32 vs bfloat16 case study.
+        "full": Day2Preset(n_train=50_000, n_test=10_000, image_size=32, width=64, batch_size=256, max_steps=1500,
+                           lr=2e-3, growth_interval=2000, lm_vocab=50257, lm_d_model=768, lm_layers=12,
+                           lm_heads=12, lm_seq=1024, lm_batch=16, measure_steps=10),
+    },
+    "day3_checkpointing": {
+        "tiny": Day3Preset(),
+        # the seed's case study: a 12-layer, 155M-parameter GPT-2-size transformer
+        "full": Day3Preset(vocab=50257, d_model=768, n_heads=12, n_layers=12, seq_len=1024, batch_size=8,
+                           measure_reps=5, max_steps=100, interrupt_at=45, save_every=10, keep_last=3,
+                           big_numel=1 << 27),
     },
 }

@@ -6,5 +6,7 @@ AssertionError with an actionable message (or NotImplementedError propagates fro
 """
 
 from dlo.checks import day1
+from dlo.checks import day2
+from dlo.checks import day3
 
-__all__ = ["day1"]
+__all__ = ["day1", "day2", "day3"]

@@ -1,0 +1,257 @@
+"""Mixed precision: a dynamic loss scaler, an autocast training step and the measurements of Day 2.
+
+Mixed-precision training (Micikevicius et al. 2018) runs matmuls and convolutions in a 16-bit format
+and keeps master weights, optimizer state and reductions in fp32. fp16 (5 exponent bits) needs loss
+scaling so that small gradients do not flush to zero; bf16 (8 exponent bits, the fp32 range; Kalamkar
+et al. 2019) trains without it. `DynamicLossScaler` is the scaler of the paper's Sec. 3.2, with the
+interface and update rule of torch.amp.GradScaler, and unscales through the multi-tensor Triton kernel
+of dlo.kernels.amp_unscale where that kernel can run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from dlo.kernels.amp_unscale import amp_unscale_, amp_unscale_ref
+from dlo.kernels.fused_adamw import kernel_available
+
+FP16_MAX = 65504.0  # largest finite fp16: (2 - 2^-10) * 2^15
+FP16_MIN_NORMAL = 2.0 ** -14  # below this fp16 loses precision (subnormals) ...
+FP16_MIN_SUBNORMAL = 2.0 ** -24  # ... and below this everything rounds to zero
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+MODES = ("fp32", "tf32", "bf16", "fp16")
+
+
+def float_formats() -> list[dict]:
+    """One row per training float format: bit layout, range and precision, read from torch.finfo."""
+    rows = []
+    for name, dtype, exp_bits, man_bits in (("fp32", torch.float32, 8, 23), ("tf32", torch.float32, 8, 10),
+                                            ("fp16", torch.float16, 5, 10), ("bf16", torch.bfloat16, 8, 7)):
+        fi = torch.finfo(dtype)
+        eps = 2.0 ** -man_bits  # tf32 is fp32 storage with a 10-bit mantissa inside the tensor cores
+        rows.append({"format": name, "sign": 1, "exponent": exp_bits, "mantissa": man_bits,
+                     "max": float(fi.max), "min normal": float(fi.tiny), "eps": eps, "decimal digits": man_bits * 0.301})
+    return rows
+
+
+# ----------------------------------------------------------------------------- dynamic loss scaling
+
+class DynamicLossScaler:
+    """Dynamic loss scaling, GradScaler's interface and arithmetic (Micikevicius et al. 2018, Sec. 3.2).
+
+    Each iteration: `scale(loss).backward()`; optionally `unscale_(opt)` (to clip true gradients);
+    `step(opt)` unscales if needed and skips `opt.step()` when a gradient is inf or nan; `update()`
+    multiplies the scale by `backoff_factor` after an overflow, by `growth_factor` after
+    `growth_interval` overflow-free steps in a row. Scale, growth counter and overflow flag live on the
+    device as tensors, so the only host sync is step()'s decision to step or skip.
+    """
+
+    def __init__(self, init_scale: float = 2.0 ** 16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
+                 growth_interval: int = 2000, enabled: bool = True, use_kernel: bool | None = None):
+        if not (growth_factor > 1.0 and 0.0 < backoff_factor < 1.0 and growth_interval >= 1 and init_scale > 0):
+            raise ValueError(f"need init_scale > 0, growth_factor > 1, 0 < backoff_factor < 1, growth_interval >= 1; "
+                             f"got {init_scale}, {growth_factor}, {backoff_factor}, {growth_interval}")
+        self.init_scale, self.growth_factor, self.backoff_factor = init_scale, growth_factor, backoff_factor
+        self.growth_interval, self.enabled, self.use_kernel = growth_interval, enabled, use_kernel
+        self._scale: Tensor | None = None  # () fp32, created on the loss's device by the first scale()
+        self._growth_tracker: Tensor | None = None  # () int32: overflow-free steps since the last change
+        self._found_inf: dict[int, Tensor] = {}  # id(optimizer) -> () fp32 flag, set by unscale_
+        self._stepped: set[int] = set()
+        self.last_step_skipped = False
+
+    def scale(self, loss: Tensor) -> Tensor:
+        """loss * S. The product keeps the loss's dtype (S is a 0-dim tensor)."""
+        if not self.enabled:
+            return loss
+        if self._scale is None:
+            self._scale = torch.full((), self.init_scale, dtype=torch.float32, device=loss.device)
+            self._growth_tracker = torch.zeros((), dtype=torch.int32, device=loss.device)
+        return loss * self._scale.to(loss.device)
+
+    def _unscale_grads(self, grads: list[Tensor], found_inf: Tensor, inv_scale: Tensor) -> None:
+        use_kernel = self.use_kernel
+        if use_kernel is None:
+            use_kernel = kernel_available(found_inf.device) and all(g.is_contiguous() for g in grads)
+        (amp_unscale_ if use_kernel else amp_unscale_ref)(grads, found_inf.view(1), inv_scale.view(1))
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Divide the optimizer's gradients by S in place and record whether any is inf or nan."""
+        if not self.enabled:
+            return
+        if self._scale is None:
+            raise RuntimeError("unscale_() before any scale(): there is no scale yet")
+        key = id(optimizer)
+        if key in self._stepped:
+            raise RuntimeError("unscale_() is being called after step(); call update() first")
+        if key in self._found_inf:
+            raise RuntimeError("unscale_() has already been called on this optimizer since the last update()")
+        inv_scale = self._scale.double().reciprocal().float()  # 1/S rounded once, as GradScaler does
+        found_inf = torch.zeros((), dtype=torch.float32, device=self._scale.device)
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        if any(g.device != found_inf.device for g in grads):
+            raise ValueError(f"all gradients must be on the scale's device {found_inf.device}")
+        self._unscale_grads(grads, found_inf, inv_scale)
+        self._found_inf[key] = found_inf
+
+    def step(self, optimizer: torch.optim.Optimizer, *args, **kwargs):
+        """Unscale (unless already done) and call optimizer.step() only if all gradients are finite."""
+        if not self.enabled:
+            return optimizer.step(*args, **kwargs)
+        key = id(optimizer)
+        if key in self._stepped:
+            raise RuntimeError("step() has already been called since the last update()")
+        if key not in self._found_inf:
+            self.unscale_(optimizer)
+        self._stepped.add(key)
+        self.last_step_skipped = bool(self._found_inf[key].item())  # the one host sync per iteration
+        return None if self.last_step_skipped else optimizer.step(*args, **kwargs)
+
+    def update(self) -> None:
+        """Back off after an overflow, grow after `growth_interval` clean steps (torch._amp_update_scale_)."""
+        if not self.enabled:
+            return
+        if not self._found_inf:
+            raise RuntimeError("update() without any unscale_() or step() since the last update()")
+        found = torch.stack(list(self._found_inf.values())).sum() > 0
+        tracker = torch.where(found, torch.zeros_like(self._growth_tracker), self._growth_tracker + 1)
+        grow = tracker == self.growth_interval
+        grown = self._scale * self.growth_factor
+        grown = torch.where(torch.isfinite(grown), grown, self._scale)  # never grow into inf
+        self._scale = torch.where(found, self._scale * self.backoff_factor, torch.where(grow, grown, self._scale))
+        self._growth_tracker = torch.where(grow, torch.zeros_like(tracker), tracker)
+        self._found_inf.clear()
+        self._stepped.clear()
+
+    def get_scale(self) -> float:
+        """The current scale S as a float (init_scale before the first scale(); 1.0 when disabled)."""
+        if not self.enabled:
+            return 1.0
+        return self.init_scale if self._scale is None else float(self._scale.item())
+
+
+# ----------------------------------------------------------------------------- training step
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: Tensor, y: Tensor, *,
+               dtype: torch.dtype | None = None, scaler=None) -> Tensor:
+    """One step of cross-entropy training; the forward runs under autocast(dtype) unless dtype is None
+    (plain fp32). Parameters, gradients and optimizer state stay fp32 (master weights). With a scaler
+    (fp16) the loss is scaled and the step may be skipped. Returns the detached fp32 loss."""
+    optimizer.zero_grad(set_to_none=True)
+    with torch.autocast(x.device.type, dtype=dtype, enabled=dtype is not None):
+        logits = model(x)  # (B, classes) in `dtype`
+        loss = F.cross_entropy(logits, y)  # autocast runs the softmax and the mean in fp32
+    if scaler is None:
+        loss.backward()
+        optimizer.step()
+    else:
+        scaler.scale(loss).backward()  # backward outside autocast: ops reuse the forward's dtypes
+        scaler.step(optimizer)
+        scaler.update()
+    return loss.detach().float()
+
+
+def train_amp(model: nn.Module, optimizer: torch.optim.Optimizer, batches, *, steps: int, device,
+              dtype: torch.dtype | None = None, scaler=None, progress: bool = True) -> dict:
+    """`steps` calls of train_step over `batches` (cycled); history of loss, scale and skipped steps."""
+    from tqdm.auto import tqdm
+
+    from dlo.train import _cycle
+    model.to(device).train()
+    it = _cycle(batches)
+    hist: dict = {"loss": [], "scale": [], "skipped": 0}
+    start = time.perf_counter()
+    for _ in tqdm(range(steps), disable=not progress, leave=False, desc=str(dtype or "fp32")):
+        x, y = (t.to(device, non_blocking=True) for t in next(it))
+        hist["loss"].append(train_step(model, optimizer, x, y, dtype=dtype, scaler=scaler).item())
+        hist["scale"].append(scaler.get_scale() if scaler is not None else 1.0)
+        hist["skipped"] += int(bool(getattr(scaler, "last_step_skipped", False)))
+    hist["time_s"] = time.perf_counter() - start
+    return hist
+
+
+def grad_log2_magnitudes(parameters) -> Tensor:
+    """log2|g| of every non-zero gradient element, one fp32 vector, for histograms of exponents."""
+    mags = [p.grad.detach().float().abs().flatten() for p in parameters if p.grad is not None]
+    g = torch.cat(mags) if mags else torch.zeros(0)
+    return torch.log2(g[g > 0]).cpu()
+
+
+# ----------------------------------------------------------------------------- measurement
+
+def saved_activation_bytes(model: nn.Module, *inputs: Tensor, dtype: torch.dtype | None = None) -> dict:
+    """Bytes autograd keeps for the backward pass of one forward of `model`, optionally under autocast.
+
+    Counted with torch.autograd.graph.saved_tensors_hooks, so exact and device-independent: every
+    saved tensor's storage once (views of one buffer count once), leaving out the model's own
+    parameters and buffers, which exist anyway. Autocast's low-precision weight copies are counted:
+    they are held until backward too. Returns {"total", "tensors", "by_dtype": {dtype name: bytes}}.
+    """
+    own = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
+    seen: dict[int, tuple[int, str]] = {}
+
+    def pack(t: Tensor) -> Tensor:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in own and ptr not in seen:
+            seen[ptr] = (t.untyped_storage().nbytes(), str(t.dtype).removeprefix("torch."))
+        return t
+
+    device_type = inputs[0].device.type if inputs else "cpu"
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autocast(device_type, dtype=dtype, enabled=dtype is not None):
+            out = model(*inputs)
+    del out  # the graph (and what it saved) is freed with the output
+    by_dtype: dict[str, int] = {}
+    for nbytes, name in seen.values():
+        by_dtype[name] = by_dtype.get(name, 0) + nbytes
+    return {"total": sum(by_dtype.values()), "tensors": len(seen), "by_dtype": by_dtype}
+
+
+@contextlib.contextmanager
+def precision_mode(mode: str):
+    """Yield the autocast dtype (None for fp32/tf32) of `mode`; "tf32" switches tf32 matmuls and
+    convolutions on for the duration, "fp32" switches them off, and the old flags come back after."""
+    if mode not in MODES:
+        raise ValueError(f"unknown precision mode {mode!r}; choose from {MODES}")
+    old = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = mode == "tf32"
+    try:
+        yield AUTOCAST_DTYPES.get(mode)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+
+
+def measure_step(make_model, batch: tuple[Tensor, Tensor], *, mode: str, device, steps: int = 10, warmup: int = 3,
+                 compile: bool = False, channels_last: bool = False, lr: float = 1e-3) -> dict:
+    """Median time of one AdamW training step and peak memory (CUDA only, else None) for one precision mode.
+
+    make_model() builds a fresh fp32 model; fp16 gets a DynamicLossScaler. The peak covers weights,
+    grads, optimizer state and activations of a step, as torch.cuda.max_memory_allocated reports it.
+    """
+    device = torch.device(device)
+    model = make_model().to(device)
+    x, y = (t.to(device) for t in batch)
+    if channels_last:
+        model, x = model.to(memory_format=torch.channels_last), x.to(memory_format=torch.channels_last)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    fwd = torch.compile(model) if compile else model
+    scaler = DynamicLossScaler() if mode == "fp16" else None
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    times = []
+    with precision_mode(mode) as dtype:
+        for i in range(warmup + steps):
+            if i == warmup and device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            sync()
+            t0 = time.perf_counter()
+            loss = train_step(fwd, optimizer, x, y, dtype=dtype, scaler=scaler)
+            sync()
+            if i >= warmup:
+                times.append(time.perf_counter() - t0)
+    peak = torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None
+    return {"mode": mode, "compile": compile, "channels_last": channels_last,
+            "ms/step": 1e3 * sorted(times)[len(times) // 2], "peak GB": peak, "loss": loss.item()}

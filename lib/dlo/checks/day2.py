@@ -1,0 +1,180 @@
+"""Autograder checks for Day 2 (mixed precision): autocast step, dynamic loss scaler, bf16 rounding.
+
+References are torch's own: torch.autocast + torch.amp.GradScaler("cpu") (through dlo.amp.train_step)
+for the training step, GradScaler step by step for the loss scaler, and `tensor.to(torch.bfloat16)`
+for rounding. Models are tiny MLPs on CPU, where autocast supports both bf16 and fp16.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import random
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dlo.checks.day1 import _assert_close, _fmt, _ok
+
+# Student and reference run the same fp32 / low-precision ops in the same order, so they agree to
+# the last bit in practice; 1e-6 relative still tolerates a different but equivalent op order.
+RTOL, ATOL = 1e-6, 1e-7
+
+
+def _mlp(seed: int, d_in: int, hidden: int, n_cls: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(d_in, hidden), nn.ReLU(), nn.Linear(hidden, n_cls))
+
+
+# ----------------------------------------------------------------------------- autocast training step
+
+def check_autocast_train_step(fn, seed: int = 0, trials: int = 4, steps: int = 3) -> None:
+    """`fn(model, optimizer, x, y, *, dtype, scaler=None) -> loss` vs dlo.amp.train_step. Even trials:
+    bf16 without a scaler; odd trials: fp16 with torch.amp.GradScaler("cpu"), whose large initial
+    scale makes the first step overflow (it must be skipped). Stale grads are pre-filled."""
+    from dlo.amp import train_step
+
+    name, rng = "autocast_train_step", random.Random(seed)
+    for t in range(trials):
+        dtype = torch.bfloat16 if t % 2 == 0 else torch.float16
+        d_in, hidden, n_cls, batch = rng.choice([5, 7, 11]), rng.choice([13, 17]), rng.choice([3, 4]), rng.choice([9, 15])
+        sub = rng.randrange(10 ** 6)
+        model, ref = _mlp(sub, d_in, hidden, n_cls), _mlp(sub, d_in, hidden, n_cls)
+        lr = 10 ** rng.uniform(-3, -1.5)
+        opt, ref_opt = torch.optim.AdamW(model.parameters(), lr=lr), torch.optim.AdamW(ref.parameters(), lr=lr)
+        make_scaler = (lambda: torch.amp.GradScaler("cpu", init_scale=2.0 ** 24, growth_interval=2)) if t % 2 else None
+        scaler, ref_scaler = (make_scaler(), make_scaler()) if make_scaler else (None, None)
+        gen = torch.Generator().manual_seed(sub)
+        for p in model.parameters():
+            p.grad = torch.randn(p.shape, generator=gen)  # stale grads of an earlier step
+        seen = []
+        model[0].register_forward_hook(lambda mod, inp, out: seen.append(out.dtype))
+        for s in range(1, steps + 1):
+            x, y = torch.randn(batch, d_in, generator=gen), torch.randint(0, n_cls, (batch,), generator=gen)
+            hp = dict(dtype=str(dtype).removeprefix("torch."), scaler=scaler is not None, step=s, lr=lr)
+            want = train_step(ref, ref_opt, x, y, dtype=dtype, scaler=ref_scaler)
+            got = fn(model, opt, x, y, dtype=dtype, scaler=scaler)
+            if seen[-1:] != [dtype]:
+                raise AssertionError(f"{name}: the first Linear produced {seen[-1:] or 'nothing'}, expected {dtype}; "
+                                     f"run the forward pass inside torch.autocast('cpu', dtype=dtype) ({_fmt(hp)})")
+            if any(p.dtype != torch.float32 for p in model.parameters()):
+                raise AssertionError(f"{name}: parameters must stay fp32 master weights; autocast casts on the fly, "
+                                     f"do not call model.to(dtype) / model.half() ({_fmt(hp)})")
+            if not isinstance(got, torch.Tensor) or got.requires_grad or got.numel() != 1:
+                raise AssertionError(f"{name}: return the loss as a detached one-element tensor ({_fmt(hp)})")
+            _assert_close(name, "returned loss (unscaled mean cross-entropy)", got.float(), want, hp, RTOL, ATOL)
+            if scaler is not None and scaler.get_scale() != ref_scaler.get_scale():
+                raise AssertionError(f"{name}: scale after step {s} is {scaler.get_scale()}, expected "
+                                     f"{ref_scaler.get_scale()}: use scaler.scale(loss).backward(), "
+                                     f"scaler.step(optimizer), scaler.update() ({_fmt(hp)})")
+            for (pname, p), r in zip(model.named_parameters(), ref.parameters()):
+                _assert_close(name, f"{pname} after step {s} (zero the grads first; with a scaler, step through it "
+                                    f"so an overflowing step is skipped)", p.detach(), r.detach(), hp, RTOL, ATOL)
+    _ok(name, trials, seed)
+
+
+# ----------------------------------------------------------------------------- dynamic loss scaler
+
+def _scaler_run(scaler, model: nn.Module, data: list, inject: dict, unscale_first: bool, lr: float) -> list:
+    """Per step: (scale after update, grads seen by the optimizer or None if skipped, params)."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    grads_seen: list = []
+    orig_step = opt.step
+
+    def recording_step(*args, **kwargs):
+        grads_seen.append([p.grad.detach().clone() for p in model.parameters()])
+        return orig_step(*args, **kwargs)
+    opt.step = recording_step
+    out = []
+    for s, (x, y) in enumerate(data):
+        opt.zero_grad()
+        scaler.scale(F.cross_entropy(model(x), y)).backward()
+        if s in inject:
+            model[2].weight.grad.view(-1)[inject[s][0]] = inject[s][1]
+        if unscale_first:
+            scaler.unscale_(opt)  # e.g. to clip the true gradients before the step
+        n_before = len(grads_seen)
+        scaler.step(opt)
+        scaler.update()
+        grads = grads_seen[-1] if len(grads_seen) > n_before else None
+        scale = scaler.get_scale()
+        out.append((float(scale.item() if isinstance(scale, torch.Tensor) else scale), grads,
+                    [p.detach().clone() for p in model.parameters()]))
+    return out
+
+
+def check_loss_scaler(cls, seed: int = 0, trials: int = 4, steps: int = 12) -> None:
+    """`cls(init_scale, growth_factor, backoff_factor, growth_interval)` with scale / unscale_ / step /
+    update / get_scale, compared with torch.amp.GradScaler("cpu") on the same model, data and injected
+    inf / nan gradients, after every step. Odd trials call unscale_() before step() (which then must
+    not unscale again)."""
+    name, rng = "loss_scaler", random.Random(seed)
+    for t in range(trials):
+        hp = dict(init_scale=2.0 ** rng.randint(4, 16), growth_factor=rng.choice([2.0, 4.0]),
+                  backoff_factor=rng.choice([0.5, 0.25]), growth_interval=rng.randint(2, 4))
+        unscale_first = t % 2 == 1
+        d_in, n_cls, sub, lr = rng.choice([5, 9]), rng.choice([3, 4]), rng.randrange(10 ** 6), 10 ** rng.uniform(-3, -1)
+        gen = torch.Generator().manual_seed(sub)
+        data = [(torch.randn(11, d_in, generator=gen), torch.randint(0, n_cls, (11,), generator=gen))
+                for _ in range(steps)]
+        bad = rng.sample(range(1, steps - 2), 3)  # never the last steps: growth after a skip is seen too
+        inject = {s: (rng.randrange(n_cls * 7), v) for s, v in zip(bad, (math.inf, math.nan, -math.inf))}
+        model = _mlp(sub, d_in, 7, n_cls)
+        ref_model = copy.deepcopy(model)
+        got = _scaler_run(cls(**hp), model, data, inject, unscale_first, lr)
+        want = _scaler_run(torch.amp.GradScaler("cpu", **hp), ref_model, data, inject, unscale_first, lr)
+        for s, ((g_scale, g_grads, g_params), (w_scale, w_grads, w_params)) in enumerate(zip(got, want)):
+            where = dict(hp, step=s, injected=inject.get(s, (0, "none"))[1], unscale_first=unscale_first)
+            if (g_grads is None) != (w_grads is None):
+                raise AssertionError(f"{name}: at step {s} the optimizer step was "
+                                     f"{'skipped' if g_grads is None else 'taken'}, expected "
+                                     f"{'skipped (a gradient is inf or nan)' if w_grads is None else 'taken'} "
+                                     f"({_fmt(where)})")
+            if g_grads is not None:
+                for i, (a, b) in enumerate(zip(g_grads, w_grads)):
+                    _assert_close(name, f"gradient {i} seen by optimizer.step() (divided by the scale exactly once)",
+                                  a, b, where, RTOL, ATOL)
+            if g_scale != w_scale:
+                raise AssertionError(f"{name}: scale after update() of step {s} is {g_scale:g}, expected {w_scale:g} "
+                                     f"(backoff on inf/nan and reset the count; grow after growth_interval clean "
+                                     f"steps in a row) ({_fmt(where)})")
+            for i, (a, b) in enumerate(zip(g_params, w_params)):
+                _assert_close(name, f"parameter {i} after step {s}", a, b, where, RTOL, ATOL)
+    _ok(name, trials, seed)
+
+
+# ----------------------------------------------------------------------------- bf16 rounding
+
+def _bf16_probe(gen: torch.Generator, n: int) -> torch.Tensor:
+    """Random fp32 values plus the hard cases: exact ties (even and odd), carries into the exponent,
+    overflow to inf, subnormals, signed zeros, inf and nan."""
+    x = torch.randn(n, generator=gen) * torch.exp2(torch.randint(-30, 30, (n,), generator=gen).float())
+    bits = (torch.randint(0, 1 << 16, (n,), generator=gen, dtype=torch.int32) << 16)  # bf16 values
+    ties = (bits | 0x8000).view(torch.float32)  # exactly half-way between two bf16 neighbours
+    special = torch.tensor([0.0, -0.0, 1.0, 1.0 + 2.0 ** -8, 1.0 + 3 * 2.0 ** -8, 3.3895e38, -3.4e38, 1e-40, -2e-45,
+                            math.inf, -math.inf, math.nan, 1.9999999, 255.99, 2.0 ** -126])
+    return torch.cat([x, ties[torch.isfinite(ties)], special])
+
+
+def check_round_to_bf16(fn, seed: int = 0, trials: int = 3, n: int = 4099) -> None:
+    """`fn(x: fp32 tensor) -> fp32 tensor` of the values rounded to bf16, round-to-nearest-even, compared
+    bit for bit with x.to(torch.bfloat16).float() (nan only needs to stay nan)."""
+    name, gen = "round_to_bf16", torch.Generator().manual_seed(seed)
+    for t in range(trials):
+        x = _bf16_probe(gen, n)
+        x_before = x.clone()
+        got = fn(x)
+        if not isinstance(got, torch.Tensor) or got.dtype != torch.float32 or got.shape != x.shape:
+            raise AssertionError(f"{name}: return an fp32 tensor of shape {tuple(x.shape)}, got "
+                                 f"{getattr(got, 'dtype', type(got).__name__)} {tuple(getattr(got, 'shape', ()))}")
+        if not torch.equal(x.view(torch.int32), x_before.view(torch.int32)):
+            raise AssertionError(f"{name}: the input was modified; work on a copy (x.view(torch.int32) shares memory)")
+        want = x.to(torch.bfloat16).float()
+        same = (got.view(torch.int32) == want.view(torch.int32)) | (got.isnan() & want.isnan())
+        if not same.all():
+            i = int((~same).nonzero()[0])
+            raise AssertionError(f"{name}: trial {t}: x = {x[i].item()!r} (bits 0x{x[i].view(torch.int32).item() & 0xFFFFFFFF:08x}) "
+                                 f"should round to {want[i].item()!r}, got {got[i].item()!r}; add half an ulp "
+                                 f"(0x7FFF + the lowest kept bit, for ties to even) before clearing the low 16 bits")
+    _ok(name, trials, seed)

@@ -1,0 +1,248 @@
+"""Autograder checks for Day 3 (activation checkpointing, offload, exact resume of training state).
+
+References: plain autograd without checkpointing (same seed, hence the same dropout masks),
+`dlo.activation_ckpt` for the saved-memory accounting, and an uninterrupted training run for the
+resume check. Checkpointing replays the very same float operations, so gradients must agree exactly
+(in float64, tolerance 0); resumed losses must be bit-identical.
+"""
+
+from __future__ import annotations
+
+import random
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dlo.activation_ckpt import SavedTensorMeter
+
+DTYPE = torch.float64
+
+
+def _ok(name: str, trials: int, seed: int) -> None:
+    print(f"{name}: ok ({trials} trials, seed={seed})")
+
+
+def _device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _block(rng: random.Random, d: int, p: float) -> nn.Module:
+    hidden = rng.choice([5, 9, 17])
+    return nn.Sequential(nn.LayerNorm(d), nn.Linear(d, hidden), nn.GELU(), nn.Dropout(p), nn.Linear(hidden, d))
+
+
+def _grads(module: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
+    return [x.grad.clone()] + [p.grad.clone() for p in module.parameters()]
+
+
+def _compare(name: str, what: str, got: list, want: list, hp: dict) -> None:
+    for i, (g, w) in enumerate(zip(got, want)):
+        if g is None or not torch.equal(g, w):
+            err = "missing (None)" if g is None else f"max abs error {(g - w).abs().max().item():.3g}"
+            where = "the input" if i == 0 else f"parameter {i - 1}"
+            raise AssertionError(f"{name}: {what} of {where} differs from no checkpointing ({hp}): {err}. "
+                                 f"Recompute with the RNG state saved in forward (dropout must draw the same mask)"
+                                 f" and back-propagate grad_outputs through the recomputed outputs")
+
+
+# ----------------------------------------------------------------------------- Checkpoint autograd.Function
+
+def check_checkpoint_function(Checkpoint, seed: int = 0, trials: int = 4) -> None:
+    """`Checkpoint.apply(fn, *args)`: same output, input and parameter grads as fn(*args), dropout
+    included; saves no more than the inputs; leaves the caller's RNG stream as it found it."""
+    name, rng, dev = "checkpoint_function", random.Random(seed), _device()
+    for t in range(trials):
+        d, p = rng.choice([3, 6, 11]), rng.choice([0.2, 0.5])
+        hp = dict(trial=t, features=d, dropout=p, batch=rng.choice([1, 4, 7]), two_inputs=t % 2 == 1)
+        block = _block(rng, d, p).to(dev, DTYPE).train()
+        x = torch.randn(hp["batch"], d, device=dev, dtype=DTYPE, requires_grad=True)
+        gate = torch.rand(hp["batch"], d, device=dev, dtype=DTYPE)  # an input that needs no grad
+        fn = (lambda a, g: block(a) * g) if hp["two_inputs"] else block
+        args = (x, gate) if hp["two_inputs"] else (x,)
+        torch.manual_seed(seed * 100 + t)
+        want_y = fn(*args)
+        grad_out = torch.randn_like(want_y)  # a draw between forward and backward, as a training loop may make
+        want_y.backward(grad_out)
+        want, want_after = _grads(block, x), torch.rand(4, device=dev)
+        x.grad = None
+        block.zero_grad(set_to_none=True)
+        torch.manual_seed(seed * 100 + t)
+        with SavedTensorMeter(exclude=block.parameters()) as meter:
+            y = Checkpoint.apply(fn, *args)
+        if not isinstance(y, torch.Tensor) or y.grad_fn is None:
+            raise AssertionError(f"{name}: Checkpoint.apply must return a tensor with a grad_fn ({hp}); got "
+                                 f"{type(y).__name__}{'' if not isinstance(y, torch.Tensor) else ' without grad_fn'}")
+        inputs_bytes = sum(a.untyped_storage().nbytes() for a in args)
+        if meter.bytes > inputs_bytes:
+            raise AssertionError(f"{name}: forward kept {meter.bytes} bytes for backward but the inputs are only "
+                                 f"{inputs_bytes}: run fn under torch.no_grad() and save only the inputs ({hp})")
+        if not torch.equal(y, want_y):
+            raise AssertionError(f"{name}: forward output differs from fn(*args) ({hp})")
+        torch.randn_like(want_y)  # the same draw as above: backward must not rewind the caller's RNG
+        y.backward(grad_out)
+        _compare(name, "gradient", _grads(block, x), want, hp)
+        if not torch.equal(torch.rand(4, device=dev), want_after):
+            raise AssertionError(f"{name}: after backward the global RNG is in another state than without "
+                                 f"checkpointing: restore the saved state inside torch.random.fork_rng() ({hp})")
+    _ok(name, trials, seed)
+
+
+# ----------------------------------------------------------------------------- every k-th block
+
+def check_checkpoint_every(fn, seed: int = 0, trials: int = 5) -> None:
+    """`fn(blocks, x, k, checkpoint) -> y`: runs the blocks in order, calling checkpoint(block, h) for
+    blocks 0, k, 2k, ... (none when k = 0) and block(h) for the others."""
+    name, rng = "checkpoint_every", random.Random(seed)
+    for t in range(trials):
+        n, d = rng.choice([1, 4, 5, 7]), rng.choice([3, 5])
+        k = [0, 1, rng.choice([2, 3]), n + 1, rng.choice([2, 3])][t % 5]
+        hp = dict(blocks=n, k=k)
+        blocks = nn.ModuleList(_block(rng, d, 0.0) for _ in range(n)).to(DTYPE)
+        x = torch.randn(3, d, dtype=DTYPE, requires_grad=True)
+        calls = []
+
+        def spy(block, h, calls=calls):
+            calls.append(next(i for i, b in enumerate(blocks) if b is block))
+            return block(h)
+
+        y = fn(blocks, x, k, spy)
+        want_calls = [] if k == 0 else list(range(0, n, k))
+        if calls != want_calls:
+            raise AssertionError(f"{name}: checkpoint was called on blocks {calls}, expected {want_calls} ({hp})")
+        h = x
+        for b in blocks:
+            h = b(h)
+        if not isinstance(y, torch.Tensor) or not torch.equal(y, h):
+            raise AssertionError(f"{name}: the output differs from running every block in order ({hp})")
+    _ok(name, trials, seed)
+
+
+# ----------------------------------------------------------------------------- CPU offload hooks
+
+def _tensors_in(obj) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (tuple, list)):
+        return [t for o in obj for t in _tensors_in(o)]
+    if isinstance(obj, dict):
+        return [t for o in obj.values() for t in _tensors_in(o)]
+    return []
+
+
+def check_offload_hooks(pack, unpack, seed: int = 0, trials: int = 4) -> None:
+    """`pack(t)` returns a host-memory copy (plus whatever unpack needs); `unpack(pack(t))` gives t back
+    on its device with its dtype and values; a model trained under the hooks gets identical grads."""
+    name, rng, gen, dev = "offload_hooks", random.Random(seed), torch.Generator().manual_seed(seed), _device()
+    for t in range(trials):
+        shape = tuple(rng.choice([1, 3, 7, 13]) for _ in range(rng.choice([1, 2, 3])))
+        dtype = [torch.float32, torch.float64, torch.bfloat16, torch.int64][t % 4]
+        x = (torch.randn(shape, generator=gen) * 10).to(dtype).to(dev)
+        packed = pack(x)
+        held = _tensors_in(packed)
+        if not held:
+            raise AssertionError(f"{name}: pack returned no tensor (shape {shape}, {dtype})")
+        if any(h.device.type != "cpu" for h in held):
+            raise AssertionError(f"{name}: pack must keep the tensor in host memory (.to('cpu')), got devices "
+                                 f"{[str(h.device) for h in held]}")
+        if any(h.untyped_storage().data_ptr() == x.untyped_storage().data_ptr() for h in held):
+            raise AssertionError(f"{name}: pack kept the original tensor (same storage): make a copy in host "
+                                 f"memory so the device memory can be freed, e.g. torch.empty(..., device='cpu')"
+                                 f".copy_(t)")
+        back = unpack(packed)
+        if not isinstance(back, torch.Tensor) or back.device != x.device or back.dtype != x.dtype \
+                or back.shape != x.shape or not torch.equal(back, x):
+            raise AssertionError(f"{name}: unpack(pack(t)) must equal t on {x.device} with dtype {x.dtype} and "
+                                 f"shape {shape}; got {getattr(back, 'device', None)}, "
+                                 f"{getattr(back, 'dtype', None)}, {tuple(getattr(back, 'shape', ()))}")
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(7, 11), nn.Tanh(), nn.Linear(11, 3)).to(dev, DTYPE)
+    x = torch.randn(5, 7, device=dev, dtype=DTYPE)
+    model(x).pow(2).sum().backward()
+    want = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        model(x).pow(2).sum().backward()
+    if not all(torch.equal(p.grad, w) for p, w in zip(model.parameters(), want)):
+        raise AssertionError(f"{name}: gradients under saved_tensors_hooks(pack, unpack) differ from plain autograd")
+    _ok(name, trials, seed)
+
+
+# ----------------------------------------------------------------------------- exact resume
+
+def _objects(init_seed: int, data_seed: int):
+    from dlo.checkpoint import ResumableBatches
+
+    torch.manual_seed(init_seed)
+    model = nn.Sequential(nn.Linear(6, 9), nn.ReLU(), nn.Dropout(0.25), nn.Linear(9, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-2, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 / (1 + 0.3 * s))  # lr depends on the step count
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 6, growth_interval=1)
+    gen = torch.Generator().manual_seed(data_seed)
+    data = (torch.randn(29, 6, generator=gen), torch.randint(0, 4, (29,), generator=gen))
+    loader = ResumableBatches(data, batch_size=rng_batch(data_seed), seed=data_seed)
+    return dict(model=model, optimizer=opt, scheduler=sched, scaler=scaler, loader=loader)
+
+
+def rng_batch(data_seed: int) -> int:
+    return [4, 5, 7][data_seed % 3]
+
+
+def _train_step(o: dict) -> float:
+    x, y = next(o["loader"])
+    x = x + 0.05 * torch.from_numpy(np.random.standard_normal(x.shape)).float()  # numpy RNG
+    if random.random() < 0.5:  # python RNG
+        x = x.flip(1)
+    loss = F.cross_entropy(o["model"](x), y)  # torch RNG: dropout
+    o["optimizer"].zero_grad(set_to_none=True)
+    o["scaler"].scale(loss).backward()
+    o["scaler"].step(o["optimizer"])
+    o["scaler"].update()
+    o["scheduler"].step()
+    return loss.item()
+
+
+def _seed_all(s: int) -> None:
+    random.seed(s)
+    np.random.seed(s)
+    torch.manual_seed(s)
+
+
+def check_resume(save_training_state, load_training_state, seed: int = 0, trials: int = 3) -> None:
+    """`save_training_state(path, *, model, optimizer, scheduler, scaler, loader, step)` then, in a fresh
+    "job" (other initial weights, other RNG states), `load_training_state(path, *, model, optimizer,
+    scheduler, scaler, loader) -> step` must continue with exactly the losses of an uninterrupted run."""
+    name, rng = "resume", random.Random(seed)
+    for t in range(trials):
+        steps, data_seed = rng.choice([9, 12]), rng.randrange(1000)
+        cut = rng.randrange(2, steps - 2)
+        hp = dict(trial=t, steps=steps, interrupted_after=cut, batch=rng_batch(data_seed))
+        _seed_all(seed * 10 + t)
+        o = _objects(1, data_seed)
+        want = [_train_step(o) for _ in range(steps)]
+        scale_want = o["scaler"].get_scale()
+        _seed_all(seed * 10 + t)
+        o = _objects(1, data_seed)
+        got = [_train_step(o) for _ in range(cut)]
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "state.pt"
+            save_training_state(path, step=cut, **o)
+            _seed_all(12345 + t)  # the new job: other RNG states, other initial weights, loader at start
+            o = _objects(2, data_seed)
+            step = load_training_state(path, **o)
+        if step != cut:
+            raise AssertionError(f"{name}: load_training_state returned step {step!r}, expected {cut} ({hp})")
+        got += [_train_step(o) for _ in range(steps - cut)]
+        if got != want:
+            first = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
+            raise AssertionError(
+                f"{name}: resumed losses differ from the uninterrupted run from step {first} on ({hp}): "
+                f"expected {want[first]!r}, got {got[first]!r}. Saved and restored: model, optimizer, "
+                f"scheduler, scaler, loader position (state_dict) and the python, numpy, torch (and CUDA) RNGs?")
+        if o["scaler"].get_scale() != scale_want:
+            raise AssertionError(f"{name}: the AMP scaler's scale after the resumed run is "
+                                 f"{o['scaler'].get_scale()}, expected {scale_want}: restore scaler.state_dict()")
+    _ok(name, trials, seed)

@@ -1,0 +1,190 @@
+"""Multi-tensor unscale + inf/nan check for dynamic loss scaling, in one Triton pass.
+
+Loss scaling (Micikevicius et al. 2018, Sec. 3.2) multiplies the loss by S so that small fp16
+gradients land inside the representable range; before the optimizer step every gradient must be
+multiplied by 1/S, and if any element is inf or nan the step is skipped and S is lowered. Done
+naively that is two reads of every gradient per tensor (an `isfinite().all()` and a `mul_`) and one
+host sync per tensor. Here all gradients of one (device, dtype) go through a single launch that reads
+each element once, writes g * (1/S), and raises a device flag `found_inf` (fp32, 0.0 or 1.0) when an
+input element is not finite: the same contract as torch's `_amp_foreach_non_finite_check_and_unscale_`,
+so no value ever needs to reach the host until the scaler decides whether to step.
+
+The pointer table (data addresses, sizes, a per-program (tensor, offset) map) is the scheme of
+fused_adamw.py. 1/S is read from a device tensor, not passed as a float, so a new scale never costs a
+sync or a recompile.
+
+Order: kernel, launcher, `amp_unscale_ref` (torch), benchmarks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from dlo.kernels.fused_adamw import interpreting, kernel_available, transformer_numels
+
+BLOCK_SIZE = 1024  # elements per program: 4 KiB of fp32 per program, 8 per thread with 4 warps
+MAX_TENSORS_PER_LAUNCH = 2048  # longer lists are split so the per-launch tables stay small
+GRAD_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+FP32_MAX = tl.constexpr(3.4028234663852886e38)  # |x| <= FP32_MAX is false exactly for inf and nan
+
+
+@triton.jit
+def _amp_unscale_kernel(g_addr_ptr,  # (T,) int64 data addresses of the gradients
+                        numel_ptr,  # (T,) int64 element count of each gradient
+                        block_tensor_ptr, block_start_ptr,  # (n_programs,) which tensor, first element
+                        found_inf_ptr, inv_scale_ptr,  # (1,) fp32 each, on the gradients' device
+                        G_DTYPE: tl.constexpr, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    t = tl.load(block_tensor_ptr + pid)
+    start = tl.load(block_start_ptr + pid)
+    n = tl.load(numel_ptr + t)
+    g_ptr = tl.load(g_addr_ptr + t).to(tl.pointer_type(G_DTYPE))
+    offs = tl.multiple_of(start, BLOCK) + tl.arange(0, BLOCK)  # int64: tensors may exceed 2^31 elements
+    mask = offs < n
+    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)  # (BLOCK,)
+    inv_scale = tl.load(inv_scale_ptr)
+
+    # The check is on the scaled input, as torch does: an overflow in the backward pass is what
+    # must skip the step. Masked lanes hold 0.0, which is finite.
+    n_bad = tl.sum(tl.where(tl.abs(g) <= FP32_MAX, 0, 1))
+    if n_bad > 0:
+        tl.store(found_inf_ptr, 1.0)  # every writer stores the same value: the race is harmless
+
+    g = g * inv_scale
+    if G_DTYPE == tl.bfloat16:
+        # Round to nearest even by hand (the CPU interpreter truncates fp32 -> bf16); inf and nan
+        # keep their class under this rounding, so they pass through unchanged.
+        bits = g.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        g = bits.to(tl.float32, bitcast=True)
+    tl.store(g_ptr + offs, g.to(G_DTYPE), mask=mask)
+
+
+_rejitted: dict[bool, object] = {}
+
+
+def _kernel():
+    # Same trick as fused_adamw: re-wrap the kernel if TRITON_INTERPRET changed after import.
+    from triton.runtime.interpreter import InterpretedFunction
+    want = interpreting()
+    if isinstance(_amp_unscale_kernel, InterpretedFunction) == want:
+        return _amp_unscale_kernel
+    if want not in _rejitted:
+        _rejitted[want] = triton.jit(_amp_unscale_kernel.fn)
+    return _rejitted[want]
+
+
+def _check_inputs(grads: list[Tensor], found_inf: Tensor, inv_scale: Tensor, need_contiguous: bool) -> None:
+    for name, t in (("found_inf", found_inf), ("inv_scale", inv_scale)):
+        if t.dtype != torch.float32 or t.numel() != 1:
+            raise TypeError(f"{name} must be a one-element fp32 tensor, got {t.dtype} with {t.numel()} elements")
+    for i, g in enumerate(grads):
+        if g.dtype not in GRAD_DTYPES:
+            raise TypeError(f"grads[{i}] has dtype {g.dtype}; supported: {list(GRAD_DTYPES)}")
+        if g.is_sparse:
+            raise RuntimeError(f"grads[{i}] is sparse; the unscale kernel needs dense gradients")
+        if g.device != found_inf.device or g.device != inv_scale.device:
+            raise ValueError(f"grads[{i}] is on {g.device} but found_inf / inv_scale are on "
+                             f"{found_inf.device} / {inv_scale.device}; use one pair per device")
+        if need_contiguous and not g.is_contiguous():
+            raise ValueError(f"grads[{i}] must be contiguous for the kernel")
+
+
+_tables: dict[tuple, tuple] = {}
+
+
+def _launch_tables(grads: list[Tensor], device: torch.device):
+    """Addresses, sizes and the per-program map; a pure function of the addresses and sizes."""
+    addrs, numels = [g.data_ptr() for g in grads], [g.numel() for g in grads]
+    key = (device, *addrs, *numels)
+    if key not in _tables:
+        counts = torch.tensor([triton.cdiv(n, BLOCK_SIZE) for n in numels])
+        block_tensor = torch.repeat_interleave(torch.arange(len(numels), dtype=torch.int32), counts)
+        first_block = torch.cumsum(counts, 0) - counts
+        block_start = (torch.arange(len(block_tensor)) - first_block[block_tensor]) * BLOCK_SIZE
+        if len(_tables) >= 64:
+            _tables.pop(next(iter(_tables)))
+        tables = (torch.tensor(addrs, dtype=torch.int64), torch.tensor(numels, dtype=torch.int64),
+                  block_tensor, block_start.to(torch.int64))
+        _tables[key] = tuple(x.to(device) for x in tables)
+    return _tables[key]
+
+
+@torch.no_grad()
+def amp_unscale_(grads: list[Tensor], found_inf: Tensor, inv_scale: Tensor) -> None:
+    """grads *= inv_scale in place; found_inf = 1.0 if any input element is inf or nan (else unchanged).
+
+    grads: fp32 / bf16 / fp16, contiguous, on one device with the one-element fp32 tensors found_inf
+    and inv_scale. CUDA, or CPU under TRITON_INTERPRET=1. One launch per dtype group.
+    """
+    _check_inputs(grads, found_inf, inv_scale, need_contiguous=True)
+    groups: dict[torch.dtype, list[Tensor]] = {}
+    for g in grads:
+        if g.numel() > 0:
+            groups.setdefault(g.dtype, []).append(g)
+    device = found_inf.device
+    if groups and not kernel_available(device):
+        raise RuntimeError(f"the Triton kernel cannot run on {device} here: it needs CUDA tensors, or CPU "
+                           f"tensors with TRITON_INTERPRET=1 (use amp_unscale_ref otherwise)")
+    for dtype, group in groups.items():
+        for c in range(0, len(group), MAX_TENSORS_PER_LAUNCH):
+            addrs, numels, block_tensor, block_start = _launch_tables(group[c:c + MAX_TENSORS_PER_LAUNCH], device)
+            with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+                _kernel()[(len(block_tensor),)](addrs, numels, block_tensor, block_start, found_inf, inv_scale,
+                                                G_DTYPE=GRAD_DTYPES[dtype], BLOCK=BLOCK_SIZE)
+
+
+@torch.no_grad()
+def amp_unscale_ref(grads: list[Tensor], found_inf: Tensor, inv_scale: Tensor) -> None:
+    """The reference in plain torch, same contract as `amp_unscale_`, no host sync either."""
+    _check_inputs(grads, found_inf, inv_scale, need_contiguous=False)
+    for g in grads:
+        g32 = g.float()
+        bad = (~torch.isfinite(g32)).any()
+        found_inf.copy_(torch.where(bad, torch.ones_like(found_inf), found_inf))
+        g.copy_(g32 * inv_scale)
+
+
+# ----------------------------------------------------------------------------- benchmarks
+
+def _time_ms(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def bench(sizes: tuple[int, ...] = (256, 512, 1024), dtype: torch.dtype = torch.float32) -> list[dict]:
+    """GPU benchmark for `dlo bench amp_unscale`: the gradients of a 12-layer transformer of each
+    width, unscaled by a per-tensor torch loop, torch's multi-tensor kernel and ours."""
+    if not torch.cuda.is_available() or interpreting():
+        raise RuntimeError("the amp_unscale benchmark needs a CUDA GPU (and TRITON_INTERPRET unset)")
+    from dlo.hardware import peak
+    hbm = (peak("cuda") or {}).get("hbm_gbs")
+    rows = []
+    for d_model in sizes:
+        numels = transformer_numels(d_model)
+        grads = [torch.randn(n, device="cuda", dtype=dtype) for n in numels]
+        found_inf = torch.zeros(1, device="cuda")
+        inv_scale = torch.ones(1, device="cuda")  # 1.0 keeps the values stable over repetitions
+        impls = {"torch for-loop": lambda: amp_unscale_ref(grads, found_inf, inv_scale),
+                 "torch foreach": lambda: torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf,
+                                                                                          inv_scale),
+                 "dlo triton": lambda: amp_unscale_(grads, found_inf, inv_scale)}
+        moved = 2 * sum(numels) * dtype.itemsize  # one read and one write of every gradient
+        for impl, fn in impls.items():
+            ms = _time_ms(fn)
+            gbs = moved / (ms * 1e-3) / 1e9
+            rows.append({"op": "amp_unscale", "size": sum(numels), "tensors": len(numels),
+                         "dtype": str(dtype).removeprefix("torch."), "impl": impl, "ms": ms, "GB/s": gbs,
+                         "% peak": 100 * gbs / hbm if hbm else None})
+        del grads
+        torch.cuda.empty_cache()
+    return rows
+
+
+if __name__ == "__main__":
+    from dlo.tables import format_table
+    print(format_table(bench()))

@@ -1,0 +1,241 @@
+"""The Day 2 autograder checks accept correct solutions and reject stubs and plausible mistakes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dlo.amp import DynamicLossScaler, train_step
+from dlo.checks import day2
+
+
+def stub(*args, **kwargs):
+    raise NotImplementedError()
+
+
+# ----------------------------------------------------------------------------- autocast step
+
+def step_ok(model, optimizer, x, y, *, dtype, scaler=None):
+    return train_step(model, optimizer, x, y, dtype=dtype, scaler=scaler)
+
+
+def step_no_autocast(model, optimizer, x, y, *, dtype, scaler=None):
+    return train_step(model, optimizer, x, y, dtype=None, scaler=scaler)
+
+
+def step_pure_low_precision(model, optimizer, x, y, *, dtype, scaler=None):
+    model.to(dtype)
+    return F.cross_entropy(model(x.to(dtype)), y).detach()
+
+
+def step_ignores_scaler(model, optimizer, x, y, *, dtype, scaler=None):
+    return train_step(model, optimizer, x, y, dtype=dtype, scaler=None)
+
+
+def step_no_update(model, optimizer, x, y, *, dtype, scaler=None):
+    optimizer.zero_grad()
+    with torch.autocast("cpu", dtype=dtype):
+        loss = F.cross_entropy(model(x), y)
+    if scaler is None:
+        loss.backward()
+        optimizer.step()
+    else:
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)  # scaler.update() forgotten: the scale never backs off
+    return loss.detach()
+
+
+def step_no_zero_grad(model, optimizer, x, y, *, dtype, scaler=None):
+    with torch.autocast("cpu", dtype=dtype):
+        loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    optimizer.step()
+    return loss.detach()
+
+
+def step_returns_scaled(model, optimizer, x, y, *, dtype, scaler=None):
+    optimizer.zero_grad()
+    with torch.autocast("cpu", dtype=dtype):
+        loss = F.cross_entropy(model(x), y)
+    scaled = scaler.scale(loss) if scaler is not None else loss
+    scaled.backward()
+    if scaler is not None:
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        optimizer.step()
+    return scaled.detach()
+
+
+def test_autocast_step_accepts_reference(capsys):
+    day2.check_autocast_train_step(step_ok)
+    day2.check_autocast_train_step(step_ok, seed=3)
+    assert "ok" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("wrong", [step_no_autocast, step_pure_low_precision, step_ignores_scaler, step_no_update,
+                                   step_no_zero_grad, step_returns_scaled])
+def test_autocast_step_rejects(wrong):
+    with pytest.raises(AssertionError):
+        day2.check_autocast_train_step(wrong)
+
+
+def test_autocast_step_stub():
+    with pytest.raises(NotImplementedError):
+        day2.check_autocast_train_step(stub)
+
+
+# ----------------------------------------------------------------------------- loss scaler
+
+class HostScaler:
+    """A from-scratch scaler with python floats, the kind a student writes: must pass."""
+
+    def __init__(self, init_scale=2.0 ** 16, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000):
+        self.s, self.gf, self.bf, self.gi = init_scale, growth_factor, backoff_factor, growth_interval
+        self.good, self.found_inf, self.unscaled = 0, False, False
+
+    def scale(self, loss):
+        return loss * self.s
+
+    def unscale_(self, optimizer):
+        inv = 1.0 / self.s
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self.found_inf |= not bool(torch.isfinite(p.grad).all())
+                    p.grad.mul_(inv)
+        self.unscaled = True
+
+    def step(self, optimizer):
+        if not self.unscaled:
+            self.unscale_(optimizer)
+        if not self.found_inf:
+            optimizer.step()
+
+    def update(self):
+        if self.found_inf:
+            self.s, self.good = self.s * self.bf, 0
+        else:
+            self.good += 1
+            if self.good == self.gi:
+                self.s, self.good = self.s * self.gf, 0
+        self.found_inf, self.unscaled = False, False
+
+    def get_scale(self):
+        return self.s
+
+
+class NeverGrows(HostScaler):
+    def update(self):
+        self.s *= self.bf if self.found_inf else 1.0
+        self.found_inf, self.unscaled = False, False
+
+
+class KeepsCountAfterOverflow(HostScaler):
+    def update(self):
+        if self.found_inf:
+            self.s *= self.bf  # the clean-step counter is not reset
+        else:
+            self.good += 1
+            if self.good % self.gi == 0:
+                self.s *= self.gf
+        self.found_inf, self.unscaled = False, False
+
+
+class GrowsOneLate(HostScaler):
+    def update(self):
+        if not self.found_inf and self.good == self.gi:
+            self.s, self.good = self.s * self.gf, 0
+            self.found_inf, self.unscaled = False, False
+            return
+        if not self.found_inf:
+            self.good += 1
+            self.found_inf, self.unscaled = False, False
+            return
+        super().update()
+
+
+class InfOnly(HostScaler):
+    """Misses nan: checks isinf instead of isfinite."""
+
+    def unscale_(self, optimizer):
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                self.found_inf |= bool(torch.isinf(p.grad).any())
+                p.grad.mul_(1.0 / self.s)
+        self.unscaled = True
+
+
+class UnscalesTwice(HostScaler):
+    def step(self, optimizer):
+        self.unscaled = False
+        super().step(optimizer)
+
+
+class NoSkip(HostScaler):
+    def step(self, optimizer):
+        if not self.unscaled:
+            self.unscale_(optimizer)
+        optimizer.step()
+
+
+def test_loss_scaler_accepts_reference_and_host_version(capsys):
+    day2.check_loss_scaler(DynamicLossScaler)
+    day2.check_loss_scaler(HostScaler)
+    day2.check_loss_scaler(HostScaler, seed=5)
+    assert "ok" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("wrong", [NeverGrows, KeepsCountAfterOverflow, GrowsOneLate, InfOnly, UnscalesTwice, NoSkip])
+def test_loss_scaler_rejects(wrong):
+    with pytest.raises(AssertionError):
+        day2.check_loss_scaler(wrong)
+
+
+def test_loss_scaler_stub():
+    with pytest.raises(NotImplementedError):
+        day2.check_loss_scaler(stub)
+
+
+# ----------------------------------------------------------------------------- bf16 rounding
+
+def round_ok(x):
+    bits = x.view(torch.int32)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536  # -65536 == 0xFFFF0000 as int32
+    return bits.view(torch.float32)
+
+
+def round_truncate(x):
+    return (x.view(torch.int32) & -65536).view(torch.float32)
+
+
+def round_half_up(x):
+    return ((x.view(torch.int32) + 0x8000) & -65536).view(torch.float32)
+
+
+def round_in_place(x):
+    bits = x.view(torch.int32)
+    bits.add_(0x7FFF + ((bits >> 16) & 1)).bitwise_and_(-65536)
+    return x
+
+
+def round_via_fp16(x):
+    return x.half().float()
+
+
+def test_round_to_bf16_accepts(capsys):
+    day2.check_round_to_bf16(round_ok)
+    day2.check_round_to_bf16(lambda x: x.to(torch.bfloat16).float(), seed=2)
+    assert "ok" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("wrong", [round_truncate, round_half_up, round_in_place, round_via_fp16, lambda x: x.clone()])
+def test_round_to_bf16_rejects(wrong):
+    with pytest.raises(AssertionError):
+        day2.check_round_to_bf16(wrong)
+
+
+def test_round_to_bf16_stub():
+    with pytest.raises(NotImplementedError):
+        day2.check_round_to_bf16(stub)

@@ -1,0 +1,183 @@
+"""The Day 3 autograder checks accept the dlo reference and reject stubs and plausible mistakes."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from dlo import activation_ckpt as ac
+from dlo import checkpoint as ck
+from dlo.checks import day3
+
+
+def stub(*args, **kwargs):
+    raise NotImplementedError()
+
+
+class Stub(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, fn, *args):
+        raise NotImplementedError()
+
+
+class Reference:
+    """The library's CheckpointFunction behind the exercise's `apply(fn, *args)` signature."""
+
+    @staticmethod
+    def apply(fn, *args):
+        return ac.CheckpointFunction.apply(fn, True, *args)
+
+
+def _make_checkpoint(restore_rng=True, fork=True, save_output=False):
+    class Wrong(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, fn, *args):
+            ctx.fn, ctx.rng = fn, torch.get_rng_state()
+            with torch.no_grad():
+                out = fn(*args)
+            ctx.save_for_backward(*args, *([out] if save_output else []))
+            ctx.n = len(args)
+            return out
+
+        @staticmethod
+        def backward(ctx, grad):
+            args = [a.detach().requires_grad_(a.requires_grad) for a in ctx.saved_tensors[:ctx.n]]
+            with torch.random.fork_rng(devices=[], enabled=fork):
+                if restore_rng:
+                    torch.set_rng_state(ctx.rng)
+                with torch.enable_grad():
+                    out = ctx.fn(*args)
+            torch.autograd.backward(out, grad)
+            return (None, *[a.grad for a in args])
+    return Wrong
+
+
+@pytest.mark.parametrize("cls", [_make_checkpoint(restore_rng=False), _make_checkpoint(fork=False),
+                                 _make_checkpoint(save_output=True)], ids=["no_rng", "no_fork", "saves_output"])
+def test_checkpoint_function_rejects_wrong(cls):
+    with pytest.raises(AssertionError):
+        day3.check_checkpoint_function(cls, seed=0)
+
+
+def test_checkpoint_function_wrong_base_is_right():
+    day3.check_checkpoint_function(_make_checkpoint(), seed=0)
+
+
+def every_ref(blocks, x, k, checkpoint):
+    for i, block in enumerate(blocks):
+        x = checkpoint(block, x) if k > 0 and i % k == 0 else block(x)
+    return x
+
+
+def every_last_of_group(blocks, x, k, checkpoint):
+    for i, block in enumerate(blocks):
+        x = checkpoint(block, x) if k > 0 and i % k == k - 1 else block(x)
+    return x
+
+
+def every_skips_input(blocks, x, k, checkpoint):
+    h = x
+    for i, block in enumerate(blocks):
+        h = checkpoint(block, x) if k > 0 and i % k == 0 else block(h)
+    return h
+
+
+def every_all_when_zero(blocks, x, k, checkpoint):
+    for i, block in enumerate(blocks):
+        x = checkpoint(block, x) if k == 0 or i % k == 0 else block(x)
+    return x
+
+
+@pytest.mark.parametrize("fn", [every_last_of_group, every_skips_input, every_all_when_zero])
+def test_checkpoint_every_rejects_wrong(fn):
+    with pytest.raises(AssertionError):
+        day3.check_checkpoint_every(fn, seed=0)
+
+
+def pack_keeps_tensor(t):
+    return t
+
+
+def pack_cpu_view(t):
+    return t.device, t.cpu()  # on a CPU tensor .cpu() is the same storage: nothing is offloaded
+
+
+def unpack_loses_dtype(packed):
+    device, host = packed
+    return host.to(device, torch.float32)
+
+
+@pytest.mark.parametrize("pack,unpack", [(pack_keeps_tensor, lambda t: t), (pack_cpu_view, ac.offload_unpack),
+                                         (ac.offload_pack, unpack_loses_dtype)])
+def test_offload_rejects_wrong(pack, unpack):
+    with pytest.raises(AssertionError):
+        day3.check_offload_hooks(pack, unpack, seed=0)
+
+
+def save_ref(path, *, model, optimizer, scheduler, scaler, loader, step):
+    ck.save_atomic(ck.training_state(model, optimizer, scheduler, scaler, loader, step=step), path)
+
+
+def load_ref(path, *, model, optimizer, scheduler, scaler, loader):
+    return ck.restore_training_state(torch.load(path, weights_only=False), model, optimizer, scheduler, scaler, loader)
+
+
+def _save_without(*skip):
+    def save(path, *, model, optimizer, scheduler, scaler, loader, step):
+        state = ck.training_state(model, optimizer, scheduler, scaler, loader, step=step)
+        if "numpy" in skip:
+            state["rng"]["numpy"] = np.random.RandomState(0).get_state()
+        if "python" in skip:
+            state["rng"]["python"] = random.Random(0).getstate()
+        for key in ("scheduler", "scaler", "loader"):
+            if key in skip:
+                state[key] = None
+        torch.save(state, path)
+    return save
+
+
+def load_lenient(path, *, model, optimizer, scheduler, scaler, loader):
+    state = torch.load(path, weights_only=False)
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    for obj, key in ((scheduler, "scheduler"), (scaler, "scaler"), (loader, "loader")):
+        if state[key] is not None:
+            obj.load_state_dict(state[key])
+    ck.set_rng_state(state["rng"])
+    return state["step"]
+
+
+@pytest.mark.parametrize("missing", ["numpy", "python", "scheduler", "scaler", "loader"])
+def test_resume_rejects_missing_state(missing):
+    with pytest.raises(AssertionError):
+        day3.check_resume(_save_without(missing), load_lenient, seed=0)
+
+
+def test_resume_lenient_base_is_right():
+    day3.check_resume(_save_without(), load_lenient, seed=0)
+
+
+CHECKS = [
+    (day3.check_checkpoint_function, (Reference,), (Stub,)),
+    (day3.check_checkpoint_every, (every_ref,), (stub,)),
+    (day3.check_offload_hooks, (ac.offload_pack, ac.offload_unpack), (stub, stub)),
+    (day3.check_resume, (save_ref, load_ref), (stub, stub)),
+]
+IDS = [c.__name__.removeprefix("check_") for c, _, _ in CHECKS]
+
+
+@pytest.mark.parametrize("check,ref,bad", CHECKS, ids=IDS)
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_reference_passes(check, ref, bad, seed, capsys):
+    check(*ref, seed=seed)
+    out = capsys.readouterr().out.strip()
+    assert out.endswith(f"seed={seed})") and ": ok (" in out
+
+
+@pytest.mark.parametrize("check,ref,bad", CHECKS, ids=IDS)
+def test_stub_fails(check, ref, bad):
+    with pytest.raises(NotImplementedError):
+        check(*bad, seed=0)
