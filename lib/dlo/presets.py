@@ -75,6 +75,28 @@ class Day3Preset:
     big_numel: int = 1 << 21       # floats in the payload of the SIGKILL demo (8 MB)
 
 
+@dataclass(frozen=True)
+class Day8Preset:
+    """Day 8 (quantization, pruning, distillation). Defaults are the `tiny` scale: an MLP on 16x16 images."""
+
+    n_train: int = 2048            # training images (synthetic CIFAR-10 stand-in without data_dir)
+    n_test: int = 512
+    image_size: int = 16           # flattened to 3 * 16 * 16 = 768 inputs: divisible by every group size
+    hidden: int = 128              # teacher / base MLP width (groups of 32, 64, 128 divide it)
+    student_hidden: int = 32       # distillation student width (a quarter of the teacher)
+    batch_size: int = 128
+    max_steps: int = 150           # steps of the base model's training
+    finetune_steps: int = 40       # QAT and pruning fine-tuning steps
+    lr: float = 2e-3               # AdamW
+    temperature: float = 4.0       # distillation temperature
+    distill_lambda: float = 0.5    # weight of the hard-label cross-entropy
+    calib_batches: int = 4         # PTQ calibration batches
+    sparsities: tuple = (0.5, 0.8, 0.9, 0.95)
+    llama_d_model: int = 256       # the Llama-style MLP block for memory / latency (GPU table at full size)
+    llama_hidden: int = 768         # a multiple of the 128-wide quantization groups
+    llama_tokens: int = 16
+
+
 PRESETS: dict[str, dict[str, object]] = {
     "day1_optimizers": {
         "tiny": Day1Preset(),
@@ -96,5 +118,12 @@ PRESETS: dict[str, dict[str, object]] = {
         "full": Day3Preset(vocab=50257, d_model=768, n_heads=12, n_layers=12, seq_len=1024, batch_size=8,
                            measure_reps=5, max_steps=100, interrupt_at=45, save_every=10, keep_last=3,
                            big_numel=1 << 27),
+    },
+    "day8_quantization_pruning": {
+        "tiny": Day8Preset(),
+        # real CIFAR-10 at 32x32 (3072 inputs), a wider MLP; the Llama-7B MLP block (4096 -> 11008) on GPU
+        "full": Day8Preset(n_train=50_000, n_test=10_000, image_size=32, hidden=1024, student_hidden=256,
+                           batch_size=256, max_steps=3000, finetune_steps=500, calib_batches=32,
+                           llama_d_model=4096, llama_hidden=11008, llama_tokens=2048),
     },
 }

@@ -8,5 +8,6 @@ AssertionError with an actionable message (or NotImplementedError propagates fro
 from dlo.checks import day1
 from dlo.checks import day2
 from dlo.checks import day3
+from dlo.checks import day8
 
-__all__ = ["day1", "day2", "day3"]
+__all__ = ["day1", "day2", "day3", "day8"]

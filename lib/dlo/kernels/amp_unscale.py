@@ -180,7 +180,7 @@ def bench(sizes: tuple[int, ...] = (256, 512, 1024), dtype: torch.dtype = torch.
             rows.append({"op": "amp_unscale", "size": sum(numels), "tensors": len(numels),
                          "dtype": str(dtype).removeprefix("torch."), "impl": impl, "ms": ms, "GB/s": gbs,
                          "% peak": 100 * gbs / hbm if hbm else None})
-        del grads
+        grads = impls = None  # free this width before the next one
         torch.cuda.empty_cache()
     return rows
 

@@ -1,0 +1,248 @@
+"""Autograder checks for Day 8 (quantization, pruning, 2:4 sparsity, distillation).
+
+Each `check_<exercise>(fn, ..., seed=0, trials=...)` draws odd shapes and settings from `seed`, runs
+the student's function and the dlo reference (dlo.quant, dlo.prune, dlo.distill; torch's own
+F.kl_div / F.cross_entropy underneath) and raises AssertionError saying what to fix, or prints one
+"ok" line. Where several answers are equally right (rounding exact ties, which weight to drop among
+equal magnitudes) the checks test the defining property instead of one particular output.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import torch
+from torch import nn
+
+from dlo import distill, prune, quant
+
+
+def _ok(name: str, trials: int, seed: int) -> None:
+    print(f"{name}: ok ({trials} trials, seed={seed})")
+
+
+def _close(name: str, what: str, got, want, ctx: str, rtol: float = 1e-5, atol: float = 1e-6) -> None:
+    if got is None:
+        raise AssertionError(f"{name}: {what} is None; return a value ({ctx})")
+    got_t = torch.as_tensor(got).detach().double().cpu()
+    want_t = torch.as_tensor(want).detach().double().cpu()
+    if got_t.shape != want_t.shape:
+        raise AssertionError(f"{name}: {what} has shape {tuple(got_t.shape)}, expected {tuple(want_t.shape)} ({ctx})")
+    err = (got_t - want_t).abs().nan_to_num(math.inf)
+    bad = err > atol + rtol * want_t.abs()
+    if bad.any():
+        i = int(torch.argmax(torch.where(bad, err, -1.0).flatten()))
+        raise AssertionError(f"{name}: {what} differs from the reference ({ctx}): max abs error {err.max():.3g}; "
+                             f"at flat index {i} expected {want_t.flatten()[i].item():.8g}, "
+                             f"got {got_t.flatten()[i].item():.8g}")
+
+
+def _matrix(rng: random.Random, gen: torch.Generator, cols_multiple: int = 1) -> torch.Tensor:
+    rows = rng.choice([1, 3, 5, 7, 11])
+    cols = cols_multiple * rng.choice([3, 4, 5, 7, 9])
+    return torch.randn(rows, cols, generator=gen) * rng.choice([0.01, 1.0, 30.0])
+
+
+# ----------------------------------------------------------------------------- exercise 1
+
+def check_quantize(quantize_fn, dequantize_fn, seed: int = 0, trials: int = 6) -> None:
+    """`quantize_fn(x, bits, granularity, group_size) -> (q, scale)` symmetric, scale (R|1, n_groups);
+    `dequantize_fn(q, scale) -> x_hat`. Against dlo.quant.quantize(..., symmetric=True)."""
+    name, rng, gen = "quantize", random.Random(seed), torch.Generator().manual_seed(seed)
+    for t in range(trials):
+        bits = (8, 4)[t % 2]
+        granularity = ("tensor", "channel", "group")[t % 3]
+        G = rng.choice([4, 8])
+        x = _matrix(rng, gen, cols_multiple=8)
+        if granularity != "tensor" and x.shape[0] > 1:
+            x[rng.randrange(x.shape[0])] = 0.0  # an all-zero channel must not divide by zero
+        ctx = f"bits={bits}, granularity={granularity!r}, group_size={G}, x shape {tuple(x.shape)}"
+        q, scale = quantize_fn(x.clone(), bits, granularity, G)
+        q_ref, s_ref, _ = quant.quantize(x, bits, granularity, G, symmetric=True)
+        _close(name, "scale", scale, s_ref, ctx)
+        q = torch.as_tensor(q)
+        q_max = 2 ** (bits - 1) - 1
+        if q.float().abs().max() > q_max:
+            raise AssertionError(f"{name}: codes reach {q.float().abs().max():.0f} but {bits}-bit symmetric codes "
+                                 f"lie in [-{q_max}, {q_max}]: clamp after rounding ({ctx})")
+        # Codes may differ only at exact .5 ties (x / s vs x * (1 / s) can land either side).
+        y = (quant.group_view(x, granularity, G) / torch.where(s_ref > 0, s_ref, 1.0)[..., None]).reshape(x.shape)
+        near_tie = ((y - y.floor()) - 0.5).abs() < 1e-3
+        diff = (q.float() != q_ref.float()) & ~near_tie
+        if diff.any():
+            i = int(torch.nonzero(diff.flatten())[0])
+            raise AssertionError(f"{name}: codes differ from round(x / scale) ({ctx}): at flat index {i} expected "
+                                 f"{q_ref.flatten()[i].item()}, got {q.flatten()[i].item()} "
+                                 f"(x={x.flatten()[i].item():.6g}); use round-to-nearest, not floor/trunc")
+        x_hat = dequantize_fn(q_ref.clone(), s_ref.clone())
+        _close(name, "dequantize(q, scale)", x_hat, quant.dequantize(q_ref, s_ref), ctx)
+        err = (x - torch.as_tensor(x_hat).float()).abs()
+        bound = (quant.group_view(torch.ones_like(x), granularity, G) * (s_ref / 2)[..., None]).reshape(x.shape)
+        if not (err <= bound * (1 + 1e-4) + 1e-7).all():
+            raise AssertionError(f"{name}: round-trip error exceeds scale / 2 ({ctx})")
+    _ok(name, trials, seed)
+
+
+# ----------------------------------------------------------------------------- exercise 2
+
+def check_calibrate_range(fn, seed: int = 0, trials: int = 4) -> None:
+    """`fn(batches, method, percentile) -> (lo, hi)`: min-max, or the (100-p, p) percentiles of all values."""
+    name, rng, gen = "calibrate_range", random.Random(seed), torch.Generator().manual_seed(seed)
+    for t in range(trials):
+        method = ("minmax", "percentile")[t % 2]
+        pct = rng.choice([99.0, 99.9, 95.0])
+        batches = [torch.randn(rng.choice([3, 5]), 17, generator=gen) * 2 + 0.5 for _ in range(rng.choice([2, 3]))]
+        batches[0][0, 0] = 60.0  # one outlier: min-max follows it, the percentile ignores it
+        ctx = f"method={method!r}, percentile={pct}, {len(batches)} batches"
+        obs = quant.MinMaxObserver() if method == "minmax" else quant.PercentileObserver(pct)
+        for b in batches:
+            obs.update(b)
+        lo, hi = fn([b.clone() for b in batches], method, pct)
+        want_lo, want_hi = obs.range()
+        _close(name, "lo", lo, want_lo, ctx, rtol=1e-4, atol=1e-5)
+        _close(name, "hi", hi, want_hi, ctx, rtol=1e-4, atol=1e-5)
+    _ok(name, trials, seed)
+
+
+# ----------------------------------------------------------------------------- exercise 3
+
+def check_fake_quant_ste(fn, seed: int = 0, trials: int = 4) -> None:
+    """`fn(x, scale, bits) -> x_hat`: symmetric fake quantization whose gradient is the clipped STE."""
+    name, rng, gen = "fake_quant_ste", random.Random(seed), torch.Generator().manual_seed(seed)
+    for t in range(trials):
+        bits = (8, 4)[t % 2]
+        x = torch.randn(rng.choice([3, 7]), rng.choice([5, 9]), generator=gen, dtype=torch.float64)
+        scale = torch.tensor(rng.choice([0.05, 0.2, 0.5]) * 8 / 2 ** (bits - 1), dtype=torch.float64)
+        ctx = f"bits={bits}, scale={scale.item():.4g}"
+        x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+        y = fn(x1, scale, bits)
+        y_ref = quant.fake_quant(x2, scale, bits=bits)
+        _close(name, "forward", y, y_ref, ctx)
+        if not y.requires_grad:
+            raise AssertionError(f"{name}: the output does not require grad; build it from x with torch ops "
+                                 f"or a torch.autograd.Function ({ctx})")
+        g = torch.randn(x.shape, generator=gen, dtype=torch.float64)
+        (y * g).sum().backward()
+        (y_ref * g).sum().backward()
+        _close(name, "gradient w.r.t. x (STE: grad where not clipped, 0 outside)", x1.grad, x2.grad, ctx)
+    _ok(name, trials, seed)
+
+
+# ----------------------------------------------------------------------------- exercise 4
+
+def check_magnitude_masks(fn, seed: int = 0, trials: int = 6) -> None:
+    """`fn(weights: dict[str, Tensor], sparsity, scope) -> dict[str, bool mask]` (True = kept)."""
+    name, rng, gen = "magnitude_masks", random.Random(seed), torch.Generator().manual_seed(seed)
+    for t in range(trials):
+        scope = ("global", "layer")[t % 2]
+        sparsity = rng.choice([0.2, 0.5, 0.75, 0.9])
+        weights = {f"w{i}": _matrix(rng, gen) for i in range(rng.choice([2, 3]))}
+        ctx = f"scope={scope!r}, sparsity={sparsity}, shapes {[tuple(w.shape) for w in weights.values()]}"
+        masks = fn({k: w.clone() for k, w in weights.items()}, sparsity, scope)
+        if set(masks) != set(weights):
+            raise AssertionError(f"{name}: returned keys {sorted(masks)}, expected {sorted(weights)} ({ctx})")
+        masks = {k: torch.as_tensor(m).bool() for k, m in masks.items()}
+        for k, w in weights.items():
+            if masks[k].shape != w.shape:
+                raise AssertionError(f"{name}: mask {k} has shape {tuple(masks[k].shape)}, expected {tuple(w.shape)}")
+        groups = [list(weights)] if scope == "global" else [[k] for k in weights]
+        for keys in groups:
+            a = torch.cat([weights[k].abs().flatten() for k in keys])
+            m = torch.cat([masks[k].flatten() for k in keys])
+            pruned = int((~m).sum())
+            if abs(pruned - sparsity * a.numel()) >= 1:
+                raise AssertionError(f"{name}: pruned {pruned} of {a.numel()} weights in {keys}; expected "
+                                     f"round({sparsity} * {a.numel()}) ({ctx})")
+            if 0 < pruned < a.numel() and a[m].min() < a[~m].max():
+                raise AssertionError(f"{name}: a kept |w|={a[m].min():.4g} is smaller than a pruned "
+                                     f"|w|={a[~m].max():.4g} in {keys}: rank by magnitude |w| "
+                                     f"{'over all layers together' if scope == 'global' else 'within each layer'} ({ctx})")
+    _ok(name, trials, seed)
+
+
+def check_gradual_sparsity(fn, seed: int = 0, trials: int = 4) -> None:
+    """`fn(step, final_sparsity, begin_step, end_step, initial_sparsity) -> float` (Zhu & Gupta cubic)."""
+    name, rng = "gradual_sparsity", random.Random(seed)
+    for _ in range(trials):
+        s_f, s_i = rng.choice([0.5, 0.8, 0.95]), rng.choice([0.0, 0.1])
+        t0 = rng.choice([0, 5, 17])
+        t1 = t0 + rng.choice([10, 33])
+        for step in sorted({0, t0, t0 + 1, (t0 + t1) // 2, t1 - 1, t1, t1 + 7}):
+            ctx = f"step={step}, final={s_f}, begin={t0}, end={t1}, initial={s_i}"
+            _close(name, "sparsity", float(fn(step, s_f, t0, t1, s_i)),
+                   prune.gradual_sparsity(step, s_f, t0, t1, s_i), ctx, rtol=1e-9, atol=1e-12)
+    _ok(name, trials, seed)
+
+
+def check_prune_linear_pair(fn, seed: int = 0, trials: int = 4) -> None:
+    """`fn(fc1, fc2, n_keep) -> (new_fc1, new_fc2)`: keep the n_keep hidden units with the largest
+    L2 row norm of fc1; the new layers must be really smaller and compute the same thing on them."""
+    name, rng = "prune_linear_pair", random.Random(seed)
+    for _ in range(trials):
+        torch.manual_seed(rng.randrange(1 << 30))
+        d_in, hidden, d_out = rng.choice([3, 6]), rng.choice([7, 12]), rng.choice([2, 5])
+        n_keep = rng.randrange(1, hidden)
+        fc1, fc2 = nn.Linear(d_in, hidden).double(), nn.Linear(hidden, d_out).double()
+        ctx = f"in={d_in}, hidden={hidden}, out={d_out}, n_keep={n_keep}"
+        new1, new2 = fn(fc1, fc2, n_keep)
+        want1, want2 = prune.prune_linear_pair(fc1, fc2, n_keep)
+        for got, want, label in ((new1, want1, "new fc1"), (new2, want2, "new fc2")):
+            if not isinstance(got, nn.Linear) or got.weight.shape != want.weight.shape:
+                shape = tuple(got.weight.shape) if isinstance(got, nn.Linear) else type(got).__name__
+                raise AssertionError(f"{name}: {label} should be an nn.Linear with weight {tuple(want.weight.shape)}, "
+                                     f"got {shape}: build new, smaller layers ({ctx})")
+        x = torch.randn(4, d_in, dtype=torch.float64)
+        _close(name, "output of the pruned pair", new2(torch.relu(new1(x))), want2(torch.relu(want1(x))), ctx,
+               rtol=1e-9, atol=1e-12)
+    _ok(name, trials, seed)
+
+
+# ----------------------------------------------------------------------------- exercise 5
+
+def check_mask_2to4(mask_fn, valid_fn, seed: int = 0, trials: int = 4) -> None:
+    """`mask_fn(w) -> bool mask` keeping the 2 largest |w| of each 4 along the last dim;
+    `valid_fn(mask) -> bool`, True when no group of 4 keeps more than 2."""
+    name, rng, gen = "mask_2to4", random.Random(seed), torch.Generator().manual_seed(seed)
+    for _ in range(trials):
+        w = _matrix(rng, gen, cols_multiple=4)
+        ctx = f"w shape {tuple(w.shape)}"
+        m = torch.as_tensor(mask_fn(w.clone())).bool()
+        _close(name, "mask", m.float(), prune.mask_2to4(w).float(), ctx, rtol=0, atol=0)
+        if valid_fn(prune.mask_2to4(w)) is not True:
+            raise AssertionError(f"{name}: is_2to4 rejected a valid 2:4 mask ({ctx})")
+        bad = prune.mask_2to4(w).clone()
+        bad[rng.randrange(w.shape[0]), :4] = True  # three or four kept in one group
+        if valid_fn(bad) is not False:
+            raise AssertionError(f"{name}: is_2to4 accepted a mask with 4 kept values in one group of 4 ({ctx})")
+        sparser = torch.zeros_like(bad)
+        sparser[..., ::4] = True  # 1 of 4 kept: still allowed by the hardware
+        if valid_fn(sparser) is not True:
+            raise AssertionError(f"{name}: is_2to4 rejected a mask with 1 kept per group; at most 2 is the rule")
+    _ok(name, trials, seed)
+
+
+# ----------------------------------------------------------------------------- exercise 6
+
+def check_distillation_loss(fn, seed: int = 0, trials: int = 4) -> None:
+    """`fn(student_logits, teacher_logits, targets, temperature, lam) -> scalar` =
+    T^2 KL(softmax(t/T) || softmax(s/T)) (batch mean) + lam CE(s, y); gradients must reach the student only."""
+    name, rng, gen = "distillation_loss", random.Random(seed), torch.Generator().manual_seed(seed)
+    for _ in range(trials):
+        B, C = rng.choice([3, 8]), rng.choice([4, 10])
+        T, lam = rng.choice([1.0, 2.0, 4.0]), rng.choice([0.0, 0.5, 1.0])
+        s = torch.randn(B, C, generator=gen, dtype=torch.float64) * 2
+        t = torch.randn(B, C, generator=gen, dtype=torch.float64) * 2
+        y = torch.randint(0, C, (B,), generator=gen)
+        ctx = f"B={B}, classes={C}, temperature={T}, lam={lam}"
+        s1, t1 = s.clone().requires_grad_(), t.clone().requires_grad_()
+        loss = fn(s1, t1, y, T, lam)
+        want = distill.distillation_loss(s, t, y, T, lam)
+        _close(name, "loss", loss, want, ctx, rtol=1e-7, atol=1e-10)
+        loss.backward()
+        s2 = s.clone().requires_grad_()
+        distill.distillation_loss(s2, t, y, T, lam).backward()
+        _close(name, "gradient w.r.t. the student logits", s1.grad, s2.grad, ctx, rtol=1e-7, atol=1e-10)
+        if t1.grad is not None and t1.grad.abs().max() > 0:
+            raise AssertionError(f"{name}: gradient flows into the teacher logits; detach them ({ctx})")
+    _ok(name, trials, seed)

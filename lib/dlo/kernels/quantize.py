@@ -1,0 +1,160 @@
+"""Symmetric per-channel / per-group weight quantization in Triton (int8 or int4 values).
+
+For a weight W (N, K) cut into groups of G consecutive input features, each group g gets
+
+    s_g = max_{k in g} |W[n, k]| / q_max,   q = clamp(round(W / s_g), -q_max, q_max),   q_max = 2^(b-1) - 1
+
+(symmetric, restricted range, zero-point 0: Gholami et al. 2021, Sec. III). G = K is per-channel,
+G = 128 is the group size Q-BERT (Shen et al. 2020) found to lose almost nothing. An all-zero group
+gets s = 0 and q = 0 (no division by zero); inf or nan in W is an error.
+
+One program quantizes one group of one row: read the group once, reduce |W| to its max, write q and
+s. Rounding is round-half-to-even in both kernel and reference, like torch.round.
+
+Order: kernel, launcher, `quantize_ref` (torch), `pack_int4` helpers, benchmark.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from dlo.kernels.fused_adamw import interpreting
+
+
+@triton.jit
+def _round_half_even(y):
+    # floor(y + 0.5) rounds ties up; move odd results of exact ties one down (rint is not in the interpreter).
+    r = tl.floor(y + 0.5)
+    tie_odd = ((r - y) == 0.5) & ((r - 2.0 * tl.floor(r * 0.5)) != 0.0)
+    return tl.where(tie_odd, r - 1.0, r)
+
+
+@triton.jit
+def _quantize_kernel(w_ptr, q_ptr, s_ptr,  # (N, K) float, (N, K) int8, (N, K // G) fp32
+                     K, n_groups, q_max, G: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    g = tl.program_id(1)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < G
+    base = row.to(tl.int64) * K + g * G
+    w = tl.load(w_ptr + base + offs, mask=mask, other=0.0).to(tl.float32)  # (BLOCK,)
+    absmax = tl.max(tl.abs(w), axis=0)
+    scale = absmax / q_max
+    safe = tl.where(scale > 0.0, scale, 1.0)  # an all-zero group: q = 0 / 1 = 0, s = 0
+    q = _round_half_even(tl.div_rn(w, safe))
+    q = tl.minimum(tl.maximum(q, -q_max), q_max)
+    tl.store(q_ptr + base + offs, q.to(tl.int8), mask=mask)
+    tl.store(s_ptr + row.to(tl.int64) * n_groups + g, scale)
+
+
+_rejitted: dict = {}
+
+
+def jit_for_mode(kernel):
+    """The kernel compiled or interpreted as TRITON_INTERPRET says now (it may be set after import)."""
+    from triton.runtime.interpreter import InterpretedFunction
+    want = interpreting()
+    if isinstance(kernel, InterpretedFunction) == want:
+        return kernel
+    key = (kernel.fn, want)
+    if key not in _rejitted:
+        _rejitted[key] = triton.jit(kernel.fn)
+    return _rejitted[key]
+
+
+def kernel_available(device: torch.device | str) -> bool:
+    device = torch.device(device)
+    return device.type == "cuda" if not interpreting() else device.type == "cpu"
+
+
+def _check_weight(w: Tensor, bits: int, group_size: int) -> int:
+    if w.dim() != 2:
+        raise ValueError(f"expected a 2-D weight (N, K), got shape {tuple(w.shape)}")
+    if bits not in (4, 8):
+        raise ValueError(f"bits must be 4 or 8, got {bits}")
+    if not w.is_floating_point():
+        raise TypeError(f"expected a floating-point weight, got {w.dtype}")
+    K = w.shape[1]
+    G = K if group_size in (-1, None) else group_size
+    if G < 1 or K % G != 0:
+        raise ValueError(f"group_size={group_size} must divide K={K} (use -1 for per-channel)")
+    if not torch.isfinite(w).all():
+        raise ValueError("the weight holds inf or nan: its scale would be inf and every value 0; fix the weight first")
+    return G
+
+
+def quantize_weight(w: Tensor, bits: int = 8, group_size: int = -1) -> tuple[Tensor, Tensor]:
+    """Triton: (q int8 (N, K) with values in [-q_max, q_max], scale fp32 (N, K // G)); group_size=-1: per-channel."""
+    G = _check_weight(w, bits, group_size)
+    if not kernel_available(w.device):
+        raise RuntimeError(f"the Triton kernel cannot run on {w.device} here: it needs CUDA tensors, or CPU "
+                           f"tensors with TRITON_INTERPRET=1 (use quantize_ref otherwise)")
+    w = w.contiguous()
+    N, K = w.shape
+    q = torch.empty((N, K), dtype=torch.int8, device=w.device)
+    scale = torch.empty((N, K // G), dtype=torch.float32, device=w.device)
+    if w.numel() == 0:
+        return q, scale
+    jit_for_mode(_quantize_kernel)[(N, K // G)](w, q, scale, K, K // G, float(2 ** (bits - 1) - 1),
+                                                 G=G, BLOCK=triton.next_power_of_2(G))
+    return q, scale
+
+
+def quantize_ref(w: Tensor, bits: int = 8, group_size: int = -1) -> tuple[Tensor, Tensor]:
+    """The torch reference of `quantize_weight`, same outputs."""
+    G = _check_weight(w, bits, group_size)
+    N, K = w.shape
+    q_max = float(2 ** (bits - 1) - 1)
+    wg = w.float().reshape(N, K // G, G)  # (N, groups, G)
+    scale = wg.abs().amax(dim=-1) / q_max if w.numel() else torch.empty(N, K // G, device=w.device)
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round(wg / safe[..., None]).clamp(-q_max, q_max)
+    return q.reshape(N, K).to(torch.int8), scale
+
+
+def dequantize_weight(q: Tensor, scale: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+    """W_hat = q * s, with each scale repeated over its group: (N, K) in `dtype`."""
+    N, K = q.shape
+    n_groups = scale.shape[1]
+    return (q.float().reshape(N, n_groups, K // n_groups) * scale[..., None]).reshape(N, K).to(dtype)
+
+
+def pack_int4(q: Tensor) -> Tensor:
+    """(N, K) int8 in [-8, 7] -> (N, K // 2) uint8: even k in the low nibble, odd k in the high one, +8 offset."""
+    if q.shape[-1] % 2:
+        raise ValueError(f"int4 packing needs an even K, got {q.shape[-1]}")
+    if q.numel() and (q.min() < -8 or q.max() > 7):
+        raise ValueError("int4 values must lie in [-8, 7]")
+    u = (q.to(torch.int16) + 8).to(torch.uint8)
+    return u[..., 0::2] | (u[..., 1::2] << 4)
+
+
+def unpack_int4(packed: Tensor) -> Tensor:
+    """Inverse of `pack_int4`: (N, K // 2) uint8 -> (N, K) int8."""
+    lo = (packed & 0xF).to(torch.int8) - 8
+    hi = (packed >> 4).to(torch.int8) - 8
+    return torch.stack((lo, hi), dim=-1).reshape(*packed.shape[:-1], 2 * packed.shape[-1])
+
+
+# ----------------------------------------------------------------------------- benchmark
+
+def bench(shapes: tuple[tuple[int, int], ...] = ((4096, 4096), (11008, 4096)), group_size: int = 128) -> list[dict]:
+    """GPU: quantize a bf16 weight per group, Triton vs the torch reference; a pure bandwidth op (GB/s)."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("the quantize benchmark needs a CUDA GPU")
+    from dlo.hardware import peak
+    hbm = (peak("cuda") or {}).get("hbm_gbs")
+    rows = []
+    for N, K in shapes:
+        w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16)
+        moved = N * K * (2 + 1) + 4 * N * K // group_size  # read bf16, write int8 and the scales
+        for impl, fn in (("torch", lambda: quantize_ref(w, 8, group_size)),
+                         ("dlo triton", lambda: quantize_weight(w, 8, group_size))):
+            ms = triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
+            gbs = moved / (ms * 1e-3) / 1e9
+            rows.append({"op": "quantize", "size": f"{N}x{K}", "impl": impl, "ms": ms, "GB/s": gbs,
+                         "% peak": 100 * gbs / hbm if hbm else None})
+    return rows

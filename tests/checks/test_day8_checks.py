@@ -1,0 +1,219 @@
+"""The Day 8 checks accept the dlo references and reject stubs and plausible mistakes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dlo import distill, prune, quant
+from dlo.checks import day8
+
+
+def stub(*args, **kwargs):
+    raise NotImplementedError()
+
+
+# ----------------------------------------------------------------------------- references in exercise form
+
+def quantize_ok(x, bits, granularity, group_size):
+    q, s, _ = quant.quantize(x, bits, granularity, group_size, symmetric=True)
+    return q, s
+
+
+def dequantize_ok(q, scale):
+    return quant.dequantize(q, scale)
+
+
+def calibrate_ok(batches, method, percentile):
+    obs = quant.MinMaxObserver() if method == "minmax" else quant.PercentileObserver(percentile)
+    for b in batches:
+        obs.update(b)
+    return obs.range()
+
+
+def fake_quant_ok(x, scale, bits):
+    return quant.fake_quant(x, scale, bits=bits)
+
+
+def masks_ok(weights, sparsity, scope):
+    return prune.magnitude_masks(weights, sparsity, scope)
+
+
+def distill_ok(s, t, y, temperature, lam):
+    return distill.distillation_loss(s, t, y, temperature, lam)
+
+
+# ----------------------------------------------------------------------------- wrong versions
+
+def quantize_floor(x, bits, granularity, group_size):
+    g = quant.group_view(x, granularity, group_size)
+    s = g.abs().amax(-1) / (2 ** (bits - 1) - 1)
+    q = torch.floor(g / torch.where(s > 0, s, 1.0)[..., None])
+    return q.reshape(x.shape).to(torch.int8), s
+
+
+def quantize_qmax_128(x, bits, granularity, group_size):
+    g = quant.group_view(x, granularity, group_size)
+    s = g.abs().amax(-1) / 2 ** (bits - 1)
+    return torch.round(g / torch.where(s > 0, s, 1.0)[..., None]).reshape(x.shape).to(torch.int8), s
+
+
+def quantize_nan_on_zero(x, bits, granularity, group_size):
+    g = quant.group_view(x, granularity, group_size)
+    s = g.abs().amax(-1) / (2 ** (bits - 1) - 1)
+    return torch.round(g / s[..., None]).reshape(x.shape), s
+
+
+def quantize_always_per_tensor(x, bits, granularity, group_size):
+    return quantize_ok(x, bits, "tensor", group_size)
+
+
+def dequantize_ignores_groups(q, scale):
+    return q.float() * scale[:, :1]
+
+
+def calibrate_last_batch(batches, method, percentile):
+    return calibrate_ok(batches[-1:], method, percentile)
+
+
+def calibrate_always_minmax(batches, method, percentile):
+    return calibrate_ok(batches, "minmax", percentile)
+
+
+class _RoundNoSTE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return torch.round(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return torch.zeros_like(g)
+
+
+def fake_quant_zero_grad(x, scale, bits):
+    q_max = 2 ** (bits - 1) - 1
+    return _RoundNoSTE.apply(x / scale).clamp(-q_max, q_max) * scale
+
+
+def fake_quant_unclipped_ste(x, scale, bits):
+    q_max = 2 ** (bits - 1) - 1
+    code = (torch.round(x / scale).clamp(-q_max, q_max) * scale).detach()
+    return x + (code - x).detach()  # straight-through everywhere, even where clamped
+
+
+def masks_layer_always(weights, sparsity, scope):
+    return prune.magnitude_masks(weights, sparsity, "layer")
+
+
+def masks_signed(weights, sparsity, scope):
+    """Ranks w instead of |w|: prunes the most negative weights."""
+    return prune.magnitude_masks({k: w + 100.0 for k, w in weights.items()}, sparsity, scope)
+
+
+def masks_keep_fraction(weights, sparsity, scope):
+    return prune.magnitude_masks(weights, 1 - sparsity, scope)
+
+
+def gradual_linear(step, final, begin, end, initial=0.0):
+    t = min(max(step, begin), end)
+    return initial + (final - initial) * (t - begin) / (end - begin)
+
+
+def gradual_no_clamp(step, final, begin, end, initial=0.0):
+    return final + (initial - final) * (1 - (step - begin) / (end - begin)) ** 3
+
+
+def prune_pair_mask_only(fc1, fc2, n_keep):
+    """Zeroes the rows but keeps the layer size: not structured pruning."""
+    new1, new2 = prune.prune_linear_pair(fc1, fc2, n_keep)
+    return fc1, fc2
+
+
+def prune_pair_smallest(fc1, fc2, n_keep):
+    neg = torch.nn.Linear(fc1.in_features, fc1.out_features).double()
+    with torch.no_grad():
+        norms = fc1.weight.norm(dim=1)
+        neg.weight.copy_(fc1.weight / norms[:, None] / (norms[:, None] + 1.0) ** 2)  # reversed norm order
+    order = torch.sort(neg.weight.norm(dim=1), descending=True).indices[:n_keep].sort().values
+    a = torch.nn.Linear(fc1.in_features, n_keep).double()
+    b = torch.nn.Linear(n_keep, fc2.out_features).double()
+    with torch.no_grad():
+        a.weight.copy_(fc1.weight[order]); a.bias.copy_(fc1.bias[order])
+        b.weight.copy_(fc2.weight[:, order]); b.bias.copy_(fc2.bias)
+    return a, b
+
+
+def prune_pair_forgets_fc2(fc1, fc2, n_keep):
+    new1, new2 = prune.prune_linear_pair(fc1, fc2, n_keep)
+    with torch.no_grad():
+        new2.weight.copy_(fc2.weight[:, :n_keep])
+    return new1, new2
+
+
+def mask_signed(w):
+    return prune.mask_2to4(w + 100.0)
+
+
+def valid_exactly_two(mask):
+    return bool(((mask != 0).reshape(-1, 4).sum(1) == 2).all())
+
+
+def valid_always(mask):
+    return True
+
+
+def distill_no_t2(s, t, y, temperature, lam):
+    return distill.distillation_loss(s, t, y, temperature, lam) / temperature ** 2 if lam == 0 else \
+        distill.distillation_loss(s, t, None, temperature) / temperature ** 2 + lam * F.cross_entropy(s, y)
+
+
+def distill_reversed_kl(s, t, y, temperature, lam):
+    kl = F.kl_div(F.log_softmax(t / temperature, -1), F.log_softmax(s / temperature, -1), log_target=True,
+                  reduction="batchmean")
+    return temperature ** 2 * kl + lam * F.cross_entropy(s, y)
+
+
+def distill_teacher_grad(s, t, y, temperature, lam):
+    kl = F.kl_div(F.log_softmax(s / temperature, -1), F.log_softmax(t / temperature, -1), log_target=True,
+                  reduction="batchmean")
+    return temperature ** 2 * kl + lam * F.cross_entropy(s, y)
+
+
+def distill_sum_reduction(s, t, y, temperature, lam):
+    return distill.distillation_loss(s, t, y, temperature, lam) * s.shape[0]
+
+
+# ----------------------------------------------------------------------------- tests
+
+CASES = [
+    (day8.check_quantize, (quantize_ok, dequantize_ok),
+     [(stub, dequantize_ok), (quantize_ok, stub), (quantize_floor, dequantize_ok), (quantize_qmax_128, dequantize_ok),
+      (quantize_nan_on_zero, dequantize_ok), (quantize_always_per_tensor, dequantize_ok),
+      (quantize_ok, dequantize_ignores_groups)]),
+    (day8.check_calibrate_range, (calibrate_ok,), [(stub,), (calibrate_last_batch,), (calibrate_always_minmax,)]),
+    (day8.check_fake_quant_ste, (fake_quant_ok,), [(stub,), (fake_quant_zero_grad,), (fake_quant_unclipped_ste,)]),
+    (day8.check_magnitude_masks, (masks_ok,), [(stub,), (masks_layer_always,), (masks_signed,), (masks_keep_fraction,)]),
+    (day8.check_gradual_sparsity, (prune.gradual_sparsity,), [(stub,), (gradual_linear,), (gradual_no_clamp,)]),
+    (day8.check_prune_linear_pair, (prune.prune_linear_pair,),
+     [(stub,), (prune_pair_mask_only,), (prune_pair_smallest,), (prune_pair_forgets_fc2,)]),
+    (day8.check_mask_2to4, (prune.mask_2to4, prune.is_2to4),
+     [(stub, prune.is_2to4), (prune.mask_2to4, stub), (mask_signed, prune.is_2to4),
+      (prune.mask_2to4, valid_exactly_two), (prune.mask_2to4, valid_always)]),
+    (day8.check_distillation_loss, (distill_ok,),
+     [(stub,), (distill_no_t2,), (distill_reversed_kl,), (distill_teacher_grad,), (distill_sum_reduction,)]),
+]
+
+
+@pytest.mark.parametrize("check,good", [(c, g) for c, g, _ in CASES], ids=lambda v: getattr(v, "__name__", ""))
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_reference_passes(check, good, seed, capsys):
+    check(*good, seed=seed)
+    assert "ok" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("check,bad", [(c, b) for c, _, bads in CASES for b in bads],
+                         ids=lambda v: "-".join(f.__name__ for f in v) if isinstance(v, tuple) else v.__name__)
+def test_wrong_versions_fail(check, bad):
+    with pytest.raises((AssertionError, NotImplementedError)):
+        check(*bad, seed=0)
