@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dlo.kernels.amp_unscale import amp_unscale_, amp_unscale_ref
-from dlo.kernels.fused_adamw import kernel_available
+from dlo.kernels.runtime import kernel_available
 
 FP16_MAX = 65504.0  # largest finite fp16: (2 - 2^-10) * 2^15
 FP16_MIN_NORMAL = 2.0 ** -14  # below this fp16 loses precision (subnormals) ...

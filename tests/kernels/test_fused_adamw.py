@@ -60,12 +60,12 @@ def test_kernel_matches_reference(dtype, weight_decay, device):
 def test_mixed_dtypes_chunked_launches(device, monkeypatch):
     """fp32 and bf16 params in one call split by dtype; a long table splits into chunks."""
     launches = []
-    kernel = fa._kernel
+    jit_for_mode = fa.jit_for_mode
 
-    def counting_kernel():
+    def counting_jit_for_mode(kernel):
         launches.append(1)
-        return kernel()
-    monkeypatch.setattr(fa, "_kernel", counting_kernel)
+        return jit_for_mode(kernel)
+    monkeypatch.setattr(fa, "jit_for_mode", counting_jit_for_mode)
     monkeypatch.setattr(fa, "MAX_TENSORS_PER_LAUNCH", 2)
     f32 = make_quads([(5,), (0,), (300,), (31,)], torch.float32, device, seed=1)  # the empty one is skipped
     b16 = make_quads([(17,), (3, 3)], torch.bfloat16, device, seed=2)

@@ -25,7 +25,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from dlo.kernels.fused_adamw import interpreting, kernel_available, transformer_numels
+from dlo.kernels.fused_adamw import transformer_numels
+from dlo.kernels.runtime import block_map, interpreting, jit_for_mode, kernel_available
 
 BLOCK_SIZE = 1024  # elements per program: 4 KiB of fp32 per program, 8 per thread with 4 warps
 MAX_TENSORS_PER_LAUNCH = 2048  # longer lists are split so the per-launch tables stay small
@@ -65,20 +66,6 @@ def _amp_unscale_kernel(g_addr_ptr,  # (T,) int64 data addresses of the gradient
     tl.store(g_ptr + offs, g.to(G_DTYPE), mask=mask)
 
 
-_rejitted: dict[bool, object] = {}
-
-
-def _kernel():
-    # Same trick as fused_adamw: re-wrap the kernel if TRITON_INTERPRET changed after import.
-    from triton.runtime.interpreter import InterpretedFunction
-    want = interpreting()
-    if isinstance(_amp_unscale_kernel, InterpretedFunction) == want:
-        return _amp_unscale_kernel
-    if want not in _rejitted:
-        _rejitted[want] = triton.jit(_amp_unscale_kernel.fn)
-    return _rejitted[want]
-
-
 def _check_inputs(grads: list[Tensor], found_inf: Tensor, inv_scale: Tensor, need_contiguous: bool) -> None:
     for name, t in (("found_inf", found_inf), ("inv_scale", inv_scale)):
         if t.dtype != torch.float32 or t.numel() != 1:
@@ -103,14 +90,11 @@ def _launch_tables(grads: list[Tensor], device: torch.device):
     addrs, numels = [g.data_ptr() for g in grads], [g.numel() for g in grads]
     key = (device, *addrs, *numels)
     if key not in _tables:
-        counts = torch.tensor([triton.cdiv(n, BLOCK_SIZE) for n in numels])
-        block_tensor = torch.repeat_interleave(torch.arange(len(numels), dtype=torch.int32), counts)
-        first_block = torch.cumsum(counts, 0) - counts
-        block_start = (torch.arange(len(block_tensor)) - first_block[block_tensor]) * BLOCK_SIZE
+        block_tensor, block_start = block_map(numels, BLOCK_SIZE)
         if len(_tables) >= 64:
             _tables.pop(next(iter(_tables)))
         tables = (torch.tensor(addrs, dtype=torch.int64), torch.tensor(numels, dtype=torch.int64),
-                  block_tensor, block_start.to(torch.int64))
+                  block_tensor, block_start)
         _tables[key] = tuple(x.to(device) for x in tables)
     return _tables[key]
 
@@ -135,7 +119,7 @@ def amp_unscale_(grads: list[Tensor], found_inf: Tensor, inv_scale: Tensor) -> N
         for c in range(0, len(group), MAX_TENSORS_PER_LAUNCH):
             addrs, numels, block_tensor, block_start = _launch_tables(group[c:c + MAX_TENSORS_PER_LAUNCH], device)
             with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-                _kernel()[(len(block_tensor),)](addrs, numels, block_tensor, block_start, found_inf, inv_scale,
+                jit_for_mode(_amp_unscale_kernel)[(len(block_tensor),)](addrs, numels, block_tensor, block_start, found_inf, inv_scale,
                                                 G_DTYPE=GRAD_DTYPES[dtype], BLOCK=BLOCK_SIZE)
 
 

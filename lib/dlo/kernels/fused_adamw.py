@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import time
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+
+from dlo.kernels.runtime import block_map, interpreting, jit_for_mode, kernel_available
 
 BLOCK_SIZE = 1024  # elements per program: 4 KiB of fp32 per stream, 8 per thread with 4 warps
 MAX_TENSORS_PER_LAUNCH = 2048  # longer tables are split so the per-launch metadata stays small
@@ -89,32 +90,6 @@ def _fused_adamw_kernel(p_addr_ptr, g_addr_ptr, m_addr_ptr, v_addr_ptr,  # (T,) 
         tl.store(v_ptr + offs, v, mask=mask)
 
 
-def interpreting() -> bool:
-    """True when TRITON_INTERPRET=1: kernels then run in numpy on CPU tensors (tests, no GPU)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def kernel_available(device: torch.device | str) -> bool:
-    """Whether `fused_adamw_` can update tensors on `device` in this process."""
-    device = torch.device(device)
-    return device.type == "cuda" if not interpreting() else device.type == "cpu"
-
-
-_rejitted: dict[bool, object] = {}
-
-
-def _kernel():
-    # triton.jit picks compiled vs interpreted when the module is imported; tests may set
-    # TRITON_INTERPRET later, so wrap the same Python function again in the mode asked for now.
-    from triton.runtime.interpreter import InterpretedFunction
-    want = interpreting()
-    if isinstance(_fused_adamw_kernel, InterpretedFunction) == want:
-        return _fused_adamw_kernel
-    if want not in _rejitted:
-        _rejitted[want] = triton.jit(_fused_adamw_kernel.fn)
-    return _rejitted[want]
-
-
 def _check_inputs(params, grads, exp_avgs, exp_avg_sqs, step, maximize, amsgrad, need_contiguous):
     if maximize or amsgrad:
         raise ValueError("fused AdamW supports maximize=False and amsgrad=False only")
@@ -161,14 +136,11 @@ def _launch_tables(quads, device):
     numels = [t.numel() for t in quads[0]]
     key = (device, *addrs[0], *addrs[1], *addrs[2], *addrs[3], *numels)
     if key not in _tables:
-        counts = torch.tensor([triton.cdiv(n, BLOCK_SIZE) for n in numels])
-        block_tensor = torch.repeat_interleave(torch.arange(len(numels), dtype=torch.int32), counts)
-        first_block = torch.cumsum(counts, 0) - counts
-        block_start = (torch.arange(len(block_tensor)) - first_block[block_tensor]) * BLOCK_SIZE
+        block_tensor, block_start = block_map(numels, BLOCK_SIZE)
         if len(_tables) >= 64:
             _tables.pop(next(iter(_tables)))
         tables = [torch.tensor(addrs, dtype=torch.int64), torch.tensor(numels, dtype=torch.int64),
-                  block_tensor, block_start.to(torch.int64)]
+                  block_tensor, block_start]
         # torch allocations are aligned; only views with an odd storage offset are not.
         aligned = all(a % 16 == 0 for lst in addrs for a in lst)
         _tables[key] = (*(x.to(device) for x in tables), aligned)
@@ -203,7 +175,7 @@ def fused_adamw_(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tenso
             addrs, numels, block_tensor, block_start, aligned = _launch_tables(quads, device)
             # Triton launches on the current CUDA device, which need not be the tensors' one.
             with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-                _kernel()[(len(block_tensor),)](addrs[0], addrs[1], addrs[2], addrs[3], numels, block_tensor,
+                jit_for_mode(_fused_adamw_kernel)[(len(block_tensor),)](addrs[0], addrs[1], addrs[2], addrs[3], numels, block_tensor,
                                                 block_start, **scalars, P_DTYPE=PARAM_DTYPES[dtype],
                                                 ALIGNED=aligned, BLOCK=BLOCK_SIZE)
 

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from dlo.kernels.quantize import jit_for_mode, kernel_available
+from dlo.kernels.runtime import jit_for_mode, kernel_available
 
 OUT_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 MAX_K = (2 ** 31 - 1) // (127 * 127)  # the int32 accumulator is safe up to this K

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from dlo.kernels.fused_adamw import interpreting
+from dlo.kernels.runtime import jit_for_mode, kernel_available
 
 
 @triton.jit
@@ -48,26 +48,6 @@ def _quantize_kernel(w_ptr, q_ptr, s_ptr,  # (N, K) float, (N, K) int8, (N, K //
     q = tl.minimum(tl.maximum(q, -q_max), q_max)
     tl.store(q_ptr + base + offs, q.to(tl.int8), mask=mask)
     tl.store(s_ptr + row.to(tl.int64) * n_groups + g, scale)
-
-
-_rejitted: dict = {}
-
-
-def jit_for_mode(kernel):
-    """The kernel compiled or interpreted as TRITON_INTERPRET says now (it may be set after import)."""
-    from triton.runtime.interpreter import InterpretedFunction
-    want = interpreting()
-    if isinstance(kernel, InterpretedFunction) == want:
-        return kernel
-    key = (kernel.fn, want)
-    if key not in _rejitted:
-        _rejitted[key] = triton.jit(kernel.fn)
-    return _rejitted[key]
-
-
-def kernel_available(device: torch.device | str) -> bool:
-    device = torch.device(device)
-    return device.type == "cuda" if not interpreting() else device.type == "cpu"
 
 
 def _check_weight(w: Tensor, bits: int, group_size: int) -> int:

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from dlo.kernels.quantize import jit_for_mode, kernel_available
+from dlo.kernels.runtime import jit_for_mode, kernel_available
 
 
 @triton.jit

@@ -17,7 +17,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from dlo.kernels.quantize import jit_for_mode, kernel_available, unpack_int4
+from dlo.kernels.quantize import unpack_int4
+from dlo.kernels.runtime import jit_for_mode, kernel_available
 
 ACT_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from dlo.kernels.fused_adamw import PARAM_DTYPES, fused_adamw_, fused_adamw_ref, kernel_available
+from dlo.kernels.fused_adamw import PARAM_DTYPES, fused_adamw_, fused_adamw_ref
+from dlo.kernels.runtime import kernel_available
 from dlo.optim.utils import check_adam_hyperparameters
 
 
