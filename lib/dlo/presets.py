@@ -97,6 +97,28 @@ class Day8Preset:
     llama_tokens: int = 16
 
 
+@dataclass(frozen=True)
+class Day4Preset:
+    """Day 4 (data parallelism). Defaults are the `tiny` scale: 2 gloo ranks on a CPU, a small MLP."""
+
+    ranks: int = 2                 # world size of the experiments (the checks pick their own)
+    scaling_ranks: tuple = (1, 2)  # world sizes of the scaling table (one launch each)
+    msg_sizes: tuple = tuple(1 << k for k in range(10, 23, 2))  # bytes of the bus-bandwidth sweep, 1 KB..4 MB
+    bw_reps: int = 5               # all-reduces back to back per timing (median of 3 timings)
+    d_in: int = 256                # MLP of the throughput comparison: d_in -> hidden x layers -> 10
+    hidden: int = 256
+    layers: int = 4
+    batch_per_rank: int = 32
+    max_steps: int = 20            # timed steps per DDP version, interleaved round-robin (after 2 warm-up)
+    bucket_cap_mb: float = 0.25    # small enough that the tiny MLP fills several buckets
+    lr: float = 0.05               # SGD with momentum 0.9
+    powersgd_rank: int = 2         # matrix rank of PowerSGD's low-rank approximation
+    compress_steps: int = 40       # training steps per gradient-compression variant
+    bn_batch: int = 2              # per-rank batch of the SyncBatchNorm experiment (small: noisy stats)
+    bn_steps: int = 200            # training steps per BatchNorm variant
+    bn_lr: float = 0.01            # SGD with momentum 0.9 (batch-2 statistics diverge at 0.05)
+
+
 PRESETS: dict[str, dict[str, object]] = {
     "day1_optimizers": {
         "tiny": Day1Preset(),
@@ -118,6 +140,13 @@ PRESETS: dict[str, dict[str, object]] = {
         "full": Day3Preset(vocab=50257, d_model=768, n_heads=12, n_layers=12, seq_len=1024, batch_size=8,
                            measure_reps=5, max_steps=100, interrupt_at=45, save_every=10, keep_last=3,
                            big_numel=1 << 27),
+    },
+    "day4_ddp": {
+        "tiny": Day4Preset(),
+        # 4 GPUs over NCCL, messages up to 256 MB, an MLP of ~100M parameters so communication matters
+        "full": Day4Preset(ranks=4, scaling_ranks=(1, 2, 4), msg_sizes=tuple(1 << k for k in range(10, 29, 2)),
+                           bw_reps=10, d_in=4096, hidden=4096, layers=6, batch_per_rank=64, max_steps=30,
+                           bucket_cap_mb=25.0, powersgd_rank=4, compress_steps=200, bn_batch=4, bn_steps=500),
     },
     "day8_quantization_pruning": {
         "tiny": Day8Preset(),

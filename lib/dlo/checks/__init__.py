@@ -8,6 +8,7 @@ AssertionError with an actionable message (or NotImplementedError propagates fro
 from dlo.checks import day1
 from dlo.checks import day2
 from dlo.checks import day3
+from dlo.checks import day4
 from dlo.checks import day8
 
-__all__ = ["day1", "day2", "day3", "day8"]
+__all__ = ["day1", "day2", "day3", "day4", "day8"]

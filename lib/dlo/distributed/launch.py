@@ -241,13 +241,16 @@ def _watch(procs, workdir, timeout):
                 failed.append((0, time.time(), r, code, None))
             elif code is not None and code != 0:  # fn returned, the final barrier failed
                 failed.append((2, time.time(), r, code, None))
+        if all(o is not None and o[0] == "ok" for o in outcome):
+            # Every fn returned and its result is on disk: that is the answer. A rank that then
+            # aborts in interpreter teardown (gloo threads: "terminate called without an active
+            # exception") must not turn a finished run into a failure.
+            return ("ok", [o[1] for o in outcome])
         if failed:
             # Blame the cause, not the ranks that then lost their peers: a rank dead without a
             # word (signal, os._exit) first, then the earliest exception, then the final barrier.
             prio, _, r, code, remote_tb = min(failed)
             return ("failed", prio, r, code, remote_tb)
-        if all(p.poll() is not None for p in procs):
-            return ("ok", [o[1] for o in outcome])
         if all(ready) and not joined:
             start, joined = time.monotonic(), True
         elapsed = time.monotonic() - start

@@ -1,0 +1,143 @@
+"""Collectives from first principles: a ring all-reduce built from point-to-point messages, the
+bus-bandwidth measurement of nccl-tests, and the alpha-beta cost model fitted to it.
+
+Ring all-reduce (Patarasuk & Yuan 2009; the NCCL default for large messages): cut the tensor into N
+chunks; in N-1 reduce-scatter steps every rank sends one chunk to its right neighbour and adds the
+chunk arriving from its left one, so that rank r ends owning the full sum of chunk (r + 1) mod N;
+N-1 all-gather steps then pass the finished chunks around the ring. Each rank sends
+2 (N-1) chunks of n/N elements, i.e. 2 (N-1)/N * n: almost 2n whatever N, which is why the ring
+is bandwidth optimal. Under the alpha-beta model (latency alpha per message, beta seconds per byte)
+
+    T_ring(n) = 2 (N-1) alpha + 2 (N-1)/N * n * beta,
+    T_tree(n) ~ 2 log2(N) alpha + 2 log2(N) * n * beta   (reduce up a binary tree, broadcast down),
+
+so trees win for small messages (fewer latency terms) and rings for large ones.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+import torch.distributed as dist
+
+
+def ring_all_reduce(tensor: torch.Tensor, group=None) -> torch.Tensor:
+    """Sum `tensor` over all ranks in place with isend/irecv only (reduce-scatter, then all-gather).
+
+    Any shape, any size (sizes smaller than the world size included): the flat tensor is padded to
+    a multiple of N so that every chunk has the same length. Returns `tensor`.
+    """
+    n_ranks, r = dist.get_world_size(group), dist.get_rank(group)
+    if n_ranks == 1:
+        return tensor
+    flat = tensor.detach().reshape(-1).clone()
+    pad = (-flat.numel()) % n_ranks
+    buf = torch.cat([flat, flat.new_zeros(pad)]) if pad else flat  # (N * chunk,)
+    chunks = buf.view(n_ranks, -1)  # (N, chunk): chunk i travels around the ring
+    right, left = (r + 1) % n_ranks, (r - 1) % n_ranks
+    right, left = (dist.get_global_rank(group, right), dist.get_global_rank(group, left)) if group else (right, left)
+    incoming = torch.empty_like(chunks[0])
+    # reduce-scatter: at step s rank r sends chunk (r - s) and adds the chunk (r - s - 1) from the left
+    for s in range(n_ranks - 1):
+        _exchange(chunks[(r - s) % n_ranks], incoming, right, left, group)
+        chunks[(r - s - 1) % n_ranks] += incoming
+    # all-gather: rank r now owns the sum of chunk (r + 1); pass finished chunks on
+    for s in range(n_ranks - 1):
+        _exchange(chunks[(r + 1 - s) % n_ranks], incoming, right, left, group)
+        chunks[(r - s) % n_ranks].copy_(incoming)
+    tensor.copy_(buf[:flat.numel()].view_as(tensor))
+    return tensor
+
+
+def _exchange(send, recv, right, left, group):
+    """Send to the right neighbour and receive from the left one at once: with blocking send/recv
+    every rank would sit in send waiting for a receiver that is itself sending (deadlock)."""
+    ops = [dist.isend(send.contiguous(), right, group=group), dist.irecv(recv, left, group=group)]
+    for op in ops:
+        op.wait()
+
+
+# ------------------------------------------------------------------------------- bandwidth
+
+def bus_factor(world_size: int) -> float:
+    """2 (N-1)/N: the share of the message each rank sends in a ring all-reduce (nccl-tests' busbw)."""
+    return 2.0 * (world_size - 1) / world_size
+
+
+def bus_bandwidth(sizes_bytes, reps: int = 5, warmup: int = 2, device=None, dtype=torch.float32,
+                  op=None, trials: int = 3) -> list[dict]:
+    """Time `op(tensor)` (default dist.all_reduce) for each message size on the current process group.
+
+    Each of `trials` timings runs `reps` operations back to back after a barrier and divides, so
+    that the ranks' skew leaving the barrier is paid once, not per operation (nccl-tests does the
+    same); the median trial is kept. Returns rows {"bytes", "s", "algbw GB/s", "busbw GB/s"};
+    algbw = bytes / time, busbw = algbw * 2 (N-1)/N, comparable across world sizes and with the
+    link's peak (nccl-tests' convention). Must be called on every rank.
+    """
+    if not dist.is_initialized():
+        raise RuntimeError("bus_bandwidth: no process group; run it inside dlo.distributed.launch")
+    op = op or dist.all_reduce
+    device = torch.device(device or "cpu")
+    world, rows = dist.get_world_size(), []
+    elem = torch.empty((), dtype=dtype).element_size()
+    for size in sizes_bytes:
+        x = torch.ones(max(1, int(size) // elem), dtype=dtype, device=device)
+        for _ in range(warmup):
+            op(x)
+        times = []
+        for _ in range(trials):
+            _sync(device)
+            dist.barrier()  # every rank starts together: the timing is of the collective, not the skew
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                op(x)
+            _sync(device)
+            times.append((time.perf_counter() - t0) / reps)
+        t = sorted(times)[len(times) // 2]
+        nbytes = x.numel() * elem
+        rows.append({"bytes": nbytes, "s": t, "algbw GB/s": nbytes / t / 1e9,
+                     "busbw GB/s": nbytes / t / 1e9 * bus_factor(world)})
+    return rows
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def fit_alpha_beta(sizes_bytes, seconds, world_size: int) -> dict:
+    """Least-squares fit of the ring model T = 2(N-1) alpha + 2(N-1)/N * n * beta to measured times.
+
+    Returns {"alpha": seconds per message, "beta": seconds per byte, "GB/s": 1 / beta / 1e9}.
+    """
+    if world_size < 2:
+        raise ValueError("fit_alpha_beta: a one-rank all-reduce sends nothing; use world_size >= 2")
+    if len(sizes_bytes) != len(seconds) or len(sizes_bytes) < 2:
+        raise ValueError("fit_alpha_beta: need at least two (size, time) pairs of equal length")
+    n = torch.tensor([float(s) for s in sizes_bytes], dtype=torch.float64)
+    t = torch.tensor([float(s) for s in seconds], dtype=torch.float64)
+    a = torch.stack([torch.full_like(n, 2.0 * (world_size - 1)), bus_factor(world_size) * n], dim=1)  # (S, 2)
+    # relative residuals: a plain fit would ignore the small messages, where alpha lives
+    w = 1.0 / t
+    alpha, beta = torch.linalg.lstsq(a * w[:, None], (t * w)[:, None]).solution.flatten().tolist()
+    if alpha <= 0 or beta <= 0:
+        # noisy timings (shared CPU cores) can make one term negative: fall back on the two ends,
+        # the smallest message for the latency and the largest for the bandwidth
+        small, large = int(n.argmin()), int(n.argmax())
+        alpha = max(t[small].item(), 1e-12) / a[small, 0].item()
+        beta = max((t[large] - a[large, 0] * alpha).item(), 0.5 * t[large].item()) / a[large, 1].item()
+    return {"alpha": alpha, "beta": beta, "GB/s": 1.0 / beta / 1e9}
+
+
+def allreduce_time(n_bytes: float, world_size: int, alpha: float, beta: float, algo: str = "ring") -> float:
+    """Alpha-beta estimate of an all-reduce of n_bytes over world_size ranks ("ring" or "tree")."""
+    if world_size == 1:
+        return 0.0
+    if algo == "ring":
+        return 2 * (world_size - 1) * alpha + bus_factor(world_size) * n_bytes * beta
+    if algo == "tree":
+        steps = 2 * math.ceil(math.log2(world_size))
+        return steps * alpha + steps * n_bytes * beta
+    raise ValueError(f"allreduce_time: algo must be 'ring' or 'tree', got {algo!r}")

@@ -1,0 +1,194 @@
+"""Day 4 experiments, run on every rank inside `dlo.distributed.launch` (rank 0's dict is read).
+
+All measure side by side in one process group: naive vs bucketed vs torch DDP step time (versions
+interleaved step by step, so a noisy neighbour slows all of them alike), how many all-reduces start
+while backward is still running (the overlap of Li et al. 2020, Fig. 2), the bytes torch's DDP
+communication hooks send (fp16/bf16 compression, PowerSGD of Vogels et al. 2019), and local vs
+synchronized BatchNorm at a small per-rank batch. The preset `P` is a `dlo.presets.Day4Preset`.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from dlo.distributed.collectives import bus_bandwidth
+from dlo.distributed.ddp import DataParallelBucket, DataParallelNaive
+from dlo.distributed.sync_bn import convert_sync_batchnorm
+
+
+def rank_device() -> torch.device:
+    """The device of this rank: its GPU under NCCL, else the CPU."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def mlp(P, device, norm: bool = False) -> nn.Module:
+    """d_in -> (hidden [BatchNorm] ReLU) x layers -> 10, the same weights on every call (seeded)."""
+    torch.manual_seed(0)
+    layers, d = [], P.d_in
+    for _ in range(P.layers):
+        layers += [nn.Linear(d, P.hidden)] + ([nn.BatchNorm1d(P.hidden)] if norm else []) + [nn.ReLU()]
+        d = P.hidden
+    return nn.Sequential(*layers, nn.Linear(d, 10)).to(device)
+
+
+def batch(P, step: int, rank: int, device, n: int | None = None):
+    """A learnable synthetic batch, different on every rank and step: 10 Gaussian clusters around
+    fixed centres, each feature with its own offset and scale (so that normalization matters)."""
+    centres = torch.randn(10, P.d_in, generator=torch.Generator().manual_seed(12345))  # (10, d_in)
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    y = torch.randint(0, 10, (n or P.batch_per_rank,), generator=g)  # (B,)
+    x = 0.3 * centres[y] + torch.randn(len(y), P.d_in, generator=g)  # (B, d_in)
+    shift = torch.linspace(-3, 3, P.d_in)
+    scale = torch.linspace(0.5, 4, P.d_in).roll(P.d_in // 3)
+    return (x * scale + shift).to(device), y.to(device)
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _step(model, opt, x, y):
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    if hasattr(model, "finish_gradient_synchronization"):  # ours; torch DDP syncs inside backward
+        model.finish_gradient_synchronization()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+def wrappers(P, device) -> dict:
+    """The three data-parallel versions of the comparison, with the same bucket cap."""
+    ddp_kw = {"device_ids": [device.index]} if device.type == "cuda" else {}
+    cap = P.bucket_cap_mb
+    return {"naive (ours)": lambda m: DataParallelNaive(m),
+            "bucketed (ours)": lambda m: DataParallelBucket(m, bucket_cap_mb=cap),
+            "torch DDP": lambda m: nn.parallel.DistributedDataParallel(m, bucket_cap_mb=cap, **ddp_kw)}
+
+
+def step_times(P, device, versions: dict, warmup: int = 2) -> dict:
+    """Median step time and throughput of each version, the versions interleaved step by step."""
+    r, runs = dist.get_rank(), {}
+    for name, wrap in versions.items():
+        model = wrap(mlp(P, device))
+        runs[name] = (model, torch.optim.SGD(model.parameters(), lr=P.lr, momentum=0.9), [])
+    for s in range(warmup + P.max_steps):
+        x, y = batch(P, s, r, device)
+        for model, opt, times in runs.values():
+            _sync(device)
+            t0 = time.perf_counter()
+            _step(model, opt, x, y)
+            _sync(device)
+            if s >= warmup:
+                times.append(time.perf_counter() - t0)
+    out = {}
+    for name, (_, _, times) in runs.items():
+        ms = 1e3 * sorted(times)[len(times) // 2]
+        out[name] = {"step ms": ms, "samples/s": dist.get_world_size() * P.batch_per_rank / (ms / 1e3)}
+    return out
+
+
+def overlap(P, device, log_dir) -> dict:
+    """Profile one bucketed step; count the all-reduces that start before backward's last op ends."""
+    from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
+
+    model = DataParallelBucket(mlp(P, device), bucket_cap_mb=P.bucket_cap_mb)
+    opt = torch.optim.SGD(model.parameters(), lr=P.lr)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    handler = tensorboard_trace_handler(str(log_dir / "profile"), worker_name=f"rank{dist.get_rank()}")
+    with profile(activities=acts, schedule=schedule(wait=0, warmup=1, active=1, repeat=1),
+                 on_trace_ready=handler) as prof:
+        for s in range(2):
+            _step(model, opt, *batch(P, s, dist.get_rank(), device))
+            prof.step()
+    events = prof.events()
+    backward_end = max(e.time_range.end for e in events if e.name.startswith("autograd::engine::evaluate_function"))
+    starts = [e.time_range.start for e in events if "all_reduce" in e.name or "allreduce" in e.name]
+    return {"all-reduces": len(starts), "during backward": sum(t < backward_end for t in starts),
+            "buckets": len(model.buckets)}
+
+
+def compression(P, device) -> dict:
+    """Bytes per step each rank hands to all_reduce, and the final loss, per DDP communication hook."""
+    import torch.distributed.algorithms.ddp_comm_hooks.default_hooks as default_hooks
+    import torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook as powersgd
+
+    hooks = {"fp32 (no compression)": default_hooks.allreduce_hook, "fp16 compress": default_hooks.fp16_compress_hook,
+             "PowerSGD": powersgd.powerSGD_hook}
+    if dist.get_backend() == "nccl":  # torch's bf16 hook needs NCCL >= 2.10; gloo has no bf16 sum
+        hooks["bf16 compress"] = default_hooks.bf16_compress_hook
+    # PowerSGD waits on a nested all-reduce inside a future callback; gloo runs those callbacks on
+    # its few worker threads, so several buckets in flight deadlock on CPU: give gloo one bucket.
+    cap = P.bucket_cap_mb if device.type == "cuda" else 1024.0
+    ddp_kw = {"device_ids": [device.index]} if device.type == "cuda" else {}
+    sent, real = [0], dist.all_reduce
+
+    def counting(tensor, *args, **kwargs):
+        sent[0] += tensor.numel() * tensor.element_size()
+        return real(tensor, *args, **kwargs)
+
+    out = {}
+    dist.all_reduce = counting  # the hooks call dist.all_reduce from Python: count what they send
+    try:
+        for name, hook in hooks.items():
+            model = nn.parallel.DistributedDataParallel(mlp(P, device), bucket_cap_mb=cap, **ddp_kw)
+            state = (powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=P.powersgd_rank,
+                                            start_powerSGD_iter=2) if name == "PowerSGD" else None)
+            model.register_comm_hook(state, hook)
+            opt = torch.optim.SGD(model.parameters(), lr=P.lr, momentum=0.9)
+            for s in range(P.compress_steps):
+                sent[0] = 0  # keep the last step's bytes: PowerSGD sends full gradients for its first steps
+                loss = _step(model, opt, *batch(P, s, dist.get_rank(), device))
+            out[name] = {"bytes/step": sent[0], "final loss": loss.item()}
+    finally:  # the patched function must not outlive the experiment, even when a hook raises
+        dist.all_reduce = real
+    return out
+
+
+def batchnorm(P, device) -> dict:
+    """Local vs synchronized BatchNorm at P.bn_batch samples per rank: held-out loss and accuracy."""
+    r = dist.get_rank()
+    variants = {"local BatchNorm": lambda m: m, "SyncBatchNorm (ours)": convert_sync_batchnorm}
+    if device.type == "cuda":
+        variants["torch SyncBatchNorm"] = nn.SyncBatchNorm.convert_sync_batchnorm
+    x_test, y_test = batch(P, 10 ** 6, 0, device, n=512)
+    out = {}
+    for name, convert in variants.items():
+        model = DataParallelBucket(convert(mlp(P, device, norm=True)), bucket_cap_mb=P.bucket_cap_mb)
+        opt = torch.optim.SGD(model.parameters(), lr=P.bn_lr, momentum=0.9)
+        for s in range(P.bn_steps):
+            _step(model, opt, *batch(P, s, r, device, n=P.bn_batch))
+        model.eval()  # running statistics: rank 0's own for local BN, the global ones when synced
+        with torch.no_grad():
+            logits = model(x_test)
+        out[name] = {"test loss": F.cross_entropy(logits, y_test).item(),
+                     "test acc": (logits.argmax(1) == y_test).float().mean().item()}
+    return out
+
+
+def run_all(P, log_dir) -> dict:
+    """Every Day 4 measurement at this world size (call it through dlo.distributed.launch)."""
+    device = rank_device()
+    out = {"world": dist.get_world_size(), "device": str(device),
+           "params": sum(p.numel() for p in mlp(P, device).parameters()),
+           "bandwidth": bus_bandwidth(P.msg_sizes, reps=P.bw_reps, device=device)}
+    out["throughput"] = step_times(P, device, wrappers(P, device))
+    out["overlap"] = overlap(P, device, log_dir)
+    out["compression"] = compression(P, device)
+    out["batchnorm"] = batchnorm(P, device)
+    return out
+
+
+def scaling(P) -> dict:
+    """Step times of bucketed (ours) and torch DDP at this world size (weak scaling: fixed per-rank batch)."""
+    device = rank_device()
+    versions = {k: v for k, v in wrappers(P, device).items() if k != "naive (ours)"}
+    return step_times(P, device, versions)
