@@ -111,7 +111,9 @@ def overlap(P, device, log_dir) -> dict:
             prof.step()
     events = prof.events()
     backward_end = max(e.time_range.end for e in events if e.name.startswith("autograd::engine::evaluate_function"))
-    starts = [e.time_range.start for e in events if "all_reduce" in e.name or "allreduce" in e.name]
+    # c10d::allreduce_ is the launch from the hook (one per bucket); the backend's own event
+    # (gloo:all_reduce, nccl:all_reduce) is the transfer it queues, so counting both would double
+    starts = [e.time_range.start for e in events if e.name == "c10d::allreduce_"]
     return {"all-reduces": len(starts), "during backward": sum(t < backward_end for t in starts),
             "buckets": len(model.buckets)}
 
