@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import warnings
 
@@ -192,3 +193,11 @@ def test_sharded_saved_at_2_loads_at_2_and_1(tmp_path):
     assert torch.equal(single["model"]["w"], torch.arange(35.0).view(7, 5)) and single["step"] == 11
     with pytest.raises(FileNotFoundError, match="no .metadata"):
         ck.load_sharded(single, tmp_path)
+
+
+def test_failed_save_leaves_no_temp_file_and_keeps_the_old_one(tmp_path):
+    path = ck.save_atomic({"step": 1}, tmp_path / "state.pt")
+    with pytest.raises(TypeError, match="pickle"):
+        ck.save_atomic({"lock": threading.Lock()}, path)  # a lock cannot be pickled
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["state.pt"]
+    assert torch.load(path)["step"] == 1

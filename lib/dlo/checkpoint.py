@@ -137,11 +137,15 @@ def save_atomic(obj, path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)  # same filesystem
-    with os.fdopen(fd, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:  # unpicklable object, full disk, Ctrl-C: no half-written file left behind
+        Path(tmp).unlink(missing_ok=True)
+        raise
     _fsync_dir(path.parent)
     return path
 
