@@ -1,7 +1,6 @@
 """DataParallelNaive / DataParallelBucket vs one process on the full batch and vs torch DDP, the
 shard sampler and metric sync. One launch of 2 ranks runs every multi-process comparison."""
 
-import copy
 
 import pytest
 import torch

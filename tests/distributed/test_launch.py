@@ -270,3 +270,33 @@ def test_nccl_results_come_back_on_cpu():
     out = launch(body, 2)  # backend None: nccl with a GPU per rank
     for r, (t, dev) in enumerate(out):
         assert t.device.type == "cpu" and t.tolist() == [3.0, 3.0, 3.0] and dev == r
+
+
+class _FakeRank:
+    """Stands in for a worker Popen in `_watch`: only poll() is used."""
+
+    def __init__(self, code):
+        self.code = code
+
+    def poll(self):
+        return self.code
+
+
+def test_ranks_that_returned_then_aborted_in_teardown_are_a_success(tmp_path):
+    from dlo.distributed._spawn import _watch
+    from dlo.distributed.launch import dumps
+
+    for r in range(2):
+        (tmp_path / f"ready-{r}").touch()
+        (tmp_path / f"result-{r}.pkl").write_bytes(dumps(("ok", 10 * r)))
+    # rank 1 wrote its result, then gloo's threads aborted the interpreter at exit (SIGABRT)
+    assert _watch([_FakeRank(0), _FakeRank(-6)], str(tmp_path), timeout=5) == ("ok", [0, 10])
+
+
+def test_rank_dead_before_its_result_is_blamed(tmp_path):
+    from dlo.distributed._spawn import _watch
+    from dlo.distributed.launch import dumps
+
+    (tmp_path / "result-0.pkl").write_bytes(dumps(("ok", 0)))
+    outcome = _watch([_FakeRank(None), _FakeRank(-6)], str(tmp_path), timeout=5)
+    assert outcome[:4] == ("failed", 0, 1, -6)

@@ -1,0 +1,174 @@
+"""The local half of `dlo.distributed.launch`: start N fresh worker interpreters, watch them, and
+leave nothing behind (see launch.py for the design). Nothing here is public API.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import pickle
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import cloudpickle
+
+
+class RankError(RuntimeError):
+    """A rank raised, was killed by a signal, or exited without a result."""
+
+    def __init__(self, message, rank, exitcode=None, remote_traceback="", pids=(), port=None):
+        super().__init__(message)
+        self.rank, self.exitcode, self.remote_traceback = rank, exitcode, remote_traceback
+        self.pids, self.port = list(pids), port
+
+
+JOIN_TIMEOUT = 60.0  # seconds the ranks get to start and rendezvous, whatever `timeout` says
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker_env(r, world_size, port):
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r),
+               WORLD_SIZE=str(world_size), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(world_size),
+               PYTHONUNBUFFERED="1")
+    # N ranks that each use every core oversubscribe the CPU (torchrun does the same split).
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world_size)))
+    if sys.platform.startswith("linux"):
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # rendezvous is local; skip hostname lookup
+    return env
+
+
+def _pump(pipe, prefix, tail, lock):
+    """Copy a worker pipe line by line to sys.stdout (what Jupyter shows), keeping a short tail."""
+    for raw in iter(pipe.readline, b""):
+        line = raw.decode(errors="replace").rstrip("\r\n")
+        tail.append(line)
+        with lock:
+            sys.stdout.write(f"{prefix}{line}\n")
+            sys.stdout.flush()
+    pipe.close()
+
+
+def _kill(procs):
+    for p in procs:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)  # the whole session: the rank and anything it started
+        except (ProcessLookupError, PermissionError):
+            pass  # the group is already gone (and its id may have been reused)
+    for p in procs:
+        p.wait()
+
+
+def _load(path):
+    if not os.path.exists(path):
+        return None
+    with open(path, "rb") as f:
+        return cloudpickle.load(f)
+
+
+def _watch(procs, workdir, timeout):
+    """Poll the ranks until all succeed, one fails, or time runs out; returns an outcome tuple.
+
+    The clock starts twice: first for all ranks to join the process group (interpreter start,
+    torch import, rendezvous; at least JOIN_TIMEOUT seconds, as a cold torch import on a busy node
+    can be slow), then `timeout` for fn itself.
+    """
+    n = len(procs)
+    outcome, ready, joined = [None] * n, [False] * n, False
+    start = time.monotonic()
+    while True:
+        failed = []
+        for r, p in enumerate(procs):
+            ready[r] = ready[r] or os.path.exists(os.path.join(workdir, f"ready-{r}"))
+            if outcome[r] is None:
+                outcome[r] = _load(os.path.join(workdir, f"result-{r}.pkl"))
+            code = p.poll()
+            if outcome[r] is not None and outcome[r][0] == "error":
+                failed.append((1, outcome[r][2], r, code, outcome[r][1]))
+            elif code is not None and outcome[r] is None:
+                failed.append((0, time.time(), r, code, None))
+            elif code is not None and code != 0:  # fn returned, the final barrier failed
+                failed.append((2, time.time(), r, code, None))
+        if all(o is not None and o[0] == "ok" for o in outcome):
+            # Every fn returned and its result is on disk: that is the answer. A rank that then
+            # aborts in interpreter teardown (gloo threads: "terminate called without an active
+            # exception") must not turn a finished run into a failure.
+            return ("ok", [o[1] for o in outcome])
+        if failed:
+            # Blame the cause, not the ranks that then lost their peers: a rank dead without a
+            # word (signal, os._exit) first, then the earliest exception, then the final barrier.
+            prio, _, r, code, remote_tb = min(failed)
+            return ("failed", prio, r, code, remote_tb)
+        if all(ready) and not joined:
+            start, joined = time.monotonic(), True
+        elapsed = time.monotonic() - start
+        if elapsed > (timeout if joined else max(timeout, JOIN_TIMEOUT)):
+            finished = [r for r in range(n) if outcome[r] is not None]
+            joined_ranks = [r for r in range(n) if ready[r]]
+            return ("timeout", joined, finished if joined else joined_ranks, elapsed)
+        time.sleep(0.05)
+
+
+def _error(outcome, tails, pids, port, timeout):
+    """Turn a non-ok outcome from `_watch` into the exception the caller sees."""
+    if outcome[0] == "timeout":
+        _, joined, good, elapsed = outcome
+        others = [r for r in range(len(pids)) if r not in good]
+        if joined:
+            msg = (f"ranks {others} still running after {elapsed:.1f} s (ranks {good} finished): "
+                   f"a collective mismatch or deadlock? (timeout={timeout})")
+        else:
+            msg = (f"ranks {others} had not joined the process group after {elapsed:.1f} s (joined: {good}): "
+                   f"stuck at import, or the rendezvous on 127.0.0.1:{port} is blocked?")
+        err = TimeoutError(msg)
+        err.ranks, err.pids, err.port = others, list(pids), port
+        return err
+    _, prio, r, code, remote_tb = outcome
+    if remote_tb is not None:
+        msg = f"rank {r} raised an exception; its traceback:\n{remote_tb}"
+    else:
+        how = (f"was killed by signal {signal.Signals(-code).name} (exit code {code})" if code < 0
+               else f"returned, then failed in the final barrier (exit code {code})" if prio == 2
+               else f"exited with code {code} without returning a result")
+        last = "\n".join(tails[r]) or "(no output)"
+        msg = f"rank {r} {how}; its last output lines:\n{last}"
+    return RankError(msg, r, exitcode=code, remote_traceback=remote_tb or "", pids=pids, port=port)
+
+
+def spawn(fn, world_size, backend, timeout, args, kwargs) -> list:
+    """Run fn on world_size fresh `dlo.distributed._worker` processes; their results by rank."""
+    workdir = tempfile.mkdtemp(prefix="dlo-launch-")
+    with open(os.path.join(workdir, "payload.pkl"), "wb") as f:
+        # sys.path travels as plain pickle: the worker needs it before it can unpickle fn
+        pickle.dump((list(sys.path), backend, cloudpickle.dumps((fn, args, kwargs))), f)
+    port, procs, readers, lock = _free_port(), [], [], threading.Lock()
+    tails = [collections.deque(maxlen=20) for _ in range(world_size)]
+    try:
+        for r in range(world_size):
+            p = subprocess.Popen([sys.executable, "-m", "dlo.distributed._worker", workdir],
+                                 env=_worker_env(r, world_size, port), stdin=subprocess.DEVNULL,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+            procs.append(p)
+            for pipe in (p.stdout, p.stderr):
+                t = threading.Thread(target=_pump, args=(pipe, f"[rank {r}] ", tails[r], lock), daemon=True)
+                t.start()
+                readers.append(t)
+        outcome = _watch(procs, workdir, timeout)
+    finally:  # success, failure, timeout or KeyboardInterrupt: leave no rank behind
+        _kill(procs)
+        for t in readers:
+            t.join(timeout=5.0)
+        shutil.rmtree(workdir, ignore_errors=True)
+    if outcome[0] == "ok":
+        return outcome[1]
+    raise _error(outcome, tails, [p.pid for p in procs], port, timeout)
