@@ -105,7 +105,10 @@ class Day4Preset:
     scaling_ranks: tuple = (1, 2)  # world sizes of the scaling table (one launch each)
     msg_sizes: tuple = tuple(1 << k for k in range(10, 23, 2))  # bytes of the bus-bandwidth sweep, 1 KB..4 MB
     bw_reps: int = 5               # all-reduces back to back per timing (median of 3 timings)
-    d_in: int = 256                # MLP of the throughput comparison: d_in -> hidden x layers -> 10
+    model: str = "mlp"             # model of the DDP comparisons: "mlp" or "resnet18" (synthetic images)
+    image_size: int = 32           # resnet18 inputs (B, 3, S, S)
+    width: int = 64                # resnet18 base width (64: the real ResNet-18, 11.7M parameters)
+    d_in: int = 256                # MLP (comparisons, BatchNorm experiment): d_in -> hidden x layers -> 10
     hidden: int = 256
     layers: int = 4
     batch_per_rank: int = 32
@@ -143,9 +146,11 @@ PRESETS: dict[str, dict[str, object]] = {
     },
     "day4_ddp": {
         "tiny": Day4Preset(),
-        # 4 GPUs over NCCL, messages up to 256 MB, an MLP of ~100M parameters so communication matters
+        # 4 GPUs over NCCL, messages up to 256 MB, ResNet-18 on 224x224 images (the DDP paper's benchmark
+        # family); the compression runs use it too, the BatchNorm experiment a wide MLP
         "full": Day4Preset(ranks=4, scaling_ranks=(1, 2, 4), msg_sizes=tuple(1 << k for k in range(10, 29, 2)),
-                           bw_reps=10, d_in=4096, hidden=4096, layers=6, batch_per_rank=64, max_steps=30,
+                           bw_reps=10, model="resnet18", image_size=224, width=64, d_in=1024, hidden=1024,
+                           layers=4, batch_per_rank=64, max_steps=30,
                            bucket_cap_mb=25.0, powersgd_rank=4, compress_steps=200, bn_batch=4, bn_steps=500),
     },
     "day8_quantization_pruning": {

@@ -19,6 +19,7 @@ from torch import nn
 from dlo.distributed.collectives import bus_bandwidth
 from dlo.distributed.ddp import DataParallelBucket, DataParallelNaive
 from dlo.distributed.sync_bn import convert_sync_batchnorm
+from dlo.models.resnet import resnet18
 
 
 def rank_device() -> torch.device:
@@ -38,7 +39,7 @@ def mlp(P, device, norm: bool = False) -> nn.Module:
     return nn.Sequential(*layers, nn.Linear(d, 10)).to(device)
 
 
-def batch(P, step: int, rank: int, device, n: int | None = None):
+def feature_batch(P, step: int, rank: int, device, n: int | None = None):
     """A learnable synthetic batch, different on every rank and step: 10 Gaussian clusters around
     fixed centres, each feature with its own offset and scale (so that normalization matters)."""
     centres = torch.randn(10, P.d_in, generator=torch.Generator().manual_seed(12345))  # (10, d_in)
@@ -50,16 +51,40 @@ def batch(P, step: int, rank: int, device, n: int | None = None):
     return (x * scale + shift).to(device), y.to(device)
 
 
+def image_batch(P, step: int, rank: int, device, n: int | None = None):
+    """Synthetic images (B, 3, S, S) for the ResNet: 10 classes, each with its own mean pattern."""
+    centres = torch.randn(10, 3, P.image_size, P.image_size, generator=torch.Generator().manual_seed(12345))
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    y = torch.randint(0, 10, (n or P.batch_per_rank,), generator=g)  # (B,)
+    x = 0.5 * centres[y] + torch.randn(len(y), 3, P.image_size, P.image_size, generator=g)  # (B, 3, S, S)
+    return x.to(device), y.to(device)
+
+
+def model(P, device) -> nn.Module:
+    """The model of the DDP comparisons: P.model is "mlp" (tiny) or "resnet18" (full, He et al. 2016)."""
+    if P.model == "resnet18":
+        torch.manual_seed(0)
+        return resnet18(num_classes=10, width=P.width).to(device)
+    if P.model == "mlp":
+        return mlp(P, device)
+    raise ValueError(f"Day4Preset.model must be 'mlp' or 'resnet18', got {P.model!r}")
+
+
+def batch(P, step: int, rank: int, device):
+    """A batch for `model(P, device)`."""
+    return (image_batch if P.model == "resnet18" else feature_batch)(P, step, rank, device)
+
+
 def _sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-def _step(model, opt, x, y):
-    loss = F.cross_entropy(model(x), y)
+def _step(net, opt, x, y):
+    loss = F.cross_entropy(net(x), y)
     loss.backward()
-    if hasattr(model, "finish_gradient_synchronization"):  # ours; torch DDP syncs inside backward
-        model.finish_gradient_synchronization()
+    if hasattr(net, "finish_gradient_synchronization"):  # ours; torch DDP syncs inside backward
+        net.finish_gradient_synchronization()
     opt.step()
     opt.zero_grad()
     return loss
@@ -78,14 +103,14 @@ def step_times(P, device, versions: dict, warmup: int = 2) -> dict:
     """Median step time and throughput of each version, the versions interleaved step by step."""
     r, runs = dist.get_rank(), {}
     for name, wrap in versions.items():
-        model = wrap(mlp(P, device))
-        runs[name] = (model, torch.optim.SGD(model.parameters(), lr=P.lr, momentum=0.9), [])
+        net = wrap(model(P, device))
+        runs[name] = (net, torch.optim.SGD(net.parameters(), lr=P.lr, momentum=0.9), [])
     for s in range(warmup + P.max_steps):
         x, y = batch(P, s, r, device)
-        for model, opt, times in runs.values():
+        for net, opt, times in runs.values():
             _sync(device)
             t0 = time.perf_counter()
-            _step(model, opt, x, y)
+            _step(net, opt, x, y)
             _sync(device)
             if s >= warmup:
                 times.append(time.perf_counter() - t0)
@@ -100,14 +125,14 @@ def overlap(P, device, log_dir) -> dict:
     """Profile one bucketed step; count the all-reduces that start before backward's last op ends."""
     from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
 
-    model = DataParallelBucket(mlp(P, device), bucket_cap_mb=P.bucket_cap_mb)
-    opt = torch.optim.SGD(model.parameters(), lr=P.lr)
+    net = DataParallelBucket(model(P, device), bucket_cap_mb=P.bucket_cap_mb)
+    opt = torch.optim.SGD(net.parameters(), lr=P.lr)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     handler = tensorboard_trace_handler(str(log_dir / "profile"), worker_name=f"rank{dist.get_rank()}")
     with profile(activities=acts, schedule=schedule(wait=0, warmup=1, active=1, repeat=1),
                  on_trace_ready=handler) as prof:
         for s in range(2):
-            _step(model, opt, *batch(P, s, dist.get_rank(), device))
+            _step(net, opt, *batch(P, s, dist.get_rank(), device))
             prof.step()
     events = prof.events()
     backward_end = max(e.time_range.end for e in events if e.name.startswith("autograd::engine::evaluate_function"))
@@ -115,7 +140,7 @@ def overlap(P, device, log_dir) -> dict:
     # (gloo:all_reduce, nccl:all_reduce) is the transfer it queues, so counting both would double
     starts = [e.time_range.start for e in events if e.name == "c10d::allreduce_"]
     return {"all-reduces": len(starts), "during backward": sum(t < backward_end for t in starts),
-            "buckets": len(model.buckets)}
+            "buckets": len(net.buckets)}
 
 
 def compression(P, device) -> dict:
@@ -141,14 +166,14 @@ def compression(P, device) -> dict:
     dist.all_reduce = counting  # the hooks call dist.all_reduce from Python: count what they send
     try:
         for name, hook in hooks.items():
-            model = nn.parallel.DistributedDataParallel(mlp(P, device), bucket_cap_mb=cap, **ddp_kw)
+            net = nn.parallel.DistributedDataParallel(model(P, device), bucket_cap_mb=cap, **ddp_kw)
             state = (powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=P.powersgd_rank,
                                             start_powerSGD_iter=2) if name == "PowerSGD" else None)
-            model.register_comm_hook(state, hook)
-            opt = torch.optim.SGD(model.parameters(), lr=P.lr, momentum=0.9)
+            net.register_comm_hook(state, hook)
+            opt = torch.optim.SGD(net.parameters(), lr=P.lr, momentum=0.9)
             for s in range(P.compress_steps):
                 sent[0] = 0  # keep the last step's bytes: PowerSGD sends full gradients for its first steps
-                loss = _step(model, opt, *batch(P, s, dist.get_rank(), device))
+                loss = _step(net, opt, *batch(P, s, dist.get_rank(), device))
             out[name] = {"bytes/step": sent[0], "final loss": loss.item()}
     finally:  # the patched function must not outlive the experiment, even when a hook raises
         dist.all_reduce = real
@@ -161,16 +186,16 @@ def batchnorm(P, device) -> dict:
     variants = {"local BatchNorm": lambda m: m, "SyncBatchNorm (ours)": convert_sync_batchnorm}
     if device.type == "cuda":
         variants["torch SyncBatchNorm"] = nn.SyncBatchNorm.convert_sync_batchnorm
-    x_test, y_test = batch(P, 10 ** 6, 0, device, n=512)
+    x_test, y_test = feature_batch(P, 10 ** 6, 0, device, n=512)
     out = {}
     for name, convert in variants.items():
-        model = DataParallelBucket(convert(mlp(P, device, norm=True)), bucket_cap_mb=P.bucket_cap_mb)
-        opt = torch.optim.SGD(model.parameters(), lr=P.bn_lr, momentum=0.9)
+        net = DataParallelBucket(convert(mlp(P, device, norm=True)), bucket_cap_mb=P.bucket_cap_mb)
+        opt = torch.optim.SGD(net.parameters(), lr=P.bn_lr, momentum=0.9)
         for s in range(P.bn_steps):
-            _step(model, opt, *batch(P, s, r, device, n=P.bn_batch))
-        model.eval()  # running statistics: rank 0's own for local BN, the global ones when synced
+            _step(net, opt, *feature_batch(P, s, r, device, n=P.bn_batch))
+        net.eval()  # running statistics: rank 0's own for local BN, the global ones when synced
         with torch.no_grad():
-            logits = model(x_test)
+            logits = net(x_test)
         out[name] = {"test loss": F.cross_entropy(logits, y_test).item(),
                      "test acc": (logits.argmax(1) == y_test).float().mean().item()}
     return out
@@ -180,7 +205,7 @@ def run_all(P, log_dir) -> dict:
     """Every Day 4 measurement at this world size (call it through dlo.distributed.launch)."""
     device = rank_device()
     out = {"world": dist.get_world_size(), "device": str(device),
-           "params": sum(p.numel() for p in mlp(P, device).parameters()),
+           "model": P.model, "params": sum(p.numel() for p in model(P, device).parameters()),
            "bandwidth": bus_bandwidth(P.msg_sizes, reps=P.bw_reps, device=device)}
     out["throughput"] = step_times(P, device, wrappers(P, device))
     out["overlap"] = overlap(P, device, log_dir)
