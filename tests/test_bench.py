@@ -78,3 +78,23 @@ def test_main_on_a_pretend_gpu(monkeypatch, tmp_path, capsys):
     assert [(r["op"], r["impl"], r["x best torch"]) for r in record["rows"]] == [("stub", "torch x", 1.0),
                                                                                 ("stub", "dlo y", 3.0)]
     assert "dlo y" in capsys.readouterr().out
+
+
+def test_matmul_rows_are_grouped_by_size(monkeypatch):
+    """Rows of two shapes: speed-up against each shape's own bf16 row, never across shapes."""
+    import triton.testing
+
+    from dlo.kernels.runtime import bench_matmuls
+
+    times = {"small bf16": 1.0, "small int8": 0.5, "big bf16": 8.0, "big int8": 2.0}
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: times[fn()])
+    rows = []
+    for tag, (M, K, N) in (("small", (2, 3, 5)), ("big", (20, 30, 50))):
+        rows += bench_matmuls("mm", M, K, N, {"torch bf16": (lambda t=tag: f"{t} bf16", 100.0),
+                                              "dlo int8": (lambda t=tag: f"{t} int8", None)})
+    bench.add_ratios(rows)
+    assert [r["size"] for r in rows] == ["2x3x5", "2x3x5", "20x30x50", "20x30x50"]
+    assert [r["speed-up"] for r in rows] == [1.0, 2.0, 1.0, 4.0]
+    assert [r["x best torch"] for r in rows] == [1.0, 2.0, 1.0, 4.0]
+    assert rows[0]["TFLOP/s"] == pytest.approx(2 * 2 * 3 * 5 / 1e-3 / 1e12)
+    assert rows[0]["% peak"] == pytest.approx(100 * rows[0]["TFLOP/s"] / 100.0) and rows[1]["% peak"] is None

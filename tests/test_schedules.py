@@ -3,22 +3,9 @@
 import math
 
 import pytest
-import torch
 from torch.optim.lr_scheduler import CosineAnnealingLR, LinearLR, OneCycleLR, SequentialLR
 
-from dlo.schedules import lr_at_steps, one_cycle, warmup_cosine
-
-
-def _torch_lrs(make_scheduler, base_lr, steps):
-    """The lr torch uses at each of `steps` steps: read before each scheduler.step()."""
-    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=base_lr)
-    sched = make_scheduler(opt)
-    lrs = []
-    for _ in range(steps):
-        lrs.append(opt.param_groups[0]["lr"])
-        opt.step()
-        sched.step()
-    return lrs
+from dlo.schedules import lr_at_steps, one_cycle, torch_scheduler_lrs, warmup_cosine
 
 
 @pytest.mark.parametrize("base_lr,warmup,total,min_lr,start_factor", [
@@ -31,7 +18,7 @@ def test_warmup_cosine_matches_torch_sequential(base_lr, warmup, total, min_lr, 
         linear = LinearLR(opt, start_factor=start_factor, end_factor=1.0, total_iters=warmup)
         return SequentialLR(opt, [linear, cosine], milestones=[warmup])
 
-    want = _torch_lrs(make, base_lr, total + 1)
+    want = torch_scheduler_lrs(make, base_lr, total + 1)
     got = lr_at_steps(warmup_cosine, total + 1, base_lr=base_lr, warmup_steps=warmup, total_steps=total,
                       min_lr=min_lr, start_factor=start_factor)
     # torch updates the lr recursively (chainable form), which drifts by float rounding only.
@@ -55,7 +42,7 @@ def test_one_cycle_matches_torch(max_lr, total, pct_start, div_factor, final_div
                           div_factor=div_factor, final_div_factor=final_div_factor, three_phase=False,
                           cycle_momentum=False)
 
-    want = _torch_lrs(make, max_lr, total)
+    want = torch_scheduler_lrs(make, max_lr, total)
     got = lr_at_steps(one_cycle, range(total), max_lr=max_lr, total_steps=total, pct_start=pct_start,
                       div_factor=div_factor, final_div_factor=final_div_factor)
     assert got == pytest.approx(want, rel=1e-9, abs=1e-15)

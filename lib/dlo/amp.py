@@ -160,9 +160,9 @@ def train_amp(model: nn.Module, optimizer: torch.optim.Optimizer, batches, *, st
     """`steps` calls of train_step over `batches` (cycled); history of loss, scale and skipped steps."""
     from tqdm.auto import tqdm
 
-    from dlo.train import _cycle
+    from dlo.train import cycle
     model.to(device).train()
-    it = _cycle(batches)
+    it = cycle(batches)
     hist: dict = {"loss": [], "scale": [], "skipped": 0}
     start = time.perf_counter()
     for _ in tqdm(range(steps), disable=not progress, leave=False, desc=str(dtype or "fp32")):

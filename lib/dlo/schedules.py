@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable
 
+import torch
+
 
 def warmup_cosine(step: int, *, base_lr: float, warmup_steps: int, total_steps: int, min_lr: float = 0.0,
                   start_factor: float = 0.01) -> float:
@@ -63,3 +65,19 @@ def lr_at_steps(schedule_fn: Callable[..., float], steps: int | Iterable[int], *
     if isinstance(steps, int):
         steps = range(steps)
     return [float(schedule_fn(s, **kw)) for s in steps]
+
+
+def torch_scheduler_lrs(make_scheduler: Callable, base_lr: float, steps: int) -> list[float]:
+    """The lr a torch LRScheduler uses for steps 0..steps-1: the reference these functions match.
+
+    `make_scheduler(optimizer)` builds the scheduler; the lr is read before each optimizer.step(),
+    then scheduler.step() is called, the order torch prescribes.
+    """
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=base_lr)
+    sched = make_scheduler(opt)
+    lrs = []
+    for _ in range(steps):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    return lrs

@@ -36,7 +36,7 @@ def make_loader(dataset: Dataset, batch_size: int, *, seed: int, shuffle: bool =
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last, num_workers=0)
 
 
-def _cycle(batches: Iterable) -> Iterator:
+def cycle(batches: Iterable) -> Iterator:
     """Re-iterate `batches` forever (a DataLoader reshuffles on each pass)."""
     while True:
         empty = True
@@ -90,7 +90,7 @@ def train(model: nn.Module, optimizer: torch.optim.Optimizer, loader_or_batches:
     if eval_data is not None and eval_every > 0:
         history.update(eval_steps=[], eval_losses=[], eval_accs=[])
     model.to(device).train()
-    batches = _cycle(loader_or_batches)
+    batches = cycle(loader_or_batches)
     start = time.perf_counter()
     bar = tqdm(range(steps), disable=not progress, desc=tag or "train", leave=False)
     for step in bar:

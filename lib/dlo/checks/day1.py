@@ -19,6 +19,8 @@ from numbers import Real
 import torch
 import torch.nn.functional as F
 
+from dlo.schedules import torch_scheduler_lrs
+
 DTYPE = torch.float64
 RTOL, ATOL = 1e-9, 1e-12  # float64: correct code agrees to ~1e-15; slips show at >= 1e-7
 
@@ -173,18 +175,6 @@ def check_lamb_step(fn, seed: int = 0, trials: int = 5, steps: int = 3) -> None:
 
 # ----------------------------------------------------------------------------- LR schedules
 
-def _torch_lrs(make_schedulers, lr: float, n: int) -> list[float]:
-    """The lr torch uses at steps 0..n-1: read it, then optimizer.step(), scheduler.step()."""
-    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=lr)
-    sched = make_schedulers(opt)
-    lrs = []
-    for _ in range(n):
-        lrs.append(opt.param_groups[0]["lr"])
-        opt.step()
-        sched.step()
-    return lrs
-
-
 def _check_schedule(name: str, fn, kw: dict, want: list[float], rtol: float = 1e-6) -> None:
     """Every step, boundaries included; rtol 1e-6 as torch's recursive schedulers drift ~1e-15."""
     for step, w in enumerate(want):
@@ -214,7 +204,7 @@ def check_warmup_cosine(fn, seed: int = 0, trials: int = 6) -> None:
             return sch.SequentialLR(opt, [sch.LinearLR(opt, kw["start_factor"], 1.0, total_iters=warm),
                                           sch.CosineAnnealingLR(opt, T_max=total - warm, eta_min=kw["min_lr"])],
                                     milestones=[warm])
-        _check_schedule(name, fn, kw, _torch_lrs(make, kw["base_lr"], total + 1))
+        _check_schedule(name, fn, kw, torch_scheduler_lrs(make, kw["base_lr"], total + 1))
     _ok(name, trials, seed)
 
 
@@ -230,7 +220,7 @@ def check_one_cycle(fn, seed: int = 0, trials: int = 6) -> None:
         def make(opt, kw=kw):
             return torch.optim.lr_scheduler.OneCycleLR(opt, anneal_strategy="cos", three_phase=False,
                                                        cycle_momentum=False, **kw)
-        _check_schedule(name, fn, kw, _torch_lrs(make, kw["max_lr"], kw["total_steps"]))
+        _check_schedule(name, fn, kw, torch_scheduler_lrs(make, kw["max_lr"], kw["total_steps"]))
     _ok(name, trials, seed)
 
 

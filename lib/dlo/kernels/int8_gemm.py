@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from dlo.kernels.runtime import jit_for_mode, kernel_available
+from dlo.kernels.runtime import bench_matmuls, jit_for_mode, kernel_available
 
 OUT_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 MAX_K = (2 ** 31 - 1) // (127 * 127)  # the int32 accumulator is safe up to this K
@@ -118,11 +118,5 @@ def bench(shapes: tuple[tuple[int, int, int], ...] = ((4096, 4096, 4096), (8192,
         impls = {"torch bf16": (lambda: x @ w.T, p.get("bf16_tflops")),
                  "torch._int_mm": (lambda: torch._int_mm(qa, qbt), p.get("int8_tops")),
                  "dlo int8 + rescale": (lambda: int8_gemm(qa, qb, sa, sb), p.get("int8_tops"))}
-        base = None
-        for impl, (fn, pk) in impls.items():
-            ms = triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
-            base = base or ms
-            tflops = 2 * M * N * K / (ms * 1e-3) / 1e12
-            rows.append({"op": "int8_gemm", "M": M, "K": K, "N": N, "impl": impl, "ms": ms, "TFLOP/s": tflops,
-                         "% peak": 100 * tflops / pk if pk else None, "speed-up": base / ms})
+        rows += bench_matmuls("int8_gemm", M, K, N, impls)
     return rows

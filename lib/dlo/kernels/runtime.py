@@ -47,3 +47,20 @@ def block_map(numels: list[int], block_size: int) -> tuple[torch.Tensor, torch.T
     first_block = torch.cumsum(counts, 0) - counts
     block_start = (torch.arange(len(block_tensor)) - first_block[block_tensor]) * block_size
     return block_tensor, block_start.to(torch.int64)
+
+
+def bench_matmuls(op: str, M: int, K: int, N: int, impls: dict) -> list[dict]:
+    """Time implementations of one (M, K) x (K, N) product for `dlo bench` (GPU only).
+
+    `impls` maps a name to (fn, peak TFLOP/s or None); the first entry is the dense bf16 baseline
+    that "speed-up" refers to. TFLOP/s counts the dense work 2 M N K, whatever the format, so rates
+    of sparse and quantized products compare with dense ones. "size" groups rows for dlo.bench's ratios.
+    """
+    rows, base = [], None
+    for impl, (fn, pk) in impls.items():
+        ms = triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
+        base = base or ms
+        tflops = 2 * M * N * K / (ms * 1e-3) / 1e12
+        rows.append({"op": op, "size": f"{M}x{K}x{N}", "M": M, "K": K, "N": N, "impl": impl, "ms": ms,
+                     "TFLOP/s": tflops, "% peak": 100 * tflops / pk if pk else None, "speed-up": base / ms})
+    return rows

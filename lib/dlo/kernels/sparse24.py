@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from dlo.kernels.runtime import jit_for_mode, kernel_available
+from dlo.kernels.runtime import bench_matmuls, jit_for_mode, kernel_available
 
 
 @triton.jit
@@ -125,17 +125,10 @@ def bench(shapes: tuple[tuple[int, int, int], ...] = ((4096, 4096, 4096), (8192,
         w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16)
         w24 = w * sparse24(w)[2]
         w_sparse = to_sparse_semi_structured(w24)
-        impls = {"dense bf16": lambda: torch.nn.functional.linear(x, w24),
-                 "2:4 semi-structured": lambda: torch.nn.functional.linear(x, w_sparse)}
-        base = None
-        for impl, fn in impls.items():
-            ms = triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
-            base = base or ms
-            tflops = 2 * M * N * K / (ms * 1e-3) / 1e12  # dense-equivalent work
-            rows.append({"op": "sparse24_matmul", "M": M, "K": K, "N": N, "impl": impl, "ms": ms,
-                         "TFLOP/s": tflops, "% peak": 100 * tflops / bf16_peak if bf16_peak else None,
-                         "speed-up": base / ms})
+        impls = {"dense bf16": (lambda: torch.nn.functional.linear(x, w24), bf16_peak),
+                 "2:4 semi-structured": (lambda: torch.nn.functional.linear(x, w_sparse), bf16_peak)}
+        rows += bench_matmuls("sparse24_matmul", M, K, N, impls)  # TFLOP/s: dense-equivalent work
         ms = triton.testing.do_bench(lambda: sparse24(w), warmup=10, rep=50, return_mode="median")
-        rows.append({"op": "sparse24_compress", "M": None, "K": K, "N": N, "impl": "dlo triton", "ms": ms,
+        rows.append({"op": "sparse24_compress", "size": f"{N}x{K}", "K": K, "N": N, "impl": "dlo triton", "ms": ms,
                      "TFLOP/s": None, "% peak": None, "speed-up": None})
     return rows

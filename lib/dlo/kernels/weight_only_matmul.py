@@ -18,7 +18,7 @@ import triton.language as tl
 from torch import Tensor
 
 from dlo.kernels.quantize import unpack_int4
-from dlo.kernels.runtime import jit_for_mode, kernel_available
+from dlo.kernels.runtime import bench_matmuls, jit_for_mode, kernel_available
 
 ACT_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
@@ -120,14 +120,8 @@ def bench(shapes: tuple[tuple[int, int, int], ...] = ((1, 4096, 11008), (16, 409
         q8, s8 = quantize_weight(w, 8, group_size)
         q4, s4 = quantize_weight(w, 4, group_size)
         p4 = pack_int4(q4)
-        impls = {"torch bf16": lambda: x @ w.T, "dlo W8A16": lambda: weight_only_matmul(x, q8, s8, 8),
-                 "dlo W4A16": lambda: weight_only_matmul(x, p4, s4, 4)}
-        base = None
-        for impl, fn in impls.items():
-            ms = triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
-            base = base or ms
-            tflops = 2 * M * N * K / (ms * 1e-3) / 1e12
-            rows.append({"op": "weight_only_matmul", "M": M, "K": K, "N": N, "impl": impl, "ms": ms,
-                         "TFLOP/s": tflops, "% peak": 100 * tflops / bf16_peak if bf16_peak else None,
-                         "speed-up": base / ms})
+        impls = {"torch bf16": (lambda: x @ w.T, bf16_peak),
+                 "dlo W8A16": (lambda: weight_only_matmul(x, q8, s8, 8), bf16_peak),
+                 "dlo W4A16": (lambda: weight_only_matmul(x, p4, s4, 4), bf16_peak)}
+        rows += bench_matmuls("weight_only_matmul", M, K, N, impls)
     return rows
