@@ -8,7 +8,15 @@ are compiled and the same tests run on the GPU.
 
 import os
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture
+def device() -> torch.device:
+    """Where the Triton kernels run here: the GPU, or the CPU under the interpreter."""
+    return torch.device("cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
+                        else "cpu")

@@ -123,6 +123,22 @@ def test_train_amp_with_scaler_counts_skips():
     assert hist["scale"][-1] == 2.0 ** (24 - hist["skipped"]) and len(hist["loss"]) == 8
 
 
+@pytest.mark.parametrize("make_scaler", [lambda: torch.amp.GradScaler("cpu", init_scale=2.0 ** 8, growth_interval=100),
+                                         lambda: DynamicLossScaler(init_scale=2.0 ** 8, growth_interval=100)],
+                         ids=["GradScaler", "DynamicLossScaler"])
+def test_train_amp_counts_skips_of_any_scaler(make_scaler):
+    model = tiny_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(0)
+    bad = torch.randn(8, 7, generator=gen)
+    bad[3, 4] = math.inf  # an injected inf: loss and gradients are not finite, the step must be skipped
+    batches = [(torch.randn(8, 7, generator=gen), torch.randint(0, 3, (8,), generator=gen)),
+               (bad, torch.randint(0, 3, (8,), generator=gen))]
+    hist = train_amp(model, opt, batches, steps=5, device="cpu", scaler=make_scaler(), progress=False)
+    assert hist["skipped"] == 2  # steps 1 and 3 see the inf batch
+    assert hist["scale"] == [2.0 ** 8, 2.0 ** 7, 2.0 ** 7, 2.0 ** 6, 2.0 ** 6]
+
+
 def test_grad_log2_magnitudes():
     p = nn.Parameter(torch.zeros(4))
     p.grad = torch.tensor([0.0, 0.25, -8.0, 2.0 ** -30])
@@ -149,6 +165,8 @@ def test_measure_step_cpu_smoke():
 
 def test_float_formats_layout():
     rows = {r["format"]: r for r in float_formats()}
-    assert all(1 + r["exponent"] + r["mantissa"] == b for r, b in
-               ((rows["fp32"], 32), (rows["fp16"], 16), (rows["bf16"], 16), (rows["tf32"], 19)))
+    # Storage widths from torch itself; tf32 has no dtype: NVIDIA documents it as 19 bits (1 + 8 + 10).
+    bits = {"fp32": torch.finfo(torch.float32).bits, "fp16": torch.finfo(torch.float16).bits,
+            "bf16": torch.finfo(torch.bfloat16).bits, "tf32": 19}
+    assert all(1 + rows[f]["exponent"] + rows[f]["mantissa"] == b for f, b in bits.items())
     assert rows["fp16"]["max"] == 65504.0 and rows["bf16"]["max"] == rows["fp32"]["max"] * (1 - 2 ** -8) / (1 - 2 ** -24)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 import signal
 import subprocess
@@ -18,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dlo import checkpoint as ck
+from dlo.config import seed_everything
 
 
 def _setup(seed=0, init_seed=0):
@@ -46,23 +48,19 @@ def _step(model, opt, sched, scaler, loader) -> float:
     return loss.item()
 
 
-def _seed_all(s):
-    random.seed(s), np.random.seed(s), torch.manual_seed(s)
-
-
 def test_interrupted_run_gives_bit_identical_losses(tmp_path):
     steps, cut = 14, 6  # 45 // 8 = 5 batches per epoch: the cut and the end fall in other epochs
-    _seed_all(0)
+    seed_everything(0)
     objs = _setup()
     want = [_step(*objs) for _ in range(steps)]
     scale_want = objs[3].get_scale()
 
-    _seed_all(0)
+    seed_everything(0)
     objs = _setup()
     got = [_step(*objs) for _ in range(cut)]
     ck.save_atomic(ck.training_state(*objs, step=cut), tmp_path / "s.pt")
     del objs
-    _seed_all(123)  # the "new job" starts from another RNG state and other initial weights
+    seed_everything(123)  # the "new job" starts from another RNG state and other initial weights
     objs = _setup(init_seed=5)
     step = ck.restore_training_state(torch.load(tmp_path / "s.pt", weights_only=False), *objs)
     assert step == cut
@@ -73,14 +71,14 @@ def test_interrupted_run_gives_bit_identical_losses(tmp_path):
 
 def test_resume_without_rng_is_not_identical(tmp_path):
     """The exact-resume test can fail: skip restoring the RNGs and the losses differ."""
-    _seed_all(0)
+    seed_everything(0)
     objs = _setup()
     want = [_step(*objs) for _ in range(8)]
-    _seed_all(0)
+    seed_everything(0)
     objs = _setup()
     got = [_step(*objs) for _ in range(4)]
     state = ck.training_state(*objs, step=4)
-    _seed_all(9)
+    seed_everything(9)
     objs = _setup(init_seed=5)
     state["rng"] = ck.rng_state()  # "forgot" the RNGs
     ck.restore_training_state(state, *objs)
@@ -193,6 +191,24 @@ def test_sharded_saved_at_2_loads_at_2_and_1(tmp_path):
     assert torch.equal(single["model"]["w"], torch.arange(35.0).view(7, 5)) and single["step"] == 11
     with pytest.raises(FileNotFoundError, match="no .metadata"):
         ck.load_sharded(single, tmp_path)
+
+
+def test_sharded_kill_between_renames_loads_the_previous_one(tmp_path):
+    folder = tmp_path / "sharded"
+    ck.save_sharded({"w": torch.arange(6.0), "step": 1}, folder)
+    ck.save_sharded({"w": torch.arange(6.0) * 2, "step": 2}, folder)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["sharded"]  # no .partial, no .old left behind
+    # A kill between save_sharded's two renames: step 2 was moved aside, step 3 is still .partial.
+    os.replace(folder, tmp_path / "sharded.old")
+    ck.save_sharded({"w": torch.arange(6.0) * 3, "step": 3}, tmp_path / "sharded.partial.src")
+    os.replace(tmp_path / "sharded.partial.src", tmp_path / "sharded.partial")
+    got = {"w": torch.zeros(6), "step": 0}
+    ck.load_sharded(got, folder)
+    assert torch.equal(got["w"], torch.arange(6.0) * 2) and got["step"] == 2
+    ck.save_sharded({"w": torch.arange(6.0) * 4, "step": 4}, folder)  # the next save swaps in and cleans up
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["sharded"]
+    ck.load_sharded(got, folder)
+    assert torch.equal(got["w"], torch.arange(6.0) * 4) and got["step"] == 4
 
 
 def test_failed_save_leaves_no_temp_file_and_keeps_the_old_one(tmp_path):

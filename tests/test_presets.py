@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import dlo
-from dlo.data import cifar10
+from dlo.data import cifar, cifar10
 from dlo.models import SmallCNN
 from dlo.presets import PRESETS, Day1Preset
 from dlo.schedules import warmup_cosine
@@ -25,8 +25,14 @@ def test_day1_presets_are_consistent(profile):
 
 
 def test_full_is_cifar_scale():
+    """The full profile uses all of CIFAR-10, sized from its binary format: five training files and
+    one test file of 10000 records each (https://www.cs.toronto.edu/~kriz/cifar.html), and records of
+    one label byte plus 3 x S x S pixel bytes."""
     full = PRESETS["day1_optimizers"]["full"]
-    assert (full.n_train, full.n_test, full.image_size) == (50_000, 10_000, 32)
+    records_per_file = 10_000
+    assert full.n_train == len(cifar.TRAIN_FILES) * records_per_file
+    assert full.n_test == len(cifar.TEST_FILES) * records_per_file
+    assert 3 * full.image_size ** 2 == cifar.RECORD - 1
 
 
 def test_setup_overrides_max_steps(tmp_path):

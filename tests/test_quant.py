@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from dlo import quant
@@ -45,8 +46,12 @@ def test_zero_and_bad_input():
 def test_asymmetric_zero_is_exact_and_range_used():
     x = torch.rand(4, 32) * 5 + 1  # all positive: asymmetric uses the whole code range
     q, s, z = quant.quantize(x, 8, "tensor", symmetric=False)
-    assert quant.dequantize(torch.zeros_like(q) + z.to(torch.int8), s, z).abs().max() == 0
     assert q.min() >= -128 and q.max() == 127
+    x = torch.rand(4, 32, generator=torch.Generator().manual_seed(0)) * 6 - 0.3  # 0 inside, off-centre
+    x[1, 5] = 0.0
+    for granularity in ("tensor", "channel"):
+        q, s, z = quant.quantize(x, 8, granularity, symmetric=False)
+        assert quant.dequantize(q, s, z)[1, 5] == 0.0  # an integer zero-point: 0 (padding, ReLU) is exact
 
 
 def test_ste_gradient():
@@ -76,9 +81,18 @@ def test_ptq_and_qat_models():
     x = torch.randn(64, 16)
     qm = quant.quantize_model(model, 8, "group", 8, act_bits=8, calib_batches=[x[:32], x[32:]])
     assert isinstance(qm[0], quant.QuantLinear) and qm[0].act_scale > 0
+    assert qm[0].observer is None and qm[2].observer is None  # frozen: forward now quantizes
+    s, z = quant.scale_zero_point(x.min(), x.max(), 8, symmetric=False)  # min-max over both batches
+    assert qm[0].act_scale == s and qm[0].act_zero == z
+
+    def by_hand(layer, inp):
+        inp = quant.fake_quant(inp, layer.act_scale, layer.act_zero, 8, symmetric=False)
+        return F.linear(inp, quant.dequantize(layer.qweight, layer.scale), layer.bias)
+    assert torch.equal(qm(x), by_hand(qm[2], torch.relu(by_hand(qm[0], x))))
     assert (qm(x) - model(x)).abs().max() < 0.05  # 8-bit weights and activations: small error
     assert quant.model_nbytes(qm) < quant.model_nbytes(model) / 2  # 1 byte + 4/8 byte of scale per weight
     q4 = quant.quantize_model(model, 4, "channel")
+    assert q4[0].observer is None  # weights only: no activation calibration
     assert q4[0].nbytes() == 32 * 16 // 2 + 32 * 4 + 32 * 4
     qat = quant.prepare_qat(model, 4, "channel")
     assert type(model[0]) is nn.Linear  # the original is untouched
@@ -86,3 +100,12 @@ def test_ptq_and_qat_models():
     assert torch.allclose(out, q4(x), atol=1e-5)  # same fake-quantized weights
     out.sum().backward()
     assert qat[0].weight.grad is not None and qat[0].weight.grad.abs().sum() > 0
+
+
+def test_quant_linear_observer_choice():
+    layer = nn.Linear(8, 4)
+    assert type(quant.QuantLinear(layer, act_bits=8).observer) is quant.MinMaxObserver
+    obs = quant.QuantLinear(layer, act_bits=8, observer="percentile", percentile=99.0).observer
+    assert type(obs) is quant.PercentileObserver and obs.percentile == 99.0
+    with pytest.raises(ValueError, match="observer must be one of"):
+        quant.quantize_model(nn.Sequential(layer), act_bits=8, calib_batches=[], observer="mse")

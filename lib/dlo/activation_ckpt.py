@@ -137,6 +137,7 @@ class SavedTensorMeter:
         self.skip = {p.untyped_storage().data_ptr() for p in exclude}
         self.refs: dict[int, int] = {}
         self.sizes: dict[int, int] = {}
+        self.dtypes: dict[int, torch.dtype] = {}
         self.bytes = self.peak = 0
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
@@ -144,7 +145,7 @@ class SavedTensorMeter:
         self.refs[key] -= 1
         if self.refs[key] == 0:
             self.bytes -= self.sizes.pop(key)
-            del self.refs[key]
+            del self.refs[key], self.dtypes[key]
 
     def _pack(self, t: Tensor):
         key = t.untyped_storage().data_ptr()
@@ -152,12 +153,20 @@ class SavedTensorMeter:
         if key in self.skip or t.device.type == "meta":
             return held
         if key not in self.refs:
-            self.refs[key], self.sizes[key] = 0, t.untyped_storage().nbytes()
+            self.refs[key], self.sizes[key], self.dtypes[key] = 0, t.untyped_storage().nbytes(), t.dtype
             self.bytes += self.sizes[key]
             self.peak = max(self.peak, self.bytes)
         self.refs[key] += 1
         weakref.finalize(held, self._release, key)
         return held
+
+    def bytes_by_dtype(self) -> dict[str, int]:
+        """The storages held now, bytes per dtype name ("float32", ...)."""
+        out: dict[str, int] = {}
+        for key, nbytes in self.sizes.items():
+            name = str(self.dtypes[key]).removeprefix("torch.")
+            out[name] = out.get(name, 0) + nbytes
+        return out
 
     @staticmethod
     def _unpack(held: _Held) -> Tensor:

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from dlo.activation_ckpt import SavedTensorMeter
 from dlo.kernels.amp_unscale import amp_unscale_, amp_unscale_ref
 from dlo.kernels.runtime import kernel_available
 
@@ -167,9 +168,12 @@ def train_amp(model: nn.Module, optimizer: torch.optim.Optimizer, batches, *, st
     start = time.perf_counter()
     for _ in tqdm(range(steps), disable=not progress, leave=False, desc=str(dtype or "fp32")):
         x, y = (t.to(device, non_blocking=True) for t in next(it))
+        before = scaler.get_scale() if scaler is not None else 1.0
         hist["loss"].append(train_step(model, optimizer, x, y, dtype=dtype, scaler=scaler).item())
         hist["scale"].append(scaler.get_scale() if scaler is not None else 1.0)
-        hist["skipped"] += int(bool(getattr(scaler, "last_step_skipped", False)))
+        # update() lowers the scale exactly when the step was skipped (inf/nan found): this reads the
+        # same for torch.amp.GradScaler, which has no skipped flag, as for DynamicLossScaler.
+        hist["skipped"] += int(hist["scale"][-1] < before)
     hist["time_s"] = time.perf_counter() - start
     return hist
 
@@ -186,29 +190,19 @@ def grad_log2_magnitudes(parameters) -> Tensor:
 def saved_activation_bytes(model: nn.Module, *inputs: Tensor, dtype: torch.dtype | None = None) -> dict:
     """Bytes autograd keeps for the backward pass of one forward of `model`, optionally under autocast.
 
-    Counted with torch.autograd.graph.saved_tensors_hooks, so exact and device-independent: every
-    saved tensor's storage once (views of one buffer count once), leaving out the model's own
-    parameters and buffers, which exist anyway. Autocast's low-precision weight copies are counted:
-    they are held until backward too. Returns {"total", "tensors", "by_dtype": {dtype name: bytes}}.
+    Counted by dlo.activation_ckpt.SavedTensorMeter (saved_tensors_hooks), so exact and
+    device-independent: every saved tensor's storage once (views of one buffer count once), leaving
+    out the model's own parameters and buffers, which exist anyway. Autocast's low-precision weight
+    copies are counted: they are held until backward too. Returns {"total", "tensors", "by_dtype":
+    {dtype name: bytes}}.
     """
-    own = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
-    seen: dict[int, tuple[int, str]] = {}
-
-    def pack(t: Tensor) -> Tensor:
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in own and ptr not in seen:
-            seen[ptr] = (t.untyped_storage().nbytes(), str(t.dtype).removeprefix("torch."))
-        return t
-
     device_type = inputs[0].device.type if inputs else "cpu"
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with SavedTensorMeter(exclude=(*model.parameters(), *model.buffers())) as meter:
         with torch.autocast(device_type, dtype=dtype, enabled=dtype is not None):
             out = model(*inputs)
+        by_dtype, tensors = meter.bytes_by_dtype(), len(meter.sizes)  # read while `out` holds the graph
     del out  # the graph (and what it saved) is freed with the output
-    by_dtype: dict[str, int] = {}
-    for nbytes, name in seen.values():
-        by_dtype[name] = by_dtype.get(name, 0) + nbytes
-    return {"total": sum(by_dtype.values()), "tensors": len(seen), "by_dtype": by_dtype}
+    return {"total": sum(by_dtype.values()), "tensors": tensors, "by_dtype": by_dtype}
 
 
 @contextlib.contextmanager

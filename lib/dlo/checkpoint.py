@@ -85,13 +85,13 @@ class ResumableBatches:
 
 # ----------------------------------------------------------------------------- whole training state
 
-def training_state(model, optimizer, scheduler=None, scaler=None, loader=None, step: int = 0, **extra) -> dict:
+def training_state(model, optimizer, scheduler=None, scaler=None, loader=None, step: int = 0) -> dict:
     """One dict with everything needed to continue bit-identically from here."""
     return {"step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
             "scheduler": scheduler.state_dict() if scheduler is not None else None,
             "scaler": scaler.state_dict() if scaler is not None else None,
             "loader": loader.state_dict() if loader is not None else None,
-            "rng": rng_state(), "extra": extra}
+            "rng": rng_state()}
 
 
 def check_compatible(model, saved: dict) -> None:
@@ -189,17 +189,23 @@ class CheckpointManager:
 
 # ----------------------------------------------------------------------------- sharded (distributed)
 
+def _old_folder(folder: Path) -> Path:
+    return folder.with_name(folder.name + ".old")
+
+
 def save_sharded(state_dict: dict, folder) -> Path:
     """torch.distributed.checkpoint save of a (possibly DTensor-sharded) state dict, every rank calls it.
 
-    The ranks write into `folder.partial`; after a barrier rank 0 swaps it in place of `folder`,
-    so an interrupted save never leaves a half-written `folder`.
+    The ranks write into `folder.partial`; after a barrier rank 0 moves the previous `folder` aside
+    to `folder.old`, renames `folder.partial` to `folder`, and only then deletes `folder.old`. A kill
+    at any instant leaves a whole checkpoint in `folder` or, between the two renames, in `folder.old`
+    (which load_sharded falls back to); never a half-written one and never none.
     """
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
     folder = Path(folder)
-    partial = folder.with_name(folder.name + ".partial")
+    partial, old = folder.with_name(folder.name + ".partial"), _old_folder(folder)
     distributed = dist.is_available() and dist.is_initialized()
     main = not distributed or dist.get_rank() == 0
     if main and partial.exists():
@@ -211,20 +217,30 @@ def save_sharded(state_dict: dict, folder) -> Path:
         dist.barrier()
     if main:
         if folder.exists():
-            shutil.rmtree(folder)
+            if old.exists():  # left by a kill after an earlier swap: `folder` is the good one
+                shutil.rmtree(old)
+            os.replace(folder, old)
         os.replace(partial, folder)
-        _fsync_dir(folder.parent)
+        _fsync_dir(folder.parent)  # both renames durable before the previous checkpoint goes
+        if old.exists():
+            shutil.rmtree(old)
     if distributed:
         dist.barrier()
     return folder
 
 
 def load_sharded(state_dict: dict, folder) -> dict:
-    """Fill `state_dict` in place (its tensors or DTensors give the wanted layout) from a saved folder."""
+    """Fill `state_dict` in place (its tensors or DTensors give the wanted layout) from a saved folder.
+
+    When `folder` is missing but `folder.old` exists, save_sharded was killed between its two renames:
+    `folder.old` is then the newest whole checkpoint and is loaded instead.
+    """
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
     folder = Path(folder)
+    if not folder.exists() and _old_folder(folder).is_dir():
+        folder = _old_folder(folder)
     if not (folder / ".metadata").is_file():
         raise FileNotFoundError(f"{folder} is not a finished torch.distributed.checkpoint folder (no .metadata)")
     distributed = dist.is_available() and dist.is_initialized()

@@ -17,6 +17,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
+from dlo.train import cycle
+
 
 def distillation_loss(student_logits: Tensor, teacher_logits: Tensor, targets: Tensor | None = None,
                       temperature: float = 2.0, lam: float = 1.0) -> Tensor:
@@ -42,13 +44,10 @@ def train_distill(student: nn.Module, teacher: nn.Module, optimizer: torch.optim
     student.to(device).train()
     teacher.to(device).eval()
     history: dict = {"step": [], "loss": [], "diverged": False}
-    batches = iter(())
+    batches = cycle(loader)
     start = time.perf_counter()
     for step in tqdm(range(steps), disable=not progress, desc="distill", leave=False):
-        batch = next(batches, None)
-        if batch is None:
-            batches = iter(loader)
-            batch = next(batches)
+        batch = next(batches)
         x, y = batch[0].to(device), batch[1].to(device)
         with torch.no_grad():
             t_logits = teacher(x)  # (B, classes)

@@ -86,7 +86,8 @@ def dequantize(q: Tensor, scale: Tensor, zero: Tensor | None = None) -> Tensor:
     """Float tensor from codes and (R|1, n_groups) scales: inverse of `quantize` up to rounding."""
     R, C = q.shape
     zero = torch.zeros_like(scale) if zero is None else zero
-    g = q.float().reshape(scale.shape[0], scale.shape[1], -1)
+    # Values per group spelled out, not -1: an empty (0, C) tensor has no inferable size.
+    g = q.float().reshape(*scale.shape, q.numel() // max(scale.numel(), 1))
     return dequantize_affine(g, scale[..., None], zero[..., None]).reshape(R, C)
 
 
@@ -176,14 +177,21 @@ class PercentileObserver(MinMaxObserver):
 OBSERVERS = {"minmax": MinMaxObserver, "percentile": PercentileObserver}
 
 
+def _make_observer(name: str, percentile: float) -> MinMaxObserver:
+    if name not in OBSERVERS:
+        raise ValueError(f"observer must be one of {list(OBSERVERS)}, got {name!r}")
+    return OBSERVERS[name](percentile) if name == "percentile" else OBSERVERS[name]()
+
+
 # ----------------------------------------------------------------------------- PTQ / QAT modules
 
 class QuantLinear(nn.Module):
     """A Linear with int8 weight codes (4- or 8-bit values) and per-tensor/channel/group scales, plus
-    optional static activation fake quantization with an observer-calibrated (scale, zero)."""
+    optional static activation fake quantization with an observer-calibrated (scale, zero);
+    `observer` names the calibration observer in OBSERVERS (`percentile` is for "percentile")."""
 
     def __init__(self, linear: nn.Linear, bits: int = 8, granularity: str = "channel", group_size: int = 128,
-                 act_bits: int | None = None):
+                 act_bits: int | None = None, observer: str = "minmax", percentile: float = 99.9):
         super().__init__()
         q, s, z = quantize(linear.weight.detach(), bits, granularity, group_size, symmetric=True)
         self.bits, self.act_bits = bits, act_bits
@@ -192,7 +200,7 @@ class QuantLinear(nn.Module):
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
         self.register_buffer("act_scale", torch.zeros(()))
         self.register_buffer("act_zero", torch.zeros(()))
-        self.observer = MinMaxObserver() if act_bits else None
+        self.observer = _make_observer(observer, percentile) if act_bits else None
 
     def weight_hat(self) -> Tensor:
         return dequantize(self.qweight, self.scale)
@@ -225,16 +233,12 @@ def quantize_model(model: nn.Module, bits: int = 8, granularity: str = "channel"
                    percentile: float = 99.9) -> nn.Module:
     """PTQ: a copy of `model` with every nn.Linear replaced by a QuantLinear. With act_bits, the
     activations are calibrated on `calib_batches` (an iterable of inputs or (x, y) pairs)."""
-    if observer not in OBSERVERS:
-        raise ValueError(f"observer must be one of {list(OBSERVERS)}, got {observer!r}")
+    _make_observer(observer, percentile)  # a bad name fails before the copy, even without act_bits
     model = copy.deepcopy(model)
     for name, child in list(model.named_modules()):
         for attr, sub in list(child.named_children()):
             if isinstance(sub, nn.Linear):
-                ql = QuantLinear(sub, bits, granularity, group_size, act_bits)
-                if act_bits and observer == "percentile":
-                    ql.observer = PercentileObserver(percentile)
-                setattr(child, attr, ql)
+                setattr(child, attr, QuantLinear(sub, bits, granularity, group_size, act_bits, observer, percentile))
     if act_bits:
         if calib_batches is None:
             raise ValueError("act_bits needs calib_batches to calibrate the activation ranges")

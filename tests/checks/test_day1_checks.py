@@ -98,23 +98,39 @@ def lamb_returns_nothing(*a, **kw):
     _lamb(*a, **kw)
 
 
-@pytest.mark.parametrize("fn", [sgd_dampened_first_step, sgd_no_nesterov, sgd_new_tensor, sgd_mutates_grad])
-def test_sgd_rejects_wrong(fn):
-    with pytest.raises(AssertionError):
+# Each wrong variant must fail for its own reason: `match` is the part of the message that names it.
+
+@pytest.mark.parametrize("fn,match", [(sgd_dampened_first_step, r"param after step 1 differs.*dampening=0.1"),
+                                      (sgd_no_nesterov, r"param after step 1 differs.*nesterov=True"),
+                                      (sgd_new_tensor, "param did not change"),
+                                      (sgd_mutates_grad, "grad tensor was modified")])
+def test_sgd_rejects_wrong(fn, match):
+    with pytest.raises(AssertionError, match=match):
         day1.check_sgd_momentum_step(fn, seed=0)
 
 
-@pytest.mark.parametrize("fn", [adam_l2, adamw_no_bias_correction, adamw_eps_inside_sqrt, adamw_decay_after_update])
-def test_adamw_rejects_wrong(fn):
-    with pytest.raises(AssertionError):
+@pytest.mark.parametrize("fn,match", [(adam_l2, r"exp_avg \(m\) after step 1 differs"),
+                                      (adamw_no_bias_correction, r"param after step 1 \(decoupled decay"),
+                                      (adamw_eps_inside_sqrt, r"param after step 1 \(decoupled decay"),
+                                      (adamw_decay_after_update, r"param after step 1 \(decoupled decay")])
+def test_adamw_rejects_wrong(fn, match):
+    with pytest.raises(AssertionError, match=match):
         day1.check_adamw_step(fn, seed=0)
 
 
-@pytest.mark.parametrize("fn", [lamb_no_bias_correction, lamb_trust_on_adam_direction, lamb_no_zero_fallback,
-                                lamb_returns_nothing])
-def test_lamb_rejects_wrong(fn):
-    with pytest.raises(AssertionError):
+@pytest.mark.parametrize("fn,match", [(lamb_no_bias_correction, "param after step 1 differs"),
+                                      (lamb_trust_on_adam_direction, "returned trust ratio at step 2"),
+                                      (lamb_no_zero_fallback, r"returned trust ratio at step 1 .*zero_init=True"),
+                                      (lamb_returns_nothing, "must return the trust ratio as a float")])
+def test_lamb_rejects_wrong(fn, match):
+    with pytest.raises(AssertionError, match=match):
         day1.check_lamb_step(fn, seed=0)
+
+
+def test_lamb_wrong_variants_agree_with_reference_when_fixed():
+    """_lamb (the base of the wrong variants) is an independent LAMB: each variant is one slip off."""
+    day1.check_lamb_step(_lamb, seed=0)
+    day1.check_lamb_step(_lamb, seed=1)
 
 
 # ----------------------------------------------------------------------------- wrong schedules
@@ -152,15 +168,18 @@ def one_cycle_tensor(step, **kw):
     return torch.tensor([schedules.one_cycle(step, **kw)] * 2)
 
 
-@pytest.mark.parametrize("fn", [warmup_off_by_one, cosine_over_total])
-def test_warmup_cosine_rejects_wrong(fn):
-    with pytest.raises(AssertionError):
+@pytest.mark.parametrize("fn,match", [(warmup_off_by_one, r"wrong lr at step 0 .*warmup_steps=14"),
+                                      (cosine_over_total, r"wrong lr at step 15 .*warmup_steps=14")])
+def test_warmup_cosine_rejects_wrong(fn, match):
+    with pytest.raises(AssertionError, match=match):
         day1.check_warmup_cosine(fn, seed=0)
 
 
-@pytest.mark.parametrize("fn", [one_cycle_peak_off, one_cycle_linear, one_cycle_tensor])
-def test_one_cycle_rejects_wrong(fn):
-    with pytest.raises(AssertionError):
+@pytest.mark.parametrize("fn,match", [(one_cycle_peak_off, r"wrong lr at step 1 "),
+                                      (one_cycle_linear, r"wrong lr at step 1 "),
+                                      (one_cycle_tensor, "must return a float, got Tensor")])
+def test_one_cycle_rejects_wrong(fn, match):
+    with pytest.raises(AssertionError, match=match):
         day1.check_one_cycle(fn, seed=0)
 
 
@@ -211,10 +230,12 @@ def test_range_test_wrong_variants_agree_with_reference_when_fixed():
     day1.check_lr_range_test(_range_test, seed=0)
 
 
-@pytest.mark.parametrize("fn", [range_test_no_bias_correction, range_test_keeps_diverging_point,
-                                range_test_lr_max_at_minimum, range_test_ignores_nan])
-def test_lr_range_test_rejects_wrong(fn):
-    with pytest.raises(AssertionError):
+@pytest.mark.parametrize("fn,match", [(range_test_no_bias_correction, r"step_fn was called 4 times.*trial=0"),
+                                      (range_test_keeps_diverging_point, r"result\.lrs .*has shape \(32,\)"),
+                                      (range_test_lr_max_at_minimum, r"result\.lr_max"),
+                                      (range_test_ignores_nan, r"step_fn was called 53 times.*trial=1")])
+def test_lr_range_test_rejects_wrong(fn, match):
+    with pytest.raises(AssertionError, match=match):
         day1.check_lr_range_test(fn, seed=0)
 
 
@@ -249,10 +270,14 @@ def clip_returns_after(parameters, max_norm, norm_type=2.0):
 
 
 def accum_no_division(model, loss_fn, x, y, micro_batches):
+    """Back-propagates each chunk's mean unweighted (k times too large a gradient); the loss is right."""
     model.zero_grad()
+    total = 0.0
     for xc, yc in zip(x.tensor_split(micro_batches), y.tensor_split(micro_batches)):
-        loss_fn(model(xc), yc).backward()
-    return loss_fn(model(x), y).detach()
+        loss = loss_fn(model(xc), yc)
+        loss.backward()
+        total += loss.detach() * len(xc) / len(x)
+    return total
 
 
 def accum_mean_of_means(model, loss_fn, x, y, micro_batches):
@@ -282,15 +307,21 @@ def accum_no_zero_grad(model, loss_fn, x, y, micro_batches):
     return total
 
 
-@pytest.mark.parametrize("fn", [clip_no_eps, clip_per_parameter, clip_iterates_twice, clip_returns_after])
-def test_clip_rejects_wrong(fn):
-    with pytest.raises(AssertionError):
+@pytest.mark.parametrize("fn,match", [(clip_no_eps, r"after clipping .*max abs error"),
+                                      (clip_per_parameter, r"after clipping .*trial=0\): max abs error"),
+                                      (clip_iterates_twice, r"after clipping .*trial=1"),  # the generator trial
+                                      (clip_returns_after, r"returned total norm \(before clipping\)")])
+def test_clip_rejects_wrong(fn, match):
+    with pytest.raises(AssertionError, match=match):
         day1.check_clip_grad_norm(fn, seed=0)
 
 
-@pytest.mark.parametrize("fn", [accum_no_division, accum_mean_of_means, accum_whole_batch, accum_no_zero_grad])
-def test_accumulation_rejects_wrong(fn):
-    with pytest.raises(AssertionError):
+@pytest.mark.parametrize("fn,match", [(accum_no_division, r"0\.weight\.grad \(weight each micro-batch"),
+                                      (accum_mean_of_means, r"returned loss \(mean over the whole batch\)"),
+                                      (accum_whole_batch, r"forward passes on micro-batches .*saw sizes \[31\]"),
+                                      (accum_no_zero_grad, r"0\.weight\.grad \(weight each micro-batch")])
+def test_accumulation_rejects_wrong(fn, match):
+    with pytest.raises(AssertionError, match=match):
         day1.check_accumulate_gradients(fn, seed=0)
 
 

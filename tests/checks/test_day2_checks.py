@@ -17,7 +17,18 @@ def stub(*args, **kwargs):
 # ----------------------------------------------------------------------------- autocast step
 
 def step_ok(model, optimizer, x, y, *, dtype, scaler=None):
-    return train_step(model, optimizer, x, y, dtype=dtype, scaler=scaler)
+    """Written out, not dlo.amp.train_step (the check's own reference): what a student writes."""
+    optimizer.zero_grad()
+    with torch.autocast("cpu", dtype=dtype):
+        loss = F.cross_entropy(model(x), y)
+    if scaler is None:
+        loss.backward()
+        optimizer.step()
+    else:
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+    return loss.detach().float()
 
 
 def step_no_autocast(model, optimizer, x, y, *, dtype, scaler=None):
@@ -74,10 +85,16 @@ def test_autocast_step_accepts_reference(capsys):
     assert "ok" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("wrong", [step_no_autocast, step_pure_low_precision, step_ignores_scaler, step_no_update,
-                                   step_no_zero_grad, step_returns_scaled])
-def test_autocast_step_rejects(wrong):
-    with pytest.raises(AssertionError):
+# Each wrong variant must fail for its own reason: `match` is the part of the message that names it.
+
+@pytest.mark.parametrize("wrong,match", [(step_no_autocast, r"run the forward pass inside torch\.autocast"),
+                                         (step_pure_low_precision, "parameters must stay fp32 master weights"),
+                                         (step_ignores_scaler, r"scale after step 1 is 16777216\.0, expected 8388608"),
+                                         (step_no_update, r"scale after step 1 is 16777216\.0, expected 8388608"),
+                                         (step_no_zero_grad, r"after step 1 \(zero the grads first"),
+                                         (step_returns_scaled, r"returned loss \(unscaled mean cross-entropy\)")])
+def test_autocast_step_rejects(wrong, match):
+    with pytest.raises(AssertionError, match=match):
         day2.check_autocast_train_step(wrong)
 
 
@@ -187,9 +204,15 @@ def test_loss_scaler_accepts_reference_and_host_version(capsys):
     assert "ok" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("wrong", [NeverGrows, KeepsCountAfterOverflow, GrowsOneLate, InfOnly, UnscalesTwice, NoSkip])
-def test_loss_scaler_rejects(wrong):
-    with pytest.raises(AssertionError):
+@pytest.mark.parametrize("wrong,match", [(NeverGrows, r"scale after update\(\) of step 2 is 1024, expected 4096"),
+                                         (KeepsCountAfterOverflow, r"scale after update\(\) of step 7 is 4096, "
+                                                                   r"expected 1024"),
+                                         (GrowsOneLate, r"scale after update\(\) of step 2 is 1024, expected 4096"),
+                                         (InfOnly, r"step was taken, expected skipped .*injected=nan"),
+                                         (UnscalesTwice, "divided by the scale exactly once"),
+                                         (NoSkip, r"step was taken, expected skipped .*injected=-inf")])
+def test_loss_scaler_rejects(wrong, match):
+    with pytest.raises(AssertionError, match=match):
         day2.check_loss_scaler(wrong)
 
 
@@ -230,9 +253,13 @@ def test_round_to_bf16_accepts(capsys):
     assert "ok" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("wrong", [round_truncate, round_half_up, round_in_place, round_via_fp16, lambda x: x.clone()])
-def test_round_to_bf16_rejects(wrong):
-    with pytest.raises(AssertionError):
+@pytest.mark.parametrize("wrong,match", [(round_truncate, "should round to -303104.0, got -301056.0"),
+                                         (round_half_up, r"bits 0x06608000\) should round to"),  # a tie
+                                         (round_in_place, "the input was modified"),
+                                         (round_via_fp16, "should round to -9437184.0, got -inf"),
+                                         (lambda x: x.clone(), "should round to -9437184.0, got -9444229.0")])
+def test_round_to_bf16_rejects(wrong, match):
+    with pytest.raises(AssertionError, match=match):
         day2.check_round_to_bf16(wrong)
 
 

@@ -55,15 +55,21 @@ def _make_checkpoint(restore_rng=True, fork=True, save_output=False):
     return Wrong
 
 
-@pytest.mark.parametrize("cls", [_make_checkpoint(restore_rng=False), _make_checkpoint(fork=False),
-                                 _make_checkpoint(save_output=True)], ids=["no_rng", "no_fork", "saves_output"])
-def test_checkpoint_function_rejects_wrong(cls):
-    with pytest.raises(AssertionError):
-        day3.check_checkpoint_function(cls, seed=0)
+# The wrong Checkpoints (and their base) save and replay only the CPU RNG, so they run on the CPU: on
+# CUDA dropout draws from the CUDA generator and even the base would fail. Each wrong variant must fail
+# for its own reason: `match` is the part of the message that names it.
+
+@pytest.mark.parametrize("cls,match", [(_make_checkpoint(restore_rng=False), "gradient of the input differs"),
+                                       (_make_checkpoint(fork=False), "global RNG is in another state"),
+                                       (_make_checkpoint(save_output=True), "forward kept 96 bytes for backward")],
+                         ids=["no_rng", "no_fork", "saves_output"])
+def test_checkpoint_function_rejects_wrong(cls, match):
+    with pytest.raises(AssertionError, match=match):
+        day3.check_checkpoint_function(cls, seed=0, device="cpu")
 
 
 def test_checkpoint_function_wrong_base_is_right():
-    day3.check_checkpoint_function(_make_checkpoint(), seed=0)
+    day3.check_checkpoint_function(_make_checkpoint(), seed=0, device="cpu")
 
 
 def every_ref(blocks, x, k, checkpoint):
@@ -91,9 +97,11 @@ def every_all_when_zero(blocks, x, k, checkpoint):
     return x
 
 
-@pytest.mark.parametrize("fn", [every_last_of_group, every_skips_input, every_all_when_zero])
-def test_checkpoint_every_rejects_wrong(fn):
-    with pytest.raises(AssertionError):
+@pytest.mark.parametrize("fn,match", [(every_last_of_group, r"called on blocks \[1, 3\], expected \[0, 2\]"),
+                                      (every_skips_input, "output differs from running every block in order"),
+                                      (every_all_when_zero, r"called on blocks \[0, 1, .*\], expected \[\] .*'k': 0")])
+def test_checkpoint_every_rejects_wrong(fn, match):
+    with pytest.raises(AssertionError, match=match):
         day3.check_checkpoint_every(fn, seed=0)
 
 
@@ -110,11 +118,14 @@ def unpack_loses_dtype(packed):
     return host.to(device, torch.float32)
 
 
-@pytest.mark.parametrize("pack,unpack", [(pack_keeps_tensor, lambda t: t), (pack_cpu_view, ac.offload_unpack),
-                                         (ac.offload_pack, unpack_loses_dtype)])
-def test_offload_rejects_wrong(pack, unpack):
-    with pytest.raises(AssertionError):
-        day3.check_offload_hooks(pack, unpack, seed=0)
+# On the CPU, where pack_cpu_view's t.cpu() returns the same storage (on CUDA it is a real offload).
+@pytest.mark.parametrize("pack,unpack,match", [(pack_keeps_tensor, lambda t: t, "pack kept the original tensor"),
+                                               (pack_cpu_view, ac.offload_unpack, "pack kept the original tensor"),
+                                               (ac.offload_pack, unpack_loses_dtype,
+                                                r"unpack\(pack\(t\)\) must equal t .*got cpu, torch\.float32")])
+def test_offload_rejects_wrong(pack, unpack, match):
+    with pytest.raises(AssertionError, match=match):
+        day3.check_offload_hooks(pack, unpack, seed=0, device="cpu")
 
 
 def save_ref(path, *, model, optimizer, scheduler, scaler, loader, step):
@@ -150,9 +161,13 @@ def load_lenient(path, *, model, optimizer, scheduler, scaler, loader):
     return state["step"]
 
 
-@pytest.mark.parametrize("missing", ["numpy", "python", "scheduler", "scaler", "loader"])
-def test_resume_rejects_missing_state(missing):
-    with pytest.raises(AssertionError):
+@pytest.mark.parametrize("missing,match", [("numpy", "resumed losses differ .* from step 8 on"),
+                                           ("python", "resumed losses differ .* from step 8 on"),
+                                           ("scheduler", "resumed losses differ .* from step 10 on"),
+                                           ("scaler", "the AMP scaler's scale after the resumed run"),
+                                           ("loader", "resumed losses differ .* from step 8 on")])
+def test_resume_rejects_missing_state(missing, match):
+    with pytest.raises(AssertionError, match=match):
         day3.check_resume(_save_without(missing), load_lenient, seed=0)
 
 

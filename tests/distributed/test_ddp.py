@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dlo.distributed import launch
+from dlo.distributed.collectives import count_calls
 from dlo.distributed.data import ShardSampler, all_reduce_metrics, shard_indices
 from dlo.distributed.ddp import DataParallelBucket, DataParallelNaive
 
@@ -20,14 +21,25 @@ def _net(seed):
     return nn.Sequential(nn.Linear(7, 13), nn.Tanh(), nn.Linear(13, 5), nn.Tanh(), nn.Linear(5, 3)).double()
 
 
+class _Mixed(nn.Module):
+    """Two dtypes (float64 body, float32 head: one bucket each) and a layer that forward never calls."""
+
+    def __init__(self, seed):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.body, self.unused, self.head = nn.Linear(7, 13).double(), nn.Linear(13, 13).double(), nn.Linear(13, 3)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.body(x)).float())  # (B, 3) float32
+
+
 def _data(step):
     g = torch.Generator().manual_seed(1000 + step)
     return torch.randn(BATCH, 7, generator=g, dtype=torch.float64), torch.randint(0, 3, (BATCH,), generator=g)
 
 
-def _reference(micro):
+def _reference(net):
     """One process, full batch (mean over all samples), same optimizer."""
-    net = _net(0)
     opt = torch.optim.SGD(net.parameters(), lr=0.3, momentum=0.9)
     for s in range(STEPS):
         x, y = _data(s)
@@ -37,7 +49,7 @@ def _reference(micro):
     return [p.detach().clone() for p in net.parameters()]
 
 
-def _train(model, micro=1, counter=None, set_to_none=True):
+def _train(model, rec, micro=1, set_to_none=True):
     r, w = dist.get_rank(), dist.get_world_size()
     opt = torch.optim.SGD(model.parameters(), lr=0.3, momentum=0.9)
     calls_during_no_sync = 0
@@ -46,12 +58,12 @@ def _train(model, micro=1, counter=None, set_to_none=True):
         xs, ys = x[r::w].chunk(micro), y[r::w].chunk(micro)  # this rank's shard, in micro-batches
         for i, (xm, ym) in enumerate(zip(xs, ys)):
             last = i == micro - 1
-            before = counter[0]
+            before = len(rec.calls)
             with (model.no_sync() if not last else torch.enable_grad()):
                 # weight each micro-batch mean by its share of the shard (chunks of 5 are 3 + 2)
                 (F.cross_entropy(model(xm), ym) * len(ym) / len(x[r::w])).backward()
             if not last:
-                calls_during_no_sync += counter[0] - before
+                calls_during_no_sync += len(rec.calls) - before
         if hasattr(model, "finish_gradient_synchronization"):
             model.finish_gradient_synchronization()
         opt.step()
@@ -61,15 +73,7 @@ def _train(model, micro=1, counter=None, set_to_none=True):
 
 def _worker():
     r = dist.get_rank()
-    counter = [0]
-    real = dist.all_reduce
-
-    def counting(*a, **k):
-        counter[0] += 1
-        return real(*a, **k)
-
-    dist.all_reduce = counting
-    want = _reference(1)
+    want = _reference(_net(0))
     out = {}
     # bucket_kept: zero_grad(set_to_none=False) keeps .grad as views of the buckets, so backward
     # accumulates straight into them (the no-copy path)
@@ -81,10 +85,21 @@ def _worker():
             model = nn.parallel.DistributedDataParallel(net)
         else:
             model = DataParallelBucket(net, bucket_cap_mb=10 * 8 / 2 ** 20)  # 10 doubles: several buckets
-        counter[0] = 0
-        got, in_no_sync = _train(model, micro, counter, set_to_none=name != "bucket_kept")
-        out[name] = (max((g - w).abs().max().item() for g, w in zip(got, want)), in_no_sync, counter[0])
+        with count_calls("all_reduce") as rec:
+            got, in_no_sync = _train(model, rec, micro, set_to_none=name != "bucket_kept")
+        out[name] = (max((g - w).abs().max().item() for g, w in zip(got, want)), in_no_sync, len(rec.calls))
     out["n_buckets"] = len(DataParallelBucket(_net(0), bucket_cap_mb=10 * 8 / 2 ** 20).buckets)
+    # the unused layer shares the float64 bucket: finish_gradient_synchronization must send zeros for
+    # it (every rank launches every bucket), while the used parameters get the mean
+    mixed = DataParallelBucket(_Mixed(r))  # the default 25 MB cap: the buckets split by dtype only
+    with count_calls("all_reduce") as rec:
+        got, _ = _train(mixed, rec)
+    want = _reference(_Mixed(0))
+    x, y = _data(STEPS)
+    F.cross_entropy(mixed(x[r::2]), y[r::2]).backward()
+    mixed.finish_gradient_synchronization()
+    out["mixed"] = (max((g - w).abs().max().item() for g, w in zip(got, want)), len(rec.calls),
+                    [b.buffer.dtype for b in mixed.buckets], mixed.module.unused.weight.grad.abs().max().item())
     # rank 0 holds 3 samples, rank 1 holds 4: the global mean weights by count
     out["metrics"] = all_reduce_metrics(*([6.0, 2, 3] if r == 0 else [4.0, 4, 4]))
     return out
@@ -102,6 +117,10 @@ def test_ddp_versions_match_single_process_and_torch_ddp():
         assert out["bucket"][2] == STEPS * out["n_buckets"] and out["naive"][2] == STEPS * 6
         assert out["bucket_accum"][2] == out["bucket_kept"][2] == STEPS * out["n_buckets"]
         assert out["metrics"] == pytest.approx((10.0 / 7, 6 / 7))
+        err, calls, dtypes, unused_grad = out["mixed"]
+        assert err < 1e-6, f"mixed dtypes / unused layer: parameters differ by {err}"  # float32 head
+        assert dtypes == [torch.float32, torch.float64] and calls == STEPS * 2
+        assert unused_grad == 0.0
 
 
 @pytest.mark.parametrize("n,world", [(10, 3), (7, 4), (2, 3), (100, 1)])
@@ -116,8 +135,8 @@ def test_shards_cover_without_overlap(n, world):
 def test_sampler_reshuffles_per_epoch_and_validates_rank():
     s = ShardSampler(50, rank=1, world_size=2, seed=3)
     first = list(s)
+    assert sorted(first) != first  # epoch 0 is shuffled too, not only the later epochs
     s.set_epoch(1)
-    assert sorted(first) != first or list(s) != first
     assert list(s) != first and list(ShardSampler(50, 1, 2, shuffle=False)) == list(range(1, 50, 2))
     with pytest.raises(ValueError, match="rank 2"):
         shard_indices(5, 2, 2)

@@ -8,6 +8,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dlo.distributed import launch
+from dlo.distributed.collectives import count_calls
 from dlo.distributed.sync_bn import SyncBatchNorm, convert_sync_batchnorm
 
 SIZES, C, STEPS = (2, 3, 5), 4, 2  # per-rank batch sizes (unequal on purpose), channels, train steps
@@ -55,13 +56,6 @@ def _step(bn, x, w):
 def _worker():
     r = dist.get_rank()
     pair = dist.new_group(GROUPS["pair"])  # every rank calls new_group, members or not
-    calls, real = [0], dist.all_reduce
-
-    def counting(*a, **k):
-        calls[0] += 1
-        return real(*a, **k)
-
-    dist.all_reduce = counting
     out = {}
     for name, group in (("world", None), ("pair", pair)):
         members = GROUPS[name]
@@ -73,13 +67,13 @@ def _worker():
             steps = []
             for s in range(STEPS):
                 x, w = _data(kind, s, n)
-                calls[0] = 0
-                steps.append((*_step(bn, x[rows], w[rows]), calls[0]))
+                with count_calls("all_reduce") as rec:
+                    steps.append((*_step(bn, x[rows], w[rows]), len(rec.calls)))
             buffers = [b.clone() for b in bn.buffers()]
             bn.eval()
-            calls[0] = 0
-            y_eval = bn(_data(kind, STEPS, n)[0][rows])
-            out[name, kind] = steps, buffers, y_eval, calls[0]
+            with count_calls("all_reduce") as rec:
+                y_eval = bn(_data(kind, STEPS, n)[0][rows])
+            out[name, kind] = steps, buffers, y_eval, len(rec.calls)
     return out
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import subprocess
 
 import pytest
 
@@ -113,10 +114,32 @@ def test_grade_scores_every_student_despite_raising_hanging_and_dying_code(toy_r
     assert (out / "feedback" / "solution" / f"{DAY}.html").is_file()
     assert sorted(p.read_bytes() for p in submitted.rglob("*.ipynb")) == before  # submissions untouched
 
-    one = tmp_path / "one"  # a wrong answer alone: --require-full must fail
+    one = tmp_path / "one"  # a wrong answer beside a correct one: --require-full must fail
+    _student(toy_root, one, "student", _solve_all)  # correct, own words
     _student(toy_root, one, "wrong", _chain(_solve_all, _replace("add", "def add(a, b):\n    return a - b")))
     strict = dlo("grade", str(one), "--out", str(tmp_path / "g2"), "--require-full", root=toy_root, check=False)
     assert strict.returncode == 1 and "not every submission has full marks" in strict.stdout
+    strict_scores = {r["student"]: (float(r["score"]), r["status"]) for r in read_csv(tmp_path / "g2" / "scores.csv")}
+    assert strict_scores == {"student": (5, "graded"), "wrong": (3, "graded")}, strict.stdout
+    assert all((tmp_path / "g2" / "feedback" / s / f"{DAY}.html").is_file() for s in strict_scores)
+
+
+def test_failed_feedback_is_logged_and_not_copied(tmp_path, monkeypatch, capsys):
+    from dlo.harness import grade
+
+    course = tmp_path / "course"
+    for day in ("good", "bad"):
+        (course / "feedback" / "ann" / day).mkdir(parents=True)
+        (course / "feedback" / "ann" / day / f"{day}.html").write_text(day)
+    monkeypatch.setattr(grade, "nbgrader", lambda args, root: subprocess.CompletedProcess(
+        args, int(args[1] == "bad"), "out\n", "boom\n"))
+    fed = {day for day in ("good", "bad") if grade.feedback_day(course, day)}
+    assert fed == {"good"}
+    assert "generate_feedback bad failed" in capsys.readouterr().out
+    assert (course / "generate_feedback_bad.log").read_text() == "out\nboom\n"
+    assert not (course / "generate_feedback_good.log").exists()
+    grade._copy_feedback(course, tmp_path / "fb", {("ann", "good")})
+    assert sorted(p.name for p in (tmp_path / "fb").rglob("*.html")) == ["good.html"]
 
 
 def test_grade_rejects_a_missing_folder(toy_root, tmp_path):

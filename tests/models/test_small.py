@@ -25,6 +25,8 @@ def test_small_cnn_dropout_only_in_train_mode():
     model = SmallCNN(width=4, dropout=0.9).eval()
     x = torch.randn(2, 3, 8, 8)
     torch.testing.assert_close(model(x), model(x))
+    model.train()  # dropout 0.9 on 32 features: two forwards draw different masks
+    assert not torch.allclose(model(x), model(x))
     with pytest.raises(ValueError, match="width"):
         SmallCNN(width=0)
     with pytest.raises(ValueError, match=r"\(B, C, H, W\)"):
@@ -38,6 +40,20 @@ def test_mlp_depth_counts_linear_layers(depth):
     assert len(linears) == depth
     assert linears[0].in_features == 12 and linears[-1].out_features == 5
     assert model(torch.randn(6, 3, 2, 2)).shape == (6, 5)  # the input is flattened
+
+
+def test_mlp_norm_puts_batchnorm_after_each_hidden_linear():
+    model = MLP(in_features=12, hidden=9, out_features=5, depth=3, norm=True)
+    kinds = [type(m).__name__ for m in model.net]
+    assert kinds == ["Flatten", "Linear", "BatchNorm1d", "ReLU", "Linear", "BatchNorm1d", "ReLU", "Linear"]
+    out = model.train()(torch.randn(6, 12))
+    assert out.shape == (6, 5)
+    # BatchNorm draws no random numbers: under one seed the Linear layers match the plain MLP's
+    torch.manual_seed(0)
+    plain = [m.weight for m in MLP(12, 9, 5, depth=3).modules() if isinstance(m, torch.nn.Linear)]
+    torch.manual_seed(0)
+    normed = [m.weight for m in MLP(12, 9, 5, depth=3, norm=True).modules() if isinstance(m, torch.nn.Linear)]
+    assert all(torch.equal(a, b) for a, b in zip(plain, normed, strict=True))
 
 
 def test_mlp_rejects_zero_depth():

@@ -1,30 +1,24 @@
 """FusedAdamW against torch.optim.AdamW (fp32) and against the reference math (bf16).
 
-Without a GPU the Triton kernel runs in the interpreter on CPU: TRITON_INTERPRET is set here, before
-the optimizer steps (the kernel module re-wraps its kernel when the mode changes after import).
+Without a GPU the Triton kernel runs in the interpreter on CPU (tests/conftest.py sets
+TRITON_INTERPRET=1 before anything imports the kernels; its `device` fixture says where they run).
 """
 
 import copy
-import os
 
+import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+import dlo.optim.fused_adamw as fused_module
+from dlo.kernels.fused_adamw import fused_adamw_ref
+from dlo.optim.fused_adamw import FusedAdamW
 
-import pytest  # noqa: E402
-
-import dlo.optim.fused_adamw as fused_module  # noqa: E402
-from dlo.kernels.fused_adamw import fused_adamw_ref  # noqa: E402
-from dlo.optim.fused_adamw import FusedAdamW  # noqa: E402
-
-DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
 SHAPES = [(7,), (13, 11), (129,), (5,), (1000,)]
 
 
-def make_params(dtype=torch.float32):
+def make_params(device, dtype=torch.float32):
     gen = torch.Generator().manual_seed(0)
-    return [torch.nn.Parameter(torch.randn(s, generator=gen).to(DEVICE, dtype)) for s in SHAPES]
+    return [torch.nn.Parameter(torch.randn(s, generator=gen).to(device, dtype)) for s in SHAPES]
 
 
 def groups(params):
@@ -35,7 +29,7 @@ def groups(params):
 def set_grads(params, step, gen):
     """params[4] never gets a grad; params[1] gets none on every third step (so its step count lags)."""
     for i, p in enumerate(params):
-        g = torch.randn(p.shape, generator=gen).to(DEVICE, p.dtype)
+        g = torch.randn(p.shape, generator=gen).to(p.device, p.dtype)
         p.grad = None if i == 4 or (i == 1 and step % 3 == 0) else g
 
 
@@ -52,8 +46,8 @@ def kernel_calls(monkeypatch):
     return calls
 
 
-def run_against_torch(steps=20):
-    ours, theirs = make_params(), make_params()
+def run_against_torch(device, steps=20):
+    ours, theirs = make_params(device), make_params(device)
     opt = FusedAdamW(groups(ours), lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
     ref = torch.optim.AdamW(groups(theirs), lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
     gen_a, gen_b = torch.Generator().manual_seed(1), torch.Generator().manual_seed(1)
@@ -69,30 +63,30 @@ def assert_like_torch(opt, ref, ours, theirs):
     # After 20 steps the fp32 rounding differences of the kernel (a few ulps per step) stay < 1e-5
     # relative; a wrong bias correction or decay would be off by percents.
     torch.testing.assert_close([p.data for p in ours], [p.data for p in theirs], rtol=1e-5, atol=1e-6)
-    assert torch.equal(ours[4].data, make_params()[4].data)  # grad always None: untouched
+    assert torch.equal(ours[4].data, make_params(ours[4].device)[4].data)  # grad always None: untouched
     for p, q in zip(ours[:4], theirs[:4]):
         assert int(opt.state[p]["step"]) == int(ref.state[q]["step"])
         torch.testing.assert_close(opt.state[p]["exp_avg_sq"], ref.state[q]["exp_avg_sq"], rtol=1e-5, atol=1e-9)
     assert int(opt.state[ours[1]]["step"]) < int(opt.state[ours[0]]["step"])
 
 
-def test_matches_torch_adamw_fp32(kernel_calls):
-    assert_like_torch(*run_against_torch())
+def test_matches_torch_adamw_fp32(kernel_calls, device):
+    assert_like_torch(*run_against_torch(device))
     assert kernel_calls  # the Triton kernel did the updates
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU fallback without the interpreter")
 def test_cpu_fallback_matches_torch_adamw(monkeypatch, kernel_calls):
     monkeypatch.delenv("TRITON_INTERPRET")
-    assert_like_torch(*run_against_torch(steps=8))
+    assert_like_torch(*run_against_torch("cpu", steps=8))
     assert not kernel_calls  # plain torch reference on CPU without the interpreter
 
 
-def test_bf16_params_match_reference_math(kernel_calls):
-    params = make_params(torch.bfloat16)
+def test_bf16_params_match_reference_math(kernel_calls, device):
+    params = make_params(device, torch.bfloat16)
     opt = FusedAdamW(groups(params), lr=1e-2, weight_decay=0.1)
     shadow = [p.detach().clone() for p in params]
-    state = [(torch.zeros(s), torch.zeros(s)) for s in SHAPES]
+    state = [(torch.zeros(s, device=device), torch.zeros(s, device=device)) for s in SHAPES]
     counts = [0] * len(SHAPES)
     gen = torch.Generator().manual_seed(2)
     for step in range(10):
@@ -109,7 +103,7 @@ def test_bf16_params_match_reference_math(kernel_calls):
     # Each step both sides round one fp32 result to bf16 (the kernel by explicit round-to-nearest-even);
     # allow one bf16 ulp where an ulp-level fp32 difference flips a tie.
     torch.testing.assert_close([p.data.float() for p in params], [s.float() for s in shadow], rtol=2.0 ** -7, atol=0)
-    assert not torch.equal(params[0].data, make_params(torch.bfloat16)[0].data)
+    assert not torch.equal(params[0].data, make_params(device, torch.bfloat16)[0].data)
 
 
 def test_non_contiguous_param_takes_torch_path(kernel_calls):
@@ -124,8 +118,8 @@ def test_non_contiguous_param_takes_torch_path(kernel_calls):
     assert not kernel_calls
 
 
-def test_closure_and_errors():
-    p = torch.nn.Parameter(torch.ones(3, device=DEVICE))
+def test_closure_and_errors(device):
+    p = torch.nn.Parameter(torch.ones(3, device=device))
     opt = FusedAdamW([p])
     assert opt.step(lambda: torch.tensor(1.5)).item() == 1.5
     with pytest.raises(ValueError, match="amsgrad=False"):
@@ -134,7 +128,7 @@ def test_closure_and_errors():
         FusedAdamW([p], maximize=True)
     with pytest.raises(ValueError, match="invalid betas"):
         FusedAdamW([p], betas=(0.9, 1.0))
-    opt.add_param_group(dict(params=[torch.nn.Parameter(torch.ones(2, device=DEVICE))], maximize=True))
+    opt.add_param_group(dict(params=[torch.nn.Parameter(torch.ones(2, device=device))], maximize=True))
     with pytest.raises(ValueError, match="maximize=False"):
         opt.step()
     e = torch.nn.Embedding(4, 3, sparse=True)
@@ -143,13 +137,13 @@ def test_closure_and_errors():
         FusedAdamW(e.parameters()).step()
 
 
-def test_state_dict_round_trip_keeps_fp32_state():
-    params = make_params(torch.bfloat16)
+def test_state_dict_round_trip_keeps_fp32_state(device):
+    params = make_params(device, torch.bfloat16)
     opt = FusedAdamW(groups(params), lr=1e-2)
     set_grads(params, 1, torch.Generator().manual_seed(4))
     opt.step()
     saved = copy.deepcopy(opt.state_dict())
-    fresh = FusedAdamW(groups(make_params(torch.bfloat16)), lr=1e-2)
+    fresh = FusedAdamW(groups(make_params(device, torch.bfloat16)), lr=1e-2)
     fresh.load_state_dict(saved)  # torch would cast the moments to bf16 here
     for p, q in zip(opt.param_groups[0]["params"], fresh.param_groups[0]["params"]):
         assert fresh.state[q]["exp_avg"].dtype == torch.float32
@@ -160,8 +154,8 @@ def test_state_dict_round_trip_keeps_fp32_state():
         fresh.load_state_dict(saved)
 
 
-def test_continues_from_torch_adamw_state(kernel_calls):
-    ours, theirs = make_params(), make_params()
+def test_continues_from_torch_adamw_state(kernel_calls, device):
+    ours, theirs = make_params(device), make_params(device)
     ref = torch.optim.AdamW(theirs, lr=1e-2)
     gen_a, gen_b = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
     set_grads(theirs, 1, gen_b)

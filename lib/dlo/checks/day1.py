@@ -159,14 +159,16 @@ def check_lamb_step(fn, seed: int = 0, trials: int = 5, steps: int = 3) -> None:
             before, grad_before = param.clone(), grad.clone()
             trust = fn(param, grad, m, v, s, **hp)
             where = dict(hp, step=s, shape=shape, zero_init=t == 0)
-            _stepped_in_place(name, "param", before, param, where)
-            _unchanged(name, grad, grad_before, where)
+            # The trust ratio first: with a zero param and no fallback to 1 it is 0, the param does not
+            # move, and the message must name the ratio (the cause), not the missing in-place update.
             if isinstance(trust, torch.Tensor) and trust.numel() == 1:
                 trust = trust.item()
             if not isinstance(trust, Real):
                 raise AssertionError(f"{name}: must return the trust ratio as a float, got {type(trust).__name__}")
             _assert_close(name, f"returned trust ratio at step {s} (||param|| / ||update||, 1.0 if a norm is 0)",
                           float(trust), float(trust_ref), where)
+            _stepped_in_place(name, "param", before, param, where)
+            _unchanged(name, grad, grad_before, where)
             _assert_close(name, f"exp_avg (m) after step {s}", m, m_ref, where)
             _assert_close(name, f"exp_avg_sq (v) after step {s}", v, v_ref, where)
             _assert_close(name, f"param after step {s}", param, ref, where)
@@ -175,15 +177,18 @@ def check_lamb_step(fn, seed: int = 0, trials: int = 5, steps: int = 3) -> None:
 
 # ----------------------------------------------------------------------------- LR schedules
 
-def _check_schedule(name: str, fn, kw: dict, want: list[float], rtol: float = 1e-6) -> None:
-    """Every step, boundaries included; rtol 1e-6 as torch's recursive schedulers drift ~1e-15."""
+SCHEDULE_RTOL = 1e-6  # torch's recursive schedulers drift ~1e-15 from the closed forms
+
+
+def _check_schedule(name: str, fn, kw: dict, want: list[float]) -> None:
+    """Every step, boundaries included, to SCHEDULE_RTOL."""
     for step, w in enumerate(want):
         got = fn(step, **kw)
         if isinstance(got, torch.Tensor) and got.numel() == 1:
             got = got.item()
         if not isinstance(got, Real):
             raise AssertionError(f"{name}: must return a float, got {type(got).__name__} at step {step} ({_fmt(kw)})")
-        if not abs(got - w) <= 1e-12 + rtol * abs(w):
+        if not abs(got - w) <= 1e-12 + SCHEDULE_RTOL * abs(w):
             raise AssertionError(f"{name}: wrong lr at step {step} ({_fmt(kw)}): expected {w:.10g}, got {got:.10g} "
                                  f"(abs error {abs(got - w):.3g}); step is 0-based")
 

@@ -18,15 +18,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from dlo.activation_ckpt import SavedTensorMeter
-
-DTYPE = torch.float64
-
-
-def _ok(name: str, trials: int, seed: int) -> None:
-    print(f"{name}: ok ({trials} trials, seed={seed})")
+from dlo.checks.day1 import DTYPE, _ok
+from dlo.config import seed_everything
 
 
-def _device() -> torch.device:
+def _device(device=None) -> torch.device:
+    """`device` if given, else CUDA when present (where offload and the CUDA RNG matter), else CPU."""
+    if device is not None:
+        return torch.device(device)
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
@@ -51,10 +50,11 @@ def _compare(name: str, what: str, got: list, want: list, hp: dict) -> None:
 
 # ----------------------------------------------------------------------------- Checkpoint autograd.Function
 
-def check_checkpoint_function(Checkpoint, seed: int = 0, trials: int = 4) -> None:
+def check_checkpoint_function(Checkpoint, seed: int = 0, trials: int = 4, device=None) -> None:
     """`Checkpoint.apply(fn, *args)`: same output, input and parameter grads as fn(*args), dropout
-    included; saves no more than the inputs; leaves the caller's RNG stream as it found it."""
-    name, rng, dev = "checkpoint_function", random.Random(seed), _device()
+    included; saves no more than the inputs; leaves the caller's RNG stream as it found it.
+    Runs on `device` (default: CUDA when available, else CPU)."""
+    name, rng, dev = "checkpoint_function", random.Random(seed), _device(device)
     for t in range(trials):
         d, p = rng.choice([3, 6, 11]), rng.choice([0.2, 0.5])
         hp = dict(trial=t, features=d, dropout=p, batch=rng.choice([1, 4, 7]), two_inputs=t % 2 == 1)
@@ -133,10 +133,12 @@ def _tensors_in(obj) -> list[torch.Tensor]:
     return []
 
 
-def check_offload_hooks(pack, unpack, seed: int = 0, trials: int = 4) -> None:
+def check_offload_hooks(pack, unpack, seed: int = 0, trials: int = 4, device=None) -> None:
     """`pack(t)` returns a host-memory copy (plus whatever unpack needs); `unpack(pack(t))` gives t back
-    on its device with its dtype and values; a model trained under the hooks gets identical grads."""
-    name, rng, gen, dev = "offload_hooks", random.Random(seed), torch.Generator().manual_seed(seed), _device()
+    on its device with its dtype and values; a model trained under the hooks gets identical grads.
+    Tensors live on `device` (default: CUDA when available, else CPU)."""
+    name, rng, gen = "offload_hooks", random.Random(seed), torch.Generator().manual_seed(seed)
+    dev = _device(device)
     for t in range(trials):
         shape = tuple(rng.choice([1, 3, 7, 13]) for _ in range(rng.choice([1, 2, 3])))
         dtype = [torch.float32, torch.float64, torch.bfloat16, torch.int64][t % 4]
@@ -205,12 +207,6 @@ def _train_step(o: dict) -> float:
     return loss.item()
 
 
-def _seed_all(s: int) -> None:
-    random.seed(s)
-    np.random.seed(s)
-    torch.manual_seed(s)
-
-
 def check_resume(save_training_state, load_training_state, seed: int = 0, trials: int = 3) -> None:
     """`save_training_state(path, *, model, optimizer, scheduler, scaler, loader, step)` then, in a fresh
     "job" (other initial weights, other RNG states), `load_training_state(path, *, model, optimizer,
@@ -220,17 +216,17 @@ def check_resume(save_training_state, load_training_state, seed: int = 0, trials
         steps, data_seed = rng.choice([9, 12]), rng.randrange(1000)
         cut = rng.randrange(2, steps - 2)
         hp = dict(trial=t, steps=steps, interrupted_after=cut, batch=rng_batch(data_seed))
-        _seed_all(seed * 10 + t)
+        seed_everything(seed * 10 + t)
         o = _objects(1, data_seed)
         want = [_train_step(o) for _ in range(steps)]
         scale_want = o["scaler"].get_scale()
-        _seed_all(seed * 10 + t)
+        seed_everything(seed * 10 + t)
         o = _objects(1, data_seed)
         got = [_train_step(o) for _ in range(cut)]
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp) / "state.pt"
             save_training_state(path, step=cut, **o)
-            _seed_all(12345 + t)  # the new job: other RNG states, other initial weights, loader at start
+            seed_everything(12345 + t)  # the new job: other RNG states, other initial weights, loader at start
             o = _objects(2, data_seed)
             step = load_training_state(path, **o)
         if step != cut:

@@ -19,11 +19,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from dlo.distributed.collectives import count_calls
 from dlo.distributed.launch import RankError, launch
 
 DTYPE = torch.float64
 TOL = 1e-10  # float64: correct code agrees to ~1e-15, a slip is off by >= 1e-3
 TIMEOUT = 120.0  # seconds: a deadlocked ring ends here instead of hanging the notebook
+POINT_TO_POINT = "build the all-reduce from dist.send/dist.recv or dist.isend/dist.irecv (point-to-point) only"
 FORBIDDEN = ("all_reduce", "reduce_scatter", "reduce_scatter_tensor", "all_gather", "all_gather_into_tensor",
              "reduce", "broadcast", "all_to_all", "all_to_all_single")
 
@@ -53,46 +55,20 @@ def _close(name: str, what: str, got, want, where: str) -> None:
         raise AssertionError(f"{name}: {what} differs from the reference by {err:.3g} ({where})")
 
 
-class _Recorder:
-    """Swap torch.distributed functions for wrappers that count calls (or refuse them)."""
-
-    def __init__(self, names=("all_reduce",), forbid=False):
-        self.calls, self.saved, self.in_backward, self.forbid = [], {}, False, forbid
-        for n in names:
-            self.saved[n] = getattr(dist, n)
-            setattr(dist, n, self._wrap(n, self.saved[n]))
-
-    def _wrap(self, n, real):
-        def wrapper(*args, **kwargs):
-            if self.forbid:
-                raise AssertionError(f"dist.{n} is not allowed here: build the all-reduce from dist.send/dist.recv "
-                                     f"or dist.isend/dist.irecv (point-to-point) only")
-            self.calls.append((n, bool(kwargs.get("async_op", False)), self.in_backward))
-            return real(*args, **kwargs)
-        return wrapper
-
-    def restore(self):
-        for n, real in self.saved.items():
-            setattr(dist, n, real)
-
-
 # ----------------------------------------------------------------------------- 1. ring all-reduce
 
 def _ring_worker(fn, seed, trials):
     r, w = dist.get_rank(), dist.get_world_size()
     rng, gen = random.Random(seed), torch.Generator().manual_seed(seed * 100 + r)
-    sizes = [1, w - 1 or 1, w + 1, 17, 1001][:trials] + [rng.choice([5, 33, 257]) for _ in range(trials - 5)]
+    sizes = [1, w - 1 or 1, w + 1, 17, 1001] + [rng.choice([5, 33, 257]) for _ in range(trials - 5)]
     for t, n in enumerate(sizes):
         shape = (n,) if t % 2 == 0 else (1, n)
         x = torch.randn(shape, generator=gen, dtype=DTYPE)
         want = x.clone()
         dist.all_reduce(want)
         got = x.clone()
-        rec = _Recorder(FORBIDDEN, forbid=True)
-        try:
+        with count_calls(*FORBIDDEN, forbid=POINT_TO_POINT):
             out = fn(got)
-        finally:
-            rec.restore()
         _close("ring_all_reduce", f"the result on rank {r}", out if isinstance(out, torch.Tensor) else got, want,
                f"world_size={w}, shape={shape}; sum over ranks, in place or returned")
     return len(sizes)
@@ -150,9 +126,14 @@ def _torch_ddp(seed, steps, n, micro=1):
     return [p.detach().clone() for p in model.parameters()]
 
 
-def _compare_params(name, got, seed, steps, n, where, micro=1):
-    for label, want in (("one process on the full batch", _single_process(seed, steps, n)),
-                        ("torch DistributedDataParallel", _torch_ddp(seed, steps, n, micro))):
+def _references(seed, steps, n, micro=1) -> dict:
+    """The parameters both references end with; collective (torch DDP), so every rank must call it."""
+    return {"one process on the full batch": _single_process(seed, steps, n),
+            "torch DistributedDataParallel": _torch_ddp(seed, steps, n, micro)}
+
+
+def _compare_params(name, got, refs, steps, where):
+    for label, want in refs.items():
         for i, (g, wnt) in enumerate(zip(got, want)):
             _close(name, f"parameter {i} after {steps} steps vs {label}", g, wnt, where)
 
@@ -181,7 +162,7 @@ def _naive_worker(broadcast_parameters, all_reduce_gradients, seed, steps):
                        f"ranks, not the sum)", p.grad, q.grad, where)
         opt.step()
         opt.zero_grad()
-    _compare_params("naive DDP", [p.detach() for p in net.parameters()], seed, steps, n, where)
+    _compare_params("naive DDP", [p.detach() for p in net.parameters()], _references(seed, steps, n), steps, where)
 
 
 def check_naive_ddp(broadcast_parameters, all_reduce_gradients, seed: int = 0, world_size: int = 2,
@@ -200,6 +181,7 @@ def _bucket_worker(cls, seed, steps):
     per_rank = random.Random(seed).choice([3, 5, 7])
     n, where = per_rank * w, f"world_size={w}, {per_rank} samples per rank"
     n_params = len(list(_net(0).parameters()))
+    refs = _references(seed, steps, n)  # the same for both caps
     # 50 doubles: several buckets whether a bucket closes before exceeding the cap or once it reaches
     # it (torch's rule); then the 25 MB default, where the whole model is one bucket
     for cap_mb in (50 * 8 / 2 ** 20, 25.0):
@@ -209,13 +191,12 @@ def _bucket_worker(cls, seed, steps):
         for s in range(steps):
             x, y = _batch(seed, s, n)
             loss = F.cross_entropy(model(x[r::w]), y[r::w])
-            rec = _Recorder()
-            rec.in_backward = True
-            loss.backward()
-            rec.in_backward = False
-            model.finish_gradient_synchronization()
-            rec.restore()
-            calls = rec.calls
+            with count_calls("all_reduce") as rec:
+                rec.phase = "backward"
+                loss.backward()
+                rec.phase = "after backward"
+                model.finish_gradient_synchronization()
+            calls = [(c.name, c.async_op, c.phase == "backward") for c in rec.calls]
             if not all(is_async and during for _, is_async, during in calls):
                 raise AssertionError(f"bucket DDP: every bucket's all-reduce must be launched with async_op=True "
                                      f"from the gradient hooks, during backward (calls as (name, async, during "
@@ -229,7 +210,7 @@ def _bucket_worker(cls, seed, steps):
                                      f"parameter ({here})")
             opt.step()
             opt.zero_grad()
-        _compare_params("bucket DDP", [p.detach() for p in model.parameters()], seed, steps, n, here)
+        _compare_params("bucket DDP", [p.detach() for p in model.parameters()], refs, steps, here)
 
 
 def check_bucket_ddp(cls, seed: int = 0, world_size: int = 2, steps: int = 3) -> None:
@@ -254,9 +235,8 @@ def _accum_worker(fn, seed, steps):
     for s in range(steps):
         x, y = _batch(seed, s, n)
         xs, ys = list(x[r::w].tensor_split(micro)), list(y[r::w].tensor_split(micro))  # unequal sizes
-        rec = _Recorder()
-        fn(model, opt, F.cross_entropy, xs, ys)
-        rec.restore()
+        with count_calls("all_reduce") as rec:
+            fn(model, opt, F.cross_entropy, xs, ys)
         if len(rec.calls) != len(model.buckets):
             raise AssertionError(f"accumulation_step: {len(rec.calls)} all-reduce calls for {micro} micro-batches; "
                                  f"expected {len(model.buckets)} (one per bucket, only on the last micro-batch: "
@@ -264,7 +244,8 @@ def _accum_worker(fn, seed, steps):
         if any(p.grad is not None and p.grad.abs().max() > 0 for p in model.parameters()):
             raise AssertionError(f"accumulation_step: gradients are not zero after the step; call "
                                  f"optimizer.zero_grad() after optimizer.step() ({where})")
-    _compare_params("accumulation_step", [p.detach() for p in model.parameters()], seed, steps, n, where, micro)
+    _compare_params("accumulation_step", [p.detach() for p in model.parameters()], _references(seed, steps, n, micro),
+                    steps, where)
 
 
 def check_accumulation_step(fn, seed: int = 0, world_size: int = 2, steps: int = 2) -> None:

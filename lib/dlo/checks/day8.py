@@ -9,33 +9,16 @@ equal magnitudes) the checks test the defining property instead of one particula
 
 from __future__ import annotations
 
-import math
 import random
 
 import torch
 from torch import nn
 
 from dlo import distill, prune, quant
+from dlo.checks.day1 import _assert_close, _fmt, _ok
 
 
-def _ok(name: str, trials: int, seed: int) -> None:
-    print(f"{name}: ok ({trials} trials, seed={seed})")
-
-
-def _close(name: str, what: str, got, want, ctx: str, rtol: float = 1e-5, atol: float = 1e-6) -> None:
-    if got is None:
-        raise AssertionError(f"{name}: {what} is None; return a value ({ctx})")
-    got_t = torch.as_tensor(got).detach().double().cpu()
-    want_t = torch.as_tensor(want).detach().double().cpu()
-    if got_t.shape != want_t.shape:
-        raise AssertionError(f"{name}: {what} has shape {tuple(got_t.shape)}, expected {tuple(want_t.shape)} ({ctx})")
-    err = (got_t - want_t).abs().nan_to_num(math.inf)
-    bad = err > atol + rtol * want_t.abs()
-    if bad.any():
-        i = int(torch.argmax(torch.where(bad, err, -1.0).flatten()))
-        raise AssertionError(f"{name}: {what} differs from the reference ({ctx}): max abs error {err.max():.3g}; "
-                             f"at flat index {i} expected {want_t.flatten()[i].item():.8g}, "
-                             f"got {got_t.flatten()[i].item():.8g}")
+RTOL, ATOL = 1e-5, 1e-6  # float32 references: correct code agrees to a few ulps
 
 
 def _matrix(rng: random.Random, gen: torch.Generator, cols_multiple: int = 1) -> torch.Tensor:
@@ -57,30 +40,26 @@ def check_quantize(quantize_fn, dequantize_fn, seed: int = 0, trials: int = 6) -
         x = _matrix(rng, gen, cols_multiple=8)
         if granularity != "tensor" and x.shape[0] > 1:
             x[rng.randrange(x.shape[0])] = 0.0  # an all-zero channel must not divide by zero
-        ctx = f"bits={bits}, granularity={granularity!r}, group_size={G}, x shape {tuple(x.shape)}"
+        hp = dict(bits=bits, granularity=granularity, group_size=G, x_shape=tuple(x.shape))
         q, scale = quantize_fn(x.clone(), bits, granularity, G)
         q_ref, s_ref, _ = quant.quantize(x, bits, granularity, G, symmetric=True)
-        _close(name, "scale", scale, s_ref, ctx)
+        _assert_close(name, "scale", scale, s_ref, hp, RTOL, ATOL)
         q = torch.as_tensor(q)
         q_max = 2 ** (bits - 1) - 1
         if q.float().abs().max() > q_max:
             raise AssertionError(f"{name}: codes reach {q.float().abs().max():.0f} but {bits}-bit symmetric codes "
-                                 f"lie in [-{q_max}, {q_max}]: clamp after rounding ({ctx})")
+                                 f"lie in [-{q_max}, {q_max}]: clamp after rounding ({_fmt(hp)})")
         # Codes may differ only at exact .5 ties (x / s vs x * (1 / s) can land either side).
         y = (quant.group_view(x, granularity, G) / torch.where(s_ref > 0, s_ref, 1.0)[..., None]).reshape(x.shape)
         near_tie = ((y - y.floor()) - 0.5).abs() < 1e-3
         diff = (q.float() != q_ref.float()) & ~near_tie
         if diff.any():
             i = int(torch.nonzero(diff.flatten())[0])
-            raise AssertionError(f"{name}: codes differ from round(x / scale) ({ctx}): at flat index {i} expected "
+            raise AssertionError(f"{name}: codes differ from round(x / scale) ({_fmt(hp)}): at flat index {i} expected "
                                  f"{q_ref.flatten()[i].item()}, got {q.flatten()[i].item()} "
                                  f"(x={x.flatten()[i].item():.6g}); use round-to-nearest, not floor/trunc")
         x_hat = dequantize_fn(q_ref.clone(), s_ref.clone())
-        _close(name, "dequantize(q, scale)", x_hat, quant.dequantize(q_ref, s_ref), ctx)
-        err = (x - torch.as_tensor(x_hat).float()).abs()
-        bound = (quant.group_view(torch.ones_like(x), granularity, G) * (s_ref / 2)[..., None]).reshape(x.shape)
-        if not (err <= bound * (1 + 1e-4) + 1e-7).all():
-            raise AssertionError(f"{name}: round-trip error exceeds scale / 2 ({ctx})")
+        _assert_close(name, "dequantize(q, scale)", x_hat, quant.dequantize(q_ref, s_ref), hp, RTOL, ATOL)
     _ok(name, trials, seed)
 
 
@@ -94,14 +73,14 @@ def check_calibrate_range(fn, seed: int = 0, trials: int = 4) -> None:
         pct = rng.choice([99.0, 99.9, 95.0])
         batches = [torch.randn(rng.choice([3, 5]), 17, generator=gen) * 2 + 0.5 for _ in range(rng.choice([2, 3]))]
         batches[0][0, 0] = 60.0  # one outlier: min-max follows it, the percentile ignores it
-        ctx = f"method={method!r}, percentile={pct}, {len(batches)} batches"
+        hp = dict(method=method, percentile=pct, batches=len(batches))
         obs = quant.MinMaxObserver() if method == "minmax" else quant.PercentileObserver(pct)
         for b in batches:
             obs.update(b)
         lo, hi = fn([b.clone() for b in batches], method, pct)
         want_lo, want_hi = obs.range()
-        _close(name, "lo", lo, want_lo, ctx, rtol=1e-4, atol=1e-5)
-        _close(name, "hi", hi, want_hi, ctx, rtol=1e-4, atol=1e-5)
+        _assert_close(name, "lo", lo, want_lo, hp, rtol=1e-4, atol=1e-5)
+        _assert_close(name, "hi", hi, want_hi, hp, rtol=1e-4, atol=1e-5)
     _ok(name, trials, seed)
 
 
@@ -114,18 +93,18 @@ def check_fake_quant_ste(fn, seed: int = 0, trials: int = 4) -> None:
         bits = (8, 4)[t % 2]
         x = torch.randn(rng.choice([3, 7]), rng.choice([5, 9]), generator=gen, dtype=torch.float64)
         scale = torch.tensor(rng.choice([0.05, 0.2, 0.5]) * 8 / 2 ** (bits - 1), dtype=torch.float64)
-        ctx = f"bits={bits}, scale={scale.item():.4g}"
+        hp = dict(bits=bits, scale=scale.item())
         x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
         y = fn(x1, scale, bits)
         y_ref = quant.fake_quant(x2, scale, bits=bits)
-        _close(name, "forward", y, y_ref, ctx)
+        _assert_close(name, "forward", y, y_ref, hp, RTOL, ATOL)
         if not y.requires_grad:
             raise AssertionError(f"{name}: the output does not require grad; build it from x with torch ops "
-                                 f"or a torch.autograd.Function ({ctx})")
+                                 f"or a torch.autograd.Function ({_fmt(hp)})")
         g = torch.randn(x.shape, generator=gen, dtype=torch.float64)
         (y * g).sum().backward()
         (y_ref * g).sum().backward()
-        _close(name, "gradient w.r.t. x (STE: grad where not clipped, 0 outside)", x1.grad, x2.grad, ctx)
+        _assert_close(name, "gradient w.r.t. x (STE: grad where not clipped, 0 outside)", x1.grad, x2.grad, hp, RTOL, ATOL)
     _ok(name, trials, seed)
 
 
@@ -138,10 +117,10 @@ def check_magnitude_masks(fn, seed: int = 0, trials: int = 6) -> None:
         scope = ("global", "layer")[t % 2]
         sparsity = rng.choice([0.2, 0.5, 0.75, 0.9])
         weights = {f"w{i}": _matrix(rng, gen) for i in range(rng.choice([2, 3]))}
-        ctx = f"scope={scope!r}, sparsity={sparsity}, shapes {[tuple(w.shape) for w in weights.values()]}"
+        hp = dict(scope=scope, sparsity=sparsity, shapes=[tuple(w.shape) for w in weights.values()])
         masks = fn({k: w.clone() for k, w in weights.items()}, sparsity, scope)
         if set(masks) != set(weights):
-            raise AssertionError(f"{name}: returned keys {sorted(masks)}, expected {sorted(weights)} ({ctx})")
+            raise AssertionError(f"{name}: returned keys {sorted(masks)}, expected {sorted(weights)} ({_fmt(hp)})")
         masks = {k: torch.as_tensor(m).bool() for k, m in masks.items()}
         for k, w in weights.items():
             if masks[k].shape != w.shape:
@@ -153,11 +132,11 @@ def check_magnitude_masks(fn, seed: int = 0, trials: int = 6) -> None:
             pruned = int((~m).sum())
             if abs(pruned - sparsity * a.numel()) >= 1:
                 raise AssertionError(f"{name}: pruned {pruned} of {a.numel()} weights in {keys}; expected "
-                                     f"round({sparsity} * {a.numel()}) ({ctx})")
+                                     f"round({sparsity} * {a.numel()}) ({_fmt(hp)})")
             if 0 < pruned < a.numel() and a[m].min() < a[~m].max():
                 raise AssertionError(f"{name}: a kept |w|={a[m].min():.4g} is smaller than a pruned "
                                      f"|w|={a[~m].max():.4g} in {keys}: rank by magnitude |w| "
-                                     f"{'over all layers together' if scope == 'global' else 'within each layer'} ({ctx})")
+                                     f"{'over all layers together' if scope == 'global' else 'within each layer'} ({_fmt(hp)})")
     _ok(name, trials, seed)
 
 
@@ -169,9 +148,9 @@ def check_gradual_sparsity(fn, seed: int = 0, trials: int = 4) -> None:
         t0 = rng.choice([0, 5, 17])
         t1 = t0 + rng.choice([10, 33])
         for step in sorted({0, t0, t0 + 1, (t0 + t1) // 2, t1 - 1, t1, t1 + 7}):
-            ctx = f"step={step}, final={s_f}, begin={t0}, end={t1}, initial={s_i}"
-            _close(name, "sparsity", float(fn(step, s_f, t0, t1, s_i)),
-                   prune.gradual_sparsity(step, s_f, t0, t1, s_i), ctx, rtol=1e-9, atol=1e-12)
+            hp = dict(step=step, final=s_f, begin=t0, end=t1, initial=s_i)
+            _assert_close(name, "sparsity", float(fn(step, s_f, t0, t1, s_i)),
+                   prune.gradual_sparsity(step, s_f, t0, t1, s_i), hp, rtol=1e-9, atol=1e-12)
     _ok(name, trials, seed)
 
 
@@ -184,16 +163,16 @@ def check_prune_linear_pair(fn, seed: int = 0, trials: int = 4) -> None:
         d_in, hidden, d_out = rng.choice([3, 6]), rng.choice([7, 12]), rng.choice([2, 5])
         n_keep = rng.randrange(1, hidden)
         fc1, fc2 = nn.Linear(d_in, hidden).double(), nn.Linear(hidden, d_out).double()
-        ctx = f"in={d_in}, hidden={hidden}, out={d_out}, n_keep={n_keep}"
+        hp = dict(d_in=d_in, hidden=hidden, d_out=d_out, n_keep=n_keep)
         new1, new2 = fn(fc1, fc2, n_keep)
         want1, want2 = prune.prune_linear_pair(fc1, fc2, n_keep)
         for got, want, label in ((new1, want1, "new fc1"), (new2, want2, "new fc2")):
             if not isinstance(got, nn.Linear) or got.weight.shape != want.weight.shape:
                 shape = tuple(got.weight.shape) if isinstance(got, nn.Linear) else type(got).__name__
                 raise AssertionError(f"{name}: {label} should be an nn.Linear with weight {tuple(want.weight.shape)}, "
-                                     f"got {shape}: build new, smaller layers ({ctx})")
+                                     f"got {shape}: build new, smaller layers ({_fmt(hp)})")
         x = torch.randn(4, d_in, dtype=torch.float64)
-        _close(name, "output of the pruned pair", new2(torch.relu(new1(x))), want2(torch.relu(want1(x))), ctx,
+        _assert_close(name, "output of the pruned pair", new2(torch.relu(new1(x))), want2(torch.relu(want1(x))), hp,
                rtol=1e-9, atol=1e-12)
     _ok(name, trials, seed)
 
@@ -206,15 +185,19 @@ def check_mask_2to4(mask_fn, valid_fn, seed: int = 0, trials: int = 4) -> None:
     name, rng, gen = "mask_2to4", random.Random(seed), torch.Generator().manual_seed(seed)
     for _ in range(trials):
         w = _matrix(rng, gen, cols_multiple=4)
-        ctx = f"w shape {tuple(w.shape)}"
+        hp = dict(w_shape=tuple(w.shape))
         m = torch.as_tensor(mask_fn(w.clone())).bool()
-        _close(name, "mask", m.float(), prune.mask_2to4(w).float(), ctx, rtol=0, atol=0)
+        _assert_close(name, "mask", m.float(), prune.mask_2to4(w).float(), hp, rtol=0, atol=0)
         if valid_fn(prune.mask_2to4(w)) is not True:
-            raise AssertionError(f"{name}: is_2to4 rejected a valid 2:4 mask ({ctx})")
-        bad = prune.mask_2to4(w).clone()
-        bad[rng.randrange(w.shape[0]), :4] = True  # three or four kept in one group
-        if valid_fn(bad) is not False:
-            raise AssertionError(f"{name}: is_2to4 accepted a mask with 4 kept values in one group of 4 ({ctx})")
+            raise AssertionError(f"{name}: is_2to4 rejected a valid 2:4 mask ({_fmt(hp)})")
+        row = rng.randrange(w.shape[0])
+        for n_kept in (3, 4):  # 3 is the near miss a "< 4" or "!= 4" test lets through
+            bad = prune.mask_2to4(w).clone()
+            dropped = torch.nonzero(~bad[row, :4]).flatten()
+            bad[row, dropped[:n_kept - 2]] = True
+            if valid_fn(bad) is not False:
+                raise AssertionError(f"{name}: is_2to4 accepted a mask with {n_kept} kept values in one group of 4 "
+                                     f"({_fmt(hp)})")
         sparser = torch.zeros_like(bad)
         sparser[..., ::4] = True  # 1 of 4 kept: still allowed by the hardware
         if valid_fn(sparser) is not True:
@@ -234,15 +217,15 @@ def check_distillation_loss(fn, seed: int = 0, trials: int = 4) -> None:
         s = torch.randn(B, C, generator=gen, dtype=torch.float64) * 2
         t = torch.randn(B, C, generator=gen, dtype=torch.float64) * 2
         y = torch.randint(0, C, (B,), generator=gen)
-        ctx = f"B={B}, classes={C}, temperature={T}, lam={lam}"
+        hp = dict(B=B, classes=C, temperature=T, lam=lam)
         s1, t1 = s.clone().requires_grad_(), t.clone().requires_grad_()
         loss = fn(s1, t1, y, T, lam)
         want = distill.distillation_loss(s, t, y, T, lam)
-        _close(name, "loss", loss, want, ctx, rtol=1e-7, atol=1e-10)
+        _assert_close(name, "loss", loss, want, hp, rtol=1e-7, atol=1e-10)
         loss.backward()
         s2 = s.clone().requires_grad_()
         distill.distillation_loss(s2, t, y, T, lam).backward()
-        _close(name, "gradient w.r.t. the student logits", s1.grad, s2.grad, ctx, rtol=1e-7, atol=1e-10)
+        _assert_close(name, "gradient w.r.t. the student logits", s1.grad, s2.grad, hp, rtol=1e-7, atol=1e-10)
         if t1.grad is not None and t1.grad.abs().max() > 0:
-            raise AssertionError(f"{name}: gradient flows into the teacher logits; detach them ({ctx})")
+            raise AssertionError(f"{name}: gradient flows into the teacher logits; detach them ({_fmt(hp)})")
     _ok(name, trials, seed)

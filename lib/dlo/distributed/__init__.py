@@ -1,7 +1,7 @@
 """Multi-process training helpers: `launch(fn, n)` runs fn on n ranks from a notebook cell, or on
-this rank under torchrun/srun; `rank()`, `world_size()`, `is_main()` work with or without a
-process group."""
+this rank under torchrun/srun; `rank()`, `world_size()`, `is_main()` and `rank_device()` (the
+device this rank computes on) work with or without a process group."""
 
-from dlo.distributed.launch import RankError, init_from_env, is_main, launch, rank, world_size
+from dlo.distributed.launch import RankError, init_from_env, is_main, launch, rank, rank_device, world_size
 
-__all__ = ["launch", "RankError", "init_from_env", "rank", "world_size", "is_main"]
+__all__ = ["launch", "RankError", "init_from_env", "rank", "rank_device", "world_size", "is_main"]

@@ -1,5 +1,6 @@
 """Collectives from first principles: a ring all-reduce built from point-to-point messages, the
-bus-bandwidth measurement of nccl-tests, and the alpha-beta cost model fitted to it.
+bus-bandwidth measurement of nccl-tests, the alpha-beta cost model fitted to it, and
+`count_calls`, which records (or forbids) torch.distributed calls for the checks and experiments.
 
 Ring all-reduce (Patarasuk & Yuan 2009; the NCCL default for large messages): cut the tensor into N
 chunks; in N-1 reduce-scatter steps every rank sends one chunk to its right neighbour and adds the
@@ -16,20 +17,22 @@ so trees win for small messages (fewer latency terms) and rings for large ones.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
 
-def ring_all_reduce(tensor: torch.Tensor, group=None) -> torch.Tensor:
+def ring_all_reduce(tensor: torch.Tensor) -> torch.Tensor:
     """Sum `tensor` over all ranks in place with isend/irecv only (reduce-scatter, then all-gather).
 
     Any shape, any size (sizes smaller than the world size included): the flat tensor is padded to
     a multiple of N so that every chunk has the same length. Returns `tensor`.
     """
-    n_ranks, r = dist.get_world_size(group), dist.get_rank(group)
+    n_ranks, r = dist.get_world_size(), dist.get_rank()
     if n_ranks == 1:
         return tensor
     flat = tensor.detach().reshape(-1).clone()
@@ -37,24 +40,23 @@ def ring_all_reduce(tensor: torch.Tensor, group=None) -> torch.Tensor:
     buf = torch.cat([flat, flat.new_zeros(pad)]) if pad else flat  # (N * chunk,)
     chunks = buf.view(n_ranks, -1)  # (N, chunk): chunk i travels around the ring
     right, left = (r + 1) % n_ranks, (r - 1) % n_ranks
-    right, left = (dist.get_global_rank(group, right), dist.get_global_rank(group, left)) if group else (right, left)
     incoming = torch.empty_like(chunks[0])
     # reduce-scatter: at step s rank r sends chunk (r - s) and adds the chunk (r - s - 1) from the left
     for s in range(n_ranks - 1):
-        _exchange(chunks[(r - s) % n_ranks], incoming, right, left, group)
+        _exchange(chunks[(r - s) % n_ranks], incoming, right, left)
         chunks[(r - s - 1) % n_ranks] += incoming
     # all-gather: rank r now owns the sum of chunk (r + 1); pass finished chunks on
     for s in range(n_ranks - 1):
-        _exchange(chunks[(r + 1 - s) % n_ranks], incoming, right, left, group)
+        _exchange(chunks[(r + 1 - s) % n_ranks], incoming, right, left)
         chunks[(r - s) % n_ranks].copy_(incoming)
     tensor.copy_(buf[:flat.numel()].view_as(tensor))
     return tensor
 
 
-def _exchange(send, recv, right, left, group):
+def _exchange(send, recv, right, left):
     """Send to the right neighbour and receive from the left one at once: with blocking send/recv
     every rank would sit in send waiting for a receiver that is itself sending (deadlock)."""
-    ops = [dist.isend(send.contiguous(), right, group=group), dist.irecv(recv, left, group=group)]
+    ops = [dist.isend(send.contiguous(), right), dist.irecv(recv, left)]
     for op in ops:
         op.wait()
 
@@ -67,8 +69,8 @@ def bus_factor(world_size: int) -> float:
 
 
 def bus_bandwidth(sizes_bytes, reps: int = 5, warmup: int = 2, device=None, dtype=torch.float32,
-                  op=None, trials: int = 3) -> list[dict]:
-    """Time `op(tensor)` (default dist.all_reduce) for each message size on the current process group.
+                  trials: int = 3) -> list[dict]:
+    """Time dist.all_reduce for each message size on the current process group.
 
     Each of `trials` timings runs `reps` operations back to back after a barrier and divides, so
     that the ranks' skew leaving the barrier is paid once, not per operation (nccl-tests does the
@@ -78,21 +80,20 @@ def bus_bandwidth(sizes_bytes, reps: int = 5, warmup: int = 2, device=None, dtyp
     """
     if not dist.is_initialized():
         raise RuntimeError("bus_bandwidth: no process group; run it inside dlo.distributed.launch")
-    op = op or dist.all_reduce
     device = torch.device(device or "cpu")
     world, rows = dist.get_world_size(), []
     elem = torch.empty((), dtype=dtype).element_size()
     for size in sizes_bytes:
         x = torch.ones(max(1, int(size) // elem), dtype=dtype, device=device)
         for _ in range(warmup):
-            op(x)
+            dist.all_reduce(x)
         times = []
         for _ in range(trials):
             _sync(device)
             dist.barrier()  # every rank starts together: the timing is of the collective, not the skew
             t0 = time.perf_counter()
             for _ in range(reps):
-                op(x)
+                dist.all_reduce(x)
             _sync(device)
             times.append((time.perf_counter() - t0) / reps)
         t = sorted(times)[len(times) // 2]
@@ -103,6 +104,7 @@ def bus_bandwidth(sizes_bytes, reps: int = 5, warmup: int = 2, device=None, dtyp
 
 
 def _sync(device):
+    """Wait for the GPU's queued work, so that a host timer measures it (no-op on the CPU)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -141,3 +143,56 @@ def allreduce_time(n_bytes: float, world_size: int, alpha: float, beta: float, a
         steps = 2 * math.ceil(math.log2(world_size))
         return steps * alpha + steps * n_bytes * beta
     raise ValueError(f"allreduce_time: algo must be 'ring' or 'tree', got {algo!r}")
+
+
+# ------------------------------------------------------------------------------- counting calls
+
+class Call(NamedTuple):
+    name: str  # the torch.distributed function, e.g. "all_reduce"
+    async_op: bool
+    nbytes: int  # of the tensor passed first (0 when it is not a tensor, e.g. all_gather's list)
+    phase: object  # the recorder's `phase` at the time of the call, set by the caller (e.g. "backward")
+
+
+class CallRecorder:
+    """What `count_calls` saw: `calls` (a list of Call, clear it to start over) and `phase`, a free
+    label the caller sets and every call copies."""
+
+    def __init__(self):
+        self.calls: list[Call] = []
+        self.phase = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self.calls)
+
+
+@contextlib.contextmanager
+def count_calls(*names: str, forbid: bool | str = False):
+    """Record every call of dist.<name> (default: all_reduce) made inside the block, or refuse it.
+
+    The functions are swapped on the torch.distributed module, so calls made through `dist.<name>`
+    are seen from any code (torch's DDP communication hooks and our wrappers call it that way;
+    torch's C++ reducer does not and is invisible). With `forbid` (True or a hint to append), a call
+    raises AssertionError instead. The originals are restored on exit, also when the block raises.
+    """
+    rec, saved = CallRecorder(), {n: getattr(dist, n) for n in names or ("all_reduce",)}
+
+    def wrap(name, real):
+        def wrapper(*args, **kwargs):
+            if forbid:
+                hint = f": {forbid}" if isinstance(forbid, str) else ""
+                raise AssertionError(f"dist.{name} is not allowed here{hint}")
+            t = args[0] if args else kwargs.get("tensor")
+            nbytes = t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
+            rec.calls.append(Call(name, bool(kwargs.get("async_op", False)), nbytes, rec.phase))
+            return real(*args, **kwargs)
+        return wrapper
+
+    for name, real in saved.items():
+        setattr(dist, name, wrap(name, real))
+    try:
+        yield rec
+    finally:
+        for name, real in saved.items():
+            setattr(dist, name, real)

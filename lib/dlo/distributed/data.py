@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch.utils.data import Sampler
 
 from dlo.distributed.launch import rank as _rank
+from dlo.distributed.launch import rank_device
 from dlo.distributed.launch import world_size as _world_size
 
 
@@ -60,8 +61,7 @@ def all_reduce_metrics(loss_sum: float, correct: float, count: int) -> tuple[flo
     """
     stats = torch.tensor([float(loss_sum), float(correct), float(count)], dtype=torch.float64)
     if dist.is_initialized() and dist.get_world_size() > 1:
-        if "nccl" in dist.get_backend():
-            stats = stats.cuda()
+        stats = stats.to(rank_device())  # NCCL reduces GPU tensors only
         dist.all_reduce(stats)
     loss_sum, correct, count = stats.tolist()
     if count <= 0:

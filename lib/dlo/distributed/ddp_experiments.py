@@ -16,27 +16,19 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from dlo.distributed.collectives import bus_bandwidth
+from dlo.distributed.collectives import _sync, bus_bandwidth, count_calls
 from dlo.distributed.ddp import DataParallelBucket, DataParallelNaive
+from dlo.distributed.launch import rank_device
 from dlo.distributed.sync_bn import convert_sync_batchnorm
 from dlo.models.resnet import resnet18
-
-
-def rank_device() -> torch.device:
-    """The device of this rank: its GPU under NCCL, else the CPU."""
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+from dlo.models.small import MLP
+from dlo.train import evaluate
 
 
 def mlp(P, device, norm: bool = False) -> nn.Module:
     """d_in -> (hidden [BatchNorm] ReLU) x layers -> 10, the same weights on every call (seeded)."""
     torch.manual_seed(0)
-    layers, d = [], P.d_in
-    for _ in range(P.layers):
-        layers += [nn.Linear(d, P.hidden)] + ([nn.BatchNorm1d(P.hidden)] if norm else []) + [nn.ReLU()]
-        d = P.hidden
-    return nn.Sequential(*layers, nn.Linear(d, 10)).to(device)
+    return MLP(P.d_in, P.hidden, 10, depth=P.layers + 1, norm=norm).to(device)
 
 
 def feature_batch(P, step: int, rank: int, device, n: int | None = None):
@@ -51,11 +43,11 @@ def feature_batch(P, step: int, rank: int, device, n: int | None = None):
     return (x * scale + shift).to(device), y.to(device)
 
 
-def image_batch(P, step: int, rank: int, device, n: int | None = None):
+def image_batch(P, step: int, rank: int, device):
     """Synthetic images (B, 3, S, S) for the ResNet: 10 classes, each with its own mean pattern."""
     centres = torch.randn(10, 3, P.image_size, P.image_size, generator=torch.Generator().manual_seed(12345))
     g = torch.Generator().manual_seed(1000 * step + rank)
-    y = torch.randint(0, 10, (n or P.batch_per_rank,), generator=g)  # (B,)
+    y = torch.randint(0, 10, (P.batch_per_rank,), generator=g)  # (B,)
     x = 0.5 * centres[y] + torch.randn(len(y), 3, P.image_size, P.image_size, generator=g)  # (B, 3, S, S)
     return x.to(device), y.to(device)
 
@@ -73,11 +65,6 @@ def model(P, device) -> nn.Module:
 def batch(P, step: int, rank: int, device):
     """A batch for `model(P, device)`."""
     return (image_batch if P.model == "resnet18" else feature_batch)(P, step, rank, device)
-
-
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _step(net, opt, x, y):
@@ -150,21 +137,14 @@ def compression(P, device) -> dict:
 
     hooks = {"fp32 (no compression)": default_hooks.allreduce_hook, "fp16 compress": default_hooks.fp16_compress_hook,
              "PowerSGD": powersgd.powerSGD_hook}
-    if dist.get_backend() == "nccl":  # torch's bf16 hook needs NCCL >= 2.10; gloo has no bf16 sum
+    if device.type == "cuda":  # NCCL (rank_device): torch's bf16 hook needs NCCL >= 2.10; gloo has no bf16 sum
         hooks["bf16 compress"] = default_hooks.bf16_compress_hook
     # PowerSGD waits on a nested all-reduce inside a future callback; gloo runs those callbacks on
     # its few worker threads, so several buckets in flight deadlock on CPU: give gloo one bucket.
     cap = P.bucket_cap_mb if device.type == "cuda" else 1024.0
     ddp_kw = {"device_ids": [device.index]} if device.type == "cuda" else {}
-    sent, real = [0], dist.all_reduce
-
-    def counting(tensor, *args, **kwargs):
-        sent[0] += tensor.numel() * tensor.element_size()
-        return real(tensor, *args, **kwargs)
-
     out = {}
-    dist.all_reduce = counting  # the hooks call dist.all_reduce from Python: count what they send
-    try:
+    with count_calls("all_reduce") as sent:  # the hooks call dist.all_reduce from Python: count what they send
         for name, hook in hooks.items():
             net = nn.parallel.DistributedDataParallel(model(P, device), bucket_cap_mb=cap, **ddp_kw)
             state = (powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=P.powersgd_rank,
@@ -172,11 +152,9 @@ def compression(P, device) -> dict:
             net.register_comm_hook(state, hook)
             opt = torch.optim.SGD(net.parameters(), lr=P.lr, momentum=0.9)
             for s in range(P.compress_steps):
-                sent[0] = 0  # keep the last step's bytes: PowerSGD sends full gradients for its first steps
+                sent.calls.clear()  # keep the last step's bytes: PowerSGD sends full gradients for its first steps
                 loss = _step(net, opt, *batch(P, s, dist.get_rank(), device))
-            out[name] = {"bytes/step": sent[0], "final loss": loss.item()}
-    finally:  # the patched function must not outlive the experiment, even when a hook raises
-        dist.all_reduce = real
+            out[name] = {"bytes/step": sent.nbytes, "final loss": loss.item()}
     return out
 
 
@@ -193,11 +171,9 @@ def batchnorm(P, device) -> dict:
         opt = torch.optim.SGD(net.parameters(), lr=P.bn_lr, momentum=0.9)
         for s in range(P.bn_steps):
             _step(net, opt, *feature_batch(P, s, r, device, n=P.bn_batch))
-        net.eval()  # running statistics: rank 0's own for local BN, the global ones when synced
-        with torch.no_grad():
-            logits = net(x_test)
-        out[name] = {"test loss": F.cross_entropy(logits, y_test).item(),
-                     "test acc": (logits.argmax(1) == y_test).float().mean().item()}
+        # eval mode: running statistics, rank 0's own for local BN, the global ones when synced
+        loss, acc = evaluate(net, (x_test, y_test), device)
+        out[name] = {"test loss": loss, "test acc": acc}
     return out
 
 

@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from dlo.distributed._spawn import RankError, spawn
 
-__all__ = ["RankError", "dumps", "init_from_env", "is_main", "launch", "rank", "world_size"]
+__all__ = ["RankError", "dumps", "init_from_env", "is_main", "launch", "rank", "rank_device", "world_size"]
 # ---------------------------------------------------------------------------------- small helpers
 
 def rank() -> int:
@@ -46,6 +46,14 @@ def rank() -> int:
 def world_size() -> int:
     """Number of ranks, 1 when no process group is initialised."""
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def rank_device() -> torch.device:
+    """This rank's device: its current GPU under NCCL (which binds each rank to one GPU), else the CPU
+    (gloo, or no process group)."""
+    if dist.is_available() and dist.is_initialized() and "nccl" in dist.get_backend():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def is_main() -> bool:
@@ -101,8 +109,7 @@ def init_from_env(backend=None) -> torch.device:
     Does nothing when a process group already exists. Returns the device this rank should use.
     """
     if dist.is_initialized():
-        cuda = "nccl" in dist.get_backend()
-        return torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        return rank_device()
     found = _env_ranks()
     if found is None:
         raise RuntimeError("init_from_env: neither RANK/WORLD_SIZE (torchrun) nor SLURM_PROCID/SLURM_NTASKS "
@@ -122,7 +129,7 @@ def init_from_env(backend=None) -> torch.device:
                              f"but this node shows {_cuda_count()} CUDA device(s)")
         torch.cuda.set_device(local)  # before init: NCCL binds each rank to its own GPU
     dist.init_process_group(backend, init_method="env://", rank=rank_, world_size=world)
-    return torch.device("cuda", local) if "nccl" in backend else torch.device("cpu")
+    return rank_device()  # cuda:local under NCCL (set_device above), else the CPU
 
 
 def _run_here(fn, world, backend, args, kwargs):

@@ -84,6 +84,21 @@ def autograde_one(course: Path, submitted: Path, student: str, day: str, profile
     return "graded"
 
 
+def feedback_day(course: Path, day: str) -> bool:
+    """nbgrader generate_feedback for every graded student of `day` at once; False when it fails.
+
+    A failure leaves the scores valid, so grading goes on: it is printed and logged, and that day's
+    feedback (possibly partial or stale) is not copied out."""
+    proc = nbgrader(["generate_feedback", day, "--force"], course)
+    if proc.returncode == 0:
+        return True
+    log = f"generate_feedback_{day}.log"
+    (course / log).write_text(proc.stdout + proc.stderr)
+    print(f"error: generate_feedback {day} failed (see {course.name}/{log}); no feedback copied for {day}",
+          flush=True)
+    return False
+
+
 def collect(course: Path, pairs: list[tuple[str, str, str]]) -> tuple[list[dict], list[dict]]:
     rows, cells = [], []
     with Gradebook(f"sqlite:///{course / 'gradebook.db'}") as gb:
@@ -129,16 +144,19 @@ def main(root: Path, submitted: str, out: str | None, profile: str, cell_timeout
     for i, (student, day) in enumerate(found, 1):
         print(f"[{i}/{len(found)}] autograding {student} / {day} ...", flush=True)
         graded.append((student, day, autograde_one(course, submitted_dir, student, day, profile, notebook_timeout)))
-    for day in sorted({d for _, d, status in graded if status == "graded"}):
-        nbgrader(["generate_feedback", day, "--force"], course)  # every graded student at once
+    ok_pairs = {(s, d) for s, d, status in graded if status == "graded"}
+    fed = {day for day in sorted({d for _, d in ok_pairs}) if feedback_day(course, day)}
     rows, cells = collect(course, graded + [(r["student"], r["day"], r["status"]) for r in bad])
-    _copy_feedback(course, out_dir / "feedback")
+    _copy_feedback(course, out_dir / "feedback", {(s, d) for s, d in ok_pairs if d in fed})
 
     write_csv(out_dir / "scores.csv", rows, ["student", "day", "score", "max_score", "status"])
     write_csv(out_dir / "cells.csv", cells, ["student", "day", "cell", "score", "max_score"])
     print()
     print(format_table(rows))
     print(f"\nscores: {out_dir / 'scores.csv'}\nper cell: {out_dir / 'cells.csv'}\nfeedback: {out_dir / 'feedback'}")
+    no_feedback = sorted({d for _, d in ok_pairs} - fed)
+    if no_feedback:
+        print(f"no feedback for {', '.join(no_feedback)}: generate_feedback failed (logs in {course})")
     if require_full and not all(r["max_score"] > 0 and r["score"] == r["max_score"] for r in rows):
         print("not every submission has full marks (--require-full)")
         return 1
@@ -153,9 +171,13 @@ def _load_config(text: str):
     return c
 
 
-def _copy_feedback(course: Path, dest: Path) -> None:
+def _copy_feedback(course: Path, dest: Path, pairs: set[tuple[str, str]]) -> None:
+    """Copy feedback/<student>/<day>/*.html of the given (student, day) pairs only: a failed autograde
+    or generate_feedback may leave an older or partial file there."""
     for html in sorted((course / "feedback").glob("*/*/*.html")):
         student, day = html.parent.parent.name, html.parent.name
+        if (student, day) not in pairs:
+            continue
         target = dest / student / f"{day}.html"
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(html, target)

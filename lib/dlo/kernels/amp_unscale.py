@@ -10,7 +10,7 @@ input element is not finite: the same contract as torch's `_amp_foreach_non_fini
 so no value ever needs to reach the host until the scaler decides whether to step.
 
 The pointer table (data addresses, sizes, a per-program (tensor, offset) map) is the scheme of
-fused_adamw.py. 1/S is read from a device tensor, not passed as a float, so a new scale never costs a
+fused_adamw.py, built by runtime.launch_tables. 1/S is read from a device tensor, not passed as a float, so a new scale never costs a
 sync or a recompile.
 
 Order: kernel, launcher, `amp_unscale_ref` (torch), benchmarks.
@@ -26,7 +26,7 @@ import triton.language as tl
 from torch import Tensor
 
 from dlo.kernels.fused_adamw import transformer_numels
-from dlo.kernels.runtime import block_map, interpreting, jit_for_mode, kernel_available
+from dlo.kernels.runtime import interpreting, kernel_available, launch_tables, round_to_bf16, time_ms
 
 BLOCK_SIZE = 1024  # elements per program: 4 KiB of fp32 per program, 8 per thread with 4 warps
 MAX_TENSORS_PER_LAUNCH = 2048  # longer lists are split so the per-launch tables stay small
@@ -58,11 +58,7 @@ def _amp_unscale_kernel(g_addr_ptr,  # (T,) int64 data addresses of the gradient
 
     g = g * inv_scale
     if G_DTYPE == tl.bfloat16:
-        # Round to nearest even by hand (the CPU interpreter truncates fp32 -> bf16); inf and nan
-        # keep their class under this rounding, so they pass through unchanged.
-        bits = g.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        g = bits.to(tl.float32, bitcast=True)
+        g = round_to_bf16(g)  # the interpreter would truncate; inf and nan pass through unchanged
     tl.store(g_ptr + offs, g.to(G_DTYPE), mask=mask)
 
 
@@ -80,23 +76,6 @@ def _check_inputs(grads: list[Tensor], found_inf: Tensor, inv_scale: Tensor, nee
                              f"{found_inf.device} / {inv_scale.device}; use one pair per device")
         if need_contiguous and not g.is_contiguous():
             raise ValueError(f"grads[{i}] must be contiguous for the kernel")
-
-
-_tables: dict[tuple, tuple] = {}
-
-
-def _launch_tables(grads: list[Tensor], device: torch.device):
-    """Addresses, sizes and the per-program map; a pure function of the addresses and sizes."""
-    addrs, numels = [g.data_ptr() for g in grads], [g.numel() for g in grads]
-    key = (device, *addrs, *numels)
-    if key not in _tables:
-        block_tensor, block_start = block_map(numels, BLOCK_SIZE)
-        if len(_tables) >= 64:
-            _tables.pop(next(iter(_tables)))
-        tables = (torch.tensor(addrs, dtype=torch.int64), torch.tensor(numels, dtype=torch.int64),
-                  block_tensor, block_start)
-        _tables[key] = tuple(x.to(device) for x in tables)
-    return _tables[key]
 
 
 @torch.no_grad()
@@ -117,10 +96,11 @@ def amp_unscale_(grads: list[Tensor], found_inf: Tensor, inv_scale: Tensor) -> N
                            f"tensors with TRITON_INTERPRET=1 (use amp_unscale_ref otherwise)")
     for dtype, group in groups.items():
         for c in range(0, len(group), MAX_TENSORS_PER_LAUNCH):
-            addrs, numels, block_tensor, block_start = _launch_tables(group[c:c + MAX_TENSORS_PER_LAUNCH], device)
+            addrs, numels, block_tensor, block_start, _ = launch_tables([group[c:c + MAX_TENSORS_PER_LAUNCH]],
+                                                                        device, BLOCK_SIZE)
             with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-                jit_for_mode(_amp_unscale_kernel)[(len(block_tensor),)](addrs, numels, block_tensor, block_start, found_inf, inv_scale,
-                                                G_DTYPE=GRAD_DTYPES[dtype], BLOCK=BLOCK_SIZE)
+                _amp_unscale_kernel[(len(block_tensor),)](addrs[0], numels, block_tensor, block_start, found_inf,
+                                                          inv_scale, G_DTYPE=GRAD_DTYPES[dtype], BLOCK=BLOCK_SIZE)
 
 
 @torch.no_grad()
@@ -135,10 +115,6 @@ def amp_unscale_ref(grads: list[Tensor], found_inf: Tensor, inv_scale: Tensor) -
 
 
 # ----------------------------------------------------------------------------- benchmarks
-
-def _time_ms(fn) -> float:
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-
 
 def bench(sizes: tuple[int, ...] = (256, 512, 1024), dtype: torch.dtype = torch.float32) -> list[dict]:
     """GPU benchmark for `dlo bench amp_unscale`: the gradients of a 12-layer transformer of each
@@ -159,7 +135,7 @@ def bench(sizes: tuple[int, ...] = (256, 512, 1024), dtype: torch.dtype = torch.
                  "dlo triton": lambda: amp_unscale_(grads, found_inf, inv_scale)}
         moved = 2 * sum(numels) * dtype.itemsize  # one read and one write of every gradient
         for impl, fn in impls.items():
-            ms = _time_ms(fn)
+            ms = time_ms(fn)
             gbs = moved / (ms * 1e-3) / 1e9
             rows.append({"op": "amp_unscale", "size": sum(numels), "tensors": len(numels),
                          "dtype": str(dtype).removeprefix("torch."), "impl": impl, "ms": ms, "GB/s": gbs,
@@ -168,7 +144,3 @@ def bench(sizes: tuple[int, ...] = (256, 512, 1024), dtype: torch.dtype = torch.
         torch.cuda.empty_cache()
     return rows
 
-
-if __name__ == "__main__":
-    from dlo.tables import format_table
-    print(format_table(bench()))

@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import contextlib
 import math
-import time
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from dlo.kernels.runtime import block_map, interpreting, jit_for_mode, kernel_available
+from dlo.kernels.runtime import interpreting, kernel_available, launch_tables, round_to_bf16, time_ms
 
 BLOCK_SIZE = 1024  # elements per program: 4 KiB of fp32 per stream, 8 per thread with 4 warps
 MAX_TENSORS_PER_LAUNCH = 2048  # longer tables are split so the per-launch metadata stays small
@@ -75,11 +74,7 @@ def _fused_adamw_kernel(p_addr_ptr, g_addr_ptr, m_addr_ptr, v_addr_ptr,  # (T,) 
     p = p - step_size * tl.div_rn(m, denom)
 
     if P_DTYPE == tl.bfloat16:
-        # Round to nearest even by hand: the Triton CPU interpreter truncates fp32 -> bf16, which
-        # would bias every small update downwards; this way GPU and interpreter agree bit for bit.
-        bits = p.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        p = bits.to(tl.float32, bitcast=True)
+        p = round_to_bf16(p)  # the interpreter would truncate: round to nearest even on both paths
     if full:
         tl.store(p_ptr + offs, p.to(P_DTYPE))
         tl.store(m_ptr + offs, m)
@@ -90,9 +85,7 @@ def _fused_adamw_kernel(p_addr_ptr, g_addr_ptr, m_addr_ptr, v_addr_ptr,  # (T,) 
         tl.store(v_ptr + offs, v, mask=mask)
 
 
-def _check_inputs(params, grads, exp_avgs, exp_avg_sqs, step, maximize, amsgrad, need_contiguous):
-    if maximize or amsgrad:
-        raise ValueError("fused AdamW supports maximize=False and amsgrad=False only")
+def _check_inputs(params, grads, exp_avgs, exp_avg_sqs, step, need_contiguous):
     if not len(params) == len(grads) == len(exp_avgs) == len(exp_avg_sqs):
         raise ValueError(f"params, grads, exp_avgs, exp_avg_sqs have lengths {len(params)}, {len(grads)}, "
                          f"{len(exp_avgs)}, {len(exp_avg_sqs)}; they must be equal")
@@ -126,31 +119,10 @@ def _scalars(step, lr, beta1, beta2, eps, weight_decay):
                 step_size=lr / bias_correction1, bc2_sqrt=math.sqrt(bias_correction2))
 
 
-_tables: dict[tuple, tuple[Tensor, ...]] = {}
-
-
-def _launch_tables(quads, device):
-    """(4, T) addresses, (T,) sizes, the per-program map and whether all addresses are 16-byte
-    aligned; a pure function of the addresses and sizes, so the cache is always right."""
-    addrs = [[t.data_ptr() for t in q] for q in quads]
-    numels = [t.numel() for t in quads[0]]
-    key = (device, *addrs[0], *addrs[1], *addrs[2], *addrs[3], *numels)
-    if key not in _tables:
-        block_tensor, block_start = block_map(numels, BLOCK_SIZE)
-        if len(_tables) >= 64:
-            _tables.pop(next(iter(_tables)))
-        tables = [torch.tensor(addrs, dtype=torch.int64), torch.tensor(numels, dtype=torch.int64),
-                  block_tensor, block_start]
-        # torch allocations are aligned; only views with an odd storage offset are not.
-        aligned = all(a % 16 == 0 for lst in addrs for a in lst)
-        _tables[key] = (*(x.to(device) for x in tables), aligned)
-    return _tables[key]
-
-
 @torch.no_grad()
 def fused_adamw_(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
                  *, step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
-                 maximize: bool = False, amsgrad: bool = False, check: bool = True) -> None:
+                 check: bool = True) -> None:
     """One AdamW step on every tensor, in place, one kernel launch per (device, dtype) group.
 
     params and grads share a dtype (fp32, bf16 or fp16); exp_avgs and exp_avg_sqs are fp32. All on
@@ -159,7 +131,7 @@ def fused_adamw_(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tenso
     only for callers that guarantee it, as FusedAdamW does: the kernel trusts every address and size.
     """
     if check:
-        _check_inputs(params, grads, exp_avgs, exp_avg_sqs, step, maximize, amsgrad, need_contiguous=True)
+        _check_inputs(params, grads, exp_avgs, exp_avg_sqs, step, need_contiguous=True)
     scalars = _scalars(step, float(lr), beta1, beta2, eps, weight_decay)
     groups: dict[tuple, list[int]] = {}
     for i, p in enumerate(params):
@@ -172,32 +144,30 @@ def fused_adamw_(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tenso
         for c in range(0, len(idx), MAX_TENSORS_PER_LAUNCH):
             chunk = idx[c:c + MAX_TENSORS_PER_LAUNCH]
             quads = [[lst[i] for i in chunk] for lst in (params, grads, exp_avgs, exp_avg_sqs)]
-            addrs, numels, block_tensor, block_start, aligned = _launch_tables(quads, device)
+            addrs, numels, block_tensor, block_start, aligned = launch_tables(quads, device, BLOCK_SIZE)
             # Triton launches on the current CUDA device, which need not be the tensors' one.
             with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-                jit_for_mode(_fused_adamw_kernel)[(len(block_tensor),)](addrs[0], addrs[1], addrs[2], addrs[3], numels, block_tensor,
-                                                block_start, **scalars, P_DTYPE=PARAM_DTYPES[dtype],
-                                                ALIGNED=aligned, BLOCK=BLOCK_SIZE)
+                _fused_adamw_kernel[(len(block_tensor),)](*addrs, numels, block_tensor, block_start, **scalars,
+                                                          P_DTYPE=PARAM_DTYPES[dtype], ALIGNED=aligned,
+                                                          BLOCK=BLOCK_SIZE)
 
 
 @torch.no_grad()
 def fused_adamw_ref(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
-                    *, step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
-                    maximize: bool = False, amsgrad: bool = False) -> None:
-    """The reference: torch.optim.AdamW's single-tensor arithmetic, op for op, in fp32 per tensor.
+                    *, step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float) -> None:
+    """The reference: dlo.optim.reference.adamw_step (torch.optim.AdamW's single-tensor arithmetic,
+    op for op) on each tensor, in fp32.
 
     For fp32 params this is torch's own update; for bf16/fp16 params the update runs on an fp32 copy
     with fp32 state and is rounded once on the way back, as the kernel does.
     """
-    _check_inputs(params, grads, exp_avgs, exp_avg_sqs, step, maximize, amsgrad, need_contiguous=False)
-    s = _scalars(step, float(lr), beta1, beta2, eps, weight_decay)
+    # Imported here: dlo.optim imports this module (FusedAdamW), so a top-level import would be circular.
+    from dlo.optim.reference import adamw_step
+    _check_inputs(params, grads, exp_avgs, exp_avg_sqs, step, need_contiguous=False)
     for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs):
-        p32, g32 = p.float(), g.float()  # p.float() is p itself for fp32, so the update lands in place
-        p32.mul_(s["decay"])
-        m.lerp_(g32, s["one_minus_beta1"])
-        v.mul_(beta2).addcmul_(g32, g32, value=s["one_minus_beta2"])
-        denom = (v.sqrt() / s["bc2_sqrt"]).add_(eps)
-        p32.addcdiv_(m, denom, value=-s["step_size"])
+        p32 = p.float()  # p itself for fp32, so the update lands in place
+        adamw_step(p32, g.float(), m, v, step, lr=float(lr), beta1=beta1, beta2=beta2, eps=eps,
+                   weight_decay=weight_decay)
         if p32 is not p:
             p.copy_(p32)
 
@@ -215,19 +185,6 @@ def _bytes_per_step(numel: int, param_dtype: torch.dtype, state_dtype: torch.dty
     # p and g read, p written in the param dtype; m and v each read and written in the state dtype.
     ps, ss = param_dtype.itemsize, state_dtype.itemsize
     return numel * (3 * ps + 4 * ss)
-
-
-def _time_ms(fn, device: torch.device) -> float:
-    if device.type == "cuda":
-        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-    fn()  # warm-up (state allocation on the first step)
-    times = []
-    t_end = time.perf_counter() + 0.2
-    while len(times) < 3 or (time.perf_counter() < t_end and len(times) < 50):
-        t0 = time.perf_counter()
-        fn()
-        times.append(1e3 * (time.perf_counter() - t0))
-    return sorted(times)[len(times) // 2]
 
 
 def _ours_step(params: list[Tensor]):
@@ -261,7 +218,7 @@ def bench_optimizer_step(numel_list: list[int], dtype: torch.dtype = torch.float
     hbm = (peak(device) or {}).get("hbm_gbs")
     rows = []
     for impl, step in ((k, v) for k, v in steps.items() if k in impls):
-        ms = _time_ms(step, device)
+        ms = time_ms(step, device)
         state_dtype = torch.float32 if impl.startswith("dlo") else dtype  # torch keeps state in the param dtype
         # Effective bandwidth: the bytes a one-pass update must move. Unfused versions move more, so
         # their figure says how far they are from what the step could cost, not what DRAM carried.
@@ -283,17 +240,3 @@ def bench(sizes: tuple[int, ...] = (256, 512, 1024), dtype: torch.dtype = torch.
                          "dtype": str(dtype).removeprefix("torch."), **row})
         torch.cuda.empty_cache()
     return rows
-
-
-@triton.testing.perf_report(triton.testing.Benchmark(
-    x_names=["d_model"], x_vals=[128, 256, 512, 1024, 1536], x_log=True, line_arg="impl",
-    line_vals=list(IMPLS), line_names=list(IMPLS),
-    ylabel="GB/s", plot_name="fused-adamw-fp32", args={"dtype": torch.float32}))
-def perf_fused_adamw(d_model, impl, dtype):
-    """Achieved GB/s against model width, as in the Triton tutorials: `perf_fused_adamw.run(print_data=True)`."""
-    (row,) = bench_optimizer_step(transformer_numels(d_model), dtype, "cuda", impls=(impl,))
-    return row["GB/s"]
-
-
-if __name__ == "__main__":
-    perf_fused_adamw.run(print_data=True, show_plots=False)

@@ -18,7 +18,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from dlo.kernels.runtime import bench_matmuls, jit_for_mode, kernel_available
+from dlo import quant
+from dlo.kernels.runtime import bench_matmuls, kernel_available
 
 OUT_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 MAX_K = (2 ** 31 - 1) // (127 * 127)  # the int32 accumulator is safe up to this K
@@ -74,8 +75,8 @@ def int8_gemm(a: Tensor, b: Tensor, sa: Tensor, sb: Tensor, out_dtype: torch.dty
     c = torch.empty((M, N), dtype=out_dtype, device=a.device)
     BM, BN, BK = (128, 128, 64) if a.device.type == "cuda" else (16, 16, 16)
     grid = (triton.cdiv(M, BM), triton.cdiv(N, BN))
-    jit_for_mode(_int8_gemm_kernel)[grid](a, b, sa, sb, c, M, N, K, OUT=OUT_DTYPES[out_dtype],
-                                          BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK)
+    _int8_gemm_kernel[grid](a, b, sa, sb, c, M, N, K, OUT=OUT_DTYPES[out_dtype],
+                            BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK)
     return c
 
 
@@ -91,12 +92,8 @@ def int8_gemm_ref(a: Tensor, b: Tensor, sa: Tensor, sb: Tensor, out_dtype: torch
 
 def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
     """Dynamic symmetric per-row int8: (codes (M, K) int8, scales (M,) fp32); an all-zero row gets scale 0."""
-    if not torch.isfinite(x).all():
-        raise ValueError("x holds inf or nan; it cannot be quantized")
-    scale = x.float().abs().amax(dim=1) / 127.0
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = torch.round(x.float() / safe[:, None]).clamp(-127, 127).to(torch.int8)
-    return q, scale
+    q, scale, _ = quant.quantize(x, 8, "channel", symmetric=True)  # scale (M, 1)
+    return q, scale[:, 0]
 
 
 # ----------------------------------------------------------------------------- benchmark

@@ -21,7 +21,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from dlo.kernels.runtime import jit_for_mode, kernel_available
+from dlo import quant
+from dlo.kernels.runtime import kernel_available
 
 
 @triton.jit
@@ -78,28 +79,22 @@ def quantize_weight(w: Tensor, bits: int = 8, group_size: int = -1) -> tuple[Ten
     scale = torch.empty((N, K // G), dtype=torch.float32, device=w.device)
     if w.numel() == 0:
         return q, scale
-    jit_for_mode(_quantize_kernel)[(N, K // G)](w, q, scale, K, K // G, float(2 ** (bits - 1) - 1),
-                                                 G=G, BLOCK=triton.next_power_of_2(G))
+    _quantize_kernel[(N, K // G)](w, q, scale, K, K // G, float(2 ** (bits - 1) - 1),
+                                  G=G, BLOCK=triton.next_power_of_2(G))
     return q, scale
 
 
 def quantize_ref(w: Tensor, bits: int = 8, group_size: int = -1) -> tuple[Tensor, Tensor]:
-    """The torch reference of `quantize_weight`, same outputs."""
+    """The torch reference of `quantize_weight`, same outputs: dlo.quant's symmetric min-max
+    quantization with one scale per group of G inputs (G = K is per-channel)."""
     G = _check_weight(w, bits, group_size)
-    N, K = w.shape
-    q_max = float(2 ** (bits - 1) - 1)
-    wg = w.float().reshape(N, K // G, G)  # (N, groups, G)
-    scale = wg.abs().amax(dim=-1) / q_max if w.numel() else torch.empty(N, K // G, device=w.device)
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = torch.round(wg / safe[..., None]).clamp(-q_max, q_max)
-    return q.reshape(N, K).to(torch.int8), scale
+    q, scale, _ = quant.quantize(w, bits, "group", G, symmetric=True)
+    return q, scale
 
 
 def dequantize_weight(q: Tensor, scale: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
     """W_hat = q * s, with each scale repeated over its group: (N, K) in `dtype`."""
-    N, K = q.shape
-    n_groups = scale.shape[1]
-    return (q.float().reshape(N, n_groups, K // n_groups) * scale[..., None]).reshape(N, K).to(dtype)
+    return quant.dequantize(q, scale).to(dtype)
 
 
 def pack_int4(q: Tensor) -> Tensor:

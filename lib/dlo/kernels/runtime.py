@@ -1,19 +1,19 @@
-"""Where a Triton kernel runs: compiled on a CUDA GPU, or in the interpreter on CPU tensors.
+"""Where a Triton kernel runs, and what the kernels share (launch tables, bf16 rounding, timing).
 
-With TRITON_INTERPRET=1 (the tests on a machine without GPU) kernels run in numpy on CPU tensors.
-`triton.jit` picks compiled vs interpreted when a module is imported, but tests and notebooks may
-set the variable later, so launchers go through `jit_for_mode`, which wraps the same Python
-function again in the mode asked for now.
+Kernels are compiled for CUDA tensors, or run in numpy on CPU tensors with TRITON_INTERPRET=1 (the
+tests on a machine without GPU). `triton.jit` picks compiled vs interpreted when a kernel module is
+imported, so TRITON_INTERPRET must be set before dlo.kernels is imported: tests/conftest.py does.
 """
 
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 import triton
-
-_rejitted: dict = {}
+import triton.language as tl
+from torch import Tensor
 
 
 def interpreting() -> bool:
@@ -27,16 +27,14 @@ def kernel_available(device: torch.device | str) -> bool:
     return device.type == "cuda" if not interpreting() else device.type == "cpu"
 
 
-def jit_for_mode(kernel):
-    """`kernel` compiled or interpreted as TRITON_INTERPRET says now."""
-    from triton.runtime.interpreter import InterpretedFunction
-    want = interpreting()
-    if isinstance(kernel, InterpretedFunction) == want:
-        return kernel
-    key = (kernel.fn, want)
-    if key not in _rejitted:
-        _rejitted[key] = triton.jit(kernel.fn)
-    return _rejitted[key]
+@triton.jit
+def round_to_bf16(x):
+    """fp32 -> the nearest bf16 value (ties to even), still as fp32. Done by hand because the CPU
+    interpreter truncates on fp32 -> bf16, which would bias small updates downwards; this way GPU
+    and interpreter agree bit for bit. inf and nan keep their class under this rounding."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True)
 
 
 def block_map(numels: list[int], block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,6 +47,44 @@ def block_map(numels: list[int], block_size: int) -> tuple[torch.Tensor, torch.T
     return block_tensor, block_start.to(torch.int64)
 
 
+_tables: dict[tuple, tuple] = {}
+
+
+def launch_tables(lists: list[list[Tensor]], device: torch.device, block_size: int) -> tuple:
+    """Tables of one multi-tensor launch over parallel tensor lists (e.g. params, grads, m, v):
+    (L, T) int64 addresses, (T,) sizes (of lists[0]), the per-program map of `block_map`, and
+    whether every address is 16-byte aligned. A pure function of addresses, sizes and block size,
+    so the cache is always right; it saves rebuilding and copying the tables every step."""
+    addrs = [[t.data_ptr() for t in lst] for lst in lists]
+    numels = [t.numel() for t in lists[0]]
+    key = (device, block_size, len(lists), *(a for lst in addrs for a in lst), *numels)
+    if key not in _tables:
+        block_tensor, block_start = block_map(numels, block_size)
+        if len(_tables) >= 64:
+            _tables.pop(next(iter(_tables)))
+        tables = [torch.tensor(addrs, dtype=torch.int64), torch.tensor(numels, dtype=torch.int64),
+                  block_tensor, block_start]
+        # torch allocations are aligned; only views with an odd storage offset are not.
+        aligned = all(a % 16 == 0 for lst in addrs for a in lst)
+        _tables[key] = (*(x.to(device) for x in tables), aligned)
+    return _tables[key]
+
+
+def time_ms(fn, device: torch.device | str = "cuda", warmup: int = 25, rep: int = 100) -> float:
+    """Median milliseconds of one call of `fn`: triton's do_bench on CUDA, a short wall-clock loop
+    on CPU (after one warm-up call, e.g. an optimizer's state allocation on its first step)."""
+    if torch.device(device).type == "cuda":
+        return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+    fn()
+    times = []
+    t_end = time.perf_counter() + 0.2
+    while len(times) < 3 or (time.perf_counter() < t_end and len(times) < 50):
+        t0 = time.perf_counter()
+        fn()
+        times.append(1e3 * (time.perf_counter() - t0))
+    return sorted(times)[len(times) // 2]
+
+
 def bench_matmuls(op: str, M: int, K: int, N: int, impls: dict) -> list[dict]:
     """Time implementations of one (M, K) x (K, N) product for `dlo bench` (GPU only).
 
@@ -58,7 +94,7 @@ def bench_matmuls(op: str, M: int, K: int, N: int, impls: dict) -> list[dict]:
     """
     rows, base = [], None
     for impl, (fn, pk) in impls.items():
-        ms = triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
+        ms = time_ms(fn, warmup=10, rep=50)
         base = base or ms
         tflops = 2 * M * N * K / (ms * 1e-3) / 1e12
         rows.append({"op": op, "size": f"{M}x{K}x{N}", "M": M, "K": K, "N": N, "impl": impl, "ms": ms,

@@ -17,7 +17,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from dlo.kernels.runtime import bench_matmuls, jit_for_mode, kernel_available
+from dlo.kernels.runtime import bench_matmuls, kernel_available
+from dlo.prune import mask_2to4
 
 
 @triton.jit
@@ -84,20 +85,20 @@ def sparse24(w: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     n_groups = N * K // 4
     if n_groups:
         BLOCK = 1024 if w.device.type == "cuda" else 64
-        jit_for_mode(_sparse24_kernel)[(triton.cdiv(n_groups, BLOCK),)](w, values, idx, mask, n_groups, BLOCK=BLOCK)
+        _sparse24_kernel[(triton.cdiv(n_groups, BLOCK),)](w, values, idx, mask, n_groups, BLOCK=BLOCK)
     return values, idx, mask.bool()
 
 
 def sparse24_ref(w: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """torch: the same ranking (magnitude, then lower index) with a stable sort per group of 4."""
+    """torch: dlo.prune.mask_2to4's mask (the same ranking: magnitude, then lower index), compressed."""
     _check(w)
     N, K = w.shape
-    groups = w.reshape(N, K // 4, 4)
-    order = torch.sort(groups.abs().float(), dim=-1, descending=True, stable=True).indices  # (N, K/4, 4)
-    kept = order[..., :2].sort(dim=-1).values  # the 2 winners, in increasing position
-    mask = torch.zeros_like(groups, dtype=torch.bool).scatter_(-1, kept, True)
+    mask = mask_2to4(w)
+    groups, group_mask = w.reshape(N, K // 4, 4), mask.reshape(N, K // 4, 4)
+    # Boolean indexing walks each group in order, so the 2 kept positions come out increasing.
+    kept = torch.arange(4, device=w.device).expand(N, K // 4, 4)[group_mask].reshape(N, K // 4, 2)
     values = torch.gather(groups, -1, kept)
-    return values.reshape(N, K // 2), kept.to(torch.int8).reshape(N, K // 2), mask.reshape(N, K)
+    return values.reshape(N, K // 2), kept.to(torch.int8).reshape(N, K // 2), mask
 
 
 def decompress24(values: Tensor, idx: Tensor) -> Tensor:
@@ -125,7 +126,7 @@ def bench(shapes: tuple[tuple[int, int, int], ...] = ((4096, 4096, 4096), (8192,
         w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16)
         w24 = w * sparse24(w)[2]
         w_sparse = to_sparse_semi_structured(w24)
-        impls = {"dense bf16": (lambda: torch.nn.functional.linear(x, w24), bf16_peak),
+        impls = {"torch bf16 dense": (lambda: torch.nn.functional.linear(x, w24), bf16_peak),
                  "2:4 semi-structured": (lambda: torch.nn.functional.linear(x, w_sparse), bf16_peak)}
         rows += bench_matmuls("sparse24_matmul", M, K, N, impls)  # TFLOP/s: dense-equivalent work
         ms = triton.testing.do_bench(lambda: sparse24(w), warmup=10, rep=50, return_mode="median")

@@ -17,8 +17,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from dlo.kernels.quantize import unpack_int4
-from dlo.kernels.runtime import bench_matmuls, jit_for_mode, kernel_available
+from dlo.kernels.quantize import dequantize_weight, unpack_int4
+from dlo.kernels.runtime import bench_matmuls, kernel_available
 
 ACT_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
@@ -87,20 +87,17 @@ def weight_only_matmul(x: Tensor, w: Tensor, scale: Tensor, bits: int = 8) -> Te
     if x.device.type == "cpu":  # the interpreter: small tiles, fewer wasted lanes on tiny test shapes
         BM, BN, BK = 16, 16, 16
     grid = (triton.cdiv(M, BM), triton.cdiv(N, BN))
-    jit_for_mode(_weight_only_matmul_kernel)[grid](
+    _weight_only_matmul_kernel[grid](
         x, w, scale, y, M, N, K, scale.shape[1], G=K // scale.shape[1], INT4=bits == 4, ACT=ACT_DTYPES[x.dtype],
-        UPCAST=x.device.type == "cpu",        BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK)
+        UPCAST=x.device.type == "cpu", BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK)
     return y
 
 
 def weight_only_matmul_ref(x: Tensor, w: Tensor, scale: Tensor, bits: int = 8) -> Tensor:
     """torch: dequantize the whole weight to x's dtype, then one matmul with fp32 accumulation."""
     _check(x, w, scale, bits)
-    codes = unpack_int4(w) if bits == 4 else w
-    N, K = codes.shape
-    n_groups = scale.shape[1]
-    w_hat = (codes.float().reshape(N, n_groups, K // n_groups) * scale.float()[..., None]).reshape(N, K)
-    return (x.float() @ w_hat.to(x.dtype).float().T).to(x.dtype)
+    w_hat = dequantize_weight(unpack_int4(w) if bits == 4 else w, scale.float(), x.dtype)
+    return (x.float() @ w_hat.float().T).to(x.dtype)
 
 
 # ----------------------------------------------------------------------------- benchmark

@@ -41,10 +41,11 @@ class SmallCNN(nn.Module):
 class MLP(nn.Module):
     """`depth` Linear layers (depth - 1 hidden layers of size `hidden`, ReLU between); input is flattened.
 
-    depth=1 is a linear (softmax-regression) model.
+    depth=1 is a linear (softmax-regression) model. norm=True puts a BatchNorm1d after each hidden
+    Linear (before its ReLU), as in the Day 4 local vs synchronized BatchNorm experiment.
     """
 
-    def __init__(self, in_features: int, hidden: int, out_features: int, depth: int = 2):
+    def __init__(self, in_features: int, hidden: int, out_features: int, depth: int = 2, norm: bool = False):
         super().__init__()
         if depth < 1:
             raise ValueError(f"depth is the number of Linear layers and must be >= 1, got {depth}")
@@ -53,7 +54,7 @@ class MLP(nn.Module):
         for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
             layers.append(nn.Linear(a, b))
             if i < depth - 1:
-                layers.append(nn.ReLU())
+                layers += [nn.BatchNorm1d(b), nn.ReLU()] if norm else [nn.ReLU()]
         self.net = nn.Sequential(*layers)
 
     def forward(self, x: Tensor) -> Tensor:
