@@ -9,7 +9,7 @@ TORCH  ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo torch || echo torch==2.1
 OUT    ?= runs/make-run
 PYTEST_ARGS ?=
 
-.PHONY: run test venv release check clean
+.PHONY: run test lint venv release check clean
 
 venv: $(STAMP)
 
@@ -26,8 +26,17 @@ run: $(STAMP)
 	$(DLO) run --all --profile auto --out $(OUT)/submitted/reference
 	$(DLO) grade $(OUT)/submitted --out $(OUT)/grading --require-full
 
+# Style first (seconds), then the suite on two workers (pytest-xdist), a test file per worker at a time:
+# the course's grading (tests/harness/test_course.py, one module fixture) stays on one worker while the
+# other runs the rest. PYTEST_ARGS="-n 0" runs it serially.
 test: $(STAMP)
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(VENV)/bin/ruff check lib tests solutions
+	$(PY) -m pytest -n 2 --dist loadfile $(PYTEST_ARGS)
+
+# Style is checked, not remembered: ruff (pyproject.toml [tool.ruff]) on the library, the tests and the
+# notebooks of solutions/ (course/ is generated from them).
+lint: $(STAMP)
+	$(VENV)/bin/ruff check lib tests solutions
 
 release: $(STAMP)
 	$(DLO) release

@@ -2,8 +2,11 @@
 
 Instructor notebooks live in solutions/<day>/<day>.ipynb (nbgrader's "source"), and the student
 notebooks `dlo release` generates go to course/<day>/<day>.ipynb (nbgrader's "release").
-`dlo grade` builds its own temporary course root, so this file only serves `dlo release`/`dlo check`
-and instructors who call nbgrader directly.
+`dlo grade` builds its own course root under --out with its own config (test cells run outside the
+student's kernel by dlo.harness.execute.ResilientExecute, the kernel under bubblewrap, feedback
+without hidden tests), so this file only serves `dlo release`/`dlo check` and instructors who call
+nbgrader directly: a plain `nbgrader autograde` runs the test cells in the student's kernel, where
+the student's code can change what they do. Grade with `dlo grade`.
 """
 
 c = get_config()  # noqa: F821 (provided by traitlets when nbgrader loads this file)

@@ -8,7 +8,19 @@ import torch.nn.functional as F
 from torch import nn
 
 from dlo import activation_ckpt as ac
+from dlo.experiments import day3
+from dlo.measure import SavedTensorMeter
 from dlo.models.transformer import TransformerStack
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Models this small gain nothing from a second intra-op thread; on a shared 2-core machine it
+    only spin-waits and makes every test several times slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def _model():
@@ -50,22 +62,38 @@ def test_without_rng_preservation_dropout_differs():
 def test_saved_bytes_fall_with_more_checkpointing():
     model = _model()
     idx = torch.randint(0, 37, (3, 13))
-    saved = {k: ac.measure_step(model, idx, idx, reps=1, checkpoint_blocks=ac.every_kth(5, k))["saved_MB"]
-             for k in (0, 1, 2)}
+    policies = {k: dict(checkpoint_blocks=ac.every_kth(5, k)) for k in (0, 1, 2)} | {"offload": dict(offload=True)}
+    rows = {r["policy"]: r for r in day3.policy_rows(model, idx, idx, policies, reps=1, device="cpu")}
+    saved = {k: rows[k]["saved_bytes"] for k in (0, 1, 2)}
     assert saved[1] < saved[2] < saved[0]
     assert saved[1] < 0.2 * saved[0]  # full checkpointing keeps only block inputs
+    # the peak also counts what recomputation saves again in backward
+    assert rows[1]["peak_saved_bytes"] > rows[1]["saved_bytes"] and rows[0]["peak_saved_bytes"] == saved[0]
+    assert rows["offload"]["saved_bytes"] == saved[0] and rows[0]["saved_vs_none"] == 1.0
+    assert all(r["time_s"] > 0 and r["peak_kind"] == "saved-tensor peak" for r in rows.values())
 
 
 def test_meter_counts_exact_bytes_and_frees_after_backward():
     w = nn.Parameter(torch.randn(5, 7, dtype=torch.float64))
     x = torch.randn(3, 5, dtype=torch.float64, requires_grad=True)
-    with ac.SavedTensorMeter(exclude=[w]) as meter:
+    with SavedTensorMeter(exclude=[w]) as meter:
         h = x @ w  # saves x (w excluded)
         y = h.exp()  # saves exp's output (3, 7)
         assert meter.bytes == (3 * 5 + 3 * 7) * 8
         y.sum().backward()
     del h, y
     assert meter.bytes == 0 and meter.peak == (3 * 5 + 3 * 7) * 8
+
+
+def test_meter_counts_meta_tensors_from_their_shapes():
+    # the meta device has no memory (every data pointer is 0): storages are told apart by identity
+    with torch.device("meta"):
+        w = nn.Parameter(torch.randn(5, 7))
+        x = torch.randn(3, 5, requires_grad=True)
+    with SavedTensorMeter(exclude=[w]) as meter:
+        y = (x @ w).exp()
+        assert meter.bytes == (3 * 5 + 3 * 7) * 4 and len(meter.sizes) == 2
+    del y
 
 
 def test_cpu_offload_same_gradients_and_copies():

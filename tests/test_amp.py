@@ -7,8 +7,17 @@ import pytest
 import torch
 from torch import nn
 
-from dlo.amp import (DynamicLossScaler, float_formats, grad_log2_magnitudes, measure_step, precision_mode,
-                     saved_activation_bytes, train_amp, train_step)
+from dlo.amp import (
+    DynamicLossScaler,
+    float_formats,
+    grad_log2_magnitudes,
+    precision_mode,
+    precision_step,
+    saved_activation_bytes,
+    train_amp,
+    train_step,
+)
+from dlo.measure import measure_step
 
 INJECT = {2: math.inf, 3: math.nan, 7: -math.inf}  # step -> value written into one gradient
 
@@ -157,10 +166,15 @@ def test_precision_mode_restores_flags():
             pass
 
 
-def test_measure_step_cpu_smoke():
+@pytest.mark.parametrize("mode", ["fp32", "bf16", "fp16"])
+def test_precision_step_trains_and_is_measured(mode):
+    torch.manual_seed(0)
     batch = (torch.randn(8, 7), torch.randint(0, 3, (8,)))
-    row = measure_step(tiny_model, batch, mode="bf16", device="cpu", steps=2, warmup=1)
-    assert row["peak GB"] is None and row["ms/step"] > 0 and math.isfinite(row["loss"])
+    step = precision_step(tiny_model, batch, mode=mode, device="cpu", lr=1e-2)
+    first = step().item()
+    row = measure_step(step, device="cpu", warmup=0, reps=2)
+    assert row["time_s"] > 0 and row["reps"] == 2 and row["peak_kind"] == "saved-tensor peak"
+    assert row["peak_bytes"] > 0 and math.isfinite(first) and step().item() < first  # it does train
 
 
 def test_float_formats_layout():
@@ -169,4 +183,5 @@ def test_float_formats_layout():
     bits = {"fp32": torch.finfo(torch.float32).bits, "fp16": torch.finfo(torch.float16).bits,
             "bf16": torch.finfo(torch.bfloat16).bits, "tf32": 19}
     assert all(1 + rows[f]["exponent"] + rows[f]["mantissa"] == b for f, b in bits.items())
-    assert rows["fp16"]["max"] == 65504.0 and rows["bf16"]["max"] == rows["fp32"]["max"] * (1 - 2 ** -8) / (1 - 2 ** -24)
+    assert rows["fp16"]["max"] == 65504.0
+    assert rows["bf16"]["max"] == rows["fp32"]["max"] * (1 - 2 ** -8) / (1 - 2 ** -24)

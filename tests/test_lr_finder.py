@@ -93,3 +93,15 @@ def test_rejects_bad_arguments():
             lr_range_test(lambda lr: 1.0, **kw)
     with pytest.raises(ValueError, match="no finite loss"):
         lr_range_test(lambda lr: math.nan, num_steps=5)
+
+
+def test_reading_window_skips_the_unsettled_start_and_the_blow_up():
+    lrs = list(np.geomspace(1e-4, 1.0, 12))
+    # a noisy first point that looks like a steep fall, the real fall at 3-5, the minimum at 8, a dip in the blow-up
+    smoothed = [9.0, 3.0, 3.0, 3.0, 2.5, 1.5, 1.3, 1.2, 1.1, 2.0, 0.5, 4.0]
+    assert suggest_lrs(lrs, smoothed) == (lrs[0], lrs[10] / 10)  # every point: the noise decides both
+    lr_min, lr_max = suggest_lrs(lrs, smoothed, skip_start=1, skip_end=3)
+    assert lr_min == lrs[4] and lr_max == pytest.approx(lrs[8] / 10)  # central differences: 3.0 -> 1.5 around 4
+    assert suggest_lrs(lrs[:4], smoothed[:4], skip_start=1, skip_end=3) == suggest_lrs(lrs[:4], smoothed[:4])
+    with pytest.raises(ValueError, match="skip_start"):
+        suggest_lrs(lrs, smoothed, skip_start=-1)

@@ -75,6 +75,27 @@ def test_percentile_clips_outlier():
         quant.MinMaxObserver().range()
 
 
+@pytest.mark.parametrize("n", [1, 2, 7, 1000, 1001])
+def test_quantiles_match_torch_quantile(n):
+    v = torch.randn(n, generator=torch.Generator().manual_seed(n))
+    qs = [0.0, 0.001, 0.25, 0.5, 0.999, 1.0]
+    assert torch.equal(quant.quantiles(v, qs), torch.quantile(v.double(), torch.tensor(qs, dtype=torch.float64)))
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        quant.quantiles(v, [1.5])
+
+
+def test_percentile_observer_at_the_full_profiles_calibration_size():
+    # Day 8's full profile calibrates on 32 batches x 256 images x 3072 inputs: 25M values, over
+    # torch.quantile's 2^24 limit ("quantile() input tensor is too large")
+    obs = quant.PercentileObserver(99.9)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(32):
+        obs.update(torch.rand(256, 3072, generator=g))
+    assert sum(v.numel() for v in obs.values) == 32 * 256 * 3072 > 2 ** 24
+    lo, hi = obs.range()
+    assert abs(lo.item() - 0.001) < 1e-3 and abs(hi.item() - 0.999) < 1e-3  # uniform on [0, 1)
+
+
 def test_ptq_and_qat_models():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))

@@ -98,7 +98,43 @@ def test_writer_tags_and_divergence_stop(data):
     hist = train(model, opt, make_loader(data, 32, seed=0), steps=20, device="cpu", writer=writer, tag="sgd",
                  lr_fn=lambda s: 0.1 if s < 2 else 1e30, progress=False)
     assert hist["diverged"] and len(hist["loss"]) < 20 and not math.isfinite(hist["loss"][-1])
-    assert ("sgd/loss", 0) in writer.calls and ("sgd/lr", 1) in writer.calls and ("sgd/grad_norm", 2) in writer.calls
+    # one tag per metric, no run prefix: runs written to different folders overlay in TensorBoard
+    assert ("loss", 0) in writer.calls and ("lr", 1) in writer.calls and ("grad_norm", 2) in writer.calls
+    assert not any("/" in tag for tag, _ in writer.calls)
+
+
+def test_custom_step_fn_metrics_become_history(data):
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    seen = []
+
+    def step(m, o, batch):
+        x, y = batch
+        seen.append(x.device.type)
+        loss = torch.nn.functional.cross_entropy(m(x), y)
+        o.zero_grad()
+        loss.backward()
+        o.step()
+        return {"loss": loss, "batch": x.shape[0], "skipped": 0}
+
+    hist = train(model, opt, make_loader(data, 16, seed=0), steps=4, device="cpu", step_fn=step, progress=False)
+    assert hist["batch"] == [16.0] * 4 and hist["step"] == [0, 1, 2, 3] and "grad_norm" not in hist
+    assert seen == ["cpu"] * 4 and all(isinstance(v, float) for v in hist["loss"])
+    with pytest.raises(ValueError, match="clip goes with the default step"):
+        train(model, opt, [data[:8]], steps=1, device="cpu", step_fn=step, clip=1.0, progress=False)
+
+
+def test_a_skipped_step_with_a_non_finite_loss_is_not_divergence(data):
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = iter([math.inf, 1.0, math.nan])
+
+    def step(m, o, batch):  # a loss scaler's step: inf loss, step skipped
+        loss = next(losses)
+        return {"loss": loss, "skipped": math.isinf(loss)}
+
+    hist = train(model, opt, [data[:8]], steps=3, device="cpu", step_fn=step, progress=False)
+    assert hist["diverged"] and hist["skipped"] == [1.0, 0.0, 0.0] and len(hist["loss"]) == 3
 
 
 def test_exhausted_iterator_is_an_error(data):

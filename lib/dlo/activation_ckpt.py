@@ -1,4 +1,4 @@
-"""Activation checkpointing: recompute in backward instead of saving, offload, and exact accounting.
+"""Activation checkpointing: recompute in backward instead of saving, or offload to host memory.
 
 A layer's backward needs some tensors of its forward (inputs of matmuls, softmax outputs, dropout
 masks, ...). Autograd keeps them alive from forward to backward: that is the activation memory, and
@@ -10,15 +10,14 @@ forward pass. `torch.utils.checkpoint` is the production version; this one is sh
 - `checkpoint(fn, *args)`: `CheckpointFunction`, RNG state replayed so dropout draws the same masks.
 - `every_kth(n, k)`: the block indices of the "checkpoint every k-th block" policy.
 - `cpu_offload()`: saved tensors live in (pinned) host memory between forward and backward.
-- `SavedTensorMeter`: exact bytes held for backward (current and peak), from saved_tensors_hooks.
-- `measure_step(...)`: saved bytes and step time of one forward+backward under a policy.
+
+What a policy saves and costs is measured by `dlo.measure` (`saved_bytes`, `measure_step`), the
+rows of Day 3's table by `dlo.experiments.day3.policy_rows`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import time
-import weakref
 
 import torch
 from torch import Tensor
@@ -115,106 +114,5 @@ def cpu_offload():
     return torch.autograd.graph.saved_tensors_hooks(offload_pack, offload_unpack)
 
 
-# ----------------------------------------------------------------------------- exact accounting
-
-class _Held:
-    __slots__ = ("tensor", "__weakref__")
-
-    def __init__(self, tensor):
-        self.tensor = tensor
-
-
-class SavedTensorMeter:
-    """Counts the bytes autograd keeps for backward while the context is active.
-
-    Every saved tensor passes through the pack hook; a storage is counted once however many ops save
-    it (or views of it), and is released when the last graph node holding it frees it. Parameters'
-    storages (listed in `exclude`) are not activations and are skipped. `bytes` is the current total,
-    `peak` its maximum, including tensors saved again by recomputation during backward.
-    """
-
-    def __init__(self, exclude=()):
-        self.skip = {p.untyped_storage().data_ptr() for p in exclude}
-        self.refs: dict[int, int] = {}
-        self.sizes: dict[int, int] = {}
-        self.dtypes: dict[int, torch.dtype] = {}
-        self.bytes = self.peak = 0
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-
-    def _release(self, key: int) -> None:
-        self.refs[key] -= 1
-        if self.refs[key] == 0:
-            self.bytes -= self.sizes.pop(key)
-            del self.refs[key], self.dtypes[key]
-
-    def _pack(self, t: Tensor):
-        key = t.untyped_storage().data_ptr()
-        held = _Held(t)
-        if key in self.skip or t.device.type == "meta":
-            return held
-        if key not in self.refs:
-            self.refs[key], self.sizes[key], self.dtypes[key] = 0, t.untyped_storage().nbytes(), t.dtype
-            self.bytes += self.sizes[key]
-            self.peak = max(self.peak, self.bytes)
-        self.refs[key] += 1
-        weakref.finalize(held, self._release, key)
-        return held
-
-    def bytes_by_dtype(self) -> dict[str, int]:
-        """The storages held now, bytes per dtype name ("float32", ...)."""
-        out: dict[str, int] = {}
-        for key, nbytes in self.sizes.items():
-            name = str(self.dtypes[key]).removeprefix("torch.")
-            out[name] = out.get(name, 0) + nbytes
-        return out
-
-    @staticmethod
-    def _unpack(held: _Held) -> Tensor:
-        return held.tensor
-
-    def __enter__(self):
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        return self._hooks.__exit__(*exc)
-
-
-def _sync(device) -> None:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def measure_step(model, idx: Tensor, targets: Tensor, reps: int = 3, offload: bool = False, **policy) -> dict:
-    """Saved-activation bytes (after forward, and peak over forward + backward) and the median time
-    of one forward + backward of `model(idx, **policy)` with cross-entropy against `targets`.
-    On CUDA also the peak allocated memory of the step."""
-    params = list(model.parameters())
-    device = idx.device
-
-    def step():
-        logits = model(idx, **policy)  # (B, T, V)
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
-        return loss
-
-    model.zero_grad(set_to_none=True)
-    with SavedTensorMeter(exclude=params) as meter:
-        loss = step()
-        after_forward = meter.bytes
-        loss.backward()
-    times, cuda_peak = [], None
-    for _ in range(reps):
-        model.zero_grad(set_to_none=True)
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-        _sync(device)
-        start = time.perf_counter()
-        with cpu_offload() if offload else contextlib.nullcontext():
-            step().backward()
-        _sync(device)
-        times.append(time.perf_counter() - start)
-        if device.type == "cuda":
-            cuda_peak = torch.cuda.max_memory_allocated(device) / 2**20
-    times.sort()
-    return {"saved_MB": after_forward / 2**20, "peak_saved_MB": meter.peak / 2**20,
-            "ms": 1e3 * times[len(times) // 2], "cuda_peak_MB": cuda_peak}
+# dlo.checks.day3 still imports the meter from here; its one definition is dlo.measure.SavedTensorMeter.
+from dlo.measure import SavedTensorMeter  # noqa: E402,F401  (remove once the checks import dlo.measure)

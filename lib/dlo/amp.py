@@ -11,15 +11,14 @@ of dlo.kernels.amp_unscale where that kernel can run.
 from __future__ import annotations
 
 import contextlib
-import time
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dlo.activation_ckpt import SavedTensorMeter
 from dlo.kernels.amp_unscale import amp_unscale_, amp_unscale_ref
 from dlo.kernels.runtime import kernel_available
+from dlo.measure import saved_bytes
 
 FP16_MAX = 65504.0  # largest finite fp16: (2 - 2^-10) * 2^15
 FP16_MIN_NORMAL = 2.0 ** -14  # below this fp16 loses precision (subnormals) ...
@@ -35,8 +34,8 @@ def float_formats() -> list[dict]:
                                             ("fp16", torch.float16, 5, 10), ("bf16", torch.bfloat16, 8, 7)):
         fi = torch.finfo(dtype)
         eps = 2.0 ** -man_bits  # tf32 is fp32 storage with a 10-bit mantissa inside the tensor cores
-        rows.append({"format": name, "sign": 1, "exponent": exp_bits, "mantissa": man_bits,
-                     "max": float(fi.max), "min normal": float(fi.tiny), "eps": eps, "decimal digits": man_bits * 0.301})
+        rows.append({"format": name, "sign": 1, "exponent": exp_bits, "mantissa": man_bits, "max": float(fi.max),
+                     "min normal": float(fi.tiny), "eps": eps, "decimal digits": man_bits * 0.301})
     return rows
 
 
@@ -138,44 +137,86 @@ class DynamicLossScaler:
 # ----------------------------------------------------------------------------- training step
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: Tensor, y: Tensor, *,
-               dtype: torch.dtype | None = None, scaler=None) -> Tensor:
+               dtype: torch.dtype | None = None, scaler=None, loss_weight: float = 1.0) -> Tensor:
     """One step of cross-entropy training; the forward runs under autocast(dtype) unless dtype is None
     (plain fp32). Parameters, gradients and optimizer state stay fp32 (master weights). With a scaler
-    (fp16) the loss is scaled and the step may be skipped. Returns the detached fp32 loss."""
+    (fp16) the loss is scaled and the step may be skipped. The loss that is backpropagated is
+    `loss_weight` times the cross-entropy (a weighted term; a mean over very many samples). Returns
+    the detached fp32 cross-entropy (unweighted)."""
     optimizer.zero_grad(set_to_none=True)
     with torch.autocast(x.device.type, dtype=dtype, enabled=dtype is not None):
         logits = model(x)  # (B, classes) in `dtype`
         loss = F.cross_entropy(logits, y)  # autocast runs the softmax and the mean in fp32
+    weighted = loss * loss_weight if loss_weight != 1.0 else loss
     if scaler is None:
-        loss.backward()
+        weighted.backward()
         optimizer.step()
     else:
-        scaler.scale(loss).backward()  # backward outside autocast: ops reuse the forward's dtypes
+        scaler.scale(weighted).backward()  # backward outside autocast: ops reuse the forward's dtypes
         scaler.step(optimizer)
         scaler.update()
     return loss.detach().float()
 
 
-def train_amp(model: nn.Module, optimizer: torch.optim.Optimizer, batches, *, steps: int, device,
-              dtype: torch.dtype | None = None, scaler=None, progress: bool = True) -> dict:
-    """`steps` calls of train_step over `batches` (cycled); history of loss, scale and skipped steps."""
-    from tqdm.auto import tqdm
+def zero_grad_fraction(parameters) -> float:
+    """Fraction of gradient entries that are exactly 0 (fp16 underflow shows up here, next to the
+    zeros a ReLU produces anyway: compare with an fp32 run)."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    total = sum(g.numel() for g in grads)
+    return sum(int((g == 0).sum()) for g in grads) / total if total else 0.0
 
-    from dlo.train import cycle
-    model.to(device).train()
-    it = cycle(batches)
-    hist: dict = {"loss": [], "scale": [], "skipped": 0}
-    start = time.perf_counter()
-    for _ in tqdm(range(steps), disable=not progress, leave=False, desc=str(dtype or "fp32")):
-        x, y = (t.to(device, non_blocking=True) for t in next(it))
+
+def amp_step(dtype: torch.dtype | None = None, scaler=None, loss_weight: float = 1.0):
+    """`train_step` as a step function of `dlo.train.train`: metrics "loss", "scale" (after update),
+    "skipped" (1.0 when the scaler skipped the step: update() lowered the scale, which reads the
+    same for torch.amp.GradScaler, which has no skipped flag, as for DynamicLossScaler) and
+    "zero_grads" (`zero_grad_fraction` of the step's gradients, before any unscaling skip)."""
+    def step(model: nn.Module, optimizer: torch.optim.Optimizer, batch) -> dict:
         before = scaler.get_scale() if scaler is not None else 1.0
-        hist["loss"].append(train_step(model, optimizer, x, y, dtype=dtype, scaler=scaler).item())
-        hist["scale"].append(scaler.get_scale() if scaler is not None else 1.0)
-        # update() lowers the scale exactly when the step was skipped (inf/nan found): this reads the
-        # same for torch.amp.GradScaler, which has no skipped flag, as for DynamicLossScaler.
-        hist["skipped"] += int(hist["scale"][-1] < before)
-    hist["time_s"] = time.perf_counter() - start
+        loss = train_step(model, optimizer, batch[0], batch[1], dtype=dtype, scaler=scaler, loss_weight=loss_weight)
+        scale = scaler.get_scale() if scaler is not None else 1.0
+        return {"loss": loss, "scale": scale, "skipped": float(scale < before),
+                "zero_grads": zero_grad_fraction(model.parameters())}
+    return step
+
+
+def train_amp(model: nn.Module, optimizer: torch.optim.Optimizer, batches, *, steps: int, device,
+              dtype: torch.dtype | None = None, scaler=None, progress: bool = True, writer=None,
+              loss_weight: float = 1.0, eval_data=None) -> dict:
+    """`dlo.train.train` with `amp_step(dtype, scaler, loss_weight)`; history["skipped"] is the number
+    of skipped steps, history["skipped_at"] their indices. With `eval_data`, "eval_loss"/"eval_acc" are
+    measured under the same autocast."""
+    from dlo.train import evaluate, train
+
+    hist = train(model, optimizer, batches, steps=steps, device=device, step_fn=amp_step(dtype, scaler, loss_weight),
+                 writer=writer, tag=str(dtype or "fp32").removeprefix("torch."), progress=progress)
+    hist["skipped_at"] = [i for i, skipped in enumerate(hist["skipped"]) if skipped]
+    hist["skipped"] = len(hist["skipped_at"])
+    if eval_data is not None:
+        with torch.autocast(torch.device(device).type, dtype=dtype, enabled=dtype is not None):
+            hist["eval_loss"], hist["eval_acc"] = evaluate(model, eval_data, device)
+        if writer is not None:
+            writer.add_scalar("eval_acc", hist["eval_acc"], steps)
+            writer.add_scalar("eval_loss", hist["eval_loss"], steps)
     return hist
+
+
+def underflow_fraction(model: nn.Module, x: Tensor, y: Tensor, *, dtype: torch.dtype = torch.float16,
+                       loss_weight: float = 1.0, scale: float = 1.0) -> float:
+    """Measured underflow: the fraction of gradient entries that are non-zero in an fp32 backward of
+    `loss_weight * cross_entropy` but exactly zero in an autocast(dtype) backward of the same weights
+    and batch with the loss multiplied by `scale` (a loss scale). The model's .grad are left at None."""
+    grads = []
+    for dt, s in ((None, 1.0), (dtype, scale)):
+        model.zero_grad(set_to_none=True)
+        with torch.autocast(x.device.type, dtype=dt, enabled=dt is not None):
+            loss = F.cross_entropy(model(x), y)
+        (loss * (loss_weight * s)).backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
+    model.zero_grad(set_to_none=True)
+    ref, low = grads
+    alive = ref != 0
+    return float(((low == 0) & alive).sum()) / max(1, int(alive.sum()))
 
 
 def grad_log2_magnitudes(parameters) -> Tensor:
@@ -190,19 +231,19 @@ def grad_log2_magnitudes(parameters) -> Tensor:
 def saved_activation_bytes(model: nn.Module, *inputs: Tensor, dtype: torch.dtype | None = None) -> dict:
     """Bytes autograd keeps for the backward pass of one forward of `model`, optionally under autocast.
 
-    Counted by dlo.activation_ckpt.SavedTensorMeter (saved_tensors_hooks), so exact and
-    device-independent: every saved tensor's storage once (views of one buffer count once), leaving
-    out the model's own parameters and buffers, which exist anyway. Autocast's low-precision weight
-    copies are counted: they are held until backward too. Returns {"total", "tensors", "by_dtype":
-    {dtype name: bytes}}.
+    Counted by dlo.measure.saved_bytes (saved_tensors_hooks), so exact and device-independent: every
+    saved tensor's storage once (views of one buffer count once), leaving out the model's own
+    parameters and buffers, which exist anyway. Autocast's low-precision weight copies are counted:
+    they are held until backward too. Returns {"total", "tensors", "by_dtype": {dtype name: bytes}}.
     """
     device_type = inputs[0].device.type if inputs else "cpu"
-    with SavedTensorMeter(exclude=(*model.parameters(), *model.buffers())) as meter:
+
+    def forward():
         with torch.autocast(device_type, dtype=dtype, enabled=dtype is not None):
-            out = model(*inputs)
-        by_dtype, tensors = meter.bytes_by_dtype(), len(meter.sizes)  # read while `out` holds the graph
-    del out  # the graph (and what it saved) is freed with the output
-    return {"total": sum(by_dtype.values()), "tensors": tensors, "by_dtype": by_dtype}
+            return model(*inputs)
+
+    r = saved_bytes(forward, exclude=(*model.parameters(), *model.buffers()), backward=False)
+    return {"total": r["saved_bytes"], "tensors": r["saved_tensors"], "by_dtype": r["by_dtype"]}
 
 
 @contextlib.contextmanager
@@ -219,13 +260,11 @@ def precision_mode(mode: str):
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
 
 
-def measure_step(make_model, batch: tuple[Tensor, Tensor], *, mode: str, device, steps: int = 10, warmup: int = 3,
-                 compile: bool = False, channels_last: bool = False, lr: float = 1e-3) -> dict:
-    """Median time of one AdamW training step and peak memory (CUDA only, else None) for one precision mode.
-
-    make_model() builds a fresh fp32 model; fp16 gets a DynamicLossScaler. The peak covers weights,
-    grads, optimizer state and activations of a step, as torch.cuda.max_memory_allocated reports it.
-    """
+def precision_step(make_model, batch: tuple[Tensor, Tensor], *, mode: str, device, compile: bool = False,
+                   channels_last: bool = False, lr: float = 1e-3):
+    """A closure running one AdamW training step of a fresh `make_model()` in precision `mode`, for
+    `dlo.measure.measure_step` (time and peak memory). fp16 gets a DynamicLossScaler; `compile`
+    wraps the model in torch.compile, `channels_last` puts model and images in NHWC."""
     device = torch.device(device)
     model = make_model().to(device)
     x, y = (t.to(device) for t in batch)
@@ -234,18 +273,8 @@ def measure_step(make_model, batch: tuple[Tensor, Tensor], *, mode: str, device,
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     fwd = torch.compile(model) if compile else model
     scaler = DynamicLossScaler() if mode == "fp16" else None
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    times = []
-    with precision_mode(mode) as dtype:
-        for i in range(warmup + steps):
-            if i == warmup and device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(device)
-            sync()
-            t0 = time.perf_counter()
-            loss = train_step(fwd, optimizer, x, y, dtype=dtype, scaler=scaler)
-            sync()
-            if i >= warmup:
-                times.append(time.perf_counter() - t0)
-    peak = torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None
-    return {"mode": mode, "compile": compile, "channels_last": channels_last,
-            "ms/step": 1e3 * sorted(times)[len(times) // 2], "peak GB": peak, "loss": loss.item()}
+
+    def step() -> Tensor:
+        with precision_mode(mode) as dtype:
+            return train_step(fwd, optimizer, x, y, dtype=dtype, scaler=scaler)
+    return step

@@ -61,6 +61,7 @@ def _slug(name: str) -> str:
 
 def _write_json(rows: list[dict], out_dir: str | Path) -> Path:
     import triton
+
     from dlo.hardware import device_name, peak
     name = device_name()
     today = datetime.date.today().isoformat()

@@ -25,7 +25,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-
 # ----------------------------------------------------------------------------- RNG and data position
 
 def rng_state() -> dict:

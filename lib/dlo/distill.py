@@ -9,15 +9,11 @@ as 1 / T^2, comparable to the hard-label term when T changes.
 
 from __future__ import annotations
 
-import math
-import time
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from tqdm.auto import tqdm
 
-from dlo.train import cycle
+from dlo.train import train
 
 
 def distillation_loss(student_logits: Tensor, teacher_logits: Tensor, targets: Tensor | None = None,
@@ -36,29 +32,26 @@ def distillation_loss(student_logits: Tensor, teacher_logits: Tensor, targets: T
     return loss
 
 
-def train_distill(student: nn.Module, teacher: nn.Module, optimizer: torch.optim.Optimizer, loader, *,
-                  steps: int, device, temperature: float = 2.0, lam: float = 1.0, progress: bool = True) -> dict:
-    """Train `student` on the teacher's soft targets (teacher frozen, in eval mode): history of losses."""
-    if steps < 1:
-        raise ValueError(f"steps must be >= 1, got {steps}")
-    student.to(device).train()
-    teacher.to(device).eval()
-    history: dict = {"step": [], "loss": [], "diverged": False}
-    batches = cycle(loader)
-    start = time.perf_counter()
-    for step in tqdm(range(steps), disable=not progress, desc="distill", leave=False):
-        batch = next(batches)
-        x, y = batch[0].to(device), batch[1].to(device)
+def distill_step(teacher: nn.Module, temperature: float = 2.0, lam: float = 1.0):
+    """A step function of `dlo.train.train`: the student learns from the frozen teacher's soft
+    targets and the labels (`distillation_loss`). Metric: "loss"."""
+    def step(student: nn.Module, optimizer: torch.optim.Optimizer, batch) -> dict:
+        x, y = batch[0], batch[1]
         with torch.no_grad():
             t_logits = teacher(x)  # (B, classes)
         loss = distillation_loss(student(x), t_logits, y, temperature, lam)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
-        history["step"].append(step)
-        history["loss"].append(loss.item())
-        if not math.isfinite(history["loss"][-1]):
-            history["diverged"] = True
-            break
-    history["time_s"] = time.perf_counter() - start
-    return history
+        return {"loss": loss}
+    return step
+
+
+def train_distill(student: nn.Module, teacher: nn.Module, optimizer: torch.optim.Optimizer, loader, *,
+                  steps: int, device, temperature: float = 2.0, lam: float = 1.0, progress: bool = True,
+                  writer=None) -> dict:
+    """Train `student` on the teacher's soft targets (teacher frozen, in eval mode): `dlo.train.train`
+    with `distill_step`; returns its history."""
+    teacher.to(device).eval()
+    return train(student, optimizer, loader, steps=steps, device=device,
+                 step_fn=distill_step(teacher, temperature, lam), writer=writer, tag="distill", progress=progress)

@@ -13,6 +13,7 @@ channel, (R, C / G) per group. A zero range gives S = 0 and codes Z, which dequa
 from __future__ import annotations
 
 import copy
+import math
 
 import torch
 import torch.nn.functional as F
@@ -168,10 +169,30 @@ class PercentileObserver(MinMaxObserver):
 
     def range(self) -> tuple[Tensor, Tensor]:
         super().range()
-        v = torch.cat(self.values)
-        p = torch.tensor([1.0 - self.percentile / 100.0, self.percentile / 100.0], dtype=v.dtype)
-        lo, hi = torch.quantile(v.double(), p.double()).float()
-        return lo, hi
+        lo, hi = quantiles(torch.cat(self.values), [1.0 - self.percentile / 100.0, self.percentile / 100.0])
+        return lo.float(), hi.float()
+
+
+def quantiles(v: Tensor, qs: list[float]) -> Tensor:
+    """torch.quantile(v.double(), qs) (linear interpolation between order statistics) at any size.
+
+    torch.quantile refuses inputs of more than 2^24 elements (a full-size calibration holds 32 batches
+    x 256 x 3072 values); `kthvalue` selects an order statistic in O(n) without that limit, and the
+    interpolation is done in float64 as torch.quantile does. Returns a float64 tensor of len(qs)."""
+    v = v.detach().flatten()
+    n = v.numel()
+    if n == 0:
+        raise ValueError("quantiles of an empty tensor")
+    out = []
+    for q in qs:
+        if not 0.0 <= q <= 1.0:
+            raise ValueError(f"quantile levels must be in [0, 1], got {q}")
+        pos = q * (n - 1)
+        i = math.floor(pos)
+        lo = v.kthvalue(i + 1).values.double()
+        hi = v.kthvalue(min(i + 2, n)).values.double() if pos > i else lo
+        out.append(torch.lerp(lo, hi, pos - i))  # lerp: the rounding torch.quantile does
+    return torch.stack(out)
 
 
 OBSERVERS = {"minmax": MinMaxObserver, "percentile": PercentileObserver}
@@ -235,7 +256,7 @@ def quantize_model(model: nn.Module, bits: int = 8, granularity: str = "channel"
     activations are calibrated on `calib_batches` (an iterable of inputs or (x, y) pairs)."""
     _make_observer(observer, percentile)  # a bad name fails before the copy, even without act_bits
     model = copy.deepcopy(model)
-    for name, child in list(model.named_modules()):
+    for child in list(model.modules()):
         for attr, sub in list(child.named_children()):
             if isinstance(sub, nn.Linear):
                 setattr(child, attr, QuantLinear(sub, bits, granularity, group_size, act_bits, observer, percentile))

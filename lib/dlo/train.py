@@ -1,7 +1,10 @@
-"""The course's plain training loop, evaluation and deterministic data loaders.
+"""The course's one training loop, evaluation and deterministic data loaders.
 
-Deliberately small: every optimisation of later days (mixed precision, compile, DDP, ...) is a
-change to a loop like this one, so it must stay readable end to end.
+Deliberately small: every optimisation of later days (mixed precision, distillation, DDP, ...) is
+a different *step* (`step_fn`) run by this same loop, which keeps what every run needs: the
+learning rate (`lr_fn` or a scheduler), a progress bar, the history, the divergence check, periodic
+evaluation and TensorBoard logging (one tag per metric name, so runs logged to different folders
+overlay).
 """
 
 from __future__ import annotations
@@ -14,10 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler, SequentialSampler, TensorDataset
-from tqdm.auto import tqdm
 
-from dlo.optim import clip_grad_norm
-from dlo.optim.utils import grad_norm
+from dlo.optim import clip_grad_norm, grad_norm
+from dlo.progress import tqdm
 
 
 def make_loader(dataset: Dataset, batch_size: int, *, seed: int, shuffle: bool = True,
@@ -44,7 +46,7 @@ def cycle(batches: Iterable) -> Iterator:
             empty = False
             yield batch
         if empty:
-            raise ValueError("loader_or_batches yielded no batch (an exhausted iterator? pass a list or a DataLoader)")
+            raise ValueError("batches yielded no batch (an exhausted iterator? pass a list or a DataLoader)")
 
 
 @torch.no_grad()
@@ -69,28 +71,63 @@ def evaluate(model: nn.Module, data, device, batch_size: int = 512) -> tuple[flo
     return loss_sum / count, correct / count
 
 
-def train(model: nn.Module, optimizer: torch.optim.Optimizer, loader_or_batches: Iterable, *, steps: int,
-          device, scheduler=None, lr_fn: Callable[[int], float] | None = None, clip: float | None = None,
-          writer=None, tag: str = "", eval_data=None, eval_every: int = 0, progress: bool = True) -> dict:
-    """Train for `steps` optimizer steps with cross-entropy; returns the history.
+StepFn = Callable[[nn.Module, torch.optim.Optimizer, tuple], dict]
 
-    The lr comes from `lr_fn(step)` (set on every param group before the step) or from `scheduler`
-    (stepped after each optimizer step), not both. `clip` clips the global gradient norm. The loop
-    stops early, with history["diverged"] = True, when the loss is not finite. History: lists "step",
-    "loss", "lr", "grad_norm" (norm before clipping); "time_s" (wall time of the loop); with `eval_data`,
-    "eval_loss"/"eval_acc" at the end and lists "eval_steps"/"eval_losses"/"eval_accs" every `eval_every`.
+
+def cross_entropy_step(clip: float | None = None) -> StepFn:
+    """The default step: cross-entropy on (x, y), backward, global-norm clipping when `clip` is set,
+    optimizer step. Metrics: "loss" and "grad_norm" (the norm before clipping)."""
+    def step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: tuple) -> dict:
+        x, y = batch[0], batch[1]
+        loss = F.cross_entropy(model(x), y)  # (B, classes) logits
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        norm = clip_grad_norm(params, clip) if clip is not None else grad_norm(params)
+        optimizer.step()
+        return {"loss": loss, "grad_norm": norm}
+    return step
+
+
+def _to(batch, device):
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    return tuple(_to(t, device) for t in batch)
+
+
+def _value(v) -> float:
+    return v.item() if isinstance(v, torch.Tensor) else float(v)
+
+
+def train(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Iterable, *, steps: int, device,
+          step_fn: StepFn | None = None, scheduler=None, lr_fn: Callable[[int], float] | None = None,
+          clip: float | None = None, writer=None, tag: str = "", eval_data=None, eval_every: int = 0,
+          progress: bool = True) -> dict:
+    """Run `steps` optimizer steps of `step_fn(model, optimizer, batch) -> {metric: value}` over
+    `batches` (cycled; each batch moved to `device`); returns the history.
+
+    The default step is `cross_entropy_step(clip)`; a custom step does its own clipping, so `clip`
+    goes with the default only. The lr comes from `lr_fn(step)` (set on every param group before
+    the step) or from `scheduler` (stepped after each optimizer step), not both. The loop stops early,
+    with history["diverged"] = True, when the loss is not finite, unless the step reports a true
+    "skipped" metric (a loss scaler skipped it). History: lists "step", "lr" and one per metric the
+    step returns ("loss", ...); "time_s" (wall time of the loop); with `eval_data`, "eval_loss" and
+    "eval_acc" at the end and lists "eval_steps"/"eval_losses"/"eval_accs" every `eval_every` steps.
+    `writer` (a SummaryWriter) gets one tag per metric and "lr", "eval_loss", "eval_acc": runs written
+    to different folders overlay in TensorBoard. `tag` labels the progress bar.
     """
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
     if scheduler is not None and lr_fn is not None:
         raise ValueError("give either lr_fn or scheduler, not both: they would fight over the lr")
-    prefix = f"{tag}/" if tag else ""
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    history: dict = {"step": [], "loss": [], "lr": [], "grad_norm": [], "diverged": False}
+    if step_fn is not None and clip is not None:
+        raise ValueError("clip goes with the default step; a custom step_fn clips (or not) itself")
+    step_fn = step_fn or cross_entropy_step(clip)
+    history: dict = {"step": [], "lr": [], "diverged": False}
     if eval_data is not None and eval_every > 0:
         history.update(eval_steps=[], eval_losses=[], eval_accs=[])
     model.to(device).train()
-    batches = cycle(loader_or_batches)
+    it = cycle(batches)
     start = time.perf_counter()
     bar = tqdm(range(steps), disable=not progress, desc=tag or "train", leave=False)
     for step in bar:
@@ -98,35 +135,29 @@ def train(model: nn.Module, optimizer: torch.optim.Optimizer, loader_or_batches:
             for group in optimizer.param_groups:
                 group["lr"] = lr_fn(step)
         lr = optimizer.param_groups[0]["lr"]
-        x, y = next(batches)
-        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        loss = F.cross_entropy(model(x), y)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        norm = clip_grad_norm(params, clip) if clip is not None else grad_norm(params)
-        optimizer.step()
+        metrics = {k: _value(v) for k, v in step_fn(model, optimizer, _to(next(it), device)).items()}
         if scheduler is not None:
             scheduler.step()
-        loss_v, norm_v = loss.item(), norm.item()  # one sync per step: fine for a teaching loop
-        for key, value in (("step", step), ("loss", loss_v), ("lr", lr), ("grad_norm", norm_v)):
-            history[key].append(value)
+        history["step"].append(step)
+        history["lr"].append(lr)
+        for key, value in metrics.items():
+            history.setdefault(key, []).append(value)
         if writer is not None:
-            writer.add_scalar(f"{prefix}loss", loss_v, step)
-            writer.add_scalar(f"{prefix}lr", lr, step)
-            writer.add_scalar(f"{prefix}grad_norm", norm_v, step)
-        if not math.isfinite(loss_v):
+            for key, value in (*metrics.items(), ("lr", lr)):
+                writer.add_scalar(key, value, step)
+        if not math.isfinite(metrics["loss"]) and not metrics.get("skipped"):
             history["diverged"] = True
             break
         if progress and step % 10 == 0:
-            bar.set_postfix(loss=f"{loss_v:.3f}", lr=f"{lr:.2e}")
+            bar.set_postfix(loss=f"{metrics['loss']:.3f}", lr=f"{lr:.2e}")
         if eval_data is not None and eval_every > 0 and (step + 1) % eval_every == 0:
             eval_loss, eval_acc = evaluate(model, eval_data, device)
             history["eval_steps"].append(step + 1)
             history["eval_losses"].append(eval_loss)
             history["eval_accs"].append(eval_acc)
             if writer is not None:
-                writer.add_scalar(f"{prefix}eval_acc", eval_acc, step + 1)
-                writer.add_scalar(f"{prefix}eval_loss", eval_loss, step + 1)
+                writer.add_scalar("eval_acc", eval_acc, step + 1)
+                writer.add_scalar("eval_loss", eval_loss, step + 1)
     bar.close()
     history["time_s"] = time.perf_counter() - start
     if eval_data is not None:

@@ -1,7 +1,10 @@
-"""The Day 1 autograder checks accept the dlo reference and reject stubs and plausible mistakes.
+"""The Day 1 autograder checks accept correct solutions and reject stubs, plausible mistakes and the
+library's own references.
 
 Every wrong implementation below is one slip away from a correct one (the kind of bug a student
-makes); a check that let one of them through would hand out points for a wrong answer.
+makes); a check that let one of them through would hand out points for a wrong answer. The correct
+versions are written out here, as a student writes them: the library references are off limits
+while a check runs (calling one fails with ForbiddenCall, tested below).
 """
 
 from __future__ import annotations
@@ -12,13 +15,71 @@ import numpy as np
 import pytest
 import torch
 
+import dlo.optim
 from dlo import lr_finder, schedules
 from dlo.checks import day1
+from dlo.checks.common import ForbiddenCall
+from dlo.checks.sandbox import LocalSandbox
 from dlo.optim import reference, utils
 
 
 def stub(*args, **kwargs):
     raise NotImplementedError()
+
+
+# ----------------------------------------------------------------------------- correct, as a student writes them
+
+def sgd_ok(param, grad, buf, *, lr, momentum=0.9, weight_decay=0.0, dampening=0.0, nesterov=False):
+    d = grad + weight_decay * param
+    buf = d.clone() if buf is None else buf.mul_(momentum).add_(d, alpha=1 - dampening)
+    param.sub_(lr * (d + momentum * buf if nesterov else buf))
+    return buf
+
+
+def adamw_ok(param, grad, m, v, step, *, lr, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=1e-2):
+    param.mul_(1 - lr * weight_decay)
+    m.mul_(beta1).add_(grad, alpha=1 - beta1)
+    v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    param.sub_(lr * (m / (1 - beta1 ** step)) / ((v / (1 - beta2 ** step)).sqrt() + eps))
+
+
+def warmup_ok(step, *, base_lr, warmup_steps, total_steps, min_lr=0.0, start_factor=0.01):
+    if step < warmup_steps:
+        return base_lr * (start_factor + (1 - start_factor) * step / warmup_steps)
+    progress = (step - warmup_steps) / (total_steps - warmup_steps)
+    return min_lr + 0.5 * (base_lr - min_lr) * (1 + math.cos(math.pi * progress))
+
+
+def one_cycle_ok(step, *, max_lr, total_steps, pct_start=0.3, div_factor=25.0, final_div_factor=1e4):
+    lo, peak = max_lr / div_factor, pct_start * total_steps - 1
+    end = lo / final_div_factor
+    if step <= peak:
+        return max_lr + 0.5 * (lo - max_lr) * (1 + math.cos(math.pi * step / peak))
+    return end + 0.5 * (max_lr - end) * (1 + math.cos(math.pi * (step - peak) / (total_steps - 1 - peak)))
+
+
+def _total_norm(grads, norm_type):
+    if norm_type == math.inf:
+        return torch.stack([g.abs().max() for g in grads]).max()
+    return torch.stack([g.norm(norm_type) for g in grads]).norm(norm_type)
+
+
+def clip_ok(parameters, max_norm, norm_type=2.0):
+    grads = [p.grad for p in parameters if p.grad is not None]
+    total = _total_norm(grads, norm_type)
+    for g in grads:
+        g.mul_(torch.clamp(max_norm / (total + 1e-6), max=1.0))
+    return total
+
+
+def accum_ok(model, loss_fn, x, y, micro_batches):
+    model.zero_grad(set_to_none=True)
+    total = torch.zeros((), dtype=x.dtype)
+    for xc, yc in zip(x.tensor_split(micro_batches), y.tensor_split(micro_batches)):
+        loss = loss_fn(model(xc), yc) * (len(xc) / len(x))
+        loss.backward()
+        total += loss.detach()
+    return total
 
 
 # ----------------------------------------------------------------------------- wrong optimizer steps
@@ -32,22 +93,22 @@ def sgd_dampened_first_step(param, grad, buf, *, lr, momentum=0.9, weight_decay=
 
 
 def sgd_no_nesterov(param, grad, buf, *, nesterov=False, **hp):
-    return reference.sgd_momentum_step(param, grad, buf, nesterov=False, **hp)
+    return sgd_ok(param, grad, buf, nesterov=False, **hp)
 
 
 def sgd_new_tensor(param, grad, buf, **hp):
     """Updates a copy: the caller's param never moves."""
-    return reference.sgd_momentum_step(param.clone(), grad, buf, **hp)
+    return sgd_ok(param.clone(), grad, buf, **hp)
 
 
 def sgd_mutates_grad(param, grad, buf, *, weight_decay=0.0, **hp):
     grad.add_(weight_decay * param)
-    return reference.sgd_momentum_step(param, grad, buf, weight_decay=0.0, **hp)
+    return sgd_ok(param, grad, buf, weight_decay=0.0, **hp)
 
 
 def adam_l2(param, grad, m, v, step, *, weight_decay=1e-2, **hp):
     """Adam with L2 regularisation: the decay goes through the moments (not decoupled)."""
-    reference.adamw_step(param, grad + weight_decay * param, m, v, step, weight_decay=0.0, **hp)
+    adamw_ok(param, grad + weight_decay * param, m, v, step, weight_decay=0.0, **hp)
 
 
 def adamw_no_bias_correction(param, grad, m, v, step, *, lr, beta1, beta2, eps, weight_decay):
@@ -65,7 +126,7 @@ def adamw_eps_inside_sqrt(param, grad, m, v, step, *, lr, beta1, beta2, eps, wei
 
 
 def adamw_decay_after_update(param, grad, m, v, step, *, lr, weight_decay, **hp):
-    reference.adamw_step(param, grad, m, v, step, lr=lr, weight_decay=0.0, **hp)
+    adamw_ok(param, grad, m, v, step, lr=lr, weight_decay=0.0, **hp)
     param.mul_(1 - lr * weight_decay)
 
 
@@ -138,8 +199,8 @@ def test_lamb_wrong_variants_agree_with_reference_when_fixed():
 def warmup_off_by_one(step, *, base_lr, warmup_steps, total_steps, min_lr=0.0, start_factor=0.01):
     if step < warmup_steps:
         return base_lr * (start_factor + (1 - start_factor) * (step + 1) / warmup_steps)
-    return schedules.warmup_cosine(step, base_lr=base_lr, warmup_steps=warmup_steps, total_steps=total_steps,
-                                   min_lr=min_lr, start_factor=start_factor)
+    return warmup_ok(step, base_lr=base_lr, warmup_steps=warmup_steps, total_steps=total_steps, min_lr=min_lr,
+                     start_factor=start_factor)
 
 
 def cosine_over_total(step, *, base_lr, warmup_steps, total_steps, min_lr=0.0, start_factor=0.01):
@@ -165,7 +226,7 @@ def one_cycle_linear(step, *, max_lr, total_steps, pct_start=0.3, div_factor=25.
 
 
 def one_cycle_tensor(step, **kw):
-    return torch.tensor([schedules.one_cycle(step, **kw)] * 2)
+    return torch.tensor([one_cycle_ok(step, **kw)] * 2)
 
 
 @pytest.mark.parametrize("fn,match", [(warmup_off_by_one, r"wrong lr at step 0 .*warmup_steps=14"),
@@ -243,20 +304,20 @@ def test_lr_range_test_rejects_wrong(fn, match):
 
 def clip_no_eps(parameters, max_norm, norm_type=2.0):
     grads = [p.grad for p in parameters if p.grad is not None]
-    total = utils._total_norm(grads, float(norm_type))
+    total = _total_norm(grads, float(norm_type))
     for g in grads:
         g.mul_(torch.clamp(max_norm / total, max=1.0))
     return total
 
 
 def clip_per_parameter(parameters, max_norm, norm_type=2.0):
-    norms = [torch.nn.utils.clip_grad_norm_([p], max_norm, norm_type) for p in parameters if p.grad is not None]
+    norms = [clip_ok([p], max_norm, norm_type) for p in parameters if p.grad is not None]
     return torch.linalg.vector_norm(torch.stack(norms), norm_type)
 
 
 def clip_iterates_twice(parameters, max_norm, norm_type=2.0):
     """Breaks on model.parameters(): a generator is empty the second time."""
-    total = utils.grad_norm(parameters, norm_type)
+    total = _total_norm([p.grad for p in parameters if p.grad is not None], norm_type)
     for p in parameters:
         if p.grad is not None:
             p.grad.mul_(torch.clamp(max_norm / (total + 1e-6), max=1.0))
@@ -265,8 +326,8 @@ def clip_iterates_twice(parameters, max_norm, norm_type=2.0):
 
 def clip_returns_after(parameters, max_norm, norm_type=2.0):
     params = list(parameters)
-    utils.clip_grad_norm(params, max_norm, norm_type)
-    return utils.grad_norm(params, norm_type)
+    clip_ok(params, max_norm, norm_type)
+    return _total_norm([p.grad for p in params if p.grad is not None], norm_type)
 
 
 def accum_no_division(model, loss_fn, x, y, micro_batches):
@@ -328,15 +389,17 @@ def test_accumulation_rejects_wrong(fn, match):
 # ----------------------------------------------------------------------------- reference passes, stub fails
 
 CHECKS = [
-    (day1.check_sgd_momentum_step, reference.sgd_momentum_step),
-    (day1.check_adamw_step, reference.adamw_step),
-    (day1.check_lamb_step, reference.lamb_step),
-    (day1.check_warmup_cosine, schedules.warmup_cosine),
-    (day1.check_one_cycle, schedules.one_cycle),
-    (day1.check_lr_range_test, lr_finder.lr_range_test),
-    (day1.check_clip_grad_norm, utils.clip_grad_norm),
-    (day1.check_accumulate_gradients, utils.accumulate_gradients),
+    (day1.check_sgd_momentum_step, sgd_ok),
+    (day1.check_adamw_step, adamw_ok),
+    (day1.check_lamb_step, _lamb),
+    (day1.check_warmup_cosine, warmup_ok),
+    (day1.check_one_cycle, one_cycle_ok),
+    (day1.check_lr_range_test, _range_test),
+    (day1.check_clip_grad_norm, clip_ok),
+    (day1.check_accumulate_gradients, accum_ok),
 ]
+LIBRARY = [reference.sgd_momentum_step, reference.adamw_step, reference.lamb_step, schedules.warmup_cosine,
+           schedules.one_cycle, lr_finder.lr_range_test, utils.clip_grad_norm, utils.accumulate_gradients]
 IDS = [c.__name__.removeprefix("check_") for c, _ in CHECKS]
 
 
@@ -357,3 +420,67 @@ def test_stub_fails(check, ref):
 def test_failure_message_names_hyperparameters():
     with pytest.raises(AssertionError, match=r"adamw_step: .*lr=.*weight_decay=.*max abs error"):
         day1.check_adamw_step(adam_l2, seed=0)
+
+
+# ----------------------------------------------------------------------------- the library's references are off limits
+
+@pytest.mark.parametrize("check,ref", [(c, r) for (c, _), r in zip(CHECKS, LIBRARY)], ids=IDS)
+def test_library_reference_is_refused(check, ref):
+    with pytest.raises(ForbiddenCall, match="off limits while this check runs: the exercise asks for your own"):
+        check(ref, seed=0)
+
+
+def adamw_via_torch(param, grad, m, v, step, *, lr, beta1, beta2, eps, weight_decay):
+    p = param.detach().clone().requires_grad_(True)
+    opt = torch.optim.AdamW([p], lr=lr, betas=(beta1, beta2), eps=eps, weight_decay=weight_decay)
+    p.grad = grad.clone()
+    opt.step()
+    param.copy_(p.detach())
+
+
+def adamw_via_reexport(param, grad, m, v, step, **hp):
+    dlo.optim.adamw_step(param, grad, m, v, step, **hp)  # the same function under another name
+
+
+def clip_via_torch(parameters, max_norm, norm_type=2.0):
+    return torch.nn.utils.clip_grad.clip_grad_norm_(list(parameters), max_norm, norm_type)  # the defining module
+
+
+@pytest.mark.parametrize("check,fn", [(day1.check_adamw_step, adamw_via_torch),
+                                      (day1.check_adamw_step, adamw_via_reexport),
+                                      (day1.check_clip_grad_norm, clip_via_torch)])
+def test_torch_and_aliases_are_refused(check, fn):
+    with pytest.raises(ForbiddenCall, match="off limits"):
+        check(fn, seed=0)
+    assert torch.optim.AdamW.__name__ == "AdamW" and dlo.optim.adamw_step is reference.adamw_step  # restored
+
+
+# ----------------------------------------------------------------------------- the same checks, sandboxed
+
+@pytest.fixture(scope="module")
+def sandbox(tmp_path_factory):
+    with LocalSandbox(tmp_path_factory.mktemp("sandbox")) as sb:
+        yield sb
+
+
+@pytest.mark.parametrize("check,ref", CHECKS, ids=IDS)
+def test_reference_passes_sandboxed(sandbox, check, ref, capsys):
+    """The grader's path: the student's function in the runner, the comparison here."""
+    sandbox.run(check, ref, seed=1)
+    assert ": ok (" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("check,fn,exc,match", [
+    (day1.check_adamw_step, adam_l2, AssertionError, r"exp_avg \(m\) after step 1 differs"),
+    (day1.check_sgd_momentum_step, sgd_new_tensor, AssertionError, "param did not change"),
+    (day1.check_sgd_momentum_step, sgd_mutates_grad, AssertionError, "grad tensor was modified"),
+    (day1.check_clip_grad_norm, clip_iterates_twice, AssertionError, r"after clipping .*trial=1"),
+    (day1.check_lr_range_test, range_test_ignores_nan, AssertionError, r"step_fn was called 53 times.*trial=1"),
+    (day1.check_one_cycle, one_cycle_tensor, AssertionError, "must return a float, got Tensor"),
+    (day1.check_accumulate_gradients, accum_whole_batch, AssertionError, r"saw sizes \[31\]"),
+    (day1.check_adamw_step, reference.adamw_step, ForbiddenCall, "off limits"),
+    (day1.check_adamw_step, adamw_via_reexport, ForbiddenCall, "off limits"),
+    (day1.check_warmup_cosine, stub, NotImplementedError, None)])
+def test_wrong_fails_sandboxed(sandbox, check, fn, exc, match):
+    with pytest.raises(exc, match=match):
+        sandbox.run(check, fn, seed=0)

@@ -8,6 +8,8 @@ import torch.nn.functional as F
 
 from dlo.amp import DynamicLossScaler, train_step
 from dlo.checks import day2
+from dlo.checks.common import ForbiddenCall
+from dlo.checks.sandbox import LocalSandbox
 
 
 def stub(*args, **kwargs):
@@ -19,7 +21,7 @@ def stub(*args, **kwargs):
 def step_ok(model, optimizer, x, y, *, dtype, scaler=None):
     """Written out, not dlo.amp.train_step (the check's own reference): what a student writes."""
     optimizer.zero_grad()
-    with torch.autocast("cpu", dtype=dtype):
+    with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
         loss = F.cross_entropy(model(x), y)
     if scaler is None:
         loss.backward()
@@ -32,7 +34,7 @@ def step_ok(model, optimizer, x, y, *, dtype, scaler=None):
 
 
 def step_no_autocast(model, optimizer, x, y, *, dtype, scaler=None):
-    return train_step(model, optimizer, x, y, dtype=None, scaler=scaler)
+    return step_ok(model, optimizer, x, y, dtype=None, scaler=scaler)
 
 
 def step_pure_low_precision(model, optimizer, x, y, *, dtype, scaler=None):
@@ -41,7 +43,7 @@ def step_pure_low_precision(model, optimizer, x, y, *, dtype, scaler=None):
 
 
 def step_ignores_scaler(model, optimizer, x, y, *, dtype, scaler=None):
-    return train_step(model, optimizer, x, y, dtype=dtype, scaler=None)
+    return step_ok(model, optimizer, x, y, dtype=dtype, scaler=None)
 
 
 def step_no_update(model, optimizer, x, y, *, dtype, scaler=None):
@@ -197,8 +199,7 @@ class NoSkip(HostScaler):
         optimizer.step()
 
 
-def test_loss_scaler_accepts_reference_and_host_version(capsys):
-    day2.check_loss_scaler(DynamicLossScaler)
+def test_loss_scaler_accepts_host_version(capsys):
     day2.check_loss_scaler(HostScaler)
     day2.check_loss_scaler(HostScaler, seed=5)
     assert "ok" in capsys.readouterr().out
@@ -266,3 +267,127 @@ def test_round_to_bf16_rejects(wrong, match):
 def test_round_to_bf16_stub():
     with pytest.raises(NotImplementedError):
         day2.check_round_to_bf16(stub)
+
+
+# ----------------------------------------------------------------------------- references off limits, and sandboxed
+
+class ScalerViaTorch(HostScaler):
+    def __init__(self, **hp):
+        self.inner = torch.amp.GradScaler("cpu", **hp)
+
+    def scale(self, loss):
+        return self.inner.scale(loss)
+
+    def unscale_(self, optimizer):
+        self.inner.unscale_(optimizer)
+
+    def step(self, optimizer):
+        self.inner.step(optimizer)
+
+    def update(self):
+        self.inner.update()
+
+    def get_scale(self):
+        return self.inner.get_scale()
+
+
+@pytest.mark.parametrize("check,fn", [(day2.check_autocast_train_step, train_step),
+                                      (day2.check_loss_scaler, DynamicLossScaler),
+                                      (day2.check_loss_scaler, ScalerViaTorch)])
+def test_references_are_refused(check, fn):
+    with pytest.raises(ForbiddenCall, match="off limits"):
+        check(fn)
+
+
+@pytest.fixture(scope="module")
+def sandbox(tmp_path_factory):
+    with LocalSandbox(tmp_path_factory.mktemp("sandbox")) as sb:
+        yield sb
+
+
+@pytest.mark.parametrize("check,fn", [(day2.check_autocast_train_step, step_ok), (day2.check_loss_scaler, HostScaler),
+                                      (day2.check_round_to_bf16, round_ok)])
+def test_correct_passes_sandboxed(sandbox, check, fn, capsys):
+    sandbox.run(check, fn, seed=1)
+    assert ": ok (" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("check,fn,exc,match", [
+    (day2.check_autocast_train_step, step_pure_low_precision, AssertionError, "must stay fp32 master weights"),
+    (day2.check_loss_scaler, InfOnly, AssertionError, r"step was taken, expected skipped .*injected=nan"),
+    (day2.check_round_to_bf16, round_in_place, AssertionError, "the input was modified"),
+    (day2.check_loss_scaler, ScalerViaTorch, ForbiddenCall, "off limits")])
+def test_wrong_fails_sandboxed(sandbox, check, fn, exc, match):
+    with pytest.raises(exc, match=match):
+        sandbox.run(check, fn)
+
+
+# ----------------------------------------------------------------------------- FLOPs, MFU and bytes per parameter
+
+def matmul_params_ok(model):
+    """Written out, not dlo.accounting.matmul_params: what a student writes."""
+    tables = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    linears = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Linear)}
+    return sum(p.numel() for p in model.parameters() if p.dim() >= 2 and (id(p) not in tables or id(p) in linears))
+
+
+def matmul_params_with_tables(model):  # counts looked-up embedding tables too
+    return sum(p.numel() for p in model.parameters() if p.dim() >= 2)
+
+
+def matmul_params_linears_only(model):  # misses raw projection parameters (nn.MultiheadAttention's in_proj)
+    return sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+
+
+def flops_ok(n, layers, d, seq):
+    return 6 * n + 12 * layers * d * seq
+
+
+def bytes_ok(precision, optimizer):
+    w, g, master, state = {"fp32": (4, 4, 0, 4), "mixed": (2, 2, 4, 4), "bf16": (2, 2, 0, 2)}[precision]
+    return w + g + master + {"sgd": 0, "momentum": 1, "adam": 2}[optimizer] * state
+
+
+OK4 = (matmul_params_ok, flops_ok, lambda f, s, p: f / s / p, bytes_ok)
+
+
+def test_flops_accounting_accepts(capsys):
+    day2.check_flops_accounting(*OK4)
+    day2.check_flops_accounting(*OK4, seed=1, trials=2)
+    assert ": ok (" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("i,wrong,match", [
+    (0, matmul_params_with_tables, "looked-up (embedding )?table counted"),
+    (0, matmul_params_linears_only, "matmul_params = "),
+    (1, lambda n, layers, d, seq: 2 * n + 4 * layers * d * seq, "forward only"),
+    (1, lambda n, layers, d, seq: 6 * n, "12 l h s for attention"),
+    (2, lambda f, s, p: 100 * f / s / p, "mfu"),
+    (3, lambda precision, optimizer: bytes_ok(precision, optimizer) - 4 * (precision == "mixed"),
+     "master copy, 4 bytes, missing"),
+    (3, lambda precision, optimizer: bytes_ok(precision, "adam"), "training_bytes_per_param")])
+def test_flops_accounting_rejects(i, wrong, match):
+    fns = list(OK4)
+    fns[i] = wrong
+    with pytest.raises(AssertionError, match=match):
+        day2.check_flops_accounting(*fns)
+
+
+def test_flops_accounting_stub_and_references():
+    with pytest.raises(NotImplementedError):
+        day2.check_flops_accounting(stub, *OK4[1:])
+    from dlo.accounting import matmul_params, training_bytes_per_param
+    from dlo.measure import transformer_flops_per_token
+
+    for i, ref in ((0, matmul_params), (1, transformer_flops_per_token), (3, training_bytes_per_param)):
+        fns = list(OK4)
+        fns[i] = ref
+        with pytest.raises(ForbiddenCall, match="off limits"):
+            day2.check_flops_accounting(*fns, trials=1)
+
+
+def test_flops_accounting_sandboxed(sandbox, capsys):
+    sandbox.run(day2.check_flops_accounting, *OK4, trials=1)
+    assert ": ok (" in capsys.readouterr().out
+    with pytest.raises(AssertionError, match="looked-up (embedding )?table counted"):
+        sandbox.run(day2.check_flops_accounting, matmul_params_with_tables, *OK4[1:], trials=1)

@@ -11,6 +11,8 @@ import torch
 from dlo import activation_ckpt as ac
 from dlo import checkpoint as ck
 from dlo.checks import day3
+from dlo.checks.common import ForbiddenCall
+from dlo.checks.sandbox import LocalSandbox
 
 
 def stub(*args, **kwargs):
@@ -24,11 +26,36 @@ class Stub(torch.autograd.Function):
 
 
 class Reference:
-    """The library's CheckpointFunction behind the exercise's `apply(fn, *args)` signature."""
+    """The library's CheckpointFunction behind the exercise's `apply(fn, *args)` signature (off limits)."""
 
     @staticmethod
     def apply(fn, *args):
         return ac.CheckpointFunction.apply(fn, True, *args)
+
+
+class CheckpointOk(torch.autograd.Function):
+    """The exercise as a student writes it (CPU and CUDA RNG saved and replayed)."""
+
+    @staticmethod
+    def forward(ctx, fn, *args):
+        ctx.fn, ctx.cpu_rng = fn, torch.get_rng_state()
+        ctx.devices = sorted({a.device.index for a in args if a.is_cuda})
+        ctx.cuda_rng = [torch.cuda.get_rng_state(d) for d in ctx.devices]
+        ctx.save_for_backward(*args)
+        with torch.no_grad():
+            return fn(*args)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        args = [t.detach().requires_grad_(t.requires_grad) for t in ctx.saved_tensors]
+        with torch.random.fork_rng(devices=ctx.devices):
+            torch.set_rng_state(ctx.cpu_rng)
+            for d, state in zip(ctx.devices, ctx.cuda_rng):
+                torch.cuda.set_rng_state(state, d)
+            with torch.enable_grad():
+                out = ctx.fn(*args)
+        torch.autograd.backward(out, grad_output)
+        return (None, *[a.grad for a in args])
 
 
 def _make_checkpoint(restore_rng=True, fork=True, save_output=False):
@@ -113,6 +140,17 @@ def pack_cpu_view(t):
     return t.device, t.cpu()  # on a CPU tensor .cpu() is the same storage: nothing is offloaded
 
 
+def pack_ok(t):
+    host = torch.empty(t.shape, dtype=t.dtype)
+    host.copy_(t)
+    return t.device, host
+
+
+def unpack_ok(packed):
+    device, host = packed
+    return host.to(device)
+
+
 def unpack_loses_dtype(packed):
     device, host = packed
     return host.to(device, torch.float32)
@@ -120,25 +158,48 @@ def unpack_loses_dtype(packed):
 
 # On the CPU, where pack_cpu_view's t.cpu() returns the same storage (on CUDA it is a real offload).
 @pytest.mark.parametrize("pack,unpack,match", [(pack_keeps_tensor, lambda t: t, "pack kept the original tensor"),
-                                               (pack_cpu_view, ac.offload_unpack, "pack kept the original tensor"),
-                                               (ac.offload_pack, unpack_loses_dtype,
+                                               (pack_cpu_view, unpack_ok, "pack kept the original tensor"),
+                                               (pack_ok, unpack_loses_dtype,
                                                 r"unpack\(pack\(t\)\) must equal t .*got cpu, torch\.float32")])
 def test_offload_rejects_wrong(pack, unpack, match):
     with pytest.raises(AssertionError, match=match):
         day3.check_offload_hooks(pack, unpack, seed=0, device="cpu")
 
 
+def _state(model, optimizer, scheduler, scaler, loader, step):
+    rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    return {"step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(), "loader": loader.state_dict(),
+            "rng": rng}
+
+
+def _set_rng(rng):
+    random.setstate(rng["python"])
+    np.random.set_state(rng["numpy"])
+    torch.set_rng_state(rng["torch"])
+
+
+def save_ok(path, *, model, optimizer, scheduler, scaler, loader, step):
+    torch.save(_state(model, optimizer, scheduler, scaler, loader, step), path)
+
+
+def load_ok(path, *, model, optimizer, scheduler, scaler, loader):
+    state = torch.load(path, weights_only=False)
+    for obj, key in ((model, "model"), (optimizer, "optimizer"), (scheduler, "scheduler"), (scaler, "scaler"),
+                     (loader, "loader")):
+        obj.load_state_dict(state[key])
+    _set_rng(state["rng"])
+    return state["step"]
+
+
 def save_ref(path, *, model, optimizer, scheduler, scaler, loader, step):
+    """The library's (off limits)."""
     ck.save_atomic(ck.training_state(model, optimizer, scheduler, scaler, loader, step=step), path)
-
-
-def load_ref(path, *, model, optimizer, scheduler, scaler, loader):
-    return ck.restore_training_state(torch.load(path, weights_only=False), model, optimizer, scheduler, scaler, loader)
 
 
 def _save_without(*skip):
     def save(path, *, model, optimizer, scheduler, scaler, loader, step):
-        state = ck.training_state(model, optimizer, scheduler, scaler, loader, step=step)
+        state = _state(model, optimizer, scheduler, scaler, loader, step)
         if "numpy" in skip:
             state["rng"]["numpy"] = np.random.RandomState(0).get_state()
         if "python" in skip:
@@ -157,7 +218,7 @@ def load_lenient(path, *, model, optimizer, scheduler, scaler, loader):
     for obj, key in ((scheduler, "scheduler"), (scaler, "scaler"), (loader, "loader")):
         if state[key] is not None:
             obj.load_state_dict(state[key])
-    ck.set_rng_state(state["rng"])
+    _set_rng(state["rng"])
     return state["step"]
 
 
@@ -176,10 +237,10 @@ def test_resume_lenient_base_is_right():
 
 
 CHECKS = [
-    (day3.check_checkpoint_function, (Reference,), (Stub,)),
+    (day3.check_checkpoint_function, (CheckpointOk,), (Stub,)),
     (day3.check_checkpoint_every, (every_ref,), (stub,)),
-    (day3.check_offload_hooks, (ac.offload_pack, ac.offload_unpack), (stub, stub)),
-    (day3.check_resume, (save_ref, load_ref), (stub, stub)),
+    (day3.check_offload_hooks, (pack_ok, unpack_ok), (stub, stub)),
+    (day3.check_resume, (save_ok, load_ok), (stub, stub)),
 ]
 IDS = [c.__name__.removeprefix("check_") for c, _, _ in CHECKS]
 
@@ -196,3 +257,35 @@ def test_reference_passes(check, ref, bad, seed, capsys):
 def test_stub_fails(check, ref, bad):
     with pytest.raises(NotImplementedError):
         check(*bad, seed=0)
+
+
+@pytest.mark.parametrize("check,fns", [(day3.check_checkpoint_function, (Reference,)),
+                                       (day3.check_offload_hooks, (ac.offload_pack, ac.offload_unpack)),
+                                       (day3.check_resume, (save_ref, load_ok))],
+                         ids=["checkpoint_function", "offload", "resume"])
+def test_library_is_refused(check, fns):
+    with pytest.raises(ForbiddenCall, match="off limits"):
+        check(*fns, seed=0)
+
+
+@pytest.fixture(scope="module")
+def sandbox(tmp_path_factory):
+    with LocalSandbox(tmp_path_factory.mktemp("sandbox")) as sb:
+        yield sb
+
+
+@pytest.mark.parametrize("check,ref,bad", CHECKS, ids=IDS)
+def test_reference_passes_sandboxed(sandbox, check, ref, bad, capsys):
+    sandbox.run(check, *ref, seed=1)
+    assert ": ok (" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("check,fns,match", [
+    (day3.check_checkpoint_function, (_make_checkpoint(restore_rng=False),), "gradient of the input differs"),
+    (day3.check_checkpoint_every, (every_last_of_group,), r"called on blocks \[1, 3\], expected \[0, 2\]"),
+    (day3.check_offload_hooks, (pack_keeps_tensor, unpack_ok), "pack kept the original tensor"),
+    (day3.check_resume, (_save_without("numpy"), load_lenient), "resumed losses differ .* from step 8 on")],
+    ids=["checkpoint_function", "every", "offload", "resume"])
+def test_wrong_fails_sandboxed(sandbox, check, fns, match):
+    with pytest.raises(AssertionError, match=match):
+        sandbox.run(check, *fns, seed=0)

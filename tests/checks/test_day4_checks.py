@@ -1,7 +1,9 @@
 """The Day 4 checks accept the dlo references and reject stubs and plausible mistakes.
 
-Each multi-process check costs one launch (~2 s), so every exercise gets its reference plus the
-two or three slips students really make, not an exhaustive list.
+Each multi-process check would cost a launch (~2 s; here ranks are pooled),
+so every exercise gets a correct version plus the two or three slips students really make, not an
+exhaustive list. The correct versions are written out here as a student writes them: the library's
+DDP and collectives are off limits while a check runs.
 """
 
 from __future__ import annotations
@@ -13,7 +15,17 @@ import torch
 import torch.distributed as dist
 
 from dlo.checks import day4
+from dlo.checks.sandbox import LocalSandbox
 from dlo.distributed import collectives, data, ddp
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(autouse=True)
+def pooled(ranks):
+    """Every check's ranks come from the module's pool (tests.rank_pool: one launch serves many checks;
+    test_sandboxed below still meets the real launch, inside the grader's runner)."""
+    yield
 
 
 def stub(*args, **kwargs):
@@ -24,6 +36,27 @@ def stub(*args, **kwargs):
 
 def ring_via_all_reduce(t):
     dist.all_reduce(t)
+
+
+def ring_ok(t):
+    """The notebook's ring: reduce-scatter then all-gather around the ring, isend/irecv only."""
+    n, r = dist.get_world_size(), dist.get_rank()
+    flat = t.reshape(-1).clone()
+    buf = torch.cat([flat, flat.new_zeros((-flat.numel()) % n)])
+    chunks, incoming = buf.view(n, -1), torch.empty(buf.numel() // n, dtype=t.dtype)
+
+    def exchange(send):
+        for op in [dist.isend(send.contiguous(), (r + 1) % n), dist.irecv(incoming, (r - 1) % n)]:
+            op.wait()
+
+    for s in range(n - 1):
+        exchange(chunks[(r - s) % n])
+        chunks[(r - s - 1) % n] += incoming
+    for s in range(n - 1):
+        exchange(chunks[(r + 1 - s) % n])
+        chunks[(r - s) % n].copy_(incoming)
+    t.copy_(buf[:flat.numel()].view_as(t))
+    return t
 
 
 def ring_reduce_scatter_only(t):
@@ -43,15 +76,17 @@ def ring_drops_remainder(t):
     """Chunks of numel // world: the tail elements are never summed."""
     n = t.numel() - t.numel() % dist.get_world_size()
     if n:
-        collectives.ring_all_reduce(t.view(-1)[:n])
+        ring_ok(t.view(-1)[:n])
 
 
 @pytest.mark.parametrize("world", [3])
-def test_ring_accepts_reference(world):
-    day4.check_ring_all_reduce(collectives.ring_all_reduce, seed=1, world_size=world)
+def test_ring_accepts_correct(world):
+    day4.check_ring_all_reduce(ring_ok, seed=1, world_size=world)
 
 
-@pytest.mark.parametrize("fn,match", [(stub, "NotImplementedError"), (ring_via_all_reduce, "not allowed"),
+@pytest.mark.parametrize("fn,match", [(stub, "NotImplementedError"),
+                                      (ring_via_all_reduce, "all_reduce is off limits.*point-to-point"),
+                                      (collectives.ring_all_reduce, "off limits"),
                                       (ring_reduce_scatter_only, "differs"), (ring_drops_remainder, "differs")])
 def test_ring_rejects(fn, match):
     with pytest.raises(AssertionError, match=match):
@@ -59,6 +94,19 @@ def test_ring_rejects(fn, match):
 
 
 # ----------------------------------------------------------------------------- naive DDP
+
+def broadcast_ok(module):
+    with torch.no_grad():
+        for p in module.parameters():
+            dist.broadcast(p.data, 0)
+
+
+def all_reduce_mean(module):
+    for p in module.parameters():
+        if p.grad is not None:
+            dist.all_reduce(p.grad)
+            p.grad.div_(dist.get_world_size())
+
 
 def all_reduce_sum(module):
     for p in module.parameters():
@@ -69,12 +117,13 @@ def no_broadcast(module):
     pass
 
 
-def test_naive_accepts_reference():
-    day4.check_naive_ddp(ddp.broadcast_parameters, ddp.all_reduce_gradients, seed=2)
+def test_naive_accepts_correct():
+    day4.check_naive_ddp(broadcast_ok, all_reduce_mean, seed=2)
 
 
-@pytest.mark.parametrize("bcast,reduce,match", [(ddp.broadcast_parameters, all_reduce_sum, "mean over ranks"),
-                                                (no_broadcast, ddp.all_reduce_gradients, "rank 0")])
+@pytest.mark.parametrize("bcast,reduce,match", [(broadcast_ok, all_reduce_sum, "mean over ranks"),
+                                                (no_broadcast, all_reduce_mean, "rank 0"),
+                                                (ddp.broadcast_parameters, all_reduce_mean, "off limits")])
 def test_naive_rejects(bcast, reduce, match):
     with pytest.raises(AssertionError, match=match):
         day4.check_naive_ddp(bcast, reduce)
@@ -82,14 +131,77 @@ def test_naive_rejects(bcast, reduce, match):
 
 # ----------------------------------------------------------------------------- bucketed DDP
 
-class SyncAfterBackward(ddp.DataParallelNaive):
+class BucketOk(torch.nn.Module):
+    """The notebook's bucketed DDP: buckets filled in reverse order by post-accumulate-grad hooks."""
+
+    def __init__(self, module, bucket_cap_mb=25.0):
+        super().__init__()
+        self.module, self.world = module, dist.get_world_size()
+        broadcast_ok(module)
+        cap, self.buckets, current, size = bucket_cap_mb * 2 ** 20, [], [], 0
+        for p in reversed(list(module.parameters())):
+            if current and size + p.numel() * p.element_size() > cap:
+                self.buckets.append(self._bucket(current))
+                current, size = [], 0
+            current.append(p)
+            size += p.numel() * p.element_size()
+        self.buckets.append(self._bucket(current))
+        self.where = {}
+        for b in self.buckets:
+            offset = 0
+            for p in b["params"]:
+                self.where[p] = (b, offset)
+                offset += p.numel()
+        for p in module.parameters():
+            p.register_post_accumulate_grad_hook(self._hook)
+
+    def forward(self, *args):
+        return self.module(*args)
+
+    @staticmethod
+    def _bucket(params):
+        return {"params": params, "buffer": params[0].new_zeros(sum(p.numel() for p in params)), "ready": 0,
+                "handle": None}
+
+    def _hook(self, p):
+        b, offset = self.where[p]
+        b["buffer"][offset:offset + p.numel()].copy_(p.grad.reshape(-1))
+        b["ready"] += 1
+        if b["ready"] == len(b["params"]):
+            b["buffer"].div_(self.world)
+            b["handle"] = dist.all_reduce(b["buffer"], async_op=True)
+
+    def finish_gradient_synchronization(self):
+        for b in self.buckets:
+            b["handle"].wait()
+            offset = 0
+            for p in b["params"]:
+                p.grad.copy_(b["buffer"][offset:offset + p.numel()].view_as(p))
+                offset += p.numel()
+            b["ready"], b["handle"] = 0, None
+
+
+class NaiveOk(torch.nn.Module):
+    def __init__(self, module):
+        super().__init__()
+        self.module = module
+        broadcast_ok(module)
+
+    def forward(self, *args):
+        return self.module(*args)
+
+    def finish_gradient_synchronization(self):
+        all_reduce_mean(self.module)
+
+
+class SyncAfterBackward(NaiveOk):
     """Right numbers, but blocking per-parameter all-reduces after backward: no buckets, no overlap."""
 
     def __init__(self, module, bucket_cap_mb=25.0):
         super().__init__(module)
 
 
-class AsyncPerParameter(ddp.DataParallelNaive):
+class AsyncPerParameter(NaiveOk):
     """Overlaps, but one async all-reduce per parameter (bucket_cap ignored)."""
 
     def __init__(self, module, bucket_cap_mb=25.0):
@@ -106,11 +218,12 @@ class AsyncPerParameter(ddp.DataParallelNaive):
         self.handles = []
 
 
-def test_bucket_accepts_reference():
-    day4.check_bucket_ddp(ddp.DataParallelBucket, seed=1)
+def test_bucket_accepts_correct():
+    day4.check_bucket_ddp(BucketOk, seed=1)
 
 
-@pytest.mark.parametrize("cls,match", [(SyncAfterBackward, "async_op=True"), (AsyncPerParameter, "fewer than one per")])
+@pytest.mark.parametrize("cls,match", [(SyncAfterBackward, "async_op=True"), (AsyncPerParameter, "fewer than one per"),
+                                       (ddp.DataParallelBucket, "off limits")])
 def test_bucket_rejects(cls, match):
     with pytest.raises(AssertionError, match=match):
         day4.check_bucket_ddp(cls)
@@ -184,13 +297,19 @@ def shard_seed_per_rank(n, rank, world_size, seed=0, epoch=0):
     return perm[rank::world_size].tolist()
 
 
-def test_shard_accepts_reference():
+def shard_ok(n, rank, world_size, seed=0, epoch=0):
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch))
+    return perm[rank::world_size].tolist()
+
+
+def test_shard_accepts_correct():
     for seed in range(3):
-        day4.check_shard_indices(data.shard_indices, seed=seed, trials=10)
+        day4.check_shard_indices(shard_ok, seed=seed, trials=10)
 
 
 @pytest.mark.parametrize("fn,match", [(stub, None), (shard_contiguous, "cover"), (shard_padded, "two shards"),
-                                      (shard_unshuffled, "epoch"), (shard_seed_per_rank, None)])
+                                      (shard_unshuffled, "epoch"), (shard_seed_per_rank, None),
+                                      (data.shard_indices, "off limits")])
 def test_shard_rejects(fn, match):
     with pytest.raises((AssertionError, NotImplementedError), match=match):
         day4.check_shard_indices(fn, trials=10)
@@ -202,7 +321,33 @@ def mean_of_means(loss_sum, correct, count):
     return tuple((t / dist.get_world_size()).tolist())
 
 
+def metrics_ok(loss_sum, correct, count):
+    stats = torch.tensor([float(loss_sum), float(correct), float(count)], dtype=torch.float64)
+    dist.all_reduce(stats)
+    total_loss, total_correct, total = stats.tolist()
+    return total_loss / total, total_correct / total
+
+
 def test_metrics():
-    day4.check_all_reduce_metrics(data.all_reduce_metrics, seed=1, world_size=3)
+    day4.check_all_reduce_metrics(metrics_ok, seed=1, world_size=3)
     with pytest.raises(AssertionError, match="mean of per-rank means"):
         day4.check_all_reduce_metrics(mean_of_means)
+    with pytest.raises(AssertionError, match="off limits"):
+        day4.check_all_reduce_metrics(data.all_reduce_metrics)
+
+
+# ----------------------------------------------------------------------------- sandboxed: ranks inside the runner
+
+@pytest.fixture(scope="module")
+def sandbox(tmp_path_factory):
+    with LocalSandbox(tmp_path_factory.mktemp("sandbox")) as sb:
+        yield sb
+
+
+def test_sandboxed(sandbox, capsys):
+    """The grader's path on ranks: the runner's child launches the ranks, the reference runs here."""
+    sandbox.run(day4.check_ring_all_reduce, ring_ok, seed=0)
+    sandbox.run(day4.check_naive_ddp, broadcast_ok, all_reduce_mean, seed=0)
+    assert "ring_all_reduce: ok" in capsys.readouterr().out
+    with pytest.raises(AssertionError, match="ForbiddenCall: .*all_reduce is off limits"):  # raised on a rank
+        sandbox.run(day4.check_ring_all_reduce, ring_via_all_reduce)

@@ -1,4 +1,8 @@
-"""The Day 8 checks accept the dlo references and reject stubs and plausible mistakes."""
+"""The Day 8 checks accept correct solutions and reject stubs, plausible mistakes and the library's
+own references (off limits while a check runs).
+
+The correct versions below are written out as a student writes them; each wrong version is one of
+them with one slip, so it fails for its own reason, not for calling a forbidden reference."""
 
 from __future__ import annotations
 
@@ -10,59 +14,128 @@ import torch.nn.functional as F
 
 from dlo import distill, prune, quant
 from dlo.checks import day8
+from dlo.checks.common import ForbiddenCall
+from dlo.checks.sandbox import LocalSandbox
 
 
 def stub(*args, **kwargs):
     raise NotImplementedError()
 
 
-# ----------------------------------------------------------------------------- references in exercise form
+# ----------------------------------------------------------------------------- correct, as a student writes them
+
+def _groups(x, granularity, group_size):
+    R, C = x.shape
+    return {"tensor": x.reshape(1, 1, R * C), "channel": x.reshape(R, 1, C)}.get(
+        granularity, x.reshape(R, C // group_size, group_size) if granularity == "group" else None)
+
 
 def quantize_ok(x, bits, granularity, group_size):
-    q, s, _ = quant.quantize(x, bits, granularity, group_size, symmetric=True)
-    return q, s
+    g = _groups(x, granularity, group_size)
+    q_max = 2 ** (bits - 1) - 1
+    s = g.abs().amax(dim=-1) / q_max
+    q = torch.round(g / torch.where(s > 0, s, torch.ones_like(s))[..., None]).clamp(-q_max, q_max)
+    return q.reshape(x.shape), s
 
 
 def dequantize_ok(q, scale):
-    return quant.dequantize(q, scale)
+    return (q.float().reshape(scale.shape[0], scale.shape[1], -1) * scale[..., None]).reshape(q.shape)
 
 
 def calibrate_ok(batches, method, percentile):
-    obs = quant.MinMaxObserver() if method == "minmax" else quant.PercentileObserver(percentile)
-    for b in batches:
-        obs.update(b)
-    return obs.range()
+    v = torch.cat([b.detach().flatten().double() for b in batches])
+    if method == "minmax":
+        return v.min(), v.max()
+    lo, hi = torch.quantile(v, torch.tensor([1 - percentile / 100, percentile / 100], dtype=v.dtype))
+    return lo, hi
+
+
+class _FakeQuant(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, scale, bits):
+        q_max = 2 ** (bits - 1) - 1
+        code = torch.round(x / scale)
+        ctx.save_for_backward((code >= -q_max) & (code <= q_max))
+        return code.clamp(-q_max, q_max) * scale
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (inside,) = ctx.saved_tensors
+        return grad_out * inside, None, None
 
 
 def fake_quant_ok(x, scale, bits):
-    return quant.fake_quant(x, scale, bits=bits)
+    return _FakeQuant.apply(x, scale, bits)
 
 
 def masks_ok(weights, sparsity, scope):
-    return prune.magnitude_masks(weights, sparsity, scope)
+    def keep(scores):
+        k = torch.ones(scores.numel(), dtype=torch.bool)
+        k[torch.argsort(scores.flatten())[:round(sparsity * scores.numel())]] = False
+        return k.reshape(scores.shape)
+
+    if scope == "layer":
+        return {k: keep(w.abs()) for k, w in weights.items()}
+    flat, out, start = keep(torch.cat([w.abs().flatten() for w in weights.values()])), {}, 0
+    for k, w in weights.items():
+        out[k] = flat[start:start + w.numel()].reshape(w.shape)
+        start += w.numel()
+    return out
+
+
+def gradual_ok(step, final, begin, end, initial=0.0):
+    t = min(max(step, begin), end)
+    return final + (initial - final) * (1 - (t - begin) / (end - begin)) ** 3
+
+
+def _prune_pair(fc1, fc2, keep):
+    a = torch.nn.Linear(fc1.in_features, len(keep)).to(fc1.weight.dtype)
+    b = torch.nn.Linear(len(keep), fc2.out_features).to(fc2.weight.dtype)
+    with torch.no_grad():
+        a.weight.copy_(fc1.weight[keep])
+        a.bias.copy_(fc1.bias[keep])
+        b.weight.copy_(fc2.weight[:, keep])
+        b.bias.copy_(fc2.bias)
+    return a, b
+
+
+def prune_pair_ok(fc1, fc2, n_keep):
+    return _prune_pair(fc1, fc2, torch.sort(torch.argsort(fc1.weight.norm(dim=1), descending=True)[:n_keep]).values)
+
+
+def mask24_ok(w):
+    g = w.abs().reshape(-1, 4)
+    top = torch.sort(g, dim=1, descending=True, stable=True).indices[:, :2]
+    return torch.zeros_like(g, dtype=torch.bool).scatter_(1, top, True).reshape(w.shape)
+
+
+def is24_ok(mask):
+    return mask.shape[-1] % 4 == 0 and bool(((mask != 0).reshape(-1, 4).sum(dim=1) <= 2).all())
 
 
 def distill_ok(s, t, y, temperature, lam):
-    return distill.distillation_loss(s, t, y, temperature, lam)
+    kl = F.kl_div(F.log_softmax(s / temperature, -1), F.log_softmax(t.detach() / temperature, -1), log_target=True,
+                  reduction="batchmean")
+    return temperature ** 2 * kl + lam * F.cross_entropy(s, y)
 
 
 # ----------------------------------------------------------------------------- wrong versions
 
 def quantize_floor(x, bits, granularity, group_size):
-    g = quant.group_view(x, granularity, group_size)
+    g = _groups(x, granularity, group_size)
     s = g.abs().amax(-1) / (2 ** (bits - 1) - 1)
     q = torch.floor(g / torch.where(s > 0, s, 1.0)[..., None])
     return q.reshape(x.shape).to(torch.int8), s
 
 
 def quantize_qmax_128(x, bits, granularity, group_size):
-    g = quant.group_view(x, granularity, group_size)
+    g = _groups(x, granularity, group_size)
     s = g.abs().amax(-1) / 2 ** (bits - 1)
     return torch.round(g / torch.where(s > 0, s, 1.0)[..., None]).reshape(x.shape).to(torch.int8), s
 
 
 def quantize_nan_on_zero(x, bits, granularity, group_size):
-    g = quant.group_view(x, granularity, group_size)
+    g = _groups(x, granularity, group_size)
     s = g.abs().amax(-1) / (2 ** (bits - 1) - 1)
     return torch.round(g / s[..., None]).reshape(x.shape), s
 
@@ -73,6 +146,14 @@ def quantize_always_per_tensor(x, bits, granularity, group_size):
 
 def dequantize_ignores_groups(q, scale):
     return q.float() * scale[:, :1]
+
+
+def calibrate_with_observers(batches, method, percentile):
+    """The library's observers (off limits)."""
+    obs = quant.MinMaxObserver() if method == "minmax" else quant.PercentileObserver(percentile)
+    for b in batches:
+        obs.update(b)
+    return obs.range()
 
 
 def calibrate_last_batch(batches, method, percentile):
@@ -105,16 +186,16 @@ def fake_quant_unclipped_ste(x, scale, bits):
 
 
 def masks_layer_always(weights, sparsity, scope):
-    return prune.magnitude_masks(weights, sparsity, "layer")
+    return masks_ok(weights, sparsity, "layer")
 
 
 def masks_signed(weights, sparsity, scope):
     """Ranks w instead of |w|: prunes the most negative weights."""
-    return prune.magnitude_masks({k: w + 100.0 for k, w in weights.items()}, sparsity, scope)
+    return masks_ok({k: w + 100.0 for k, w in weights.items()}, sparsity, scope)
 
 
 def masks_keep_fraction(weights, sparsity, scope):
-    return prune.magnitude_masks(weights, 1 - sparsity, scope)
+    return masks_ok(weights, 1 - sparsity, scope)
 
 
 def gradual_linear(step, final, begin, end, initial=0.0):
@@ -145,20 +226,22 @@ def prune_pair_smallest(fc1, fc2, n_keep):
     a = torch.nn.Linear(fc1.in_features, n_keep).double()
     b = torch.nn.Linear(n_keep, fc2.out_features).double()
     with torch.no_grad():
-        a.weight.copy_(fc1.weight[order]); a.bias.copy_(fc1.bias[order])
-        b.weight.copy_(fc2.weight[:, order]); b.bias.copy_(fc2.bias)
+        a.weight.copy_(fc1.weight[order])
+        a.bias.copy_(fc1.bias[order])
+        b.weight.copy_(fc2.weight[:, order])
+        b.bias.copy_(fc2.bias)
     return a, b
 
 
 def prune_pair_forgets_fc2(fc1, fc2, n_keep):
-    new1, new2 = prune.prune_linear_pair(fc1, fc2, n_keep)
+    new1, new2 = prune_pair_ok(fc1, fc2, n_keep)
     with torch.no_grad():
         new2.weight.copy_(fc2.weight[:, :n_keep])
     return new1, new2
 
 
 def mask_signed(w):
-    return prune.mask_2to4(w + 100.0)
+    return mask24_ok(w + 100.0)
 
 
 def valid_exactly_two(mask):
@@ -174,8 +257,7 @@ def valid_always(mask):
 
 
 def distill_no_t2(s, t, y, temperature, lam):
-    return distill.distillation_loss(s, t, y, temperature, lam) / temperature ** 2 if lam == 0 else \
-        distill.distillation_loss(s, t, None, temperature) / temperature ** 2 + lam * F.cross_entropy(s, y)
+    return distill_ok(s, t, y, temperature, 0.0) / temperature ** 2 + lam * F.cross_entropy(s, y)
 
 
 def distill_reversed_kl(s, t, y, temperature, lam):
@@ -191,7 +273,7 @@ def distill_teacher_grad(s, t, y, temperature, lam):
 
 
 def distill_sum_reduction(s, t, y, temperature, lam):
-    return distill.distillation_loss(s, t, y, temperature, lam) * s.shape[0]
+    return distill_ok(s, t, y, temperature, lam) * s.shape[0]
 
 
 # ----------------------------------------------------------------------------- tests
@@ -203,16 +285,20 @@ CASES = [
       (quantize_ok, dequantize_ignores_groups)]),
     (day8.check_calibrate_range, (calibrate_ok,), [(stub,), (calibrate_last_batch,), (calibrate_always_minmax,)]),
     (day8.check_fake_quant_ste, (fake_quant_ok,), [(stub,), (fake_quant_zero_grad,), (fake_quant_unclipped_ste,)]),
-    (day8.check_magnitude_masks, (masks_ok,), [(stub,), (masks_layer_always,), (masks_signed,), (masks_keep_fraction,)]),
-    (day8.check_gradual_sparsity, (prune.gradual_sparsity,), [(stub,), (gradual_linear,), (gradual_no_clamp,)]),
-    (day8.check_prune_linear_pair, (prune.prune_linear_pair,),
+    (day8.check_magnitude_masks, (masks_ok,),
+     [(stub,), (masks_layer_always,), (masks_signed,), (masks_keep_fraction,)]),
+    (day8.check_gradual_sparsity, (gradual_ok,), [(stub,), (gradual_linear,), (gradual_no_clamp,)]),
+    (day8.check_prune_linear_pair, (prune_pair_ok,),
      [(stub,), (prune_pair_mask_only,), (prune_pair_smallest,), (prune_pair_forgets_fc2,)]),
-    (day8.check_mask_2to4, (prune.mask_2to4, prune.is_2to4),
-     [(stub, prune.is_2to4), (prune.mask_2to4, stub), (mask_signed, prune.is_2to4),
-      (prune.mask_2to4, valid_exactly_two), (prune.mask_2to4, valid_at_most_three), (prune.mask_2to4, valid_always)]),
+    (day8.check_mask_2to4, (mask24_ok, is24_ok),
+     [(stub, is24_ok), (mask24_ok, stub), (mask_signed, is24_ok),
+      (mask24_ok, valid_exactly_two), (mask24_ok, valid_at_most_three), (mask24_ok, valid_always)]),
     (day8.check_distillation_loss, (distill_ok,),
      [(stub,), (distill_no_t2,), (distill_reversed_kl,), (distill_teacher_grad,), (distill_sum_reduction,)]),
 ]
+LIBRARY = [(quant.quantize, quant.dequantize), (calibrate_with_observers,), (quant.fake_quant,),
+           (prune.magnitude_masks,), (prune.gradual_sparsity,), (prune.prune_linear_pair,),
+           (prune.mask_2to4, prune.is_2to4), (distill.distillation_loss,)]
 
 
 @pytest.mark.parametrize("check,good", [(c, g) for c, g, _ in CASES], ids=lambda v: getattr(v, "__name__", ""))
@@ -225,5 +311,36 @@ def test_reference_passes(check, good, seed, capsys):
 @pytest.mark.parametrize("check,bad", [(c, b) for c, _, bads in CASES for b in bads],
                          ids=lambda v: "-".join(f.__name__ for f in v) if isinstance(v, tuple) else v.__name__)
 def test_wrong_versions_fail(check, bad):
-    with pytest.raises((AssertionError, NotImplementedError)):
+    with pytest.raises((AssertionError, NotImplementedError)) as err:
         check(*bad, seed=0)
+    assert not isinstance(err.value, ForbiddenCall), "a wrong version must fail for its own slip"
+
+
+@pytest.mark.parametrize("check,lib", [(c, lib) for (c, _, _), lib in zip(CASES, LIBRARY)],
+                         ids=[c.__name__ for c, _, _ in CASES])
+def test_library_is_refused(check, lib):
+    with pytest.raises(ForbiddenCall, match="off limits"):
+        check(*lib, seed=0)
+
+
+@pytest.fixture(scope="module")
+def sandbox(tmp_path_factory):
+    with LocalSandbox(tmp_path_factory.mktemp("sandbox")) as sb:
+        yield sb
+
+
+@pytest.mark.parametrize("check,good", [(c, g) for c, g, _ in CASES], ids=[c.__name__ for c, _, _ in CASES])
+def test_reference_passes_sandboxed(sandbox, check, good, capsys):
+    sandbox.run(check, *good, seed=1)
+    assert ": ok (" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("check,bad", [(day8.check_fake_quant_ste, (fake_quant_zero_grad,)),
+                                       (day8.check_prune_linear_pair, (prune_pair_mask_only,)),
+                                       (day8.check_distillation_loss, (distill_teacher_grad,)),
+                                       (day8.check_quantize, (quantize_nan_on_zero, dequantize_ok))],
+                         ids=["fake_quant", "prune_pair", "distill", "quantize"])
+def test_wrong_fails_sandboxed(sandbox, check, bad):
+    with pytest.raises(AssertionError) as err:
+        sandbox.run(check, *bad, seed=0)
+    assert not isinstance(err.value, ForbiddenCall)

@@ -180,6 +180,30 @@ def test_timeout_names_the_hanging_rank():
     _assert_all_gone(err.pids, err.port)
 
 
+def test_timeout_names_each_rank_heartbeat_and_tells_progress_from_a_stall():
+    def body():
+        import time
+
+        import torch.distributed as dist
+
+        from dlo.distributed import heartbeat
+
+        if dist.get_rank() == 0:
+            heartbeat("recv activation of micro-batch 3 from rank 1")
+            time.sleep(600)  # stuck: no more output or heartbeat
+        for i in range(10_000):  # busy: a heartbeat every 0.1 s
+            heartbeat(f"step {i}")
+            time.sleep(0.1)
+
+    with pytest.raises(TimeoutError) as info:
+        launch(body, 2, timeout=3)
+    msg = str(info.value)
+    assert "rank 0 (its last heartbeat: 'recv activation of micro-batch 3 from rank 1'" in msg
+    assert "rank 1 (its last heartbeat: 'step " in msg
+    assert "still making progress" in msg and "raise `timeout=`" in msg  # rank 1 is alive: no deadlock guess
+    _assert_all_gone(info.value.pids, info.value.port)
+
+
 def test_keyboard_interrupt_kills_all_ranks():
     def body():
         import time

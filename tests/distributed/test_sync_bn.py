@@ -8,8 +8,8 @@ import torch.distributed as dist
 from torch import nn
 
 from dlo.distributed import launch
-from dlo.distributed.collectives import count_calls
 from dlo.distributed.sync_bn import SyncBatchNorm, convert_sync_batchnorm
+from dlo.measure import CommCounter
 
 SIZES, C, STEPS = (2, 3, 5), 4, 2  # per-rank batch sizes (unequal on purpose), channels, train steps
 CASES = {  # layer, trailing dims of (N, C, *), hyper-parameters
@@ -35,7 +35,8 @@ def _data(kind, step, n):
     """Global batch of n samples: input x (mean 3, std 2: a mean that matters) and loss weights w."""
     g = torch.Generator().manual_seed(100 * step + list(CASES).index(kind))
     shape = (n, C, *CASES[kind][1])
-    return 3 + 2 * torch.randn(shape, generator=g, dtype=torch.float64), torch.randn(shape, generator=g, dtype=torch.float64)
+    x = 3 + 2 * torch.randn(shape, generator=g, dtype=torch.float64)
+    return x, torch.randn(shape, generator=g, dtype=torch.float64)
 
 
 def _rows(members, r):
@@ -67,13 +68,13 @@ def _worker():
             steps = []
             for s in range(STEPS):
                 x, w = _data(kind, s, n)
-                with count_calls("all_reduce") as rec:
-                    steps.append((*_step(bn, x[rows], w[rows]), len(rec.calls)))
+                with CommCounter() as rec:
+                    steps.append((*_step(bn, x[rows], w[rows]), rec.count()))
             buffers = [b.clone() for b in bn.buffers()]
             bn.eval()
-            with count_calls("all_reduce") as rec:
+            with CommCounter() as rec:
                 y_eval = bn(_data(kind, STEPS, n)[0][rows])
-            out[name, kind] = steps, buffers, y_eval, len(rec.calls)
+            out[name, kind] = steps, buffers, y_eval, rec.count()
     return out
 
 

@@ -1,4 +1,9 @@
-"""Fixtures for the harness tests: a toy course (one short day) built in a temp folder."""
+"""Fixtures for the harness tests: a toy course (one short day) built in a temp folder.
+
+Its three exercises cover both kinds of test cell: plain asserts on a function's result (add, norm)
+and a real `dlo.checks` check (`check_adamw_step`: a `@check` with forbidden references and in-place
+updates that must come back from the sandbox).
+"""
 
 from __future__ import annotations
 
@@ -37,12 +42,23 @@ def _test(gid: str, source: str, points: int):
         "solution": False, "task": False}})
 
 
+ADAMW = """def adamw_step(param, grad, exp_avg, exp_avg_sq, step, *, lr, beta1=0.9, beta2=0.999, eps=1e-8,
+               weight_decay=1e-2):
+    ### BEGIN SOLUTION
+    param.mul_(1 - lr * weight_decay)
+    exp_avg.mul_(beta1).add_(grad, alpha=1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    param.sub_(lr * (exp_avg / (1 - beta1 ** step)) / ((exp_avg_sq / (1 - beta2 ** step)).sqrt() + eps))
+    ### END SOLUTION"""
+POINTS = {"add_test": 2, "norm_test": 3, "adamw_test": 2}
+
+
 def toy_notebook():
     cells = [
-        new_markdown_cell("# Toy day\nTwo exercises, used by the harness tests."),
-        new_code_cell("import math"),
+        new_markdown_cell("# Toy day\nThree exercises, used by the harness tests."),
+        new_code_cell("import math\n\nimport torch\n\nimport dlo\nimport dlo.checks.day1"),
         new_code_cell(PARAMETERS, metadata={"tags": ["parameters"]}),
-        new_code_cell("print('profile', profile, 'seed', seed)"),
+        new_code_cell("import os\nprint('profile', profile, 'seed', seed, 'headless', os.environ.get('DLO_HEADLESS'))"),
         _solution("add", "def add(a, b):\n    ### BEGIN SOLUTION\n    return a + b\n    ### END SOLUTION"),
         _test("add_test", "assert add(2, 3) == 5\n### BEGIN HIDDEN TESTS\nassert add(-1, 1) == 0\n"
                           "### END HIDDEN TESTS", 2),
@@ -50,16 +66,22 @@ def toy_notebook():
                           "    ### END SOLUTION"),
         _test("norm_test", "assert abs(norm(3, 4) - 5) < 1e-12\n### BEGIN HIDDEN TESTS\n"
                            "assert abs(norm(5, 12) - 13) < 1e-12\n### END HIDDEN TESTS", 3),
+        _solution("adamw", ADAMW),
+        _test("adamw_test", "dlo.checks.day1.check_adamw_step(adamw_step, seed=0, trials=2)\n### BEGIN HIDDEN TESTS\n"
+                            "dlo.checks.day1.check_adamw_step(adamw_step, seed=1, trials=2)\n### END HIDDEN TESTS", 2),
         new_code_cell("result = sum(range(10))\nprint('experiment', result)"),
     ]
     return new_notebook(cells=cells, metadata={"kernelspec": {
         "name": "python3", "display_name": "Python 3", "language": "python"}})
 
 
-def dlo(*args: str, root: Path, check: bool = True, timeout: float = 600) -> subprocess.CompletedProcess:
-    """Run the `dlo` command as a user would (a child process)."""
+def dlo(*args: str, root: Path, check: bool = True, timeout: float = 600, cwd: Path | None = None,
+        env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run the `dlo` command as a user would (a child process), in `cwd` (default: the course root),
+    with `env` added to the environment."""
     proc = subprocess.run([sys.executable, "-m", "dlo.cli", "--root", str(root), *args], capture_output=True,
-                          text=True, timeout=timeout, env={**os.environ, "DLO_PROFILE": "tiny"})
+                          text=True, timeout=timeout, env={**os.environ, "DLO_PROFILE": "tiny", **(env or {})},
+                          cwd=cwd or root)
     if check and proc.returncode != 0:
         raise AssertionError(f"dlo {' '.join(args)} -> rc {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
     return proc

@@ -1,9 +1,11 @@
 """The real course, every day found in solutions/: it releases, runs, and grades honestly.
 
-Whole notebooks run here on the tiny profile, each day twice: the autograder executes the
-instructors' solution (which must score full marks and raise nowhere) and the untouched student
-notebook (0 on every test cell, and still running every experiment to the end). Papermill's path
-with injected parameters is covered by the toy course and by `make run`.
+Whole notebooks run here on the tiny profile's smoke version (DLO_SMOKE=1: the tiny sizes with the
+fewest steps, seeds and sweep points the experiments run with; the checks in the test cells are the
+same whatever the profile), each day twice: the autograder executes the instructors' solution (which
+must score full marks and raise nowhere) and the untouched student notebook (0 on every test cell,
+and still running every experiment to the end). The tiny profile at its real step counts is `make
+run` (papermill, then grading: full marks required), which CI runs as its own step after `make test`.
 """
 
 from __future__ import annotations
@@ -13,10 +15,11 @@ import shutil
 
 import pytest
 
-from tests.harness.conftest import REPO, dlo, read_csv
 from dlo.harness.days import list_days
+from tests.harness.conftest import REPO, dlo, read_csv
 
 DAYS = list_days(REPO)
+# `make test` distributes by file (--dist loadfile): one worker grades the course, the other runs the rest.
 pytestmark = [pytest.mark.course, pytest.mark.slow]
 
 
@@ -38,8 +41,10 @@ def graded(tmp_path_factory):
             dest.mkdir(parents=True)
             shutil.copyfile(REPO / folder / day / f"{day}.ipynb", dest / f"{day}.ipynb")
     out = tmp / "grading"
-    dlo("grade", str(tmp / "submitted"), "--out", str(out), "--profile", "tiny", root=REPO,
-        timeout=400 * len(DAYS))
+    # Two at a time: on the 2-core CI machine a notebook's kernel leaves a core idle while nbgrader, the
+    # checks' runner and kernel start-ups wait (grading is the same bytes at any --jobs: test_parallel).
+    dlo("grade", str(tmp / "submitted"), "--out", str(out), "--profile", "tiny", "--jobs", "2", root=REPO,
+        timeout=400 * len(DAYS), env={"DLO_SMOKE": "1"})
     return out
 
 

@@ -6,8 +6,12 @@ what to fix (hyper-parameters, step, max abs error, expected vs got) or prints o
 References are torch itself (torch.optim.SGD/AdamW, the torch LR schedulers,
 torch.nn.utils.clip_grad_norm_, one full-batch backward) except for LAMB and the LR range test,
 which torch lacks: there `dlo.optim.reference.lamb_step` and `dlo.lr_finder.lr_range_test` are used.
-Everything runs in float64 so that any correct formula agrees to ~1e-15 and the tolerances below
+Everything runs in float64 so that any correct formula agrees to ~1e-15 and the tolerances
 (1e-9 relative) still catch small slips such as eps inside the square root or a missing 1e-6.
+
+The checks follow `dlo.checks.common`: the student's function is called on inputs made here (in-place
+updates come back), the schedules and the accumulation run in workers that only record what the
+student's code did, and while it runs the references that would solve the exercise are off limits.
 """
 
 from __future__ import annotations
@@ -19,62 +23,42 @@ from numbers import Real
 import torch
 import torch.nn.functional as F
 
+from dlo.checks.common import DTYPE, assert_close, check, fmt, odd_shape, ok, rand, run_student
 from dlo.schedules import torch_scheduler_lrs
 
-DTYPE = torch.float64
-RTOL, ATOL = 1e-9, 1e-12  # float64: correct code agrees to ~1e-15; slips show at >= 1e-7
-
-
-def _fmt(hp: dict) -> str:
-    return ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in hp.items())
-
-
-def _assert_close(name: str, what: str, got, want, hp: dict, rtol: float = RTOL, atol: float = ATOL) -> None:
-    """Compare a tensor (or number) to the reference and explain the first mismatch."""
-    if got is None:
-        raise AssertionError(f"{name}: {what} is None; expected a value ({_fmt(hp)})")
-    got_t = torch.as_tensor(got).detach().to("cpu", DTYPE)
-    want_t = torch.as_tensor(want).detach().to("cpu", DTYPE)
-    if got_t.shape != want_t.shape:
-        raise AssertionError(f"{name}: {what} has shape {tuple(got_t.shape)}, expected {tuple(want_t.shape)} "
-                             f"({_fmt(hp)})")
-    err = (got_t - want_t).abs().nan_to_num(math.inf)  # a nan in got counts as an infinite error
-    bad = err > atol + rtol * want_t.abs()
-    if bad.any():
-        i = int(torch.argmax(torch.where(bad, err, -1.0).flatten()))
-        raise AssertionError(
-            f"{name}: {what} differs from the reference ({_fmt(hp)}): max abs error {err.max():.3g} "
-            f"(tolerance {atol:g} + {rtol:g}*|expected|); e.g. at flat index {i}: expected "
-            f"{want_t.flatten()[i].item():.10g}, got {got_t.flatten()[i].item():.10g}")
-
-
-def _odd_shape(rng: random.Random) -> tuple[int, ...]:
-    dims = rng.choice([1, 2, 3])
-    return tuple(rng.choice([1, 3, 5, 7, 11, 13]) for _ in range(dims - 1)) + (rng.choice([3, 7, 17, 33]),)
-
-
-def _rand(shape, gen: torch.Generator, scale: float = 1.0) -> torch.Tensor:
-    return torch.randn(shape, generator=gen, dtype=DTYPE) * scale
-
-
-def _ok(name: str, trials: int, seed: int) -> None:
-    print(f"{name}: ok ({trials} trials, seed={seed})")
+ADAM = ("torch.optim.AdamW", "torch.optim.Adam", "torch.optim.adamw.adamw", "torch.optim.adam.adam",
+        "torch.optim.adam._single_tensor_adam", "torch.optim.adam._multi_tensor_adam", "torch.optim.adam._fused_adam",
+        "torch._fused_adamw_", "torch._fused_adam_", "dlo.optim.reference.adamw_step", "dlo.optim.FusedAdamW",
+        "dlo.kernels.fused_adamw.fused_adamw_", "dlo.kernels.fused_adamw.fused_adamw_ref")
+SGD = ("torch.optim.SGD", "torch.optim.sgd.sgd", "torch.optim.sgd._single_tensor_sgd",
+       "torch.optim.sgd._multi_tensor_sgd", "torch.optim.sgd._fused_sgd", "torch._fused_sgd_",
+       "dlo.optim.reference.sgd_momentum_step")
+LAMB = ("dlo.optim.reference.lamb_step", "dlo.optim.LAMB")
+SCHEDULES = ("torch.optim.lr_scheduler.*", "dlo.schedules.*", "dlo.schedules._cos_anneal")
+CLIPPING = ("torch.nn.utils.clip_grad_norm_", "torch.nn.utils.clip_grad_norm", "torch.nn.utils.get_total_norm",
+            "torch.nn.utils.clip_grads_with_norm_", "dlo.optim.utils.clip_grad_norm", "dlo.optim.utils.grad_norm",
+            "dlo.optim.utils._total_norm")
 
 
 def _stepped_in_place(name: str, what: str, before: torch.Tensor, after: torch.Tensor, hp: dict) -> None:
     if torch.equal(before, after):
         raise AssertionError(f"{name}: {what} did not change; the update must be done in place "
-                             f"(param.add_(...), param.mul_(...), or param.copy_(new)) ({_fmt(hp)})")
+                             f"(param.add_(...), param.mul_(...), or param.copy_(new)) ({fmt(hp)})")
 
 
 def _unchanged(name: str, grad: torch.Tensor, grad_before: torch.Tensor, hp: dict) -> None:
     if not torch.equal(grad, grad_before):
         raise AssertionError(f"{name}: the grad tensor was modified; compute with `grad + ...` "
-                             f"instead of `grad.add_(...)` ({_fmt(hp)})")
+                             f"instead of `grad.add_(...)` ({fmt(hp)})")
+
+
+def _ok(name: str, trials: int, seed: int) -> None:
+    ok(name, f"{trials} trials, seed={seed}")
 
 
 # ----------------------------------------------------------------------------- optimizer steps
 
+@check(forbid=SGD)
 def check_sgd_momentum_step(fn, seed: int = 0, trials: int = 5, steps: int = 4) -> None:
     """`fn(param, grad, buf, *, lr, momentum, weight_decay, dampening, nesterov) -> buf` vs torch.optim.SGD."""
     name, rng, gen = "sgd_momentum_step", random.Random(seed), torch.Generator().manual_seed(seed)
@@ -83,13 +67,13 @@ def check_sgd_momentum_step(fn, seed: int = 0, trials: int = 5, steps: int = 4) 
         hp = dict(lr=10 ** rng.uniform(-3, -0.5), momentum=rng.choice([0.5, 0.9, 0.95]),
                   weight_decay=rng.choice([0.0, 1e-3, 0.05]), dampening=0.0 if nesterov else rng.choice([0.0, 0.1]),
                   nesterov=nesterov)
-        shape = _odd_shape(rng)
-        param = _rand(shape, gen)
+        shape = odd_shape(rng)
+        param = rand(shape, gen)
         ref = param.clone().requires_grad_(True)
         opt = torch.optim.SGD([ref], foreach=False, **hp)
         buf = None
         for s in range(1, steps + 1):
-            grad = _rand(shape, gen)
+            grad = rand(shape, gen)
             ref.grad = grad.clone()
             opt.step()
             before, grad_before = param.clone(), grad.clone()
@@ -97,22 +81,23 @@ def check_sgd_momentum_step(fn, seed: int = 0, trials: int = 5, steps: int = 4) 
             where = dict(hp, step=s, shape=shape)
             _stepped_in_place(name, "param", before, param, where)
             _unchanged(name, grad, grad_before, where)
-            _assert_close(name, f"param after step {s}", param, ref.detach(), where)
+            assert_close(name, f"param after step {s}", param, ref.detach(), where)
             if not isinstance(buf, torch.Tensor):
                 raise AssertionError(f"{name}: must return the momentum buffer (a tensor), got {type(buf).__name__}")
-            _assert_close(name, f"returned momentum buffer after step {s}", buf,
-                          opt.state[ref]["momentum_buffer"], where)
+            assert_close(name, f"returned momentum buffer after step {s}", buf,
+                         opt.state[ref]["momentum_buffer"], where)
     _ok(name, trials, seed)
 
 
 def _adam_trial(rng: random.Random, gen: torch.Generator):
     hp = dict(lr=10 ** rng.uniform(-3, -1), beta1=rng.choice([0.8, 0.9]), beta2=rng.choice([0.99, 0.999]),
               eps=10 ** rng.uniform(-8, -3), weight_decay=rng.choice([0.0, 0.01, 0.1]))
-    shape = _odd_shape(rng)
+    shape = odd_shape(rng)
     grad_scale = 10 ** rng.uniform(-3, 0)  # small grads make the eps placement visible
-    return hp, shape, _rand(shape, gen), grad_scale
+    return hp, shape, rand(shape, gen), grad_scale
 
 
+@check(forbid=ADAM)
 def check_adamw_step(fn, seed: int = 0, trials: int = 5, steps: int = 4) -> None:
     """`fn(param, grad, exp_avg, exp_avg_sq, step, *, lr, beta1, beta2, eps, weight_decay)` vs torch.optim.AdamW."""
     name, rng, gen = "adamw_step", random.Random(seed), torch.Generator().manual_seed(seed)
@@ -123,7 +108,7 @@ def check_adamw_step(fn, seed: int = 0, trials: int = 5, steps: int = 4) -> None
                                 weight_decay=hp["weight_decay"], foreach=False, fused=False)
         m, v = torch.zeros_like(param), torch.zeros_like(param)
         for s in range(1, steps + 1):
-            grad = _rand(shape, gen, grad_scale)
+            grad = rand(shape, gen, grad_scale)
             ref.grad = grad.clone()
             opt.step()
             before, grad_before = param.clone(), grad.clone()
@@ -131,14 +116,14 @@ def check_adamw_step(fn, seed: int = 0, trials: int = 5, steps: int = 4) -> None
             where = dict(hp, step=s, shape=shape)
             _stepped_in_place(name, "param", before, param, where)
             _unchanged(name, grad, grad_before, where)
-            _assert_close(name, f"exp_avg (m) after step {s}", m, opt.state[ref]["exp_avg"], where)
-            _assert_close(name, f"exp_avg_sq (v) after step {s}", v, opt.state[ref]["exp_avg_sq"], where)
-            _assert_close(name, f"param after step {s} (decoupled decay on the weights before the update? "
-                                f"bias correction? eps outside the sqrt?)",
-                          param, ref.detach(), where)
+            assert_close(name, f"exp_avg (m) after step {s}", m, opt.state[ref]["exp_avg"], where)
+            assert_close(name, f"exp_avg_sq (v) after step {s}", v, opt.state[ref]["exp_avg_sq"], where)
+            assert_close(name, f"param after step {s} (decoupled decay on the weights before the update? "
+                               f"bias correction? eps outside the sqrt?)", param, ref.detach(), where)
     _ok(name, trials, seed)
 
 
+@check(forbid=LAMB + ADAM)
 def check_lamb_step(fn, seed: int = 0, trials: int = 5, steps: int = 3) -> None:
     """`fn(param, grad, exp_avg, exp_avg_sq, step, *, lr, beta1, beta2, eps, weight_decay) -> trust` vs
     dlo.optim.reference.lamb_step (You et al. 2019, Alg. 2). Trial 0 starts from a zero tensor (a bias):
@@ -154,7 +139,7 @@ def check_lamb_step(fn, seed: int = 0, trials: int = 5, steps: int = 3) -> None:
         ref, m_ref, v_ref = param.clone(), torch.zeros_like(param), torch.zeros_like(param)
         m, v = torch.zeros_like(param), torch.zeros_like(param)
         for s in range(1, steps + 1):
-            grad = _rand(shape, gen, grad_scale)
+            grad = rand(shape, gen, grad_scale)
             trust_ref = lamb_step(ref, grad.clone(), m_ref, v_ref, s, **hp)
             before, grad_before = param.clone(), grad.clone()
             trust = fn(param, grad, m, v, s, **hp)
@@ -165,13 +150,13 @@ def check_lamb_step(fn, seed: int = 0, trials: int = 5, steps: int = 3) -> None:
                 trust = trust.item()
             if not isinstance(trust, Real):
                 raise AssertionError(f"{name}: must return the trust ratio as a float, got {type(trust).__name__}")
-            _assert_close(name, f"returned trust ratio at step {s} (||param|| / ||update||, 1.0 if a norm is 0)",
-                          float(trust), float(trust_ref), where)
+            assert_close(name, f"returned trust ratio at step {s} (||param|| / ||update||, 1.0 if a norm is 0)",
+                         float(trust), float(trust_ref), where)
             _stepped_in_place(name, "param", before, param, where)
             _unchanged(name, grad, grad_before, where)
-            _assert_close(name, f"exp_avg (m) after step {s}", m, m_ref, where)
-            _assert_close(name, f"exp_avg_sq (v) after step {s}", v, v_ref, where)
-            _assert_close(name, f"param after step {s}", param, ref, where)
+            assert_close(name, f"exp_avg (m) after step {s}", m, m_ref, where)
+            assert_close(name, f"exp_avg_sq (v) after step {s}", v, v_ref, where)
+            assert_close(name, f"param after step {s}", param, ref, where)
     _ok(name, trials, seed)
 
 
@@ -180,19 +165,30 @@ def check_lamb_step(fn, seed: int = 0, trials: int = 5, steps: int = 3) -> None:
 SCHEDULE_RTOL = 1e-6  # torch's recursive schedulers drift ~1e-15 from the closed forms
 
 
+def _schedule_worker(fn, kw: dict, n: int) -> list:
+    """The student's lr at steps 0..n-1 (a value that is not a number or tensor comes back as its type name)."""
+    out = []
+    for step in range(n):
+        got = fn(step, **kw)
+        out.append(got if isinstance(got, (Real, torch.Tensor)) and not isinstance(got, bool)
+                   else ("type", type(got).__name__))
+    return out
+
+
 def _check_schedule(name: str, fn, kw: dict, want: list[float]) -> None:
     """Every step, boundaries included, to SCHEDULE_RTOL."""
-    for step, w in enumerate(want):
-        got = fn(step, **kw)
+    for step, (got, w) in enumerate(zip(run_student(_schedule_worker, fn, kw, len(want)), want)):
         if isinstance(got, torch.Tensor) and got.numel() == 1:
             got = got.item()
         if not isinstance(got, Real):
-            raise AssertionError(f"{name}: must return a float, got {type(got).__name__} at step {step} ({_fmt(kw)})")
+            kind = got[1] if isinstance(got, tuple) else type(got).__name__
+            raise AssertionError(f"{name}: must return a float, got {kind} at step {step} ({fmt(kw)})")
         if not abs(got - w) <= 1e-12 + SCHEDULE_RTOL * abs(w):
-            raise AssertionError(f"{name}: wrong lr at step {step} ({_fmt(kw)}): expected {w:.10g}, got {got:.10g} "
+            raise AssertionError(f"{name}: wrong lr at step {step} ({fmt(kw)}): expected {w:.10g}, got {got:.10g} "
                                  f"(abs error {abs(got - w):.3g}); step is 0-based")
 
 
+@check(forbid=SCHEDULES)
 def check_warmup_cosine(fn, seed: int = 0, trials: int = 6) -> None:
     """`fn(step, *, base_lr, warmup_steps, total_steps, min_lr, start_factor)` vs torch
     SequentialLR(LinearLR, CosineAnnealingLR) at every step 0..total_steps. Trial 1 has no warmup."""
@@ -205,7 +201,7 @@ def check_warmup_cosine(fn, seed: int = 0, trials: int = 6) -> None:
         kw["min_lr"] = rng.choice([0.0, kw["base_lr"] * 0.05])
         warm = kw["warmup_steps"]
 
-        def make(opt, kw=kw, warm=warm):
+        def make(opt, kw=kw, warm=warm, total=total):
             return sch.SequentialLR(opt, [sch.LinearLR(opt, kw["start_factor"], 1.0, total_iters=warm),
                                           sch.CosineAnnealingLR(opt, T_max=total - warm, eta_min=kw["min_lr"])],
                                     milestones=[warm])
@@ -213,6 +209,7 @@ def check_warmup_cosine(fn, seed: int = 0, trials: int = 6) -> None:
     _ok(name, trials, seed)
 
 
+@check(forbid=SCHEDULES)
 def check_one_cycle(fn, seed: int = 0, trials: int = 6) -> None:
     """`fn(step, *, max_lr, total_steps, pct_start, div_factor, final_div_factor)` vs torch OneCycleLR
     (anneal_strategy="cos", three_phase=False) at every step 0..total_steps-1."""
@@ -266,10 +263,12 @@ def _recording(step_fn, log: list):
     return wrapped
 
 
+@check(forbid=("dlo.lr_finder.lr_range_test", "dlo.lr_finder.suggest_lrs"))
 def check_lr_range_test(fn, seed: int = 0, trials: int = 4) -> None:
     """`fn(step_fn, *, min_lr, max_lr, num_steps, beta, diverge) -> LRFinderResult` vs dlo.lr_finder.
     Even trials train a least-squares model until it diverges; trials 1, 5, ... inject nan/inf into a
-    U-shaped curve, trials 3, 7, ... let that curve blow up (the smoothed-loss stop)."""
+    U-shaped curve, trials 3, 7, ... let that curve blow up (the smoothed-loss stop). The student's
+    function calls `step_fn`, which stays with the grader (each call comes back to it)."""
     from dlo.lr_finder import lr_range_test
 
     name, rng = "lr_range_test", random.Random(seed)
@@ -278,32 +277,33 @@ def check_lr_range_test(fn, seed: int = 0, trials: int = 4) -> None:
                   num_steps=rng.choice([41, 57, 83]), beta=rng.choice([0.9, 0.98]), diverge=rng.choice([3.0, 4.0]))
         sub = rng.randrange(10 ** 6)
         if t % 2 == 0:
-            make = lambda: _regression_step_fn(sub)  # noqa: E731
+            make = lambda sub=sub: _regression_step_fn(sub)  # noqa: E731
         else:
             bad_at = rng.randint(kw["num_steps"] // 3, kw["num_steps"] // 2) if t % 4 == 1 else -1
             bad = rng.choice([math.nan, math.inf])
-            make = lambda: _curve_step_fn(sub, bad_at, bad)  # noqa: E731
+            make = lambda sub=sub, bad_at=bad_at, bad=bad: _curve_step_fn(sub, bad_at, bad)  # noqa: E731
         calls_ref, calls = [], []
         want = lr_range_test(_recording(make(), calls_ref), **kw)
         got = fn(_recording(make(), calls), **kw)
         where = dict(kw, trial=t)
         if len(calls) != len(calls_ref):
             raise AssertionError(f"{name}: step_fn was called {len(calls)} times, expected {len(calls_ref)} "
-                                 f"(stop when the loss is not finite or smoothed > diverge * best) ({_fmt(where)})")
-        _assert_close(name, "lrs passed to step_fn (geometric from min_lr to max_lr)", calls, calls_ref, where)
+                                 f"(stop when the loss is not finite or smoothed > diverge * best) ({fmt(where)})")
+        assert_close(name, "lrs passed to step_fn (geometric from min_lr to max_lr)", calls, calls_ref, where)
         for field in ("lrs", "losses", "smoothed"):
             if not hasattr(got, field):
                 raise AssertionError(f"{name}: the result has no field {field!r}; return dlo.lr_finder.LRFinderResult")
-            _assert_close(name, f"result.{field} (the diverging point is not kept)", list(getattr(got, field)),
-                          list(getattr(want, field)), where)
-        _assert_close(name, "result.lr_max (lr at min smoothed loss / 10)", got.lr_max, want.lr_max, where)
-        _assert_close(name, "result.lr_min (steepest descent of smoothed vs log10 lr)", got.lr_min, want.lr_min,
-                      where)
+            assert_close(name, f"result.{field} (the diverging point is not kept)", list(getattr(got, field)),
+                         list(getattr(want, field)), where)
+        assert_close(name, "result.lr_max (lr at min smoothed loss / 10)", got.lr_max, want.lr_max, where)
+        assert_close(name, "result.lr_min (steepest descent of smoothed vs log10 lr)", got.lr_min, want.lr_min,
+                     where)
     _ok(name, trials, seed)
 
 
 # ----------------------------------------------------------------------------- clipping, accumulation
 
+@check(forbid=CLIPPING)
 def check_clip_grad_norm(fn, seed: int = 0, trials: int = 6) -> None:
     """`fn(parameters, max_norm, norm_type=2.0) -> total_norm` vs torch.nn.utils.clip_grad_norm_. Odd trials
     pass a generator (like model.parameters()); some params have no grad; total norms are small so
@@ -311,9 +311,9 @@ def check_clip_grad_norm(fn, seed: int = 0, trials: int = 6) -> None:
     name, rng, gen = "clip_grad_norm", random.Random(seed), torch.Generator().manual_seed(seed)
     for t in range(trials):
         norm_type = [2.0, 2.0, math.inf, 1.0, 2.0, 3.0][t % 6]
-        params = [torch.nn.Parameter(_rand(_odd_shape(rng), gen)) for _ in range(rng.randint(2, 5))]
+        params = [torch.nn.Parameter(rand(odd_shape(rng), gen)) for _ in range(rng.randint(2, 5))]
         for i, p in enumerate(params):
-            p.grad = None if i == 1 else _rand(p.shape, gen, 10 ** rng.uniform(-4, -2))
+            p.grad = None if i == 1 else rand(p.shape, gen, 10 ** rng.uniform(-4, -2))
         refs = [torch.nn.Parameter(p.detach().clone()) for p in params]
         for r, p in zip(refs, params):
             r.grad = None if p.grad is None else p.grad.clone()
@@ -324,14 +324,14 @@ def check_clip_grad_norm(fn, seed: int = 0, trials: int = 6) -> None:
         got = fn((p for p in params) if t % 2 else params, max_norm, norm_type=norm_type)
         if not isinstance(got, torch.Tensor):
             raise AssertionError(f"{name}: must return the total norm as a tensor, got {type(got).__name__}")
-        _assert_close(name, "returned total norm (before clipping)", got, want, hp)
+        assert_close(name, "returned total norm (before clipping)", got, want, hp)
         for i, (p, r) in enumerate(zip(params, refs)):
             if r.grad is None:
                 if p.grad is not None:
-                    raise AssertionError(f"{name}: a parameter without grad got one; skip grad=None ({_fmt(hp)})")
+                    raise AssertionError(f"{name}: a parameter without grad got one; skip grad=None ({fmt(hp)})")
                 continue
-            _assert_close(name, f"grad of parameter {i} after clipping (in place, coef = max_norm/(total+1e-6) "
-                                f"clamped at 1)", p.grad, r.grad, hp)
+            assert_close(name, f"grad of parameter {i} after clipping (in place, coef = max_norm/(total+1e-6) "
+                               f"clamped at 1)", p.grad, r.grad, hp)
     _ok(name, trials, seed)
 
 
@@ -343,6 +343,20 @@ def _tiny_mlp(gen: torch.Generator, d_in: int, n_cls: int) -> torch.nn.Module:
     return model
 
 
+def _accumulate_worker(fn, model, x, y, k) -> dict:
+    """Run the student's accumulation on `model` (stale grads included); record the micro-batch sizes
+    the model saw, the returned loss and the gradients."""
+    seen = []
+    hook = model.register_forward_hook(lambda mod, inp, out: seen.append(inp[0].shape[0]))
+    try:
+        got = fn(model, F.cross_entropy, x, y, k)
+    finally:
+        hook.remove()
+    return {"seen": seen, "loss": got if isinstance(got, torch.Tensor) else None,
+            "grads": [[n, p.grad] for n, p in model.named_parameters()]}
+
+
+@check(forbid=("dlo.optim.utils.accumulate_gradients",))
 def check_accumulate_gradients(fn, seed: int = 0, trials: int = 5) -> None:
     """`fn(model, loss_fn, x, y, micro_batches) -> loss` vs one backward on the whole batch's mean
     cross-entropy. Batch sizes are odd (unequal chunks); stale grads are pre-filled to test zeroing; a
@@ -352,27 +366,26 @@ def check_accumulate_gradients(fn, seed: int = 0, trials: int = 5) -> None:
         batch, k = rng.choice([13, 21, 29, 31]), [4, 3, 1, 5, 2][t % 5]
         d_in, n_cls = rng.choice([5, 7]), rng.choice([3, 4])
         model = _tiny_mlp(gen, d_in, n_cls)
-        x, y = _rand((batch, d_in), gen), torch.randint(0, n_cls, (batch,), generator=gen)
+        x, y = rand((batch, d_in), gen), torch.randint(0, n_cls, (batch,), generator=gen)
         ref = _tiny_mlp(gen, d_in, n_cls)
         ref.load_state_dict(model.state_dict())
         want = F.cross_entropy(ref(x), y)
         want.backward()
         for p in model.parameters():
             p.grad = torch.randn(p.shape, generator=gen, dtype=DTYPE)  # stale grads from a previous step
-        seen = []
-        hook = model.register_forward_hook(lambda mod, inp, out: seen.append(inp[0].shape[0]))
-        got = fn(model, F.cross_entropy, x, y, k)
-        hook.remove()
+        res = run_student(_accumulate_worker, fn, model, x, y, k)
+        seen, got = res["seen"], res["loss"]
         hp = dict(batch=batch, micro_batches=k)
         if k > 1 and (len(seen) < 2 or max(seen) > math.ceil(batch / k) or sum(seen) != batch):
             raise AssertionError(f"{name}: expected about {k} forward passes on micro-batches of <= "
                                  f"{math.ceil(batch / k)} samples covering the batch once, saw sizes {seen} "
-                                 f"({_fmt(hp)})")
+                                 f"({fmt(hp)})")
         if not isinstance(got, torch.Tensor) or got.requires_grad:
-            raise AssertionError(f"{name}: must return the whole-batch mean loss as a detached tensor ({_fmt(hp)})")
+            raise AssertionError(f"{name}: must return the whole-batch mean loss as a detached tensor ({fmt(hp)})")
         # rtol 1e-6: the loss is only logged, so a float32 running sum is acceptable here.
-        _assert_close(name, "returned loss (mean over the whole batch)", got, want.detach(), hp, rtol=1e-6)
-        for (pname, p), r in zip(model.named_parameters(), ref.parameters()):
-            _assert_close(name, f"{pname}.grad (weight each micro-batch mean loss by its share of samples)",
-                          p.grad, r.grad, hp)
+        assert_close(name, "returned loss (mean over the whole batch)", got, want.detach(), hp, rtol=1e-6)
+        for (pname, grad), r in zip(res["grads"], ref.parameters()):
+            assert_close(name, f"{pname}.grad (weight each micro-batch mean loss by its share of samples)",
+                         grad, r.grad, hp)
     _ok(name, trials, seed)
+

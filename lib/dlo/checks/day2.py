@@ -3,11 +3,14 @@
 References are torch's own: torch.autocast + torch.amp.GradScaler("cpu") (through dlo.amp.train_step)
 for the training step, GradScaler step by step for the loss scaler, and `tensor.to(torch.bfloat16)`
 for rounding. Models are tiny MLPs on CPU, where autocast supports both bf16 and fp16.
+
+The training step and the scaler run in workers (`dlo.checks.common.run_student`) that build the model
+from the seed, run the student's code and record what it did step by step (output dtype, loss,
+scale, gradients the optimizer saw, parameters); the references run here and the comparison too.
 """
 
 from __future__ import annotations
 
-import copy
 import math
 import random
 
@@ -15,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dlo.checks.day1 import _assert_close, _fmt, _ok
+from dlo.checks.common import assert_close, check, fmt, ok, run_student
 
 # Student and reference run the same fp32 / low-precision ops in the same order, so they agree to
 # the last bit in practice; 1e-6 relative still tolerates a different but equivalent op order.
@@ -29,6 +32,35 @@ def _mlp(seed: int, d_in: int, hidden: int, n_cls: int) -> nn.Module:
 
 # ----------------------------------------------------------------------------- autocast training step
 
+def _autocast_worker(fn, sub: int, dims: tuple, lr: float, dtype, scaled: bool, stale: list, data: list) -> list:
+    """Train the student's step on a fresh MLP (the reference's start) with stale grads pre-filled;
+    per step: the first Linear's output dtype, the returned loss, the scale and the parameters (an
+    exception after the first step ends the run, recorded: the steps before it are compared first)."""
+    model = _mlp(sub, *dims)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 24, growth_interval=2) if scaled else None
+    for p, g in zip(model.parameters(), stale):
+        p.grad = g.clone()  # stale grads of an earlier step
+    seen, out = [], []
+    model[0].register_forward_hook(lambda mod, inp, out: seen.append(out.dtype))
+    for s, (x, y) in enumerate(data):
+        try:
+            got = fn(model, opt, x, y, dtype=dtype, scaler=scaler)
+        except Exception as exc:  # after a first step: the earlier steps are compared first, then this is reported
+            if s == 0:
+                raise
+            out.append({"error": f"{type(exc).__name__}: {exc}"})
+            break
+        loss = got.detach() if isinstance(got, torch.Tensor) else None
+        loss_ok = isinstance(got, torch.Tensor) and not got.requires_grad and got.numel() == 1
+        out.append({"seen": seen[-1:], "param_dtypes": [p.dtype for p in model.parameters()],
+                    "loss": loss, "loss_ok": loss_ok,
+                    "scale": float(scaler.get_scale()) if scaled else None,
+                    "params": [[n, p.detach().clone()] for n, p in model.named_parameters()]})
+    return out
+
+
+@check(forbid=("dlo.amp.train_step", "dlo.amp.amp_step", "dlo.amp.train_amp", "dlo.amp.precision_step"))
 def check_autocast_train_step(fn, seed: int = 0, trials: int = 4, steps: int = 3) -> None:
     """`fn(model, optimizer, x, y, *, dtype, scaler=None) -> loss` vs dlo.amp.train_step. Even trials:
     bf16 without a scaler; odd trials: fp16 with torch.amp.GradScaler("cpu"), whose large initial
@@ -38,40 +70,41 @@ def check_autocast_train_step(fn, seed: int = 0, trials: int = 4, steps: int = 3
     name, rng = "autocast_train_step", random.Random(seed)
     for t in range(trials):
         dtype = torch.bfloat16 if t % 2 == 0 else torch.float16
-        d_in, hidden, n_cls, batch = rng.choice([5, 7, 11]), rng.choice([13, 17]), rng.choice([3, 4]), rng.choice([9, 15])
+        d_in, hidden = rng.choice([5, 7, 11]), rng.choice([13, 17])
+        n_cls, batch = rng.choice([3, 4]), rng.choice([9, 15])
         sub = rng.randrange(10 ** 6)
-        model, ref = _mlp(sub, d_in, hidden, n_cls), _mlp(sub, d_in, hidden, n_cls)
+        ref = _mlp(sub, d_in, hidden, n_cls)
         lr = 10 ** rng.uniform(-3, -1.5)
-        opt, ref_opt = torch.optim.AdamW(model.parameters(), lr=lr), torch.optim.AdamW(ref.parameters(), lr=lr)
-        make_scaler = (lambda: torch.amp.GradScaler("cpu", init_scale=2.0 ** 24, growth_interval=2)) if t % 2 else None
-        scaler, ref_scaler = (make_scaler(), make_scaler()) if make_scaler else (None, None)
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=lr)
+        ref_scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 24, growth_interval=2) if t % 2 else None
         gen = torch.Generator().manual_seed(sub)
-        for p in model.parameters():
-            p.grad = torch.randn(p.shape, generator=gen)  # stale grads of an earlier step
-        seen = []
-        model[0].register_forward_hook(lambda mod, inp, out: seen.append(out.dtype))
-        for s in range(1, steps + 1):
-            x, y = torch.randn(batch, d_in, generator=gen), torch.randint(0, n_cls, (batch,), generator=gen)
-            hp = dict(dtype=str(dtype).removeprefix("torch."), scaler=scaler is not None, step=s, lr=lr)
+        stale = [torch.randn(p.shape, generator=gen) for p in ref.parameters()]  # stale grads of an earlier step
+        data = [(torch.randn(batch, d_in, generator=gen), torch.randint(0, n_cls, (batch,), generator=gen))
+                for _ in range(steps)]
+        got_steps = run_student(_autocast_worker, fn, sub, (d_in, hidden, n_cls), lr, dtype, t % 2 == 1, stale, data)
+        for s, ((x, y), got) in enumerate(zip(data, got_steps), 1):
+            hp = dict(dtype=str(dtype).removeprefix("torch."), scaler=ref_scaler is not None, step=s, lr=lr)
             want = train_step(ref, ref_opt, x, y, dtype=dtype, scaler=ref_scaler)
-            got = fn(model, opt, x, y, dtype=dtype, scaler=scaler)
-            if seen[-1:] != [dtype]:
-                raise AssertionError(f"{name}: the first Linear produced {seen[-1:] or 'nothing'}, expected {dtype}; "
-                                     f"run the forward pass inside torch.autocast('cpu', dtype=dtype) ({_fmt(hp)})")
-            if any(p.dtype != torch.float32 for p in model.parameters()):
+            if "error" in got:
+                raise AssertionError(f"{name}: step {s} raised {got['error']} ({fmt(hp)})")
+            if got["seen"] != [dtype]:
+                raise AssertionError(f"{name}: the first Linear produced {got['seen'] or 'nothing'}, expected {dtype}; "
+                                     f"run the forward pass inside torch.autocast('cpu', dtype=dtype) ({fmt(hp)})")
+            if any(d != torch.float32 for d in got["param_dtypes"]):
                 raise AssertionError(f"{name}: parameters must stay fp32 master weights; autocast casts on the fly, "
-                                     f"do not call model.to(dtype) / model.half() ({_fmt(hp)})")
-            if not isinstance(got, torch.Tensor) or got.requires_grad or got.numel() != 1:
-                raise AssertionError(f"{name}: return the loss as a detached one-element tensor ({_fmt(hp)})")
-            _assert_close(name, "returned loss (unscaled mean cross-entropy)", got.float(), want, hp, RTOL, ATOL)
-            if scaler is not None and scaler.get_scale() != ref_scaler.get_scale():
-                raise AssertionError(f"{name}: scale after step {s} is {scaler.get_scale()}, expected "
+                                     f"do not call model.to(dtype) / model.half() ({fmt(hp)})")
+            if not got["loss_ok"]:
+                raise AssertionError(f"{name}: return the loss as a detached one-element tensor ({fmt(hp)})")
+            assert_close(name, "returned loss (unscaled mean cross-entropy)", got["loss"].float(), want, hp,
+                         rtol=RTOL, atol=ATOL)
+            if ref_scaler is not None and got["scale"] != ref_scaler.get_scale():
+                raise AssertionError(f"{name}: scale after step {s} is {got['scale']}, expected "
                                      f"{ref_scaler.get_scale()}: use scaler.scale(loss).backward(), "
-                                     f"scaler.step(optimizer), scaler.update() ({_fmt(hp)})")
-            for (pname, p), r in zip(model.named_parameters(), ref.parameters()):
-                _assert_close(name, f"{pname} after step {s} (zero the grads first; with a scaler, step through it "
-                                    f"so an overflowing step is skipped)", p.detach(), r.detach(), hp, RTOL, ATOL)
-    _ok(name, trials, seed)
+                                     f"scaler.step(optimizer), scaler.update() ({fmt(hp)})")
+            for (pname, p), r in zip(got["params"], ref.parameters()):
+                assert_close(name, f"{pname} after step {s} (zero the grads first; with a scaler, step through it "
+                                   f"so an overflowing step is skipped)", p, r.detach(), hp, rtol=RTOL, atol=ATOL)
+    ok(name, f"{trials} trials, seed={seed}")
 
 
 # ----------------------------------------------------------------------------- dynamic loss scaler
@@ -104,6 +137,18 @@ def _scaler_run(scaler, model: nn.Module, data: list, inject: dict, unscale_firs
     return out
 
 
+def _scaler_worker(cls, hp: dict, sub: int, dims: tuple, data: list, inject: dict, unscale_first: bool,
+                   lr: float) -> list:
+    """The student's scaler (built here, from its class) on a fresh MLP: per step, see `_scaler_run`."""
+    return _scaler_run(cls(**hp), _mlp(sub, *dims), data, inject, unscale_first, lr)
+
+
+SCALERS = ("torch.amp.GradScaler", "torch.cuda.amp.GradScaler", "torch.amp.grad_scaler.GradScaler",
+           "torch._amp_foreach_non_finite_check_and_unscale_", "torch._amp_update_scale_", "dlo.amp.DynamicLossScaler",
+           "dlo.kernels.amp_unscale.amp_unscale_", "dlo.kernels.amp_unscale.amp_unscale_ref")
+
+
+@check(forbid=SCALERS)
 def check_loss_scaler(cls, seed: int = 0, trials: int = 4, steps: int = 12) -> None:
     """`cls(init_scale, growth_factor, backoff_factor, growth_interval)` with scale / unscale_ / step /
     update / get_scale, compared with torch.amp.GradScaler("cpu") on the same model, data and injected
@@ -120,28 +165,27 @@ def check_loss_scaler(cls, seed: int = 0, trials: int = 4, steps: int = 12) -> N
                 for _ in range(steps)]
         bad = rng.sample(range(1, steps - 2), 3)  # never the last steps: growth after a skip is seen too
         inject = {s: (rng.randrange(n_cls * 7), v) for s, v in zip(bad, (math.inf, math.nan, -math.inf))}
-        model = _mlp(sub, d_in, 7, n_cls)
-        ref_model = copy.deepcopy(model)
-        got = _scaler_run(cls(**hp), model, data, inject, unscale_first, lr)
-        want = _scaler_run(torch.amp.GradScaler("cpu", **hp), ref_model, data, inject, unscale_first, lr)
+        got = run_student(_scaler_worker, cls, hp, sub, (d_in, 7, n_cls), data, inject, unscale_first, lr)
+        want = _scaler_run(torch.amp.GradScaler("cpu", **hp), _mlp(sub, d_in, 7, n_cls), data, inject, unscale_first,
+                           lr)
         for s, ((g_scale, g_grads, g_params), (w_scale, w_grads, w_params)) in enumerate(zip(got, want)):
             where = dict(hp, step=s, injected=inject.get(s, (0, "none"))[1], unscale_first=unscale_first)
             if (g_grads is None) != (w_grads is None):
                 raise AssertionError(f"{name}: at step {s} the optimizer step was "
                                      f"{'skipped' if g_grads is None else 'taken'}, expected "
                                      f"{'skipped (a gradient is inf or nan)' if w_grads is None else 'taken'} "
-                                     f"({_fmt(where)})")
+                                     f"({fmt(where)})")
             if g_grads is not None:
                 for i, (a, b) in enumerate(zip(g_grads, w_grads)):
-                    _assert_close(name, f"gradient {i} seen by optimizer.step() (divided by the scale exactly once)",
-                                  a, b, where, RTOL, ATOL)
+                    assert_close(name, f"gradient {i} seen by optimizer.step() (divided by the scale exactly once)",
+                                 a, b, where, rtol=RTOL, atol=ATOL)
             if g_scale != w_scale:
                 raise AssertionError(f"{name}: scale after update() of step {s} is {g_scale:g}, expected {w_scale:g} "
                                      f"(backoff on inf/nan and reset the count; grow after growth_interval clean "
-                                     f"steps in a row) ({_fmt(where)})")
+                                     f"steps in a row) ({fmt(where)})")
             for i, (a, b) in enumerate(zip(g_params, w_params)):
-                _assert_close(name, f"parameter {i} after step {s}", a, b, where, RTOL, ATOL)
-    _ok(name, trials, seed)
+                assert_close(name, f"parameter {i} after step {s}", a, b, where, rtol=RTOL, atol=ATOL)
+    ok(name, f"{trials} trials, seed={seed}")
 
 
 # ----------------------------------------------------------------------------- bf16 rounding
@@ -157,6 +201,7 @@ def _bf16_probe(gen: torch.Generator, n: int) -> torch.Tensor:
     return torch.cat([x, ties[torch.isfinite(ties)], special])
 
 
+@check()
 def check_round_to_bf16(fn, seed: int = 0, trials: int = 3, n: int = 4099) -> None:
     """`fn(x: fp32 tensor) -> fp32 tensor` of the values rounded to bf16, round-to-nearest-even, compared
     bit for bit with x.to(torch.bfloat16).float() (nan only needs to stay nan)."""
@@ -174,7 +219,139 @@ def check_round_to_bf16(fn, seed: int = 0, trials: int = 3, n: int = 4099) -> No
         same = (got.view(torch.int32) == want.view(torch.int32)) | (got.isnan() & want.isnan())
         if not same.all():
             i = int((~same).nonzero()[0])
-            raise AssertionError(f"{name}: trial {t}: x = {x[i].item()!r} (bits 0x{x[i].view(torch.int32).item() & 0xFFFFFFFF:08x}) "
+            bits = x[i].view(torch.int32).item() & 0xFFFFFFFF
+            raise AssertionError(f"{name}: trial {t}: x = {x[i].item()!r} (bits 0x{bits:08x}) "
                                  f"should round to {want[i].item()!r}, got {got[i].item()!r}; add half an ulp "
                                  f"(0x7FFF + the lowest kept bit, for ties to even) before clearing the low 16 bits")
-    _ok(name, trials, seed)
+    ok(name, f"{trials} trials, seed={seed}")
+
+
+# ----------------------------------------------------------------------------- FLOPs, MFU and bytes per parameter
+
+class _GPT(nn.Module):
+    """The check's own decoder (trusted): token (+ position) embeddings, pre-norm blocks whose
+    attention is written as matmuls (FlopCounterMode counts them) with a raw (3d, d) projection
+    parameter as nn.MultiheadAttention's in_proj_weight, a head tied to the token table or not."""
+
+    def __init__(self, vocab: int, d: int, layers: int, heads: int, ffn: int, tied: bool, bias: bool, pos: int):
+        super().__init__()
+        self.heads = heads
+        self.tok = nn.Embedding(vocab, d)
+        self.pos = nn.Embedding(pos, d) if pos else None
+        self.blocks = nn.ModuleList(nn.ModuleDict({
+            "ln1": nn.LayerNorm(d), "out": nn.Linear(d, d, bias=bias),
+            "ln2": nn.LayerNorm(d), "up": nn.Linear(d, ffn * d, bias=bias), "down": nn.Linear(ffn * d, d, bias=bias),
+        }) for _ in range(layers))
+        self.qkv = nn.ParameterList(nn.Parameter(torch.randn(3 * d, d) / math.sqrt(d)) for _ in range(layers))
+        self.norm, self.head = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
+        if tied:
+            self.head.weight = self.tok.weight
+
+    def forward(self, idx):  # (B, T) -> (B, T, vocab)
+        b, t = idx.shape
+        h = self.tok(idx) + (self.pos(torch.arange(t)) if self.pos is not None else 0)  # (B, T, C)
+        for blk, w_qkv in zip(self.blocks, self.qkv):
+            qkv = F.linear(blk["ln1"](h), w_qkv)  # (B, T, 3C)
+            q, k, v = qkv.view(b, t, 3, self.heads, -1).permute(2, 0, 3, 1, 4)  # 3 x (B, H, T, C / H)
+            att = torch.softmax((q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1]), dim=-1)  # (B, H, T, T)
+            h = h + blk["out"]((att @ v).transpose(1, 2).reshape(b, t, -1))
+            h = h + blk["down"](F.gelu(blk["up"](blk["ln2"](h))))
+        return self.head(self.norm(h))
+
+
+def _gpt(cfg: dict) -> _GPT:
+    torch.manual_seed(cfg["seed"])
+    return _GPT(cfg["vocab"], cfg["d"], cfg["layers"], cfg["heads"], cfg["ffn"], cfg["tied"], cfg["bias"], cfg["pos"])
+
+
+def _matmul_params_worker(fn, cfg: dict):
+    """Call the student's matmul_params on the check's model built from cfg; return what it gave."""
+    got = fn(_gpt(cfg))
+    return got.item() if isinstance(got, torch.Tensor) and got.numel() == 1 else got
+
+
+def _hand_count(cfg: dict) -> tuple[float, float]:
+    """(forward, forward + backward) FLOPs per token of the check's model, counted by FlopCounterMode."""
+    from dlo.measure import count_flops
+
+    model, tokens = _gpt(cfg), torch.randint(0, cfg["vocab"], (2, cfg["seq"]))
+    with torch.no_grad():
+        fwd = count_flops(lambda: model(tokens))
+    train = count_flops(lambda: model(tokens).float().pow(2).mean().backward())
+    return fwd / tokens.numel(), train / tokens.numel()
+
+
+def _state_bytes_per_param(precision: str, optimizer: str) -> float:
+    """Bytes of weights, gradients, master copy and optimizer state per parameter, measured on real
+    tensors of a small model after one optimizer step (the step counters left out)."""
+    from dlo.measure import tensor_bytes
+
+    torch.manual_seed(0)
+    fp32 = [p.detach() for p in nn.Sequential(nn.Linear(7, 5), nn.Linear(5, 3)).parameters()]
+    low = precision in ("mixed", "bf16")
+    weights = [p.to(torch.bfloat16) if low else p.clone() for p in fp32]
+    grads = [torch.ones_like(w) for w in weights]
+    master = [p.clone().requires_grad_() for p in fp32] if precision == "mixed" else []
+    stepped = master or [w.requires_grad_() for w in weights]  # what the optimizer updates
+    for p, g in zip(stepped, grads):
+        p.grad = g.to(p.dtype)
+    opt = {"sgd": lambda ps: torch.optim.SGD(ps, lr=0.1),
+           "momentum": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+           "adam": lambda ps: torch.optim.Adam(ps, lr=0.1)}[optimizer](stepped)
+    opt.step()
+    state = sum(tensor_bytes(t for t in s.values() if isinstance(t, torch.Tensor) and t.numel() == p.numel())
+                for p, s in ((p, opt.state[p]) for p in stepped))
+    return (tensor_bytes(weights) + tensor_bytes(grads) + tensor_bytes(master) + state) / sum(p.numel() for p in fp32)
+
+
+@check(forbid=("dlo.measure.transformer_flops_per_token", "dlo.measure.mfu", "dlo.accounting.matmul_params",
+               "dlo.accounting.training_bytes_per_param"))
+def check_flops_accounting(matmul_params, transformer_flops_per_token, mfu, training_bytes_per_param,
+                           seed: int = 0, trials: int = 3) -> None:
+    """Four small functions, compared on random configurations with counts made here: `matmul_params(model)`
+    with FlopCounterMode's count of the check's transformer (tied and untied heads); `transformer_flops_per_token`
+    with that count of forward + backward and with dlo.measure; `mfu(flops, seconds, peak)`;
+    `training_bytes_per_param(precision, optimizer)` with the bytes of real tensors after an optimizer step."""
+    from dlo.checks.common import assert_number
+    from dlo.measure import transformer_flops_per_token as reference
+
+    name, rng = "flops_accounting", random.Random(seed)
+    for t in range(trials):
+        heads = rng.choice([1, 2, 3])
+        cfg = dict(seed=rng.randrange(10 ** 6), vocab=rng.choice([37, 50, 61]), d=heads * rng.choice([4, 6]),
+                   layers=rng.choice([1, 2, 3]), heads=heads, ffn=rng.choice([2, 4]), tied=t % 2 == 0,
+                   bias=rng.random() < 0.5, pos=rng.choice([0, 16]), seq=rng.choice([5, 9, 16]))
+        layers, d, s = cfg["layers"], cfg["d"], cfg["seq"]
+        fwd, train = _hand_count(cfg)
+        n = round((fwd - 4 * layers * d * s) / 2)  # forward: 2 FLOPs per weight, 4 s d per layer of attention
+        got = assert_number(name, "matmul_params(model)", run_student(_matmul_params_worker, matmul_params, cfg), cfg)
+        if got != n:
+            tok, pos = cfg["vocab"] * d, cfg["pos"] * d
+            looked_up = "a looked-up embedding table counted? (a lookup does no FLOPs)"
+            hint = {pos: looked_up, tok + pos: looked_up, (0 if cfg["tied"] else tok): looked_up,
+                    -tok: "the head tied to the embedding counted zero times? it is a matmul weight"}
+            if cfg["tied"]:
+                hint[tok] = hint[tok + pos] = "the tied embedding counted twice, or a looked-up table counted?"
+            hint.pop(0, None)
+            extra = hint.get(round(got) - n, "count each weight with >= 2 dims once, embedding tables only as the head")
+            raise AssertionError(f"{name}: matmul_params = {got:g}, expected {n} for {fmt(cfg)}: {extra}")
+        got = assert_number(name, "transformer_flops_per_token", transformer_flops_per_token(n, layers, d, s), cfg)
+        want = reference(n, layers, d, s)
+        if abs(got - want) > 1e-9 * want or abs(want - train) > 1e-9 * want:
+            hint = ("forward only? backward costs twice the forward" if abs(got - want / 3) < 1e-9 * want else
+                    "6 N for the weights plus 12 l h s for attention (QK^T and AV, forward and backward)")
+            raise AssertionError(f"{name}: transformer_flops_per_token({n}, {layers}, {d}, {s}) = {got:g}, expected "
+                                 f"{want:g} (FlopCounterMode counts {train:g} per token): {hint}")
+        flops, seconds, peak = 10 ** rng.uniform(9, 15), rng.uniform(0.01, 5), 10 ** rng.uniform(12, 15)
+        got = assert_number(name, "mfu", mfu(flops, seconds, peak))
+        assert_close(name, "mfu(flops_per_step, step_seconds, peak_flops)", got, flops / seconds / peak,
+                     dict(flops=flops, seconds=seconds, peak=peak), rtol=1e-9)
+    for precision in ("fp32", "mixed", "bf16"):
+        for optimizer in ("sgd", "momentum", "adam"):
+            want = _state_bytes_per_param(precision, optimizer)
+            got = assert_number(name, "training_bytes_per_param", training_bytes_per_param(precision, optimizer))
+            if got != want:
+                hint = " (the fp32 master copy, 4 bytes, missing?)" if precision == "mixed" and want - got == 4 else ""
+                raise AssertionError(f"{name}: training_bytes_per_param({precision!r}, {optimizer!r}) = {got:g}, "
+                                     f"expected {want:g}: weights + gradients + master copy + optimizer state{hint}")
+    ok(name, f"{trials} transformers, 9 precision/optimizer pairs, seed={seed}")

@@ -4,6 +4,11 @@ References: plain autograd without checkpointing (same seed, hence the same drop
 `dlo.activation_ckpt` for the saved-memory accounting, and an uninterrupted training run for the
 resume check. Checkpointing replays the very same float operations, so gradients must agree exactly
 (in float64, tolerance 0); resumed losses must be bit-identical.
+
+The student's Function, hooks and training-state code run inside autograd graphs and training loops,
+so each check runs that part in a worker (`dlo.checks.common.run_student`) on modules and inputs made
+here; the worker records outputs, gradients, saved bytes and losses, and the references (plain
+autograd, an uninterrupted run) are computed here, where the comparison happens.
 """
 
 from __future__ import annotations
@@ -18,8 +23,20 @@ import torch.nn.functional as F
 from torch import nn
 
 from dlo.activation_ckpt import SavedTensorMeter
-from dlo.checks.day1 import DTYPE, _ok
+from dlo.checks.common import DTYPE, check, ok, run_student
 from dlo.config import seed_everything
+
+CHECKPOINTS = ("torch.utils.checkpoint.checkpoint", "torch.utils.checkpoint.checkpoint_sequential",
+               "torch.utils.checkpoint.CheckpointFunction", "dlo.activation_ckpt.CheckpointFunction",
+               "dlo.activation_ckpt.checkpoint")
+OFFLOAD = ("dlo.activation_ckpt.offload_pack", "dlo.activation_ckpt.offload_unpack", "dlo.activation_ckpt.cpu_offload",
+           "torch.autograd.graph.save_on_cpu")
+TRAINING_STATE = ("dlo.checkpoint.training_state", "dlo.checkpoint.restore_training_state", "dlo.checkpoint.rng_state",
+                  "dlo.checkpoint.set_rng_state", "dlo.checkpoint.CheckpointManager")
+
+
+def _ok(name: str, trials: int, seed: int) -> None:
+    ok(name, f"{trials} trials, seed={seed}")
 
 
 def _device(device=None) -> torch.device:
@@ -34,8 +51,8 @@ def _block(rng: random.Random, d: int, p: float) -> nn.Module:
     return nn.Sequential(nn.LayerNorm(d), nn.Linear(d, hidden), nn.GELU(), nn.Dropout(p), nn.Linear(hidden, d))
 
 
-def _grads(module: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
-    return [x.grad.clone()] + [p.grad.clone() for p in module.parameters()]
+def _grads(module: nn.Module, x: torch.Tensor) -> list[torch.Tensor | None]:
+    return [None if t.grad is None else t.grad.clone() for t in (x, *module.parameters())]
 
 
 def _compare(name: str, what: str, got: list, want: list, hp: dict) -> None:
@@ -50,6 +67,27 @@ def _compare(name: str, what: str, got: list, want: list, hp: dict) -> None:
 
 # ----------------------------------------------------------------------------- Checkpoint autograd.Function
 
+def _checkpoint_worker(Checkpoint, block, x, gate, two_inputs: bool, seed: int, grad_out) -> dict:
+    """Forward through the student's Function (saved bytes metered), the caller's RNG draw, backward;
+    the output, the gradients and the RNG stream after backward."""
+    block.zero_grad(set_to_none=True)
+    x = x.detach().requires_grad_(True)
+    fn = (lambda a, g: block(a) * g) if two_inputs else block
+    args = (x, gate) if two_inputs else (x,)
+    torch.manual_seed(seed)
+    with SavedTensorMeter(exclude=block.parameters()) as meter:
+        y = Checkpoint.apply(fn, *args)
+    out = {"type": type(y).__name__, "grad_fn": isinstance(y, torch.Tensor) and y.grad_fn is not None,
+           "saved": meter.bytes, "inputs": sum(a.untyped_storage().nbytes() for a in args)}
+    if not out["grad_fn"] or meter.bytes > out["inputs"]:
+        return out
+    out["y"] = y.detach()
+    torch.randn_like(y)  # the reference's draw of grad_out: backward must not rewind the caller's RNG
+    y.backward(grad_out)
+    return {**out, "grads": _grads(block, x), "after": torch.rand(4, device=x.device)}
+
+
+@check(forbid=CHECKPOINTS)
 def check_checkpoint_function(Checkpoint, seed: int = 0, trials: int = 4, device=None) -> None:
     """`Checkpoint.apply(fn, *args)`: same output, input and parameter grads as fn(*args), dropout
     included; saves no more than the inputs; leaves the caller's RNG stream as it found it.
@@ -61,31 +99,24 @@ def check_checkpoint_function(Checkpoint, seed: int = 0, trials: int = 4, device
         block = _block(rng, d, p).to(dev, DTYPE).train()
         x = torch.randn(hp["batch"], d, device=dev, dtype=DTYPE, requires_grad=True)
         gate = torch.rand(hp["batch"], d, device=dev, dtype=DTYPE)  # an input that needs no grad
-        fn = (lambda a, g: block(a) * g) if hp["two_inputs"] else block
+        fn = (lambda a, g, block=block: block(a) * g) if hp["two_inputs"] else block
         args = (x, gate) if hp["two_inputs"] else (x,)
         torch.manual_seed(seed * 100 + t)
         want_y = fn(*args)
         grad_out = torch.randn_like(want_y)  # a draw between forward and backward, as a training loop may make
         want_y.backward(grad_out)
-        want, want_after = _grads(block, x), torch.rand(4, device=dev)
-        x.grad = None
-        block.zero_grad(set_to_none=True)
-        torch.manual_seed(seed * 100 + t)
-        with SavedTensorMeter(exclude=block.parameters()) as meter:
-            y = Checkpoint.apply(fn, *args)
-        if not isinstance(y, torch.Tensor) or y.grad_fn is None:
+        want, want_after = [g.cpu() for g in _grads(block, x)], torch.rand(4, device=dev).cpu()
+        got = run_student(_checkpoint_worker, Checkpoint, block, x, gate, hp["two_inputs"], seed * 100 + t, grad_out)
+        if not got["grad_fn"]:
             raise AssertionError(f"{name}: Checkpoint.apply must return a tensor with a grad_fn ({hp}); got "
-                                 f"{type(y).__name__}{'' if not isinstance(y, torch.Tensor) else ' without grad_fn'}")
-        inputs_bytes = sum(a.untyped_storage().nbytes() for a in args)
-        if meter.bytes > inputs_bytes:
-            raise AssertionError(f"{name}: forward kept {meter.bytes} bytes for backward but the inputs are only "
-                                 f"{inputs_bytes}: run fn under torch.no_grad() and save only the inputs ({hp})")
-        if not torch.equal(y, want_y):
+                                 f"{got['type']}{' without grad_fn' if got['type'] == 'Tensor' else ''}")
+        if got["saved"] > got["inputs"]:
+            raise AssertionError(f"{name}: forward kept {got['saved']} bytes for backward but the inputs are only "
+                                 f"{got['inputs']}: run fn under torch.no_grad() and save only the inputs ({hp})")
+        if not torch.equal(got["y"].cpu(), want_y.detach().cpu()):
             raise AssertionError(f"{name}: forward output differs from fn(*args) ({hp})")
-        torch.randn_like(want_y)  # the same draw as above: backward must not rewind the caller's RNG
-        y.backward(grad_out)
-        _compare(name, "gradient", _grads(block, x), want, hp)
-        if not torch.equal(torch.rand(4, device=dev), want_after):
+        _compare(name, "gradient", [None if g is None else g.cpu() for g in got["grads"]], want, hp)
+        if not torch.equal(got["after"].cpu(), want_after):
             raise AssertionError(f"{name}: after backward the global RNG is in another state than without "
                                  f"checkpointing: restore the saved state inside torch.random.fork_rng() ({hp})")
     _ok(name, trials, seed)
@@ -93,6 +124,19 @@ def check_checkpoint_function(Checkpoint, seed: int = 0, trials: int = 4, device
 
 # ----------------------------------------------------------------------------- every k-th block
 
+def _every_worker(fn, blocks, x, k: int) -> dict:
+    """The student's policy with a spy as `checkpoint`: which blocks it wrapped, and the output."""
+    calls = []
+
+    def spy(block, h):
+        calls.append(next(i for i, b in enumerate(blocks) if b is block))
+        return block(h)
+
+    y = fn(blocks, x, k, spy)
+    return {"calls": calls, "y": y.detach() if isinstance(y, torch.Tensor) else None}
+
+
+@check(forbid=("torch.utils.checkpoint.checkpoint_sequential", "dlo.activation_ckpt.every_kth"))
 def check_checkpoint_every(fn, seed: int = 0, trials: int = 5) -> None:
     """`fn(blocks, x, k, checkpoint) -> y`: runs the blocks in order, calling checkpoint(block, h) for
     blocks 0, k, 2k, ... (none when k = 0) and block(h) for the others."""
@@ -103,20 +147,15 @@ def check_checkpoint_every(fn, seed: int = 0, trials: int = 5) -> None:
         hp = dict(blocks=n, k=k)
         blocks = nn.ModuleList(_block(rng, d, 0.0) for _ in range(n)).to(DTYPE)
         x = torch.randn(3, d, dtype=DTYPE, requires_grad=True)
-        calls = []
-
-        def spy(block, h, calls=calls):
-            calls.append(next(i for i, b in enumerate(blocks) if b is block))
-            return block(h)
-
-        y = fn(blocks, x, k, spy)
+        got = run_student(_every_worker, fn, blocks, x, k)
         want_calls = [] if k == 0 else list(range(0, n, k))
-        if calls != want_calls:
-            raise AssertionError(f"{name}: checkpoint was called on blocks {calls}, expected {want_calls} ({hp})")
+        if got["calls"] != want_calls:
+            raise AssertionError(f"{name}: checkpoint was called on blocks {got['calls']}, expected {want_calls} "
+                                 f"({hp})")
         h = x
         for b in blocks:
             h = b(h)
-        if not isinstance(y, torch.Tensor) or not torch.equal(y, h):
+        if got["y"] is None or not torch.equal(got["y"], h.detach()):
             raise AssertionError(f"{name}: the output differs from running every block in order ({hp})")
     _ok(name, trials, seed)
 
@@ -133,42 +172,70 @@ def _tensors_in(obj) -> list[torch.Tensor]:
     return []
 
 
+def _offload_worker(pack, unpack, xs: list, seed: int, dev: str) -> dict:
+    """pack/unpack on each tensor (stopping at the first one that goes wrong: what went wrong), then
+    the gradients of a small model trained under saved_tensors_hooks(pack, unpack)."""
+    trials = []
+    for x in xs:
+        x = x.to(dev)
+        packed = pack(x)
+        held = _tensors_in(packed)
+        obs = {"n_held": len(held), "devices": [str(h.device) for h in held],
+               "same_storage": any(h.untyped_storage().data_ptr() == x.untyped_storage().data_ptr() for h in held)}
+        trials.append(obs)
+        if not held or any(h.device.type != "cpu" for h in held) or obs["same_storage"]:
+            return {"trials": trials}
+        back = unpack(packed)
+        obs["back_ok"] = (isinstance(back, torch.Tensor) and back.device == x.device and back.dtype == x.dtype
+                          and back.shape == x.shape and torch.equal(back, x))
+        obs["back"] = [str(getattr(back, "device", None)), str(getattr(back, "dtype", None)),
+                       list(getattr(back, "shape", ()))]
+        if not obs["back_ok"]:
+            return {"trials": trials}
+    model, x = _offload_model(seed, torch.device(dev))
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        model(x).pow(2).sum().backward()
+    return {"trials": trials, "grads": [p.grad for p in model.parameters()]}
+
+
+def _offload_model(seed: int, dev: torch.device):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(7, 11), nn.Tanh(), nn.Linear(11, 3)).to(dev, DTYPE)
+    return model, torch.randn(5, 7, device=dev, dtype=DTYPE)
+
+
+@check(forbid=OFFLOAD)
 def check_offload_hooks(pack, unpack, seed: int = 0, trials: int = 4, device=None) -> None:
     """`pack(t)` returns a host-memory copy (plus whatever unpack needs); `unpack(pack(t))` gives t back
     on its device with its dtype and values; a model trained under the hooks gets identical grads.
     Tensors live on `device` (default: CUDA when available, else CPU)."""
     name, rng, gen = "offload_hooks", random.Random(seed), torch.Generator().manual_seed(seed)
     dev = _device(device)
+    xs, cases = [], []
     for t in range(trials):
         shape = tuple(rng.choice([1, 3, 7, 13]) for _ in range(rng.choice([1, 2, 3])))
         dtype = [torch.float32, torch.float64, torch.bfloat16, torch.int64][t % 4]
-        x = (torch.randn(shape, generator=gen) * 10).to(dtype).to(dev)
-        packed = pack(x)
-        held = _tensors_in(packed)
-        if not held:
+        xs.append((torch.randn(shape, generator=gen) * 10).to(dtype))
+        cases.append((shape, dtype))
+    got = run_student(_offload_worker, pack, unpack, xs, seed, str(dev))
+    for (shape, dtype), obs in zip(cases, got["trials"]):
+        if not obs["n_held"]:
             raise AssertionError(f"{name}: pack returned no tensor (shape {shape}, {dtype})")
-        if any(h.device.type != "cpu" for h in held):
+        if any(not d.startswith("cpu") for d in obs["devices"]):
             raise AssertionError(f"{name}: pack must keep the tensor in host memory (.to('cpu')), got devices "
-                                 f"{[str(h.device) for h in held]}")
-        if any(h.untyped_storage().data_ptr() == x.untyped_storage().data_ptr() for h in held):
+                                 f"{obs['devices']}")
+        if obs["same_storage"]:
             raise AssertionError(f"{name}: pack kept the original tensor (same storage): make a copy in host "
                                  f"memory so the device memory can be freed, e.g. torch.empty(..., device='cpu')"
                                  f".copy_(t)")
-        back = unpack(packed)
-        if not isinstance(back, torch.Tensor) or back.device != x.device or back.dtype != x.dtype \
-                or back.shape != x.shape or not torch.equal(back, x):
-            raise AssertionError(f"{name}: unpack(pack(t)) must equal t on {x.device} with dtype {x.dtype} and "
-                                 f"shape {shape}; got {getattr(back, 'device', None)}, "
-                                 f"{getattr(back, 'dtype', None)}, {tuple(getattr(back, 'shape', ()))}")
-    torch.manual_seed(seed)
-    model = nn.Sequential(nn.Linear(7, 11), nn.Tanh(), nn.Linear(11, 3)).to(dev, DTYPE)
-    x = torch.randn(5, 7, device=dev, dtype=DTYPE)
+        if not obs["back_ok"]:
+            b_dev, b_dtype, b_shape = obs["back"]
+            raise AssertionError(f"{name}: unpack(pack(t)) must equal t on {dev} with dtype {dtype} and "
+                                 f"shape {shape}; got {b_dev}, {b_dtype}, {tuple(b_shape)}")
+    model, x = _offload_model(seed, dev)
     model(x).pow(2).sum().backward()
-    want = [p.grad.clone() for p in model.parameters()]
-    model.zero_grad(set_to_none=True)
-    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-        model(x).pow(2).sum().backward()
-    if not all(torch.equal(p.grad, w) for p, w in zip(model.parameters(), want)):
+    want = [p.grad.cpu() for p in model.parameters()]
+    if not all(g is not None and torch.equal(g.cpu(), w) for g, w in zip(got["grads"], want)):
         raise AssertionError(f"{name}: gradients under saved_tensors_hooks(pack, unpack) differ from plain autograd")
     _ok(name, trials, seed)
 
@@ -207,6 +274,25 @@ def _train_step(o: dict) -> float:
     return loss.item()
 
 
+def _resume_worker(save_training_state, load_training_state, seed: int, new_seed: int, data_seed: int,
+                   steps: int, cut: int) -> dict:
+    """The interrupted run: `cut` steps, save, a new "job" (other RNG states and weights), load, go on."""
+    seed_everything(seed)
+    o = _objects(1, data_seed)
+    got = [_train_step(o) for _ in range(cut)]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "state.pt"
+        save_training_state(path, step=cut, **o)
+        seed_everything(new_seed)  # the new job: other RNG states, other initial weights, loader at start
+        o = _objects(2, data_seed)
+        step = load_training_state(path, **o)
+    if step != cut:
+        return {"step": step if isinstance(step, (int, float, str)) or step is None else type(step).__name__}
+    got += [_train_step(o) for _ in range(steps - cut)]
+    return {"step": step, "losses": got, "scale": float(o["scaler"].get_scale())}
+
+
+@check(forbid=TRAINING_STATE)
 def check_resume(save_training_state, load_training_state, seed: int = 0, trials: int = 3) -> None:
     """`save_training_state(path, *, model, optimizer, scheduler, scaler, loader, step)` then, in a fresh
     "job" (other initial weights, other RNG states), `load_training_state(path, *, model, optimizer,
@@ -220,25 +306,18 @@ def check_resume(save_training_state, load_training_state, seed: int = 0, trials
         o = _objects(1, data_seed)
         want = [_train_step(o) for _ in range(steps)]
         scale_want = o["scaler"].get_scale()
-        seed_everything(seed * 10 + t)
-        o = _objects(1, data_seed)
-        got = [_train_step(o) for _ in range(cut)]
-        with tempfile.TemporaryDirectory() as tmp:
-            path = Path(tmp) / "state.pt"
-            save_training_state(path, step=cut, **o)
-            seed_everything(12345 + t)  # the new job: other RNG states, other initial weights, loader at start
-            o = _objects(2, data_seed)
-            step = load_training_state(path, **o)
-        if step != cut:
-            raise AssertionError(f"{name}: load_training_state returned step {step!r}, expected {cut} ({hp})")
-        got += [_train_step(o) for _ in range(steps - cut)]
+        res = run_student(_resume_worker, save_training_state, load_training_state, seed * 10 + t, 12345 + t,
+                          data_seed, steps, cut)
+        if res["step"] != cut:
+            raise AssertionError(f"{name}: load_training_state returned step {res['step']!r}, expected {cut} ({hp})")
+        got = res["losses"]
         if got != want:
             first = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
             raise AssertionError(
                 f"{name}: resumed losses differ from the uninterrupted run from step {first} on ({hp}): "
                 f"expected {want[first]!r}, got {got[first]!r}. Saved and restored: model, optimizer, "
                 f"scheduler, scaler, loader position (state_dict) and the python, numpy, torch (and CUDA) RNGs?")
-        if o["scaler"].get_scale() != scale_want:
+        if res["scale"] != scale_want:
             raise AssertionError(f"{name}: the AMP scaler's scale after the resumed run is "
-                                 f"{o['scaler'].get_scale()}, expected {scale_want}: restore scaler.state_dict()")
+                                 f"{res['scale']}, expected {scale_want}: restore scaler.state_dict()")
     _ok(name, trials, seed)

@@ -5,6 +5,11 @@ the student's function and the dlo reference (dlo.quant, dlo.prune, dlo.distill;
 F.kl_div / F.cross_entropy underneath) and raises AssertionError saying what to fix, or prints one
 "ok" line. Where several answers are equally right (rounding exact ties, which weight to drop among
 equal magnitudes) the checks test the defining property instead of one particular output.
+
+Functions returning tensors are called directly (`dlo.checks.common`: inputs made here, plain data
+back); the ones whose result must be differentiated or is a module (fake quantization, the
+distillation loss, the pruned layer pair) run in workers that record outputs and gradients.
+While the student's code runs, the library references of each exercise are off limits.
 """
 
 from __future__ import annotations
@@ -15,10 +20,18 @@ import torch
 from torch import nn
 
 from dlo import distill, prune, quant
-from dlo.checks.day1 import _assert_close, _fmt, _ok
-
+from dlo.checks.common import assert_close, check, fmt, ok, run_student
 
 RTOL, ATOL = 1e-5, 1e-6  # float32 references: correct code agrees to a few ulps
+QUANT = ("dlo.quant.quantize", "dlo.quant.dequantize", "dlo.quant.group_view", "dlo.quant.quantize_affine",
+         "dlo.quant.dequantize_affine", "dlo.quant.scale_zero_point", "dlo.quant.fake_quantize_tensor",
+         "dlo.kernels.quantize.quantize_weight", "dlo.kernels.quantize.quantize_ref",
+         "dlo.kernels.quantize.dequantize_weight", "torch.quantize_per_tensor", "torch.quantize_per_channel")
+FAKE_QUANT = ("dlo.quant.fake_quant", "dlo.quant.FakeQuantSTE", "dlo.quant.fake_quantize_tensor",
+              "torch.fake_quantize_per_tensor_affine", "torch.fake_quantize_per_channel_affine")
+OBSERVERS = ("dlo.quant.MinMaxObserver", "dlo.quant.PercentileObserver", "dlo.quant.quantiles",
+             "dlo.quant._make_observer", "dlo.quant.OBSERVERS", "torch.ao.quantization.observer.MinMaxObserver",
+             "torch.ao.quantization.observer.PerChannelMinMaxObserver")
 
 
 def _matrix(rng: random.Random, gen: torch.Generator, cols_multiple: int = 1) -> torch.Tensor:
@@ -29,6 +42,7 @@ def _matrix(rng: random.Random, gen: torch.Generator, cols_multiple: int = 1) ->
 
 # ----------------------------------------------------------------------------- exercise 1
 
+@check(forbid=QUANT)
 def check_quantize(quantize_fn, dequantize_fn, seed: int = 0, trials: int = 6) -> None:
     """`quantize_fn(x, bits, granularity, group_size) -> (q, scale)` symmetric, scale (R|1, n_groups);
     `dequantize_fn(q, scale) -> x_hat`. Against dlo.quant.quantize(..., symmetric=True)."""
@@ -43,28 +57,29 @@ def check_quantize(quantize_fn, dequantize_fn, seed: int = 0, trials: int = 6) -
         hp = dict(bits=bits, granularity=granularity, group_size=G, x_shape=tuple(x.shape))
         q, scale = quantize_fn(x.clone(), bits, granularity, G)
         q_ref, s_ref, _ = quant.quantize(x, bits, granularity, G, symmetric=True)
-        _assert_close(name, "scale", scale, s_ref, hp, RTOL, ATOL)
+        assert_close(name, "scale", scale, s_ref, hp, rtol=RTOL, atol=ATOL)
         q = torch.as_tensor(q)
         q_max = 2 ** (bits - 1) - 1
         if q.float().abs().max() > q_max:
             raise AssertionError(f"{name}: codes reach {q.float().abs().max():.0f} but {bits}-bit symmetric codes "
-                                 f"lie in [-{q_max}, {q_max}]: clamp after rounding ({_fmt(hp)})")
+                                 f"lie in [-{q_max}, {q_max}]: clamp after rounding ({fmt(hp)})")
         # Codes may differ only at exact .5 ties (x / s vs x * (1 / s) can land either side).
         y = (quant.group_view(x, granularity, G) / torch.where(s_ref > 0, s_ref, 1.0)[..., None]).reshape(x.shape)
         near_tie = ((y - y.floor()) - 0.5).abs() < 1e-3
         diff = (q.float() != q_ref.float()) & ~near_tie
         if diff.any():
             i = int(torch.nonzero(diff.flatten())[0])
-            raise AssertionError(f"{name}: codes differ from round(x / scale) ({_fmt(hp)}): at flat index {i} expected "
+            raise AssertionError(f"{name}: codes differ from round(x / scale) ({fmt(hp)}): at flat index {i} expected "
                                  f"{q_ref.flatten()[i].item()}, got {q.flatten()[i].item()} "
                                  f"(x={x.flatten()[i].item():.6g}); use round-to-nearest, not floor/trunc")
         x_hat = dequantize_fn(q_ref.clone(), s_ref.clone())
-        _assert_close(name, "dequantize(q, scale)", x_hat, quant.dequantize(q_ref, s_ref), hp, RTOL, ATOL)
-    _ok(name, trials, seed)
+        assert_close(name, "dequantize(q, scale)", x_hat, quant.dequantize(q_ref, s_ref), hp, rtol=RTOL, atol=ATOL)
+    ok(name, f"{trials} trials, seed={seed}")
 
 
 # ----------------------------------------------------------------------------- exercise 2
 
+@check(forbid=OBSERVERS)
 def check_calibrate_range(fn, seed: int = 0, trials: int = 4) -> None:
     """`fn(batches, method, percentile) -> (lo, hi)`: min-max, or the (100-p, p) percentiles of all values."""
     name, rng, gen = "calibrate_range", random.Random(seed), torch.Generator().manual_seed(seed)
@@ -79,13 +94,26 @@ def check_calibrate_range(fn, seed: int = 0, trials: int = 4) -> None:
             obs.update(b)
         lo, hi = fn([b.clone() for b in batches], method, pct)
         want_lo, want_hi = obs.range()
-        _assert_close(name, "lo", lo, want_lo, hp, rtol=1e-4, atol=1e-5)
-        _assert_close(name, "hi", hi, want_hi, hp, rtol=1e-4, atol=1e-5)
-    _ok(name, trials, seed)
+        assert_close(name, "lo", lo, want_lo, hp, rtol=1e-4, atol=1e-5)
+        assert_close(name, "hi", hi, want_hi, hp, rtol=1e-4, atol=1e-5)
+    ok(name, f"{trials} trials, seed={seed}")
 
 
 # ----------------------------------------------------------------------------- exercise 3
 
+def _fake_quant_worker(fn, x, scale, bits: int, g) -> dict:
+    """Forward through the student's fake quantization, then backward of <y, g>: output and x.grad."""
+    x1 = x.clone().requires_grad_()
+    y = fn(x1, scale, bits)
+    out = {"y": y.detach() if isinstance(y, torch.Tensor) else None,
+           "requires_grad": isinstance(y, torch.Tensor) and y.requires_grad}
+    if out["requires_grad"]:
+        (y * g).sum().backward()
+        out["grad"] = x1.grad
+    return out
+
+
+@check(forbid=FAKE_QUANT)
 def check_fake_quant_ste(fn, seed: int = 0, trials: int = 4) -> None:
     """`fn(x, scale, bits) -> x_hat`: symmetric fake quantization whose gradient is the clipped STE."""
     name, rng, gen = "fake_quant_ste", random.Random(seed), torch.Generator().manual_seed(seed)
@@ -94,22 +122,23 @@ def check_fake_quant_ste(fn, seed: int = 0, trials: int = 4) -> None:
         x = torch.randn(rng.choice([3, 7]), rng.choice([5, 9]), generator=gen, dtype=torch.float64)
         scale = torch.tensor(rng.choice([0.05, 0.2, 0.5]) * 8 / 2 ** (bits - 1), dtype=torch.float64)
         hp = dict(bits=bits, scale=scale.item())
-        x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
-        y = fn(x1, scale, bits)
-        y_ref = quant.fake_quant(x2, scale, bits=bits)
-        _assert_close(name, "forward", y, y_ref, hp, RTOL, ATOL)
-        if not y.requires_grad:
-            raise AssertionError(f"{name}: the output does not require grad; build it from x with torch ops "
-                                 f"or a torch.autograd.Function ({_fmt(hp)})")
         g = torch.randn(x.shape, generator=gen, dtype=torch.float64)
-        (y * g).sum().backward()
+        got = run_student(_fake_quant_worker, fn, x, scale, bits, g)
+        x2 = x.clone().requires_grad_()
+        y_ref = quant.fake_quant(x2, scale, bits=bits)
+        assert_close(name, "forward", got["y"], y_ref, hp, rtol=RTOL, atol=ATOL)
+        if not got["requires_grad"]:
+            raise AssertionError(f"{name}: the output does not require grad; build it from x with torch ops "
+                                 f"or a torch.autograd.Function ({fmt(hp)})")
         (y_ref * g).sum().backward()
-        _assert_close(name, "gradient w.r.t. x (STE: grad where not clipped, 0 outside)", x1.grad, x2.grad, hp, RTOL, ATOL)
-    _ok(name, trials, seed)
+        assert_close(name, "gradient w.r.t. x (STE: grad where not clipped, 0 outside)", got["grad"], x2.grad, hp,
+                     rtol=RTOL, atol=ATOL)
+    ok(name, f"{trials} trials, seed={seed}")
 
 
 # ----------------------------------------------------------------------------- exercise 4
 
+@check(forbid=("dlo.prune.magnitude_masks", "dlo.prune._smallest_mask", "torch.nn.utils.prune.*"))
 def check_magnitude_masks(fn, seed: int = 0, trials: int = 6) -> None:
     """`fn(weights: dict[str, Tensor], sparsity, scope) -> dict[str, bool mask]` (True = kept)."""
     name, rng, gen = "magnitude_masks", random.Random(seed), torch.Generator().manual_seed(seed)
@@ -120,7 +149,7 @@ def check_magnitude_masks(fn, seed: int = 0, trials: int = 6) -> None:
         hp = dict(scope=scope, sparsity=sparsity, shapes=[tuple(w.shape) for w in weights.values()])
         masks = fn({k: w.clone() for k, w in weights.items()}, sparsity, scope)
         if set(masks) != set(weights):
-            raise AssertionError(f"{name}: returned keys {sorted(masks)}, expected {sorted(weights)} ({_fmt(hp)})")
+            raise AssertionError(f"{name}: returned keys {sorted(masks)}, expected {sorted(weights)} ({fmt(hp)})")
         masks = {k: torch.as_tensor(m).bool() for k, m in masks.items()}
         for k, w in weights.items():
             if masks[k].shape != w.shape:
@@ -132,14 +161,15 @@ def check_magnitude_masks(fn, seed: int = 0, trials: int = 6) -> None:
             pruned = int((~m).sum())
             if abs(pruned - sparsity * a.numel()) >= 1:
                 raise AssertionError(f"{name}: pruned {pruned} of {a.numel()} weights in {keys}; expected "
-                                     f"round({sparsity} * {a.numel()}) ({_fmt(hp)})")
+                                     f"round({sparsity} * {a.numel()}) ({fmt(hp)})")
             if 0 < pruned < a.numel() and a[m].min() < a[~m].max():
+                where = "over all layers together" if scope == "global" else "within each layer"
                 raise AssertionError(f"{name}: a kept |w|={a[m].min():.4g} is smaller than a pruned "
-                                     f"|w|={a[~m].max():.4g} in {keys}: rank by magnitude |w| "
-                                     f"{'over all layers together' if scope == 'global' else 'within each layer'} ({_fmt(hp)})")
-    _ok(name, trials, seed)
+                                     f"|w|={a[~m].max():.4g} in {keys}: rank by magnitude |w| {where} ({fmt(hp)})")
+    ok(name, f"{trials} trials, seed={seed}")
 
 
+@check(forbid=("dlo.prune.gradual_sparsity",))
 def check_gradual_sparsity(fn, seed: int = 0, trials: int = 4) -> None:
     """`fn(step, final_sparsity, begin_step, end_step, initial_sparsity) -> float` (Zhu & Gupta cubic)."""
     name, rng = "gradual_sparsity", random.Random(seed)
@@ -149,11 +179,23 @@ def check_gradual_sparsity(fn, seed: int = 0, trials: int = 4) -> None:
         t1 = t0 + rng.choice([10, 33])
         for step in sorted({0, t0, t0 + 1, (t0 + t1) // 2, t1 - 1, t1, t1 + 7}):
             hp = dict(step=step, final=s_f, begin=t0, end=t1, initial=s_i)
-            _assert_close(name, "sparsity", float(fn(step, s_f, t0, t1, s_i)),
+            assert_close(name, "sparsity", float(fn(step, s_f, t0, t1, s_i)),
                    prune.gradual_sparsity(step, s_f, t0, t1, s_i), hp, rtol=1e-9, atol=1e-12)
-    _ok(name, trials, seed)
+    ok(name, f"{trials} trials, seed={seed}")
 
 
+def _prune_pair_worker(fn, fc1, fc2, n_keep: int, x) -> dict:
+    """The student's two new layers: their types, weight shapes, and what the pair computes on x."""
+    new1, new2 = fn(fc1, fc2, n_keep)
+    layers = [{"linear": isinstance(m, nn.Linear), "type": type(m).__name__,
+               "shape": list(m.weight.shape) if isinstance(m, nn.Linear) else None} for m in (new1, new2)]
+    if not all(layer["linear"] for layer in layers):
+        return {"layers": layers}
+    with torch.no_grad():
+        return {"layers": layers, "y": new2(torch.relu(new1(x)))}
+
+
+@check(forbid=("dlo.prune.prune_linear_pair", "dlo.prune.prune_mlp_channels", "torch.nn.utils.prune.ln_structured"))
 def check_prune_linear_pair(fn, seed: int = 0, trials: int = 4) -> None:
     """`fn(fc1, fc2, n_keep) -> (new_fc1, new_fc2)`: keep the n_keep hidden units with the largest
     L2 row norm of fc1; the new layers must be really smaller and compute the same thing on them."""
@@ -164,21 +206,25 @@ def check_prune_linear_pair(fn, seed: int = 0, trials: int = 4) -> None:
         n_keep = rng.randrange(1, hidden)
         fc1, fc2 = nn.Linear(d_in, hidden).double(), nn.Linear(hidden, d_out).double()
         hp = dict(d_in=d_in, hidden=hidden, d_out=d_out, n_keep=n_keep)
-        new1, new2 = fn(fc1, fc2, n_keep)
-        want1, want2 = prune.prune_linear_pair(fc1, fc2, n_keep)
-        for got, want, label in ((new1, want1, "new fc1"), (new2, want2, "new fc2")):
-            if not isinstance(got, nn.Linear) or got.weight.shape != want.weight.shape:
-                shape = tuple(got.weight.shape) if isinstance(got, nn.Linear) else type(got).__name__
-                raise AssertionError(f"{name}: {label} should be an nn.Linear with weight {tuple(want.weight.shape)}, "
-                                     f"got {shape}: build new, smaller layers ({_fmt(hp)})")
         x = torch.randn(4, d_in, dtype=torch.float64)
-        _assert_close(name, "output of the pruned pair", new2(torch.relu(new1(x))), want2(torch.relu(want1(x))), hp,
-               rtol=1e-9, atol=1e-12)
-    _ok(name, trials, seed)
+        got = run_student(_prune_pair_worker, fn, fc1, fc2, n_keep, x)
+        want1, want2 = prune.prune_linear_pair(fc1, fc2, n_keep)
+        for layer, want, label in zip(got["layers"], (want1, want2), ("new fc1", "new fc2")):
+            if not layer["linear"] or tuple(layer["shape"]) != tuple(want.weight.shape):
+                shape = tuple(layer["shape"]) if layer["linear"] else layer["type"]
+                raise AssertionError(f"{name}: {label} should be an nn.Linear with weight {tuple(want.weight.shape)}, "
+                                     f"got {shape}: build new, smaller layers ({fmt(hp)})")
+        with torch.no_grad():
+            assert_close(name, "output of the pruned pair", got["y"], want2(torch.relu(want1(x))), hp,
+                         rtol=1e-9, atol=1e-12)
+    ok(name, f"{trials} trials, seed={seed}")
 
 
 # ----------------------------------------------------------------------------- exercise 5
 
+@check(forbid=("dlo.prune.mask_2to4", "dlo.prune.is_2to4", "dlo.kernels.sparse24.sparse24",
+               "dlo.kernels.sparse24.sparse24_ref", "dlo.kernels.sparse24.decompress24",
+               "torch.sparse.to_sparse_semi_structured"))
 def check_mask_2to4(mask_fn, valid_fn, seed: int = 0, trials: int = 4) -> None:
     """`mask_fn(w) -> bool mask` keeping the 2 largest |w| of each 4 along the last dim;
     `valid_fn(mask) -> bool`, True when no group of 4 keeps more than 2."""
@@ -187,9 +233,9 @@ def check_mask_2to4(mask_fn, valid_fn, seed: int = 0, trials: int = 4) -> None:
         w = _matrix(rng, gen, cols_multiple=4)
         hp = dict(w_shape=tuple(w.shape))
         m = torch.as_tensor(mask_fn(w.clone())).bool()
-        _assert_close(name, "mask", m.float(), prune.mask_2to4(w).float(), hp, rtol=0, atol=0)
+        assert_close(name, "mask", m.float(), prune.mask_2to4(w).float(), hp, rtol=0, atol=0)
         if valid_fn(prune.mask_2to4(w)) is not True:
-            raise AssertionError(f"{name}: is_2to4 rejected a valid 2:4 mask ({_fmt(hp)})")
+            raise AssertionError(f"{name}: is_2to4 rejected a valid 2:4 mask ({fmt(hp)})")
         row = rng.randrange(w.shape[0])
         for n_kept in (3, 4):  # 3 is the near miss a "< 4" or "!= 4" test lets through
             bad = prune.mask_2to4(w).clone()
@@ -197,16 +243,27 @@ def check_mask_2to4(mask_fn, valid_fn, seed: int = 0, trials: int = 4) -> None:
             bad[row, dropped[:n_kept - 2]] = True
             if valid_fn(bad) is not False:
                 raise AssertionError(f"{name}: is_2to4 accepted a mask with {n_kept} kept values in one group of 4 "
-                                     f"({_fmt(hp)})")
+                                     f"({fmt(hp)})")
         sparser = torch.zeros_like(bad)
         sparser[..., ::4] = True  # 1 of 4 kept: still allowed by the hardware
         if valid_fn(sparser) is not True:
             raise AssertionError(f"{name}: is_2to4 rejected a mask with 1 kept per group; at most 2 is the rule")
-    _ok(name, trials, seed)
+    ok(name, f"{trials} trials, seed={seed}")
 
 
 # ----------------------------------------------------------------------------- exercise 6
 
+def _distill_worker(fn, s, t, y, temperature: float, lam: float) -> dict:
+    """The student's loss and its gradients w.r.t. the student and the teacher logits."""
+    s1, t1 = s.clone().requires_grad_(), t.clone().requires_grad_()
+    loss = fn(s1, t1, y, temperature, lam)
+    out = {"loss": loss.detach() if isinstance(loss, torch.Tensor) else loss if isinstance(loss, float) else None}
+    if isinstance(loss, torch.Tensor) and loss.requires_grad:
+        loss.backward()
+    return {**out, "grad_s": s1.grad, "grad_t": t1.grad}
+
+
+@check(forbid=("dlo.distill.distillation_loss", "dlo.distill.distill_step", "dlo.distill.train_distill"))
 def check_distillation_loss(fn, seed: int = 0, trials: int = 4) -> None:
     """`fn(student_logits, teacher_logits, targets, temperature, lam) -> scalar` =
     T^2 KL(softmax(t/T) || softmax(s/T)) (batch mean) + lam CE(s, y); gradients must reach the student only."""
@@ -218,14 +275,12 @@ def check_distillation_loss(fn, seed: int = 0, trials: int = 4) -> None:
         t = torch.randn(B, C, generator=gen, dtype=torch.float64) * 2
         y = torch.randint(0, C, (B,), generator=gen)
         hp = dict(B=B, classes=C, temperature=T, lam=lam)
-        s1, t1 = s.clone().requires_grad_(), t.clone().requires_grad_()
-        loss = fn(s1, t1, y, T, lam)
+        got = run_student(_distill_worker, fn, s, t, y, T, lam)
         want = distill.distillation_loss(s, t, y, T, lam)
-        _assert_close(name, "loss", loss, want, hp, rtol=1e-7, atol=1e-10)
-        loss.backward()
+        assert_close(name, "loss", got["loss"], want, hp, rtol=1e-7, atol=1e-10)
         s2 = s.clone().requires_grad_()
         distill.distillation_loss(s2, t, y, T, lam).backward()
-        _assert_close(name, "gradient w.r.t. the student logits", s1.grad, s2.grad, hp, rtol=1e-7, atol=1e-10)
-        if t1.grad is not None and t1.grad.abs().max() > 0:
-            raise AssertionError(f"{name}: gradient flows into the teacher logits; detach them ({_fmt(hp)})")
-    _ok(name, trials, seed)
+        assert_close(name, "gradient w.r.t. the student logits", got["grad_s"], s2.grad, hp, rtol=1e-7, atol=1e-10)
+        if got["grad_t"] is not None and got["grad_t"].abs().max() > 0:
+            raise AssertionError(f"{name}: gradient flows into the teacher logits; detach them ({fmt(hp)})")
+    ok(name, f"{trials} trials, seed={seed}")

@@ -5,6 +5,7 @@ leave nothing behind (see launch.py for the design). Nothing here is public API.
 from __future__ import annotations
 
 import collections
+import math
 import os
 import pickle
 import shutil
@@ -37,10 +38,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker_env(r, world_size, port):
+STALL = 10.0  # seconds without output or heartbeat after which a running rank counts as stuck
+
+
+def _worker_env(r, world_size, port, workdir):
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r),
                WORLD_SIZE=str(world_size), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(world_size),
-               PYTHONUNBUFFERED="1")
+               PYTHONUNBUFFERED="1", DLO_HEARTBEAT_FILE=os.path.join(workdir, f"heartbeat-{r}"))
     # N ranks that each use every core oversubscribe the CPU (torchrun does the same split).
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world_size)))
     if sys.platform.startswith("linux"):
@@ -48,11 +52,13 @@ def _worker_env(r, world_size, port):
     return env
 
 
-def _pump(pipe, prefix, tail, lock):
-    """Copy a worker pipe line by line to sys.stdout (what Jupyter shows), keeping a short tail."""
+def _pump(pipe, prefix, tail, lock, last_output, r):
+    """Copy a worker pipe line by line to sys.stdout (what Jupyter shows), keeping a short tail and
+    the time of the rank's last line."""
     for raw in iter(pipe.readline, b""):
         line = raw.decode(errors="replace").rstrip("\r\n")
         tail.append(line)
+        last_output[r] = time.monotonic()
         with lock:
             sys.stdout.write(f"{prefix}{line}\n")
             sys.stdout.flush()
@@ -119,14 +125,45 @@ def _watch(procs, workdir, timeout):
         time.sleep(0.05)
 
 
-def _error(outcome, tails, pids, port, timeout):
+def _heartbeat(workdir, r):
+    """(text, monotonic time) of rank r's last `heartbeat(...)`, or None."""
+    path = os.path.join(workdir, f"heartbeat-{r}")
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        age = time.time() - os.path.getmtime(path)
+    except OSError:
+        return None
+    return text, time.monotonic() - age
+
+
+def _rank_state(r, workdir, last_output, tails):
+    """What a running rank last said (heartbeat, else its last output line) and how long ago it was
+    active (the newer of the two), as a phrase for the timeout message; and that age in seconds."""
+    beat = _heartbeat(workdir, r)
+    times = [t for t in (last_output.get(r), beat[1] if beat else None) if t is not None]
+    age = time.monotonic() - max(times) if times else math.inf
+    said = f"its last heartbeat: {beat[0]!r}" if beat else (
+        f"its last output: {tails[r][-1]!r}" if tails[r] else "no output and no heartbeat")
+    return f"rank {r} ({said}; last active {age:.1f} s ago)", age
+
+
+def _error(outcome, tails, pids, port, timeout, workdir=None, last_output=None):
     """Turn a non-ok outcome from `_watch` into the exception the caller sees."""
     if outcome[0] == "timeout":
         _, joined, good, elapsed = outcome
         others = [r for r in range(len(pids)) if r not in good]
         if joined:
-            msg = (f"ranks {others} still running after {elapsed:.1f} s (ranks {good} finished): "
-                   f"a collective mismatch or deadlock? (timeout={timeout})")
+            states = [_rank_state(r, workdir, last_output or {}, tails) for r in others]
+            detail = "; ".join(s for s, _ in states)
+            stall = min(STALL, timeout / 2)  # a short timeout: judge activity on a shorter window
+            if states and min(age for _, age in states) < stall:
+                why = ("they are still making progress: the work needs longer than the timeout "
+                       "(raise `timeout=`)")
+            else:
+                why = f"no rank was active for {stall:.3g} s or more: a collective mismatch or deadlock?"
+            msg = (f"ranks {others} still running after {elapsed:.1f} s (timeout={timeout}; ranks {good} "
+                   f"finished): {why}. {detail}")
         else:
             msg = (f"ranks {others} had not joined the process group after {elapsed:.1f} s (joined: {good}): "
                    f"stuck at import, or the rendezvous on 127.0.0.1:{port} is blocked?")
@@ -153,22 +190,27 @@ def spawn(fn, world_size, backend, timeout, args, kwargs) -> list:
         pickle.dump((list(sys.path), backend, cloudpickle.dumps((fn, args, kwargs))), f)
     port, procs, readers, lock = _free_port(), [], [], threading.Lock()
     tails = [collections.deque(maxlen=20) for _ in range(world_size)]
+    last_output: dict[int, float] = {}
     try:
         for r in range(world_size):
             p = subprocess.Popen([sys.executable, "-m", "dlo.distributed._worker", workdir],
-                                 env=_worker_env(r, world_size, port), stdin=subprocess.DEVNULL,
+                                 env=_worker_env(r, world_size, port, workdir), stdin=subprocess.DEVNULL,
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
             procs.append(p)
             for pipe in (p.stdout, p.stderr):
-                t = threading.Thread(target=_pump, args=(pipe, f"[rank {r}] ", tails[r], lock), daemon=True)
+                t = threading.Thread(target=_pump, args=(pipe, f"[rank {r}] ", tails[r], lock, last_output, r),
+                                     daemon=True)
                 t.start()
                 readers.append(t)
         outcome = _watch(procs, workdir, timeout)
+        # read the heartbeats before the ranks die and the folder goes
+        error = None if outcome[0] == "ok" else _error(outcome, tails, [p.pid for p in procs], port, timeout,
+                                                        workdir, last_output)
     finally:  # success, failure, timeout or KeyboardInterrupt: leave no rank behind
         _kill(procs)
         for t in readers:
             t.join(timeout=5.0)
         shutil.rmtree(workdir, ignore_errors=True)
-    if outcome[0] == "ok":
+    if error is None:
         return outcome[1]
-    raise _error(outcome, tails, [p.pid for p in procs], port, timeout)
+    raise error

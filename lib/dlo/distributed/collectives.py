@@ -1,6 +1,6 @@
 """Collectives from first principles: a ring all-reduce built from point-to-point messages, the
-bus-bandwidth measurement of nccl-tests, the alpha-beta cost model fitted to it, and
-`count_calls`, which records (or forbids) torch.distributed calls for the checks and experiments.
+bus-bandwidth measurement of nccl-tests and the alpha-beta cost model fitted to it. (What a rank
+sends is counted by `dlo.measure.CommCounter`.)
 
 Ring all-reduce (Patarasuk & Yuan 2009; the NCCL default for large messages): cut the tensor into N
 chunks; in N-1 reduce-scatter steps every rank sends one chunk to its right neighbour and adds the
@@ -17,13 +17,18 @@ so trees win for small messages (fewer latency terms) and rings for large ones.
 
 from __future__ import annotations
 
-import contextlib
 import math
-import time
-from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
+
+from dlo.measure import time_fn
+
+# torch >= 2.10 calls the single-tensor collectives all_gather_single / reduce_scatter_single (the older
+# all_gather_into_tensor / reduce_scatter_tensor names warn); GPU nodes may run an older torch
+# (environment.yml: torch >= 2.6). The engines use these two names.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def ring_all_reduce(tensor: torch.Tensor) -> torch.Tensor:
@@ -72,9 +77,10 @@ def bus_bandwidth(sizes_bytes, reps: int = 5, warmup: int = 2, device=None, dtyp
                   trials: int = 3) -> list[dict]:
     """Time dist.all_reduce for each message size on the current process group.
 
-    Each of `trials` timings runs `reps` operations back to back after a barrier and divides, so
-    that the ranks' skew leaving the barrier is paid once, not per operation (nccl-tests does the
-    same); the median trial is kept. Returns rows {"bytes", "s", "algbw GB/s", "busbw GB/s"};
+    Each of `trials` timings (dlo.measure.time_fn, after `warmup` untimed bursts) runs `reps`
+    operations back to back after a barrier and divides, so that the ranks' skew leaving the barrier
+    is paid once, not per operation (nccl-tests does the same); the median trial is kept.
+    Returns rows {"bytes", "s", "algbw GB/s", "busbw GB/s"};
     algbw = bytes / time, busbw = algbw * 2 (N-1)/N, comparable across world sizes and with the
     link's peak (nccl-tests' convention). Must be called on every rank.
     """
@@ -85,28 +91,17 @@ def bus_bandwidth(sizes_bytes, reps: int = 5, warmup: int = 2, device=None, dtyp
     elem = torch.empty((), dtype=dtype).element_size()
     for size in sizes_bytes:
         x = torch.ones(max(1, int(size) // elem), dtype=dtype, device=device)
-        for _ in range(warmup):
-            dist.all_reduce(x)
-        times = []
-        for _ in range(trials):
-            _sync(device)
-            dist.barrier()  # every rank starts together: the timing is of the collective, not the skew
-            t0 = time.perf_counter()
+
+        def burst(x=x):
             for _ in range(reps):
                 dist.all_reduce(x)
-            _sync(device)
-            times.append((time.perf_counter() - t0) / reps)
-        t = sorted(times)[len(times) // 2]
+
+        # every rank starts together (the barrier, untimed): the timing is of the collective, not the skew
+        t = time_fn(burst, device=device, warmup=warmup, reps=trials, before=dist.barrier).median_s / reps
         nbytes = x.numel() * elem
         rows.append({"bytes": nbytes, "s": t, "algbw GB/s": nbytes / t / 1e9,
                      "busbw GB/s": nbytes / t / 1e9 * bus_factor(world)})
     return rows
-
-
-def _sync(device):
-    """Wait for the GPU's queued work, so that a host timer measures it (no-op on the CPU)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def fit_alpha_beta(sizes_bytes, seconds, world_size: int) -> dict:
@@ -143,56 +138,3 @@ def allreduce_time(n_bytes: float, world_size: int, alpha: float, beta: float, a
         steps = 2 * math.ceil(math.log2(world_size))
         return steps * alpha + steps * n_bytes * beta
     raise ValueError(f"allreduce_time: algo must be 'ring' or 'tree', got {algo!r}")
-
-
-# ------------------------------------------------------------------------------- counting calls
-
-class Call(NamedTuple):
-    name: str  # the torch.distributed function, e.g. "all_reduce"
-    async_op: bool
-    nbytes: int  # of the tensor passed first (0 when it is not a tensor, e.g. all_gather's list)
-    phase: object  # the recorder's `phase` at the time of the call, set by the caller (e.g. "backward")
-
-
-class CallRecorder:
-    """What `count_calls` saw: `calls` (a list of Call, clear it to start over) and `phase`, a free
-    label the caller sets and every call copies."""
-
-    def __init__(self):
-        self.calls: list[Call] = []
-        self.phase = None
-
-    @property
-    def nbytes(self) -> int:
-        return sum(c.nbytes for c in self.calls)
-
-
-@contextlib.contextmanager
-def count_calls(*names: str, forbid: bool | str = False):
-    """Record every call of dist.<name> (default: all_reduce) made inside the block, or refuse it.
-
-    The functions are swapped on the torch.distributed module, so calls made through `dist.<name>`
-    are seen from any code (torch's DDP communication hooks and our wrappers call it that way;
-    torch's C++ reducer does not and is invisible). With `forbid` (True or a hint to append), a call
-    raises AssertionError instead. The originals are restored on exit, also when the block raises.
-    """
-    rec, saved = CallRecorder(), {n: getattr(dist, n) for n in names or ("all_reduce",)}
-
-    def wrap(name, real):
-        def wrapper(*args, **kwargs):
-            if forbid:
-                hint = f": {forbid}" if isinstance(forbid, str) else ""
-                raise AssertionError(f"dist.{name} is not allowed here{hint}")
-            t = args[0] if args else kwargs.get("tensor")
-            nbytes = t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
-            rec.calls.append(Call(name, bool(kwargs.get("async_op", False)), nbytes, rec.phase))
-            return real(*args, **kwargs)
-        return wrapper
-
-    for name, real in saved.items():
-        setattr(dist, name, wrap(name, real))
-    try:
-        yield rec
-    finally:
-        for name, real in saved.items():
-            setattr(dist, name, real)

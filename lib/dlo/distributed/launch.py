@@ -35,7 +35,8 @@ import torch.distributed as dist
 
 from dlo.distributed._spawn import RankError, spawn
 
-__all__ = ["RankError", "dumps", "init_from_env", "is_main", "launch", "rank", "rank_device", "world_size"]
+__all__ = ["RankError", "dumps", "heartbeat", "init_from_env", "is_main", "launch", "rank", "rank_device",
+           "world_size"]
 # ---------------------------------------------------------------------------------- small helpers
 
 def rank() -> int:
@@ -54,6 +55,21 @@ def rank_device() -> torch.device:
     if dist.is_available() and dist.is_initialized() and "nccl" in dist.get_backend():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def heartbeat(text: str) -> None:
+    """Say what this rank is doing or waiting on ("recv activation of micro-batch 3 from rank 0").
+
+    Under `launch`, a timeout names each unfinished rank with its last heartbeat and how long ago
+    it came, and tells a rank that is still making progress from one stuck in a collective.
+    Cheap (one small file write); a no-op outside `launch`."""
+    path = os.environ.get("DLO_HEARTBEAT_FILE")
+    if not path:
+        return
+    tmp = f"{path}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(tmp, path)
 
 
 def is_main() -> bool:

@@ -1,50 +1,234 @@
-"""nbgrader's Execute preprocessor, made to survive a student cell that kills its kernel.
+"""nbgrader's Execute preprocessor, made to grade what a student's code cannot bend.
 
-nbgrader gives up on the whole notebook when the kernel dies (`os._exit`, a segfault, the OOM
-killer), so that student would get no grade at all. Here the dying cell is marked with an error,
-a fresh kernel is started, the cells before it are replayed silently to rebuild the state, and
-execution goes on: the student loses the points that depend on that cell, nothing more.
-Hangs are nbgrader's own business: a cell past `Execute.timeout` is interrupted and marked.
+**Test cells are not run by the student's kernel.** For every graded test cell (its source is the
+instructors', read from the gradebook), the kernel only pickles the objects the cell names into the
+capture folder; the cell itself runs in this process (`dlo.harness.testcells`) with those names bound
+to handles of objects living in a sandboxed runner (`dlo.checks.sandbox`): the student's code runs
+there, the comparison with the reference happens here, and the cell's outputs are what the checks
+printed (stdout) and, on failure, an error. nbgrader then scores as usual: error -> 0, else the points.
+
+**The kernel runs in the sandbox** (`dlo.harness.sandbox`: bubblewrap when available) with its own
+scratch folder as working directory, out of sight of the solutions, the gradebook and the other
+submissions.
+
+**A student cell that kills its kernel or hangs while ignoring interrupts** costs only what depends on
+it: the cell gets an error, a fresh kernel starts, the cells before it are replayed silently (except
+test cells, which the kernel never runs, and earlier cells that killed or hung a kernel), and grading
+goes on. A cell that hangs but obeys SIGINT is interrupted by nbclient as before.
 """
 
 from __future__ import annotations
 
 import copy
+import shutil
+import tempfile
+import threading
+import time
+from pathlib import Path
 
-from nbclient.exceptions import DeadKernelError
+from nbclient.exceptions import CellTimeoutError, DeadKernelError
 from nbformat.notebooknode import NotebookNode
+from nbgrader.api import Gradebook, MissingEntry
 from nbgrader.preprocessors import Execute
+
+from dlo.harness import testcells
+from dlo.harness.sandbox import SandboxedKernelManager, Spec, probe, spec_from_env
 
 
 class ResilientExecute(Execute):
     max_kernel_deaths = 3  # a notebook that keeps killing kernels is not worth more replays
 
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("kernel_manager_class", SandboxedKernelManager)
+        super().__init__(*args, **kwargs)
+
     def preprocess(self, nb, resources=None, km=None):
-        self._deaths = 0
-        return super().preprocess(nb, resources, km)
+        self._deaths, self._skip, self._captures = 0, set(), 0
+        self._own_scratch = None
+        spec = spec_from_env()
+        if spec is None:  # nbgrader called directly: no hiding known, a scratch of our own
+            self._own_scratch = tempfile.mkdtemp(prefix="dlo-grade-")
+            spec = Spec(mode=probe(), scratch=self._own_scratch)
+        spec.make_dirs()
+        self._spec = spec
+        _copy_extra_files(resources, spec.kernel_dir)
+        self._tests = trusted_test_cells(resources)
+        self._backend = None
+        # torch, the checks and the runner start while the kernel runs the first cells (both mostly wait)
+        self._warming = threading.Thread(target=self._warm, daemon=True)
+        if self._tests:
+            self._warming.start()
+        try:
+            return super().preprocess(nb, resources, km)
+        finally:
+            if self._tests:
+                self._warming.join()
+            if self._backend is not None:
+                self._backend.close()
+            if self._own_scratch:
+                shutil.rmtree(self._own_scratch, ignore_errors=True)
+
+    def _warm(self) -> None:
+        try:
+            import dlo.checks  # noqa: F401 - what the test cells call
+            from dlo.checks.sandbox import SandboxBackend
+
+            spec = self._spec
+            backend = SandboxBackend(prefix=spec.runner_prefix(), log=spec.runner_dir / "runner.log",
+                                     env=spec.env(spec.runner_dir))
+            backend.warm()
+            self._backend = backend
+        except Exception as exc:  # noqa: BLE001 - reported in every test cell, graded 0: the instructor sees it
+            self.log.error("the grader's sandbox did not start: %s", exc)
+            self._warm_error = f"{type(exc).__name__}: {exc}"
+
+    def create_kernel_manager(self):
+        km = super().create_kernel_manager()
+        if isinstance(km, SandboxedKernelManager):
+            km.spec = self._spec
+        return km
 
     def preprocess_cell(self, cell, resources, index):
+        gid = cell.metadata.get("nbgrader", {}).get("grade_id")
+        if cell.cell_type == "code" and gid in self._tests:
+            self._grade(cell, index, self._tests[gid])
+            return cell, self.resources
         try:
             return super().preprocess_cell(cell, resources, index)
-        except DeadKernelError:
-            self._deaths += 1
-            self.log.warning("kernel died in cell %d; restarting and replaying the cells before it", index)
-            cell.outputs.append(NotebookNode(
-                output_type="error", ename="DeadKernelError", evalue="the kernel died while running this cell",
-                traceback=["DeadKernelError: the kernel died while running this cell (os._exit, a crash, "
-                           "or out of memory); the grader restarted it and went on"]))
-            if self._deaths > self.max_kernel_deaths:
-                raise
-            self._restart_and_replay(index)
+        except (DeadKernelError, CellTimeoutError) as exc:
+            self._skip.add(index)
+            cell.outputs.append(_lost_kernel_output(exc, self.timeout))
+            self._recover(index, exc)
             return cell, self.resources
 
-    def _restart_and_replay(self, dead_index: int) -> None:
-        self.kc.stop_channels()
-        self._cleanup_kernel()
+    # ------------------------------------------------------------------------- graded test cells
+
+    def _grade(self, cell, index: int, source: str) -> None:
+        cell.outputs, cell.execution_count = [], None
+        try:
+            names = testcells.free_names(source)
+        except SyntaxError as exc:
+            cell.outputs = [testcells.error_output("SyntaxError", f"the test cell does not parse: {exc}")]
+            return
+        self._captures += 1
+        folder = self._spec.capture_dir / f"cell{index}-{self._captures}"
+        folder.mkdir(parents=True)
+        if names and not self._capture(names, folder, index):
+            cell.outputs = [testcells.error_output(
+                "CellTimeoutError", "the grader could not get your objects from the kernel: pickling them did not "
+                "finish in time (the kernel was restarted)")]
+            return
+        self._warming.join()
+        if self._backend is None:
+            cell.outputs = [testcells.error_output("RuntimeError", f"the grader's sandbox did not start "
+                                                   f"({getattr(self, '_warm_error', '?')}); tell your instructor")]
+            return
+        try:
+            bound = testcells.bindings(names, folder, self._backend)
+        except testcells.CaptureFailed as exc:
+            cell.outputs = [testcells.error_output(exc.ename, exc.evalue)]
+            return
+        self._backend.deadline = time.monotonic() + (self.timeout or 3600)
+        try:
+            cell.outputs = testcells.run_cell(source, bound, self._backend)
+        finally:
+            self._backend.deadline = None
+
+    def _capture(self, names: list[str], folder: Path, index: int) -> bool:
+        """Run the capture snippet in the kernel; False (and a fresh kernel) when it hung."""
+        try:
+            msg_id = self.kc.execute(testcells.capture_code(names, folder), silent=True, store_history=False)
+            reply = self.wait_for_reply(msg_id)
+        except (DeadKernelError, CellTimeoutError) as exc:
+            self._recover(index, exc)
+            return (folder / "report.json").exists()
+        if reply is None:  # timed out; the interrupt may have been ignored
+            self._recover(index, CellTimeoutError("capture"))
+            return False
+        return True
+
+    # ------------------------------------------------------------------------- lost kernels
+
+    def _recover(self, index: int, exc: Exception) -> None:
+        self._deaths += 1
+        self.log.warning("kernel lost in cell %d (%s); restarting and replaying the cells before it",
+                         index, type(exc).__name__)
+        if self._deaths > self.max_kernel_deaths:
+            raise exc
+        self._restart_and_replay(index)
+
+    def _restart_and_replay(self, index: int) -> None:
+        self._kill_kernel()
         self.km = self.create_kernel_manager()
         self.start_new_kernel()
         self.start_new_kernel_client()
-        for i, cell in enumerate(self.nb.cells[:dead_index]):
-            if cell.cell_type == "code":
+        for i, cell in enumerate(self.nb.cells[:index]):
+            gid = cell.metadata.get("nbgrader", {}).get("grade_id")
+            if cell.cell_type != "code" or i in self._skip or gid in self._tests:
+                continue
+            try:
                 # A copy: replayed outputs must not replace what the first execution recorded.
                 self.execute_cell(copy.deepcopy(cell), i, store_history=False)
+            except (DeadKernelError, CellTimeoutError) as exc:
+                self._skip.add(i)
+                self._recover(index, exc)
+                return
+
+    def _kill_kernel(self) -> None:
+        try:
+            self.kc.stop_channels()
+        except Exception:  # noqa: BLE001 - the channels of a dead kernel may be half gone
+            pass
+        try:
+            self.km.shutdown_kernel(now=True)  # SIGKILL: a kernel ignoring SIGINT/SIGTERM goes too
+        except Exception:  # noqa: BLE001
+            pass
+        try:
+            self.km.cleanup_resources()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def _lost_kernel_output(exc: Exception, timeout) -> NotebookNode:
+    if isinstance(exc, DeadKernelError):
+        return testcells.error_output("DeadKernelError", "the kernel died while running this cell (os._exit, a "
+                                      "crash, or out of memory); the grader restarted it and went on")
+    return testcells.error_output("CellTimeoutError", f"this cell ran for more than {timeout} s and did not stop "
+                                  f"when interrupted; the grader restarted the kernel and went on")
+
+
+def trusted_test_cells(resources) -> dict[str, str]:
+    """{grade_id: source} of the notebook's autograded test cells, from the gradebook (the instructors'
+    notebook): a cell a student added or relabelled is never run outside the kernel."""
+    meta = (resources or {}).get("nbgrader") or {}
+    if not all(k in meta for k in ("db_url", "assignment", "notebook")):
+        return {}
+    out = {}
+    with Gradebook(meta["db_url"]) as gb:
+        try:
+            nb = gb.find_notebook(meta["notebook"], meta["assignment"])
+        except MissingEntry:
+            return {}
+        solutions = {c.name for c in nb.solution_cells}
+        for gc in nb.grade_cells:
+            if gc.cell_type != "code" or gc.name in solutions:
+                continue
+            src = gb.find_source_cell(gc.name, meta["notebook"], meta["assignment"])
+            out[gc.name] = src.source
+    return out
+
+
+def _copy_extra_files(resources, dest: Path) -> None:
+    """The files beside the notebook (data a student submitted with it, instructors' extras) into the
+    kernel's working directory, which is not the autograded folder (that one ends up in the output)."""
+    path = ((resources or {}).get("metadata") or {}).get("path")
+    if not path or not Path(path).is_dir():
+        return
+    for item in Path(path).iterdir():
+        if item.suffix == ".ipynb" or item.name.startswith("."):
+            continue
+        target = dest / item.name
+        if item.is_dir():
+            shutil.copytree(item, target, dirs_exist_ok=True, symlinks=True)
+        elif item.is_file():
+            shutil.copy2(item, target)

@@ -1,166 +1,269 @@
-"""`dlo grade SUBMITTED_DIR`: nbgrader autograde of every student and day, a CSV and feedback HTML.
+"""`dlo grade SUBMITTED_DIR --out DIR`: autograde every student and day; scores you can sign.
 
-Layout read: SUBMITTED_DIR/<student>/<day>/<day>.ipynb (never modified: submissions are copied).
-Everything nbgrader writes lives under OUT/course (a scratch course root whose gradebook is built
-from solutions/ by generate_assignment, so locked test cells and hidden tests come from the
-instructors' notebook even when a student edited them). Each (student, day) is autograded by its
-own nbgrader child process: a student whose code raises, hangs (cell timeout) or kills its kernel
-(see `execute.ResilientExecute`) loses points, and the others are graded all the same.
-Outputs: OUT/scores.csv (one row per student and day), OUT/cells.csv (one row per test cell),
-OUT/feedback/<student>/<day>.html, and the score table on stdout.
+Input: SUBMITTED_DIR/<student>/<day>/<day>.ipynb, never modified (submissions are copied, without
+their runs/ folders). It is checked before anything is written; every student folder gets a row for
+every day anyone submitted ("no submission" and 0 for a missing, empty or cell-less notebook).
+
+Output, only inside DIR (new, empty, or an earlier `dlo grade` output: see `outdir`): scores.csv (one
+row per student and day, with the sandbox the grading ran in), cells.csv (one row per test cell),
+feedback/<student>/<day>.html (results and messages, no hidden test), results/ (one record per graded
+submission), and course/, the nbgrader course root built from solutions/ (locked test cells and
+hidden tests come from the instructors' notebooks whatever a student edited), whose gradebook.db
+holds every submission once grading is done.
+
+Each submission is graded on its own (`pool`): its own nbgrader process, course root and gradebook,
+its own sandbox scratch; `--jobs N` grades N at once, with the same bytes in the CSVs as one at a
+time. The test cells' verdict comes from checks run outside the student's kernel
+(`execute.ResilientExecute`), and the student's code runs under bubblewrap where it is available.
+
+Started again with the same --out, a run resumes: submissions with a record (and unchanged input)
+are kept, the rest graded; an output graded with another course version is refused (--regrade).
+`--shard K/N` grades every N-th student into DIR/part-K-of-N (one SLURM array task each), and
+`--merge DIR` joins the parts, refusing when one is missing, unfinished or of another version.
 """
 
 from __future__ import annotations
 
-import csv
-import json
+import hashlib
+import re
 import shutil
+import sys
+import time
 from datetime import datetime
 from pathlib import Path
 
-from nbgrader.api import Gradebook, MissingEntry
+import nbformat
 
-from dlo.harness.days import list_days
-from dlo.harness.nbgrader_cli import generate_assignments, nbgrader
+from dlo.harness import pool
+from dlo.harness.days import list_days, repo_root
+from dlo.harness.merge import is_part, merge  # noqa: F401 - merge: `dlo grade --merge`
+from dlo.harness.nbgrader_cli import generate_assignments
+from dlo.harness.outdir import OwnedDir
+from dlo.harness.results import (
+    CELL_COLUMNS,
+    NO_SUBMISSION,
+    SCORE_COLUMNS,
+    merge_gradebooks,
+    read_json,
+    record_path,
+    tables,
+    templates,
+    write_csv,
+    write_json,
+)
+from dlo.harness.sandbox import probe
 from dlo.tables import format_table
 
-CONFIG = '''from nbgrader.converters.autograde import Autograde
-from nbgrader.preprocessors import Execute
+CONFIG = '''from nbconvert.preprocessors import CSSHTMLHeaderPreprocessor
+from nbgrader.converters.autograde import Autograde
+from nbgrader.preprocessors import Execute, GetGrades
 from dlo.harness.execute import ResilientExecute
+from dlo.harness.testcells import StripHiddenTests
 
 c = get_config()
-# nbgrader's own pipeline, with Execute swapped for one that survives a dying kernel.
+# nbgrader's own pipeline, with Execute swapped for one that runs test cells outside the student's kernel.
 c.Autograde.autograde_preprocessors = [
     ResilientExecute if p is Execute else p
     for p in Autograde.class_traits()["autograde_preprocessors"].default()]
 c.Execute.timeout = {cell_timeout}
 c.Execute.interrupt_on_timeout = True
+c.OverwriteCells.add_missing_cells = True  # a deleted test cell comes back, and is graded
+# Feedback shows results and messages, never the hidden tests' source.
+c.GenerateFeedback.preprocessors = [GetGrades, StripHiddenTests, CSSHTMLHeaderPreprocessor]
 '''
+HASHED = ("runs", ".ipynb_checkpoints", "__pycache__")  # not part of a submission (TensorBoard logs, caches)
 
 
-def find_submissions(submitted: Path, days: list[str]) -> tuple[list[tuple[str, str]], list[dict]]:
-    """(student, day) pairs with a notebook to grade, and rows for what cannot be graded."""
+# ----------------------------------------------------------------------------- input
+
+def find_submissions(submitted: Path, days: list[str]) -> tuple[list[str], list[str], dict]:
+    """(students, graded days, {(student, day): "ok" or why it cannot be graded}), read-only.
+
+    A graded day is a course day that at least one student folder has; every student gets every
+    graded day."""
     if not submitted.is_dir():
         raise SystemExit(f"{submitted} is not a folder (expected SUBMITTED_DIR/<student>/<day>/<day>.ipynb)")
-    found, bad = [], []
-    for student_dir in sorted(p for p in submitted.iterdir() if p.is_dir() and not p.name.startswith(".")):
-        for day_dir in sorted(p for p in student_dir.iterdir() if p.is_dir() and not p.name.startswith(".")):
-            student, day = student_dir.name, day_dir.name
-            nb = day_dir / f"{day}.ipynb"
-            if day not in days:
-                print(f"warning: {day_dir} is not a day of this course ({', '.join(days)}); skipped")
-            elif not nb.is_file():
-                bad.append({"student": student, "day": day, "status": f"missing {nb.name}"})
-            elif not _is_json(nb):
-                bad.append({"student": student, "day": day, "status": f"{nb.name} is not a readable notebook"})
+    students = sorted(p.name for p in submitted.iterdir() if p.is_dir() and not p.name.startswith("."))
+    graded = set()
+    for student in students:
+        for d in sorted(p for p in (submitted / student).iterdir() if p.is_dir() and not p.name.startswith(".")):
+            if d.name in days:
+                graded.add(d.name)
             else:
-                found.append((student, day))
-    if not found and not bad:
-        raise SystemExit(f"no submissions found in {submitted} (expected <student>/<day>/<day>.ipynb)")
-    return found, bad
+                print(f"warning: {d} is not a day of this course ({', '.join(days)}); skipped")
+    if not graded:
+        raise SystemExit(f"no submissions found in {submitted} (expected <student>/<day>/<day>.ipynb with a day "
+                         f"of this course: {', '.join(days)})")
+    status = {(s, d): notebook_status(submitted / s / d / f"{d}.ipynb") for s in students for d in sorted(graded)}
+    return students, sorted(graded), status
 
 
-def _is_json(path: Path) -> bool:
+def notebook_status(nb: Path) -> str:
+    """"ok", "no submission" (missing, 0 bytes, no cells) or why the notebook cannot be read."""
+    if not nb.is_file() or nb.stat().st_size == 0:
+        return NO_SUBMISSION
     try:
-        json.loads(path.read_text())
-    except (ValueError, UnicodeDecodeError):
-        return False
-    return True
+        notebook = nbformat.reads(nb.read_text(), as_version=4)
+    except Exception:  # noqa: BLE001 - JSON, encoding or nbformat errors alike
+        return f"{nb.name} is not a readable notebook"
+    return "ok" if notebook.get("cells") else NO_SUBMISSION
 
 
-def autograde_one(course: Path, submitted: Path, student: str, day: str, profile: str,
-                  notebook_timeout: float) -> str:
-    dest = course / "submitted" / student / day
-    shutil.copytree(submitted / student / day, dest, dirs_exist_ok=True)
-    env = {"DLO_PROFILE": profile, "DLO_GRADING": "1"}
-    args = ["autograde", day, f"--student={student}", "--force"]
-    try:
-        proc = nbgrader(args, course, env=env, timeout=notebook_timeout)
-    except TimeoutError:
-        return f"error: autograde took over {notebook_timeout:.0f} s"
-    if proc.returncode != 0:
-        (course / f"autograde_{student}_{day}.log").write_text(proc.stdout + proc.stderr)
-        return f"error: autograde failed (see {course.name}/autograde_{student}_{day}.log)"
-    return "graded"
+def check_paths(submitted: Path, out: Path) -> None:
+    if out == submitted or submitted in out.parents or out in submitted.parents:
+        raise SystemExit(f"--out {out} and SUBMITTED_DIR {submitted} must not contain each other")
 
 
-def feedback_day(course: Path, day: str) -> bool:
-    """nbgrader generate_feedback for every graded student of `day` at once; False when it fails.
-
-    A failure leaves the scores valid, so grading goes on: it is printed and logged, and that day's
-    feedback (possibly partial or stale) is not copied out."""
-    proc = nbgrader(["generate_feedback", day, "--force"], course)
-    if proc.returncode == 0:
-        return True
-    log = f"generate_feedback_{day}.log"
-    (course / log).write_text(proc.stdout + proc.stderr)
-    print(f"error: generate_feedback {day} failed (see {course.name}/{log}); no feedback copied for {day}",
-          flush=True)
-    return False
+def parse_shard(text: str | None) -> tuple[int, int] | None:
+    if text is None:
+        return None
+    m = re.fullmatch(r"(\d+)/(\d+)", text)
+    if not m or not 1 <= int(m[1]) <= int(m[2]):
+        raise SystemExit(f"--shard {text!r}: expected K/N with 1 <= K <= N (e.g. 2/8)")
+    return int(m[1]), int(m[2])
 
 
-def collect(course: Path, pairs: list[tuple[str, str, str]]) -> tuple[list[dict], list[dict]]:
-    rows, cells = [], []
-    with Gradebook(f"sqlite:///{course / 'gradebook.db'}") as gb:
-        for student, day, status in pairs:
-            max_score = gb.find_assignment(day).max_score
-            try:
-                sub = gb.find_submission(day, student)
-            except MissingEntry:
-                sub = None
-            graded = sub is not None and status == "graded"
-            score = sub.score if graded else 0.0
-            rows.append({"student": student, "day": day, "score": score, "max_score": max_score, "status": status})
-            for nb in (sub.notebooks if graded else []):
-                for g in sorted(nb.grades, key=lambda g: g.name):
-                    cells.append({"student": student, "day": day, "cell": g.name, "score": g.score,
-                                  "max_score": g.max_score})
-    return rows, cells
+def folder_hash(folder: Path) -> str:
+    """What a submission is: its files' names and bytes (its runs/ and caches left out)."""
+    h = hashlib.sha256()
+    for p in sorted(folder.rglob("*")) if folder.is_dir() else []:
+        rel = p.relative_to(folder)
+        if p.is_file() and not any(part in HASHED for part in rel.parts):
+            h.update(str(rel).encode() + b"\0" + p.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
 
 
-def write_csv(path: Path, rows: list[dict], columns: list[str]) -> None:
-    with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=columns)
-        writer.writeheader()
-        writer.writerows(rows)
+def course_version(root: Path, days: list[str]) -> str:
+    """What a score depends on: the instructors' notebooks of the graded days, the checks modules
+    they call (dlo.checks.<name>) and the checks' shared code."""
+    import dlo.checks
 
+    checks = Path(dlo.checks.__file__).parent
+    h, used = hashlib.sha256(), {"common", "__init__"}
+    for day in days:
+        h.update(day.encode() + folder_hash(root / "solutions" / day).encode())
+        used.update(re.findall(r"dlo\.checks\.(\w+)", (root / "solutions" / day / f"{day}.ipynb").read_text()))
+    for name in sorted(used):
+        if (checks / f"{name}.py").is_file():
+            h.update(name.encode() + (checks / f"{name}.py").read_bytes())
+    return h.hexdigest()[:12]
+
+
+# ----------------------------------------------------------------------------- the command
 
 def main(root: Path, submitted: str, out: str | None, profile: str, cell_timeout: float,
-         notebook_timeout: float, require_full: bool) -> int:
+         notebook_timeout: float, require_full: bool, jobs: int | None = None, shard: str | None = None,
+         regrade: bool = False) -> int:
     days = list_days(root)
+    if not days:
+        raise SystemExit(f"no day notebooks under {root / 'solutions'}")
     submitted_dir = Path(submitted).resolve()
-    out_dir = Path(out or Path("runs") / f"grade-{datetime.now():%Y%m%d-%H%M%S}").resolve()
-    course = out_dir / "course"
-    if course.exists():
-        shutil.rmtree(course)
-    course.mkdir(parents=True)
-    config = CONFIG.format(cell_timeout=int(cell_timeout))
-    _load_config(config)  # nbgrader only logs a broken config file and goes on without it
-    (course / "nbgrader_config.py").write_text(config)
-    found, bad = find_submissions(submitted_dir, days)
-    generate_assignments(root / "solutions", sorted({d for _, d in found} | {r["day"] for r in bad}), course)
-
-    graded = []
-    for i, (student, day) in enumerate(found, 1):
-        print(f"[{i}/{len(found)}] autograding {student} / {day} ...", flush=True)
-        graded.append((student, day, autograde_one(course, submitted_dir, student, day, profile, notebook_timeout)))
-    ok_pairs = {(s, d) for s, d, status in graded if status == "graded"}
-    fed = {day for day in sorted({d for _, d in ok_pairs}) if feedback_day(course, day)}
-    rows, cells = collect(course, graded + [(r["student"], r["day"], r["status"]) for r in bad])
-    _copy_feedback(course, out_dir / "feedback", {(s, d) for s, d in ok_pairs if d in fed})
-
-    write_csv(out_dir / "scores.csv", rows, ["student", "day", "score", "max_score", "status"])
-    write_csv(out_dir / "cells.csv", cells, ["student", "day", "cell", "score", "max_score"])
+    students, graded_days, status = find_submissions(submitted_dir, days)
+    part = parse_shard(shard)
+    if jobs is not None and jobs < 1:
+        raise SystemExit(f"--jobs {jobs}: expected a positive number")
+    top = Path(out or Path("runs") / f"grade-{datetime.now():%Y%m%d-%H%M%S}").resolve()
+    check_paths(submitted_dir, top)
+    manifest = {"course_version": course_version(root, graded_days), "days": graded_days, "students": students,
+                "profile": profile, "cell_timeout": cell_timeout, "shard": list(part) if part else None,
+                "submitted": str(submitted_dir)}
+    if part:  # a part of DIR, which may hold the other parts (written at the same time) and a merge
+        OwnedDir(top, keep=is_part).check()
+        top.mkdir(parents=True, exist_ok=True)
+        out_dir = top / f"part-{part[0]}-of-{part[1]}"
+        mine = set(students[part[0] - 1::part[1]])
+        status = {k: v for k, v in status.items() if k[0] in mine}
+    else:
+        out_dir = top
+    owned = OwnedDir(out_dir, keep=None if part else is_part)
+    owned.check()  # refuses before anything is written
+    resume = owned.owned() and not regrade and _resumable(out_dir, manifest)
+    sandbox = probe()
+    if sandbox != "bwrap":
+        print(f"warning: grading without a sandbox: {sandbox}. Student code can read the solutions, the "
+              f"gradebook and the other submissions while it runs (the `sandbox` column says so).", flush=True)
+    jobs = jobs or pool.default_jobs(profile)
+    if resume:
+        owned.record()
+    else:
+        owned.claim()
+    try:
+        rows = _run(root, submitted_dir, top, out_dir, owned, graded_days, status, manifest, profile, cell_timeout,
+                    notebook_timeout, sandbox, jobs, resume)
+    except KeyboardInterrupt:
+        owned.record()
+        print(f"\ninterrupted: the submissions graded so far are kept in {top}; run the same command again "
+              f"(with --out {top}) to resume", file=sys.stderr, flush=True)
+        return 130
+    except BaseException:
+        owned.discard()
+        raise
     print()
-    print(format_table(rows))
-    print(f"\nscores: {out_dir / 'scores.csv'}\nper cell: {out_dir / 'cells.csv'}\nfeedback: {out_dir / 'feedback'}")
-    no_feedback = sorted({d for _, d in ok_pairs} - fed)
-    if no_feedback:
-        print(f"no feedback for {', '.join(no_feedback)}: generate_feedback failed (logs in {course})")
-    if require_full and not all(r["max_score"] > 0 and r["score"] == r["max_score"] for r in rows):
+    print(format_table([{k: r[k] for k in SCORE_COLUMNS[:-1]} for r in rows]))
+    print(f"\nscores: {out_dir / 'scores.csv'}\nper cell: {out_dir / 'cells.csv'}\nfeedback: {out_dir / 'feedback'}"
+          f"\ngradebook: {out_dir / 'course' / 'gradebook.db'}\nsandbox: {sandbox}")
+    if part:
+        print(f"part {part[0]} of {part[1]}: when every part is done, `dlo grade --merge {top}` joins them")
+    if require_full and not all(float(r["max_score"]) > 0 and float(r["score"]) == float(r["max_score"]) for r in rows):
         print("not every submission has full marks (--require-full)")
         return 1
     return 0
+
+
+def _resumable(out_dir: Path, manifest: dict) -> bool:
+    """True when the earlier output in out_dir can be resumed; SystemExit when it was graded with
+    another course version or settings (regrading would replace its scores: only with --regrade)."""
+    earlier = read_json(out_dir / "grading.json")
+    if earlier is None:
+        return False  # a run that failed before it began grading: start again
+    differ = [k for k in ("course_version", "days", "profile", "cell_timeout", "shard", "students")
+              if earlier.get(k) != manifest[k]]
+    if differ:
+        raise SystemExit(f"--out {out_dir} holds a grading with other {', '.join(differ)} "
+                         f"(course version {earlier.get('course_version')}, now {manifest['course_version']}): "
+                         f"nothing was written; add --regrade to grade everything again there, or choose "
+                         f"another --out")
+    return True
+
+
+def _run(root, submitted_dir, top, out_dir, owned, graded_days, status, manifest, profile, cell_timeout,
+         notebook_timeout, sandbox, jobs, resume) -> list[dict]:
+    course = out_dir / "course"
+    if not resume or not (course / "template.db").is_file():
+        shutil.rmtree(course, ignore_errors=True)
+        course.mkdir()
+        config = CONFIG.format(cell_timeout=int(cell_timeout))
+        _load_config(config)  # nbgrader only logs a broken config file and goes on without it
+        (course / "nbgrader_config.py").write_text(config)
+        generate_assignments(root / "solutions", graded_days, course, db=course / "template.db")
+    write_json(out_dir / "grading.json", {**manifest, "complete": False})  # until the CSVs are written again
+    owned.record()
+    inputs = {k: folder_hash(submitted_dir / k[0] / k[1]) for k, v in status.items() if v == "ok"}
+    records = {}
+    for key in sorted(inputs):
+        rec = read_json(record_path(out_dir, *key)) if resume else None
+        if rec and rec.get("final") and rec.get("input") == inputs[key]:
+            records[key] = rec
+    todo = [k for k in sorted(inputs) if k not in records]
+    if resume:
+        print(f"resuming in {out_dir}: {len(records)} submission(s) already graded, {len(todo)} to go", flush=True)
+    grading = pool.Run(out=out_dir, submitted=submitted_dir, profile=profile, notebook_timeout=notebook_timeout,
+                       sandbox=sandbox, hidden=[root, repo_root(), submitted_dir, top], inputs=inputs)
+    start = time.monotonic()
+    try:
+        records.update(pool.run(grading, todo, min(jobs, max(1, len(todo))), len(inputs), len(records)))
+    finally:
+        owned.record()
+    print(pool.summary(records, time.monotonic() - start, jobs), flush=True)
+    rows, cells = tables(status, records, templates(course / "template.db", graded_days), sandbox)
+    write_csv(out_dir / "scores.csv", rows, SCORE_COLUMNS)
+    write_csv(out_dir / "cells.csv", cells, CELL_COLUMNS)
+    merge_gradebooks(course / "gradebook.db", course / "template.db",
+                     [course / "gradebooks" / d / f"{s}.db" for (s, d), r in sorted(records.items())
+                      if r["status"] == "graded"])
+    write_json(out_dir / "grading.json", {**manifest, "complete": True})
+    owned.record()
+    return rows
 
 
 def _load_config(text: str):
@@ -169,15 +272,3 @@ def _load_config(text: str):
     c = Config()
     exec(compile(text, "nbgrader_config.py", "exec"), {"get_config": lambda: c})
     return c
-
-
-def _copy_feedback(course: Path, dest: Path, pairs: set[tuple[str, str]]) -> None:
-    """Copy feedback/<student>/<day>/*.html of the given (student, day) pairs only: a failed autograde
-    or generate_feedback may leave an older or partial file there."""
-    for html in sorted((course / "feedback").glob("*/*/*.html")):
-        student, day = html.parent.parent.name, html.parent.name
-        if (student, day) not in pairs:
-            continue
-        target = dest / student / f"{day}.html"
-        target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(html, target)

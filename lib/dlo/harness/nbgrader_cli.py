@@ -3,48 +3,147 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
+
+import nbformat
+
+from dlo.harness.setup import normalise_metadata
+
+_LIVE: set[subprocess.Popen] = set()  # children running now (from any thread), for kill_children()
+_LOCK = threading.Lock()
+_STOPPED = threading.Event()  # set by kill_children(): a child started afterwards is killed at once
 
 
 def nbgrader(args: list[str], course_root: Path, *, env: dict | None = None, timeout: float | None = None,
-             quiet: bool = True) -> subprocess.CompletedProcess:
-    """Run `nbgrader ARGS` with CourseDirectory.root = course_root and its db inside that root."""
+             quiet: bool = True, db: Path | None = None) -> subprocess.CompletedProcess:
+    """Run `nbgrader ARGS` with CourseDirectory.root = course_root and its db (default: inside that root)."""
     cmd = [sys.executable, "-m", "nbgrader", *args,
            f"--CourseDirectory.root={course_root}",
-           f"--CourseDirectory.db_url=sqlite:///{course_root / 'gradebook.db'}"]
+           f"--CourseDirectory.db_url=sqlite:///{db or course_root / 'gradebook.db'}"]
     if quiet:
         cmd.append("--log-level=WARN")
+    return child(cmd, course_root, env=env, timeout=timeout, what=f"nbgrader {args[0]}")
+
+
+def autograde_and_feedback(course_root: Path, db: Path, day: str, student: str, *, env: dict | None = None,
+                           timeout: float | None = None) -> subprocess.CompletedProcess:
+    """nbgrader's autograde then generate_feedback of one submission, in one child process (one start of
+    Python and nbgrader instead of two). Exit status 0: graded (feedback may still have failed: see the
+    html); 3: autograde failed. Its logs are on stdout/stderr."""
+    cmd = [sys.executable, "-m", "dlo.harness.nbgrader_cli", str(course_root), str(db), day, student]
+    return child(cmd, course_root, env=env, timeout=timeout, what="autograde")
+
+
+def child(cmd: list[str], cwd: Path, *, env: dict | None = None, timeout: float | None = None,
+          what: str = "") -> subprocess.CompletedProcess:
     # Own session: on timeout the whole tree (nbgrader and the kernels it started) is killed.
     # nbgrader shells out to `alembic`, which lives beside this interpreter (a venv not on PATH).
     path = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
-    proc = subprocess.Popen(cmd, cwd=course_root, env={**os.environ, "PATH": path, **(env or {})}, text=True,
+    proc = subprocess.Popen(cmd, cwd=cwd, env={**os.environ, "PATH": path, **(env or {})}, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    with _LOCK:
+        _LIVE.add(proc)
+        if _STOPPED.is_set():
+            _killpg(proc)
     try:
         out, err = proc.communicate(timeout=timeout)
     except (subprocess.TimeoutExpired, KeyboardInterrupt) as exc:
-        os.killpg(proc.pid, signal.SIGKILL)
+        _killpg(proc)
         proc.communicate()
         if isinstance(exc, KeyboardInterrupt):
             raise
-        raise TimeoutError(f"nbgrader {args[0]} ran over {timeout} s") from None
+        raise TimeoutError(f"{what} ran over {timeout} s") from None
+    finally:
+        with _LOCK:
+            _LIVE.discard(proc)
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
-def generate_assignments(solutions: Path, days: list[str], course_root: Path) -> Path:
-    """Run generate_assignment for `days` from `solutions` inside course_root; returns the release dir.
+def _killpg(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def kill_children() -> None:
+    """Kill every child started by `child` that still runs, with its kernels, and any started later
+    in this process (Ctrl-C in `dlo grade`)."""
+    with _LOCK:
+        _STOPPED.set()
+        live = list(_LIVE)
+    for proc in live:
+        _killpg(proc)
+
+
+def generate_assignments(solutions: Path, days: list[str], course_root: Path, db: Path | None = None) -> Path:
+    """Run generate_assignment for `days` from `solutions` inside course_root (one nbgrader process
+    for all of them), the gradebook at `db` (default course_root/gradebook.db); the release dir.
 
     course_root/source links to nothing: the day folders are copied, so nbgrader may write freely.
     """
-    import shutil
-
     source = course_root / "source"
     for day in days:
         shutil.copytree(solutions / day, source / day, dirs_exist_ok=True,
                         ignore=shutil.ignore_patterns(".ipynb_checkpoints", "runs", "__pycache__"))
-        proc = nbgrader(["generate_assignment", day, "--force"], course_root)
-        if proc.returncode != 0:
-            raise SystemExit(f"nbgrader generate_assignment {day} failed:\n{proc.stdout}\n{proc.stderr}")
-    return course_root / "release"
+    db = db or course_root / "gradebook.db"
+    proc = child([sys.executable, "-m", "dlo.harness.nbgrader_cli", "generate", str(course_root), str(db), *days],
+                 course_root, what="generate_assignment")
+    if proc.returncode != 0:
+        raise SystemExit(f"nbgrader generate_assignment failed:\n{proc.stdout}\n{proc.stderr}")
+    release = course_root / "release"
+    for day in days:  # the kernel metadata JupyterLab writes on open: a fresh notebook is not "modified"
+        for path in sorted((release / day).glob("*.ipynb")):
+            nb = nbformat.read(path, as_version=4)
+            if normalise_metadata(nb):
+                nbformat.write(nb, path)
+    return release
+
+
+def _api(course_root: str, db: str):
+    """nbgrader's API on course_root with its nbgrader_config.py (if any) and the gradebook `db`."""
+    from nbgrader.apps.api import NbGraderAPI
+    from nbgrader.coursedir import CourseDirectory
+    from traitlets.config import Config
+    from traitlets.config.loader import PyFileConfigLoader
+
+    config = Config()
+    if (Path(course_root) / "nbgrader_config.py").is_file():
+        config = PyFileConfigLoader("nbgrader_config.py", path=course_root).load_config()
+    config.CourseDirectory.root = course_root
+    config.CourseDirectory.db_url = f"sqlite:///{db}"
+    config.Application.log_level = "WARN"
+    return NbGraderAPI(CourseDirectory(config=config), config=config)
+
+
+def _generate(course_root: str, db: str, *days: str) -> int:
+    """The child of `generate_assignments`."""
+    api = _api(course_root, db)
+    for day in days:
+        done = api.generate_assignment(day, force=True, create=True)
+        if not done["success"]:
+            print(f"{day}:", done.get("log", ""), done.get("error", ""), sep="\n", file=sys.stderr)
+            return 3
+    return 0
+
+
+def _main(course_root: str, db: str, day: str, student: str) -> int:
+    """The child of `autograde_and_feedback`: nbgrader's API with the course root's nbgrader_config.py."""
+    api = _api(course_root, db)
+    graded = api.autograde(day, student, force=True, create=True)
+    if not graded["success"]:
+        print(graded.get("log", ""), graded.get("error", ""), sep="\n", file=sys.stderr)
+        return 3
+    fed = api.generate_feedback(day, student, force=True)
+    if not fed["success"]:
+        print("generate_feedback failed:", fed.get("log", ""), fed.get("error", ""), sep="\n", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_generate(*sys.argv[2:]) if sys.argv[1] == "generate" else _main(*sys.argv[1:5]))

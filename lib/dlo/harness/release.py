@@ -2,6 +2,9 @@
 
 Release runs nbgrader's generate_assignment (solutions/ -> course/) in a scratch course root, so no
 gradebook or stray folder is left in the checkout, then copies the generated day folders in place.
+It refuses (listing the files, writing nothing) when solutions/ has uncommitted changes (a release is
+made from committed notebooks) or when it would overwrite or delete a file of course/ that git cannot
+give back (modified, untracked, or outside a git checkout), unless --force.
 Check regenerates into a scratch folder and compares, and lints the solutions notebooks.
 """
 
@@ -10,6 +13,7 @@ from __future__ import annotations
 import ast
 import json
 import shutil
+import subprocess
 import tempfile
 from pathlib import Path
 
@@ -17,14 +21,21 @@ import nbformat
 
 from dlo.harness.days import list_days, notebook_path
 from dlo.harness.nbgrader_cli import generate_assignments
+from dlo.harness.setup import comparable_metadata
 
 REQUIRED_PARAMETERS = ("profile", "device", "seed", "max_steps", "world_size", "data_dir", "log_dir")
 
 
-def release(root: Path) -> int:
+def release(root: Path, force: bool = False) -> int:
     days = list_days(root)
     with tempfile.TemporaryDirectory() as tmp:
         released = generate_assignments(root / "solutions", days, Path(tmp))
+        problems = [] if force else release_problems(root, days, released)
+        for p in problems:
+            print(f"dlo release: {p}")
+        if problems:
+            print("dlo release: nothing was written (rerun with --force to release anyway)")
+            return 1
         for day in days:
             dest = root / "course" / day
             if dest.exists():
@@ -32,6 +43,72 @@ def release(root: Path) -> int:
             shutil.copytree(released / day, dest)
             print(f"released {day} -> {dest.relative_to(root)}")
     return 0
+
+
+def release_problems(root: Path, days: list[str], released: Path) -> list[str]:
+    """Why releasing now would lose work: uncommitted solutions, course files git cannot restore."""
+    git = _git_state(root)
+    problems = []
+    if git is not None and git["dirty"].get("solutions"):
+        files = git["dirty"]["solutions"]
+        problems.append(f"solutions/ has uncommitted changes ({_listing(files)}): commit them first, a release "
+                        f"is made from committed notebooks")
+    lost = []
+    for day in days:
+        dest = root / "course" / day
+        for f in sorted(p for p in dest.rglob("*") if p.is_file() or p.is_symlink()) if dest.is_dir() else []:
+            new = released / day / f.relative_to(dest)
+            if new.is_file() and _same(f, new):
+                continue  # the release writes it unchanged
+            rel = str(f.relative_to(root))
+            if git is not None and rel in git["tracked"] and rel not in git["dirty"].get("course", []):
+                continue  # committed: git gives it back
+            lost.append(rel)
+    if lost:
+        why = "modified or untracked" if git is not None else "not in a git checkout"
+        problems.append(f"course/ has changes of its own that a release would overwrite or delete ({why}): "
+                        f"{_listing(lost)}; commit or move them first")
+    return problems
+
+
+def _listing(files: list[str]) -> str:
+    return ", ".join(files[:8]) + (f", ... ({len(files)} files)" if len(files) > 8 else "")
+
+
+def _comparable(path: Path) -> dict:
+    """A notebook as JSON, its metadata without what depends on the releasing Python's patch version."""
+    nb = json.loads(path.read_text())
+    nb["metadata"] = comparable_metadata(nb.get("metadata", {}))
+    return nb
+
+
+def _same(a: Path, b: Path) -> bool:
+    if a.suffix == ".ipynb":
+        try:
+            return _comparable(a) == _comparable(b)
+        except (OSError, ValueError):
+            return False
+    return a.read_bytes() == b.read_bytes()
+
+
+def _git_state(root: Path) -> dict | None:
+    """{"tracked": paths under course/, "dirty": {"solutions"|"course": [paths]}} relative to root, or
+    None outside a git checkout."""
+    def git(*args):
+        return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True)
+
+    top = git("rev-parse", "--show-toplevel")
+    if top.returncode != 0:
+        return None
+    prefix = Path(top.stdout.strip()).resolve()
+    rel = lambda p: str((prefix / p).resolve().relative_to(root.resolve()))  # noqa: E731
+    status = git("status", "--porcelain=v1", "--untracked-files=all", "--", "solutions", "course")
+    dirty: dict[str, list[str]] = {}
+    for line in status.stdout.splitlines():
+        path = rel(line[3:].split(" -> ")[-1].strip('"'))
+        dirty.setdefault(path.split("/")[0], []).append(path)
+    tracked = git("ls-files", "--full-name", "--", "course").stdout.splitlines()
+    return {"tracked": {rel(p) for p in tracked}, "dirty": dirty}
 
 
 def check(root: Path) -> int:
@@ -65,7 +142,7 @@ def check_release_up_to_date(root: Path, days: list[str]) -> list[str]:
             want, have = released / day / f"{day}.ipynb", notebook_path(root, day, "course")
             if not have.exists():
                 problems.append(f"{have} is missing: run `dlo release`")
-            elif json.loads(want.read_text()) != json.loads(have.read_text()):
+            elif _comparable(want) != _comparable(have):
                 problems.append(f"{have} differs from what `dlo release` generates from solutions/: run `dlo release`")
     extra = sorted(set(list_days(root, "course")) - set(days))
     problems += [f"course/{d} has no solutions/{d}: remove it or add the source" for d in extra]

@@ -4,6 +4,14 @@ Each notebook runs in its own `python -m papermill` child process (its own sessi
 per-notebook timeout can stop it together with its kernel, and a crash in one day never stops
 the others. Executed notebooks land in OUT/<day>/<day>.ipynb, and run with OUT/<day> as working
 directory so their logs (runs/, TensorBoard) stay out of the checkout.
+
+Before any kernel starts, every `-p NAME VALUE` is checked against the parameters cell (its name,
+and its annotated type as papermill infers it) and the day's preset is built and validated with
+the resulting values (`dlo.config.check_parameters`), so a bad value or an impossible combination
+fails in one line, not minutes into a run. The kernels get DLO_HEADLESS=1 (`dlo.progress` then
+draws text bars that end in their finished state in the saved notebook). `--smoke` sets DLO_SMOKE=1: the
+presets' `smoke()` versions (real model sizes, minimal step counts). After a run, a failed notebook
+is named with its failing cell, also when the kernel died (papermill then marks no cell failed).
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ import time
 from datetime import datetime
 from pathlib import Path
 
+import nbformat
 import papermill
 
 from dlo.harness.days import notebook_path, select_days
@@ -24,10 +33,15 @@ from dlo.tables import format_table
 
 # Parameters naming paths: resolved against the caller's working directory, not the notebook's.
 PATH_PARAMETERS = ("data_dir", "log_dir")
+TRUE, FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
+
+
+class BadParameter(ValueError):
+    """A -p value that does not fit its parameter (exit status 2, before any work)."""
 
 
 def parse_value(text: str):
-    """'3' -> 3, '0.5' -> 0.5, 'true' -> True, anything else stays a string."""
+    """'3' -> 3, '0.5' -> 0.5, 'true' -> True, anything else stays a string (untyped parameters)."""
     low = text.lower()
     if low in ("true", "false"):
         return low == "true"
@@ -39,29 +53,109 @@ def parse_value(text: str):
     return text
 
 
+def typed_value(name: str, text: str, type_name: str | None):
+    """`text` as the parameters cell's annotated type ("int", "float", "bool", "str"); BadParameter
+    (one line: "max_steps is an int: 'x' is not") when it is not one."""
+    if type_name == "int":
+        try:
+            return int(text)
+        except ValueError:
+            raise BadParameter(f"{name} is an int: {text!r} is not") from None
+    if type_name == "float":
+        try:
+            return float(text)
+        except ValueError:
+            raise BadParameter(f"{name} is a float: {text!r} is not") from None
+    if type_name == "bool":
+        if text.lower() in TRUE + FALSE:
+            return text.lower() in TRUE
+        raise BadParameter(f"{name} is a bool: {text!r} is not (true or false)")
+    if type_name == "str":
+        return text
+    return parse_value(text)
+
+
 def build_parameters(nb: Path, profile: str, pairs: list[tuple[str, str]]) -> dict:
     declared = papermill.inspect_notebook(str(nb))
     if not declared:
         raise SystemExit(f"{nb}: no cell tagged 'parameters'")
     params = {"profile": profile}
-    for name, value in pairs:
+    for name, text in pairs:
         if name not in declared:
             raise SystemExit(f"{nb.name} has no parameter {name!r}; its parameters are: {', '.join(declared)}")
-        value = parse_value(value)
+        value = typed_value(name, text, declared[name].get("inferred_type_name"))
         if name in PATH_PARAMETERS and value:
             value = str(Path(value).resolve())
         params[name] = value
     return params
 
 
-def run_notebook(src: Path, dest: Path, params: dict, timeout: float, cell_timeout: float) -> tuple[str, float]:
-    """Execute one notebook; returns (status, seconds). Status: ok, failed (rc) or timeout."""
+def check_day(day: str, nb: Path, params: dict, smoke: bool = False) -> None:
+    """The day's preset built from the parameters the kernel will see (defaults of the parameters
+    cell, then the overrides), as `dlo.setup` will build it: BadParameter when that fails."""
+    from dlo.config import check_parameters
+    from dlo.presets import PRESETS
+
+    if day not in PRESETS:
+        return  # a course day without presets (the harness tests' toy day)
+    declared = papermill.inspect_notebook(str(nb))
+    values = {}
+    for name, info in declared.items():
+        try:
+            values[name] = json.loads(info["default"]) if info["default"] is not None else None
+        except (TypeError, ValueError):
+            continue  # a default that is not a plain literal: leave it to the notebook
+    values.update(params)
+    try:
+        names = ("profile", "device", "max_steps", "world_size", "data_dir")
+        check_parameters(day, smoke=smoke, **{k: values[k] for k in names if k in values})
+    except ValueError as exc:
+        raise BadParameter(str(exc)) from None
+
+
+def failure(dest: Path) -> str:
+    """Which cell of the notebook failed (numbered from 0 as in the source, papermill's injected
+    parameters left out), and how: "cell 18 raised ValueError: ..." or,
+    when the kernel died (papermill marks no cell failed then), "kernel died in cell 18"; the
+    cell's first line is quoted. The dead kernel's cell also gets an error output in `dest`."""
+    try:
+        nb = nbformat.read(dest, as_version=4)
+    except (OSError, ValueError):
+        return "no executed notebook"
+    started, i = None, -1
+    for cell in nb.cells:
+        if "injected-parameters" in cell.get("metadata", {}).get("tags", []):
+            continue  # papermill's cell: the numbers are those of the source notebook
+        i += 1
+        meta = cell.get("metadata", {}).get("papermill", {})
+        line = next((ln for ln in cell.get("source", "").splitlines() if ln.strip()), "")[:60]
+        if meta.get("exception"):
+            err = next((o for o in cell.get("outputs", []) if o.get("output_type") == "error"), {})
+            return f"cell {i} `{line}` raised {err.get('ename', 'an error')}: {str(err.get('evalue', ''))[:120]}"
+        if cell.cell_type == "code" and meta.get("start_time"):
+            started = (i, line, cell)
+    if started is None:
+        return "failed before the first cell"
+    i, line, cell = started
+    cell.metadata.papermill.update(status="failed", exception=True)
+    cell.outputs.append(nbformat.v4.new_output("error", ename="DeadKernelError",
+                                               evalue="the kernel died while running this cell (out of memory? "
+                                                      "a crash in native code?)", traceback=[]))
+    nbformat.write(nb, dest)
+    return f"kernel died in cell {i} `{line}` (out of memory? a crash in native code?)"
+
+
+def run_notebook(src: Path, dest: Path, params: dict, timeout: float, cell_timeout: float,
+                 smoke: bool = False) -> tuple[str, float]:
+    """Execute one notebook; returns (status, seconds). Status: ok, failed (rc, cell) or timeout."""
     dest.parent.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "papermill", str(src), str(dest), "-y", json.dumps(params),
            "--cwd", str(dest.parent), "--execution-timeout", str(int(cell_timeout)),
            "--progress-bar", "--log-level", "WARNING"]
+    # DLO_HEADLESS: dlo.progress draws text bars, whose last state is what the saved notebook shows
+    env = {**os.environ, "DLO_HEADLESS": "1", **({"DLO_SMOKE": "1"} if smoke else {})}
     start = time.perf_counter()
-    proc = subprocess.Popen(cmd, start_new_session=True)
+    proc = subprocess.Popen(cmd, start_new_session=True, env=env)
     try:
         rc = proc.wait(timeout=timeout)
     except (subprocess.TimeoutExpired, KeyboardInterrupt) as exc:
@@ -70,19 +164,29 @@ def run_notebook(src: Path, dest: Path, params: dict, timeout: float, cell_timeo
         if isinstance(exc, KeyboardInterrupt):
             raise
         return "timeout", time.perf_counter() - start
-    return ("ok" if rc == 0 else f"failed (rc={rc})"), time.perf_counter() - start
+    secs = time.perf_counter() - start
+    return ("ok" if rc == 0 else f"failed (rc={rc}): {failure(dest)}"), secs
 
 
 def main(root: Path, days: list[str], all_days: bool, profile: str, pairs: list[tuple[str, str]],
-         notebooks: str, out: str | None, timeout: float, cell_timeout: float) -> int:
+         notebooks: str, out: str | None, timeout: float, cell_timeout: float, smoke: bool = False) -> int:
     days = select_days(root, days, all_days, notebooks)
+    jobs = []
+    for day in days:  # every day's parameters are checked before the first notebook starts
+        src = notebook_path(root, day, notebooks)
+        try:
+            params = build_parameters(src, profile, pairs)
+            check_day(day, src, params, smoke)
+        except BadParameter as exc:
+            print(f"dlo run {day}: {exc}", file=sys.stderr)
+            return 2
+        jobs.append((day, src, params))
     out_dir = Path(out or Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S")).resolve()
     rows = []
-    for day in days:
-        src = notebook_path(root, day, notebooks)
+    for day, src, params in jobs:
         dest = out_dir / day / f"{day}.ipynb"
-        print(f"== {day} ({notebooks}, profile={profile}) -> {dest}", flush=True)
-        status, secs = run_notebook(src, dest, build_parameters(src, profile, pairs), timeout, cell_timeout)
+        print(f"== {day} ({notebooks}, profile={profile}{', smoke' if smoke else ''}) -> {dest}", flush=True)
+        status, secs = run_notebook(src, dest, params, timeout, cell_timeout, smoke)
         rows.append({"day": day, "status": status, "wall time (s)": round(secs, 1), "output": str(dest)})
     print()
     print(format_table(rows))

@@ -10,8 +10,8 @@ input element is not finite: the same contract as torch's `_amp_foreach_non_fini
 so no value ever needs to reach the host until the scaler decides whether to step.
 
 The pointer table (data addresses, sizes, a per-program (tensor, offset) map) is the scheme of
-fused_adamw.py, built by runtime.launch_tables. 1/S is read from a device tensor, not passed as a float, so a new scale never costs a
-sync or a recompile.
+fused_adamw.py, built by runtime.launch_tables. 1/S is read from a device tensor, not passed as a float,
+so a new scale never costs a sync or a recompile.
 
 Order: kernel, launcher, `amp_unscale_ref` (torch), benchmarks.
 """

@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from torch.optim.adamw import adamw
 
 from dlo.kernels.runtime import interpreting, kernel_available, launch_tables, round_to_bf16, time_ms
 
@@ -155,19 +156,20 @@ def fused_adamw_(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tenso
 @torch.no_grad()
 def fused_adamw_ref(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
                     *, step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float) -> None:
-    """The reference: dlo.optim.reference.adamw_step (torch.optim.AdamW's single-tensor arithmetic,
-    op for op) on each tensor, in fp32.
+    """The reference: torch's own single-tensor AdamW (`torch.optim.adamw.adamw`, foreach=False) on
+    each tensor, in fp32.
 
-    For fp32 params this is torch's own update; for bf16/fp16 params the update runs on an fp32 copy
-    with fp32 state and is rounded once on the way back, as the kernel does.
+    For fp32 params this is torch.optim.AdamW's update; for bf16/fp16 params the update runs on an
+    fp32 copy with fp32 state and is rounded once on the way back, as the kernel does. (The course's
+    hand-written step, dlo.optim.reference.adamw_step, is checked against the same torch code.)
     """
-    # Imported here: dlo.optim imports this module (FusedAdamW), so a top-level import would be circular.
-    from dlo.optim.reference import adamw_step
     _check_inputs(params, grads, exp_avgs, exp_avg_sqs, step, need_contiguous=False)
-    for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs):
-        p32 = p.float()  # p itself for fp32, so the update lands in place
-        adamw_step(p32, g.float(), m, v, step, lr=float(lr), beta1=beta1, beta2=beta2, eps=eps,
-                   weight_decay=weight_decay)
+    copies = [p.float() for p in params]  # p itself for fp32, so the update lands in place
+    # torch increments the step counts before using them: pass t - 1 to get bias corrections for t
+    steps = [torch.tensor(float(step - 1)) for _ in params]
+    adamw(copies, [g.float() for g in grads], list(exp_avgs), list(exp_avg_sqs), [], steps, foreach=False,
+          amsgrad=False, beta1=beta1, beta2=beta2, lr=float(lr), weight_decay=weight_decay, eps=eps, maximize=False)
+    for p, p32 in zip(params, copies):
         if p32 is not p:
             p.copy_(p32)
 
@@ -188,8 +190,17 @@ def _bytes_per_step(numel: int, param_dtype: torch.dtype, state_dtype: torch.dty
 
 
 def _ours_step(params: list[Tensor]):
-    from dlo.optim.fused_adamw import FusedAdamW
-    return FusedAdamW(params, lr=1e-4).step
+    """One kernel launch over every param, with fp32 moments and a step count, as FusedAdamW does."""
+    grads = [p.grad for p in params]
+    m = [torch.zeros_like(p, dtype=torch.float32) for p in params]
+    v = [torch.zeros_like(p, dtype=torch.float32) for p in params]
+    count = [0]
+
+    def step():
+        count[0] += 1
+        fused_adamw_(params, grads, m, v, step=count[0], lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8,
+                     weight_decay=1e-2)
+    return step
 
 
 IMPLS = ("torch for-loop", "torch foreach", "torch fused", "dlo triton")

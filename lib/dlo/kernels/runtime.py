@@ -8,7 +8,6 @@ imported, so TRITON_INTERPRET must be set before dlo.kernels is imported: tests/
 from __future__ import annotations
 
 import os
-import time
 
 import torch
 import triton
@@ -71,18 +70,14 @@ def launch_tables(lists: list[list[Tensor]], device: torch.device, block_size: i
 
 
 def time_ms(fn, device: torch.device | str = "cuda", warmup: int = 25, rep: int = 100) -> float:
-    """Median milliseconds of one call of `fn`: triton's do_bench on CUDA, a short wall-clock loop
-    on CPU (after one warm-up call, e.g. an optimizer's state allocation on its first step)."""
+    """Median milliseconds of one call of `fn`: triton's do_bench on CUDA (it flushes the L2 cache
+    between calls), dlo.measure.time_fn on CPU (after one warm-up call, e.g. an optimizer's state
+    allocation on its first step; at least 3 calls and 0.2 s)."""
     if torch.device(device).type == "cuda":
         return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
-    fn()
-    times = []
-    t_end = time.perf_counter() + 0.2
-    while len(times) < 3 or (time.perf_counter() < t_end and len(times) < 50):
-        t0 = time.perf_counter()
-        fn()
-        times.append(1e3 * (time.perf_counter() - t0))
-    return sorted(times)[len(times) // 2]
+    from dlo.measure import time_fn
+
+    return time_fn(fn, device=device, warmup=1, reps=3, min_time_s=0.2, max_reps=50).median_ms
 
 
 def bench_matmuls(op: str, M: int, K: int, N: int, impls: dict) -> list[dict]:

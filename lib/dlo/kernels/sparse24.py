@@ -39,7 +39,8 @@ def _sparse24_kernel(w_ptr, v_ptr, i_ptr, m_ptr,  # w (n_groups*4,), values (n_g
     w1 = tl.load(w_ptr + base + 1, mask=ok, other=0.0)
     w2 = tl.load(w_ptr + base + 2, mask=ok, other=0.0)
     w3 = tl.load(w_ptr + base + 3, mask=ok, other=0.0)
-    a0, a1, a2, a3 = tl.abs(w0.to(tl.float32)), tl.abs(w1.to(tl.float32)), tl.abs(w2.to(tl.float32)), tl.abs(w3.to(tl.float32))
+    a0, a1 = tl.abs(w0.to(tl.float32)), tl.abs(w1.to(tl.float32))
+    a2, a3 = tl.abs(w2.to(tl.float32)), tl.abs(w3.to(tl.float32))
     # rank = how many of the other three outrank this one; keep rank < 2.
     k0 = (_beats(a1, a0, False) + _beats(a2, a0, False) + _beats(a3, a0, False)) < 2
     k1 = (_beats(a0, a1, True) + _beats(a2, a1, False) + _beats(a3, a1, False)) < 2

@@ -58,12 +58,14 @@ def _check(x: Tensor, w: Tensor, scale: Tensor, bits: int) -> tuple[int, int, in
     if bits not in (4, 8):
         raise ValueError(f"bits must be 4 or 8, got {bits}")
     if x.dim() != 2 or w.dim() != 2 or scale.dim() != 2:
-        raise ValueError(f"x, w, scale must be 2-D, got shapes {tuple(x.shape)}, {tuple(w.shape)}, {tuple(scale.shape)}")
+        raise ValueError(f"x, w, scale must be 2-D, got shapes {tuple(x.shape)}, {tuple(w.shape)}, "
+                         f"{tuple(scale.shape)}")
     if x.dtype not in ACT_DTYPES:
         raise TypeError(f"activations must be bf16 or fp16 (the A16 of W8A16), got {x.dtype}")
     want = torch.int8 if bits == 8 else torch.uint8
     if w.dtype != want:
-        raise TypeError(f"a {bits}-bit weight must be {want} ({'packed with pack_int4' if bits == 4 else 'codes'}), got {w.dtype}")
+        packing = "packed with pack_int4" if bits == 4 else "codes"
+        raise TypeError(f"a {bits}-bit weight must be {want} ({packing}), got {w.dtype}")
     M, K = x.shape
     N = w.shape[0]
     if w.shape[1] * (2 if bits == 4 else 1) != K:

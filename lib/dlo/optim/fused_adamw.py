@@ -17,7 +17,7 @@ import torch
 
 from dlo.kernels.fused_adamw import PARAM_DTYPES, fused_adamw_, fused_adamw_ref
 from dlo.kernels.runtime import kernel_available
-from dlo.optim.utils import check_adam_hyperparameters
+from dlo.optim.utils import check_adam_hyperparameters, run_closure
 
 
 class FusedAdamW(torch.optim.Optimizer):
@@ -34,10 +34,7 @@ class FusedAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = run_closure(closure)
         for group in self.param_groups:
             _check_supported(group.get("amsgrad", False), group.get("maximize", False))
             beta1, beta2 = group["betas"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from dlo.optim.reference import lamb_step
-from dlo.optim.utils import check_adam_hyperparameters
+from dlo.optim.utils import check_adam_hyperparameters, run_closure
 
 
 class LAMB(torch.optim.Optimizer):
@@ -22,10 +22,7 @@ class LAMB(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = run_closure(closure)
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             for p in group["params"]:

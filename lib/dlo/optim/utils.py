@@ -81,3 +81,12 @@ def check_adam_hyperparameters(lr: float, betas: tuple[float, float], eps: float
         raise ValueError(f"invalid eps {eps}: must be >= 0")
     if weight_decay < 0:
         raise ValueError(f"invalid weight_decay {weight_decay}: must be >= 0")
+
+
+def run_closure(closure: Callable[[], Tensor] | None) -> Tensor | None:
+    """torch.optim's `step(closure)` protocol: the loss of `closure()`, run with grad enabled (step
+    itself runs under no_grad), or None without a closure."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()

@@ -1,0 +1,379 @@
+"""What every day's checks share: comparisons with actionable messages, and the way a check runs
+the student's code.
+
+**Comparisons.** `assert_close(name, what, got, want, where)` explains the first mismatch (shape,
+max error, expected vs got at one index); `ok(name, detail)` prints the one success line.
+
+**Running student code.** A check never calls a student object and a reference in the same place
+where the student's code could see the reference. It is written as:
+
+    @check(forbid=("torch.optim.AdamW", "dlo.optim.reference.adamw_step"))
+    def check_adamw_step(fn, seed=0):
+        ...inputs and the reference are made here...
+        fn(param, grad, m, v, step, **hp)          # a plain call: in-place changes come back
+        out = run_student(_worker, fn, seed)       # a trusted worker that uses the student's objects
+        outs = on_ranks(_rank_worker, 2, cls, seed)  # the same on N ranks (torch.distributed ready)
+        ...compare with the reference here...
+
+- `check(forbid=..., hint=...)` marks a check function. Its positional arguments are the student's
+  objects. While student code runs under the check, every dotted name in `forbid` (the library
+  references and torch functions that solve the exercise; "module.*" for every public function and
+  class of a module) raises `ForbiddenCall`, under that name and under every other module attribute
+  of the same package bound to the same object (re-exports such as `dlo.optim.adamw_step`, the
+  defining module such as `torch.optim.adamw.AdamW`); passing the reference itself as the answer
+  fails the same way.
+- `run_student(worker, *args)` / `on_ranks(worker, n, *args)` run a *trusted* worker (a module-level
+  function of a checks module) that receives the student's objects among its arguments, in the
+  process (or on the ranks) where student code runs. A worker only runs the student's code and
+  records what it observed; it returns plain data (`safe_data`: tensors, numbers, strings, None,
+  lists/tuples/dicts of those). It never computes or receives the expected values.
+
+Two backends implement this. The *direct* one (here) runs everything in the calling process (ranks
+through `dlo.distributed.launch`): the immediate feedback of a notebook's test cell. The *sandboxed*
+one (`dlo.checks.sandbox`, used by `dlo grade`) runs the same check code in a trusted process where
+the student's objects are remote handles living in a sandboxed runner (`dlo.checks.runner`); only
+plain data comes back (`dlo.checks.wire`), and the comparison happens where the student's code cannot
+see it. So a check must not rely on more than the rules above: a plain call's result is plain data
+(or a handle whose attributes and methods are remote), trusted callables passed to the student stay
+with the check (called back), and anything that needs the student's code inside an autograd graph,
+an instance of a student class or a training loop goes through a worker.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import math
+import random
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from numbers import Real
+
+import torch
+
+DTYPE = torch.float64
+RTOL, ATOL = 1e-9, 1e-12  # float64: correct code agrees to ~1e-15; slips show at >= 1e-7
+RANK_TIMEOUT = 120.0      # seconds a check's ranks may run: a deadlock ends here, not never
+
+
+# ----------------------------------------------------------------------------- messages and comparisons
+
+def fmt(where) -> str:
+    """A check's context for a message: a dict of hyper-parameters or a string."""
+    if isinstance(where, dict):
+        return ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in where.items())
+    return str(where)
+
+
+def ok(name: str, detail: str) -> None:
+    """The one line a passing check prints."""
+    print(f"{name}: ok ({detail})")
+
+
+def assert_close(name: str, what: str, got, want, where=None, *, rtol: float = RTOL, atol: float = ATOL) -> None:
+    """got == want elementwise within atol + rtol * |want| (in float64), else AssertionError naming
+    the first worst mismatch. `got` may be a tensor, a number or a list of numbers; nan counts as an
+    infinite error; a missing value or a wrong shape is named as such."""
+    ctx = f" ({fmt(where)})" if where not in (None, "", {}) else ""
+    if got is None:
+        raise AssertionError(f"{name}: {what} is None; expected a value{ctx}")
+    try:
+        got_t = torch.as_tensor(got).detach().to("cpu", DTYPE)
+    except (TypeError, ValueError, RuntimeError):
+        raise AssertionError(f"{name}: {what} is a {type(got).__name__}, expected a tensor or number{ctx}") from None
+    want_t = torch.as_tensor(want).detach().to("cpu", DTYPE)
+    if got_t.shape != want_t.shape:
+        raise AssertionError(f"{name}: {what} has shape {tuple(got_t.shape)}, expected {tuple(want_t.shape)}{ctx}")
+    err = (got_t - want_t).abs().nan_to_num(math.inf)
+    bad = err > atol + rtol * want_t.abs()
+    if bad.any():
+        i = int(torch.argmax(torch.where(bad, err, -1.0).flatten()))
+        raise AssertionError(
+            f"{name}: {what} differs from the reference{ctx}: max abs error {err.max():.3g} "
+            f"(tolerance {atol:g} + {rtol:g}*|expected|); e.g. at flat index {i}: expected "
+            f"{want_t.flatten()[i].item():.10g}, got {got_t.flatten()[i].item():.10g}")
+
+
+def assert_number(name: str, what: str, got, where=None) -> float:
+    """`got` as a float (a one-element tensor is accepted), else AssertionError."""
+    if isinstance(got, torch.Tensor) and got.numel() == 1:
+        got = got.item()
+    if not isinstance(got, Real) or isinstance(got, bool):
+        ctx = f" ({fmt(where)})" if where else ""
+        raise AssertionError(f"{name}: {what} must be a number, got {type(got).__name__}{ctx}")
+    return float(got)
+
+
+def odd_shape(rng: random.Random) -> tuple[int, ...]:
+    """A 1-3 dimensional shape of odd sizes (nothing divides evenly; 1 appears)."""
+    dims = rng.choice([1, 2, 3])
+    return tuple(rng.choice([1, 3, 5, 7, 11, 13]) for _ in range(dims - 1)) + (rng.choice([3, 7, 17, 33]),)
+
+
+def rand(shape, gen: torch.Generator, scale: float = 1.0, dtype: torch.dtype = DTYPE) -> torch.Tensor:
+    return torch.randn(shape, generator=gen, dtype=dtype) * scale
+
+
+# ----------------------------------------------------------------------------- forbidden references
+
+class ForbiddenCall(AssertionError):
+    """A check's forbidden reference was called by the student's code."""
+
+
+def _resolve(path: str):
+    """'torch.optim.AdamW' -> (the module or class holding it, 'AdamW')."""
+    parts = path.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        try:
+            owner = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        try:
+            for attr in parts[i:-1]:
+                owner = getattr(owner, attr)
+        except AttributeError:
+            break
+        if parts[-1] != "*" and not hasattr(owner, parts[-1]):
+            break
+        return owner, parts[-1]
+    raise ValueError(f"forbid: cannot resolve {path!r}")
+
+
+def forbidden_targets(path: str) -> list[tuple[object, str]]:
+    """(holder, attribute) pairs to block for one forbidden name: the name itself, every other module
+    attribute of the same package bound to the same object (re-exports such as dlo.optim.adamw_step,
+    the defining module such as torch.optim.adamw.AdamW), and for "module.*" every public function or
+    class defined in that module."""
+    owner, attr = _resolve(path)
+    if attr == "*":
+        name = owner.__name__
+        return [pair for a, v in sorted(vars(owner).items()) if not a.startswith("_")
+                and (isinstance(v, type) or callable(v)) and getattr(v, "__module__", None) == name
+                for pair in forbidden_targets(f"{name}.{a}")]
+    return [(owner, attr)] + [pair for pair in _aliases(path.split(".")[0], getattr(owner, attr))
+                              if pair != (owner, attr)]
+
+
+_ALIASES: dict[tuple[str, int], list] = {}
+
+
+def _aliases(package: str, obj) -> list[tuple[object, str]]:
+    """Every (module, attribute) of `package` bound to `obj` (cached: a scan of the package's modules)."""
+    key = (package, id(obj))
+    if key not in _ALIASES:
+        found = []
+        for name, module in list(sys.modules.items()):
+            if module is None or not (name == package or name.startswith(package + ".")) \
+                    or name.startswith("dlo.checks"):  # the grader's own namespaces keep their references
+                continue
+            try:
+                items = list(vars(module).items())
+            except TypeError:
+                continue
+            found += [(module, a) for a, v in items if v is obj]
+        _ALIASES[key] = found
+    return _ALIASES[key]
+
+
+class _Blocked:
+    """What a forbidden name is bound to while a check runs: calling it, or using an attribute of it
+    (`CheckpointFunction.apply`, `GradScaler.step`), raises ForbiddenCall."""
+
+    def __init__(self, path: str, exercise: str, hint: str = ""):
+        self.__dlo_forbidden__ = path
+        self.__name__ = self.__qualname__ = path.rsplit(".", 1)[-1]
+        self._message = (f"{exercise}: {path} is off limits while this check runs: the exercise asks for your own "
+                         f"implementation{f' ({hint})' if hint else ''}")
+
+    def __call__(self, *args, **kwargs):
+        raise ForbiddenCall(self._message)
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise ForbiddenCall(self._message)
+
+    def __repr__(self) -> str:
+        return f"<{self.__dlo_forbidden__}: off limits in this check>"
+
+
+def _blocker(path: str, exercise: str, hint: str = "") -> _Blocked:
+    return _Blocked(path, exercise, hint)
+
+
+@contextlib.contextmanager
+def forbidden(paths, exercise: str, hint: str = "") -> Iterator[None]:
+    """Replace each dotted name in `paths` (and its aliases; "module.*": all its public functions and
+    classes) with a function that raises ForbiddenCall; restore on exit."""
+    saved = []
+    try:
+        for path in paths:
+            for owner, attr in forbidden_targets(path):
+                value = getattr(owner, attr)
+                if getattr(value, "__dlo_forbidden__", None):
+                    continue  # already blocked (nested checks, or an alias listed twice)
+                try:
+                    setattr(owner, attr, _blocker(f"{owner.__name__}.{attr}" if attr != path else path,
+                                                  exercise, hint))
+                except (AttributeError, TypeError):
+                    continue  # a read-only holder (a C extension type): its alias elsewhere is blocked
+                saved.append((owner, attr, value))
+        yield
+    finally:
+        for owner, attr, value in reversed(saved):
+            setattr(owner, attr, value)
+
+
+# ----------------------------------------------------------------------------- plain data across the boundary
+
+SAFE_SCALARS = (int, float, bool, str, bytes, type(None), complex)
+
+
+def safe_data(obj, what: str = "the result"):
+    """`obj` if it is plain data (tensors, numbers, strings, None, torch dtypes/sizes, lists, tuples and
+    dicts of those), else TypeError: only such values may cross from student code to a check."""
+    if isinstance(obj, torch.Tensor):
+        if type(obj) not in (torch.Tensor, torch.nn.Parameter):
+            raise TypeError(f"{what}: a tensor subclass ({type(obj).__name__}) cannot be returned; use a plain tensor")
+        return obj
+    if isinstance(obj, (SAFE_SCALARS, torch.dtype, torch.Size)):
+        return obj
+    if isinstance(obj, (list, tuple)):
+        for i, item in enumerate(obj):
+            safe_data(item, f"{what}[{i}]")
+        return obj
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            safe_data(k, f"a key of {what}")
+            safe_data(v, f"{what}[{k!r}]")
+        return obj
+    raise TypeError(f"{what} is a {type(obj).__name__}; a check worker returns plain data only (tensors, numbers, "
+                    f"strings, lists, tuples, dicts)")
+
+
+# ----------------------------------------------------------------------------- the two backends
+
+class DirectSession:
+    """The feedback backend: student code runs in this process (and on ranks from `launch`), with the
+    check's forbidden names blocked while it runs."""
+
+    def __init__(self, name: str, forbid: tuple[str, ...], hint: str = ""):
+        self.name, self.forbid, self.hint = name, tuple(forbid), hint
+
+    def bind(self, obj):
+        """A student object as the check will use it: callables (not classes) run with `forbid` active;
+        a forbidden reference passed as the answer is the blocker (as the sandbox, which loads it by name)."""
+        for path in self.forbid:
+            if any(getattr(owner, attr, None) is obj for owner, attr in forbidden_targets(path)):
+                return _blocker(path, self.name, self.hint)
+        if callable(obj) and not isinstance(obj, type) and self.forbid:
+            return _Guarded(obj, self.forbid, self.name, self.hint)
+        return obj
+
+    def run(self, worker, args, kwargs):
+        with forbidden(self.forbid, self.name, self.hint):
+            return safe_data(worker(*args, **kwargs), f"{self.name}: the worker's result")
+
+    def on_ranks(self, worker, world_size, args, kwargs, timeout, backend):
+        from dlo.distributed.launch import RankError, launch
+
+        try:
+            results = launch(_ranked, world_size, worker, self.forbid, self.name, args, kwargs,
+                             backend=backend, timeout=timeout, hint=self.hint)
+        except RankError as e:  # the rank's own message (assertion or exception) is the useful part
+            raise AssertionError(f"{self.name}: {e}") from None
+        except TimeoutError as e:
+            raise AssertionError(deadlock_message(self.name, e)) from None
+        return [safe_data(r, f"{self.name}: rank {i}'s result") for i, r in enumerate(results)]
+
+
+def deadlock_message(name: str, err: Exception) -> str:
+    return (f"{name}: the ranks did not finish ({err}). A deadlock? Every send needs a matching recv on the "
+            f"peer, every collective must be called by every rank in the same order; blocking send/recv on all "
+            f"ranks at once waits forever: use dist.isend/dist.irecv and wait on both")
+
+
+def _ranked(worker, forbid, name, args, kwargs, hint=""):
+    """On each rank: block the forbidden names, then run the worker (module-level: pickled by reference)."""
+    with forbidden(forbid, name, hint):
+        return worker(*args, **kwargs)
+
+
+class _Guarded:
+    """A student callable whose calls run with the check's forbidden names blocked."""
+
+    def __init__(self, fn, forbid, name, hint=""):
+        self._fn, self._forbid, self._name, self._hint = fn, forbid, name, hint
+        functools.update_wrapper(self, fn, updated=())
+
+    def __call__(self, *args, **kwargs):
+        with forbidden(self._forbid, self._name, self._hint):
+            return self._fn(*args, **kwargs)
+
+    def __reduce__(self):  # ranks and workers get the plain function; they block names themselves
+        return (_unwrap, (self._fn,))
+
+
+def _unwrap(fn):
+    return fn
+
+
+_state = threading.local()
+
+
+def _backend():
+    """The session factory in use: the sandbox's while `dlo grade` runs checks, else DirectSession."""
+    return getattr(_state, "backend", None) or DirectSession
+
+
+@contextlib.contextmanager
+def use_backend(factory) -> Iterator[None]:
+    """Run checks with another session factory (the sandbox) inside the block."""
+    old = getattr(_state, "backend", None)
+    _state.backend = factory
+    try:
+        yield
+    finally:
+        _state.backend = old
+
+
+def _session():
+    session = getattr(_state, "session", None)
+    if session is None:
+        raise RuntimeError("run_student/on_ranks are for code inside a @check function")
+    return session
+
+
+def check(*, forbid: tuple[str, ...] = (), hint: str = "") -> Callable:
+    """Decorator of a check function: its positional arguments are the student's objects, bound to a
+    session (direct or sandboxed) for the duration of the call; `forbid` lists the dotted names the
+    student's code may not call while it runs ("module.*": every public function and class of that
+    module; re-exports of a name are blocked with it), `hint` what to use instead."""
+    def deco(f):
+        @functools.wraps(f)
+        def wrapper(*args, **kwargs):
+            session = _backend()(f.__name__.removeprefix("check_"), tuple(forbid), hint)
+            outer = getattr(_state, "session", None)
+            _state.session = session
+            try:
+                with (session if hasattr(session, "__enter__") else contextlib.nullcontext()):
+                    return f(*(session.bind(a) for a in args), **kwargs)
+            finally:
+                _state.session = outer
+        wrapper.forbid = tuple(forbid)
+        return wrapper
+    return deco
+
+
+def run_student(worker: Callable, *args, **kwargs):
+    """Run the trusted `worker(*args, **kwargs)` where student code runs; plain data comes back."""
+    return _session().run(worker, args, kwargs)
+
+
+def on_ranks(worker: Callable, world_size: int, *args, timeout: float = RANK_TIMEOUT, backend: str = "gloo",
+             **kwargs) -> list:
+    """Run the trusted `worker(*args, **kwargs)` on `world_size` ranks (torch.distributed initialised,
+    gloo by default: the checks compare float64 CPU tensors); the per-rank plain-data results."""
+    return _session().on_ranks(worker, world_size, args, kwargs, timeout, backend)

@@ -1,0 +1,225 @@
+"""Autograder checks for Day 5 (sharded data parallelism: ZeRO-1/2/3 and FSDP2).
+
+The ZeRO checks run the student's engine on `world_size` ranks through `on_ranks`: a trusted worker
+below builds a small language model with a tied embedding and tensors of odd sizes (nothing divides
+by the world size), gives each rank its slice of a global batch, trains, and records what it
+observes: the parameters the modules hold during a forward, the collectives of each phase
+(`dlo.measure.CommCounter`: calls, payload bytes, async, forward/backward/step), and the bytes of
+model state the engine holds (`dlo.measure.held_bytes`) after the step and during backward or
+forward. The check compares, outside the worker, with one process on the whole batch: after one
+step of plain SGD (the gradient itself: a sum where a mean is due shows as a factor N) and after k
+AdamW steps; with the ZeRO paper's byte counts (2 Psi sent per step for ZeRO-1/2, 3 Psi for ZeRO-3,
+within 5%) and memory formulas (`dlo.distributed.zero.memory_per_rank`, within the padding of the
+flat buffers and one parameter's gradient). Everything is float64, where a correct engine agrees
+with one process to ~1e-15 (`assert_close`'s default tolerance, 1e-9, catches any slip).
+
+Here: the accountant (1) and ZeRO-1/2/3 (2-4); their test bench (the model, the trusted worker, the
+comparisons) is `dlo.checks.day5_zero`; FSDP2 (5) is `dlo.checks.day5_fsdp`, re-exported here.
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+import torch.distributed as dist
+
+from dlo.checks.common import DTYPE, assert_number, check, ok, on_ranks
+from dlo.checks.day5_fsdp import check_fsdp2
+from dlo.checks.day5_zero import (
+    batch,
+    build_engine,
+    case,
+    comm_bytes,
+    count_psi,
+    expect_bytes,
+    fmt_where,
+    lm_loss,
+    memory_slack,
+    optimizer_for,
+    tied_lm,
+    verify_memory,
+    verify_training,
+    zero_worker,
+)
+from dlo.distributed.zero import memory_per_rank
+from dlo.measure import held_bytes
+
+__all__ = ["check_fsdp2", "check_memory_accountant", "check_zero1", "check_zero2", "check_zero3"]
+
+
+Z = "dlo.distributed.zero."
+# the methods first (a subclass of the library's engine would reach them), then the classes themselves
+# (torch's own equivalents are forbidden where they are the exercise: importing them costs each rank a second)
+ZERO_REFS = tuple(Z + n for n in ("ZeRO1.__init__", "ZeRO2.__init__", "ZeRO3.__init__", "ZeRO1.step", "ZeRO2.step",
+                                  "ZeRO3.step", "ZeRO1", "ZeRO2", "ZeRO3"))
+
+
+# ----------------------------------------------------------------------------- 1. the memory accountant
+
+DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+LLAMA_3B = 3_212_749_824
+
+
+@check(forbid=(Z + "memory_per_rank", "dlo.plan.row"))
+def check_memory_accountant(fn, seed: int = 0, trials: int = 40) -> None:
+    """`fn(n_params, world, stage, *, param_dtype, optimizer) -> {"params", "grads", "optimizer",
+    "total"}`: bytes per rank, stage 0 (DDP) to 3, against the ZeRO paper's formulas (exact ints)
+    on random sizes, dtypes and optimizers and on Llama 3.2 3B; then against what the library's
+    ZeRO engines hold on a fake process group of 2 and 3 ranks."""
+    name, rng = "memory_accountant", random.Random(seed)
+    cases = [(LLAMA_3B, 8, s, torch.bfloat16, "adamw") for s in range(4)]
+    cases += [(rng.choice([1, 7, 1001, 10 ** 6 + 3, LLAMA_3B]), rng.choice([1, 2, 3, 8, 64]), rng.randrange(4),
+               rng.choice(DTYPES), rng.choice(["adamw", "sgd", "sgd_momentum"])) for _ in range(trials)]
+    for n_params, world, stage, dtype, opt in cases:
+        where = dict(n_params=n_params, world=world, stage=stage, param_dtype=str(dtype), optimizer=opt)
+        got = fn(n_params, world, stage, param_dtype=dtype, optimizer=opt)
+        want = memory_per_rank(n_params, world, stage, param_dtype=dtype, optimizer=opt)
+        if not isinstance(got, dict) or set(want) - set(got):
+            raise AssertionError(f"{name}: return a dict with keys {sorted(want)}, got {got!r}")
+        for key, w in want.items():
+            g = assert_number(name, key, got[key], where)
+            if g != w:
+                sharded = stage >= {"params": 3, "grads": 2, "optimizer": 1}.get(key, 1)
+                hint = (" (a shard is ceil(n_params / world) elements)" if sharded and n_params % world else
+                        " (16-bit parameters mean mixed precision: an fp32 master copy and fp32 moments)"
+                        if dtype in DTYPES[:2] and key in ("optimizer", "total") else "")
+                raise AssertionError(f"{name}: {key} = {g:,.0f} bytes, expected {w:,}{hint} ({fmt_where(where)})")
+    _engines_hold(name, fn, random.Random(seed).choice([5, 6, 7]))
+    ok(name, f"{len(cases)} cases and the library's engines at 2 and 3 ranks, seed={seed}")
+
+
+def _engines_hold(name: str, fn, seed: int) -> None:
+    """The library's ZeRO engines, one AdamW step on a fake process group: held bytes vs fn."""
+    from dlo.distributed.zero import ZeRO1, ZeRO2, ZeRO3
+    from dlo.plan import fake_world
+
+    if dist.is_initialized():  # under torchrun: no fake group in this process
+        return
+    c = case(seed)
+    for world in (2, 3):
+        with fake_world(world):
+            for stage, cls in ((1, ZeRO1), (2, ZeRO2), (3, ZeRO3)):
+                model = tied_lm(c, 0)
+                extra = {"bucket_cap_mb": 1e-3} if stage == 2 else {}
+                engine = build_engine(cls, stage, model, *optimizer_for(c, "adamw"), extra)
+                lm_loss(engine, *batch(c, seed, 0, 2)).backward()
+                engine.step()
+                held = held_bytes(engine)
+                got = fn(count_psi(c), world, stage, param_dtype=DTYPE, optimizer="adamw")["total"]
+                if abs(held - got) > memory_slack(c, world, stage):
+                    raise AssertionError(f"{name}: ZeRO-{stage} at {world} ranks holds {held:,} bytes after an AdamW "
+                                         f"step in float64, your accountant says {got:,}")
+
+
+# ----------------------------------------------------------------------------- 2-4. ZeRO-1, -2, -3
+
+@check(forbid=ZERO_REFS + ("torch.distributed.optim.ZeroRedundancyOptimizer",))
+def check_zero1(cls, seed: int = 0, world_size: int = 2, steps: int = 3) -> None:
+    """`cls(module, optimizer_cls, **optimizer_kwargs)` with `step()` and `zero_grad()`: one
+    reduce-scatter and one all-gather per step (2 Psi, no all-reduce), the optimizer state of
+    1/N of the parameters per rank; parameters equal to one process after one SGD step and k AdamW steps."""
+    name, c = "zero1", case(seed)
+    res = on_ranks(zero_worker, world_size, cls, 1, seed, steps, {})
+    where = f"world_size={world_size}, seed={seed}"
+    verify_training(name, res, c, seed, steps, world_size)
+    psi_b = 8 * count_psi(c)
+    for r, got in enumerate(res):
+        calls = got["comm"]
+        if comm_bytes(calls, "all_reduce"):
+            raise AssertionError(f"{name}: rank {r} all-reduces the gradients: that is 2 Psi already, and the "
+                                 f"all-gather of the parameters makes 3 Psi. Reduce-scatter them: each rank only "
+                                 f"needs the averaged slice its optimizer updates ({where})")
+        expect_bytes(name, "reduce-scatter of the gradients", comm_bytes(calls, "reduce_scatter"), psi_b, 1,
+                     "reduce-scatter the whole flat gradient once per step", where)
+        expect_bytes(name, "all-gather of the updated parameters", comm_bytes(calls, "all_gather"), psi_b, 1,
+                     "all-gather the whole flat parameter buffer once per step", where)
+    m = verify_memory(name, res, c, 1, world_size, where)
+    ok(name, f"{steps} steps on {world_size} ranks, 2 Psi = {2 * psi_b:,} bytes per step, {res[0]['held']:,} bytes "
+             f"held (formula {m['want']:,}), seed={seed}")
+
+
+@check(forbid=ZERO_REFS)
+def check_zero2(cls, seed: int = 0, world_size: int = 2, steps: int = 3) -> None:
+    """`cls(module, optimizer_cls, bucket_cap_mb=25.0, **optimizer_kwargs)`: gradients
+    reduce-scattered bucket by bucket (async, from gradient hooks, during backward), only the 1/N
+    gradient shard kept (also during backward: at most a couple of buckets of full gradients);
+    parameters equal to one process. Run at a tiny bucket cap (several buckets) and at 25 MB (one)."""
+    name, c = "zero2", case(seed)
+    cap = 60 * 8 / 2 ** 20  # 60 float64 elements: several buckets, whichever side of the cap a bucket closes on
+    res = on_ranks(zero_worker, world_size, cls, 2, seed, steps, {"bucket_cap_mb": cap}, {"bucket_cap_mb": 25.0})
+    where = f"world_size={world_size}, seed={seed}"
+    verify_training(name, res, c, seed, steps, world_size)
+    psi_b = 8 * count_psi(c)
+    for r, got in enumerate(res):
+        rs = [x for x in got["comm"] if x["kind"] == "reduce_scatter"]
+        if len(rs) < 2 or not all(x["async"] and x["phase"] == "backward" for x in rs):
+            raise AssertionError(f"{name}: rank {r} issued {len(rs)} reduce-scatter(s) with bucket_cap_mb={cap:.2g}; "
+                                 f"expected several buckets, each launched with async_op=True from a gradient hook "
+                                 f"during backward (calls as (async, phase): "
+                                 f"{[(x['async'], x['phase']) for x in rs]}) ({where})")
+        n_big = got["one_bucket"]
+        if n_big != 1:
+            raise AssertionError(f"{name}: {n_big} reduce-scatters per step with bucket_cap_mb=25: the whole model "
+                                 f"fits one bucket ({where})")
+        expect_bytes(name, "reduce-scatter of the gradients", comm_bytes(got["comm"], "reduce_scatter"), psi_b, 1,
+                     "every gradient goes through one reduce-scatter", where)
+        expect_bytes(name, "all-gather of the updated parameters", comm_bytes(got["comm"], "all_gather"), psi_b, 1,
+                     "all-gather every bucket's parameters after the step", where)
+        if comm_bytes(got["comm"], "all_reduce"):
+            raise AssertionError(f"{name}: an all-reduce of the gradients leaves every rank the full gradient; "
+                                 f"reduce-scatter ({where})")
+    m = verify_memory(name, res, c, 2, world_size, where)
+    biggest = max(p.numel() for p in tied_lm(c, 0).parameters())
+    peak_allowed = m["want"] + m["slack"] + 8 * 2 * (60 + biggest)
+    for r, got in enumerate(res):
+        peak = max(got["samples"]["backward"])
+        if peak > peak_allowed:
+            raise AssertionError(f"{name}: during backward rank {r} held up to {peak:,} bytes; ZeRO-2 keeps only the "
+                                 f"gradient shard and the buckets in flight ({peak_allowed:,} allowed): free a "
+                                 f"bucket's full gradients (and p.grad) once its reduce-scatter is done ({where})")
+    ok(name, f"{steps} steps on {world_size} ranks, buckets reduce-scattered during backward, peak "
+             f"{max(res[0]['samples']['backward']):,} bytes, seed={seed}")
+
+
+@check(forbid=ZERO_REFS + ("torch.distributed.fsdp.fully_shard",))
+def check_zero3(cls, seed: int = 0, world_size: int = 2, steps: int = 3) -> None:
+    """`cls(module, optimizer_cls, units=[blocks], **optimizer_kwargs)`: parameters sharded; each
+    unit all-gathered just before its forward and freed after, gathered again for its backward,
+    gradients reduce-scattered (3 Psi per step); 1/N of everything held between steps, little
+    more during forward; parameters equal to one process."""
+    name, c = "zero3", case(seed)
+    res = on_ranks(zero_worker, world_size, cls, 3, seed, steps, {})
+    where = f"world_size={world_size}, seed={seed}"
+    verify_training(name, res, c, seed, steps, world_size)
+    psi_b = 8 * count_psi(c)
+    for got in res:
+        calls = got["comm"]
+        regather = "free each unit after its forward and gather it again before its backward: keeping the " \
+                   "gathered weights until backward (or until the next step) is not ZeRO-3's memory"
+        if comm_bytes(calls, "all_gather", "backward") < psi_b / 2:
+            expect_bytes(name, "all-gathers in backward", comm_bytes(calls, "all_gather", "backward"), psi_b, 1,
+                         regather, where)
+        expect_bytes(name, "all-gathers in forward", comm_bytes(calls, "all_gather", "forward"), psi_b, 1,
+                     "gather every unit (and the root's parameters) once in forward", where)
+        expect_bytes(name, "all-gathers in backward", comm_bytes(calls, "all_gather", "backward"), psi_b, 1, regather,
+                     where)
+        expect_bytes(name, "reduce-scatter of the gradients", comm_bytes(calls, "reduce_scatter"), psi_b, 1,
+                     "reduce-scatter each unit's gradients after its backward", where)
+        gathers = [x for x in calls if x["kind"] == "all_gather" and x["phase"] == "forward"]
+        if len(gathers) < c["n_blocks"]:
+            raise AssertionError(f"{name}: {len(gathers)} all-gathers in forward for {c['n_blocks']} units: gather "
+                                 f"each unit just before it runs, not the whole model at once ({where})")
+    m = verify_memory(name, res, c, 3, world_size, where)
+    model = tied_lm(c, 0)
+    unit = sum(p.numel() for p in model.blocks[0].parameters())
+    root = count_psi(c) - c["n_blocks"] * unit
+    allowed = m["want"] + m["slack"] + 8 * (root + unit)
+    for r, got in enumerate(res):
+        peak = max(got["samples"]["forward"])
+        if peak > allowed:
+            raise AssertionError(f"{name}: after the forward of a unit rank {r} held up to {peak:,} bytes ({allowed:,} "
+                                 f"allowed: the shards, the root and one unit): free each unit's gathered parameters "
+                                 f"after its forward ({where})")
+    ok(name, f"{steps} steps on {world_size} ranks, 3 Psi = {3 * psi_b:,} bytes per step, {res[0]['held']:,} bytes "
+             f"held (formula {m['want']:,}), seed={seed}")

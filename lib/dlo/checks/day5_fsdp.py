@@ -1,0 +1,203 @@
+"""Autograder check for Day 5's exercise 5 (FSDP2 on the Llama), re-exported by `dlo.checks.day5`.
+
+The student's `parallelize(model, mesh, ...)` runs on `world_size` ranks (a trusted worker below):
+the structure it builds (activation checkpointing, then torch.compile, then fully_shard per block
+and the root, the tie kept), the collectives of a step, the recomputation in backward and the dtype
+the blocks compute with are recorded there; parameters after one SGD step and k AdamW steps are
+compared here with one process on the whole batch (the torchtitan test pattern).
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dlo.checks.common import DTYPE, assert_close, check, ok, on_ranks
+from dlo.checks.day5_zero import BYTES_TOL, batch, comm_bytes, comm_summary, lm_loss, optimizer_for
+from dlo.measure import CommCounter
+
+FSDP_REFS = ("dlo.distributed.fsdp.apply_fsdp", "dlo.distributed.fsdp.apply_ac", "dlo.distributed.fsdp.apply_compile",
+             "dlo.experiments.day5.parallelize")
+_WRAPPERS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+
+
+def llama_case(seed: int):
+    """A CPU-sized Llama 3.2 (tied embedding, grouped-query attention) with odd vocabulary and MLP."""
+    from dlo.models.llama import LlamaConfig
+
+    rng = random.Random(seed)
+    cfg = LlamaConfig.from_name("tiny", vocab_size=rng.choice([61, 67]), dim=24, n_heads=4, n_kv_heads=2,
+                                n_layers=rng.choice([2, 3]), ffn_dim=rng.choice([37, 41]), max_seq_len=64)
+    return cfg, {"T": rng.choice([5, 7]), "per_rank": rng.choice([2, 3]), "sgd_lr": rng.uniform(0.2, 0.5),
+                 "lr": rng.uniform(5e-3, 2e-2), "weight_decay": rng.uniform(0.0, 0.1), "vocab": cfg.vocab_size}
+
+
+def llama(cfg, seed: int) -> nn.Module:
+    from dlo.models.llama import Llama
+
+    with torch.device("meta"):
+        model = Llama(cfg)
+    model.to_empty(device="cpu")
+    model.init_weights(seed=seed)
+    return model.to(DTYPE)
+
+
+def _clean(name: str) -> str:
+    for w in _WRAPPERS:
+        name = name.replace(w, "")
+    return name
+
+
+def llama_reference(cfg, c: dict, seed: int, kind: str, steps: int, world: int) -> dict:
+    model = llama(cfg, seed + 1)
+    opt_cls, kw = optimizer_for(c, kind)
+    opt = opt_cls(model.parameters(), **kw)
+    for s in range(steps):
+        lm_loss(model, *batch(c, seed, s, world * c["per_rank"])).backward()
+        opt.step()
+        opt.zero_grad()
+    return {k: p.detach().clone() for k, p in model.named_parameters()}
+
+
+def _structure(model, compiled: list) -> dict:
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor, Shard
+
+    layers = list(model.layers.values())
+    return {"root": isinstance(model, FSDPModule),
+            "blocks_sharded": [isinstance(b, FSDPModule) for b in layers],
+            "blocks_checkpointed": [hasattr(b, "_checkpoint_wrapped_module") for b in layers],
+            "tied": model.output.weight is model.tok_embeddings.weight,
+            "shard0": all(isinstance(p, DTensor) and tuple(p.placements) == (Shard(0),) for p in model.parameters()),
+            "compiled": compiled}
+
+
+def _counting(forward, calls: list):
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return forward(*args, **kwargs)
+    return counted
+
+
+def _fsdp_run(fn, cfg, c, seed, kind, steps, policy, ac_mode, compile_):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule
+
+    r, n = dist.get_rank(), dist.get_world_size()
+    model = llama(cfg, seed + 1)
+    mesh = init_device_mesh("cpu", (n,))
+    compiled, real = [], torch.compile
+
+    def recording_compile(obj=None, *args, **kwargs):  # compiling costs minutes on a CPU: record instead
+        target = getattr(obj, "__self__", obj)
+        compiled.append({"checkpointed": hasattr(target, "_checkpoint_wrapped_module"),
+                         "sharded": isinstance(target, FSDPModule), "type": type(target).__name__})
+        return obj
+    torch.compile = recording_compile
+    try:
+        ret = fn(model, mesh, param_dtype=policy[0], reduce_dtype=policy[1], ac_mode=ac_mode, compile=compile_)
+    finally:
+        torch.compile = real
+    model = ret if isinstance(ret, nn.Module) else model
+    out = {"structure": _structure(model, compiled)}
+    ffn_calls, dtypes = [0], []
+    for name, m in model.named_modules():
+        if name.endswith("feed_forward"):  # wrap forward: module hooks do not fire during recomputation
+            m.forward = _counting(m.forward, ffn_calls)
+        if name.endswith("attention.wq"):
+            m.register_forward_pre_hook(lambda mod, a: dtypes.append(str(mod.weight.dtype)))
+    opt_cls, kw = optimizer_for(c, kind)
+    opt = opt_cls(model.parameters(), **kw)
+    for s in range(steps):
+        x, y = batch(c, seed, s, n * c["per_rank"])
+        with CommCounter() as comm:
+            comm.phase = "forward"
+            loss = lm_loss(model, x[r::n], y[r::n])
+            comm.phase = "backward"
+            loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if s == 0:
+            out["comm"], out["ffn_calls"], out["dtypes"] = comm_summary(comm), ffn_calls[0], sorted(set(dtypes))
+    out["params"] = {_clean(k): p.full_tensor().detach().clone() for k, p in model.named_parameters()}
+    return out
+
+
+def _fsdp_worker(fn, seed: int, steps: int):
+    cfg, c = llama_case(seed)
+    full = (None, None)
+    return {"sgd": _fsdp_run(fn, cfg, c, seed, "sgd", 1, full, "full", True),
+            "adamw": _fsdp_run(fn, cfg, c, seed, "adamw", steps, full, "none", False),
+            "bf16": _fsdp_run(fn, cfg, c, seed, "sgd", 1, (torch.bfloat16, torch.float32), "none", False)}
+
+
+def _check_fsdp_structure(name: str, s: dict, n_layers: int, where: str) -> None:
+    if not all(s["blocks_sharded"]):
+        hint = (" (each block is checkpoint-wrapped around an FSDP module: wrap for activation checkpointing "
+                "first, then fully_shard)" if all(s["blocks_checkpointed"]) else "")
+        raise AssertionError(f"{name}: model.layers[i] is not an FSDP module for blocks "
+                             f"{[i for i, b in enumerate(s['blocks_sharded']) if not b]}: fully_shard each block{hint} "
+                             f"({where})")
+    if not s["root"]:
+        raise AssertionError(f"{name}: the root model is not an FSDP module: fully_shard(model) last ({where})")
+    if not all(s["blocks_checkpointed"]):
+        raise AssertionError(f"{name}: with ac_mode='full' every block must be wrapped with checkpoint_wrapper "
+                             f"(inside its FSDP unit) ({where})")
+    if not s["tied"]:
+        raise AssertionError(f"{name}: output.weight is no longer tok_embeddings.weight: a tied embedding must stay in "
+                             f"one unit with the head (leave both to the root) ({where})")
+    if not s["shard0"]:
+        raise AssertionError(f"{name}: every parameter should be a DTensor sharded on dim 0 over the mesh ({where})")
+    comp = s["compiled"]
+    if len(comp) != n_layers or not all(x["checkpointed"] and not x["sharded"] for x in comp):
+        raise AssertionError(f"{name}: with compile=True, torch.compile each block once, after activation "
+                             f"checkpointing and before fully_shard (torchtitan's order); seen: {comp} ({where})")
+
+
+@check(forbid=FSDP_REFS)
+def check_fsdp2(fn, seed: int = 0, world_size: int = 2, steps: int = 3) -> None:
+    """`fn(model, mesh, *, param_dtype, reduce_dtype, ac_mode, compile)` on a Llama: activation
+    checkpointing per block, then torch.compile per block, then fully_shard per block and the
+    root with a MixedPrecisionPolicy. Checked: the structure and order, one all-gather per unit in
+    forward, a recomputed forward per block in backward, bf16 all-gathers with fp32 reduce-scatters,
+    and parameters equal to one process after one SGD step and k AdamW steps (float64)."""
+    name = "fsdp2"
+    cfg, c = llama_case(seed)
+    res = on_ranks(_fsdp_worker, world_size, fn, seed, steps)
+    where = f"world_size={world_size}, n_layers={cfg.n_layers}, seed={seed}"
+    sgd, adamw = (llama_reference(cfg, c, seed, k, s, world_size) for k, s in (("sgd", 1), ("adamw", steps)))
+    for r, got in enumerate(res):
+        _check_fsdp_structure(name, got["sgd"]["structure"], cfg.n_layers, f"{where}, rank {r}")
+        calls = got["sgd"]["comm"]
+        n_fwd = sum(x["kind"] == "all_gather" and x["phase"] == "forward" for x in calls)
+        n_rs = sum(x["kind"] == "reduce_scatter" for x in calls)
+        if n_fwd != cfg.n_layers + 1 or n_rs != cfg.n_layers + 1:
+            raise AssertionError(f"{name}: {n_fwd} all-gathers in forward and {n_rs} reduce-scatters per step; one "
+                                 f"unit per block plus the root makes {cfg.n_layers + 1} of each ({where})")
+        if got["sgd"]["ffn_calls"] != 2 * cfg.n_layers:
+            raise AssertionError(f"{name}: the blocks' feed-forward ran {got['sgd']['ffn_calls']} times in a step with "
+                                 f"activation checkpointing; expected {2 * cfg.n_layers} (forward, then recomputed "
+                                 f"in backward) ({where})")
+        bf = got["bf16"]
+        if bf["dtypes"] != ["torch.bfloat16"]:
+            raise AssertionError(f"{name}: with param_dtype=bfloat16 the blocks compute with {bf['dtypes']} weights: "
+                                 f"pass MixedPrecisionPolicy(param_dtype, reduce_dtype) to fully_shard ({where})")
+        gathered = comm_bytes(bf["comm"], "all_gather", "forward")
+        reduced = comm_bytes(bf["comm"], "reduce_scatter")
+        if abs(reduced / max(gathered, 1) - 2) > 2 * BYTES_TOL:
+            raise AssertionError(f"{name}: reduce-scattered {reduced:,} bytes for {gathered:,} all-gathered in "
+                                 f"forward; bf16 parameters and fp32 gradients make it 2x: reduce_dtype=float32 "
+                                 f"({where})")
+        # float64, but the Llama's RMSNorm takes its mean of squares in float32 (as Meta's and HF's): a
+        # different batch split moves that by an ulp, ~1e-7 relative, which AdamW's normalisation lifts to
+        # ~1e-6 where a gradient is small; a slip is off by >= 1e-3 (SGD) or by the learning rate (AdamW)
+        for label, params, refs, tol in (("one SGD step", got["sgd"]["params"], sgd, (1e-6, 1e-8)),
+                                         (f"{steps} AdamW steps", got["adamw"]["params"], adamw, (1e-5, 1e-6))):
+            for key, want in refs.items():
+                assert_close(name, f"parameter {key} after {label}", params.get(key), want, f"{where}, rank {r}",
+                             rtol=tol[0], atol=tol[1])
+    ok(name, f"{cfg.n_layers} blocks on {world_size} ranks: order, units, recomputation, bf16/fp32 policy and "
+             f"{steps} steps, seed={seed}")

@@ -1,0 +1,262 @@
+"""The test bench of the Day 5 ZeRO checks (`dlo.checks.day5`): a small language model with a tied
+embedding and tensors of odd sizes (nothing divides by the world size), the trusted worker that runs
+a student's engine on each rank and records what it observes, and the comparisons with one process
+on the whole batch. `dlo.checks.day5_fsdp` reuses the data, the loss and the byte counts.
+
+What the worker records: the parameters the modules hold during a forward, the collectives of each
+phase (`dlo.measure.CommCounter`: calls, payload bytes, async, forward/backward/step), and the bytes
+of model state the engine holds (`dlo.measure.held_bytes`) after the step and during backward or
+forward. The worker is a module-level function of a checks module (the sandboxed grader loads it by
+reference) and returns plain data only.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from dlo.checks.common import DTYPE, assert_close
+from dlo.distributed.zero import memory_per_rank
+from dlo.measure import CommCounter, held_bytes
+
+BYTES_TOL = 0.05  # payload bytes vs 2 Psi / 3 Psi: padding every flat buffer to a multiple of N costs < 2% here
+
+
+# ----------------------------------------------------------------------------- the test model
+
+class Block(nn.Module):
+    """x + W2 tanh(W1 x + b1) + b2: a residual MLP block of odd sizes."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.w1, self.w2 = nn.Linear(dim, hidden), nn.Linear(hidden, dim)
+
+    def forward(self, x):
+        return x + self.w2(torch.tanh(self.w1(x)))  # (B, T, C)
+
+
+class TiedLM(nn.Module):
+    """Embedding -> blocks -> LayerNorm -> head whose weight *is* the embedding's (tied)."""
+
+    def __init__(self, vocab: int, dim: int, hidden: int, n_blocks: int):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(Block(dim, hidden) for _ in range(n_blocks))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, idx):
+        h = self.emb(idx)  # (B, T) -> (B, T, C)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.norm(h))  # (B, T, vocab)
+
+
+def case(seed: int) -> dict:
+    """Sizes and hyper-parameters drawn from the seed (odd sizes; Psi odd)."""
+    rng = random.Random(seed)
+    return {"vocab": rng.choice([13, 17, 19]), "dim": rng.choice([7, 9]), "hidden": rng.choice([19, 23]),
+            "n_blocks": rng.choice([6, 7]), "T": rng.choice([3, 5]), "per_rank": rng.choice([2, 3]),
+            "sgd_lr": rng.uniform(0.2, 0.5), "lr": rng.uniform(5e-3, 2e-2), "weight_decay": rng.uniform(0.0, 0.1)}
+
+
+def tied_lm(c: dict, seed: int) -> TiedLM:
+    torch.manual_seed(seed)
+    return TiedLM(c["vocab"], c["dim"], c["hidden"], c["n_blocks"]).to(DTYPE)
+
+
+def batch(c: dict, seed: int, step: int, n: int):
+    g = torch.Generator().manual_seed(seed * 1000 + step)
+    return (torch.randint(0, c["vocab"], (n, c["T"]), generator=g),
+            torch.randint(0, c["vocab"], (n, c["T"]), generator=g))
+
+
+def lm_loss(model, x, y):
+    return F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+
+
+def optimizer_for(c: dict, kind: str):
+    if kind == "sgd":
+        return torch.optim.SGD, {"lr": c["sgd_lr"]}
+    return torch.optim.AdamW, {"lr": c["lr"], "weight_decay": c["weight_decay"]}
+
+
+def named_leaves(model: nn.Module) -> dict:
+    """{"blocks.0.w1.weight": param} for every module's own parameters; a tied one under both names."""
+    return {f"{mn}.{pn}".lstrip("."): p for mn, m in model.named_modules()
+            for pn, p in m.named_parameters(recurse=False)}
+
+
+def reference(c: dict, seed: int, kind: str, steps: int, world: int) -> dict:
+    """One process, the whole global batch (world x per_rank sequences), rank 0's initial weights."""
+    model = tied_lm(c, seed + 1)
+    opt_cls, kw = optimizer_for(c, kind)
+    opt = opt_cls(model.parameters(), **kw)
+    for s in range(steps):
+        lm_loss(model, *batch(c, seed, s, world * c["per_rank"])).backward()
+        opt.step()
+        opt.zero_grad()
+    return {k: p.detach().clone() for k, p in named_leaves(model).items()}
+
+
+# ----------------------------------------------------------------------------- what the worker observes
+
+def seen_parameters(model: nn.Module, forward) -> dict:
+    """The parameters every module holds while its own forward runs (ZeRO-3 gathers them just
+    before): recorded by forward pre-hooks registered after the engine's, during `forward()`."""
+    seen, names = {}, {m: n for n, m in model.named_modules()}
+
+    def pre(mod, args):
+        for pn, p in mod.named_parameters(recurse=False):
+            key = f"{names[mod]}.{pn}".lstrip(".")
+            if p.untyped_storage().nbytes() < (p.storage_offset() + p.numel()) * p.element_size():
+                raise AssertionError(f"parameter {key} holds no data during its module's forward: gather a unit's "
+                                     f"parameters in a forward pre-hook, as views the module uses (p.data = view)")
+            seen.setdefault(key, p.detach().clone())
+    hooks = [m.register_forward_pre_hook(pre) for m in model.modules() if list(m.parameters(recurse=False))]
+    try:
+        forward()
+    finally:
+        for h in hooks:
+            h.remove()
+    return seen
+
+
+def comm_summary(counter: CommCounter) -> list:
+    return [{"kind": k.kind, "bytes": k.nbytes, "async": k.async_op, "phase": k.phase} for k in counter.calls]
+
+
+def build_engine(cls, stage: int, model, opt_cls, kw, extra: dict):
+    if stage == 3:
+        return cls(model, opt_cls, units=list(model.blocks), **kw)
+    return cls(model, opt_cls, **extra, **kw)
+
+
+def zero_worker(cls, stage: int, seed: int, steps: int, extra: dict, one_bucket: dict | None = None):
+    r, n = dist.get_rank(), dist.get_world_size()
+    c = case(seed)
+    out = {}
+    if one_bucket is not None:  # ZeRO-2 at the default cap: count the reduce-scatters of one step
+        engine = build_engine(cls, stage, tied_lm(c, seed + 1 + r), *optimizer_for(c, "sgd"), one_bucket)
+        x, y = batch(c, seed, 0, n * c["per_rank"])
+        with CommCounter() as comm:
+            lm_loss(engine, x[r::n], y[r::n]).backward()
+            engine.step()
+        out["one_bucket"] = comm.count("reduce_scatter")
+    model = tied_lm(c, seed + 1 + r)  # every rank its own weights: the engine must start from rank 0's
+    engine = build_engine(cls, stage, model, *optimizer_for(c, "sgd"), extra)
+    x, y = batch(c, seed, 0, n * c["per_rank"])
+    out["start"] = seen_parameters(model, lambda: engine(x[:1]))
+    with CommCounter() as comm:
+        comm.phase = "forward"
+        loss = lm_loss(engine, x[r::n], y[r::n])
+        comm.phase = "backward"
+        loss.backward()
+        comm.phase = "step"
+        engine.step()
+    engine.zero_grad()
+    out["sgd"] = seen_parameters(model, lambda: engine(x[:1]))
+    out["comm"] = comm_summary(comm)
+    model = tied_lm(c, seed + 1 + r)
+    engine = build_engine(cls, stage, model, *optimizer_for(c, "adamw"), extra)
+    samples = {"backward": [], "forward": []}
+    for s in range(steps):
+        if s == steps - 1:  # the last step is watched: memory during forward (per unit) and backward
+            hooks = [p.register_post_accumulate_grad_hook(lambda p: samples["backward"].append(held_bytes(engine)))
+                     for p in model.parameters()]
+            hooks += [b.register_forward_hook(lambda *a: samples["forward"].append(held_bytes(engine)))
+                      for b in model.blocks]
+        x, y = batch(c, seed, s, n * c["per_rank"])
+        lm_loss(engine, x[r::n], y[r::n]).backward()
+        engine.step()
+        if s == steps - 1:
+            out["held"] = held_bytes(engine)
+            for h in hooks:
+                h.remove()
+        engine.zero_grad()
+    out["adamw"] = seen_parameters(model, lambda: engine(x[:1]))
+    out["samples"] = samples
+    return out
+
+
+# ----------------------------------------------------------------------------- comparisons
+
+def count_psi(c: dict) -> int:
+    return sum(p.numel() for p in tied_lm(c, 0).parameters())
+
+
+def compare_params(name: str, got: dict, want: dict, start: dict, n: int, what: str, where) -> None:
+    for key, w in want.items():
+        g = got.get(key)
+        if g is None:
+            raise AssertionError(f"{name}: parameter {key} was not seen during forward ({where})")
+        if what == "SGD" and g.shape == w.shape and not torch.allclose(g.to(DTYPE), w, rtol=1e-9, atol=1e-12):
+            step_got, step_want = (start[key] - g).flatten(), (start[key] - w).flatten()
+            i = int(step_want.abs().argmax())
+            if step_want[i] != 0:
+                k = (step_got[i] / step_want[i]).item()
+                if abs(k - n) < 1e-6 * n:
+                    raise AssertionError(f"{name}: after one SGD step {key} moved {n}x too far: the gradients are "
+                                         f"summed over the ranks, divide by the world size ({where})")
+                if abs(k) < 1e-9:
+                    raise AssertionError(f"{name}: after one SGD step {key} did not move: this rank's shard of "
+                                         f"the gradient never reached the optimizer ({where})")
+        assert_close(name, f"parameter {key} after {what}", g, w, where)
+
+
+def verify_training(name: str, res: list, c: dict, seed: int, steps: int, n: int) -> None:
+    init = {k: p.detach() for k, p in named_leaves(tied_lm(c, seed + 1)).items()}
+    sgd, adamw = reference(c, seed, "sgd", 1, n), reference(c, seed, "adamw", steps, n)
+    for r, got in enumerate(res):
+        where = {"rank": r, "world_size": n, "seed": seed}
+        for key, w in init.items():
+            if key in got["start"] and not torch.equal(got["start"][key].to(DTYPE), w):
+                raise AssertionError(f"{name}: before the first step, parameter {key} on rank {r} differs from rank "
+                                     f"0's: broadcast rank 0's parameters when the engine is built "
+                                     f"({fmt_where(where)})")
+        compare_params(name, got["sgd"], sgd, init, n, "SGD", where)
+        compare_params(name, got["adamw"], adamw, init, n, f"{steps} AdamW steps", where)
+
+
+def fmt_where(where: dict) -> str:
+    return ", ".join(f"{k}={v}" for k, v in where.items())
+
+
+def comm_bytes(calls: list, kind: str, phase=None) -> int:
+    return sum(x["bytes"] for x in calls if x["kind"] == kind and (phase is None or x["phase"] == phase))
+
+
+def expect_bytes(name: str, what: str, got: int, psi_bytes: int, k: float, hint: str, where: str) -> None:
+    if abs(got - k * psi_bytes) > BYTES_TOL * psi_bytes:
+        raise AssertionError(f"{name}: {what}: {got / psi_bytes:.3f} Psi of payload per step, expected {k:g} Psi "
+                             f"(within {BYTES_TOL:g} Psi); {hint} ({where})")
+
+
+def memory_slack(c: dict, n: int, stage: int = 0) -> int:
+    """What a correct engine may hold beyond the formula: padding of its flat buffers (N-1 elements
+    per tensor, for parameters, gradients and two moments), AdamW's step counters, one parameter's
+    full gradient (the last one produced may wait for its bucket) and, beside ZeRO-1's full
+    gradients, the averaged shard its optimizer reads."""
+    model = tied_lm(c, 0)
+    tensors = len(list(model.parameters()))
+    biggest = max(p.numel() for p in model.parameters())
+    shard = 8 * math.ceil(count_psi(c) / n) if stage == 1 else 0
+    return 8 * 4 * (n - 1) * tensors + 16 * tensors + 2 * 8 * biggest + shard
+
+
+def verify_memory(name: str, res: list, c: dict, stage: int, n: int, where: str) -> dict:
+    psi = count_psi(c)
+    want = memory_per_rank(psi, n, stage, param_dtype=DTYPE, optimizer="adamw")["total"]
+    slack = memory_slack(c, n, stage)
+    for r, got in enumerate(res):
+        if got["held"] > want + slack:
+            raise AssertionError(f"{name}: rank {r} holds {got['held']:,} bytes of model state after the step; ZeRO-"
+                                 f"{stage} holds {want:,} (+ {slack:,} allowed for padding): something replicated "
+                                 f"should be sharded, or a full-size buffer outlives the step ({where})")
+    return {"psi": psi, "want": want, "slack": slack}

@@ -1,0 +1,218 @@
+"""Autograder checks for Day 6 (pipeline parallelism).
+
+1. schedules: the student's GPipe and 1F1B action lists against the library's and against
+   torch.distributed.pipelining's own (`get_schedule_ops`), replayed by the simulator (no deadlock),
+   and the bubble fraction they imply;
+2. stage partition: contiguous, covering, non-empty, and as balanced as the best partition;
+3. and 4. GPipe and 1F1B training steps on `world_size` ranks (`on_ranks`): a trusted worker cuts
+   a float64 CoAtNet into stages at seeded places, hands each rank its `Stage` and runs the
+   student's step; the gradients come back and are compared here with one process on the whole
+   batch (micro-batches of unequal size: each must weigh by its share of the batch). 1F1B must
+   also keep at most p micro-batches of activations alive on the first stage: the worker counts
+   the saved bytes there (`SavedTensorMeter`), the check measures one micro-batch's here;
+5. the same model through torch.distributed.pipelining (GPipe, 1F1B, interleaved 1F1B): losses
+   and gradients equal to one process, hence to the student's own engines of 3 and 4.
+
+The CoAtNet runs in eval mode: BatchNorm then uses its running statistics, so samples are
+independent and a pipeline equals one process exactly; in training mode each micro-batch would be
+normalised by its own statistics (as GPipe does), which is not the whole batch's.
+A deadlock in a student's schedule ends at `timeout` seconds with each rank's last posted send or
+receive (`dlo.distributed.pipeline_comms.P2PWatch`) in the message.
+
+Checks 1 and 2 live in `dlo.checks.day6_schedules` (re-exported here), 3-5 in this module.
+Forbidden while the student's code runs: the library's schedules (1), partition (2) and engines (3-5).
+torch's own schedules are kept out of exercises 3 and 4 by checking that the step did not import
+torch.distributed.pipelining (nothing else in a check's rank does), rather than by a `forbid` entry:
+resolving one would import that package on every rank of every check, seconds each.
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from dlo.checks.common import DTYPE, assert_close, check, ok, on_ranks
+from dlo.checks.day6_schedules import PIPE, check_schedules, check_split_stages
+from dlo.distributed.pipeline import build_stages, make_stage_modules
+from dlo.distributed.pipeline_comms import P2PWatch
+from dlo.measure import SavedTensorMeter
+from dlo.models.coatnet import coatnet
+
+__all__ = ["check_gpipe_step", "check_one_f_one_b_step", "check_schedules", "check_split_stages",
+           "check_torch_pipeline"]
+
+TIMEOUT = 120.0  # seconds: a deadlocked schedule ends here (a step takes < 1 s alone, a minute on a loaded grader)
+TORCH_PP = "torch.distributed.pipelining."
+ENGINES = tuple(PIPE + n for n in ("gpipe_step", "one_f_one_b_step", "naive_step", "run_schedule", "_Runner",
+                                   "Stage.comms")) + ("dlo.distributed.pipeline_comms.StageComms",
+                                                      "dlo.experiments.day6.torch_pipeline_step")
+IMAGE = 32  # CoAtNet "tiny" at 32 x 32: 15 blocks, S3 on a 2 x 2 grid, milliseconds per step in float64
+
+
+# ----------------------------------------------------------------------------- 3.-5. training steps
+
+def _case(seed: int, p: int, equal: bool, n_stages: int | None = None) -> dict:
+    """The model, its cut, the batch and its micro-batches, all from the seed (the same on every rank)."""
+    rng = random.Random(seed)
+    torch.manual_seed(1000 + seed)
+    model = coatnet("tiny", image_size=IMAGE).to(DTYPE).eval()  # eval: BatchNorm per sample, see above
+    n, n_stages = len(model.blocks), n_stages or p
+    bounds = [0] + sorted(rng.sample(range(1, n), n_stages - 1)) + [n]
+    m = rng.choice([2 * p, 3 * p]) if equal else rng.choice([p + 1, 2 * p + 1])
+    b = rng.choice([1, 2]) if equal else 0
+    B = m * b if equal else rng.choice([2 * m + 1, 3 * m - 1])
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, 3, IMAGE, IMAGE, generator=gen, dtype=DTYPE)
+    y = torch.randint(0, model.cfg.num_classes, (B,), generator=gen)
+    # each micro-batch its own storage (a view would share the batch's: saved once for all)
+    return {"model": model, "bounds": bounds, "m": m, "x": x, "y": y, "xs": [t.clone() for t in x.tensor_split(m)],
+            "ys": list(y.tensor_split(m)), "where": dict(p=p, m=m, batch=B, bounds=bounds, seed=seed)}
+
+
+def _reference(c: dict) -> tuple[float, list[list[torch.Tensor]]]:
+    """One process on the whole batch: the mean loss and each stage's parameter gradients."""
+    model = c["model"]
+    loss = F.cross_entropy(model(c["x"]), c["y"])
+    loss.backward()
+    stages = make_stage_modules(list(model.blocks), c["bounds"])
+    return loss.item(), [[q.grad.detach().clone() for q in s.parameters()] for s in stages]
+
+
+def _step_worker(fn, label: str, seed: int, equal: bool):
+    import sys
+
+    r, p = dist.get_rank(), dist.get_world_size()
+    c = _case(seed, p, equal)
+    mods = make_stage_modules(list(c["model"].blocks), c["bounds"])
+    stage = build_stages(mods, p, [len(t) for t in c["ys"]], (3, IMAGE, IMAGE), dtype=DTYPE)[0]
+    held = [*stage.module.parameters(), *stage.module.buffers()]
+    xs, ys = (c["xs"] if stage.is_first else None), (c["ys"] if stage.is_last else None)
+    with P2PWatch(f"rank {r}, your {label} step (p={p}, m={c['m']})") as watch, \
+            SavedTensorMeter(exclude=held) as meter:
+        loss = fn(stage, xs, ys, F.cross_entropy)
+    if any(name.startswith(TORCH_PP.rstrip(".")) for name in sys.modules):
+        raise AssertionError(f"{label} step: your step imported torch.distributed.pipelining; this exercise asks for "
+                             f"your own schedule from point-to-point messages (exercise 5 is torch's)")
+    loss = loss.item() if isinstance(loss, torch.Tensor) and loss.numel() == 1 else loss
+    return {"loss": loss if stage.is_last else None, "grads": [q.grad for q in stage.module.parameters()],
+            "peak": meter.peak, "sends": watch.sends, "recvs": watch.recvs}
+
+
+def _check_step(name: str, fn, label: str, seed: int, world_size: int, equal: bool, timeout: float) -> tuple:
+    got = on_ranks(_step_worker, world_size, fn, label, seed, equal, timeout=timeout)
+    c = _case(seed, world_size, equal)
+    loss, grads = _reference(c)
+    where = c["where"]
+    last = got[-1]["loss"]
+    if not isinstance(last, (int, float)) or isinstance(last, bool):
+        raise AssertionError(f"{name}: the last stage must return the batch's mean loss (a float), got {last!r} "
+                             f"({where})")
+    assert_close(name, "the loss returned by the last stage (the mean over the whole batch: weigh each "
+                 "micro-batch's mean loss by its share of the samples)", last, loss, where)
+    for r, res in enumerate(got):
+        if len(res["grads"]) != len(grads[r]):
+            raise AssertionError(f"{name}: rank {r} has {len(res['grads'])} parameters, expected {len(grads[r])}")
+        for k, (g, want) in enumerate(zip(res["grads"], grads[r])):
+            assert_close(name, f"gradient of parameter {k} of stage {r} (one process on the whole batch as "
+                         f"reference)", g, want, where)
+        if world_size > 1 and res["sends"] == 0 and res["recvs"] == 0:
+            raise AssertionError(f"{name}: rank {r} sent and received nothing: the stages must exchange "
+                                 f"activations and gradients point to point ({where})")
+    return got, c
+
+
+@check(forbid=ENGINES)
+def check_gpipe_step(fn, seed: int = 0, world_size: int = 2, timeout: float = TIMEOUT) -> None:
+    """`fn(stage, microbatches, targets, loss_fn)` on every rank: one GPipe training step (all
+    forwards, then all backwards) with point-to-point messages (dist.isend/irecv/send/recv);
+    `microbatches` on the first stage, `targets` on the last, None elsewhere; returns the batch's mean
+    loss on the last stage. Gradients against one process on the whole batch, micro-batches unequal."""
+    _check_step("gpipe_step", fn, "GPipe", seed, world_size, False, timeout)
+    ok("gpipe_step", f"loss and gradients on {world_size} ranks equal one process, seed={seed}")
+
+
+@check(forbid=ENGINES)
+def check_one_f_one_b_step(fn, seed: int = 0, world_size: int = 2, timeout: float = TIMEOUT) -> None:
+    """`fn(stage, microbatches, targets, loss_fn)`: one 1F1B step, as `check_gpipe_step`, and at
+    most min(p, m) micro-batches of activations alive at once on the first stage (saved bytes counted
+    on rank 0 against one micro-batch's, measured here)."""
+    name = "one_f_one_b_step"
+    got, c = _check_step(name, fn, "1F1B", seed, world_size, True, timeout)
+    stage0 = make_stage_modules(list(c["model"].blocks), c["bounds"])[0]
+    with SavedTensorMeter(exclude=[*stage0.parameters(), *stage0.buffers()]) as meter:
+        stage0(c["xs"][0])
+    one, p, m = meter.peak, world_size, c["m"]
+    alive = got[0]["peak"] / one
+    if got[0]["peak"] > min(p, m) * one:
+        raise AssertionError(f"{name}: the first stage kept {alive:.1f} micro-batches of activations alive at once "
+                             f"({got[0]['peak']} bytes saved for backward, {one} per micro-batch); 1F1B keeps at most "
+                             f"p = {p}: warm up with p - r - 1 forwards, then one forward, one backward ({c['where']})")
+    ok(name, f"gradients equal one process, at most {alive:.0f} of {m} micro-batches alive on stage 0, "
+             f"{world_size} ranks, seed={seed}")
+
+
+def _torch_worker(fn, seed: int, schedules: tuple):
+    from torch.distributed.pipelining import stage as pp_stage
+
+    r, p = dist.get_rank(), dist.get_world_size()
+    calls, original = [0], pp_stage._PipelineStageBase.forward_one_chunk
+
+    def counted(self, *args, **kwargs):
+        calls[0] += 1
+        return original(self, *args, **kwargs)
+
+    pp_stage._PipelineStageBase.forward_one_chunk = counted
+    out = {}
+    try:
+        for name in schedules:
+            v = 2 if name == "Interleaved1F1B" else 1
+            c = _case(seed, p, True, v * p)
+            mods = make_stage_modules(list(c["model"].blocks), c["bounds"])
+            mine = list(range(r, v * p, p))
+            first, last = 0 in mine, v * p - 1 in mine
+            calls[0] = 0
+            with P2PWatch(f"rank {r}, your torch.distributed.pipelining {name} step"):
+                losses = fn([mods[s] for s in mine], mine, v * p, c["x"] if first else None,
+                            c["y"] if last else None, F.cross_entropy, c["m"], name)
+            out[name] = {"losses": [float(torch.as_tensor(x).detach()) for x in losses] if last and losses is not None
+                         else None,
+                         "last": last, "grads": {s: [q.grad for q in mods[s].parameters()] for s in mine},
+                         "chunks": calls[0]}
+    finally:
+        pp_stage._PipelineStageBase.forward_one_chunk = original
+    return out
+
+
+@check(forbid=ENGINES)
+def check_torch_pipeline(fn, seed: int = 0, world_size: int = 2,
+                         schedules: tuple = ("GPipe", "1F1B", "Interleaved1F1B"), timeout: float = 2 * TIMEOUT) -> None:
+    """`fn(stage_modules, stage_ids, n_stages, x, y, loss_fn, n_microbatches, schedule)`: build a
+    torch.distributed.pipelining `PipelineStage` per module this rank holds and run one step of
+    `schedule` ("GPipe", "1F1B", "Interleaved1F1B"); return the list of micro-batch losses on the
+    rank with the last stage. Losses and gradients against one process (hence against your GPipe and
+    1F1B, which equal it too); torch's stages must have run every micro-batch."""
+    name = "torch_pipeline"
+    got = on_ranks(_torch_worker, world_size, fn, seed, tuple(schedules), timeout=timeout)
+    for sched in schedules:
+        v = 2 if sched == "Interleaved1F1B" else 1
+        c = _case(seed, world_size, True, v * world_size)
+        loss, grads = _reference(c)
+        where = {**c["where"], "schedule": sched}
+        for r, rank_out in enumerate(got):
+            res = rank_out[sched]
+            if res["chunks"] != c["m"] * v:
+                raise AssertionError(f"{name}: torch's pipeline stages on rank {r} ran {res['chunks']} micro-batch "
+                                     f"forwards, expected {c['m'] * v}: build PipelineStage(s) and call the "
+                                     f"schedule's step ({where})")
+            if res["last"]:
+                if not res["losses"] or len(res["losses"]) != c["m"]:
+                    raise AssertionError(f"{name}: return the {c['m']} micro-batch losses (schedule.step(..., "
+                                         f"losses=losses)) on the last stage, got {res['losses']!r} ({where})")
+                assert_close(name, "the mean of the micro-batch losses", sum(res["losses"]) / c["m"], loss, where)
+            for s, gs in res["grads"].items():
+                for k, (g, want) in enumerate(zip(gs, grads[s])):
+                    assert_close(name, f"gradient of parameter {k} of stage {s} (rank {r})", g, want, where)
+    ok(name, f"{', '.join(schedules)} on {world_size} ranks equal one process, seed={seed}")

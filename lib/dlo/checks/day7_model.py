@@ -1,0 +1,196 @@
+"""Day 7's exercises 3 and 6 on the Llama's own modules (grouped-query attention split by heads,
+the DTensor plan of a Llama block), re-exported by `dlo.checks.day7`.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from dlo.checks.common import DTYPE, assert_close, check, ok, on_ranks
+from dlo.checks.day7_layers import (
+    F_G,
+    LAYERS,
+    expect_comms,
+    fwd_bwd,
+    param_grad,
+    reference,
+    seeded_gen,
+)
+
+# ----------------------------------------------------------------------------- 3. attention split by heads
+
+def llama_config(seed: int, t: int, salt: int, **extra):
+    from dlo.models.llama import LlamaConfig
+
+    rng = random.Random(seed * 7 + salt)
+    n_kv = t * rng.choice([1, 3])
+    n_heads = n_kv * rng.choice([1, 2, 3])
+    head_dim = rng.choice([2, 4, 6])
+    return LlamaConfig(vocab_size=t * rng.choice([11, 13]), dim=n_heads * head_dim, n_layers=2, n_heads=n_heads,
+                       n_kv_heads=n_kv, ffn_dim=t * rng.choice([3, 5]), max_seq_len=64, **extra)
+
+
+def _attention_case(seed: int, t: int) -> dict:
+    from dlo.models.llama import Attention, LlamaConfig, rope_cos_sin, rope_frequencies
+
+    cfg = llama_config(seed, t, 3)
+    rng, gen = random.Random(seed), seeded_gen(seed, 3)
+    attn = Attention(cfg).to(DTYPE)
+    for lin in (attn.wq, attn.wk, attn.wv, attn.wo):
+        with torch.no_grad():
+            lin.weight.copy_(torch.randn(lin.weight.shape, generator=gen, dtype=DTYPE) / lin.in_features ** 0.5)
+    B, T = rng.choice([1, 3]), rng.choice([3, 5, 7])
+    cos, sin = rope_cos_sin(rope_frequencies(cfg), T)
+    bad = Attention(LlamaConfig(vocab_size=8, dim=4 * t, n_layers=1, n_heads=2 * t, n_kv_heads=1, ffn_dim=4))
+    return {"attn": attn, "bad": bad, "cos": cos, "sin": sin,
+            "x": torch.randn(B, T, cfg.dim, generator=gen, dtype=DTYPE),
+            "up": torch.randn(B, T, cfg.dim, generator=gen, dtype=DTYPE),
+            "where": dict(B=B, T=T, dim=cfg.dim, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads, world_size=t,
+                          seed=seed)}
+
+
+def _attention_worker(cls, seed):
+    t = dist.get_world_size()
+    c = _attention_case(seed, t)
+    layer = cls(c["attn"], None)
+    res = fwd_bwd(lambda x: layer(x, c["cos"], c["sin"]), c["x"], c["up"])
+    res.update({w: param_grad(layer, f"{w}.weight", "the tensor-parallel attention")
+                for w in ("wq", "wk", "wv", "wo")})
+    res["bad"] = None
+    if t > 1:
+        try:
+            cls(c["bad"], None)
+        except ValueError as e:
+            res["bad"] = str(e)
+    return res
+
+
+@check(forbid=LAYERS + F_G)
+def check_tp_attention(cls, seed: int = 0, world_size: int = 2) -> None:
+    """`cls(attention, group=None)` splits a Llama `Attention` by heads (wq, wk, wv by output features:
+    rank r keeps query heads [r H/t, (r+1) H/t) and KV heads [r Hkv/t, (r+1) Hkv/t); wo by input
+    features) and runs `layer(x, cos, sin)` with one all-reduce forward and one backward; a degree
+    that does not divide the KV heads raises ValueError naming n_kv_heads."""
+    name = "tp_attention"
+    got = on_ranks(_attention_worker, world_size, cls, seed)
+    c, t = _attention_case(seed, world_size), world_size
+    attn = c["attn"]
+    y, dx = reference(lambda x: attn(x, c["cos"], c["sin"]), c["x"], c["up"])
+    for r, res in enumerate(got):
+        here = {**c["where"], "rank": r}
+        expect_comms(name, "forward", res["fwd"], {"all_reduce": 1}, "q, k, v and the attention are local; only "
+                     "wo's partial sums are all-reduced", here)
+        expect_comms(name, "backward", res["bwd"], {"all_reduce": 1}, "apply f once to x, before wq, wk and wv",
+                     here)
+        assert_close(name, "output", res["y"], y, here)
+        assert_close(name, "input gradient", res["dx"], dx, here)
+        for w in ("wq", "wk", "wv"):
+            assert_close(name, f"{w} gradient (the rows of this rank's heads)", res[w],
+                         getattr(attn, w).weight.grad.chunk(t, 0)[r], here)
+        assert_close(name, "wo gradient (the columns of this rank's heads)", res["wo"],
+                     attn.wo.weight.grad.chunk(t, 1)[r], here)
+        if t > 1 and (res["bad"] is None or "n_kv_heads" not in res["bad"]):
+            raise AssertionError(f"{name}: an attention with 1 KV head on {t} ranks must raise ValueError naming "
+                                 f"n_kv_heads (a rank needs whole KV heads), got "
+                                 f"{'no error' if res['bad'] is None else repr(res['bad'])} ({here})")
+    ok(name, f"{c['where']['n_heads']} heads / {c['where']['n_kv_heads']} KV heads on {world_size} ranks, seed={seed}")
+
+
+# ----------------------------------------------------------------------------- 6. the DTensor plan
+
+def _dtensor_case(seed: int, t: int) -> dict:
+    cfg = llama_config(seed, t, 6, tie_embeddings=True)
+    rng, gen = random.Random(seed), seeded_gen(seed, 6)
+    B, T = rng.choice([1, 3]), t * rng.choice([1, 3])
+    return {"cfg": cfg, "tokens": torch.randint(0, cfg.vocab_size, (B, T), generator=gen),
+            "targets": torch.randint(0, cfg.vocab_size, (B, T), generator=gen),
+            "where": dict(B=B, T=T, dim=cfg.dim, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads, vocab=cfg.vocab_size,
+                          layers=cfg.n_layers, world_size=t, seed=seed)}
+
+
+def _llama(cfg, seed: int):
+    from dlo.models.llama import Llama
+
+    model = Llama(cfg).to(DTYPE)
+    model.init_weights(seed=seed)
+    return model
+
+
+def _dtensor_worker(fn, seed):
+    import warnings
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.debug import CommDebugMode
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    c = _dtensor_case(seed, dist.get_world_size())
+    model = _llama(c["cfg"], seed)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    fn(model, mesh)
+    full = lambda z: z.full_tensor() if isinstance(z, DTensor) else z  # noqa: E731
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # CommDebugMode's module hooks warn about inputs without grad
+        with CommDebugMode() as fwd:
+            logits = model(c["tokens"])
+            with loss_parallel():
+                loss = F.cross_entropy(logits.flatten(0, 1), c["targets"].flatten())
+        with CommDebugMode() as bwd, loss_parallel():
+            loss.backward()
+    counts = [{str(k).split(".")[-1]: v for k, v in m.get_comm_counts().items()} for m in (fwd, bwd)]
+    return {"loss": full(loss).detach(), "sharded_logits": isinstance(logits, DTensor),
+            "grads": {n: None if p.grad is None else full(p.grad).detach() for n, p in model.named_parameters()},
+            "local": {n: tuple((p.to_local() if isinstance(p, DTensor) else p).shape)
+                      for n, p in model.named_parameters()},
+            "fwd": counts[0], "bwd": counts[1]}
+
+
+@check(forbid=("dlo.distributed.tensor_parallel.apply_tp", "dlo.distributed.tensor_parallel.llama_tp_plan",
+               "dlo.distributed.tensor_parallel.apply_megatron_tp"))
+def check_dtensor_plan(fn, seed: int = 0, world_size: int = 2) -> None:
+    """`fn(model, tp_mesh)` parallelizes a Llama in place with `parallelize_module` (tensor and sequence
+    parallelism, logits left sharded by vocabulary for `loss_parallel`). One step's loss and every
+    gradient against one process, and the collectives of forward and backward counted by
+    CommDebugMode against torchtitan's plan: per block one all-gather and one reduce-scatter around
+    the attention and around the MLP, one more of each for the embedding and the output, and the
+    three all-reduces of the vocabulary-parallel loss."""
+    name = "dtensor_plan"
+    got = on_ranks(_dtensor_worker, world_size, fn, seed)
+    c = _dtensor_case(seed, world_size)
+    model = _llama(c["cfg"], seed)
+    loss = F.cross_entropy(model(c["tokens"]).flatten(0, 1), c["targets"].flatten())
+    loss.backward()
+    L = c["cfg"].n_layers
+    want_fwd = {"all_gather_into_tensor": 2 * L + 1, "reduce_scatter_tensor": 2 * L + 1, "all_reduce": 3}
+    want_bwd = {"all_gather_into_tensor": 2 * L + 1, "reduce_scatter_tensor": 2 * L + 1}
+    for r, res in enumerate(got):
+        here = {**c["where"], "rank": r}
+        if not res["sharded_logits"]:
+            raise AssertionError(f"{name}: the model returned plain logits; keep them a DTensor sharded on the "
+                                 f"vocabulary (output: ColwiseParallel(..., output_layouts=Shard(-1), "
+                                 f"use_local_output=False)) so that loss_parallel needs no all-gather ({here})")
+        expect_comms(name, "forward (CommDebugMode)", res["fwd"], want_fwd,
+                     "sequence parallelism: the norms on Shard(1), PrepareModuleInput all-gathers before the "
+                     "attention and the MLP, wo and w2 reduce-scatter (output_layouts=Shard(1)), the embedding "
+                     "reduce-scatters, the output all-gathers its input; loss_parallel all-reduces 3 times", here)
+        expect_comms(name, "backward (CommDebugMode)", res["bwd"], want_bwd,
+                     "the conjugates of the forward's all-gathers and reduce-scatters", here)
+        assert_close(name, "loss", res["loss"], loss.detach(), here)
+        for pname, p in model.named_parameters():
+            if res["grads"].get(pname) is None:
+                raise AssertionError(f"{name}: parameter {pname} has no gradient on rank {r} ({here})")
+            hint = " (tied to output.weight: call model.tie_weights() after parallelize_module)" \
+                if pname == "tok_embeddings.weight" else ""
+            assert_close(name, f"gradient of {pname}{hint}", res["grads"][pname], p.grad, here)
+        big = {n: s for n, s in res["local"].items() if n.endswith(("wq.weight", "w1.weight", "w2.weight"))}
+        full_numel = {n: p.numel() for n, p in model.named_parameters()}
+        unsharded = [n for n, s in big.items() if math.prod(s) != full_numel[n] // world_size]
+        if unsharded:
+            raise AssertionError(f"{name}: {unsharded[:3]} hold {[big[n] for n in unsharded[:3]]} on rank {r}: "
+                                 f"each rank should keep 1/{world_size} of them ({here})")
+    ok(name, f"{L} blocks on {world_size} ranks, seed={seed}")

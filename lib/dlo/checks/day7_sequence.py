@@ -1,0 +1,177 @@
+"""Day 7's exercises 4 and 5 (sequence parallelism around the norm, vocabulary-parallel
+cross-entropy), re-exported by `dlo.checks.day7`.
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from dlo.checks.common import DTYPE, assert_close, check, ok, on_ranks
+from dlo.checks.day7_layers import (
+    COMMS,
+    F_G,
+    LAYERS,
+    SwiGLU,
+    comm_kinds,
+    expect_comms,
+    fwd_bwd,
+    param_grad,
+    reference,
+    seeded_gen,
+)
+from dlo.measure import CommCounter, SavedTensorMeter
+
+SP = tuple(COMMS + n for n in ("gather_from_sp", "reduce_scatter_to_sp", "all_gather", "reduce_scatter",
+                               "all_gather_linear", "GatherFromSequenceParallel.apply",
+                               "ReduceScatterToSequenceParallel.apply", "AllGatherLinear.apply"))
+
+
+# ----------------------------------------------------------------------------- 4. sequence parallelism
+
+def _sp_case(seed: int, t: int) -> dict:
+    rng, gen = random.Random(seed), seeded_gen(seed, 4)
+    B, dim, hidden = rng.choice([1, 3]), rng.choice([7, 9, 11]) * 2, t * rng.choice([1, 3])
+    T = t * rng.choice([3, 5])
+    norm = nn.RMSNorm(dim, eps=1e-5, dtype=DTYPE)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.3 * torch.randn(dim, generator=gen, dtype=DTYPE))
+    return {"norm": norm, "ffn": SwiGLU(dim, hidden, gen), "x": torch.randn(B, T, dim, generator=gen, dtype=DTYPE),
+            "up": torch.randn(B, T, dim, generator=gen, dtype=DTYPE),
+            "where": dict(B=B, T=T, dim=dim, hidden=hidden, world_size=t, seed=seed)}
+
+
+def _sp_worker(gather_fn, scatter_fn, cls, seed):
+    t, r = dist.get_world_size(), dist.get_rank()
+    c = _sp_case(seed, t)
+    shard = lambda z: z.chunk(t, 1)[r]  # noqa: E731 - this rank's block of the sequence
+    out = {"gather": fwd_bwd(lambda x: gather_fn(x), shard(c["x"]), c["up"]),
+           "scatter": fwd_bwd(lambda x: scatter_fn(x), c["x"] * (r + 1), shard(c["up"]))}
+    block = cls(c["norm"], c["ffn"], None)
+    x = shard(c["x"]).detach().clone().requires_grad_(True)
+    params = list(block.parameters()) + list(c["norm"].parameters()) + list(c["ffn"].parameters())
+    with CommCounter() as fwd, SavedTensorMeter(exclude=params) as meter:
+        y = block(x)
+    with CommCounter() as bwd:
+        (y * shard(c["up"])).sum().backward()
+    out["block"] = {"y": y.detach(), "dx": x.grad, "fwd": comm_kinds(fwd), "bwd": comm_kinds(bwd), "saved": meter.peak}
+    out["block"].update({w: param_grad(block, f"{w}.weight", "the sequence-parallel block")
+                         for w in ("norm", "w1", "w2")})
+    return out
+
+
+def _saved(fn, x, params) -> int:
+    with SavedTensorMeter(exclude=params) as meter:
+        fn(x.detach().clone().requires_grad_(True))
+        return meter.peak
+
+
+@check(forbid=LAYERS + F_G + SP)
+def check_sequence_parallel(gather_fn, scatter_fn, cls, seed: int = 0, world_size: int = 2) -> None:
+    """`gather_fn(x, group=None)`: all-gather along the sequence (dim 1) forward, reduce-scatter
+    backward; `scatter_fn(x, group=None)`: reduce-scatter along dim 1 forward, all-gather backward;
+    `cls(norm, ffn, group=None)`: x + ffn(norm(x)) on a (B, T/t, C) sequence shard, the norm on the
+    shard, the MLP tensor-parallel between an all-gather and a reduce-scatter, the norm's weight
+    gradient whole on every rank. Values, gradients, collectives, and the bytes saved for backward."""
+    name = "sequence_parallel"
+    got = on_ranks(_sp_worker, world_size, gather_fn, scatter_fn, cls, seed)
+    c, t = _sp_case(seed, world_size), world_size
+    where = c["where"]
+    scaled_sum = c["x"] * sum(range(1, t + 1))
+    y, dx = reference(lambda x: x + c["ffn"](c["norm"](x)), c["x"], c["up"])
+    for r, res in enumerate(got):
+        here = {**where, "rank": r}
+        g_res, s_res, b_res = res["gather"], res["scatter"], res["block"]
+        assert_close(name, "gather_fn output (every rank's shard, in rank order along dim 1)", g_res["y"], c["x"], here)
+        assert_close(name, "gather_fn input gradient (reduce-scatter: the sum over ranks of this rank's block)",
+                     g_res["dx"], (c["up"] * t).chunk(t, 1)[r], here)
+        expect_comms(name, "gather_fn", {**g_res["fwd"], **{f"{k} (backward)": v for k, v in g_res["bwd"].items()}},
+                     {"all_gather": 1, "reduce_scatter (backward)": 1}, "all-gather forward, reduce-scatter "
+                     "backward", here)
+        assert_close(name, "scatter_fn output (this rank's block of the sum over ranks)", s_res["y"],
+                     scaled_sum.chunk(t, 1)[r], here)
+        assert_close(name, "scatter_fn input gradient (all-gather of the shards' gradients)", s_res["dx"], c["up"],
+                     here)
+        assert_close(name, "block output (this rank's block of the sequence)", b_res["y"], y.chunk(t, 1)[r], here)
+        assert_close(name, "block input gradient", b_res["dx"], dx.chunk(t, 1)[r], here)
+        assert_close(name, "w1 gradient", b_res["w1"], c["ffn"].w1.weight.grad.chunk(t, 0)[r], here)
+        assert_close(name, "w2 gradient", b_res["w2"], c["ffn"].w2.weight.grad.chunk(t, 1)[r], here)
+        assert_close(name, "norm weight gradient (each rank's norm saw 1/t of the tokens: all-reduce it, e.g. in "
+                     "a post-accumulate-grad hook)", b_res["norm"], c["norm"].weight.grad, here)
+        fwd = b_res["fwd"]
+        if fwd.get("all_reduce") or fwd.get("all_gather") != 1 or fwd.get("reduce_scatter") != 1:
+            raise AssertionError(f"{name}: the block's forward issued {fwd}: expected one all-gather of the normed "
+                                 f"shard (shared by w1 and w3) and one reduce-scatter after w2, no all-reduce ({here})")
+    # Bytes saved for backward on one rank: the norm on T/t tokens, plus the MLP's own (its input, all
+    # T tokens, and hidden/t units), measured here on one process with the same modules.
+    B, T, dim, hidden = (where[k] for k in ("B", "T", "dim", "hidden"))
+    params = list(c["norm"].parameters()) + list(c["ffn"].parameters())
+    norm_full = _saved(c["norm"], c["x"], params)
+    norm_shard = _saved(c["norm"], c["x"].chunk(t, 1)[0], params)
+    local = SwiGLU(dim, hidden // t, seeded_gen(seed, 5))
+    mlp_local = _saved(local, c["x"], list(local.parameters()))
+    budget = norm_shard + mlp_local + (norm_full - norm_shard) // 2
+    for r, res in enumerate(got):
+        saved = res["block"]["saved"]
+        if saved > budget:
+            raise AssertionError(f"{name}: rank {r} saved {saved} bytes for backward; with the norm on its sequence "
+                                 f"shard about {norm_shard + mlp_local} are needed ({norm_shard} for the norm on "
+                                 f"{T // t} tokens, {mlp_local} for the MLP), {norm_full + mlp_local} with the norm "
+                                 f"on all {T} tokens: run the norm on the shard and all-gather after it ({where})")
+    ok(name, f"all-gather/reduce-scatter, values and saved bytes on {world_size} ranks, seed={seed}")
+
+
+# ----------------------------------------------------------------------------- 5. vocabulary-parallel cross-entropy
+
+def _ce_case(seed: int, t: int, trial: int) -> dict:
+    rng, gen = random.Random(seed * 10 + trial), seeded_gen(seed, 50 + trial)
+    N, V = rng.choice([1, 7, 13]), t * rng.choice([3, 5, 11])
+    shift = 800.0 if trial == 1 else 0.0  # exp(800) overflows float64: subtract the max first
+    logits = torch.randn(N, V, generator=gen, dtype=DTYPE) * rng.choice([0.5, 3.0]) + shift
+    return {"logits": logits, "target": torch.randint(0, V, (N,), generator=gen),
+            "where": dict(N=N, V=V, shift=shift, world_size=t, seed=seed)}
+
+
+def _ce_worker(fn, seed, trials):
+    t, r = dist.get_world_size(), dist.get_rank()
+    out = []
+    for trial in range(trials):
+        c = _ce_case(seed, t, trial)
+        logits = c["logits"].chunk(t, -1)[r].clone().requires_grad_(True)
+        with CommCounter() as comm:
+            loss = fn(logits, c["target"].clone(), None)
+            torch.as_tensor(loss).backward()
+        out.append({"loss": torch.as_tensor(loss).detach(), "grad": logits.grad,
+                    "calls": [(call.kind, call.nbytes) for call in comm.calls]})
+    return out
+
+
+@check(forbid=LAYERS + ("torch.distributed.tensor.parallel.loss_parallel",))
+def check_vocab_parallel_cross_entropy(fn, seed: int = 0, world_size: int = 2, trials: int = 3) -> None:
+    """`fn(logits, target, group=None)`: the mean cross-entropy of (N, V/t) logits split by
+    vocabulary (rank r holds classes [r V/t, (r+1) V/t)) against global targets (N,), differentiable,
+    communicating only per-token numbers (never the logits). Loss and logits gradient against
+    F.cross_entropy on the whole logits; one trial has logits near 800 (subtract the max)."""
+    name = "vocab_parallel_cross_entropy"
+    got = on_ranks(_ce_worker, world_size, fn, seed, trials)
+    t = world_size
+    for trial in range(trials):
+        c = _ce_case(seed, t, trial)
+        logits = c["logits"].clone().requires_grad_(True)
+        loss = F.cross_entropy(logits, c["target"])
+        loss.backward()
+        N = c["where"]["N"]
+        for r, rank_out in enumerate(got):
+            res, here = rank_out[trial], {**c["where"], "rank": r}
+            big = [(k, n) for k, n in res["calls"] if k != "all_reduce" or n > 4 * N * 8]
+            if big:
+                raise AssertionError(f"{name}: collectives {big} (kind, bytes): only all-reduces of per-token numbers "
+                                     f"(max, sum of exponentials, target logit: {N * 8} bytes each) are needed; "
+                                     f"gathering the logits is what the exercise avoids ({here})")
+            assert_close(name, "loss", res["loss"], loss.detach(), here)
+            assert_close(name, "logits gradient (this rank's classes)", res["grad"], logits.grad.chunk(t, -1)[r], here)
+    ok(name, f"{trials} trials on {world_size} ranks, seed={seed}")

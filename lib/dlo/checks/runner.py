@@ -1,0 +1,292 @@
+"""The sandboxed runner: where the student's code runs while `dlo grade` checks it.
+
+    python -I -m dlo.checks.runner LOGFILE     (inside bubblewrap; requests on stdin, replies on stdout)
+
+It imports torch and dlo once, then serves one session per `@check` call: it forks a child that first
+blocks the check's forbidden references (`dlo.checks.common.forbidden`), then loads the student's
+captured objects (cloudpickle: only here, in the sandbox) when a request first names them, and
+serves requests until the check closes the session:
+
+- `call`: a student object called with the check's inputs; the reply has the result (a handle number
+  for anything that is not plain data) and the state of the arguments after the call (tensor values,
+  `.grad`s, module parameters and buffers), which the trusted side copies back in place;
+- `getattr`: an attribute of a student object (the same reply);
+- `run`: a trusted worker (a module-level function of dlo.checks) with the student's objects among its
+  arguments; plain data only comes back;
+- `ranks`: the same worker on N ranks (`dlo.distributed.launch`: the ranks are this child's children,
+  inside the sandbox too).
+
+Trusted callables among the inputs (`wire.Callback`) are called back over the channel. The parent
+never runs student code: it forwards frames between the trusted side and the child, and reports the
+child's end (`ended`, with its exit code) - a student function that calls os._exit or crashes fails
+its own check, and the next session forks a fresh child. Output of the student's code goes to LOGFILE.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import socket
+import sys
+import traceback
+
+import cloudpickle
+
+from dlo.checks import wire
+
+
+def main(argv: list[str]) -> int:
+    log = argv[1] if len(argv) > 1 else os.devnull
+    proto_in, proto_out = os.dup(0), os.dup(1)
+    os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+    out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(out, 1)
+    os.dup2(out, 2)
+    os.close(out)
+    import torch  # noqa: F401 - warm: every session's fork starts with torch and the checks imported
+
+    import dlo.checks  # noqa: F401
+    from dlo.checks import common
+
+    wire.write_frame(proto_out, wire.encode({"kind": "ready", "pid": os.getpid()}))
+    while True:
+        try:
+            req = cloudpickle.loads(wire.read_frame(proto_in))
+        except wire.ChannelClosed:
+            return 0
+        if not isinstance(req, dict) or req.get("op") != "open":
+            continue  # a frame for a session that has already ended
+        for path in req.get("forbid", ()):
+            try:  # here, once: each fork then finds the modules imported and their aliases found
+                common.forbidden_targets(path)
+            except Exception:  # noqa: BLE001 - the child reports a name it cannot resolve
+                pass
+        serve(req, proto_in, proto_out)
+
+
+def serve(req: dict, proto_in: int, proto_out: int) -> None:
+    """Fork the session's child and forward frames until it ends; then report how it ended."""
+    parent_sock, child_sock = socket.socketpair()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        parent_sock.close()
+        os.close(proto_in)
+        os.close(proto_out)
+        try:
+            Session(child_sock.fileno(), req).serve()
+        finally:
+            os._exit(0)
+    child_sock.close()
+    sock = parent_sock.fileno()
+    pidfd = os.pidfd_open(pid)  # readable once the child has exited (Linux >= 5.3)
+    try:
+        _forward(proto_in, proto_out, sock, pidfd, pid)
+    finally:
+        os.close(pidfd)
+        parent_sock.close()
+
+
+def _forward(proto_in: int, proto_out: int, sock: int, pidfd: int, pid: int) -> None:
+    child_open = True
+    while True:
+        ready, _, _ = select.select([proto_in, pidfd] + ([sock] if child_open else []), [], [])
+        if proto_in in ready:
+            try:
+                frame = wire.read_frame(proto_in)
+            except wire.ChannelClosed:  # the grader went away: so does the session
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                raise SystemExit(0) from None
+            try:
+                wire.write_frame(sock, frame)
+            except OSError:
+                pass  # the child is gone; its end is reported below
+        if sock in ready and child_open:
+            try:
+                wire.write_frame(proto_out, wire.read_frame(sock))
+            except wire.ChannelClosed:
+                child_open = False
+        if pidfd in ready:
+            if child_open:
+                _drain(sock, proto_out)
+            _, status = os.waitpid(pid, 0)
+            code = os.waitstatus_to_exitcode(status)
+            wire.write_frame(proto_out, wire.encode({"kind": "ended", "code": code}))
+            return
+
+
+def _drain(sock: int, proto_out: int) -> None:
+    """Forward the complete frames a child wrote before it exited (a partial one is dropped)."""
+    os.set_blocking(sock, False)
+    data = b""
+    try:
+        while chunk := os.read(sock, 1 << 20):
+            data += chunk
+    except BlockingIOError:
+        pass
+    while len(data) >= wire.FRAME.size:
+        (n,) = wire.FRAME.unpack(data[:wire.FRAME.size])
+        if len(data) < wire.FRAME.size + n:
+            break
+        wire.write_frame(proto_out, data[wire.FRAME.size:wire.FRAME.size + n])
+        data = data[wire.FRAME.size + n:]
+
+
+# ----------------------------------------------------------------------------- the session's child
+
+class Session:
+    def __init__(self, fd: int, req: dict):
+        self.fd = fd
+        self.name, self.forbid = req.get("exercise", "check"), tuple(req.get("forbid", ()))
+        self.hint = req.get("hint", "")
+        self.objects: dict[int, object] = {}
+        self.captured: dict[str, object] = {}
+
+    def send(self, msg: dict, handles: bool = True) -> None:
+        try:
+            data = wire.encode(msg, self.handle if handles else None)
+        except BaseException as exc:  # noqa: BLE001 - a value that cannot be encoded fails this request
+            data = wire.encode(_error(exc if not isinstance(exc, wire.Unsafe) else TypeError(
+                f"{self.name}: a {exc} cannot be returned to the grader; a check worker returns plain data only "
+                f"(tensors, numbers, strings, lists, tuples, dicts)")))
+        wire.write_frame(self.fd, data)
+
+    def handle(self, obj) -> int:
+        i = len(self.objects) + 1
+        self.objects[i] = obj
+        return i
+
+    def serve(self) -> None:
+        from dlo.checks.common import forbidden
+
+        try:
+            # kept, and entered for the whole session (it ends with this process): a collected one would restore
+            self._blocked = forbidden(self.forbid, self.name, self.hint)
+            self._blocked.__enter__()
+        except BaseException as exc:  # noqa: BLE001
+            self.send(_error(exc))
+            return
+        wire.Callback.call_back = self.call_back
+        self.send({"kind": "opened"})
+        while True:
+            req = self.next_request()
+            if req.get("op") == "close":
+                sys.stdout.flush()
+                os._exit(0)
+            self.reply(req)
+
+    def next_request(self) -> dict:
+        """The next request; one that cannot be loaded here (a worker this runner cannot import) is
+        answered with the error and skipped."""
+        while True:
+            frame = wire.read_frame(self.fd)
+            try:
+                return cloudpickle.loads(frame)
+            except BaseException as exc:  # noqa: BLE001
+                self.send(_error(exc))
+
+    def reply(self, req: dict) -> None:
+        try:
+            msg = self.answer(req)
+        except BaseException as exc:  # noqa: BLE001 - the student's exception goes back as data
+            msg = _error(exc)
+        self.send(msg, handles=req.get("op") in ("call", "getattr"))
+
+    def answer(self, req: dict) -> dict:
+        op = req["op"]
+        args, kwargs = self.resolve(req.get("args", ())), self.resolve(req.get("kwargs", {}))
+        if op == "call":
+            value = self.resolve(req["target"])(*args, **kwargs)
+            return {"kind": "result", "value": value, "after": [state(args), state(kwargs)]}
+        if op == "getattr":
+            return {"kind": "result", "value": getattr(self.resolve(req["target"]), req["name"]), "after": None}
+        if op == "run":
+            from dlo.checks.common import safe_data
+
+            value = safe_data(req["worker"](*args, **kwargs), f"{self.name}: the worker's result")
+            return {"kind": "result", "value": value, "after": None}
+        if op == "ranks":
+            from dlo.checks.common import DirectSession
+
+            ranks = DirectSession(self.name, self.forbid, self.hint)  # each rank blocks the names itself
+            value = ranks.on_ranks(req["worker"], req["world_size"], args, kwargs, req["timeout"], req["backend"])
+            return {"kind": "result", "value": value, "after": None}
+        raise ValueError(f"unknown request {op!r}")
+
+    def resolve(self, obj, depth: int = 0):
+        """The request with every Ref replaced by the student's object it names."""
+        if isinstance(obj, wire.Ref):
+            if obj.kind == "obj":
+                return self.objects[obj.key]
+            if obj.key not in self.captured:
+                with open(obj.key, "rb") as f:
+                    self.captured[obj.key] = cloudpickle.load(f)
+            return self.captured[obj.key]
+        if depth > wire.MAX_DEPTH:
+            return obj
+        if type(obj) in (list, tuple):
+            return type(obj)(self.resolve(x, depth + 1) for x in obj)
+        if type(obj) is dict:
+            return {k: self.resolve(v, depth + 1) for k, v in obj.items()}
+        if isinstance(obj, wire.OneShot):
+            return wire.OneShot([self.resolve(x, depth + 1) for x in obj.items])
+        return obj
+
+    def call_back(self, cb: wire.Callback, args, kwargs):
+        """Ask the trusted side to run its callable; serve requests it makes meanwhile."""
+        self.send({"kind": "callback", "id": cb.cid, "args": list(args), "kwargs": dict(kwargs)})
+        while True:
+            req = self.next_request()
+            if req.get("op") == "cb_result":
+                return req["value"]
+            if req.get("op") == "cb_error":
+                raise RuntimeError(f"{cb.name} (the grader's function) raised {req['message']}")
+            if req.get("op") == "close":
+                os._exit(0)
+            self.reply(req)
+
+
+def state(obj, depth: int = 0):
+    """What the trusted side copies back after a call: tensor values and grads, module parameters
+    and buffers, through lists, tuples, dicts and one-shot iterators; None for anything else."""
+    if depth > 32:
+        return None
+    d = depth + 1
+    if type(obj) in (wire.torch.Tensor, wire.torch.nn.Parameter):
+        grad = obj.grad if type(obj.grad) is wire.torch.Tensor else None
+        return ["tensor", obj, grad]
+    if isinstance(obj, wire.torch.nn.Module):
+        params = [[n, state(p, d)] for n, p in obj.named_parameters(remove_duplicate=False)]
+        buffers = [[n, b] for n, b in obj.named_buffers() if type(b) is wire.torch.Tensor]
+        return ["module", params, buffers, bool(obj.training)]
+    if isinstance(obj, wire.OneShot):
+        obj = obj.items
+    if type(obj) in (list, tuple):
+        return ["seq", [state(x, d) for x in obj]]
+    if type(obj) is dict:
+        return ["map", [[k, state(v, d)] for k, v in obj.items() if type(k) in (str, int)]]
+    return None
+
+
+_OWN_FILES = {__file__, wire.__file__}  # the runner's frames are noise in a student's traceback
+
+
+def _error(exc: BaseException) -> dict:
+    try:
+        message = str(exc)
+    except BaseException:  # noqa: BLE001 - a student exception whose __str__ raises
+        message = f"<{type(exc).__name__} whose message cannot be shown>"
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename not in _OWN_FILES]
+    try:
+        last = traceback.format_exception_only(type(exc), exc)
+    except BaseException:  # noqa: BLE001
+        last = [f"{type(exc).__name__}\n"]
+    tb = "".join(["Traceback (most recent call last):\n", *traceback.format_list(frames[-12:]), *last])
+    return {"kind": "error", "type": type(exc).__name__[:100], "message": message[:20000], "traceback": tb[-8000:]}
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

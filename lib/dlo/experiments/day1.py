@@ -1,0 +1,257 @@
+"""Day 1 experiments: the optimizer grid at equal samples, its claims, the profiled data-loading
+bottleneck, and the plan of the full profile.
+
+Every run of the grid sees the same number of *samples* (epochs): the small-batch runs take
+`P.max_steps` steps, a run at batch B takes `P.max_steps * P.small_batch / B`. That is the
+comparison the linear scaling rule is about (Goyal et al. 2017: "same accuracy after the same number
+of epochs"); comparing at equal steps would hand the large batch k times the data.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.profiler import ProfilerActivity, profile, record_function, schedule, tensorboard_trace_handler
+
+from dlo import claims as C
+from dlo.models.small import SmallCNN
+from dlo.plan import OPTIMIZER_STATE_BYTES, activation_bytes, param_bytes, row
+
+# optimizer of the notebook -> its state per fp32 parameter (SGD has Nesterov momentum)
+OPTIMIZERS = {"sgd": "sgd_momentum", "adamw": "adamw", "lamb": "lamb"}
+
+
+# ----------------------------------------------------------------------------- the training grid
+
+@dataclass(frozen=True)
+class Config:
+    """One configuration of the grid: optimizer, batch, warmup or not, lr scaled with the batch or not."""
+
+    opt: str
+    batch: int
+    warmup: bool = True
+    scale_lr: bool = True
+
+    @property
+    def name(self) -> str:  # the TensorBoard run folder: one per configuration
+        suffix = ("" if self.warmup else "_nowarmup") + ("" if self.scale_lr else "_unscaled")
+        return f"{self.opt}_b{self.batch}{suffix}"
+
+
+def steps_for(P, batch: int) -> int:
+    """Steps at `batch` that see as many samples as P.max_steps steps at P.small_batch (at least 1)."""
+    return max(1, round(P.max_steps * P.small_batch / batch))
+
+
+def lr_for(P, cfg: Config) -> float:
+    """The preset's small-batch lr, scaled by k = batch / small_batch: linearly for SGD (Goyal et al.),
+    by sqrt(k) for the adaptive AdamW and LAMB (You et al. 2019); unscaled when cfg.scale_lr is False."""
+    base = {"sgd": P.sgd_lr, "adamw": P.adamw_lr, "lamb": P.lamb_lr}[cfg.opt]
+    k = cfg.batch / P.small_batch if cfg.scale_lr else 1.0
+    return base * (k if cfg.opt == "sgd" else math.sqrt(k))
+
+
+def make_optimizer(P, name: str, params, lr: float) -> torch.optim.Optimizer:
+    from dlo.optim import LAMB
+
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=P.momentum, nesterov=True, weight_decay=P.sgd_weight_decay)
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=lr, weight_decay=P.adamw_weight_decay)
+    if name == "lamb":
+        return LAMB(params, lr=lr, weight_decay=P.lamb_weight_decay)
+    raise ValueError(f"unknown optimizer {name!r}; choose from {sorted(OPTIMIZERS)}")
+
+
+def grid(P) -> list[tuple[Config, int]]:
+    """(config, seed) pairs: the SGD linear-scaling runs and their control over P.seeds seeds; AdamW,
+    LAMB and LAMB without warmup at both batches with seed 0."""
+    S, L = P.small_batch, P.large_batch
+    sgd = [Config("sgd", S), Config("sgd", L), Config("sgd", L, scale_lr=False), Config("sgd", L, warmup=False)]
+    others = [Config(o, b) for o in ("adamw", "lamb") for b in (S, L)] + [Config("lamb", L, warmup=False)]
+    return [(c, s) for s in range(P.seeds) for c in sgd] + [(c, 0) for c in others]
+
+
+def train_config(P, cfg: Config, seed: int, train_ds, test_ds, device, writer=None, progress: bool = True) -> dict:
+    """Train a fresh SmallCNN (initial weights from `seed`) with cfg at equal samples; warmup + cosine
+    schedule (warmup: P.warmup_steps small-batch steps' worth of samples), global-norm clipping.
+    Returns the run's record: accuracy and loss on test_ds, the early loss peak, time, history."""
+    from dlo.schedules import warmup_cosine
+    from dlo.train import make_loader, train
+
+    steps = steps_for(P, cfg.batch)
+    # the same warmup in samples at every batch (Goyal et al. warm up over epochs), at least 1 step
+    warm_len = min(max(1, round(P.warmup_steps * P.small_batch / cfg.batch)), steps - 1)
+    warm = warm_len if cfg.warmup and P.warmup_steps else 0
+    lr = lr_for(P, cfg)
+    torch.manual_seed(seed)
+    model = SmallCNN(width=P.width).to(device)
+    opt = make_optimizer(P, cfg.opt, model.parameters(), lr)
+    loader = make_loader(train_ds, cfg.batch, seed=seed)
+    hist = train(model, opt, loader, steps=steps, device=device, clip=P.clip, writer=writer, eval_data=test_ds,
+                 lr_fn=lambda s: warmup_cosine(s, base_lr=lr, warmup_steps=warm, total_steps=steps),
+                 tag=f"{cfg.name} seed {seed}", progress=progress)
+    # the early window is the same with or without warmup: twice the warmup's length, from step 1
+    early = hist["loss"][1: 1 + 2 * max(warm_len, 1)] or hist["loss"]  # (step 0: the same init for all)
+    return {"name": cfg.name, "config": cfg, "seed": seed, "lr": lr, "steps": steps, "warmup": warm,
+            "samples": steps * cfg.batch, "acc": hist["eval_acc"], "loss": hist["eval_loss"],
+            "early_peak": max(early), "time_s": hist["time_s"], "hist": hist}
+
+
+def step_times(P, train_ds, device, reps: int = 8) -> dict:
+    """Interleaved timings of one SGD training step at the small and at the large batch."""
+    from dlo.measure import time_interleaved
+    from dlo.train import cross_entropy_step
+
+    fns, step = {}, cross_entropy_step(P.clip)
+    for b in (P.small_batch, P.large_batch):
+        model = SmallCNN(width=P.width).to(device)
+        opt = make_optimizer(P, "sgd", model.parameters(), P.sgd_lr)
+        batch = tuple(t[:b].to(device) for t in train_ds.tensors)
+        fns[b] = lambda m=model, o=opt, x=batch: step(m, o, x)
+    return time_interleaved(fns, device=device, warmup=2, reps=reps)
+
+
+# ----------------------------------------------------------------------------- claims
+
+def gap(a: list[dict], b: list[dict], n_test: int, key: str = "acc") -> C.Estimate:
+    """a - b of `key`: paired by seed when both ran the same >= 2 seeds (the t-interval then holds the
+    training noise); with one seed, the Wilson intervals of two accuracies on n_test images."""
+    if {r["samples"] for r in a} != {r["samples"] for r in b}:
+        raise ValueError(f"compare at equal samples (epochs): {a[0]['name']} saw {a[0]['samples']} samples, "
+                         f"{b[0]['name']} {b[0]['samples']}")
+    by_seed = {r["seed"]: r[key] for r in b}
+    pairs = [(r[key], by_seed[r["seed"]]) for r in a if r["seed"] in by_seed]
+    if len(pairs) >= 2:
+        return C.paired_difference(*zip(*pairs))
+    if key != "acc":
+        raise ValueError(f"one seed of {key!r} has no interval: run >= 2 seeds")
+    return C.difference(C.accuracy(a[0][key], n_test), C.accuracy(b[0][key], n_test),
+                        how=f"Wilson, n={n_test}, one seed (training noise not included)")
+
+
+def grid_claims(results: list[dict], P, n_test: int, times: dict | None = None, tol: float = 0.02) -> list[C.Claim]:
+    """The claims table of the grid from its run records (see `train_config`) and `step_times`."""
+    R: dict[str, list[dict]] = {}
+    for r in results:
+        R.setdefault(r["name"], []).append(r)
+    S, L = P.small_batch, P.large_batch
+    k = L // S
+    goyal, lamb = "Goyal et al. 2017", "You et al. 2019"
+    rows = [
+        C.Claim(f"linear scaling: SGD b{L} (lr x{k}, warmup) = b{S} accuracy at equal epochs", goyal,
+                "same accuracy", C.between(-tol, tol, f"gap within +-{tol:.0%}"),
+                gap(R[f"sgd_b{L}"], R[f"sgd_b{S}"], n_test)),
+        C.Claim(f"control: lr x{k} beats the unscaled lr at b{L}", goyal, "the scaled lr is needed",
+                C.at_least(0.0, "gap > 0"), gap(R[f"sgd_b{L}"], R[f"sgd_b{L}_unscaled"], n_test)),
+        C.Claim(f"warmup: without it, early loss peaks higher (SGD b{L})", goyal, "early instability",
+                C.at_least(0.0, "peak gap > 0"), gap(R[f"sgd_b{L}_nowarmup"], R[f"sgd_b{L}"], n_test, "early_peak")),
+        C.Claim(f"warmup: without it, accuracy ends lower (SGD b{L})", goyal, "worse result",
+                C.at_most(0.0, "gap < 0"), gap(R[f"sgd_b{L}_nowarmup"], R[f"sgd_b{L}"], n_test)),
+        C.Claim(f"LAMB loses less than AdamW going b{S} -> b{L}", lamb, "large batches stay efficient",
+                C.at_least(0.0, "gap > 0"),
+                C.difference(gap(R[f"lamb_b{L}"], R[f"lamb_b{S}"], n_test),
+                             gap(R[f"adamw_b{L}"], R[f"adamw_b{S}"], n_test), how=f"Wilson, n={n_test}, one seed")),
+    ]
+    if times is not None:
+        t_small, t_large = times[S].estimate(1e3), times[L].estimate(1e3)
+        rows.append(C.Claim(f"one b{L} step costs less than {k} b{S} steps", goyal,
+                            "large batches use the hardware better", C.at_least(1.0, "ratio > 1"),
+                            C.ratio(t_small.scaled(k), t_large, how=f"medians of {t_small.n} interleaved steps")))
+    rows.append(C.not_measurable("linear scaling up to batch 8k on ImageNet (ResNet-50, 8 to 256 GPUs)", goyal,
+                                 "23.74% vs 23.60% top-1 error", "needs ImageNet and 256 GPUs: the full profile "
+                                 "tests the same rule on CIFAR-10 at batch 4096"))
+    return rows
+
+
+# ----------------------------------------------------------------------------- profiling a training step
+
+def profile_steps(model, optimizer, loader, *, device, active: int = 6, trace_dir=None, name: str = "step") -> dict:
+    """Profile `active` SGD-style training steps (after one skipped and one warm-up step) of `model`
+    on `loader`, each labelled forward / backward / optimizer with record_function. Returns
+    {"spans", "steps", "share" (per step, of the DataLoader's __next__), "step_ms" (per step)} and
+    writes the Chrome trace to `trace_dir` (TensorBoard's profiler plugin, Perfetto) when given."""
+    from dlo.profiling import lane_shares, quiet_profiler, spans, steps
+    from dlo.train import cycle
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.device(device).type == "cuda" else [])
+    handler = tensorboard_trace_handler(str(trace_dir), worker_name=name) if trace_dir else None
+    batches = iter(cycle(loader))
+    with quiet_profiler(), profile(activities=acts, schedule=schedule(wait=1, warmup=1, active=active),
+                                   on_trace_ready=handler) as prof:
+        for _ in range(active + 2):
+            x, y = (t.to(device, non_blocking=True) for t in next(batches))  # DataLoader.__next__
+            with record_function("forward"):
+                loss = F.cross_entropy(model(x), y)
+            with record_function("backward"):
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+            with record_function("optimizer"):
+                optimizer.step()
+            prof.step()
+    events = prof.events()
+    sp, st = spans(events), steps(events)
+    return {"spans": sp, "steps": st, "share": lane_shares(sp, st, "data loading"),
+            "step_ms": [s.duration_us / 1e3 for s in st]}
+
+
+def profiling_claims(before: dict, after: dict, on_gpu: bool = False) -> list[C.Claim]:
+    """Claims about the data-loading bottleneck from two `profile_steps` results (before/after the fix).
+    On a GPU the "GPU idle" row reads the GPU-kernel lane of the slow pipeline's trace; on a CPU it and
+    the memory-snapshot row are kept as "not measurable here"."""
+    from dlo.profiling import DEVICE_LANE, lane_shares
+
+    fidle, lippe = "FIDLE seq. 16 (PyTorch profiler)", "Lippe 2024 (profiling)"
+    share_b, share_a = C.median_interval(before["share"]), C.median_interval(after["share"])
+    speedup = C.ratio(C.median_interval(before["step_ms"]), C.median_interval(after["step_ms"]),
+                      how="ratio of median profiled steps")
+    amdahl = 1 / (1 - share_b.value)
+    rows = [
+        C.Claim("a per-sample decode in __getitem__ dominates the step", fidle, "92.2% of the step in the DataLoader",
+                C.at_least(0.5, ">= 50%"), share_b),
+        C.Claim("decoding once (tensors in memory) removes the bottleneck", fidle, "set num_workers / fix the input",
+                C.at_most(0.1, "<= 10%"), share_a),
+        C.Claim("the fix speeds the step up by 1 / (1 - share)", "Amdahl's law", f"{amdahl:.2g}x",
+                C.approx(amdahl, rel=0.25), speedup),
+    ]
+    if on_gpu:
+        busy = C.median_interval(lane_shares(before["spans"], before["steps"], DEVICE_LANE),
+                                 how="median share of the step with a GPU kernel running")
+        rows.append(C.Claim("GPU idle while the CPU loads data", fidle, "GPU 0 has low utilization",
+                            C.at_most(0.5, "kernels <= 50% of the step"), busy))
+    else:
+        rows += [C.not_measurable("GPU idle while the CPU loads data", fidle, "GPU 0 has low utilization",
+                                  "no GPU here: on a GPU the trace's CUDA lane measures it"),
+                 C.not_measurable("a memory snapshot shows the biggest tensors and when they live", lippe,
+                                  "memory profiling", "no CUDA allocator on a CPU: on a GPU section 9.2 writes "
+                                  "the snapshot")]
+    return rows
+
+
+# ----------------------------------------------------------------------------- plan of the full profile
+
+def plan(P, *, gpus: int, gpu_mem_gb: float) -> list[dict]:
+    """One row per optimizer and batch of the training grid (fp32 SmallCNN; activations counted on
+    the meta device over forward + backward), and the AdamW step benchmark over P.bench_numel fp32
+    parameters (param, gradient, two moments). Single process: `gpus` does not change the rows."""
+    with torch.device("meta"):
+        model = SmallCNN(width=P.width)
+    n, n_params = param_bytes(model), sum(p.numel() for p in model.parameters())
+    exclude = [*model.parameters(), *model.buffers()]
+    acts = {}
+    for b in (P.small_batch, P.large_batch):
+        with torch.device("meta"):
+            x, y = torch.randn(b, 3, P.image_size, P.image_size), torch.randint(0, 10, (b,))
+        acts[b] = activation_bytes(lambda x=x, y=y: F.cross_entropy(model(x), y), exclude=exclude)
+    rows = [row(f"{name} b{b}", 1, params=n, grads=n, optimizer=OPTIMIZER_STATE_BYTES[state] * n_params,
+                activations=acts[b], gpu_mem_gb=gpu_mem_gb, main=b == P.large_batch,
+                note=f"SmallCNN width {P.width}, {P.image_size}x{P.image_size} images")
+            for name, state in OPTIMIZERS.items() for b in (P.small_batch, P.large_batch)]
+    bench = 4 * P.bench_numel
+    rows.append(row("AdamW step benchmark", 1, params=bench, grads=bench,
+                    optimizer=OPTIMIZER_STATE_BYTES["adamw"] * P.bench_numel, activations=0, gpu_mem_gb=gpu_mem_gb,
+                    note=f"{P.bench_numel:,} fp32 parameters in 32 tensors"))
+    return rows

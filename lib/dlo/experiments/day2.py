@@ -1,0 +1,286 @@
+"""Day 2 experiments: the decoder-only transformer of the memory/speed table, the accuracy runs and
+the fp16 underflow demo with their claims, and the day's plan.
+
+`TinyLM` is GPT-2's shape at the full profile (12 layers, d_model 768, a 50257-token vocabulary,
+1024 positions: ~160M parameters with its untied head, near the 155M model of the course's float32
+vs bfloat16 case study) and a toy at the tiny one.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dlo import claims as C
+from dlo.models.small import MLP, SmallCNN
+from dlo.plan import OPTIMIZER_STATE_BYTES, activation_bytes, fake_cpu, param_bytes, row
+
+LIPPE, MICIK, KALAM = "Lippe 2024 (case study)", "Micikevicius et al. 2018", "Kalamkar et al. 2019"
+
+
+class TinyLM(nn.Module):
+    """Decoder-only transformer (pre-norm nn.TransformerEncoder with a causal mask); returns (B*T, vocab) logits."""
+
+    def __init__(self, vocab: int, d_model: int, n_layers: int, n_heads: int, seq: int):
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, d_model), nn.Embedding(seq, d_model)
+        layer = nn.TransformerEncoderLayer(d_model, n_heads, 4 * d_model, dropout=0.0, activation="gelu",
+                                           batch_first=True, norm_first=True)
+        self.blocks = nn.TransformerEncoder(layer, n_layers, enable_nested_tensor=False)
+        self.norm, self.head = nn.LayerNorm(d_model), nn.Linear(d_model, vocab, bias=False)
+        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(seq), persistent=False)
+
+    def forward(self, idx):  # (B, T) token ids
+        h = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))  # (B, T, C)
+        h = self.blocks(h, mask=self.mask[:idx.shape[1], :idx.shape[1]], is_causal=True)
+        return self.head(self.norm(h)).flatten(0, 1)  # (B*T, vocab)
+
+
+def make_lm(P) -> TinyLM:
+    return TinyLM(P.lm_vocab, P.lm_d_model, P.lm_layers, P.lm_heads, P.lm_seq)
+
+
+def make_cnn(P) -> SmallCNN:
+    return SmallCNN(width=P.width)
+
+
+def make_mlp(P) -> MLP:
+    return MLP(3 * P.image_size ** 2, 256, 10, depth=3)
+
+
+# ----------------------------------------------------------------------------- accuracy runs
+
+def accuracy_runs(P, train_ds, test_ds, device, writer=None, progress: bool = True) -> dict:
+    """fp32 and bf16-autocast SmallCNN runs (AdamW, P.max_steps steps) for seeds 0..P.seeds-1, each
+    pair from the same initial weights and batches. {label: [history per seed]}; `writer(label, seed)`
+    gives a SummaryWriter or None."""
+    from dlo.amp import train_amp
+    from dlo.train import make_loader
+
+    out: dict[str, list] = {"fp32": [], "bf16": []}
+    for seed in range(P.seeds):
+        for label, dtype in (("fp32", None), ("bf16", torch.bfloat16)):
+            torch.manual_seed(seed)
+            model = make_cnn(P).to(device)
+            opt = torch.optim.AdamW(model.parameters(), lr=P.lr)
+            w = writer(label, seed) if writer else None
+            out[label].append(train_amp(model, opt, make_loader(train_ds, P.batch_size, seed=seed), steps=P.max_steps,
+                                        device=device, dtype=dtype, writer=w, eval_data=test_ds, progress=progress))
+            if w is not None:
+                w.close()
+    return out
+
+
+def underflow_demo(P, train_ds, test_ds, device, writer=None, progress: bool = True) -> dict:
+    """The fp16 underflow situation, built on purpose: an MLP whose loss is weighted by
+    2^-P.demo_loss_log2 (every gradient that many binades smaller), trained by SGD with the lr
+    divided by the same power of two (in fp32, where scaling by 2^-k is exact, the updates are the
+    unweighted ones). Four runs per seed: fp32, bf16, fp16 without and with a DynamicLossScaler that
+    starts at P.demo_init_scale. {label: [history per seed]}."""
+    from dlo.amp import DynamicLossScaler, train_amp
+    from dlo.train import make_loader
+
+    weight = 2.0 ** -P.demo_loss_log2
+    runs = {"fp32": (None, False), "bf16": (torch.bfloat16, False), "fp16": (torch.float16, False),
+            "fp16 + scaler": (torch.float16, True)}
+    out: dict[str, list] = {label: [] for label in runs}
+    for seed in range(P.seeds):
+        for label, (dtype, scaled) in runs.items():
+            torch.manual_seed(seed)
+            model = make_mlp(P).to(device)
+            opt = torch.optim.SGD(model.parameters(), lr=P.demo_lr / weight, momentum=0.9)
+            scaler = (DynamicLossScaler(init_scale=P.demo_init_scale, growth_interval=P.growth_interval)
+                      if scaled else None)
+            w = writer(label, seed) if writer else None
+            out[label].append(train_amp(model, opt, make_loader(train_ds, P.batch_size, seed=seed), steps=P.demo_steps,
+                                        device=device, dtype=dtype, scaler=scaler, loss_weight=weight, writer=w,
+                                        eval_data=test_ds, progress=progress))
+            if w is not None:
+                w.close()
+    return out
+
+
+def fp16_step_times(P, batch, device, reps: int = 3) -> dict:
+    """Interleaved timings of one SmallCNN training step in bf16 and fp16 autocast (the CPU's fp16 path)."""
+    from dlo.amp import precision_step
+    from dlo.measure import time_interleaved
+
+    fns = {m: precision_step(lambda: make_cnn(P), batch, mode=m, device=device) for m in ("bf16", "fp16")}
+    return time_interleaved(fns, device=device, warmup=1, reps=reps)
+
+
+# ----------------------------------------------------------------------------- claims
+
+def accuracy_gap(a: list[float], b: list[float], n_test: int) -> C.Estimate:
+    """Accuracy a - b: paired by seed over >= 2 seeds (training noise included), else the Wilson
+    intervals of two accuracies on n_test images."""
+    if len(a) != len(b):
+        raise ValueError(f"pair the runs by seed: {len(a)} vs {len(b)} accuracies")
+    if len(a) >= 2:
+        return C.paired_difference(a, b)
+    return C.difference(C.accuracy(a[0], n_test), C.accuracy(b[0], n_test), how=f"Wilson, n={n_test}, one seed")
+
+
+def precision_claims(act_ratio: dict, accs: dict, n_test: int, demo: dict | None = None, speed: dict | None = None,
+                     tol: float = 0.05) -> list[C.Claim]:
+    """The claims table of the day. act_ratio: {"TinyLM", "SmallCNN"} -> bf16/fp32 saved bytes;
+    accs: {"fp32", "bf16"} -> accuracies per seed; demo: {"fp32", "bf16", "fp16", "fp16 + scaler"} ->
+    accuracies per seed, plus "skipped" -> skipped steps per seed of the scaled run; speed (GPU):
+    {"fp32", "bf16"} -> {"timing": Timing, "peak_bytes"} of the TinyLM step. `tol`: accuracy points."""
+    within = C.between(-tol, tol, f"gap within +-{tol:.0%}")
+    rows = [C.Claim(f"activations 50% smaller in bf16 ({m})", LIPPE, "50% smaller", C.approx(0.5, abs_tol=0.05),
+                    C.exact(act_ratio[m], "saved bytes bf16 / fp32, counted")) for m in ("TinyLM", "SmallCNN")]
+    rows.append(C.Claim("equivalent accuracy, bf16 vs fp32 (SmallCNN)", LIPPE, "equivalent performance", within,
+                        accuracy_gap(accs["bf16"], accs["fp32"], n_test)))
+    if demo is not None:
+        rows += [
+            C.Claim("small gradients: fp16 without loss scaling trains worse", MICIK, "gradients flush to zero",
+                    C.at_most(0.0, "gap < 0"), accuracy_gap(demo["fp16"], demo["fp32"], n_test)),
+            C.Claim("small gradients: loss scaling recovers fp32 accuracy", MICIK, "matches fp32", within,
+                    accuracy_gap(demo["fp16 + scaler"], demo["fp32"], n_test)),
+            C.Claim("small gradients: bf16 needs no loss scaling", KALAM, "fp32's range", within,
+                    accuracy_gap(demo["bf16"], demo["fp32"], n_test)),
+            C.Claim("dynamic scaling skips overflowing steps and backs off", MICIK, "skip, S x 0.5",
+                    C.at_least(1.0, ">= 1 skip"), C.exact(min(demo["skipped"]), "fewest skipped steps over seeds")),
+        ]
+    if speed is not None:
+        f32, b16 = speed["fp32"], speed["bf16"]
+        rows += [
+            C.Claim("30% memory reduction (20.6 -> 14.6 GB)", LIPPE, "30% less", C.approx(0.30, abs_tol=0.1),
+                    C.exact(1 - b16["peak_bytes"] / f32["peak_bytes"], "1 - peak bf16 / peak fp32 (CUDA allocator)")),
+            C.Claim("2x speed-up (2.1 -> 1.1 s/step)", LIPPE, "2x", C.approx(2.0, rel=0.25),
+                    C.ratio(f32["timing"].estimate(), b16["timing"].estimate(), how="ratio of median steps")),
+        ]
+    else:
+        why = "no GPU: CPU bf16 kernels say nothing about tensor cores or the CUDA allocator"
+        rows += [C.not_measurable("30% memory reduction (20.6 -> 14.6 GB)", LIPPE, "30% less", why),
+                 C.not_measurable("2x speed-up (2.1 -> 1.1 s/step)", LIPPE, "2x", why)]
+    return rows
+
+
+def speed_table(P, lm_batch, cnn_batch, device) -> list[dict]:
+    """GPU only: per model and precision (+ torch.compile, + channels_last for the CNN) the Timing of
+    a full AdamW training step and the CUDA allocator's peak bytes."""
+    from dlo.amp import MODES, precision_step
+    from dlo.measure import peak_memory, time_fn
+
+    rows = []
+    configs = [dict(mode=m) for m in MODES] + [dict(mode="bf16", compile=True)]
+    for name, make, batch, extra in (("TinyLM", make_lm, lm_batch, []),
+                                     ("SmallCNN", make_cnn, cnn_batch, [dict(mode="bf16", channels_last=True)])):
+        for cfg in configs + extra:
+            step = precision_step(lambda make=make: make(P), batch, device=device, **cfg)
+            timing = time_fn(step, device=device, warmup=3, reps=P.measure_steps)
+            with peak_memory(device) as peak:
+                step()
+            rows.append(dict(model=name, mode=cfg["mode"], compile=cfg.get("compile", False),
+                             channels_last=cfg.get("channels_last", False), timing=timing, peak_bytes=peak.bytes))
+            torch.cuda.empty_cache()
+    return rows
+
+
+def lm_accounting(P, batch, device, reps: int = 5) -> dict:
+    """One AdamW training step of the TinyLM (bf16 autocast on a GPU, fp32 elsewhere): its FLOPs
+    counted by FlopCounterMode and by 6N + 12 l h s per token, its time (a Timing) and the bytes of
+    parameters, gradients and optimizer state per parameter."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from dlo.accounting import matmul_params
+    from dlo.amp import train_step
+    from dlo.measure import count_flops, optimizer_state_bytes, tensor_bytes, time_fn, transformer_flops_per_token
+
+    device = torch.device(device)
+    model = make_lm(P).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=P.lr)
+    x, y = (t.to(device) for t in batch)
+    dtype = torch.bfloat16 if device.type == "cuda" else None
+
+    def step():
+        return train_step(model, opt, x, y, dtype=dtype)
+    with sdpa_kernel(SDPBackend.MATH):  # FlopCounterMode has no formula for the CPU's fused attention kernel:
+        flops = count_flops(step)       # the math backend runs the same FLOPs as matmuls it does count
+    timing = time_fn(step, device=device, warmup=2, reps=reps)
+    params = list(model.parameters())
+    n = sum(p.numel() for p in params)
+    state = tensor_bytes(params) + tensor_bytes(p.grad for p in params) + optimizer_state_bytes(opt)
+    n_matmul = matmul_params(model)
+    return {"flops_per_step": flops, "tokens": x.numel(), "counted_per_token": flops / x.numel(),
+            "formula_per_token": transformer_flops_per_token(n_matmul, P.lm_layers, P.lm_d_model, P.lm_seq),
+            "matmul_params": n_matmul, "params": n, "bytes_per_param": state / n, "timing": timing,
+            "dtype": "bf16" if dtype else "fp32"}
+
+
+def kernel_claims(attn_rows: list[dict], compiled: dict, on_gpu: bool) -> list[C.Claim]:
+    """Fused attention and torch.compile: attn_rows from dlo.attention.attention_costs, compiled from
+    dlo.attention.compile_speedup. Memory exponents are exact counts; times have their intervals."""
+    from dlo.attention import loglog_slope
+
+    dao = "Dao et al. 2022 (FlashAttention)"
+    by = {impl: [r for r in attn_rows if r["impl"] == impl] for impl in ("naive", "sdpa")}
+    slope = {impl: loglog_slope([r["T"] for r in rs], [r["saved_bytes"] for r in rs]) for impl, rs in by.items()}
+    rows = [C.Claim("fused attention saves memory linear in T", dao, "O(T), not O(T^2)", C.approx(1.0, abs_tol=0.1),
+                    C.exact(slope["sdpa"], "exponent of saved bytes vs T, last two lengths")),
+            C.Claim("naive attention keeps the T x T scores", dao, "O(T^2)", C.approx(2.0, abs_tol=0.1),
+                    C.exact(slope["naive"], "exponent of saved bytes vs T, last two lengths"))]
+    if on_gpu:
+        naive, fused = by["naive"][-1]["timing"].estimate(), by["sdpa"][-1]["timing"].estimate()
+        rows.append(C.Claim(f"fused attention ~3x faster (T={by['sdpa'][-1]['T']})", LIPPE, "3x over eager",
+                            C.approx(3.0, rel=0.5), C.ratio(naive, fused, how="ratio of median fwd+bwd")))
+    else:
+        rows.append(C.not_measurable("fused attention ~3x faster", LIPPE, "3x over eager", "a GPU claim (HBM traffic "
+                                     "saved); the CPU times above are shown for information"))
+    if "error" in compiled:
+        rows.append(C.not_measurable("compiling fuses pointwise ops: faster", LIPPE, "fewer kernel calls",
+                                     f"torch.compile failed here: {compiled['error']}"))
+    else:
+        rows.append(C.Claim("compiling fuses pointwise ops: faster", LIPPE, "fewer kernel calls",
+                            C.at_least(1.0, "> 1x"),
+                            C.ratio(compiled["eager"].estimate(), compiled["compiled"].estimate(),
+                                    how=f"eager / compiled, medians of {compiled['eager'].n} interleaved calls")))
+    return rows
+
+
+def flops_claims(counted: float, formula: float, bytes_per_param: float, mfu=None) -> list[C.Claim]:
+    """FLOPs per token counted by FlopCounterMode vs 6N + 12 l h s, measured model-state bytes per
+    parameter vs 16, and MFU (a C.Estimate on a GPU with a known peak, else None)."""
+    rows = [C.Claim("training FLOPs per token = 6N + 12 l h s", "Kaplan et al. 2020; PaLM app. B", "6N + 12 l h s",
+                    C.approx(1.0, rel=0.02), C.exact(counted / formula, "FlopCounterMode count / formula")),
+            C.Claim("16 bytes per parameter (mixed-precision Adam)", "Lippe 2024; ZeRO (Rajbhandari et al. 2020)",
+                    "16 B", C.approx(16.0, rel=0.02),
+                    C.exact(bytes_per_param, "params + grads + AdamW state, counted, / parameters"))]
+    megatron = "Megatron-LM / Nemotron (seeds)"
+    if mfu is None:
+        rows.append(C.not_measurable("MFU of a well-tuned large-model run", megatron, "41-48%",
+                                     "no known peak FLOP/s here (CPU): the achieved GFLOP/s are shown instead"))
+    else:
+        rows.append(C.Claim("MFU of a well-tuned large-model run", megatron, "41-48%", C.at_least(0.3, ">= 30%"), mfu))
+    return rows
+
+
+def plan(P, *, gpus: int, gpu_mem_gb: float) -> list[dict]:
+    """One row per model and precision of the day: fp32 master weights and gradients, AdamW's two fp32
+    moments, and the bytes autograd saves (forward + backward) under autocast, counted on fake CPU
+    tensors (`dlo.plan.fake_cpu`: the CPU's autocast rules and attention kernel, the closest a CPU
+    gets to a GPU's). fp16 saves what bf16 does; tf32 what fp32 does. Single process."""
+    rows = []
+    for name, build, shape, high in (("TinyLM", make_lm, (P.lm_batch, P.lm_seq), P.lm_vocab),
+                                     ("SmallCNN", make_cnn, (P.batch_size, 3, P.image_size, P.image_size), 0)):
+        with torch.device("meta"):
+            model = build(P)
+        n = param_bytes(model)
+        n_params = sum(p.numel() for p in model.parameters())
+        mode = fake_cpu(model)
+        with mode:
+            x = torch.randint(0, high, shape) if high else torch.randn(shape)
+            y = torch.randint(0, P.lm_vocab if high else 10, (shape[0] * (shape[1] if high else 1),))
+            for label, dtype in (("fp32", None), ("bf16 autocast", torch.bfloat16)):
+                def loss(dtype=dtype, model=model, x=x, y=y):
+                    with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
+                        return F.cross_entropy(model(x), y)
+                acts = activation_bytes(loss, exclude=[*model.parameters(), *model.buffers()])
+                rows.append(row(f"{name} {label}", 1, params=n, grads=n,
+                                optimizer=OPTIMIZER_STATE_BYTES["adamw"] * n_params, activations=acts,
+                                gpu_mem_gb=gpu_mem_gb, main=name == "TinyLM" and dtype is None,
+                                note=f"batch {' x '.join(map(str, shape))}, AdamW"))
+    return rows

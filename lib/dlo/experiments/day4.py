@@ -1,0 +1,372 @@
+"""Day 4 experiments, run on every rank inside `dlo.distributed.launch` (rank 0's dict is read).
+
+All measure side by side in one process group: the all-reduce time per message size (sizes
+interleaved round by round after an untimed warm-up round, so the first call's set-up cost is not
+fitted) and the bytes a rank really sends (the ring exercise's messages counted by
+`dlo.measure.CommCounter`; gloo's own all-reduce on the loopback interface's byte counters);
+naive vs bucketed vs torch DDP step time (interleaved step by step, paired rounds); one bucketed
+step profiled, its events kept for a timeline (all-reduces beside backward, Li et al. 2020,
+Fig. 2); the bytes torch's DDP communication hooks send (fp16/bf16, PowerSGD of Vogels et al. 2019)
+and 1-bit Adam's (`dlo.distributed.onebit_adam`, Tang et al. 2021) against fp32 Adam, with the
+losses; local vs synchronized BatchNorm at a small per-rank batch. Training curves go to TensorBoard
+(rank 0, one run folder per configuration under `log_dir`). Every phase reports
+`dlo.distributed.heartbeat`, so a slow run reads as progress, not as a deadlock. The preset `P` is a
+`dlo.presets.Day4Preset`; `plan` sizes its full profile. Tables and claims: `day4_report`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from dlo.distributed.ddp import DataParallelBucket, DataParallelNaive
+from dlo.distributed.launch import heartbeat, rank_device
+from dlo.distributed.onebit_adam import OneBitAdam
+from dlo.distributed.sync_bn import convert_sync_batchnorm
+from dlo.experiments.day4_comm import bandwidth, loopback_sent, powersgd_bytes, ring_sent, wire_bytes
+from dlo.experiments.day4_report import quiet_profiler, timeline
+from dlo.measure import CommCounter, time_interleaved
+from dlo.models.resnet import resnet18
+from dlo.models.small import MLP
+from dlo.train import evaluate, train
+
+
+def mlp(P, device, norm: bool = False, seed: int = 0) -> nn.Module:
+    """d_in -> (hidden [BatchNorm] ReLU) x layers -> 10, the same weights on every call (seeded)."""
+    torch.manual_seed(seed)
+    return MLP(P.d_in, P.hidden, 10, depth=P.layers + 1, norm=norm).to(device)
+
+
+def feature_batch(P, step: int, rank: int, device, n: int | None = None):
+    """A learnable synthetic batch, different on every rank and step: 10 Gaussian clusters around
+    fixed centres, each feature with its own offset and scale (so that normalization matters)."""
+    centres = torch.randn(10, P.d_in, generator=torch.Generator().manual_seed(12345))  # (10, d_in)
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    y = torch.randint(0, 10, (n or P.batch_per_rank,), generator=g)  # (B,)
+    x = 0.3 * centres[y] + torch.randn(len(y), P.d_in, generator=g)  # (B, d_in)
+    shift = torch.linspace(-3, 3, P.d_in)
+    scale = torch.linspace(0.5, 4, P.d_in).roll(P.d_in // 3)
+    return (x * scale + shift).to(device), y.to(device)
+
+
+def image_batch(P, step: int, rank: int, device):
+    """Synthetic images (B, 3, S, S) for the ResNet: 10 classes, each with its own mean pattern."""
+    centres = torch.randn(10, 3, P.image_size, P.image_size, generator=torch.Generator().manual_seed(12345))
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    y = torch.randint(0, 10, (P.batch_per_rank,), generator=g)  # (B,)
+    x = 0.5 * centres[y] + torch.randn(len(y), 3, P.image_size, P.image_size, generator=g)  # (B, 3, S, S)
+    return x.to(device), y.to(device)
+
+
+def model(P, device) -> nn.Module:
+    """The model of the DDP comparisons: P.model is "mlp" (tiny) or "resnet18" (full, He et al. 2016)."""
+    if P.model == "resnet18":
+        torch.manual_seed(0)
+        return resnet18(num_classes=10, width=P.width).to(device)
+    if P.model == "mlp":
+        return mlp(P, device)
+    raise ValueError(f"Day4Preset.model must be 'mlp' or 'resnet18', got {P.model!r}")
+
+
+def batch(P, step: int, rank: int, device):
+    """A batch for `model(P, device)`."""
+    return (image_batch if P.model == "resnet18" else feature_batch)(P, step, rank, device)
+
+
+def batches(P, rank: int, device, n: int | None = None, features: bool = False):
+    """The endless stream of batches 0, 1, 2, ... of this rank (for `dlo.train.train`)."""
+    step = 0
+    while True:
+        yield feature_batch(P, step, rank, device, n) if features else batch(P, step, rank, device)
+        step += 1
+
+
+def ddp_step(label: str = ""):
+    """A `dlo.train.train` step for any of the data-parallel wrappers: cross-entropy, backward, our
+    wrappers' explicit synchronization (torch DDP syncs inside backward), SGD step. Says `label`
+    and the step count through the launcher's heartbeat."""
+    count = [0]
+
+    def step(net, opt, b) -> dict:
+        if count[0] % 10 == 0:  # a file write: rare enough to leave a median step time alone
+            heartbeat(f"{label}: step {count[0]}")
+        count[0] += 1
+        loss = F.cross_entropy(net(b[0]), b[1])
+        loss.backward()
+        if hasattr(net, "finish_gradient_synchronization"):  # ours; torch DDP syncs inside backward
+            net.finish_gradient_synchronization()
+        opt.step()
+        opt.zero_grad()
+        return {"loss": loss}
+    return step
+
+
+def wrappers(P, device) -> dict:
+    """The three data-parallel versions of the comparison, with the same bucket cap."""
+    ddp_kw = {"device_ids": [device.index]} if device.type == "cuda" else {}
+    cap = P.bucket_cap_mb
+    return {"naive (ours)": lambda m: DataParallelNaive(m),
+            "bucketed (ours)": lambda m: DataParallelBucket(m, bucket_cap_mb=cap),
+            "torch DDP": lambda m: nn.parallel.DistributedDataParallel(m, bucket_cap_mb=cap, **ddp_kw)}
+
+
+def writer(log_dir, name: str):
+    """A TensorBoard writer for run folder `name` under `log_dir` on rank 0 (None elsewhere, or
+    without a log_dir): one folder per configuration, one tag per metric, as `Run.writer`."""
+    if log_dir is None or dist.get_rank() != 0:
+        return None
+    from torch.utils.tensorboard import SummaryWriter
+
+    return SummaryWriter(str(Path(log_dir) / name))
+
+
+def log_curve(log_dir, name: str, values, tag: str = "loss") -> None:
+    w = writer(log_dir, name)
+    if w is not None:
+        with contextlib.closing(w):
+            for i, v in enumerate(values):
+                w.add_scalar(tag, v, i)
+
+
+# ----------------------------------------------------------------------------- data parallelism
+
+def step_times(P, device, versions: dict, warmup: int = 2, log_dir=None) -> dict:
+    """Median step time ("time_s"), every round's time ("times_s": rounds paired across versions)
+    and throughput of each version, interleaved step by step on one fixed batch per rank (the data
+    do not change a step's time). Rank 0 logs each version's step times ("throughput/<version>")."""
+    b = batch(P, 0, dist.get_rank(), device)
+    fns = {}
+    for name, wrap in versions.items():
+        net = wrap(model(P, device))
+        opt = torch.optim.SGD(net.parameters(), lr=P.lr, momentum=0.9)
+        step = ddp_step(f"throughput, {name}")
+        fns[name] = lambda net=net, opt=opt, step=step: step(net, opt, b)
+    timings = time_interleaved(fns, device=device, warmup=warmup, reps=P.max_steps)
+    world = dist.get_world_size()
+    for name, t in timings.items():
+        log_curve(log_dir, f"throughput/{FOLDERS[name]}", [1e3 * x for x in t.times_s], "step_ms")
+    return {name: {"time_s": t.median_s, "times_s": t.times_s, "spread": t.spread,
+                   "samples/s": world * P.batch_per_rank / t.median_s} for name, t in timings.items()}
+
+
+def overlap(P, device, log_dir, steps: int = 3) -> dict:
+    """Profile `steps` bucketed steps (after one warm-up step) and keep the fastest (on a shared
+    machine a step can lose the CPU for tens of ms): count its all-reduces that start before
+    backward's last op ends; keep its events for a timeline figure (`timeline`)."""
+    from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
+
+    heartbeat("overlap: profiling bucketed steps")
+    net = DataParallelBucket(model(P, device), bucket_cap_mb=P.bucket_cap_mb)
+    opt = torch.optim.SGD(net.parameters(), lr=P.lr)
+    step = ddp_step("overlap")
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    handler = tensorboard_trace_handler(str(Path(log_dir) / "profile"), worker_name=f"rank{dist.get_rank()}")
+    with quiet_profiler(), profile(activities=acts, schedule=schedule(wait=0, warmup=1, active=steps, repeat=1),
+                                   on_trace_ready=handler) as prof:
+        for s in range(1 + steps):
+            step(net, opt, batch(P, s, dist.get_rank(), device))
+            prof.step()
+    events = prof.events()
+    fastest = min((e for e in events if e.name.startswith("ProfilerStep")),
+                  key=lambda e: e.time_range.end - e.time_range.start)
+    events = [e for e in events if fastest.time_range.start <= e.time_range.start <= fastest.time_range.end]
+    backward_end = max(e.time_range.end for e in events if e.name.startswith("autograd::engine::evaluate_function"))
+    # c10d::allreduce_ is the launch from the hook (one per bucket); the backend's own event
+    # (gloo:all_reduce, nccl:all_reduce) is the transfer it queues, so counting both would double
+    starts = [e.time_range.start for e in events if e.name == "c10d::allreduce_"]
+    return {"all-reduces": len(starts), "during backward": sum(t < backward_end for t in starts),
+            "buckets": len(net.buckets), "timeline": timeline(events)}
+
+
+# ----------------------------------------------------------------------------- compression
+
+FOLDERS = {"naive (ours)": "naive_ours", "bucketed (ours)": "bucketed_ours", "torch DDP": "torch_ddp",
+           "fp32 (no compression)": "fp32", "fp16 compress": "fp16", "PowerSGD": "powersgd",
+           "bf16 compress": "bf16", "local BatchNorm": "local", "SyncBatchNorm (ours)": "sync_ours",
+           "torch SyncBatchNorm": "sync_torch", "Adam (fp32 all-reduce)": "adam_fp32", "1-bit Adam": "onebit_adam",
+           "frozen variance, fp32 momentum": "frozen_v_fp32", "frozen variance, no BatchNorm": "frozen_v_no_bn"}
+
+
+def compression_hooks(device) -> dict:
+    """torch's DDP communication hooks of the comparison. bf16 compression needs NCCL >= 2.10 (gloo
+    has no bf16 sum): on the CPU it is absent, and the notebook shows it as not measurable here."""
+    import torch.distributed.algorithms.ddp_comm_hooks.default_hooks as default_hooks
+    import torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook as powersgd
+
+    hooks = {"fp32 (no compression)": default_hooks.allreduce_hook, "fp16 compress": default_hooks.fp16_compress_hook,
+             "PowerSGD": powersgd.powerSGD_hook}
+    if device.type == "cuda":
+        hooks["bf16 compress"] = default_hooks.bf16_compress_hook
+    return hooks
+
+
+def compression(P, device, log_dir=None) -> dict:
+    """Bytes of the last step's all-reduces ("bytes/step", the payload each rank hands over;
+    "sent/step", the bytes it sends under the ring model), the training losses and the final loss,
+    per DDP communication hook, after P.compress_steps steps."""
+    import torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook as powersgd
+
+    # PowerSGD waits on a nested all-reduce inside a future callback; gloo runs those callbacks on
+    # its few worker threads, so several buckets in flight deadlock on CPU: give gloo one bucket.
+    cap = P.bucket_cap_mb if device.type == "cuda" else 1024.0
+    ddp_kw = {"device_ids": [device.index]} if device.type == "cuda" else {}
+    rank, out = dist.get_rank(), {}
+    for name, hook in compression_hooks(device).items():
+        net = nn.parallel.DistributedDataParallel(model(P, device), bucket_cap_mb=cap, **ddp_kw)
+        state = (powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=P.powersgd_rank,
+                                        start_powerSGD_iter=2) if name == "PowerSGD" else None)
+        net.register_comm_hook(state, hook)
+        opt = torch.optim.SGD(net.parameters(), lr=P.lr, momentum=0.9)
+        step = ddp_step(f"compression, {name}")
+        losses = []
+        if P.compress_steps > 1:  # PowerSGD sends full gradients for its first steps: count the last one
+            hist = train(net, opt, batches(P, rank, device), steps=P.compress_steps - 1, device=device, step_fn=step,
+                         progress=False, writer=writer(log_dir, f"compression/{FOLDERS[name]}"))
+            losses = hist["loss"]
+        with CommCounter() as comm:
+            loss = step(net, opt, batch(P, P.compress_steps - 1, rank, device))["loss"]
+        out[name] = {"bytes/step": comm.bytes("all_reduce"), "sent/step": comm.sent("all_reduce"),
+                     "final loss": loss.item(), "losses": [*losses, loss.item()]}
+        if device.type == "cpu" and os.path.exists("/proc/net/dev"):  # PowerSGD's second all-reduce runs in
+            b = batch(P, P.compress_steps, rank, device)  # a callback thread: only the wire sees all of it
+            out[name]["wire sent/step"] = [loopback_sent(lambda: step(net, opt, b), 1)  # noqa: B023 - called now
+                                           for _ in range(P.wire_calls)]  # (bytes, packets) per step
+    out["PowerSGD"]["formula bytes"] = powersgd_bytes(model(P, "meta"), P.powersgd_rank)
+    return out
+
+
+ONEBIT_RUNS = {  # name: (compressed after the warm-up?, BatchNorm MLP?, warm-up steps or None for P.onebit_warmup)
+    "Adam (fp32 all-reduce)": (False, True, "never"),
+    "1-bit Adam": (True, True, None),
+    "frozen variance, fp32 momentum": (False, True, None),  # the control: the freeze without the compression
+    "frozen variance, no BatchNorm": (False, False, None),  # the premise broken (seed 0 only)
+}
+
+
+def onebit_adam(P, device, log_dir=None) -> dict:
+    """Data-parallel Adam against 1-bit Adam on the MLP with BatchNorm (the same engine,
+    `dlo.distributed.onebit_adam`, without and with its compression stage), and two controls:
+    the variance frozen after the warm-up but the momentum averaged in fp32 (what the freeze alone
+    costs), and the same without BatchNorm (seed 0 only: a premise that fails). `P.onebit_seeds`
+    seeds (initial weights and data). Per run: the bytes this rank sends per step (CommCounter,
+    ring model) and the training losses."""
+    r = dist.get_rank()
+    out = {name: {"sent": [], "losses": []} for name in ONEBIT_RUNS}
+    for seed in range(P.onebit_seeds):
+        for name, (compress, norm, warm) in ONEBIT_RUNS.items():
+            if name == "frozen variance, no BatchNorm" and seed > 0:
+                continue
+            heartbeat(f"1-bit Adam: {name}, seed {seed}")
+            net = mlp(P, device, norm=norm, seed=seed)
+            warmup = P.onebit_steps + 1 if warm == "never" else P.onebit_warmup
+            opt = OneBitAdam(net.parameters(), lr=P.onebit_lr, warmup_steps=warmup, chunk=P.onebit_chunk,
+                             compression=compress)
+            sent, losses = [], []
+            for step in range(P.onebit_steps):
+                x, y = feature_batch(P, 10_000 * (seed + 1) + step, r, device)
+                loss = F.cross_entropy(net(x), y)
+                opt.zero_grad()
+                loss.backward()
+                with CommCounter() as comm:
+                    opt.step()
+                sent.append(comm.sent())
+                losses.append(loss.item())
+            log_curve(log_dir, f"onebit/{FOLDERS[name]}/seed{seed}", losses)
+            out[name]["sent"].append(sent)
+            out[name]["losses"].append(losses)
+    out["warmup"], out["steps"], out["chunk"] = P.onebit_warmup, P.onebit_steps, P.onebit_chunk
+    return out
+
+
+def batchnorm(P, device, log_dir=None) -> dict:
+    """Local vs synchronized BatchNorm at P.bn_batch samples per rank: held-out loss and accuracy
+    (on n = 512 samples), and the training losses."""
+    r = dist.get_rank()
+    variants = {"local BatchNorm": lambda m: m, "SyncBatchNorm (ours)": convert_sync_batchnorm}
+    if device.type == "cuda":  # torch's SyncBatchNorm supports CUDA (NCCL) only
+        variants["torch SyncBatchNorm"] = nn.SyncBatchNorm.convert_sync_batchnorm
+    x_test, y_test = feature_batch(P, 10 ** 6, 0, device, n=512)
+    out = {}
+    for name, convert in variants.items():
+        net = DataParallelBucket(convert(mlp(P, device, norm=True)), bucket_cap_mb=P.bucket_cap_mb)
+        opt = torch.optim.SGD(net.parameters(), lr=P.bn_lr, momentum=0.9)
+        hist = train(net, opt, batches(P, r, device, n=P.bn_batch, features=True), steps=P.bn_steps, device=device,
+                     step_fn=ddp_step(f"batchnorm, {name}"), progress=False,
+                     writer=writer(log_dir, f"batchnorm/{FOLDERS[name]}"))
+        # eval mode: running statistics, rank 0's own for local BN, the global ones when synced
+        loss, acc = evaluate(net, (x_test, y_test), device)
+        out[name] = {"test loss": loss, "test acc": acc, "n": len(y_test), "losses": hist["loss"]}
+    return out
+
+
+def run_all(P, log_dir) -> dict:
+    """Every Day 4 measurement at this world size (call it through dlo.distributed.launch)."""
+    device = rank_device()
+    heartbeat("bus bandwidth sweep")
+    out = {"world": dist.get_world_size(), "device": str(device), "backend": dist.get_backend(),
+           "model": P.model, "params": sum(p.numel() for p in model(P, device).parameters()), "bn_batch": P.bn_batch,
+           "bandwidth": bandwidth(P.msg_sizes, P.bw_reps, P.bw_trials, device),
+           "ring sent": ring_sent(dist.get_world_size() * 4096)}
+    if dist.get_backend() == "gloo" and os.path.exists("/proc/net/dev"):
+        heartbeat("bytes on the loopback interface")
+        out["wire"] = wire_bytes(P.wire_bytes, P.wire_calls, P.wire_trials)
+    out["throughput"] = step_times(P, device, wrappers(P, device), log_dir=log_dir)
+    out["overlap"] = overlap(P, device, log_dir)
+    out["compression"] = compression(P, device, log_dir)
+    out["onebit"] = onebit_adam(P, device, log_dir)
+    out["batchnorm"] = batchnorm(P, device, log_dir)
+    return out
+
+
+def wire_only(P) -> dict:
+    """`wire_bytes` alone (a launch at another world size: a ring at N = 2 cannot be told from
+    sending everything, at N = 3 it can)."""
+    return wire_bytes(P.wire_bytes, P.wire_calls, P.wire_trials)
+
+
+def scaling(P) -> dict:
+    """Step times of bucketed (ours) and torch DDP at this world size (weak scaling: fixed per-rank batch)."""
+    device = rank_device()
+    versions = {k: v for k, v in wrappers(P, device).items() if k != "naive (ours)"}
+    return step_times(P, device, versions)
+
+
+def plan(P, *, gpus: int, gpu_mem_gb: float) -> list[dict]:
+    """Bytes per rank of each experiment at `gpus` ranks. Models on the meta device; our bucketed DDP
+    built inside `fake_world(gpus)` (its flat buckets are real objects there), torch DDP's buckets
+    counted as one gradient-sized copy (gradient_as_bucket_view=False, its default). SGD momentum:
+    one buffer per parameter. The throughput table keeps its three versions alive together."""
+    from dlo.plan import OPTIMIZER_STATE_BYTES, activation_bytes, fake_world, param_bytes, row
+
+    with torch.device("meta"):
+        net = model(P, "meta")
+        x, y = batch(P, 0, 0, "meta")
+        bn = mlp(P, "meta", norm=True)
+        xb, yb = feature_batch(P, 0, 0, "meta", n=P.bn_batch)
+    n, n_bn = param_bytes(net), param_bytes(bn)  # fp32: SGD's momentum buffer is as large again
+    momentum = OPTIMIZER_STATE_BYTES["sgd_momentum"] / 4  # bytes of state per byte of parameters
+    acts = activation_bytes(lambda: F.cross_entropy(net(x), y), exclude=[*net.parameters(), *net.buffers()])
+    acts_bn = activation_bytes(lambda: F.cross_entropy(bn(xb), yb), exclude=[*bn.parameters(), *bn.buffers()])
+    with fake_world(gpus):
+        bucket = sum(b.buffer.numel() * b.buffer.element_size()
+                     for b in DataParallelBucket(net, bucket_cap_mb=P.bucket_cap_mb).buckets)
+    what = f"{P.model}, {P.batch_per_rank} samples per rank"
+    rows = [row("throughput: naive + bucketed + torch DDP", gpus, params=3 * n, grads=3 * n,
+                optimizer=int(3 * momentum * n) + bucket + n, activations=acts, gpu_mem_gb=gpu_mem_gb, main=True,
+                note=f"{what}; three replicas alive together, buckets of ours and of torch DDP in optimizer"),
+            row("scaling: bucketed + torch DDP", gpus, params=2 * n, grads=2 * n,
+                optimizer=int(2 * momentum * n) + bucket + n, activations=acts, gpu_mem_gb=gpu_mem_gb, note=what),
+            row("compression: torch DDP + hook", gpus, params=n, grads=n, optimizer=int(momentum * n) + n,
+                activations=acts, gpu_mem_gb=gpu_mem_gb, note=f"{what}; PowerSGD's low-rank factors not counted"),
+            row(f"bus bandwidth: {max(P.msg_sizes) / 2**20:.0f} MiB all-reduce", gpus, params=0, grads=0,
+                optimizer=0, activations=max(P.msg_sizes), gpu_mem_gb=gpu_mem_gb, note="the message itself"),
+            row("SyncBatchNorm: MLP", gpus, params=n_bn, grads=n_bn, optimizer=int(momentum * n_bn) + n_bn,
+                activations=acts_bn, gpu_mem_gb=gpu_mem_gb,
+                note=f"{P.layers} x {P.hidden} wide, {P.bn_batch} samples per rank")]
+    return rows

@@ -1,0 +1,131 @@
+"""Day 4: what the collectives cost and what a rank really sends.
+
+- `bandwidth`: all-reduce time per message size, sizes interleaved round by round after an untimed
+  warm-up round (the first calls set up connections and buffers: not part of alpha, so not fitted);
+- `ring_sent`: the bytes the ring all-reduce's messages carry, counted by `dlo.measure.CommCounter`
+  on the exercise's algorithm (`dlo.distributed.collectives.ring_all_reduce`);
+- `wire_bytes` (`loopback_sent`): the bytes gloo's own all-reduce puts on the loopback interface,
+  from the kernel's counters: the algorithm the backend really runs, measured from outside it (also
+  what a DDP hook sends from the backend's callback threads, which `CommCounter` does not see);
+- `powersgd_bytes`: PowerSGD's message from its definition, to check the hook's count against.
+
+All run on every rank inside `dlo.distributed.launch`.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dlo.distributed.collectives import bus_factor, ring_all_reduce
+from dlo.measure import CommCounter, sync
+
+
+def bandwidth(sizes, reps: int, trials: int, device, warmup_rounds: int = 1) -> list[dict]:
+    """dist.all_reduce time per message size. Round r times every size once (a burst of `reps`
+    all-reduces after a barrier, divided by reps), sizes in turn from a different first size each
+    round, so that slow phases of a shared machine hit all sizes; the first `warmup_rounds` rounds
+    are not kept: the first calls pay for connections and buffers, a set-up cost, not the alpha of
+    the model. Rows: "bytes", "times_s"
+    (one per kept round), "s" (their median), "algbw GB/s", "busbw GB/s" (x 2(N-1)/N, nccl-tests)."""
+    world, sizes = dist.get_world_size(), list(sizes)
+    xs = {n: torch.ones(max(1, int(n) // 4), device=device) for n in sizes}
+    times = {n: [] for n in sizes}
+    for rnd in range(warmup_rounds + trials):
+        k = rnd % len(sizes)  # each round starts at another size: none always follows the largest burst
+        for n in [*sizes[k:], *sizes[:k]]:
+            x = xs[n]
+            dist.barrier()  # every rank starts together: the timing is of the collective, not the skew
+            sync(device)
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                dist.all_reduce(x)
+            sync(device)
+            if rnd >= warmup_rounds:
+                times[n].append((time.perf_counter() - t0) / reps)
+    rows = []
+    for n, ts in times.items():
+        med = sorted(ts)[len(ts) // 2]
+        nbytes = xs[n].numel() * 4
+        rows.append({"bytes": nbytes, "times_s": ts, "s": med, "algbw GB/s": nbytes / med / 1e9,
+                     "busbw GB/s": nbytes / med / 1e9 * bus_factor(world)})
+    return rows
+
+
+def ring_sent(n: int) -> float:
+    """Bytes this rank's messages carry in one ring all-reduce of n fp32 values
+    (`dlo.distributed.collectives.ring_all_reduce`, the exercise's algorithm), over 4 n."""
+    with CommCounter() as comm:
+        ring_all_reduce(torch.ones(n))
+    return comm.sent("send") / (4 * n)
+
+
+def loopback_tx() -> tuple[int, int]:
+    """(bytes, packets) transmitted so far on the loopback interface, from /proc/net/dev (Linux)."""
+    with open("/proc/net/dev") as f:
+        for line in f:
+            name, _, rest = line.partition(":")
+            if name.strip() == "lo":
+                fields = rest.split()
+                return int(fields[8]), int(fields[9])
+    raise RuntimeError("no loopback interface in /proc/net/dev")
+
+
+def loopback_sent(fn, calls: int) -> tuple[float, int]:
+    """(bytes, packets) this host's ranks put on the loopback interface per call of `fn` (called
+    `calls` times on every rank between barriers), per rank. A control window of the same length
+    (barriers and sleep only) measures the background (other processes, the barriers), subtracted.
+    Ranks on one host talk over TCP on loopback, whose counters see every byte of every backend
+    thread, also those a dispatch mode on the calling thread cannot see."""
+    world = dist.get_world_size()
+    dist.barrier()
+    (b0, p0), t0 = loopback_tx(), time.perf_counter()
+    for _ in range(calls):
+        fn()
+    dist.barrier()
+    (b1, p1), dt = loopback_tx(), time.perf_counter() - t0
+    dist.barrier()
+    c0, q0 = loopback_tx()
+    time.sleep(dt)
+    dist.barrier()
+    c1, q1 = loopback_tx()
+    return ((b1 - b0) - (c1 - c0)) / world / calls, ((p1 - p0) - (q1 - q0)) // world // calls
+
+
+def wire_bytes(nbytes: int, calls: int, trials: int) -> dict:
+    """What gloo's own all-reduce of `nbytes` puts on the wire per rank (`loopback_sent`), over
+    nbytes ("ratio", one per trial of `calls` all-reduces), and the packets: each carries ~52-66
+    bytes of IP + TCP headers, and gloo a small header per message, the overhead over the model."""
+    if not os.path.exists("/proc/net/dev"):
+        raise RuntimeError("wire_bytes reads /proc/net/dev (Linux only)")
+    world, x = dist.get_world_size(), torch.ones(nbytes // 4)
+    for _ in range(3):
+        dist.all_reduce(x)  # connections up, buffers allocated
+    ratios, packets, overhead = [], [], []
+    for _ in range(trials):
+        sent, pk = loopback_sent(lambda: dist.all_reduce(x), calls)
+        ratios.append(sent / (4 * x.numel()))
+        packets.append(pk)
+        overhead.append((sent - 2 * (world - 1) / world * 4 * x.numel()) / max(1, pk))
+    return {"world": world, "bytes": 4 * x.numel(), "calls": calls, "ratio": ratios, "packets": packets,
+            "overhead per packet": overhead}
+
+
+def powersgd_bytes(net: nn.Module, rank: int) -> int:
+    """What PowerSGD all-reduces per step, from its definition (Vogels et al. 2019): P (n x r) and
+    Q (m x r) for every gradient viewed as an n x m matrix (n = its first dimension), the vectors
+    (biases) uncompressed, in fp32."""
+    total = 0
+    for p in net.parameters():
+        if p.dim() <= 1:
+            total += 4 * p.numel()
+        else:
+            n, m = p.shape[0], p.numel() // p.shape[0]
+            total += 4 * (n + m) * min(rank, n, m)
+    return total
+
+

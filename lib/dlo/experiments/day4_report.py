@@ -1,0 +1,287 @@
+"""Day 4's tables, claims and pictures from `dlo.experiments.day4.run_all`'s results (plain data),
+and the two profiler helpers the run uses inside a rank (`quiet_profiler`, `timeline`).
+
+Every verdict goes through `dlo.claims`: counted bytes are exact; bytes read from the loopback
+interface are a mean over trials with its t-interval; step times are paired round by round (the
+versions run in turn, so a slow phase of the machine hits all of them) and summarised by the median
+ratio with its order-statistics interval; accuracies are Wilson intervals on the test samples.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import sys
+import warnings
+
+from dlo import claims as C
+
+LI = "Li et al. 2020 (PyTorch DDP); seed 003"
+META_AWS = "Meta and AWS 2021 (seed 003)"
+TANG = "Tang et al. 2021 (1-bit Adam); seed 003"
+
+
+@contextlib.contextmanager
+def quiet_profiler():
+    """The profiler's start/stop chatter off: its warnings, and the lines its C++ side writes
+    straight to file descriptor 2 ("STAGE:", "USDT: profiler_start"), which no Python setting
+    reaches. An exception still surfaces once the descriptor is back."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null, warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            os.dup2(null.fileno(), 2)
+            yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+LANES = ("forward", "backward", "all-reduce launch", "all-reduce transfer", "optimizer")
+
+
+def timeline(events) -> list[dict]:
+    """A profiled step's events as plain rows {"lane", "name", "start_ms", "end_ms"} from the step's
+    start: forward ops, backward nodes ("autograd::engine::evaluate_function: ..."), the bucket
+    all-reduces as launched by the hooks (c10d::allreduce_) and as run by the backend's threads
+    (gloo:all_reduce / nccl:all_reduce), and the optimizer step."""
+    steps = [e for e in events if e.name.startswith("ProfilerStep")]
+    t0 = min(e.time_range.start for e in (steps or events))
+    backward = [e for e in events if e.name.startswith("autograd::engine::evaluate_function")]
+    first_bwd = min((e.time_range.start for e in backward), default=float("inf"))
+    rows = []
+    for e in events:
+        name, parent = e.name, e.cpu_parent.name if e.cpu_parent is not None else ""
+        if name.startswith("autograd::engine::evaluate_function"):
+            lane, name = "backward", name.split(": ", 1)[-1]
+        elif name == "c10d::allreduce_":
+            lane = "all-reduce launch"
+        elif name.endswith(":all_reduce") and not name.startswith("c10d"):
+            lane = "all-reduce transfer"
+        elif name.startswith("Optimizer.step"):
+            lane = "optimizer"
+        elif parent.startswith("ProfilerStep") and name.startswith("aten::") and e.time_range.end <= first_bwd:
+            lane = "forward"
+        else:
+            continue
+        rows.append({"lane": lane, "name": name, "start_ms": (e.time_range.start - t0) / 1e3,
+                     "end_ms": (e.time_range.end - t0) / 1e3})
+    return rows
+
+
+def plot_timeline(ax, rows: list[dict], title: str = "") -> None:
+    """One lane per kind of event (`timeline` rows), time in ms from the step's start."""
+    colors = {"forward": "tab:blue", "backward": "tab:green", "all-reduce launch": "tab:red",
+              "all-reduce transfer": "tab:orange", "optimizer": "tab:purple"}
+    lanes = [lane for lane in LANES if any(r["lane"] == lane for r in rows)]
+    for y, lane in enumerate(lanes):
+        spans = [(r["start_ms"], max(r["end_ms"] - r["start_ms"], 0.01)) for r in rows if r["lane"] == lane]
+        ax.broken_barh(spans, (y - 0.35, 0.7), color=colors[lane], edgecolor="white", linewidth=0.3)
+    ax.set_yticks(range(len(lanes)), lanes)
+    ax.invert_yaxis()
+    ax.set_xlabel("ms from the start of the step")
+    ax.set_title(title, fontsize=9)
+
+
+# ----------------------------------------------------------------------------- tables
+
+def bandwidth_rows(bw: list[dict]) -> list[dict]:
+    """The sweep with each size's median time and its 95% interval."""
+    return [{"bytes": r["bytes"], "time us [95%]": str(C.median_interval(r["times_s"]).scaled(1e6)),
+             "algbw GB/s": r["algbw GB/s"], "busbw GB/s": r["busbw GB/s"]} for r in bw]
+
+
+def compression_rows(comp: dict, world: int) -> list[dict]:
+    """Per DDP hook: the bytes CommCounter saw handed to the all-reduces of a step, the bytes each rank
+    put on the wire (loopback, mean of the measured steps; gloo only), the hook's definition (fp32: the
+    gradients; fp16: half; PowerSGD: the formula) as ring bytes per rank, the rate against fp32, and
+    the final training loss."""
+    f = 2 * (world - 1) / world
+    fp32 = comp["fp32 (no compression)"]["bytes/step"]
+    rows = []
+    for name, v in comp.items():
+        want = v.get("formula bytes", v["bytes/step"])  # PowerSGD: CommCounter sees only its first all-reduce
+        wire = v.get("wire sent/step")
+        rows.append({"scheme": name, "counted bytes/step": v["bytes/step"],
+                     "on the wire/step": round(sum(b for b, _ in wire) / len(wire)) if wire else "-",
+                     "definition: sent/step": round(f * want), "rate": fp32 / want, "final loss": v["final loss"]})
+    return rows
+
+
+def throughput_ratio(tp: dict, ours: str = "bucketed (ours)", ref: str = "torch DDP") -> C.Estimate:
+    """Throughput of `ours` over `ref`: the reference's step time over ours, paired round by round."""
+    return C.median_interval([b / a for a, b in zip(tp[ours]["times_s"], tp[ref]["times_s"])],
+                             f"paired rounds, median of {len(tp[ours]['times_s'])}")
+
+
+def final_loss(losses: list[float], last: int = 10) -> float:
+    """The mean training loss of the last steps; inf when the run diverged (a non-finite loss)."""
+    tail = losses[-last:]
+    return sum(tail) / len(tail) if all(math.isfinite(v) for v in losses) else math.inf
+
+
+def onebit_summary(ob: dict) -> dict:
+    """Bytes per step (seed 0): the fp32 run's, a warm-up and a compressed step of 1-bit Adam, both
+    whole runs; per run and seed, the final training loss (`final_loss`)."""
+    fp32, one = ob["Adam (fp32 all-reduce)"], ob["1-bit Adam"]
+    return {"fp32 step": fp32["sent"][0][-1], "1-bit warm-up step": one["sent"][0][0],
+            "1-bit compressed step": one["sent"][0][-1], "fp32 run": sum(fp32["sent"][0]),
+            "1-bit run": sum(one["sent"][0]), "warmup share": ob["warmup"] / ob["steps"],
+            "final": {name: [final_loss(ls) for ls in run["losses"]] for name, run in ob.items()
+                      if isinstance(run, dict)}}
+
+
+def onebit_rows(ob: dict) -> list[dict]:
+    """Bytes a rank sends: an fp32 Adam step, a 1-bit Adam warm-up and compressed step, a whole run."""
+    s = onebit_summary(ob)
+    rows = [("Adam, fp32 all-reduce", s["fp32 step"], s["fp32 step"]),
+            ("1-bit Adam, warm-up (fp32)", s["1-bit warm-up step"], s["fp32 step"]),
+            (f"1-bit Adam, compressed (a scale per {ob['chunk']} values)", s["1-bit compressed step"], s["fp32 step"]),
+            (f"1-bit Adam, whole run: {ob['steps']} steps, {s['warmup share']:.0%} warm-up", s["1-bit run"],
+             s["fp32 run"])]
+    return [{"step": name, "bytes sent per rank": int(b), "vs fp32 Adam": b / ref} for name, b, ref in rows]
+
+
+def plot_onebit(ax, ob: dict) -> None:
+    """Training losses of every run and seed, one colour per run, the end of the warm-up dotted; a
+    run that diverges is drawn until it leaves the plot (marked x)."""
+    runs = [(name, run) for name, run in ob.items() if isinstance(run, dict)]
+    top = 3 * max(ls[0] for _, run in runs for ls in run["losses"])
+    for (name, run), color in zip(runs, ("k", "tab:red", "tab:blue", "tab:gray")):
+        for k, losses in enumerate(run["losses"]):
+            out = next((i for i, v in enumerate(losses) if not math.isfinite(v) or v > top), None)
+            shown = losses if out is None else losses[:out]
+            ax.plot(shown, color=color, lw=1, alpha=0.8, label=name if k == 0 else None)
+            if out is not None:
+                ax.plot([out - 1], [min(top, shown[-1] if shown else top)], "x", color=color, ms=8)
+    ax.axvline(ob["warmup"], color="gray", ls=":", lw=1, label="end of warm-up")
+    ax.set(xlabel="step", ylabel="training loss (rank 0)", ylim=(None, top), title="Adam vs 1-bit Adam, every seed")
+    ax.legend(fontsize=7)
+
+
+# ----------------------------------------------------------------------------- claims
+
+def claims(R: dict, wire_more: dict | None = None, scale: dict | None = None) -> list[C.Claim]:
+    """Day 4's claims table from `run_all`'s results `R`, `wire_only` at another world size
+    (`wire_more`) and the scaling launches ({world: `scaling` result})."""
+    N, gpu = R["world"], R["device"].startswith("cuda")
+    f = 2 * (N - 1) / N
+    out = [C.Claim(f"a ring all-reduce sends 2(N-1)/N of the data per rank (the exercise's ring, N={N})",
+                   "Patarasuk & Yuan 2009", f"{f:.3f} n", C.approx(f, rel=1e-3),
+                   C.exact(R["ring sent"], "CommCounter: bytes of its sends / n"))]
+    for wire in (w for w in (R.get("wire"), wire_more) if w):
+        fw = 2 * (wire["world"] - 1) / wire["world"]
+        out.append(C.Claim(f"gloo's all-reduce sends 2(N-1)/N of the data per rank on the wire (N={wire['world']})",
+                           "Patarasuk & Yuan 2009; NCCL/gloo ring", f"{fw:.3f} n",
+                           C.approx(fw, rel=0.01, text=f"{fw:.3f} +- 1% (TCP/IP headers)"),
+                           C.from_samples(wire["ratio"], f"loopback byte counters, {len(wire['ratio'])} trials")))
+    if not R.get("wire"):
+        out.append(C.not_measurable("the backend's all-reduce sends 2(N-1)/N of the data per rank on the wire",
+                                    "Patarasuk & Yuan 2009", f"{f:.3f} n",
+                                    "NCCL's traffic does not cross the loopback interface (NVLink, InfiniBand)"))
+    comp = R["compression"]
+    fp32 = comp["fp32 (no compression)"]["bytes/step"]
+    out += [C.Claim("fp16 compression halves the bytes (rate 2x)", META_AWS, "2x", C.approx(2.0, rel=1e-3),
+                    C.exact(fp32 / comp["fp16 compress"]["bytes/step"], "CommCounter, bytes per step")),
+            _powersgd_claim(comp["PowerSGD"], N, R.get("wire")),
+            C.not_measurable("FP16 + PowerSGD compress 1,969x", META_AWS, "1,969x",
+                             f"a property of their model's shapes and rank; this model at its rank: "
+                             f"{fp32 / comp['PowerSGD']['formula bytes']:.0f}x by the same formula"),
+            C.not_measurable("fp16 compression alone: 1.4x-2.1x faster", META_AWS, "1.4x-2.1x",
+                             "needs a bandwidth-bound multi-node GPU job")]
+    if "bf16 compress" in comp:
+        out.append(C.Claim("bf16 compression halves the bytes", META_AWS, "2x", C.approx(2.0, rel=1e-3),
+                           C.exact(fp32 / comp["bf16 compress"]["bytes/step"], "CommCounter, bytes per step")))
+    else:
+        out.append(C.not_measurable("bf16 compression halves the bytes", META_AWS, "2x",
+                                    "gloo has no bf16 sum (torch's bf16 hook needs NCCL >= 2.10)"))
+    ov = R["overlap"]
+    out += [C.Claim("bucketed DDP reaches 0.9x torch DDP's throughput (the course's bar, on GPUs)", LI, ">= 0.9x",
+                    C.at_least(0.9, ">= 0.9"), throughput_ratio(R["throughput"])),
+            C.Claim("every bucket's all-reduce is launched while backward still runs", LI, "all buckets",
+                    C.at_least(1.0, "all"), C.exact(ov["during backward"] / max(1, ov["all-reduces"]),
+                                                    f"profiler: {ov['during backward']} of {ov['all-reduces']}"))]
+    out.append(_scaling_claim(scale, gpu))
+    out += _onebit_claims(R)
+    bn = R["batchnorm"]
+    loc, syn = bn["local BatchNorm"], bn["SyncBatchNorm (ours)"]
+    out.append(C.Claim(f"SyncBatchNorm beats local BatchNorm at {R['bn_batch']} samples per rank",
+                       "Peng et al. 2018; Wu & He 2018", "sync > local", C.at_least(0.0, "> 0"),
+                       C.difference(C.accuracy(syn["test acc"], syn["n"]), C.accuracy(loc["test acc"], loc["n"]),
+                                    f"accuracy difference, Wilson n={syn['n']}")))
+    return out
+
+
+def _powersgd_claim(ps: dict, world: int, wire: dict | None) -> C.Claim:
+    """PowerSGD's bytes against its formula, on the wire (loopback counters, gloo): its second
+    all-reduce is issued from a future callback on the backend's thread, which `CommCounter` (a
+    dispatch mode of the calling thread) does not see: it counts only the first (the vectors). Small
+    messages carry relatively many packets, so each packet's header cost, measured on the large
+    all-reduce of `wire_bytes`, is taken off."""
+    text = "PowerSGD all-reduces (n + m) r values per n x m gradient (rank r; vectors uncompressed)"
+    want = 2 * (world - 1) / world * ps["formula bytes"]  # ring all-reduces: bytes each rank sends
+    if "wire sent/step" not in ps or not wire:
+        return C.not_measurable(text, "Vogels et al. 2019", "the formula's bytes",
+                                "its second all-reduce runs on a backend thread that CommCounter cannot see, and "
+                                "NCCL's traffic does not cross the loopback interface")
+    header = sorted(wire["overhead per packet"])[len(wire["overhead per packet"]) // 2]
+    ratios = [(b - pk * header) / want for b, pk in ps["wire sent/step"]]
+    # TCP/IP headers are taken off at the large all-reduce's rate per packet; gloo's framing of each
+    # message stays in, a few percent of PowerSGD's few-KB messages: hence the 10%
+    return C.Claim(text, "Vogels et al. 2019", "the formula's bytes",
+                   C.approx(1.0, rel=0.1, text="1 +- 0.1 (gloo's per-message framing)"),
+                   C.from_samples(ratios, f"loopback bytes - {header:.0f} B per packet, / formula; "
+                                          f"{len(ratios)} steps"))
+
+
+def _scaling_claim(scale: dict | None, gpu: bool) -> C.Claim:
+    text = "DDP scales nearly linearly (weak scaling: efficiency T_1 / T_N)"
+    if not gpu or not scale or len(scale) < 2:
+        return C.not_measurable(text, LI + " (256 GPUs)", "near-linear",
+                                "the ranks share one CPU's cores: their compute itself does not scale")
+    lo, hi = min(scale), max(scale)
+    t1, tn = (C.median_interval(scale[w]["torch DDP"]["times_s"]) for w in (lo, hi))
+    return C.Claim(f"{text}, {lo} -> {hi} GPUs", LI + " (256 GPUs)", "near-linear", C.at_least(0.9, ">= 0.9"),
+                   C.ratio(t1, tn, "median step times, two launches"))
+
+
+def _loss_ratio(final: dict, name: str) -> C.Estimate:
+    """The final training loss of `name` over Adam's, per seed: a t-interval over seeds (inf: diverged)."""
+    ratios = [a / b for a, b in zip(final[name], final["Adam (fp32 all-reduce)"])]
+    if len(ratios) > 1 and all(math.isfinite(x) for x in ratios):
+        return C.from_samples(ratios, f"final training loss / Adam's, t over {len(ratios)} seeds")
+    how = "diverged" if not all(math.isfinite(x) for x in ratios) else "one seed"
+    return C.exact(max(ratios), how)
+
+
+def _onebit_claims(R: dict) -> list[C.Claim]:
+    s = onebit_summary(R["onebit"])
+    comp = R["compression"]  # the fp16 hook's share of fp32, applied to the 1-bit engine's (padded) buffer
+    fp16_sent = s["fp32 step"] * comp["fp16 compress"]["sent/step"] / comp["fp32 (no compression)"]["sent/step"]
+    w = s["warmup share"]
+    want_run = 1 / (w + 0.03 * (1 - w))  # warm-up at full precision, 97% saved afterwards
+    same = C.approx(1.0, rel=0.1, text="ratio 1 +- 0.1")
+    return [
+        C.Claim("1-bit Adam: 97% less communication than fp32 (a compressed step)", TANG, "97% less",
+                C.approx(0.97, abs_tol=0.01), C.exact(1 - s["1-bit compressed step"] / s["fp32 step"],
+                                                      "CommCounter, bytes sent per step")),
+        C.Claim("1-bit Adam: 94% less communication than fp16 (a compressed step)", TANG, "94% less",
+                C.approx(0.94, abs_tol=0.01), C.exact(1 - s["1-bit compressed step"] / fp16_sent,
+                                                      "CommCounter, against the fp16 hook")),
+        C.Claim(f"over a run, the full-precision warm-up ({w:.0%} of the steps here) bounds the saving: "
+                f"1 / (w + 0.03 (1 - w))", "Tang et al. 2021: 'up to 5x less' overall", f"{want_run:.2f}x",
+                C.approx(want_run, rel=0.02), C.exact(s["fp32 run"] / s["1-bit run"], "CommCounter, whole run")),
+        C.Claim("Adam's variance is stable after the warm-up: freezing it costs nothing (MLP with BatchNorm)", TANG,
+                "same loss", same, _loss_ratio(s["final"], "frozen variance, fp32 momentum")),
+        C.Claim("... the same freeze without normalisation layers", TANG, "same loss", same,
+                _loss_ratio(s["final"], "frozen variance, no BatchNorm")),
+        C.Claim("1-bit Adam converges like Adam (training loss after the same steps)", TANG, "same", same,
+                _loss_ratio(s["final"], "1-bit Adam")),
+        C.not_measurable("1-bit Adam: up to 3.3x higher throughput (BERT-Large, 64 GPUs on Ethernet)", TANG, "3.3x",
+                         "needs a bandwidth-limited multi-node cluster; here communication is loopback TCP"),
+        C.not_measurable("0/1 Adam: up to 87% less data and 54% fewer rounds than 1-bit Adam", "Lu et al. 2022",
+                         "87% / 54%", "not implemented here (adaptive variance freezing, local steps)"),
+    ]

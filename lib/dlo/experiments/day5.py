@@ -1,0 +1,261 @@
+"""Day 5 experiments: DDP, ZeRO-1/2/3 (ours) and FSDP2 side by side, and FSDP2 training of a Llama.
+
+`run_all(P, log_dir)` runs on every rank inside `dlo.distributed.launch` (rank 0's dict is read):
+
+- `engines`: one AdamW step of each engine on the comparison Llama (fp32): the bytes of model state
+  each rank holds (`dlo.measure.held_bytes`: parameters, gradients, optimizer state) and the
+  payload of every collective (`dlo.measure.CommCounter`), beside the ZeRO paper's formulas;
+- `timing`: step time of our ZeRO-3 and of FSDP2 on the same model and ranks, interleaved step by
+  step (`dlo.measure.time_interleaved`), and their ratio;
+- `same`: our ZeRO-3 and FSDP2 trained side by side from the same weights: the same losses;
+- `train`: the production recipe (`parallelize`: activation checkpointing, compile, FSDP2 with the
+  preset's MixedPrecisionPolicy) on `P.model`, meta-initialised shard by shard: losses, tokens/s,
+  peak memory and MFU on GPUs.
+
+`memory_vs_world(P)` runs in the notebook's process: the same engines at every world size of
+`P.memory_worlds` on a fake process group (bytes do not depend on the data). `plan(P, gpus=,
+gpu_mem_gb=)` is the full profile without a GPU (`dlo plan day5_fsdp`): Llama 3.2 3B on the meta
+device, sharded by FSDP2 at `gpus` ranks inside a fake process group, beside the accountant.
+The models, data and input checks are in `dlo.experiments.day5_data` (re-exported here); the claims
+and the plan in `dlo.experiments.day5_report`.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dlo.distributed.fsdp import apply_ac, apply_compile, apply_fsdp
+from dlo.distributed.launch import heartbeat, rank_device
+from dlo.distributed.zero import ZeRO1, ZeRO2, ZeRO3
+from dlo.experiments.day5_data import build, check_weights, check_world, llama_config, lm_loss, n_params, token_batches
+from dlo.measure import CommCounter, held_bytes, mfu, peak_memory, sync, time_interleaved, transformer_flops_per_token
+
+ENGINES = ("DDP (torch)", "ZeRO-1 (ours)", "ZeRO-2 (ours)", "ZeRO-3 (ours)", "FSDP2 (torch)")
+STAGE = {"DDP (torch)": 0, "ZeRO-1 (ours)": 1, "ZeRO-2 (ours)": 2, "ZeRO-3 (ours)": 3, "FSDP2 (torch)": 3}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+# ----------------------------------------------------------------------------- the engines
+
+def parallelize(P, model: nn.Module, mesh) -> nn.Module:
+    """The production recipe, in torchtitan's order: activation checkpointing, compile (GPU runs),
+    FSDP2 per block and the root with the preset's MixedPrecisionPolicy."""
+    apply_ac(model, P.ac_mode)
+    if P.compile and mesh.device_type == "cuda":
+        apply_compile(model)
+    return apply_fsdp(model, mesh, param_dtype=DTYPES[P.param_dtype], reduce_dtype=DTYPES[P.reduce_dtype],
+                      cpu_offload=P.cpu_offload)
+
+
+def _mesh(device):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device.type, (dist.get_world_size(),))
+
+
+def engine(name: str, P, cfg, device, replica: bool = False) -> tuple:
+    """(module to call, optimizer, step(), zero_grad()) of one engine on a fresh fp32 Llama
+    (`replica`: DDP's replica without the wrapper)."""
+    model = build(cfg, device)
+    kw = {"lr": P.lr}
+    if name == "DDP (torch)" and replica:
+        opt = torch.optim.AdamW(model.parameters(), **kw)
+        return model, opt, opt.step, opt.zero_grad
+    if name == "DDP (torch)":
+        ids = {"device_ids": [device.index]} if device.type == "cuda" else {}
+        net = nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True, **ids)
+        opt = torch.optim.AdamW(net.parameters(), **kw)
+        return net, opt, opt.step, opt.zero_grad
+    if name == "FSDP2 (torch)":
+        apply_fsdp(model, _mesh(device), param_dtype=None, reduce_dtype=None)  # fp32 like ours
+        opt = torch.optim.AdamW(model.parameters(), **kw)
+        return model, opt, opt.step, opt.zero_grad
+    if name == "ZeRO-1 (ours)":
+        eng = ZeRO1(model, torch.optim.AdamW, **kw)
+    elif name == "ZeRO-2 (ours)":
+        eng = ZeRO2(model, torch.optim.AdamW, bucket_cap_mb=P.bucket_cap_mb, **kw)
+    elif name == "ZeRO-3 (ours)":
+        eng = ZeRO3(model, torch.optim.AdamW, units=list(model.layers.values()), **kw)
+    else:
+        raise ValueError(f"unknown engine {name!r}; one of {', '.join(ENGINES)}")
+    return eng, eng.optimizer, eng.step, eng.zero_grad
+
+
+def _grads(opt) -> list:
+    return [p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None]
+
+
+def measure_engine(name: str, P, cfg, device, x, y, fake: bool = False) -> dict:
+    """One AdamW step: model-state bytes this rank holds after it (params, grads, optimizer) and
+    the collectives' payload by kind and phase. `fake`: on a fake process group, where torch DDP's
+    reducer cannot run, DDP is measured as the replica it keeps (the same tensors, no collective)."""
+    net, opt, step, zero = engine(name, P, cfg, device, replica=fake and name == "DDP (torch)")
+    with CommCounter() as comm:
+        comm.phase = "forward"
+        loss = lm_loss(net, x, y)
+        comm.phase = "backward"
+        loss.backward()
+        comm.phase = "step"
+        step()
+    state = held_bytes([t for s in opt.state.values() for t in s.values()])  # not the keys: they are the params
+    total, grads = held_bytes(net, opt), held_bytes(_grads(opt))
+    zero()
+    by_kind = {}
+    for c in comm.calls:
+        key = f"{c.kind} ({c.phase})"
+        by_kind[key] = by_kind.get(key, 0) + c.nbytes
+    return {"params": total - grads - state, "grads": grads, "optimizer": state, "total": total,
+            "comm": by_kind, "sent": comm.sent(), "payload": comm.bytes(), "world": dist.get_world_size(),
+            "n_params": n_params(cfg)}
+
+
+def memory_vs_world(P, worlds=None) -> list[dict]:
+    """`measure_engine` for every engine at every world size, as rank 0 of a fake process group in
+    this process (collectives return at once, the data is garbage, the bytes are exact)."""
+    from dlo.plan import fake_world
+    from dlo.progress import tqdm
+
+    cfg = llama_config(P, "compare_model")
+    x, y = token_batches(P, cfg, 0, "cpu", n=1)[0]
+    rows, threads = [], torch.get_num_threads()
+    if cfg.dim <= 256:  # CPU-sized tensors gain nothing from threads, and a busy CPU makes OpenMP spin
+        torch.set_num_threads(1)
+    try:
+        for world in tqdm(list(worlds or P.memory_worlds), desc="world sizes (fake process group)"):
+            with fake_world(world):
+                for name in ENGINES:
+                    rows.append({"engine": name, **measure_engine(name, P, cfg, torch.device("cpu"), x, y,
+                                                                  fake=True)})
+                    gc.collect()  # the engine's reference cycles (hooks on its own parameters): free it now
+    finally:
+        torch.set_num_threads(threads)
+    return rows
+
+
+# ----------------------------------------------------------------------------- time and training
+
+def step_fn(net, opt_step, zero):
+    def step(model, optimizer, b) -> dict:
+        loss = lm_loss(net, *b)
+        loss.backward()
+        opt_step()
+        zero()
+        return {"loss": loss}
+    return step
+
+
+def timing(P, cfg, device, batch) -> dict:
+    """Median step time of our ZeRO-3 and FSDP2 on the same fp32 model, interleaved step by step."""
+    fns = {}
+    for name in ("ZeRO-3 (ours)", "FSDP2 (torch)"):
+        net, opt, step, zero = engine(name, P, cfg, device)
+        one_step = step_fn(net, step, zero)
+        fns[name] = lambda s=one_step, o=opt: s(None, o, batch)
+    heartbeat("timing ZeRO-3 (ours) vs FSDP2")
+    timings = time_interleaved(fns, device=device, warmup=2, reps=P.timing_steps)
+    fns.clear()
+    gc.collect()
+    return {name: t.times_s for name, t in timings.items()}
+
+
+def same_losses(P, cfg, device, batches, log_dir) -> dict:
+    """Our ZeRO-3 and FSDP2 (fp32) trained step by step from the same weights: the loss curves."""
+    from dlo.train import train
+
+    out = {}
+    for name, run in (("ZeRO-3 (ours)", "zero3_ours"), ("FSDP2 (torch)", "fsdp2_fp32")):
+        heartbeat(f"training {name}")
+        net, opt, step, zero = engine(name, P, cfg, device)
+        writer = _writer(log_dir, run)
+        hist = train(net, opt, batches, steps=P.max_steps, device=device, step_fn=step_fn(net, step, zero),
+                     writer=writer, tag=name, progress=False)
+        if writer is not None:
+            writer.close()
+        out[name] = hist["loss"]
+        del net, opt, step, zero
+        gc.collect()
+    return out
+
+
+def _writer(log_dir, name: str):
+    if log_dir is None or dist.get_rank() != 0:
+        return None
+    from torch.utils.tensorboard import SummaryWriter
+
+    return SummaryWriter(str(Path(log_dir) / name))
+
+
+def train_fsdp(P, device, log_dir, data_dir=None, weights_dir: str = "") -> dict:
+    """The production run on `P.model`: built on the meta device, sharded, then materialised shard
+    by shard (or loaded from `weights_dir` before sharding); tokens/s per rank, MFU, peak memory."""
+    from dlo.models.llama import Llama, count_parameters, load_hf_weights
+    from dlo.progress import tqdm
+
+    cfg = llama_config(P)
+    with torch.device("meta"):
+        model = Llama(cfg)
+    if weights_dir:  # every rank reads the checkpoint to host memory, then FSDP2 keeps its shard
+        load_hf_weights(model, weights_dir, device="cpu")
+    parallelize(P, model, _mesh(device))
+    if not weights_dir:
+        model.to_empty(device=device)
+        model.init_weights(seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=P.lr)
+    batches = token_batches(P, cfg, dist.get_rank(), device, data_dir)
+    writer = _writer(log_dir, f"fsdp2_{P.param_dtype}_ac-{P.ac_mode}")
+    losses, times = [], []
+    bar = tqdm(range(P.max_steps), desc=f"FSDP2 {P.model}", disable=dist.get_rank() != 0)
+    for s in bar:
+        heartbeat(f"FSDP2 training step {s}")
+        sync(device)
+        t0 = time.perf_counter()
+        with peak_memory(device) as peak:
+            loss = lm_loss(model, *batches[s % len(batches)])
+            loss.backward()
+        opt.step()
+        opt.zero_grad()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+        losses.append(loss.item())
+        if writer is not None:
+            writer.add_scalar("loss", losses[-1], s)
+            writer.add_scalar("step_s", times[-1], s)
+    if writer is not None:
+        writer.close()
+    step_s = sorted(times[1:] or times)[len(times[1:] or times) // 2]  # median, the first (warm-up) left out
+    tokens = P.batch_per_rank * P.seq_len
+    n_flops = count_parameters(model)  # the tied embedding once: as the head's matmul (a lookup costs nothing)
+    per_token = transformer_flops_per_token(n_flops, cfg.n_layers, cfg.dim, P.seq_len)
+    return {"losses": losses, "step_s": step_s, "times_s": times, "tokens/s per rank": tokens / step_s,
+            "flops/token": per_token, "n_params": n_flops,
+            "mfu": mfu(per_token * tokens, step_s, device, dtype="bf16" if P.param_dtype == "bfloat16" else "fp32"),
+            "peak_bytes": peak.bytes, "peak_kind": peak.kind, "model_state_bytes": held_bytes(model, opt)}
+
+
+def run_all(P, log_dir=None, data_dir=None, weights_dir: str = "") -> dict:
+    """Every Day 5 measurement at this world size (call it through dlo.distributed.launch)."""
+    device = rank_device()
+    r = dist.get_rank()
+    cfg = llama_config(P, "compare_model")
+    batches = token_batches(P, cfg, r, device, data_dir)
+    out = {"world": dist.get_world_size(), "device": str(device), "engines": {}}
+    for name in ENGINES:
+        heartbeat(f"one step of {name}")
+        out["engines"][name] = measure_engine(name, P, cfg, device, *batches[0])
+        gc.collect()  # one engine's model state at a time
+    out["timing"] = timing(P, cfg, device, batches[0])
+    out["same"] = same_losses(P, cfg, device, batches, log_dir)
+    out["train"] = train_fsdp(P, device, log_dir, data_dir, weights_dir)
+    dist.barrier()  # no rank tears down while another still talks (gloo aborts otherwise)
+    return out
+
+
+__all__ = ["DTYPES", "ENGINES", "STAGE", "build", "check_weights", "check_world", "engine", "llama_config",
+           "lm_loss", "measure_engine", "memory_vs_world", "n_params", "parallelize", "run_all", "same_losses",
+           "step_fn", "timing", "token_batches", "train_fsdp"]

@@ -1,0 +1,135 @@
+"""Day 5's claims beside its measurements (`dlo.experiments.day5`'s `run_all`): the engines'
+bytes held and sent beside the ZeRO paper, our ZeRO-3 beside FSDP2, the MFU anchors; and
+`plan(P, gpus=, gpu_mem_gb=)`, the full profile without a GPU (`dlo plan day5_fsdp`): Llama 3.2 3B
+on the meta device, sharded by FSDP2 at `gpus` ranks inside a fake process group, beside the
+accountant.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dlo.distributed.fsdp import apply_fsdp
+from dlo.distributed.zero import memory_per_rank
+from dlo.experiments.day5 import STAGE, llama_config, lm_loss
+
+# ----------------------------------------------------------------------------- claimed vs measured
+
+ZERO_PAPER = "Rajbhandari et al. 2020, Sec. 5 and 7"
+MEGATRON = "IDRIS DLO-JZ (seed 000): Megatron-LM table"
+TORCHTITAN = "issue / torchtitan: Llama 3.1 8B, FSDP, 8 H100"
+COMM_FACTOR = {0: 2, 1: 2, 2: 2, 3: 3}
+
+
+def engine_claims(engines: dict) -> list:
+    """Bytes sent per step (ring model, in units of (N-1)/N Psi) and bytes held per rank, beside the
+    paper's 2 Psi / 3 Psi and memory formulas (fp32 training: K = 8 bytes of AdamW moments)."""
+    from dlo.claims import Claim, approx, between, exact
+
+    claims = []
+    for name, e in engines.items():
+        n, world, stage = e["n_params"], e["world"], STAGE[name]
+        unit = 4 * n * (world - 1) / world
+        if world > 1:
+            k = COMM_FACTOR[stage]
+            region = between(2.0, 3.0) if name.startswith("FSDP2") else approx(k, rel=0.03)
+            claimed = "<= 3 Psi (the last block stays gathered)" if name.startswith("FSDP2") else f"{k} Psi"
+            claims.append(Claim(f"{name}: bytes sent per step", ZERO_PAPER, claimed, region,
+                                exact(e["sent"] / unit, "counted (CommCounter), in (N-1)/N Psi")))
+        want = memory_per_rank(n, world, stage, param_dtype=torch.float32)["total"]
+        claims.append(Claim(f"{name}: model-state bytes per rank", ZERO_PAPER, f"{want:,} (fp32 AdamW, N={world})",
+                            approx(want, rel=0.03, text=f"{want:,} +- 3%"),
+                            exact(e["total"], "counted (held_bytes) after a step")))
+    return claims
+
+
+def training_claims(train: dict, same: dict, device_type: str) -> list:
+    """FSDP2 and our ZeRO-3 give the same losses; the MFU anchors (GPU only)."""
+    from dlo.claims import Claim, at_most, between, exact, not_measurable
+
+    a, b = same["ZeRO-3 (ours)"], same["FSDP2 (torch)"]
+    diff = max(abs(x - y) for x, y in zip(a, b))
+    claims = [Claim("ZeRO-3 (ours) and FSDP2 train alike: max |loss difference| over the run", "ZeRO-3 = FSDP",
+                    "0 (fp32 rounding)", at_most(1e-4, "<= 1e-4"), exact(diff, f"{len(a)} steps, same weights"))]
+    for claim, source, claimed, region in (("MFU of FSDP training", MEGATRON, "41-49% (1.7B-462B, 3D parallel)",
+                                            between(0.41, 0.49)),
+                                           ("MFU of FSDP2 training", TORCHTITAN, "33-39%", between(0.33, 0.39))):
+        if train["mfu"] is None:
+            claims.append(not_measurable(claim, source, claimed, f"no GPU peak here ({device_type})"))
+        else:
+            claims.append(Claim(claim, source, claimed, region, exact(train["mfu"], "median step, 6N + 12 l h s")))
+    return claims
+
+
+# ----------------------------------------------------------------------------- the full profile without GPUs
+
+def fsdp2_shards(cfg, world: int) -> dict:
+    """FSDP2 on the meta Llama at `world` ranks (fake process group): elements this rank holds,
+    and the sizes of a block and of the root (tied embedding + norm)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from dlo.models.llama import Llama
+    from dlo.plan import fake_world
+
+    with fake_world(world):
+        with torch.device("meta"):
+            model = Llama(cfg)
+        apply_fsdp(model, init_device_mesh("cpu", (world,)), param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        local = sum(p.to_local().numel() for p in model.parameters())
+        block = sum(p.numel() for p in model.layers["0"].parameters())
+        total = sum(p.numel() for p in model.parameters())
+    return {"local": local, "block": block, "root": total - cfg.n_layers * block, "total": total}
+
+
+def activation_estimate(cfg, b: int, s: int) -> dict:
+    """Bytes autograd saves (peak over forward and backward) for b sequences of s tokens in bf16,
+    on fake CPU tensors (`dlo.plan.fake_cpu`): the embedding/norm/head/loss part, one block, and
+    the totals without and with activation checkpointing (each block keeps only its bf16 input,
+    and one block's activations live again while it is recomputed)."""
+    from dataclasses import replace
+
+    from dlo.models.llama import Llama
+    from dlo.plan import activation_bytes, fake_cpu
+
+    saved = {}
+    for k in (0, 1):
+        with torch.device("meta"):
+            model = Llama(replace(cfg, n_layers=k)).to(torch.bfloat16)
+        mode = fake_cpu(model)
+        with mode:
+            x = torch.randint(0, cfg.vocab_size, (b, s))
+            saved[k] = activation_bytes(lambda m=model, t=x: lm_loss(m, t, t), exclude=list(model.parameters()))
+    block, head = saved[1] - saved[0], saved[0]
+    return {"head": head, "block": block, "none": cfg.n_layers * block + head,
+            "full": cfg.n_layers * 2 * b * s * cfg.dim + block + head}
+
+
+def plan(P, *, gpus: int, gpu_mem_gb: float) -> list[dict]:
+    """Bytes per rank of `P.model` at `gpus` ranks, mixed-precision AdamW, P.batch_per_rank x
+    P.seq_len tokens. FSDP2: its fp32 shards counted on the meta model sharded in a fake process
+    group (parameters = master, gradients reduced in fp32, two moments), plus the bf16 working set
+    (the root, i.e. the tied embedding, and two blocks: the running one and the prefetched one).
+    ZeRO-1/2 and DDP: the accountant (`memory_per_rank`). Activations: `activation_estimate`."""
+    from dlo.plan import row
+
+    cfg = llama_config(P)
+    sh = fsdp2_shards(cfg, gpus)
+    n = sh["total"]
+    act = activation_estimate(cfg, P.batch_per_rank, P.seq_len)
+    what = f"{P.model}, {P.batch_per_rank} x {P.seq_len} tokens per rank"
+    gathered = 2 * (sh["root"] + min(2, cfg.n_layers) * sh["block"])
+    rows = [row(f"FSDP2 bf16 + AC ({P.model})", gpus, params=4 * sh["local"] + gathered, grads=4 * sh["local"],
+                optimizer=8 * sh["local"], activations=act["full"], gpu_mem_gb=gpu_mem_gb, main=True,
+                note=f"{what}; fp32 shards + bf16 root and 2 blocks gathered")]
+    for stage, label in ((3, "ZeRO-3 (accountant)"), (2, "ZeRO-2"), (1, "ZeRO-1"), (0, "DDP")):
+        m = memory_per_rank(n, gpus, stage, param_dtype=torch.bfloat16)
+        rows.append(row(f"{label} bf16 + AC", gpus, params=m["params"], grads=m["grads"], optimizer=m["optimizer"],
+                        activations=act["full"], gpu_mem_gb=gpu_mem_gb, note=f"{what}; 2 + 2 + 12 bytes per parameter"))
+    m = memory_per_rank(n, gpus, 0, param_dtype=torch.bfloat16)
+    rows.append(row("DDP bf16, no activation checkpointing", gpus, params=m["params"], grads=m["grads"],
+                    optimizer=m["optimizer"], activations=act["none"], gpu_mem_gb=gpu_mem_gb,
+                    note=f"{what}; every block's activations kept"))
+    return rows
+
+
+__all__ = ["activation_estimate", "engine_claims", "fsdp2_shards", "plan", "training_claims"]

@@ -1,0 +1,262 @@
+"""Day 6 tables, claims and pictures from `dlo.experiments.day6.run_all`'s results (plain data).
+
+Kept apart from the runners so that the notebook's cells stay short and the runners stay readable;
+`plan(P, gpus=, gpu_mem_gb=)` is the full profile on the meta device (`dlo plan day6_pipeline`).
+Every verdict goes through `dlo.claims`: a bubble fraction is the mean of the timed steps with its
+t-interval, a byte count is exact.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dlo.claims import Claim, approx, at_least, at_most, between, exact, from_samples, median_interval, not_measurable
+from dlo.distributed.pipeline_schedules import bubble_formula, bubble_fraction, simulate, split_stages
+from dlo.experiments.day6 import meta_model, model_config, stack
+from dlo.models.coatnet import block_costs
+
+HUANG = "Huang et al. 2019 (GPipe); seminar (seed 003) eq. 3"
+NARAYANAN = "Narayanan et al. 2021 (PipeDream-Flush; Megatron-LM Sec. 2.2); seed 003"
+COLORS = {"F": "tab:blue", "B": "tab:green", "W": "tab:orange"}
+
+
+def estimate(xs, how: str = ""):
+    """Mean with a t-interval over repeats (at least 2), else the single value as exact."""
+    return from_samples(xs, how) if len(xs) > 1 else exact(xs[0], how or "one step")
+
+
+def bubble_rows(R: dict) -> list[dict]:
+    """Measured bubble fraction (mean [95% interval] over the timed steps) beside the formula."""
+    rows = []
+    for r in R["bubble"]["rows"]:
+        est = estimate(r["bubbles"], f"mean of {len(r['bubbles'])} steps")
+        rows.append({"schedule": r["schedule"], "p": r["p"], "v": r["v"], "m": r["m"],
+                     "(p-1)/(vm+p-1)": round(r["formula"], 3), "measured [95%]": str(est),
+                     "step ms": round(1e3 * min(r["times_s"]), 1)})
+    return rows
+
+
+def bubble_claims(R: dict, tol: float = 0.05) -> list[Claim]:
+    """One claim per (schedule, m): the measured idle share is the formula within `tol` (communication
+    and the engine's own overhead are not in the formula)."""
+    out = []
+    for r in R["bubble"]["rows"]:
+        src = HUANG if r["schedule"] == "gpipe" else NARAYANAN
+        out.append(Claim(f"{r['schedule']} bubble, p={r['p']}, m={r['m']}", src,
+                         f"(p-1)/({'v' if r['v'] > 1 else ''}m+p-1) = {r['formula']:.3f}",
+                         approx(r["formula"], abs_tol=tol), estimate(r["bubbles"])))
+    return out
+
+
+def memory_rows(R: dict) -> list[dict]:
+    """Peak saved bytes per rank and how many stage-micro-batches that is, per schedule and m."""
+    one, rows = R["bubble"]["one_microbatch"], []
+    for r in R["bubble"]["rows"]:
+        row = {"schedule": r["schedule"], "m": r["m"]}
+        for k, b in enumerate(r["peak_bytes"]):
+            row[f"rank {k} MiB"] = round(b / 2 ** 20, 2)
+            row[f"rank {k} / one micro-batch"] = round(b / one, 2)
+        rows.append(row)
+    return rows
+
+
+def memory_claims(R: dict) -> list[Claim]:
+    """GPipe keeps m micro-batches alive on the first stage, 1F1B min(p, m) (exact on the CPU)."""
+    one, p, out = R["bubble"]["one_microbatch"], R["world"], []
+    kind = R["bubble"]["memory_kind"]
+    exact_here = kind == "saved-tensor peak"
+    for r in R["bubble"]["rows"]:
+        if r["schedule"] == "interleaved":
+            continue
+        want = r["m"] if r["schedule"] == "gpipe" else min(p, r["m"])
+        got = exact(r["peak_bytes"][0] / one, kind)
+        if exact_here:
+            out.append(Claim(f"{r['schedule']}: micro-batches alive on stage 0, m={r['m']}", NARAYANAN,
+                             f"{'m' if r['schedule'] == 'gpipe' else 'min(p, m)'} = {want}",
+                             approx(want, abs_tol=0.01), got))
+        else:  # CUDA's peak also holds weights, gradients and workspace: an upper bound
+            out.append(Claim(f"{r['schedule']}: micro-batches alive on stage 0, m={r['m']}", NARAYANAN,
+                             f"{want}", at_least(want), got))
+    return out
+
+
+def split_rows(R: dict) -> list[dict]:
+    """The CoAtNet cut balancing each cost: per stage its blocks and sums, and the 1F1B step time."""
+    blocks, rows = R["splits"]["blocks"], []
+    for cost, s in R["splits"]["splits"].items():
+        b = s["bounds"]
+        row = {"balanced by": cost, "stages (blocks)": " | ".join(f"{x}:{y}" for x, y in zip(b, b[1:]))}
+        for k in ("params", "flops", "saved_bytes", "time"):
+            sums = [sum(r[k] for r in blocks[x:y]) for x, y in zip(b, b[1:])]
+            row[f"{k} max/mean"] = round(max(sums) / (sum(sums) / len(sums)), 2)
+        row["1F1B step ms [95%]"] = str(median_interval(s["times_s"]).scaled(1e3))
+        row["bubble"] = round(sum(s["bubbles"]) / len(s["bubbles"]), 3)
+        rows.append(row)
+    return rows
+
+
+def stage_rows(blocks: list[dict]) -> list[dict]:
+    """Per paper stage (S0..S4, head): blocks, parameters, forward GFLOP and saved MiB per micro-batch."""
+    from dlo.models.coatnet import stage_table
+
+    return [{"stage": s["stage"], "blocks": s["blocks"], "params (M)": round(s["params"] / 1e6, 3),
+             "GFLOP fwd": round(s["flops"] / 1e9, 3), "saved MiB": round(s["saved_bytes"] / 2 ** 20, 2),
+             **({"fwd ms": round(1e3 * sum(b["time"] for b in blocks if b["stage"] == s["stage"]), 2)}
+                if "time" in blocks[0] else {})} for s in stage_table(blocks)]
+
+
+def other_claims(R: dict, on_gpu: bool, plan_rows: list[dict]) -> list[Claim]:
+    """Interleaving, 1F1B vs GPipe, stage balancing, torch's pipelining, and the full-profile rows."""
+    rows = {(r["schedule"], r["m"]): r for r in R["bubble"]["rows"]}
+    out = []
+    m = max(mm for (s, mm) in rows if s == "interleaved")
+    f1, fi = estimate(rows[("1f1b", m)]["bubbles"]), estimate(rows[("interleaved", m)]["bubbles"])
+    pbs = lambda f: f / (1 - f)  # noqa: E731 - bubble over ideal time from the idle share
+    ratio = pbs(fi.value) / pbs(f1.value) if f1.value > 0 else float("nan")
+    lo, hi = sorted((pbs(fi.lo) / pbs(max(f1.hi, 1e-9)), pbs(fi.hi) / pbs(max(f1.lo, 1e-9))))
+    out.append(Claim(f"interleaving (v=2) divides the bubble by v, m={m}", NARAYANAN, "PBS / v: ratio 0.5",
+                     approx(0.5, abs_tol=0.15), exact(ratio) if lo == hi else _interval(ratio, lo, hi)))
+    g, o = rows[("gpipe", m)], rows[("1f1b", m)]
+    diff = estimate([a - b for a, b in zip(o["bubbles"], g["bubbles"])], "paired over steps")
+    out.append(Claim(f"1F1B has GPipe's bubble, m={m}", NARAYANAN, "same (p-1)/(m+p-1)", between(-0.05, 0.05), diff))
+    splits = R["splits"]["splits"]
+    if "params" in splits and "flops" in splits:
+        t_par, t_flop = (median_interval(splits[k]["times_s"]) for k in ("params", "flops"))
+        out.append(Claim("balancing FLOPs beats balancing parameters (1F1B step time ratio)",
+                         "Narayanan et al. 2019 (PipeDream's partitioner)", "> 1 (the slowest stage sets the pace)",
+                         at_least(1.0), _interval(t_par.value / t_flop.value, t_par.lo / t_flop.hi,
+                                                  t_par.hi / t_flop.lo)))
+    diff = max(v["max_grad_diff"] for v in R["torch"].values())
+    out.append(Claim("torch.distributed.pipelining computes our gradients", "torch docs",
+                     "identical up to float32 rounding", at_most(1e-5), exact(diff, "max |difference|")))
+    pipe = next(r for r in plan_rows if r["config"].startswith("1F1B, batch"))
+    ddp = next(r for r in plan_rows if r["config"].startswith("DDP, batch"))
+    batch = pipe["config"].split(",")[1].strip()
+    how = "dlo plan: bytes per GPU / GPU memory"
+    out += [Claim(f"DDP cannot train the {batch} on {ddp['world']} GPUs", "seed 001 (DP splits only the activations)",
+                  "does not fit", at_least(1.0), exact(ddp["total"] / ddp["gpu"], how)),
+            Claim(f"1F1B trains the same {batch}", "seed 001 (PP splits the whole footprint); seed 003",
+                  "fits", at_most(1.0), exact(pipe["total"] / pipe["gpu"], how))]
+    if not on_gpu:
+        why = "needs 4 GPUs (a 2-core CPU cannot run 4 stages at once)"
+        out += [not_measurable("bubble vs m at p = 4", HUANG, "(p-1)/(m+p-1)", why),
+                not_measurable("CoAtNet-3 throughput vs m on 4 stages", NARAYANAN, "rises with m", why),
+                not_measurable("pipeline vs data parallel throughput, CoAtNet-3", "seed 001", "DDP faster when it fits",
+                               why)]
+    return out
+
+
+def _interval(value, lo, hi):
+    from dlo.claims import Estimate
+
+    return Estimate(value, min(lo, value), max(hi, value), 2, "ratio of intervals")
+
+
+def zero_bubble_claims(p: int = 4, m: int = 8) -> list[Claim]:
+    """The simulator against Qi et al.'s Table 1 at t_F = t_B = t_W = 1 (B, W the two halves of a backward)."""
+    from dlo.distributed.pipeline_schedules import one_f_one_b_schedule, zero_bubble_schedule
+
+    def excess(sched, t_b, t_w):
+        ev = simulate(sched, 1.0, t_b, t_w)
+        return max(e["end"] for e in ev) - 3 * m
+
+    src = "Qi et al. 2023, Table 1"
+    return [Claim(f"1F1B bubble (simulated, p={p}, m={m})", src, "(p-1)(T_F+T_B+T_W)",
+                  approx(3 * (p - 1), abs_tol=1e-9), exact(excess(one_f_one_b_schedule(p, m), 2.0, 0.0), "simulated")),
+            Claim(f"ZB-H1 bubble (simulated, p={p}, m={m})", src, "(p-1)(T_F+T_B-T_W)",
+                  approx(p - 1, abs_tol=1e-9), exact(excess(zero_bubble_schedule(p, m), 1.0, 1.0), "simulated"))]
+
+
+def gantt(ax, events: list[dict], title: str, label: bool = True) -> None:
+    """One row per rank, a bar per action (F blue, B green, W orange), micro-batch (and stage) written in."""
+    ranks = sorted({e["rank"] for e in events})
+    t0 = min(e["start"] for e in events)
+    chunks = len({e["stage"] for e in events}) > len(ranks)
+    for e in events:
+        y = ranks.index(e["rank"])
+        ax.broken_barh([(e["start"] - t0, e["end"] - e["start"])], (y - 0.4, 0.8), color=COLORS[e["kind"]],
+                       alpha=0.6 + 0.4 * (e["stage"] < len(ranks)), edgecolor="white")
+        if label:
+            text = f"{e['mb']}" + ("\u2032" if chunks and e["stage"] >= len(ranks) else "")
+            ax.text(e["start"] - t0 + (e["end"] - e["start"]) / 2, y, text, ha="center", va="center", fontsize=7)
+    ax.set_yticks(range(len(ranks)), [f"rank {r}" for r in ranks])
+    ax.invert_yaxis()
+    ax.set_title(f"{title}: bubble {bubble_fraction(events):.2f}", fontsize=9)
+
+
+def simulated_like(events: list[dict], schedule) -> list[dict]:
+    """The simulator's timeline of `schedule` with the median F and B durations of recorded `events`."""
+    med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+    t_f = med([e["end"] - e["start"] for e in events if e["kind"] == "F"])
+    t_b = med([e["end"] - e["start"] for e in events if e["kind"] == "B"])
+    return simulate(schedule, t_f, t_b)
+
+
+def formula_curve(p: int, ms, v: int = 1) -> list[float]:
+    return [bubble_formula(p, m, v) for m in ms]
+
+
+# ----------------------------------------------------------------------------- the full profile on paper
+
+def stage_partition(cfg, p: int, cost: str = "flops") -> list[dict]:
+    """CoAtNet's blocks cut into p stages balancing `cost`: per stage its blocks, parameters and the
+    bytes one sample saves for backward (block_costs on the meta device)."""
+    rows = block_costs(meta_model(cfg), 1)
+    out = []
+    for idx in split_stages([r[cost] for r in rows], p):
+        out.append({"blocks": f"{idx[0]}:{idx[-1] + 1}", "params": sum(rows[i]["params"] for i in idx),
+                    "saved_per_sample": sum(rows[i]["saved_bytes"] for i in idx)})
+    return out
+
+
+def plan(P, *, gpus: int, gpu_mem_gb: float) -> list[dict]:
+    """Bytes per GPU of the full profile: CoAtNet (fp32, AdamW) cut into `gpus` stages balancing FLOPs.
+    A pipeline rank holds its stage's parameters, gradients and optimizer state, and the activations
+    of the micro-batches alive on it: min(p - r, m) under 1F1B, m under GPipe (the worst rank is
+    shown). Data parallelism holds the whole model and its per-GPU share of the batch. Rows: the
+    claim (a global batch of P.plan_batch that 1F1B trains and neither GPipe nor DDP fits), DDP at
+    the largest batch that fits, and the configurations the notebook runs (marked main)."""
+    from dlo.plan import OPTIMIZER_STATE_BYTES, activation_bytes, row
+
+    cfg, p, b = model_config(P), gpus, P.micro_batch
+    stages, total = stage_partition(cfg, p), meta_model(cfg)
+    n_params = sum(q.numel() for q in total.parameters())
+    per_sample = sum(s["saved_per_sample"] for s in stages)
+    adamw = OPTIMIZER_STATE_BYTES["adamw"]
+
+    def pipeline_row(label, m, gpipe=False, main=False):
+        worst = None
+        for r, s in enumerate(stages):
+            alive = m if gpipe else min(p - r, m)
+            cand = row(label, p, params=4 * s["params"], grads=4 * s["params"], optimizer=adamw * s["params"],
+                       activations=alive * b * s["saved_per_sample"], gpu_mem_gb=gpu_mem_gb, main=main,
+                       note=f"{cfg.name}, worst stage: rank {r} (blocks {s['blocks']}), {alive} micro-batches of {b} "
+                            f"alive")
+            worst = cand if worst is None or cand["total"] > worst["total"] else worst
+        return worst
+
+    def ddp_row(label, per_gpu, main=False):
+        return row(label, p, params=4 * n_params, grads=4 * n_params, optimizer=adamw * n_params,
+                   activations=per_gpu * per_sample, gpu_mem_gb=gpu_mem_gb, main=main,
+                   note=f"{cfg.name}, the whole model on every GPU, {per_gpu} samples each")
+
+    m_claim = max(1, P.plan_batch // b)
+    fixed = (4 + 4 + adamw) * n_params
+    fit = max(0, int((gpu_mem_gb * 2 ** 30 - fixed) // per_sample))
+    rows = [pipeline_row(f"1F1B, batch {m_claim * b} = {m_claim} x {b}", m_claim),
+            pipeline_row(f"GPipe, batch {m_claim * b} = {m_claim} x {b}", m_claim, gpipe=True),
+            ddp_row(f"DDP, batch {P.plan_batch} = {p} x {P.plan_batch // p}", P.plan_batch // p),
+            ddp_row(f"DDP, largest batch that fits: {p} x {fit}", fit),
+            pipeline_row(f"notebook: 1F1B splits, m = {P.split_m} x {b}", P.split_m, main=True),
+            ddp_row(f"notebook: DDP, {P.split_m * b} samples", max(1, P.split_m * b // p), main=True)]
+    with torch.device("meta"):
+        blocks = nn.Sequential(*stack(P, "meta")[: max(1, P.stack_blocks // p)])
+    x = torch.empty(b, P.stack_width, P.stack_grid, P.stack_grid, device="meta")
+    acts = activation_bytes(lambda: blocks(x).sum(), exclude=list(blocks.parameters()))
+    n_stack = sum(q.numel() for q in blocks.parameters())
+    m_max = max(P.m_values)
+    rows.append(row(f"notebook: bubble sweep, GPipe m = {m_max} x {b}", p, params=4 * n_stack, grads=4 * n_stack,
+                    optimizer=0, activations=m_max * acts, gpu_mem_gb=gpu_mem_gb, main=True,
+                    note=f"{P.stack_blocks // p} blocks of {P.stack_width} channels, {P.stack_grid}^2 tokens per rank"))
+    return rows

@@ -1,0 +1,296 @@
+"""Grading many submissions at once: one process and one scratch course root per submission.
+
+A submission is graded by `grade_one` in its own nbgrader process (`nbgrader_cli`), inside its own
+nbgrader course root (OUT/work/<student>/<day>/nbgrader: the shared source/ linked, the submission
+copied, a private copy of the template gradebook), so N of them can run side by side with no shared
+file written by two processes. Only when it is finished are its autograded notebook, feedback and
+gradebook moved into OUT/course, and its record (`results`) written last: the record is the proof
+that a submission is done, which is what a resumed run trusts.
+
+`run` drives `jobs` such workers from threads (each waits on its child process), prints a progress
+bar over submissions (done/total, failures, time left) and a summary at the end. A worker whose
+process is killed (the out-of-memory killer, an administrator) is retried once; killed again, the
+submission is marked and the run goes on. Ctrl-C or SIGTERM (a job's time limit) kills the children
+and stops; the records already written let the same command resume.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import shutil
+import signal
+import threading
+import time
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dlo.harness.nbgrader_cli import autograde_and_feedback, kill_children
+from dlo.harness.results import copy_feedback, graded, record_path, write_json
+from dlo.harness.sandbox import SPEC_ENV, make_spec
+
+MEM_PER_JOB_GIB = 3.0  # a grading process, the student's kernel and the checks' runner, each with torch
+IGNORE = shutil.ignore_patterns("runs", ".ipynb_checkpoints", "__pycache__")  # TensorBoard logs stay behind
+TIMEOUT_ERRORS = ("CellTimeoutError", "CheckTimeout", "KeyboardInterrupt")
+
+
+class Killed(RuntimeError):
+    """The submission's grading process was killed by a signal (not by the grader's own timeout)."""
+
+
+@dataclass
+class Run:
+    """What every submission of one `dlo grade` run shares."""
+
+    out: Path  # this run's output folder (a shard's part folder with --shard)
+    submitted: Path
+    profile: str
+    notebook_timeout: float
+    sandbox: str
+    hidden: list[Path]
+    inputs: dict = field(default_factory=dict)  # {(student, day): hash of the submitted folder}
+    env: dict = field(default_factory=dict)  # per slot: threads, GPUs
+
+    @property
+    def course(self) -> Path:
+        return self.out / "course"
+
+
+# ----------------------------------------------------------------------------- resources
+
+def cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))  # a SLURM allocation's CPUs, not the node's
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def memory_gib() -> float:
+    try:
+        with open("/proc/meminfo") as f:
+            info = dict(line.split(":", 1) for line in f)
+        return int(info["MemAvailable"].split()[0]) / 2 ** 20
+    except (OSError, KeyError, ValueError):
+        return MEM_PER_JOB_GIB
+
+
+def gpus(profile: str) -> int:
+    if profile == "tiny":
+        return 0
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def default_jobs(profile: str) -> int:
+    """As many as the cores and the memory allow; on GPUs, one per GPU."""
+    n = max(1, min(cores(), int(memory_gib() // MEM_PER_JOB_GIB)))
+    return min(n, gpus(profile)) if gpus(profile) else n
+
+
+def slot_env(slot: int, jobs: int, profile: str) -> dict:
+    """Environment of the worker in `slot`: its share of the cores (no oversubscription: N kernels
+    each spinning all cores' threads slow each other down) and of the GPUs."""
+    env = {}
+    if "OMP_NUM_THREADS" not in os.environ:
+        env["OMP_NUM_THREADS"] = str(max(1, cores() // jobs))
+    n = gpus(profile) if jobs > 1 else 0
+    if n:
+        share = list(range(slot * n // jobs, max(slot * n // jobs + 1, (slot + 1) * n // jobs)))
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g % n) for g in share)
+    return env
+
+
+# ----------------------------------------------------------------------------- one submission
+
+def grade_one(run: Run, student: str, day: str, env: dict, attempt: int = 1) -> dict:
+    """Grade one submission in its own course root and process; its record (also written to disk)."""
+    work = run.out / "work" / student / day
+    shutil.rmtree(work, ignore_errors=True)
+    root = work / "nbgrader"
+    (root / "submitted" / student).mkdir(parents=True)
+    os.symlink(run.course / "source", root / "source")
+    shutil.copyfile(run.course / "nbgrader_config.py", root / "nbgrader_config.py")
+    shutil.copytree(run.submitted / student / day, root / "submitted" / student / day, ignore=IGNORE)
+    db = root / "gradebook.db"
+    shutil.copyfile(run.course / "template.db", db)
+    spec = make_spec(run.sandbox, work, run.hidden)
+    spec.make_dirs()
+    spec.write(work / "sandbox.json")
+    child_env = {"DLO_PROFILE": run.profile, "DLO_GRADING": "1", "DLO_HEADLESS": "1",
+                 SPEC_ENV: str(work / "sandbox.json"), **env}
+    start = time.perf_counter()
+    proc = None
+    try:
+        proc = autograde_and_feedback(root, db, day, student, env=child_env, timeout=run.notebook_timeout)
+        status = "graded" if proc.returncode == 0 else "error: autograde failed"
+    except TimeoutError:
+        status = f"error: autograde took over {run.notebook_timeout:.0f} s"
+    finally:
+        # the student's files and pickles are not kept; the runner's log (the student's output during checks) is
+        for scratch in (spec.kernel_dir, spec.capture_dir, spec.runner_dir / ".home"):
+            shutil.rmtree(scratch, ignore_errors=True)
+    seconds = time.perf_counter() - start
+    if proc is not None and proc.returncode < 0:
+        raise Killed(f"killed by {_signal_name(-proc.returncode)}")
+    logs = run.course / "logs" / student / day
+    if proc is not None and (proc.returncode != 0 or not (root / "feedback" / student / day).is_dir()):
+        logs.mkdir(parents=True, exist_ok=True)
+        (logs / "autograde.log").write_text(proc.stdout + proc.stderr)
+        if status == "graded":
+            print(f"error: generate_feedback {student}/{day} failed (see course/logs/{student}/{day}); no feedback",
+                  flush=True)
+        else:
+            status += f" (see course/logs/{student}/{day}/autograde.log)"
+    record = {"student": student, "day": day, "status": status, "score": 0.0, "cells": {}, "seconds": round(seconds, 1),
+              "attempts": attempt, "input": run.inputs.get((student, day), ""), "sandbox": run.sandbox, "final": True,
+              "timeouts": 0, "kernel_deaths": 0}
+    if status == "graded":
+        record.update(_keep(run, root, student, day, db))
+    shutil.rmtree(root, ignore_errors=True)
+    write_json(record_path(run.out, student, day), record)
+    return record
+
+
+def _keep(run: Run, root: Path, student: str, day: str, db: Path) -> dict:
+    """Move a graded submission's files from its scratch root into OUT; its scores and incidents."""
+    for kind in ("autograded", "feedback"):
+        dest = run.course / kind / student / day
+        shutil.rmtree(dest, ignore_errors=True)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        if (root / kind / student / day).is_dir():
+            shutil.move(root / kind / student / day, dest)
+    kept_db = run.course / "gradebooks" / day / f"{student}.db"
+    kept_db.parent.mkdir(parents=True, exist_ok=True)
+    shutil.move(db, kept_db)
+    copy_feedback(run.course, run.out / "feedback", student, day)
+    score, cells = graded(kept_db, day, student) or (0.0, {})
+    return {"score": score, "cells": cells, **incidents(run.course / "autograded" / student / day / f"{day}.ipynb")}
+
+
+def incidents(nb: Path) -> dict:
+    """Cells that hit the time limit and kernels that died, as the autograded notebook records them."""
+    try:
+        cells = json.loads(nb.read_text())["cells"]
+    except (OSError, ValueError, KeyError):
+        return {}
+    names = [o.get("ename") for c in cells for o in c.get("outputs", []) if o.get("output_type") == "error"]
+    return {"timeouts": sum(n in TIMEOUT_ERRORS for n in names), "kernel_deaths": names.count("DeadKernelError")}
+
+
+def killed_record(run: Run, student: str, day: str, why: str) -> dict:
+    """A submission whose grading process was killed twice: marked (0), graded again on resume."""
+    record = {"student": student, "day": day, "status": f"error: grading process {why}, twice", "score": 0.0,
+              "cells": {}, "seconds": 0.0, "attempts": 2, "input": run.inputs.get((student, day), ""),
+              "sandbox": run.sandbox, "final": False, "timeouts": 0, "kernel_deaths": 0}
+    write_json(record_path(run.out, student, day), record)
+    return record
+
+
+def _signal_name(num: int) -> str:
+    try:
+        return signal.Signals(num).name
+    except ValueError:
+        return f"signal {num}"
+
+
+# ----------------------------------------------------------------------------- many submissions
+
+def run(grading: Run, todo: list[tuple[str, str]], jobs: int, total: int, done: int) -> dict:
+    """Grade `todo` with `jobs` workers; {(student, day): record}. `total`/`done` count the whole run
+    (a resumed run starts with done > 0). KeyboardInterrupt (Ctrl-C, SIGTERM) stops every worker."""
+    bar = Progress(total, done)
+    slots: queue.Queue[int] = queue.Queue()
+    for s in range(jobs):
+        slots.put(s)
+    stop = threading.Event()
+    envs = [{**slot_env(s, jobs, grading.profile), **grading.env} for s in range(jobs)]
+
+    def work(key):
+        slot = slots.get()
+        try:
+            for attempt in (1, 2):
+                try:
+                    return grade_one(grading, *key, envs[slot], attempt)
+                except Killed as exc:
+                    if stop.is_set():
+                        return None
+                    if attempt == 2:
+                        return killed_record(grading, *key, str(exc))
+                    bar.say(f"{key[0]}/{key[1]}: its grading process was {exc}; trying once more")
+        finally:
+            slots.put(slot)
+
+    records = {}
+    old = signal.signal(signal.SIGTERM, _interrupt) if threading.current_thread() is threading.main_thread() else None
+    pool = ThreadPoolExecutor(max_workers=jobs)
+    try:
+        pending = {pool.submit(work, key): key for key in todo}
+        while pending:
+            finished, _ = wait(pending, return_when=FIRST_COMPLETED)
+            for fut in finished:
+                key = pending.pop(fut)
+                rec = fut.result()
+                if rec is not None:
+                    records[key] = rec
+                    bar.update(rec)
+    except BaseException:
+        stop.set()
+        pool.shutdown(wait=False, cancel_futures=True)
+        kill_children()
+        pool.shutdown(wait=True)
+        raise
+    finally:
+        if old is not None:
+            signal.signal(signal.SIGTERM, old)
+    pool.shutdown()
+    return records
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+class Progress:
+    """One line per finished submission: a bar, done/total, failures so far, time left."""
+
+    def __init__(self, total: int, done: int, width: int = 24):
+        self.total, self.done, self.width = total, done, width
+        self.start, self.new, self.failed = time.monotonic(), 0, 0
+        self.lock = threading.Lock()
+
+    def update(self, rec: dict) -> None:
+        with self.lock:
+            self.done, self.new = self.done + 1, self.new + 1
+            self.failed += rec["status"] != "graded"
+            left = (time.monotonic() - self.start) / self.new * (self.total - self.done)
+            fill = round(self.width * self.done / max(self.total, 1))
+            print(f"[{'#' * fill}{'.' * (self.width - fill)}] {self.done}/{self.total}, {self.failed} failed, "
+                  f"{fmt_time(left)} left | {rec['student']}/{rec['day']}: {rec['status']} {rec['score']:g} "
+                  f"in {rec['seconds']:.1f} s", flush=True)
+
+    def say(self, text: str) -> None:
+        with self.lock:
+            print(text, flush=True)
+
+
+def fmt_time(seconds: float) -> str:
+    seconds = int(round(seconds))
+    h, m, s = seconds // 3600, seconds // 60 % 60, seconds % 60
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s" if m else f"{s}s"
+
+
+def summary(records: dict, wall: float, jobs: int, slowest: int = 5) -> str:
+    """The end of a run: counts, the slowest notebooks, timeouts, kernels that died, failures."""
+    recs = sorted(records.values(), key=lambda r: (-r["seconds"], r["student"], r["day"]))
+    name = lambda r: f"{r['student']}/{r['day']}"  # noqa: E731
+    failed = [f"{name(r)}: {r['status']}" for r in recs if r["status"] != "graded"]
+    lines = [f"graded {len(recs)} submission(s) in {fmt_time(wall)} with {jobs} job(s), {len(failed)} failed",
+             "slowest: " + (", ".join(f"{name(r)} {r['seconds']:.1f} s" for r in recs[:slowest]) or "-"),
+             "timeouts: " + (", ".join(f"{name(r)} ({r['timeouts']} cell(s))" for r in recs if r.get("timeouts"))
+                             or "none"),
+             "kernels that died: " + (", ".join(f"{name(r)} ({r['kernel_deaths']})" for r in recs
+                                                if r.get("kernel_deaths")) or "none")]
+    return "\n".join(lines + [f"failed: {f}" for f in failed])

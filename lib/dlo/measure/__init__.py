@@ -1,0 +1,36 @@
+"""The one measurement module: time, memory, bytes communicated, FLOPs and MFU.
+
+Every experiment of the course measures through here, so that "ms", "bytes" and "MFU" mean the
+same thing on every day:
+
+- time: `time_fn(fn)` and `time_interleaved({name: fn})` synchronise the device, warm up, and
+  return a `Timing` (every sample kept; `median_s`, `estimate()` with a 95% interval of the median).
+  Interleaving runs the variants round-robin so a noisy neighbour slows them alike.
+- memory (bytes, one unit everywhere): `SavedTensorMeter` counts exactly what autograd keeps for
+  backward (device independent, the CPU's measure); `peak_memory()` gives `max_memory_allocated` on
+  CUDA and the saved-tensor peak elsewhere, and says which one it is (`kind`); `saved_bytes(forward)`
+  and `measure_step(step)` are the two measurements every day's tables are made of.
+- communication: `CommCounter` is a dispatch mode that sees every collective that reaches the
+  dispatcher (`dist.all_reduce` and friends, torch's functional collectives used by DTensor/FSDP2,
+  point-to-point sends): calls, payload bytes and the bytes this rank sends under the ring model.
+- compute: `count_flops(fn)` (torch's FlopCounterMode), `transformer_flops_per_token` (6N + 12 l h s,
+  Kaplan et al. 2020 / PaLM appendix B), and `mfu(...)` against `dlo.hardware` peaks.
+"""
+
+from dlo.measure.comm import CommCall, CommCounter
+from dlo.measure.compute import count_flops, fmt_bytes, mfu, transformer_flops_per_token
+from dlo.measure.memory import (
+    PeakMemory,
+    SavedTensorMeter,
+    held_bytes,
+    measure_step,
+    optimizer_state_bytes,
+    peak_memory,
+    saved_bytes,
+    tensor_bytes,
+)
+from dlo.measure.timing import Timing, sync, time_fn, time_interleaved
+
+__all__ = ["sync", "Timing", "time_fn", "time_interleaved", "SavedTensorMeter", "PeakMemory", "peak_memory",
+           "saved_bytes", "measure_step", "tensor_bytes", "optimizer_state_bytes", "held_bytes", "CommCall",
+           "CommCounter", "count_flops", "transformer_flops_per_token", "mfu", "fmt_bytes"]

@@ -1,0 +1,151 @@
+"""Bytes communicated, as the dispatcher sees every collective (part of `dlo.measure`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from dlo.measure.memory import tensor_bytes
+
+# ----------------------------------------------------------------------------- communication
+
+# Collective ops as the dispatcher sees them (c10d:: from torch.distributed, _c10d_functional:: from
+# DTensor/FSDP2/funcol), by what the payload is and how much of it a rank sends under the ring model.
+#   kind: "all_reduce" 2(N-1)/N n | "all_gather" (N-1)/N n_out | "reduce_scatter" (N-1)/N n_in
+#         | "broadcast" n (root) | "all_to_all" (N-1)/N n | "send" n | "recv" 0
+_OPS = {
+    "allreduce_": "all_reduce", "allreduce_coalesced_": "all_reduce", "all_reduce": "all_reduce",
+    "all_reduce_coalesced": "all_reduce",
+    "_allgather_base_": "all_gather", "allgather_": "all_gather", "allgather_into_tensor_coalesced_": "all_gather",
+    "all_gather_into_tensor": "all_gather", "all_gather_into_tensor_coalesced": "all_gather",
+    "_reduce_scatter_base_": "reduce_scatter", "reduce_scatter_": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced_": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced": "reduce_scatter",
+    "broadcast_": "broadcast", "broadcast": "broadcast",
+    "alltoall_base_": "all_to_all", "alltoall_": "all_to_all", "all_to_all_single": "all_to_all",
+    "send": "send", "recv_": "recv", "recv_any_source_": "recv",
+}
+
+
+@dataclass
+class CommCall:
+    op: str          # the dispatcher op, e.g. "c10d.allreduce_" or "_c10d_functional.all_gather_into_tensor"
+    kind: str        # all_reduce, all_gather, reduce_scatter, broadcast, all_to_all, send, recv
+    nbytes: int      # the whole collective's tensor: all_gather's output, reduce_scatter's input
+    sent: float      # bytes this rank sends under the ring model (send: all of it; recv: 0)
+    world: int
+    async_op: bool = False  # launched asynchronously (a Work handle to wait on; functional ones always are)
+    phase: object = None
+
+
+def _tensors(x) -> list[Tensor]:
+    if isinstance(x, Tensor):
+        return [x]
+    if isinstance(x, (list, tuple)):
+        return [t for item in x for t in _tensors(item)]
+    return []
+
+
+def _group_size(args, default: int) -> int:
+    """The size of the process group a c10d op was called with (a ScriptObject argument)."""
+    import torch.distributed as dist
+
+    for a in args:
+        if isinstance(a, torch.ScriptObject):
+            try:  # the op holds a boxed ProcessGroup: unbox it to ask its size (a subgroup's, not the world's)
+                return int(dist.ProcessGroup.unbox(a).size())
+            except Exception:  # noqa: BLE001 - some other script object (a ReduceOp)
+                continue
+    return default
+
+
+def _payload(kind: str, op_name: str, args) -> int:
+    if op_name.startswith("_c10d_functional"):
+        return tensor_bytes(_tensors(args[0]))  # the input; all_gather's is scaled to the output by the caller
+    if kind in ("all_gather",):
+        return tensor_bytes(_tensors(args[0]))  # outputs first in c10d's ops
+    if kind in ("reduce_scatter", "all_to_all"):
+        return tensor_bytes(_tensors(args[1]))  # (outputs, inputs, ...)
+    return tensor_bytes(_tensors(args[0]))
+
+
+def _async_op(func, args, kwargs) -> bool:
+    if func.namespace == "_c10d_functional":
+        return True
+    names = [a.name for a in func._schema.arguments]
+    if "async_op" not in names:
+        return False  # send/recv: the Python wrapper decides, the op itself always returns a Work
+    i = names.index("async_op")
+    return bool(args[i]) if i < len(args) else bool(kwargs.get("async_op", True))
+
+
+def _sent(kind: str, nbytes: int, world: int) -> float:
+    if world <= 1:
+        return 0.0
+    share = (world - 1) / world
+    return {"all_reduce": 2 * share * nbytes, "all_gather": share * nbytes, "reduce_scatter": share * nbytes,
+            "all_to_all": share * nbytes, "broadcast": float(nbytes), "send": float(nbytes),
+            "recv": 0.0}[kind]
+
+
+class CommCounter(TorchDispatchMode):
+    """Record every collective this rank issues inside the block (a thread-local dispatch mode).
+
+    `calls` lists CommCall records; `phase` is a free label copied into each call (set it to
+    "forward"/"backward" around the parts of a step). Summaries: `count(kind)`, `bytes(kind)` (payload)
+    and `sent(kind)` (ring-model bytes this rank sends), `by_kind()`. Functional collectives report
+    their input; `all_gather_into_tensor`'s payload is scaled by the group size to the output's.
+    """
+
+    def __init__(self, world_size: int | None = None):
+        super().__init__()
+        self.calls: list[CommCall] = []
+        self.phase = None
+        self._world = world_size
+
+    def _default_world(self) -> int:
+        if self._world is not None:
+            return self._world
+        import torch.distributed as dist
+        return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        namespace, name = func.namespace, func._schema.name.split("::")[-1]
+        kind = _OPS.get(name) if namespace in ("c10d", "_c10d_functional") else None
+        if kind is not None:
+            op = f"{namespace}.{name}"
+            world = _group_size(args, self._default_world())
+            if namespace == "_c10d_functional":  # group sizes are plain ints in these schemas
+                if kind == "all_gather" and len(args) > 1 and isinstance(args[1], int):
+                    world = args[1]  # (input, group_size, group_name)
+                elif kind == "reduce_scatter" and len(args) > 2 and isinstance(args[2], int):
+                    world = args[2]  # (input, reduce_op, group_size, group_name)
+            nbytes = _payload(kind, op, args)
+            if namespace == "_c10d_functional" and kind == "all_gather":
+                nbytes *= world
+            self.calls.append(CommCall(op, kind, nbytes, _sent(kind, nbytes, world), world,
+                                       _async_op(func, args, kwargs), self.phase))
+        return func(*args, **kwargs)
+
+    def count(self, kind: str | None = None) -> int:
+        return sum(1 for c in self.calls if kind is None or c.kind == kind)
+
+    def bytes(self, kind: str | None = None) -> int:
+        return sum(c.nbytes for c in self.calls if kind is None or c.kind == kind)
+
+    def sent(self, kind: str | None = None) -> float:
+        return sum(c.sent for c in self.calls if kind is None or c.kind == kind)
+
+    def by_kind(self) -> dict[str, dict]:
+        """{kind: {"calls", "bytes", "sent"}} over everything recorded."""
+        out: dict[str, dict] = {}
+        for c in self.calls:
+            row = out.setdefault(c.kind, {"calls": 0, "bytes": 0, "sent": 0.0})
+            row["calls"] += 1
+            row["bytes"] += c.nbytes
+            row["sent"] += c.sent
+        return out

@@ -1,0 +1,201 @@
+"""Memory in bytes, one unit everywhere: saved tensors on any device, the CUDA allocator's peak on GPUs
+(part of `dlo.measure`)."""
+
+from __future__ import annotations
+
+import contextlib
+import types
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from dlo.measure.timing import sync, time_fn
+
+# ----------------------------------------------------------------------------- memory
+
+def _storage_key(t: Tensor) -> int:
+    """Identity of t's storage (the C++ StorageImpl's address): the same for every view of one buffer,
+    distinct for distinct buffers also on the meta device, where every data pointer is 0."""
+    return t.untyped_storage()._cdata
+
+
+class _Held:
+    __slots__ = ("tensor", "__weakref__")
+
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+
+class SavedTensorMeter:
+    """Counts the bytes autograd keeps for backward while the context is active.
+
+    Every saved tensor passes through the pack hook; a storage is counted once however many ops save
+    it (or views of it), and is released when the last graph node holding it frees it. Parameters'
+    storages (listed in `exclude`) are not activations and are skipped. `bytes` is the current total,
+    `peak` its maximum, including tensors saved again by recomputation during backward.
+
+    Storages are told apart by identity, not by address, so tensors without memory count too: on the
+    meta device (or under FakeTensorMode) the meter gives the bytes a real run would save, from the
+    shapes alone. That is how `dlo plan` sizes the activations of full-size models on a CPU.
+    """
+
+    def __init__(self, exclude=()):
+        self.skip = {_storage_key(p) for p in exclude}
+        self.refs: dict[int, int] = {}
+        self.sizes: dict[int, int] = {}
+        self.dtypes: dict[int, torch.dtype] = {}
+        self.bytes = self.peak = 0
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def _release(self, key: int) -> None:
+        self.refs[key] -= 1
+        if self.refs[key] == 0:
+            self.bytes -= self.sizes.pop(key)
+            del self.refs[key], self.dtypes[key]
+
+    def _pack(self, t: Tensor):
+        held = _Held(t)
+        key = _storage_key(t)
+        if key in self.skip:
+            return held
+        if key not in self.refs:
+            self.refs[key], self.sizes[key], self.dtypes[key] = 0, t.untyped_storage().nbytes(), t.dtype
+            self.bytes += self.sizes[key]
+            self.peak = max(self.peak, self.bytes)
+        self.refs[key] += 1
+        weakref.finalize(held, self._release, key)
+        return held
+
+    def bytes_by_dtype(self) -> dict[str, int]:
+        """The storages held now, bytes per dtype name ("float32", ...)."""
+        out: dict[str, int] = {}
+        for key, nbytes in self.sizes.items():
+            name = str(self.dtypes[key]).removeprefix("torch.")
+            out[name] = out.get(name, 0) + nbytes
+        return out
+
+    @staticmethod
+    def _unpack(held: _Held) -> Tensor:
+        return held.tensor
+
+    def __enter__(self):
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._hooks.__exit__(*exc)
+
+
+@dataclass
+class PeakMemory:
+    """What `peak_memory` found: `bytes` and which measure it is (`kind`)."""
+
+    kind: str = ""
+    bytes: int = 0
+
+
+@contextlib.contextmanager
+def peak_memory(device=None, exclude=()):
+    """Peak memory of the block, in bytes. On CUDA: torch.cuda.max_memory_allocated (weights, grads,
+    optimizer state and activations; the peak counter is reset on entry). Elsewhere: the peak of
+    the bytes autograd saved for backward (activations only; `exclude` the parameters)."""
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    result = PeakMemory()
+    if device.type == "cuda":
+        sync(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        result.kind = "cuda max_memory_allocated"
+        try:
+            yield result
+        finally:
+            sync(device)
+            result.bytes = torch.cuda.max_memory_allocated(device)
+    else:
+        result.kind = "saved-tensor peak"
+        with SavedTensorMeter(exclude=exclude) as meter:
+            try:
+                yield result
+            finally:
+                result.bytes = meter.peak
+
+
+def saved_bytes(forward: Callable[[], Tensor], *, exclude=(), backward: bool = True) -> dict:
+    """What autograd saves for one forward (and backward) of `forward()`, which returns a tensor.
+
+    Keys: "saved_bytes" (held at the end of forward: the activations), "saved_tensors" (storages),
+    "by_dtype" ({dtype name: bytes} at the end of forward) and, with `backward`, "peak_saved_bytes"
+    (the maximum over forward and backward, which includes what recomputation saves again). A
+    non-scalar output is backpropagated as its sum. `exclude`: the parameters and buffers.
+    """
+    with SavedTensorMeter(exclude=exclude) as meter:
+        out = forward()
+        after, count, by_dtype = meter.bytes, len(meter.sizes), meter.bytes_by_dtype()
+        if backward:
+            (out if out.dim() == 0 else out.sum()).backward()
+    del out  # the graph, and what it saved, goes with the output
+    return {"saved_bytes": after, "saved_tensors": count, "by_dtype": by_dtype, "peak_saved_bytes": meter.peak}
+
+
+def measure_step(step: Callable[[], object], *, device=None, exclude=(), warmup: int = 1, reps: int = 3) -> dict:
+    """Median time and peak memory of a training step `step()` (forward, backward, maybe optimizer).
+
+    Keys: "time_s" (median over `reps` timed calls after `warmup` untimed ones), "spread" (see
+    Timing), "reps", "peak_bytes" and "peak_kind" (`peak_memory` of one more call: CUDA's
+    max_memory_allocated, else the saved-tensor peak, leaving out `exclude`).
+    """
+    timing = time_fn(step, device=device, warmup=warmup, reps=reps)
+    with peak_memory(device, exclude=exclude) as peak:
+        step()
+    return {"time_s": timing.median_s, "spread": timing.spread, "reps": timing.n, "peak_bytes": peak.bytes,
+            "peak_kind": peak.kind}
+
+
+def tensor_bytes(tensors) -> int:
+    """Bytes of the tensors' elements (parameters, gradients, optimizer state...)."""
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, Tensor))
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of every tensor in the optimizer's state (Adam: exp_avg + exp_avg_sq + step)."""
+    return sum(tensor_bytes(s.values()) for s in optimizer.state.values())
+
+
+_NOT_FOLLOWED = (type, types.ModuleType, str, bytes, int, float, bool, complex, type(None))
+
+
+def held_bytes(*roots) -> int:
+    """Bytes of the distinct tensor storages reachable from `roots` through Python references:
+    attributes, containers, closures and defaults of functions (hooks), bound methods, a leaf's
+    `.grad`, a DTensor's local shard. What an object such as a sharded training engine holds, its
+    model states, independent of the device (meta tensors count their size). A storage viewed by
+    several tensors counts once, with its current size (a freed FSDP-style buffer counts 0).
+    Modules, classes and functions' globals are not followed; tensors only autograd holds (the
+    activations saved for backward) are not reachable from Python and do not count."""
+    import gc
+
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    seen, storages, stack = set(), {}, list(roots)
+    while stack:
+        obj = stack.pop()
+        if isinstance(obj, _NOT_FOLLOWED) or id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, Tensor):
+            if not is_traceable_wrapper_subclass(obj):  # a DTensor holds no data: its shard is an attribute
+                storages[_storage_key(obj)] = obj.untyped_storage().nbytes()
+            if obj.is_leaf and obj.requires_grad and obj.grad is not None:
+                stack.append(obj.grad)
+        if isinstance(obj, types.FunctionType):
+            for cell in obj.__closure__ or ():
+                with contextlib.suppress(ValueError):  # an empty cell
+                    stack.append(cell.cell_contents)
+            stack.extend(obj.__defaults__ or ())
+        elif isinstance(obj, types.MethodType):
+            stack.append(obj.__self__)
+        else:
+            stack.extend(gc.get_referents(obj))
+    return sum(storages.values())

@@ -1,0 +1,214 @@
+"""`dlo plan DAY`: the full profile's memory per rank, worked out without a GPU.
+
+A day's planner builds its full-size models on the meta device (shapes, no storage), and for the
+distributed days shards them at the real world size inside `fake_world(n)` — a "fake" process
+group in this one process whose collectives do nothing, so `fully_shard`, DTensor and DeviceMesh
+behave as on n ranks and report the per-rank shapes. It returns one row per configuration (see
+`ROW_KEYS`, bytes per rank) beside the GPU memory; `check_fits` turns a row that cannot fit into a
+one-line error before any process starts.
+
+Planners: `PLANNERS[day]` names a function `plan(preset, *, gpus: int, gpu_mem_gb: float) -> list[dict]`.
+`plan_day(day)` runs a day's planner on its `full` preset; `dlo plan DAY` prints the rows and fails
+when a row marked `main` (the configuration the notebook cannot do without; the first row when none
+is marked) does not fit.
+
+How the columns are counted (bytes per rank):
+- params, grads: every element of the model built on the meta device, in its training dtype (fp32
+  master weights and gradients also under mixed precision);
+- optimizer: `OPTIMIZER_STATE_BYTES` per parameter (AdamW and LAMB two fp32 moments, SGD one
+  momentum buffer) plus what the day keeps beside them (a DDP bucket, a calibration buffer);
+- activations: what autograd saves for backward, counted by `dlo.measure.SavedTensorMeter` on
+  meta tensors (exact for the shapes, no memory used), at its peak over forward and backward; on
+  fake CPU tensors (`fake_cpu`) where the meta device would take another path (autocast, fused
+  attention).
+  Not counted: transient buffers (a gradient being formed, the allocator's slack, the CUDA context),
+  hence the planner's margin to the GPU's memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import sys
+from collections.abc import Iterator
+
+from dlo.measure import fmt_bytes
+
+GIB = 2 ** 30
+
+# A planner's row: bytes per rank of each kind, and whether the sum fits the GPU.
+ROW_KEYS = ("config", "world", "params", "grads", "optimizer", "activations", "total", "gpu", "fits", "note")
+
+# day -> "module:function" of its planner
+PLANNERS: dict[str, str] = {
+    "day1_optimizers": "dlo.experiments.day1:plan",
+    "day2_mixed_precision": "dlo.experiments.day2:plan",
+    "day3_checkpointing": "dlo.experiments.day3:plan",
+    "day4_ddp": "dlo.experiments.day4:plan",
+    "day8_quantization_pruning": "dlo.experiments.day8:plan",
+    "day5_fsdp": "dlo.experiments.day5_report:plan",
+    "day6_pipeline": "dlo.experiments.day6_report:plan",
+    "day7_tensor_parallel": "dlo.experiments.day7_report:plan",
+}
+
+
+# Optimizer state per fp32 parameter, in bytes.
+OPTIMIZER_STATE_BYTES = {"sgd": 0, "sgd_momentum": 4, "adamw": 8, "lamb": 8}
+
+
+class DoesNotFit(ValueError):
+    """A planned configuration needs more memory per rank than the GPU has."""
+
+
+def register(day: str, target: str) -> None:
+    """Declare `target` ("dlo.experiments.day5:plan") as the planner of `day`."""
+    PLANNERS[day] = target
+
+
+def planner(day: str):
+    if day not in PLANNERS:
+        raise ValueError(f"no planner for {day!r}; days with one: {', '.join(sorted(PLANNERS)) or '(none)'}")
+    module, _, name = PLANNERS[day].partition(":")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"the planner of {day}, {PLANNERS[day]}, cannot be loaded: {exc}") from None
+
+
+def row(config: str, world: int, *, params: int, grads: int, optimizer: int, activations: int,
+        gpu_mem_gb: float, note: str = "", main: bool = False) -> dict:
+    """One planner row; `total` and `fits` are derived here so every day computes them alike. `main`
+    marks a configuration the day cannot do without (`dlo plan` fails when it does not fit)."""
+    total = params + grads + optimizer + activations
+    gpu = int(gpu_mem_gb * GIB)
+    out = {"config": config, "world": world, "params": params, "grads": grads, "optimizer": optimizer,
+           "activations": activations, "total": total, "gpu": gpu, "fits": total <= gpu, "note": note}
+    if main:
+        out["main"] = True
+    return out
+
+
+def main_configs(rows: list[dict]) -> list[str]:
+    """The configurations `dlo plan` requires to fit: the rows marked main, else the first row."""
+    marked = [r["config"] for r in rows if r.get("main")]
+    return marked or [r["config"] for r in rows[:1]]
+
+
+def plan_day(day: str, gpus: int = 0, gpu_mem_gb: float = 80.0) -> list[dict]:
+    """The rows of `day`'s planner for its `full` preset on `gpus` GPUs (0: the preset's ranks, 1 on
+    single-process days) of `gpu_mem_gb` GB each."""
+    from dlo.presets import PRESETS
+
+    if gpus < 0 or gpu_mem_gb <= 0:
+        raise ValueError(f"need gpus >= 0 and gpu_mem_gb > 0, got gpus={gpus}, gpu_mem_gb={gpu_mem_gb}")
+    plan = planner(day)
+    preset = PRESETS[day]["full"]
+    return plan(preset, gpus=gpus or int(getattr(preset, "ranks", 1)), gpu_mem_gb=gpu_mem_gb)
+
+
+def main(day: str, gpus: int = 0, gpu_mem_gb: float = 80.0) -> int:
+    """`dlo plan DAY`: print the rows; exit 1 when a main configuration does not fit, 2 on bad input."""
+    try:
+        rows = plan_day(day, gpus, gpu_mem_gb)
+    except ValueError as exc:  # an unknown day or a bad number: one line, no traceback
+        print(f"dlo plan: {exc}", file=sys.stderr)
+        return 2
+    print(f"{day}, full profile: bytes per rank on GPUs of {gpu_mem_gb:g} GiB")
+    print(format_rows(rows))
+    try:
+        check_fits(rows, main_configs(rows))
+    except DoesNotFit as exc:
+        print(f"dlo plan: does not fit: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def param_bytes(model) -> int:
+    """Bytes of a model's parameters (a tied weight once), meta or real."""
+    seen, total = set(), 0
+    for p in model.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            total += p.numel() * p.element_size()
+    return total
+
+
+def fake_cpu(model):
+    """Make a meta-device `model` compute as on the CPU without memory: its parameters and buffers
+    become fake CPU tensors (torch's FakeTensorMode: shapes, dtypes and the CPU's dispatch, autocast
+    and attention kernels included, no storage), in place. Returns the mode; create inputs and run
+    the model inside `with mode:`. Use it where the meta device would take another path than a real
+    device: autocast (meta tensors have no autocast) and scaled_dot_product_attention (the math
+    path on meta, which saves the (T, T) scores that the fused kernels of a GPU do not keep)."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode, fakes = FakeTensorMode(), {}
+
+    def fake(t):
+        if id(t) not in fakes:  # a tied weight stays one tensor
+            # torch.empty of a large size maps pages that are never touched: no real memory is used
+            f = mode.from_tensor(torch.empty(t.shape, dtype=t.dtype))
+            fakes[id(t)] = torch.nn.Parameter(f, t.requires_grad) if isinstance(t, torch.nn.Parameter) else f
+        return fakes[id(t)]
+
+    for module in model.modules():
+        for name, p in list(module.named_parameters(recurse=False)):
+            setattr(module, name, fake(p))
+        for name, b in list(module.named_buffers(recurse=False)):
+            setattr(module, name, fake(b))
+    return mode
+
+
+def activation_bytes(forward, exclude=()) -> int:
+    """Peak bytes autograd saves over one forward and backward of `forward()` (meta tensors welcome)."""
+    from dlo.measure import saved_bytes
+
+    return saved_bytes(forward, exclude=exclude)["peak_saved_bytes"]
+
+
+def format_rows(rows: list[dict]) -> str:
+    """The rows as a table, bytes in binary units."""
+    from dlo.tables import format_table
+
+    shown = [{k: (fmt_bytes(v) if k in ("params", "grads", "optimizer", "activations", "total", "gpu") else v)
+              for k, v in r.items()} for r in rows]
+    return format_table(shown, [k for k in ROW_KEYS if any(k in r for r in rows)])
+
+
+def check_fits(rows: list[dict], configs: list[str] | None = None) -> None:
+    """DoesNotFit (one line) for the first row of `configs` (default: all) that needs more than the GPU."""
+    for r in rows:
+        if (configs is None or r["config"] in configs) and not r["fits"]:
+            raise DoesNotFit(f"{r['config']} at {r['world']} rank(s) needs {fmt_bytes(r['total'])} per rank "
+                             f"(params {fmt_bytes(r['params'])}, grads {fmt_bytes(r['grads'])}, optimizer "
+                             f"{fmt_bytes(r['optimizer'])}, activations {fmt_bytes(r['activations'])}) but the GPU "
+                             f"has {fmt_bytes(r['gpu'])}")
+
+
+@contextlib.contextmanager
+def fake_world(world_size: int, rank: int = 0) -> Iterator[None]:
+    """A process group of `world_size` ranks in this one process (torch's "fake" backend: every
+    collective returns at once), so sharding code runs as rank `rank` of a real world size."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("fake_world: a process group already exists in this process")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"fake_world: rank {rank} outside a world of {world_size}")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def device_memory_gb(device=None) -> float:
+    """Memory of the CUDA `device` in GiB; elsewhere 80, the A100/H100 the full profile is planned for."""
+    import torch
+
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type != "cuda":
+        return 80.0
+    return torch.cuda.get_device_properties(device).total_memory / GIB

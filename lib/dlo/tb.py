@@ -1,0 +1,69 @@
+"""TensorBoard logs read back, to show in a notebook the curves TensorBoard would show.
+
+The course's convention (`Run.writer(name)`): one run folder per configuration under `log_dir`, one
+tag per metric ("loss", "lr", "grad_norm", "eval_acc"), so the configurations overlay in
+TensorBoard. `log_dir` defaults to `runs` beside the notebook (`<day>/runs/<configuration>`): the day
+is the folder already, so it is not repeated below it. `read_scalars` reads one tag of every run below
+a folder with TensorBoard's own event reader, exactly what `tensorboard --logdir` would plot;
+`plot_scalars` draws it inline, and `how_to_open` says how to open TensorBoard itself, on a laptop or
+on a cluster node (port forwarding).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+OPEN_ON_A_CLUSTER = """On a cluster node (no browser there), forward TensorBoard's port to your laptop:
+  laptop$ ssh -L 6006:localhost:6006 you@login-node      (then ssh on to the compute node the same way if needed)
+  node$   tensorboard --logdir {log_dir} --port 6006
+and open http://localhost:6006 on the laptop."""
+
+OPEN_HERE = """TensorBoard of these runs: `tensorboard --logdir {log_dir}` in a terminal, then http://localhost:6006
+(or, in the notebook: `%load_ext tensorboard` then `%tensorboard --logdir {log_dir}`)."""
+
+
+def how_to_open(log_dir: str | Path) -> str:
+    """How to open TensorBoard on `log_dir`: here, and on a cluster node through an ssh tunnel."""
+    log_dir = Path(log_dir).resolve()
+    return OPEN_HERE.format(log_dir=log_dir) + "\n" + OPEN_ON_A_CLUSTER.format(log_dir=log_dir)
+
+
+def read_scalars(log_dir: str | Path, tag: str) -> dict[str, tuple[list[int], list[float]]]:
+    """{run: (steps, values)} of `tag` for every run (folder holding event files) below `log_dir`,
+    the run named by its path relative to log_dir ("sgd_b32/seed0"); runs without the tag are left out."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    root = Path(log_dir)
+    if not root.is_dir():
+        raise FileNotFoundError(f"no TensorBoard log folder {root}")
+    runs = sorted({p.parent for p in root.rglob("events.out.tfevents.*")})
+    out = {}
+    for folder in runs:
+        acc = EventAccumulator(str(folder), size_guidance={"scalars": 0})  # 0: keep every point
+        acc.Reload()
+        if tag in acc.Tags().get("scalars", []):
+            events = acc.Scalars(tag)
+            name = folder.relative_to(root).as_posix() or "."
+            out[name] = ([e.step for e in events], [e.value for e in events])
+    return out
+
+
+def plot_scalars(log_dir: str | Path, tag: str = "loss", *, keep: Callable[[str], bool] | None = None, ax=None,
+                 logy: bool = False, title: str | None = None):
+    """Draw `tag` of every run below `log_dir` on one chart, one line per run, as TensorBoard overlays
+    them; `keep(run_name)` chooses the runs ("sgd_b32/seed0"). Returns the matplotlib Axes."""
+    import matplotlib.pyplot as plt
+
+    curves = read_scalars(log_dir, tag)
+    if keep is not None:
+        curves = {name: c for name, c in curves.items() if keep(name)}
+    if not curves:
+        raise ValueError(f"no run under {log_dir} has the tag {tag!r}")
+    if ax is None:
+        ax = plt.subplots(figsize=(7, 3.6))[1]
+    for name, (steps, values) in curves.items():
+        ax.plot(steps, values, label=name)
+    ax.set(title=title or f"TensorBoard tag {tag!r}", xlabel="step", ylabel=tag, yscale="log" if logy else "linear")
+    ax.legend(fontsize=8)
+    return ax

@@ -1,0 +1,171 @@
+"""The Day 5 checks accept the solution notebook's code and reject the slips students make.
+
+The reference solutions are the notebook's own solution cells (executed here from
+solutions/day5_fsdp), so these tests prove what the grader will see. The ranks of the ZeRO and
+FSDP checks come from one pool of 2 ranks kept alive across tests (`tests.rank_pool`: a launch costs
+seconds of interpreter start-up). Each exercise gets its solution and one typical mistake:
+gradients summed instead of averaged, an all-reduce where ZeRO reduce-scatters, gradients reduced
+after backward instead of during it, parameters kept from forward to backward, FSDP applied before
+activation checkpointing, a forbidden library engine, a stub.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dlo.checks import day5, day5_zero
+from dlo.distributed import zero
+from dlo.distributed.zero_comms import all_gather
+from tests.checks.conftest import load_solution
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+@pytest.fixture(scope="module")
+def sol():
+    return load_solution("day5_fsdp")
+
+
+# ----------------------------------------------------------------------------- 1. the accountant (no ranks)
+
+def test_accountant_accepts(sol):
+    day5.check_memory_accountant(sol.memory_per_rank, seed=3)
+
+
+def test_accountant_rejects_a_forgotten_master_copy():
+    def no_master(n_params, world, stage, *, param_dtype=torch.bfloat16, optimizer="adamw"):
+        b = torch.empty((), dtype=param_dtype).element_size()
+        k = {"adamw": 2, "sgd_momentum": 1, "sgd": 0}[optimizer] * (4 if b < 4 else b)  # no fp32 master copy
+        s = -(-n_params // world)
+        p, g, o = (b * (s if stage >= 3 else n_params), b * (s if stage >= 2 else n_params),
+                   k * (s if stage >= 1 else n_params))
+        return {"params": p, "grads": g, "optimizer": o, "total": p + g + o}
+    with pytest.raises(AssertionError, match="fp32 master copy"):
+        day5.check_memory_accountant(no_master)
+
+
+def test_accountant_rejects_floor_division():
+    def floor(n_params, world, stage, *, param_dtype=torch.bfloat16, optimizer="adamw"):
+        b = torch.empty((), dtype=param_dtype).element_size()
+        m = {"adamw": 2, "sgd_momentum": 1, "sgd": 0}[optimizer]
+        k = 4 + 4 * m if b < 4 else b * m
+        s = n_params // world  # the padding forgotten: the last elements belong to nobody
+        p, g, o = (b * (s if stage >= 3 else n_params), b * (s if stage >= 2 else n_params),
+                   k * (s if stage >= 1 else n_params))
+        return {"params": p, "grads": g, "optimizer": o, "total": p + g + o}
+    with pytest.raises(AssertionError, match="ceil"):
+        day5.check_memory_accountant(floor)
+
+
+def test_accountant_rejects_the_library():
+    def borrowed(*args, **kwargs):
+        return zero.memory_per_rank(*args, **kwargs)
+    with pytest.raises(AssertionError, match="off limits"):
+        day5.check_memory_accountant(borrowed)
+
+
+# ----------------------------------------------------------------------------- 2-4. ZeRO (one launch each)
+
+def test_zero1_accepts(sol, ranks):
+    day5.check_zero1(sol.ZeRO1, seed=2)
+
+
+def test_zero1_rejects_all_reduce(sol, ranks):
+    class AllReduce(sol.ZeRO1):
+        def step(self):  # right parameters, but 2 Psi for the gradients and Psi more for the weights
+            dist.all_reduce(self.grads.data)
+            self.shard.grad = self.grads.shard(self.rank).div_(self.world)
+            self.optimizer.step()
+            all_gather(self.flat.data, self.shard.detach().clone())
+    with pytest.raises(AssertionError, match="all-reduces the gradients"):
+        day5.check_zero1(AllReduce)
+
+
+def test_zero2_accepts(sol, ranks):
+    day5.check_zero2(sol.ZeRO2, seed=2)
+
+
+def test_zero2_rejects_summed_gradients(sol, ranks):
+    class Summed(sol.ZeRO2):
+        def _wait(self):
+            if self.pending is not None:
+                b, out, handle = self.pending
+                handle.wait()
+                b["shard"].grad = out  # the sum over ranks: N times the mean
+                b["grads"], b["ready"], self.pending = None, 0, None
+    with pytest.raises(AssertionError, match="moved 2x too far"):
+        day5.check_zero2(Summed)
+
+
+def test_zero2_rejects_reducing_after_backward(sol, ranks):
+    class AfterBackward(sol.ZeRO2):
+        def _grad_ready(self, p):  # keeps every full gradient until the step: ZeRO-1's memory
+            b = self.bucket_of[p]
+            if b["grads"] is None:
+                b["grads"] = sol.FlatBuffer(b["params"], self.world, bind=False)
+            b["grads"].view(b["slot"][p]).copy_(p.grad)
+            p.grad = None
+
+        def step(self):
+            for b in self.buckets:
+                out = torch.empty(b["flat"].shard_numel, dtype=b["grads"].data.dtype)
+                sol.reduce_scatter(out, b["grads"].data)
+                b["shard"].grad, b["grads"] = out.div_(self.world), None
+            self.optimizer.step()
+            for b in self.buckets:
+                all_gather(b["flat"].data, b["shard"].detach().clone())
+    with pytest.raises(AssertionError, match="launched with async_op=True from a gradient hook"):
+        day5.check_zero2(AfterBackward)
+
+
+def test_zero3_accepts(sol, ranks):
+    day5.check_zero3(sol.ZeRO3, seed=2)
+
+
+def test_zero3_rejects_keeping_parameters_until_backward(sol, ranks):
+    class NoReshard(sol.ZeRO3):
+        def _after_forward(self, unit, out):  # no free: the gathered weights live until backward
+            pass
+    with pytest.raises(AssertionError, match="all-gathers in backward"):
+        day5.check_zero3(NoReshard)
+
+
+def test_zero_checks_forbid_the_library_and_subclasses_of_it():
+    """What the ranks do under the ZeRO checks' forbid lists, tested here without a launch: the
+    library's engine, or a subclass that inherits its methods, raises ForbiddenCall."""
+    from dlo.checks.common import ForbiddenCall, forbidden
+
+    class Borrowed(zero.ZeRO3):
+        pass
+    model = day5_zero.tied_lm(day5_zero.case(0), 0)
+    for check, cls in ((day5.check_zero1, zero.ZeRO1), (day5.check_zero2, zero.ZeRO2), (day5.check_zero3, Borrowed)):
+        with forbidden(check.forbid, "zero"), pytest.raises(ForbiddenCall, match="off limits"):
+            cls(model, torch.optim.AdamW)
+    assert "torch.distributed.fsdp.fully_shard" in day5.check_zero3.forbid
+
+
+def test_a_stub_fails():
+    def stub(*args, **kwargs):
+        raise NotImplementedError()
+    with pytest.raises(NotImplementedError):  # a plain call: the student's own exception comes through
+        day5.check_memory_accountant(stub)
+
+
+# ----------------------------------------------------------------------------- 5. FSDP2
+
+def test_fsdp2_accepts(sol, ranks):
+    day5.check_fsdp2(sol.parallelize, seed=2)
+
+
+def test_fsdp2_rejects_fsdp_before_checkpointing(sol, ranks):
+    def wrong_order(model, mesh, *, param_dtype, reduce_dtype, ac_mode="full", compile=False):
+        policy = sol.MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+        for block in model.layers.values():
+            sol.fully_shard(block, mesh=mesh, mp_policy=policy)
+        for name, block in list(model.layers.named_children()):
+            model.layers.register_module(name, sol.checkpoint_wrapper(block) if ac_mode == "full" else block)
+        sol.fully_shard(model, mesh=mesh, mp_policy=policy)
+        return model
+    with pytest.raises(AssertionError, match="wrap for activation checkpointing first"):
+        day5.check_fsdp2(wrong_order)

@@ -1,0 +1,114 @@
+"""dlo.experiments.day1: the verdict logic of the claims on synthetic run records, not the numbers of
+a run. The case once printed as "yes": linear scaling judged at equal *steps* (the large batch saw k
+times the data). Here every comparison is at equal samples, and its verdict follows the noise."""
+
+import dataclasses
+
+import pytest
+
+from dlo.claims import AGREES, DISAGREES, INCONCLUSIVE, NOT_MEASURABLE
+from dlo.experiments import day1 as E
+from dlo.presets import Day1Preset
+from dlo.profiling import DEVICE_LANE, Span
+
+P = Day1Preset()
+S, L = P.small_batch, P.large_batch
+
+
+def _rec(cfg: E.Config, seed: int, acc: float, peak: float = 2.5, samples: int | None = None) -> dict:
+    """One run record as train_config returns it (the fields the claims read)."""
+    steps = E.steps_for(P, cfg.batch)
+    return {"name": cfg.name, "config": cfg, "seed": seed, "acc": acc, "loss": 1.0, "early_peak": peak,
+            "samples": samples if samples is not None else steps * cfg.batch, "steps": steps}
+
+
+def _grid(large: float, *, noise: float = 0.002, unscaled: float = 0.40, nowarm: float = 0.45,
+          lamb_drop: float = 0.02, adamw_drop: float = 0.10, seeds: int = 3) -> list[dict]:
+    """Per-seed records: the small batch at 0.70, the large batch at `large`; `noise` wiggles each seed."""
+    out = []
+    for s in range(seeds):
+        j = noise * (s - (seeds - 1) / 2)
+        out += [_rec(E.Config("sgd", S), s, 0.70 + j), _rec(E.Config("sgd", L), s, large - j),
+                _rec(E.Config("sgd", L, scale_lr=False), s, unscaled + j),
+                _rec(E.Config("sgd", L, warmup=False), s, nowarm + j, peak=4.0 + j)]
+    out += [_rec(E.Config("adamw", S), 0, 0.70), _rec(E.Config("adamw", L), 0, 0.70 - adamw_drop),
+            _rec(E.Config("lamb", S), 0, 0.70), _rec(E.Config("lamb", L), 0, 0.70 - lamb_drop),
+            _rec(E.Config("lamb", L, warmup=False), 0, 0.5)]
+    return out
+
+
+def _verdicts(results) -> dict[str, str]:
+    return {c.claim: c.verdict for c in E.grid_claims(results, P, n_test=P.n_test)}
+
+
+def _find(v: dict, text: str) -> str:
+    (hit,) = [x for k, x in v.items() if text in k]
+    return hit
+
+
+def test_runs_see_equal_samples_not_equal_steps():
+    for b in (S, L, 64):
+        assert E.steps_for(P, b) * b == P.max_steps * S
+    assert E.steps_for(P, L) == P.max_steps * S // L  # k times fewer steps
+    assert E.lr_for(P, E.Config("sgd", L)) == pytest.approx(P.sgd_lr * L / S)  # linear for SGD
+    assert E.lr_for(P, E.Config("adamw", L)) == pytest.approx(P.adamw_lr * (L / S) ** 0.5)  # sqrt for Adam-type
+    assert E.lr_for(P, E.Config("sgd", L, scale_lr=False)) == P.sgd_lr
+
+
+def test_equal_steps_are_refused():
+    a = [_rec(E.Config("sgd", L), s, 0.7, samples=P.max_steps * L) for s in range(2)]  # equal steps: k x the data
+    b = [_rec(E.Config("sgd", S), s, 0.7) for s in range(2)]
+    with pytest.raises(ValueError, match="equal samples"):
+        E.gap(a, b, P.n_test)
+
+
+def test_large_batch_far_behind_disagrees_and_the_gpu_scale_row_is_kept():
+    v = _verdicts(_grid(large=0.55))
+    assert _find(v, "linear scaling: SGD") == DISAGREES
+    assert _find(v, "control") == AGREES  # scaled lr beats the unscaled one
+    assert _find(v, "early loss peaks higher") == AGREES and _find(v, "accuracy ends lower") == AGREES
+    assert _find(v, "LAMB loses less") in (AGREES, INCONCLUSIVE)  # one seed: Wilson intervals decide
+    assert _find(v, "batch 8k on ImageNet") == NOT_MEASURABLE
+
+
+def test_rule_holding_within_the_noise_agrees_and_a_noisy_gap_is_inconclusive():
+    assert _find(_verdicts(_grid(large=0.70)), "linear scaling: SGD") == AGREES
+    noisy = _verdicts(_grid(large=0.69, noise=0.04))  # mean gap inside +-2 points, seed noise of 4 points
+    assert _find(noisy, "linear scaling: SGD") == INCONCLUSIVE
+
+
+def test_one_seed_falls_back_to_the_test_images_interval():
+    a, b = [_rec(E.Config("sgd", L), 0, 0.70)], [_rec(E.Config("sgd", S), 0, 0.70)]
+    g = E.gap(a, b, P.n_test)
+    assert g.value == 0 and 0.025 < g.half_width < 0.03  # two Wilson intervals on 2048 images, in quadrature
+    with pytest.raises(ValueError, match="one seed"):
+        E.gap(a, b, P.n_test, key="early_peak")  # a loss peak has no binomial interval
+
+
+def _profile(shares, step_ms) -> dict:
+    return {"share": shares, "step_ms": step_ms}
+
+
+def test_profiling_claims():
+    before = _profile([0.90, 0.91, 0.92, 0.90, 0.93, 0.91], [100, 101, 99, 100, 102, 100])
+    after = _profile([0.01, 0.02, 0.01, 0.01, 0.02, 0.01], [10, 10, 11, 10, 10, 9])
+    v = {c.claim: c.verdict for c in E.profiling_claims(before, after)}
+    assert _find(v, "dominates the step") == AGREES
+    assert _find(v, "removes the bottleneck") == AGREES
+    assert _find(v, "1 / (1 - share)") == AGREES  # 1 / (1 - 0.91) = 11x vs a 10x measured speed-up
+    assert _find(v, "GPU idle") == NOT_MEASURABLE and _find(v, "memory snapshot") == NOT_MEASURABLE
+    gpu_busy = [Span("step", "s", 100 * i, 100 * i + 100) for i in range(6)]
+    before_gpu = {**before, "steps": gpu_busy, "spans": [Span(DEVICE_LANE, "k", 100 * i + 90, 100 * i + 98)
+                                                       for i in range(6)]}
+    v = {c.claim: c.verdict for c in E.profiling_claims(before_gpu, after, on_gpu=True)}
+    assert _find(v, "GPU idle") == AGREES and not any("memory snapshot" in k for k in v)  # 8% busy
+    slow_fix = _profile([0.01] * 6, [80, 81, 79, 80, 80, 82])  # share gone but the step barely faster
+    assert _find({c.claim: c.verdict for c in E.profiling_claims(before, slow_fix)}, "1 / (1 - share)") == DISAGREES
+
+
+def test_validate_and_smoke():
+    with pytest.raises(ValueError, match="seeds"):
+        dataclasses.replace(P, seeds=1).validate()
+    smoke = P.smoke()
+    smoke.validate()
+    assert E.steps_for(smoke, smoke.large_batch) >= 1

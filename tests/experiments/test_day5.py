@@ -1,0 +1,109 @@
+"""dlo.experiments.day5: data, bad input refused in one line, the Llama 3.2 3B plan against a hand
+count, the memory table against the formulas, the claims, and one 2-rank run of everything the
+notebook launches at the smallest sizes."""
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from dlo.claims import AGREES, DISAGREES, NOT_MEASURABLE
+from dlo.distributed import launch
+from dlo.distributed.zero import memory_per_rank
+from dlo.experiments import day5 as E
+from dlo.experiments import day5_report as report
+from dlo.models.llama_hf import CheckpointError
+from dlo.plan import DoesNotFit, check_fits, main_configs, plan_day
+from dlo.presets import PRESETS
+from tests.rank_pool import one_thread  # noqa: F401 - a fixture
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+TINY = PRESETS["day5_fsdp"]["tiny"]
+SMALL = dataclasses.replace(TINY, seq_len=16, batch_per_rank=2, max_steps=2, timing_steps=1,
+                            model_overrides=(("n_layers", 1),))
+
+
+def test_token_batches_follow_a_learnable_rule(tmp_path):
+    cfg = E.llama_config(SMALL)
+    a, b = E.token_batches(SMALL, cfg, 0, "cpu", n=2), E.token_batches(SMALL, cfg, 1, "cpu", n=2)
+    x, y = a[0]
+    assert x.shape == y.shape == (2, 16) and torch.equal(x[:, 1:], y[:, :-1])  # y is x shifted by one
+    assert torch.equal(a[0][0], E.token_batches(SMALL, cfg, 0, "cpu", n=1)[0][0]) and not torch.equal(x, b[0][0])
+    pi = torch.randperm(cfg.vocab_size, generator=torch.Generator().manual_seed(12345))
+    follows = (pi[x] == y).float().mean().item()
+    assert 0.6 < follows < 0.95  # 3 in 4 by the rule, a few more by chance
+    np.save(tmp_path / "tokens.npy", np.arange(100) % cfg.vocab_size)
+    x, y = E.token_batches(SMALL, cfg, 0, "cpu", data_dir=tmp_path, n=1)[0]
+    assert torch.equal(y, (x + 1) % cfg.vocab_size)  # windows of the file
+    np.save(tmp_path / "tokens.npy", np.arange(10))
+    with pytest.raises(ValueError, match="tokens.npy"):
+        E.token_batches(SMALL, cfg, 0, "cpu", data_dir=tmp_path)
+
+
+def test_bad_input_is_one_line(tmp_path):
+    E.check_world(TINY, 2)
+    with pytest.raises(ValueError, match="world_size=33 is larger than the 32 rows"):
+        E.check_world(TINY, 33)
+    E.check_weights(TINY, "")
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(CheckpointError, match="not a Llama"):
+        E.check_weights(TINY, str(tmp_path))
+    with pytest.raises(ValueError, match="ac_mode"):
+        dataclasses.replace(TINY, ac_mode="op").validate()
+    with pytest.raises(ValueError, match="max_steps >= 2"):
+        dataclasses.replace(TINY, max_steps=1).validate()
+    smoke = PRESETS["day5_fsdp"]["full"].smoke()
+    smoke.validate()
+    assert E.llama_config(smoke).dim == 3072 and E.llama_config(smoke).n_layers == 1  # the 3B's width, cut
+
+
+def test_plan_of_llama_3b_on_8_gpus():
+    rows = plan_day("day5_fsdp", gpus=8, gpu_mem_gb=80)
+    fsdp = rows[0]
+    assert fsdp["grads"] == 4 * 401_593_728 and fsdp["optimizer"] == 8 * 401_593_728  # exactly Psi / 8, fp32
+    assert 5.9 < (2 * fsdp["grads"] + fsdp["optimizer"]) / 2 ** 30 < 6.1  # "about 6 GiB per rank"
+    zero3 = next(r for r in rows if r["config"].startswith("ZeRO-3"))
+    assert zero3["params"] + zero3["grads"] + zero3["optimizer"] == memory_per_rank(3_212_749_824, 8, 3)["total"]
+    assert [r["fits"] for r in rows] == [True] * (len(rows) - 1) + [False]  # DDP without checkpointing
+    check_fits(rows, main_configs(rows))
+    with pytest.raises(DoesNotFit, match="DDP bf16, no activation checkpointing at 8 rank"):
+        check_fits(rows)
+    assert rows[-1]["activations"] > 5 * fsdp["activations"]  # 28 blocks' activations vs their inputs
+    assert not any(r["fits"] for r in report.plan(PRESETS["day5_fsdp"]["full"], gpus=8, gpu_mem_gb=4))
+
+
+def test_memory_table_matches_the_formulas():
+    rows = E.memory_vs_world(SMALL, worlds=(2, 3))
+    for r in rows:
+        want = memory_per_rank(r["n_params"], r["world"], E.STAGE[r["engine"]], param_dtype=torch.float32)["total"]
+        # FSDP2 pads every parameter's rows to a multiple of N (ours pads each flat buffer once)
+        assert r["total"] == pytest.approx(want, rel=0.03 if r["engine"].startswith("FSDP2") else 0.002), r
+    zero3 = [r for r in rows if r["engine"] == "ZeRO-3 (ours)"]
+    assert [r["payload"] / (4 * r["n_params"]) for r in zero3] == pytest.approx([3, 3], rel=0.01)
+
+
+def test_claims_verdicts():
+    e = {"n_params": 1000, "world": 2, "sent": 2 * 4 * 1000 / 2,
+         "total": memory_per_rank(1000, 2, 1, param_dtype=torch.float32)["total"]}
+    claims = report.engine_claims({"ZeRO-1 (ours)": e, "ZeRO-3 (ours)": {**e, "total": 10 ** 6}})
+    assert [c.verdict for c in claims] == [AGREES, AGREES, DISAGREES, DISAGREES]
+    train = {"mfu": None}
+    same = {"ZeRO-3 (ours)": [1.0, 0.5], "FSDP2 (torch)": [1.0, 0.5]}
+    verdicts = [c.verdict for c in report.training_claims(train, same, "cpu")]
+    assert verdicts == [AGREES, NOT_MEASURABLE, NOT_MEASURABLE]
+    assert [c.verdict for c in report.training_claims({"mfu": 0.36}, {"ZeRO-3 (ours)": [1.0], "FSDP2 (torch)": [1.5]},
+                                                 "cuda")] == [DISAGREES, DISAGREES, AGREES]
+
+
+def test_run_all_on_two_ranks(tmp_path):
+    R = launch(E.run_all, 2, SMALL, tmp_path, backend="gloo", timeout=180)[0]
+    assert set(R["engines"]) == set(E.ENGINES) and R["world"] == 2
+    assert R["engines"]["DDP (torch)"]["comm"] == {"broadcast (forward)": pytest.approx(R["engines"]["DDP (torch)"][
+        "comm"]["broadcast (forward)"]), "all_reduce (backward)": 4 * R["engines"]["DDP (torch)"]["n_params"]}
+    assert R["same"]["ZeRO-3 (ours)"] == pytest.approx(R["same"]["FSDP2 (torch)"], abs=1e-5)
+    assert len(R["timing"]["ZeRO-3 (ours)"]) == SMALL.timing_steps and R["train"]["mfu"] is None
+    assert len(R["train"]["losses"]) == SMALL.max_steps and R["train"]["tokens/s per rank"] > 0
+    assert {p.name for p in tmp_path.iterdir()} >= {"zero3_ours", "fsdp2_fp32", "fsdp2_float32_ac-full"}

@@ -1,0 +1,89 @@
+"""dlo.experiments.day6: the presets, one small run of every experiment on 2 ranks (the tiny
+notebook runs the full set), the report's tables and claims on its results, and the planner
+against a hand count."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from dlo.claims import AGREES, VERDICTS
+from dlo.distributed import launch
+from dlo.experiments import day6 as E
+from dlo.experiments import day6_report as report
+from dlo.plan import GIB, OPTIMIZER_STATE_BYTES
+from dlo.presets import PRESETS, Day6Preset
+from tests.rank_pool import one_thread  # noqa: F401 - a fixture
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+SMALL = Day6Preset(image_size=32, micro_batch=2, m_values=(2, 4), gantt_m=2, split_m=2, split_costs=("params", "flops"),
+                   reps=1, warmup=0, stack_blocks=4, stack_width=32, stack_grid=4)
+
+
+def test_presets_validate_and_smoke_keeps_the_model():
+    for profile in ("tiny", "full"):
+        P = PRESETS["day6_pipeline"][profile]
+        P.validate()
+        smoke = P.smoke()
+        smoke.validate()
+        assert (smoke.model, smoke.image_size, smoke.stack_width, smoke.stack_grid) == \
+               (P.model, P.image_size, P.stack_width, P.stack_grid)
+        assert smoke.reps == 1 and len(smoke.m_values) == 1 and smoke.micro_batch == 1
+    assert PRESETS["day6_pipeline"]["full"].with_max_steps(7).reps == 7
+    with pytest.raises(ValueError, match="multiple of ranks"):
+        dataclasses.replace(SMALL, gantt_m=3, m_values=(3,)).validate()
+    with pytest.raises(ValueError, match="stack_blocks >= 2 x ranks"):
+        dataclasses.replace(SMALL, stack_blocks=3).validate()
+
+
+def test_run_all_on_two_ranks_and_its_report():
+    R = launch(E.run_all, 2, SMALL, timeout=240)[0]
+    rows = R["bubble"]["rows"]
+    assert [(r["schedule"], r["m"]) for r in rows] == [(s, m) for s in E.SCHEDULE_NAMES for m in (2, 4)]
+    assert all(0 <= b < 1 for r in rows for b in r["bubbles"]) and all(len(r["times_s"]) == 1 for r in rows)
+    one = R["bubble"]["one_microbatch"]
+    peaks = {(r["schedule"], r["m"]): r["peak_bytes"] for r in rows}
+    # exact on the CPU: GPipe holds m micro-batches on each rank, 1F1B p - r of them
+    assert peaks[("gpipe", 4)][0] == 4 * one and peaks[("1f1b", 4)][0] == 2 * one
+    assert all(t["max_grad_diff"] < 1e-5 for t in R["torch"].values())  # torch's pipelining: our gradients
+    assert set(R["bubble"]["gantt"]) == set(E.SCHEDULE_NAMES)
+    assert set(R["splits"]["splits"]) == {"params", "flops"} and R["ddp"]["samples"] == 4
+    # the report turns it into tables and verdicts; exact memory counts agree
+    assert len(report.bubble_rows(R)) == len(rows) and len(report.memory_rows(R)) == len(rows)
+    memory = report.memory_claims(R)
+    assert memory and all(c.verdict == AGREES for c in memory)
+    plan_rows = report.plan(SMALL, gpus=2, gpu_mem_gb=1.0)
+    claims = report.bubble_claims(R) + report.other_claims(R, False, plan_rows) + report.zero_bubble_claims()
+    assert all(c.verdict in VERDICTS for c in claims)
+    assert sum(c.verdict == "not measurable here" for c in claims) == 3
+    assert all(c.verdict == AGREES for c in report.zero_bubble_claims())
+    assert report.split_rows(R)[0]["balanced by"] == "params" and report.stage_rows(R["splits"]["blocks"])
+
+
+def test_plan_matches_a_hand_count():
+    P = dataclasses.replace(SMALL, micro_batch=2, plan_batch=16, split_m=4)
+    rows = {r["config"]: r for r in report.plan(P, gpus=2, gpu_mem_gb=1.0)}
+    stages = report.stage_partition(E.model_config(P), 2)
+    n = sum(s["params"] for s in stages)
+    adamw = OPTIMIZER_STATE_BYTES["adamw"]
+    # 1F1B, m = 8 micro-batches of 2: rank r holds min(2 - r, 8) of them; the worst rank is shown
+    one_f = rows["1F1B, batch 16 = 8 x 2"]
+    want = max(16 * s["params"] + min(2 - r, 8) * 2 * s["saved_per_sample"] for r, s in enumerate(stages))
+    assert one_f["total"] == want and one_f["gpu"] == GIB
+    gpipe = rows["GPipe, batch 16 = 8 x 2"]
+    assert gpipe["total"] == max(16 * s["params"] + 8 * 2 * s["saved_per_sample"] for s in stages)
+    ddp = rows["DDP, batch 16 = 2 x 8"]  # the whole model, a half of the batch per GPU
+    assert (ddp["params"], ddp["optimizer"]) == (4 * n, adamw * n)
+    assert ddp["activations"] == 8 * sum(s["saved_per_sample"] for s in stages)
+    assert {r["config"] for r in rows.values() if r.get("main")} == {
+        "notebook: 1F1B splits, m = 4 x 2", "notebook: DDP, 8 samples", "notebook: bubble sweep, GPipe m = 4 x 2"}
+
+
+def test_stack_is_identical_blocks_on_every_call():
+    a, b = E.stack(SMALL, "cpu"), E.stack(SMALL, "cpu")
+    assert len(a) == SMALL.stack_blocks
+    for x, y in zip(a[0].parameters(), b[0].parameters()):
+        assert torch.equal(x, y)
+    xs, ys = E.stack_batch(SMALL, 3, "cpu")
+    assert len(xs) == 3 and xs[0].shape == (2, 32, 4, 4) and a[0](xs[0]).shape == xs[0].shape

@@ -1,0 +1,56 @@
+"""`dlo plan DAY`: the full profile's memory per GPU, worked out without one; its one-line errors."""
+
+import subprocess
+import sys
+
+import pytest
+
+from dlo.plan import DoesNotFit, check_fits, format_rows, main_configs, plan_day, row
+
+MY_DAYS = ["day1_optimizers", "day2_mixed_precision", "day3_checkpointing", "day4_ddp", "day8_quantization_pruning"]
+
+
+def plan_cli(*args):
+    return subprocess.run([sys.executable, "-m", "dlo.cli", "plan", *args], capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("day", MY_DAYS)
+def test_every_full_profile_fits_an_80_gb_gpu(day):
+    rows = plan_day(day)
+    check_fits(rows)
+    assert all(r["gpu"] == 80 * 2**30 and r["activations"] >= 0 for r in rows)
+    assert main_configs(rows) and all(r["config"] in format_rows(rows) for r in rows)
+
+
+def test_world_follows_gpus_on_distributed_days_only():
+    assert {r["world"] for r in plan_day("day4_ddp")} == {4}  # the preset's ranks
+    assert {r["world"] for r in plan_day("day4_ddp", gpus=2)} == {2}
+    assert {r["world"] for r in plan_day("day1_optimizers", gpus=8)} == {1}  # single process
+
+
+def test_main_configurations():
+    rows = [row("a", 1, params=1, grads=1, optimizer=1, activations=1, gpu_mem_gb=1),
+            row("b", 1, params=2 ** 31, grads=0, optimizer=0, activations=0, gpu_mem_gb=1, main=True)]
+    assert main_configs(rows) == ["b"] and main_configs(rows[:1]) == ["a"]  # the first row without a mark
+    with pytest.raises(DoesNotFit, match="^b at 1 rank"):
+        check_fits(rows, main_configs(rows))
+
+
+def test_cli_prints_the_table_and_fails_when_the_main_configuration_does_not_fit():
+    ok = plan_cli("day3_checkpointing")
+    assert ok.returncode == 0 and "policy: none" in ok.stdout and "80 GiB" in ok.stdout
+    small = plan_cli("day3_checkpointing", "--gpu-mem", "16")
+    assert small.returncode == 1 and "policy: none" in small.stdout
+    assert small.stderr.strip().startswith("dlo plan: does not fit: policy: none at 1 rank(s) needs")
+    assert len(small.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("args,message", [
+    (["day9_nope"], "dlo plan: no planner for 'day9_nope'; days with one: day1_optimizers, day2_mixed_precision"),
+    (["day4_ddp", "--gpus", "-1"], "dlo plan: need gpus >= 0 and gpu_mem_gb > 0"),
+    (["day4_ddp", "--gpu-mem", "0"], "dlo plan: need gpus >= 0 and gpu_mem_gb > 0"),
+])
+def test_cli_bad_input_is_one_line(args, message):
+    proc = plan_cli(*args)
+    assert proc.returncode == 2 and proc.stderr.startswith(message) and len(proc.stderr.strip().splitlines()) == 1
+    assert proc.stdout == ""

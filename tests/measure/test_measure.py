@@ -1,0 +1,101 @@
+"""dlo.measure: what every day's tables are made of. Counts and bytes are exact; times are only
+checked for their bookkeeping (how many calls, in which order), never against a threshold."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dlo.measure import (
+    CommCounter,
+    SavedTensorMeter,
+    count_flops,
+    fmt_bytes,
+    held_bytes,
+    mfu,
+    optimizer_state_bytes,
+    peak_memory,
+    saved_bytes,
+    tensor_bytes,
+    time_fn,
+    time_interleaved,
+    transformer_flops_per_token,
+)
+from dlo.plan import fake_world
+
+
+def test_time_fn_warms_up_then_keeps_every_sample():
+    calls = []
+    timing = time_fn(lambda: calls.append(1), warmup=3, reps=5)
+    assert len(calls) == 8 and timing.n == 5 and timing.warmup == 3
+    est = timing.estimate(1e3)
+    assert est.lo <= est.value <= est.hi and est.value == pytest.approx(timing.median_ms)
+    with pytest.raises(ValueError, match="reps >= 1"):
+        time_fn(lambda: None, reps=0)
+
+
+def test_time_interleaved_runs_the_variants_round_robin():
+    order = []
+    out = time_interleaved({"a": lambda: order.append("a"), "b": lambda: order.append("b")}, warmup=1, reps=3)
+    assert order == ["a", "b"] * 4 and out["a"].n == out["b"].n == 3
+
+
+def test_saved_tensor_meter_counts_a_storage_once_and_skips_parameters():
+    w = torch.randn(64, 32, requires_grad=True)
+    x = torch.randn(16, 64)
+    with SavedTensorMeter(exclude=[w]) as meter:
+        y = (x @ w).relu()                      # saves x (for dW) and the relu output; w is excluded
+        view = y[:, :16]
+        z = (view * view).sum()                 # saves the view of y again: same storage, counted once
+    assert meter.bytes == x.nelement() * 4 + y.nelement() * 4  # x and relu's output; the view adds nothing
+    z.backward()
+    del y, view, z
+    assert meter.bytes == 0 and meter.peak >= x.nelement() * 4
+
+
+def test_saved_bytes_works_on_the_meta_device_from_shapes_alone():
+    w = torch.empty(128, 256, device="meta", requires_grad=True)
+    x = torch.empty(8, 128, device="meta")
+    out = saved_bytes(lambda: (x @ w).sum(), exclude=[w], backward=False)
+    assert out["saved_bytes"] == 8 * 128 * 4    # only x is kept for w's gradient
+
+
+def test_peak_memory_on_cpu_is_the_saved_tensor_peak():
+    w = torch.randn(32, 32, requires_grad=True)
+    with peak_memory("cpu", exclude=[w]) as peak:
+        (torch.randn(10, 32) @ w).sum().backward()
+    assert peak.bytes == 10 * 32 * 4 and "saved" in peak.kind
+
+
+def test_bytes_of_tensors_optimizer_state_and_held_objects():
+    model = torch.nn.Linear(10, 3)              # 33 parameters
+    assert tensor_bytes(model.parameters()) == 33 * 4
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 10)).sum().backward()
+    opt.step()
+    assert optimizer_state_bytes(opt) >= 2 * 33 * 4  # exp_avg and exp_avg_sq (+ the step counters)
+    assert held_bytes(model) == 2 * 33 * 4         # parameters and their .grad
+
+
+def test_comm_counter_sees_collectives_with_payload_and_ring_bytes():
+    with fake_world(4):
+        t = torch.zeros(1000)                   # 4000 bytes
+        with CommCounter() as comm:
+            dist.all_reduce(t)
+            dist.all_gather_single(torch.zeros(4000), t)
+            dist.reduce_scatter_single(torch.zeros(250), t)
+    kinds = comm.by_kind()
+    assert kinds["all_reduce"]["calls"] == 1 and kinds["all_reduce"]["bytes"] == 4000
+    assert comm.sent("all_reduce") == pytest.approx(2 * 3 / 4 * 4000)    # 2(N-1)/N of the buffer
+    assert comm.bytes("all_gather") == 16000 and comm.sent("all_gather") == pytest.approx(3 / 4 * 16000)
+    assert comm.bytes("reduce_scatter") == 4000 and comm.sent("reduce_scatter") == pytest.approx(3000)
+    assert comm.count() == 3
+
+
+def test_flops_mfu_and_formatting():
+    a, b = torch.randn(7, 11), torch.randn(11, 13)
+    assert count_flops(lambda: a @ b) == 2 * 7 * 11 * 13
+    # 6N + 12 l d s for training, 2N + 4 l d s forward only (Kaplan et al. 2020)
+    assert transformer_flops_per_token(1000, 2, 16, 8) == 6 * 1000 + 12 * 2 * 16 * 8
+    assert transformer_flops_per_token(1000, 2, 16, 8, training=False) == 2 * 1000 + 4 * 2 * 16 * 8
+    assert mfu(1e12, 1.0, device="cpu") is None   # no peak for a CPU: not measurable, never a made-up number
+    assert fmt_bytes(1536) == "1.5 KiB" and fmt_bytes(100) == "100 B" and fmt_bytes(None) == "-"

@@ -1,0 +1,157 @@
+"""One launch of ranks serving many checks: the tests' way to call a check's `on_ranks` cheaply.
+
+A check calls `on_ranks(worker, n, ...)`; in a notebook that is one `dlo.distributed.launch` of n
+fresh interpreters (seconds of start-up on a small CPU). The tests of the parallel days call dozens
+of checks, so there `RankPool` keeps n ranks alive and hands them one job after another: the same
+trusted worker, the same forbidden names blocked around it (`dlo.checks.common.forbidden`), the same
+plain-data results (`safe_data`) and the same comparisons in the check. What differs is transport
+only, and the real path stays tested: a job that fails on a rank ends the pool (a peer may be stuck
+in a collective), its ranks are killed by pid and the next job starts a fresh launch; the accept
+tests of every check still meet the real launch through `dlo grade`'s test and the deadlock tests.
+
+    with RankPool() as pool, pool.serving():   # DirectSession.on_ranks goes through the pool
+        day7.check_tp_linears(...)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import shutil
+import signal
+import tempfile
+import threading
+import time
+import traceback
+
+import cloudpickle
+import pytest
+import torch
+
+from dlo.checks.common import DirectSession, deadlock_message, forbidden, safe_data
+from dlo.distributed.launch import dumps, launch
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """The test process computes its references on one thread: a second OpenMP thread gains little on
+    these small models, and on a busy 2-core box (ranks, other jobs) spinning OpenMP threads can make a
+    0.4 s CoAtNet step take 20 s. Use as `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def serve(jobdir: str) -> None:
+    """On each rank: run job-<k>.pkl files in order until a stop file; a failure ends the rank."""
+    import torch.distributed as dist
+
+    r = dist.get_rank()
+    with open(os.path.join(jobdir, f"pid-{r}"), "w") as f:
+        f.write(str(os.getpid()))
+    k = 0
+    while True:
+        path = os.path.join(jobdir, f"job-{k}.pkl")
+        while not os.path.exists(path):
+            if os.path.exists(os.path.join(jobdir, "stop")):
+                return None
+            time.sleep(0.01)
+        with open(path, "rb") as f:
+            worker, forbid, name, hint, args, kwargs = cloudpickle.load(f)
+        try:
+            with forbidden(forbid, name, hint):
+                record = ("ok", dumps(worker(*args, **kwargs)))
+        except BaseException:  # noqa: BLE001 - reported to the check, then this rank ends
+            record = ("error", traceback.format_exc())
+        tmp = os.path.join(jobdir, f"result-{k}-{r}.tmp")
+        with open(tmp, "wb") as f:
+            pickle.dump(record, f)
+        os.replace(tmp, os.path.join(jobdir, f"result-{k}-{r}.pkl"))
+        if record[0] == "error":
+            os._exit(1)  # the launch sees a rank gone: its peers are killed with it
+        k += 1
+
+
+class RankPool:
+    """Ranks kept alive across checks, one world size at a time (2 cores: never two pools)."""
+
+    def __init__(self):
+        self.world, self.jobdir, self.thread, self.k = None, None, None, 0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+
+    def start(self, world: int) -> None:
+        self.stop()
+        self.world, self.k = world, 0
+        self.jobdir = tempfile.mkdtemp(prefix="dlo-rank-pool-")
+        self.thread = threading.Thread(target=self._run, args=(self.jobdir, world), daemon=True)
+        self.thread.start()
+
+    @staticmethod
+    def _run(jobdir: str, world: int) -> None:
+        with contextlib.suppress(Exception):  # a failed job's ranks: reported by `run`
+            launch(serve, world, jobdir, backend="gloo", timeout=3600)
+
+    def stop(self, kill: bool = False) -> None:
+        if self.thread is None:
+            return
+        if kill:
+            for r in range(self.world):
+                with contextlib.suppress(OSError, ValueError):
+                    with open(os.path.join(self.jobdir, f"pid-{r}")) as f:
+                        os.kill(int(f.read()), signal.SIGKILL)
+        open(os.path.join(self.jobdir, "stop"), "w").close()
+        self.thread.join(timeout=30)
+        shutil.rmtree(self.jobdir, ignore_errors=True)
+        self.world, self.jobdir, self.thread = None, None, None
+
+    def run(self, session: DirectSession, worker, world: int, args, kwargs, timeout: float) -> list:
+        """What DirectSession.on_ranks returns for this job, or its AssertionError."""
+        if self.world != world or not self.thread.is_alive():
+            self.start(world)
+        k, self.k = self.k, self.k + 1
+        job = cloudpickle.dumps((worker, session.forbid, session.name, session.hint, args, kwargs))
+        tmp = os.path.join(self.jobdir, f"job-{k}.tmp")
+        with open(tmp, "wb") as f:
+            f.write(job)
+        os.replace(tmp, os.path.join(self.jobdir, f"job-{k}.pkl"))
+        results, start = [None] * world, None
+        while True:
+            for r in range(world):
+                path = os.path.join(self.jobdir, f"result-{k}-{r}.pkl")
+                if results[r] is None and os.path.exists(path):
+                    with open(path, "rb") as f:
+                        results[r] = pickle.load(f)
+                    if results[r][0] == "error":
+                        self.stop(kill=True)
+                        raise AssertionError(f"{session.name}: rank {r} raised:\n{results[r][1]}")
+            if all(x is not None for x in results):
+                return [safe_data(pickle.loads(x[1]), f"{session.name}: rank {r}'s result")
+                        for r, x in enumerate(results)]
+            if start is None and all(os.path.exists(os.path.join(self.jobdir, f"pid-{r}")) for r in range(world)):
+                start = time.monotonic()  # the clock starts once the ranks are up, as launch's
+            if not self.thread.is_alive() or (start is not None and time.monotonic() - start > timeout):
+                self.stop(kill=True)
+                raise AssertionError(deadlock_message(session.name, TimeoutError(f"{timeout:g} s")))
+            time.sleep(0.005)
+
+    @contextlib.contextmanager
+    def serving(self):
+        """DirectSession.on_ranks through this pool inside the block."""
+        pool, real = self, DirectSession.on_ranks
+
+        def on_ranks(session, worker, world_size, args, kwargs, timeout, backend):
+            if backend != "gloo":
+                return real(session, worker, world_size, args, kwargs, timeout, backend)
+            return pool.run(session, worker, world_size, args, kwargs, timeout)
+        DirectSession.on_ranks = on_ranks
+        try:
+            yield self
+        finally:
+            DirectSession.on_ranks = real
