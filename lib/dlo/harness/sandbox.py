@@ -131,7 +131,8 @@ def make_spec(mode: str, scratch: Path, hidden: list[Path]) -> Spec:
 
     needed = {Path(dlo.__file__).resolve().parents[1], Path(sys.prefix).resolve(), Path(sys.base_prefix).resolve(),
               *(Path(p).resolve() for p in site.getsitepackages())}
-    exposed = sorted(str(p) for p in needed if p.exists() and any(h == p or h in p.parents for h in hidden))
+    masked = [*hidden, Path("/tmp")]  # BASE gives the sandbox a private /tmp: a checkout or venv there needs it too
+    exposed = sorted(str(p) for p in needed if p.exists() and any(h == p or h in p.parents for h in masked))
     return Spec(mode=mode, scratch=str(scratch.resolve()), hidden=[str(h) for h in hidden], exposed=exposed)
 
 
