@@ -38,6 +38,17 @@ def ring_via_all_reduce(t):
     dist.all_reduce(t)
 
 
+def ring_via_library_collectives(t):
+    """reduce-scatter + all-gather through dlo's names for torch's single-tensor collectives."""
+    n = dist.get_world_size()
+    flat = t.reshape(-1)
+    buf = torch.cat([flat, flat.new_zeros((-flat.numel()) % n)])
+    shard = buf.new_empty(buf.numel() // n)
+    collectives.reduce_scatter_single(shard, buf)
+    collectives.all_gather_single(buf, shard)
+    t.copy_(buf[:flat.numel()].view_as(t))
+
+
 def ring_ok(t):
     """The notebook's ring: reduce-scatter then all-gather around the ring, isend/irecv only."""
     n, r = dist.get_world_size(), dist.get_rank()
@@ -87,6 +98,7 @@ def test_ring_accepts_correct(world):
 @pytest.mark.parametrize("fn,match", [(stub, "NotImplementedError"),
                                       (ring_via_all_reduce, "all_reduce is off limits.*point-to-point"),
                                       (collectives.ring_all_reduce, "off limits"),
+                                      (ring_via_library_collectives, "off limits"),
                                       (ring_reduce_scatter_only, "differs"), (ring_drops_remainder, "differs")])
 def test_ring_rejects(fn, match):
     with pytest.raises(AssertionError, match=match):

@@ -143,8 +143,9 @@ def _resolve(path: str):
 
 def forbidden_targets(path: str) -> list[tuple[object, str]]:
     """(holder, attribute) pairs to block for one forbidden name: the name itself, every other module
-    attribute of the same package bound to the same object (re-exports such as dlo.optim.adamw_step,
-    the defining module such as torch.optim.adamw.AdamW), and for "module.*" every public function or
+    attribute of the same package or of dlo bound to the same object (re-exports such as
+    dlo.optim.adamw_step or dlo.distributed.collectives.all_gather_single, the defining module such as
+    torch.optim.adamw.AdamW), and for "module.*" every public function or
     class defined in that module."""
     owner, attr = _resolve(path)
     if attr == "*":
@@ -152,7 +153,9 @@ def forbidden_targets(path: str) -> list[tuple[object, str]]:
         return [pair for a, v in sorted(vars(owner).items()) if not a.startswith("_")
                 and (isinstance(v, type) or callable(v)) and getattr(v, "__module__", None) == name
                 for pair in forbidden_targets(f"{name}.{a}")]
-    return [(owner, attr)] + [pair for pair in _aliases(path.split(".")[0], getattr(owner, attr))
+    # the name's own package, and dlo, whose engines re-export torch's collectives under names of their own
+    packages = dict.fromkeys((path.split(".")[0], "dlo"))
+    return [(owner, attr)] + [pair for package in packages for pair in _aliases(package, getattr(owner, attr))
                               if pair != (owner, attr)]
 
 

@@ -35,7 +35,9 @@ COLLECTIVES = tuple(f"torch.distributed.{n}" for n in (
     "gather", "gather_object", "scatter_object_list", "all_reduce_coalesced", "all_gather_coalesced")) + tuple(
     f"torch.distributed._functional_collectives.{n}" for n in (
         "all_reduce", "all_gather_tensor", "reduce_scatter_tensor", "all_to_all_single", "all_reduce_coalesced",
-        "broadcast")) + ("dlo.distributed.collectives.ring_all_reduce", "dlo.distributed.collectives._exchange")
+        "broadcast")) + tuple(  # torch >= 2.10's names for the single-tensor all-gather and reduce-scatter
+    f"torch.distributed.{n}" for n in ("all_gather_single", "reduce_scatter_single") if hasattr(dist, n)) + (
+    "dlo.distributed.collectives.ring_all_reduce", "dlo.distributed.collectives._exchange")
 DDP = ("torch.nn.parallel.DistributedDataParallel", "dlo.distributed.ddp.*")
 
 

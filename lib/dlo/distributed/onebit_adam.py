@@ -28,9 +28,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from dlo.distributed.collectives import all_gather_single
+
 _BITS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
-# torch >= 2.10 names the single-tensor all-gather all_gather_single (all_gather_into_tensor warns)
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def pack_signs(x: Tensor) -> Tensor:
@@ -101,7 +101,7 @@ def compressed_allreduce(x: Tensor, worker_error: Tensor, server_error: Tensor, 
     server_error.copy_(part - decompress(s_bits, s_scales, chunk))
     mine = _message(s_bits, s_scales, 1).flatten()
     gathered = torch.empty(world * mine.numel(), dtype=mine.dtype, device=x.device)
-    _all_gather(gathered, mine, group=group)
+    all_gather_single(gathered, mine, group=group)
     g_bits, g_scales = _split(gathered, world, part_bits)
     return decompress(g_bits, g_scales, chunk)
 

@@ -32,9 +32,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from dlo.distributed.collectives import all_gather_single, reduce_scatter_single
+
 # torch >= 2.13 names the single-tensor collectives *_single; older releases *_into_tensor / _tensor
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def tp_size(group=None) -> int:
@@ -64,7 +64,7 @@ def all_gather(x: Tensor, dim: int, group=None) -> Tensor:
     t = tp_size(group)
     moved = x.movedim(dim, 0).contiguous()  # the collective concatenates along dim 0
     out = moved.new_empty((t * moved.shape[0], *moved.shape[1:]))
-    _all_gather_single(out, moved, group=group)
+    all_gather_single(out, moved, group=group)
     return out.movedim(0, dim)
 
 
@@ -74,7 +74,7 @@ def reduce_scatter(x: Tensor, dim: int, group=None) -> Tensor:
     _check_divisible(x.shape[dim], t, f"dimension {dim}")
     moved = x.movedim(dim, 0).contiguous()
     out = moved.new_empty((moved.shape[0] // t, *moved.shape[1:]))
-    _reduce_scatter_single(out, moved, group=group)
+    reduce_scatter_single(out, moved, group=group)
     return out.movedim(0, dim)
 
 

@@ -23,18 +23,17 @@ import math
 import torch
 import torch.distributed as dist
 
-_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+from dlo.distributed.collectives import all_gather_single, reduce_scatter_single
 
 
 def all_gather(full: torch.Tensor, shard: torch.Tensor, group=None, async_op: bool = False):
     """full (N*S,) <- the ranks' shards (S,) in rank order; a Work handle when async_op."""
-    return _ALL_GATHER(full, shard, group=group, async_op=async_op)
+    return all_gather_single(full, shard, group=group, async_op=async_op)
 
 
 def reduce_scatter(shard: torch.Tensor, full: torch.Tensor, group=None, async_op: bool = False):
     """shard (S,) <- slice r of the sum over ranks of full (N*S,); a Work handle when async_op."""
-    return _REDUCE_SCATTER(shard, full, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+    return reduce_scatter_single(shard, full, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
 
 
 def shard_numel(numel: int, world: int) -> int:
