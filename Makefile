@@ -29,8 +29,7 @@ run: $(STAMP)
 # Style first (seconds), then the suite on two workers (pytest-xdist), a test file per worker at a time:
 # the course's grading (tests/harness/test_course.py, one module fixture) stays on one worker while the
 # other runs the rest. PYTEST_ARGS="-n 0" runs it serially.
-test: $(STAMP)
-	$(VENV)/bin/ruff check lib tests solutions
+test: $(STAMP) lint
 	$(PY) -m pytest -n 2 --dist loadfile $(PYTEST_ARGS)
 
 # Style is checked, not remembered: ruff (pyproject.toml [tool.ruff]) on the library, the tests and the

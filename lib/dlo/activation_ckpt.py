@@ -113,6 +113,3 @@ def cpu_offload():
     """Context manager: tensors saved for backward inside it live in host memory until backward."""
     return torch.autograd.graph.saved_tensors_hooks(offload_pack, offload_unpack)
 
-
-# dlo.checks.day3 still imports the meter from here; its one definition is dlo.measure.SavedTensorMeter.
-from dlo.measure import SavedTensorMeter  # noqa: E402,F401  (remove once the checks import dlo.measure)

@@ -60,7 +60,7 @@ def attention_costs(lengths, *, batch: int = 1, heads: int = 4, head_dim: int = 
     rows = []
     for t in lengths:
         inputs = qkv(batch, heads, t, head_dim, device=device, dtype=dtype)
-        saved = {name: saved_bytes(lambda impl=impl, i=inputs: impl(*i), exclude=inputs)["saved_bytes"]
+        saved = {name: saved_bytes(lambda impl=impl, i=inputs: impl(*i), exclude=inputs, backward=False)["saved_bytes"]
                  for name, impl in IMPLS.items()}
         fns = {name: (lambda impl=impl, i=inputs: fwd_bwd(impl, i)) for name, impl in IMPLS.items()}
         timing = time_interleaved(fns, device=device, warmup=2, reps=reps)

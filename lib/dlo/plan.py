@@ -60,11 +60,6 @@ class DoesNotFit(ValueError):
     """A planned configuration needs more memory per rank than the GPU has."""
 
 
-def register(day: str, target: str) -> None:
-    """Declare `target` ("dlo.experiments.day5:plan") as the planner of `day`."""
-    PLANNERS[day] = target
-
-
 def planner(day: str):
     if day not in PLANNERS:
         raise ValueError(f"no planner for {day!r}; days with one: {', '.join(sorted(PLANNERS)) or '(none)'}")
@@ -124,13 +119,10 @@ def main(day: str, gpus: int = 0, gpu_mem_gb: float = 80.0) -> int:
 
 
 def param_bytes(model) -> int:
-    """Bytes of a model's parameters (a tied weight once), meta or real."""
-    seen, total = set(), 0
-    for p in model.parameters():
-        if id(p) not in seen:
-            seen.add(id(p))
-            total += p.numel() * p.element_size()
-    return total
+    """Bytes of a model's parameters (a tied weight once: parameters() yields it once), meta or real."""
+    from dlo.measure import tensor_bytes
+
+    return tensor_bytes(model.parameters())
 
 
 def fake_cpu(model):

@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import contextlib
 import io
-import json
 import os
 import re
 import sys
 import tempfile
+import warnings
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -64,16 +63,6 @@ def _records(events):
         else:
             on_device = getattr(e, "device_type", None) not in (None, torch.autograd.DeviceType.CPU)
             yield e.name, float(e.time_range.start), float(e.time_range.end), on_device
-
-
-def load_trace(path: str | Path) -> list[dict]:
-    """The events of a Chrome-trace JSON file (`prof.export_chrome_trace`, tensorboard_trace_handler)."""
-    with open(path) as f:
-        trace = json.load(f)
-    events = trace["traceEvents"] if isinstance(trace, dict) else trace
-    if not isinstance(events, list):
-        raise ValueError(f"{path}: not a Chrome trace (no traceEvents list)")
-    return events
 
 
 def spans(events, lanes: dict[str, str] | None = None, device_lane: str | None = DEVICE_LANE) -> list[Span]:
@@ -154,10 +143,12 @@ _NOISE = re.compile(r"^(USDT|STAGE):.*SyncActivityProfilerHandler|^\s*$")
 @contextlib.contextmanager
 def quiet_profiler():
     """Capture what native code writes to fd 2 while the block runs and pass on everything except
-    Kineto's start/stop/stage lines (`with quiet_profiler(), torch.profiler.profile(...) as prof:`)."""
+    Kineto's start/stop/stage lines (`with quiet_profiler(), torch.profiler.profile(...) as prof:`);
+    the profiler's Python warnings (start/stop chatter too) are not shown either."""
     sys.stderr.flush()
     saved = os.dup(2)
-    with tempfile.TemporaryFile(mode="w+b") as tmp:
+    with tempfile.TemporaryFile(mode="w+b") as tmp, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
         os.dup2(tmp.fileno(), 2)
         try:
             yield

@@ -29,6 +29,3 @@ def tqdm(*args, **kwargs):
     """tqdm.auto's bar in an interactive session, a text bar on stdout in headless runs."""
     return _pick()(*args, **kwargs)
 
-
-def trange(n: int, **kwargs):
-    return tqdm(range(n), **kwargs)

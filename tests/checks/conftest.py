@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import nbformat
 import pytest
 
+from dlo.checks.sandbox import LocalSandbox
 from tests.rank_pool import RankPool, one_thread  # noqa: F401 - a fixture, re-exported to the test modules
 
 REPO = Path(__file__).resolve().parents[2]
@@ -39,3 +40,10 @@ def ranks(pool):
     """This test's checks run their ranks in the module's pool."""
     with pool.serving():
         yield
+
+
+@pytest.fixture(scope="module")
+def sandbox(tmp_path_factory):
+    """The grader's backend for the module's checks: a sandboxed runner (bwrap where available)."""
+    with LocalSandbox(tmp_path_factory.mktemp("sandbox")) as sb:
+        yield sb

@@ -9,7 +9,6 @@ import torch.nn.functional as F
 from dlo.amp import DynamicLossScaler, train_step
 from dlo.checks import day2
 from dlo.checks.common import ForbiddenCall
-from dlo.checks.sandbox import LocalSandbox
 
 
 def stub(*args, **kwargs):
@@ -297,12 +296,6 @@ class ScalerViaTorch(HostScaler):
 def test_references_are_refused(check, fn):
     with pytest.raises(ForbiddenCall, match="off limits"):
         check(fn)
-
-
-@pytest.fixture(scope="module")
-def sandbox(tmp_path_factory):
-    with LocalSandbox(tmp_path_factory.mktemp("sandbox")) as sb:
-        yield sb
 
 
 @pytest.mark.parametrize("check,fn", [(day2.check_autocast_train_step, step_ok), (day2.check_loss_scaler, HostScaler),

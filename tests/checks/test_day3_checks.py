@@ -12,7 +12,6 @@ from dlo import activation_ckpt as ac
 from dlo import checkpoint as ck
 from dlo.checks import day3
 from dlo.checks.common import ForbiddenCall
-from dlo.checks.sandbox import LocalSandbox
 
 
 def stub(*args, **kwargs):
@@ -266,12 +265,6 @@ def test_stub_fails(check, ref, bad):
 def test_library_is_refused(check, fns):
     with pytest.raises(ForbiddenCall, match="off limits"):
         check(*fns, seed=0)
-
-
-@pytest.fixture(scope="module")
-def sandbox(tmp_path_factory):
-    with LocalSandbox(tmp_path_factory.mktemp("sandbox")) as sb:
-        yield sb
 
 
 @pytest.mark.parametrize("check,ref,bad", CHECKS, ids=IDS)

@@ -15,7 +15,6 @@ import torch
 import torch.distributed as dist
 
 from dlo.checks import day4
-from dlo.checks.sandbox import LocalSandbox
 from dlo.distributed import collectives, data, ddp
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -349,12 +348,6 @@ def test_metrics():
 
 
 # ----------------------------------------------------------------------------- sandboxed: ranks inside the runner
-
-@pytest.fixture(scope="module")
-def sandbox(tmp_path_factory):
-    with LocalSandbox(tmp_path_factory.mktemp("sandbox")) as sb:
-        yield sb
-
 
 def test_sandboxed(sandbox, capsys):
     """The grader's path on ranks: the runner's child launches the ranks, the reference runs here."""

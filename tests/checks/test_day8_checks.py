@@ -15,7 +15,6 @@ import torch.nn.functional as F
 from dlo import distill, prune, quant
 from dlo.checks import day8
 from dlo.checks.common import ForbiddenCall
-from dlo.checks.sandbox import LocalSandbox
 
 
 def stub(*args, **kwargs):
@@ -321,12 +320,6 @@ def test_wrong_versions_fail(check, bad):
 def test_library_is_refused(check, lib):
     with pytest.raises(ForbiddenCall, match="off limits"):
         check(*lib, seed=0)
-
-
-@pytest.fixture(scope="module")
-def sandbox(tmp_path_factory):
-    with LocalSandbox(tmp_path_factory.mktemp("sandbox")) as sb:
-        yield sb
 
 
 @pytest.mark.parametrize("check,good", [(c, g) for c, g, _ in CASES], ids=[c.__name__ for c, _, _ in CASES])

@@ -102,6 +102,7 @@ def _measurements_worker(P):
 
     import torch.distributed as dist
 
+    from dlo.distributed.collectives import bus_bandwidth
     from dlo.experiments import day4_comm
 
     real, calls = dist.all_reduce, [0]
@@ -114,7 +115,7 @@ def _measurements_worker(P):
 
     dist.all_reduce = slow_first
     try:
-        bw = day4_comm.bandwidth([1024, 4096], reps=1, trials=3, device="cpu")
+        bw = bus_bandwidth([1024, 4096], reps=1, trials=3, device="cpu")
     finally:
         dist.all_reduce = real
     device = E.rank_device()

@@ -5,7 +5,7 @@ fewest steps, seeds and sweep points the experiments run with; the checks in the
 same whatever the profile), each day twice: the autograder executes the instructors' solution (which
 must score full marks and raise nowhere) and the untouched student notebook (0 on every test cell,
 and still running every experiment to the end). The tiny profile at its real step counts is `make
-run` (papermill, then grading: full marks required), which CI runs as its own step after `make test`.
+run` (papermill, then grading: full marks required), the README's second command.
 """
 
 from __future__ import annotations

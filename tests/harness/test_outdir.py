@@ -31,17 +31,36 @@ def test_a_failed_run_leaves_nothing(tmp_path):
 
 
 def test_reuse_deletes_only_listed_files(tmp_path):
-    first = OwnedDir(tmp_path / "g")
+    part = lambda name: name == "part-1-of-2"  # noqa: E731 - a shard's part folder, kept beside a merge
+    first = OwnedDir(tmp_path / "g", keep=part)
     first.check()
     first.claim()
     (first.path / "scores.csv").write_text("old")
     first.record()
-    again = OwnedDir(tmp_path / "g")
+    (first.path / "part-1-of-2").mkdir()
+    (first.path / "part-1-of-2" / "scores.csv").write_text("a shard's")  # not listed: must survive
+    again = OwnedDir(tmp_path / "g", keep=part)
     again.check()
     again.claim()
-    assert sorted(p.name for p in again.path.iterdir()) == [MARKER]
+    assert sorted(p.name for p in again.path.iterdir()) == [MARKER, "part-1-of-2"]
+    assert (again.path / "part-1-of-2" / "scores.csv").read_text() == "a shard's"
     again.discard()  # not created by this run: kept
     assert again.path.is_dir()
+
+
+def test_a_run_killed_outright_can_be_resumed(tmp_path):
+    """SIGKILL between two record()s: results written inside our own folders are not strangers."""
+    first = OwnedDir(tmp_path / "g")
+    first.check()
+    first.claim()
+    (first.path / "results").mkdir()
+    first.record()
+    (first.path / "results" / "ann").mkdir()
+    (first.path / "results" / "ann" / "day1.json").write_text("{}")  # written, then the process was killed
+    OwnedDir(tmp_path / "g").check()
+    (first.path / "notes.txt").write_text("mine")                    # beside our folders: still refused
+    with pytest.raises(NotOurs, match="notes.txt"):
+        OwnedDir(tmp_path / "g").check()
 
 
 @pytest.mark.parametrize("setup", ["foreign", "stranger", "file"])

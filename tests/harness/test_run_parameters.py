@@ -12,6 +12,7 @@ import pytest
 from nbformat.v4 import new_code_cell, new_notebook
 
 from dlo.config import check_parameters
+from dlo.harness.release import REQUIRED_PARAMETERS
 from dlo.harness.run import BadParameter, build_parameters, typed_value
 
 REPO = Path(__file__).resolve().parents[2]
@@ -114,4 +115,4 @@ def test_papermill_reads_every_parameter_of_every_day(day):
     import papermill
 
     declared = papermill.inspect_notebook(str(REPO / "solutions" / day / f"{day}.ipynb"))
-    assert {"profile", "device", "seed", "max_steps", "world_size", "data_dir", "log_dir"} <= set(declared)
+    assert set(REQUIRED_PARAMETERS) <= set(declared)

@@ -12,7 +12,8 @@ import time
 import pytest
 import torch
 
-from dlo.checks import common, day1, day2, day3, day4, day8, wire
+import dlo.checks
+from dlo.checks import common, wire
 from dlo.checks.common import check, run_student, use_backend
 from dlo.checks.sandbox import CheckTimeout, LocalSandbox, StudentProcessDied, tagged_pids
 from dlo.harness import testcells
@@ -57,7 +58,8 @@ def test_the_trusted_side_never_unpickles():
         wire.decode(wire.FRAME.pack(len(head)) + head + bytes(8))
 
 
-CHECKS = [getattr(m, n) for m in (day1, day2, day3, day4, day8) for n in dir(m) if n.startswith("check_")]
+CHECKS = [getattr(m, n) for m in (getattr(dlo.checks, d) for d in dlo.checks.__all__) for n in dir(m)
+          if n.startswith("check_")]
 
 
 @pytest.mark.parametrize("chk", CHECKS, ids=[c.__name__ for c in CHECKS])
@@ -312,3 +314,13 @@ def test_captured_values_bind_as_data_or_handles(tmp_path):
         assert bound["result"]["acc"] == 0.93 and "f (in the sandbox)" in repr(bound["f"])
         with pytest.raises(testcells.CaptureFailed, match="'gone' is not defined"):
             testcells.bindings(["gone"], tmp_path, sb)
+
+
+def test_numpy_numbers_cross_as_python_numbers_on_both_backends():
+    """A correct answer may return numpy scalars: the direct backend converts them as the wire does."""
+    import numpy as np
+
+    got = common.safe_data([np.int64(3), (np.float32(1.5), {"n": np.int32(2)})])
+    assert got == [3, (1.5, {"n": 2})] and type(got[0]) is int and type(got[1][0]) is float
+    with pytest.raises(TypeError, match="plain data only"):
+        common.safe_data(object())

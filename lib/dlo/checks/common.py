@@ -49,7 +49,7 @@ import random
 import sys
 import threading
 from collections.abc import Callable, Iterator
-from numbers import Real
+from numbers import Integral, Real
 
 import torch
 
@@ -235,23 +235,24 @@ SAFE_SCALARS = (int, float, bool, str, bytes, type(None), complex)
 
 
 def safe_data(obj, what: str = "the result"):
-    """`obj` if it is plain data (tensors, numbers, strings, None, torch dtypes/sizes, lists, tuples and
-    dicts of those), else TypeError: only such values may cross from student code to a check."""
+    """`obj` as plain data (tensors, numbers, strings, None, torch dtypes/sizes, lists, tuples and dicts
+    of those), else TypeError: only such values may cross from student code to a check. Other numbers
+    (numpy's scalars) become Python ints and floats, as the sandbox's wire format makes them."""
     if isinstance(obj, torch.Tensor):
         if type(obj) not in (torch.Tensor, torch.nn.Parameter):
             raise TypeError(f"{what}: a tensor subclass ({type(obj).__name__}) cannot be returned; use a plain tensor")
         return obj
     if isinstance(obj, (SAFE_SCALARS, torch.dtype, torch.Size)):
         return obj
+    if isinstance(obj, Integral):
+        return int(obj)
+    if isinstance(obj, Real):
+        return float(obj)
     if isinstance(obj, (list, tuple)):
-        for i, item in enumerate(obj):
-            safe_data(item, f"{what}[{i}]")
-        return obj
+        items = [safe_data(item, f"{what}[{i}]") for i, item in enumerate(obj)]
+        return items if isinstance(obj, list) else tuple(items)
     if isinstance(obj, dict):
-        for k, v in obj.items():
-            safe_data(k, f"a key of {what}")
-            safe_data(v, f"{what}[{k!r}]")
-        return obj
+        return {safe_data(k, f"a key of {what}"): safe_data(v, f"{what}[{k!r}]") for k, v in obj.items()}
     raise TypeError(f"{what} is a {type(obj).__name__}; a check worker returns plain data only (tensors, numbers, "
                     f"strings, lists, tuples, dicts)")
 

@@ -22,9 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dlo.activation_ckpt import SavedTensorMeter
 from dlo.checks.common import DTYPE, check, ok, run_student
 from dlo.config import seed_everything
+from dlo.measure import SavedTensorMeter
 
 CHECKPOINTS = ("torch.utils.checkpoint.checkpoint", "torch.utils.checkpoint.checkpoint_sequential",
                "torch.utils.checkpoint.CheckpointFunction", "dlo.activation_ckpt.CheckpointFunction",

@@ -5,9 +5,8 @@ The student's functions run on `world_size` fresh ranks (`dlo.checks.common.on_r
 workers that only run the student's code and return what they observed: outputs, parameters after k
 steps, gradients, and the collectives counted by `dlo.measure.CommCounter`. The references are
 computed here, out of the student's reach: the sum of the ranks' inputs for the ring; for training,
-one process on the full batch with the same optimizer (cached, since several checks share a
-configuration; that torch's DistributedDataParallel computes the same is pinned by
-tests/distributed/test_ddp.py, so no check pays for launching its ranks). Everything runs in
+one process on the full batch with the same optimizer (that torch's DistributedDataParallel computes
+the same is pinned by tests/distributed/test_ddp.py, so no check pays for launching its ranks). Everything runs in
 float64, where a correct implementation differs from the references only by summation order
 (~1e-15); the tolerance (1e-10) leaves room for that and still catches a missing average or a
 dropped micro-batch. While the student's code runs, the references
@@ -23,10 +22,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from dlo.checks.common import assert_close, check, ok, on_ranks
+from dlo.checks.common import DTYPE, assert_close, check, ok, on_ranks
 from dlo.measure import CommCounter
 
-DTYPE = torch.float64
 TOL = 1e-10  # float64: correct code agrees to ~1e-15, a slip is off by >= 1e-3
 POINT_TO_POINT = "build the all-reduce from dist.send/dist.recv or dist.isend/dist.irecv (point-to-point) only"
 COLLECTIVES = tuple(f"torch.distributed.{n}" for n in (
@@ -114,23 +112,12 @@ def _single_process(seed, steps, n):
     return _params(net)
 
 
-_REFERENCES: dict[tuple, dict] = {}
-
-
-def _references(seed, steps, n, world_size, micro=1) -> dict:
-    """The parameters the student's ranks must end with: one process on the full batch (in float64
-    that is what torch's DDP computes too; tests/distributed/test_ddp.py holds the three against each
-    other, so the check does not pay for a second launch of torch DDP ranks)."""
-    key = (seed, steps, n)
-    if key not in _REFERENCES:
-        _REFERENCES[key] = {"one process on the full batch": _single_process(seed, steps, n)}
-    return _REFERENCES[key]
-
-
-def _compare_params(name, got, refs, steps, where):
-    for label, want in refs.items():
-        for i, (g, wnt) in enumerate(zip(got, want)):
-            _close(name, f"parameter {i} after {steps} steps vs {label}", g, wnt, where)
+def _compare_params(name, got, want, steps, where):
+    """The student's parameters against one process on the full batch (in float64 that is what torch's
+    DDP computes too: tests/distributed/test_ddp.py holds the three against each other, so no check
+    pays for launching torch DDP ranks)."""
+    for i, (g, wnt) in enumerate(zip(got, want)):
+        _close(name, f"parameter {i} after {steps} steps vs one process on the full batch", g, wnt, where)
 
 
 def _per_rank(seed: int) -> int:
@@ -167,17 +154,17 @@ def check_naive_ddp(broadcast_parameters, all_reduce_gradients, seed: int = 0, w
     per_rank = _per_rank(seed)
     n, where = per_rank * world_size, f"world_size={world_size}, {per_rank} samples per rank"
     start = _params(_net(seed + 1))
-    ref = _net(seed + 1)
+    first = _net(seed + 1)  # the gradient of step 1 on the whole batch
     x, y = _batch(seed, 0, n)
-    F.cross_entropy(ref(x), y).backward()
-    refs = _references(seed, steps, n, world_size)
+    F.cross_entropy(first(x), y).backward()
+    ref = _single_process(seed, steps, n)
     for r, g in enumerate(got):
         for i, (p, want) in enumerate(zip(g["start"], start)):
             _close("broadcast_parameters", f"parameter {i} on rank {r} (must equal rank 0's)", p, want, where)
-        for i, (p, q) in enumerate(zip(g["grads"], ref.parameters())):
+        for i, (p, q) in enumerate(zip(g["grads"], first.parameters())):
             _close("all_reduce_gradients", f"grad of parameter {i} on rank {r} after step 1 (the mean over "
                    f"ranks, not the sum)", p, q.grad, where)
-        _compare_params("naive DDP", g["params"], refs, steps, where)
+        _compare_params("naive DDP", g["params"], ref, steps, where)
     ok("naive_ddp", f"{steps} steps on {world_size} ranks, seed={seed}")
 
 
@@ -219,7 +206,7 @@ def check_bucket_ddp(cls, seed: int = 0, world_size: int = 2, steps: int = 3) ->
     per_rank = _per_rank(seed)
     n, where = per_rank * world_size, f"world_size={world_size}, {per_rank} samples per rank"
     n_params = len(list(_net(0).parameters()))
-    refs = _references(seed, steps, n, world_size)  # the same for both caps
+    ref = _single_process(seed, steps, n)  # the same for both caps
     for rank_runs in got:
         for run in rank_runs:
             cap_mb = run["cap_mb"]
@@ -236,7 +223,7 @@ def check_bucket_ddp(cls, seed: int = 0, world_size: int = 2, steps: int = 3) ->
                     raise AssertionError(f"bucket DDP: {len(step_calls)} all-reduce calls per step for {n_params} "
                                          f"parameters with a 50-element cap: expected several buckets, fewer than "
                                          f"one per parameter ({here})")
-            _compare_params("bucket DDP", run["params"], refs, steps, here)
+            _compare_params("bucket DDP", run["params"], ref, steps, here)
     ok("bucket_ddp", f"{steps} steps x 2 bucket sizes on {world_size} ranks, seed={seed}")
 
 
@@ -274,7 +261,7 @@ def check_accumulation_step(fn, seed: int = 0, world_size: int = 2, steps: int =
     got = on_ranks(_accum_worker, world_size, fn, seed, steps)
     per_rank, micro = _accum_case(seed)
     n, where = per_rank * world_size, f"world_size={world_size}, {per_rank} samples per rank in {micro} micro-batches"
-    refs = _references(seed, steps, n, world_size, micro)
+    ref = _single_process(seed, steps, n)
     for g in got:
         for st in g["steps"]:
             if st["all_reduces"] != st["buckets"]:
@@ -284,7 +271,7 @@ def check_accumulation_step(fn, seed: int = 0, world_size: int = 2, steps: int =
             if st["grad_left"] > 0:
                 raise AssertionError(f"accumulation_step: gradients are not zero after the step; call "
                                      f"optimizer.zero_grad() after optimizer.step() ({where})")
-        _compare_params("accumulation_step", g["params"], refs, steps, where)
+        _compare_params("accumulation_step", g["params"], ref, steps, where)
     ok("accumulation_step", f"{steps} steps on {world_size} ranks, seed={seed}")
 
 

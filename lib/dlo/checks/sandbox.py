@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from dlo.checks import wire
-from dlo.checks.common import ForbiddenCall, deadlock_message  # noqa: F401 - deadlock_message: same wording
+from dlo.checks.common import ForbiddenCall
 
 TAG_ENV = "DLO_SANDBOX_TAG"  # marks every process of a runner, so that all of them can be found and killed
 CLOSE_TIMEOUT = 10.0  # seconds a session gets to end after the check is done with it

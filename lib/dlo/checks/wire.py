@@ -236,8 +236,6 @@ class Encoder:
         plain = _numpy_plain(obj)
         if plain is not None:
             return self.skel(plain, d)
-        if isinstance(obj, float) and type(obj).__module__ == "numpy":
-            return float(obj)
         if self.handle is None:
             raise Unsafe(type(obj).__name__)
         return {"h": self.handle(obj), "ty": type(obj).__name__[:80]}

@@ -18,6 +18,7 @@ so trees win for small messages (fewer latency terms) and rings for large ones.
 from __future__ import annotations
 
 import math
+import statistics
 
 import torch
 import torch.distributed as dist
@@ -73,34 +74,38 @@ def bus_factor(world_size: int) -> float:
     return 2.0 * (world_size - 1) / world_size
 
 
-def bus_bandwidth(sizes_bytes, reps: int = 5, warmup: int = 2, device=None, dtype=torch.float32,
+def bus_bandwidth(sizes_bytes, reps: int = 5, warmup: int = 1, device=None, dtype=torch.float32,
                   trials: int = 3) -> list[dict]:
-    """Time dist.all_reduce for each message size on the current process group.
+    """Time dist.all_reduce for each message size on the current process group (every rank calls it).
 
-    Each of `trials` timings (dlo.measure.time_fn, after `warmup` untimed bursts) runs `reps`
-    operations back to back after a barrier and divides, so that the ranks' skew leaving the barrier
-    is paid once, not per operation (nccl-tests does the same); the median trial is kept.
-    Returns rows {"bytes", "s", "algbw GB/s", "busbw GB/s"};
-    algbw = bytes / time, busbw = algbw * 2 (N-1)/N, comparable across world sizes and with the
-    link's peak (nccl-tests' convention). Must be called on every rank.
+    A round times every size once: a burst of `reps` all-reduces after a barrier, divided by reps, so
+    that the ranks' skew leaving the barrier is paid once, not per operation (nccl-tests does the
+    same). Each round starts at another size, so that no size always follows the largest burst and a
+    slow phase of a shared machine hits all of them; the first `warmup` rounds are not kept (the first
+    calls pay for connections and buffers, a set-up cost, not the alpha of the model).
+    Rows {"bytes", "times_s" (one per kept round), "s" (their median), "algbw GB/s", "busbw GB/s"};
+    algbw = bytes / time, busbw = algbw * 2 (N-1)/N, comparable across world sizes and with the link's
+    peak (nccl-tests' convention).
     """
     if not dist.is_initialized():
         raise RuntimeError("bus_bandwidth: no process group; run it inside dlo.distributed.launch")
     device = torch.device(device or "cpu")
-    world, rows = dist.get_world_size(), []
+    world, sizes = dist.get_world_size(), list(sizes_bytes)
     elem = torch.empty((), dtype=dtype).element_size()
-    for size in sizes_bytes:
-        x = torch.ones(max(1, int(size) // elem), dtype=dtype, device=device)
-
-        def burst(x=x):
-            for _ in range(reps):
-                dist.all_reduce(x)
-
-        # every rank starts together (the barrier, untimed): the timing is of the collective, not the skew
-        t = time_fn(burst, device=device, warmup=warmup, reps=trials, before=dist.barrier).median_s / reps
-        nbytes = x.numel() * elem
-        rows.append({"bytes": nbytes, "s": t, "algbw GB/s": nbytes / t / 1e9,
-                     "busbw GB/s": nbytes / t / 1e9 * bus_factor(world)})
+    xs = {n: torch.ones(max(1, int(n) // elem), dtype=dtype, device=device) for n in sizes}
+    times: dict = {n: [] for n in sizes}
+    for rnd in range(warmup + trials):
+        k = rnd % len(sizes)
+        for n in [*sizes[k:], *sizes[:k]]:
+            dist.barrier()  # every rank starts together: the timing is of the collective, not the skew
+            t = time_fn(lambda x=xs[n]: [dist.all_reduce(x) for _ in range(reps)], device=device, warmup=0, reps=1)
+            if rnd >= warmup:
+                times[n].append(t.median_s / reps)
+    rows = []
+    for n, ts in times.items():
+        med, nbytes = statistics.median(ts), xs[n].numel() * elem
+        rows.append({"bytes": nbytes, "times_s": ts, "s": med, "algbw GB/s": nbytes / med / 1e9,
+                     "busbw GB/s": nbytes / med / 1e9 * bus_factor(world)})
     return rows
 
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from dlo.distributed.launch import rank_device
 from dlo.distributed.tensor_parallel import apply_tp, check_tp_degree
 
 
@@ -68,9 +69,8 @@ def parallelize_llama(model: nn.Module, dims: ParallelDims, mesh=None) -> nn.Mod
     `dims.build_mesh()` on the process group's device type."""
     dims.validate(model.config)
     if mesh is None:
-        import torch.distributed as dist
 
-        mesh = dims.build_mesh("cuda" if "nccl" in dist.get_backend() else "cpu")
+        mesh = dims.build_mesh(rank_device().type)
     if dims.tp > 1:
         apply_tp(model, mesh["tp"], loss_parallel=dims.loss_parallel)
     if dims.ac != "none" or dims.compile or dims.dp > 1:

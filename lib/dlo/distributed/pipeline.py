@@ -47,6 +47,7 @@ from dlo.distributed.pipeline_schedules import (
     split_stages,
     zero_bubble_schedule,
 )
+from dlo.measure import sync
 
 
 @dataclass
@@ -123,12 +124,10 @@ class Timeline:
 
     @contextlib.contextmanager
     def span(self, kind: str, stage: int, mb: int):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        sync(self.device)  # the span is of the work, not of launching it
         start = time.perf_counter()
         yield
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        sync(self.device)
         self.events.append({"rank": self.rank, "kind": kind, "stage": stage, "mb": mb,
                             "start": start - self.t0, "end": time.perf_counter() - self.t0})
 

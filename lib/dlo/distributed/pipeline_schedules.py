@@ -126,8 +126,6 @@ def torch_schedule(name: str, p: int, m: int, v: int | None = None) -> list[list
              if a is not None and a.computation_type.name in kinds] for rank in ops]
 
 
-SCHEDULES = {"gpipe": gpipe_schedule, "1f1b": one_f_one_b_schedule}
-
 
 # ----------------------------------------------------------------------------- formulas
 
@@ -269,5 +267,5 @@ def stage_bounds(stages: list[list[int]]) -> list[int]:
 
 
 __all__ = ["Action", "gpipe_schedule", "one_f_one_b_schedule", "interleaved_schedule", "zero_bubble_schedule",
-           "torch_schedule", "SCHEDULES", "bubble_formula", "bubble_over_ideal", "simulate", "bubble_fraction",
+           "torch_schedule", "bubble_formula", "bubble_over_ideal", "simulate", "bubble_fraction",
            "peak_in_flight", "split_stages", "stage_bounds"]

@@ -16,8 +16,8 @@ on a 1/t slice of the sequence:
 - `gather_from_sp` (their g): all-gather along the sequence forward, reduce-scatter backward;
 - `reduce_scatter_to_sp` (their g-bar): reduce-scatter along the sequence forward, all-gather backward.
 
-The gathers and scatters of whole activations (`gather_from_tp`, `scatter_to_tp`,
-`scatter_to_sp`, `gather_to_full_sequence`) enter or leave a parallel region from replicated data.
+The gathers and scatters of whole activations (`gather_from_tp`, `scatter_to_tp`) enter or leave a
+parallel region from replicated data.
 `AllGatherLinear` is Megatron's sequence-parallel column linear: it saves only this rank's sequence
 shard and all-gathers it again in backward (one more all-gather, t times fewer saved bytes).
 
@@ -168,34 +168,6 @@ class ReduceScatterToSequenceParallel(torch.autograd.Function):
         return all_gather(grad, ctx.dim, ctx.group), None, None
 
 
-class ScatterToSequenceParallel(torch.autograd.Function):
-    """Keep this rank's slice of the sequence forward (entering the SP region from a replicated
-    tensor, e.g. after the embedding), all-gather the gradient backward."""
-
-    @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return split(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather(grad, ctx.dim, ctx.group), None, None
-
-
-class GatherToFullSequence(torch.autograd.Function):
-    """All-gather the sequence forward (leaving the SP region, e.g. before a replicated head), keep
-    this rank's slice of the gradient backward (the gradient is replicated there)."""
-
-    @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return all_gather(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return split(grad, ctx.dim, ctx.group), None, None
-
-
 class AllGatherLinear(torch.autograd.Function):
     """y = all_gather(x, dim) @ W^T + b, saving only x (this rank's sequence shard): backward
     all-gathers x again for W's gradient and reduce-scatters the input gradient (Megatron-LM's
@@ -248,14 +220,6 @@ def reduce_scatter_to_sp(x: Tensor, dim: int = 1, group=None) -> Tensor:
     return ReduceScatterToSequenceParallel.apply(x, dim, group) if tp_size(group) > 1 else x
 
 
-def scatter_to_sp(x: Tensor, dim: int = 1, group=None) -> Tensor:
-    return ScatterToSequenceParallel.apply(x, dim, group) if tp_size(group) > 1 else x
-
-
-def gather_to_full_sequence(x: Tensor, dim: int = 1, group=None) -> Tensor:
-    return GatherToFullSequence.apply(x, dim, group) if tp_size(group) > 1 else x
-
-
 def all_gather_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, dim: int = 1, group=None) -> Tensor:
     if tp_size(group) == 1:
         return torch.nn.functional.linear(x, weight, bias)
@@ -264,7 +228,6 @@ def all_gather_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, dim
 
 __all__ = ["tp_size", "tp_rank", "all_reduce", "all_gather", "reduce_scatter", "split", "CopyToTensorParallel",
            "ReduceFromTensorParallel", "GatherFromTensorParallel", "ScatterToTensorParallel",
-           "GatherFromSequenceParallel", "ReduceScatterToSequenceParallel", "ScatterToSequenceParallel",
-           "GatherToFullSequence", "AllGatherLinear", "copy_to_tp", "reduce_from_tp", "gather_from_tp",
-           "scatter_to_tp", "gather_from_sp", "reduce_scatter_to_sp", "scatter_to_sp", "gather_to_full_sequence",
-           "all_gather_linear"]
+           "GatherFromSequenceParallel", "ReduceScatterToSequenceParallel", "AllGatherLinear", "copy_to_tp",
+           "reduce_from_tp", "gather_from_tp",
+           "scatter_to_tp", "gather_from_sp", "reduce_scatter_to_sp", "all_gather_linear"]

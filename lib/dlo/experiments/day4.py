@@ -25,15 +25,17 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from dlo.distributed.collectives import bus_bandwidth
 from dlo.distributed.ddp import DataParallelBucket, DataParallelNaive
 from dlo.distributed.launch import heartbeat, rank_device
 from dlo.distributed.onebit_adam import OneBitAdam
 from dlo.distributed.sync_bn import convert_sync_batchnorm
-from dlo.experiments.day4_comm import bandwidth, loopback_sent, powersgd_bytes, ring_sent, wire_bytes
-from dlo.experiments.day4_report import quiet_profiler, timeline
+from dlo.experiments.day4_comm import loopback_sent, powersgd_bytes, ring_sent, wire_bytes
+from dlo.experiments.day4_report import timeline
 from dlo.measure import CommCounter, time_interleaved
 from dlo.models.resnet import resnet18
 from dlo.models.small import MLP
+from dlo.profiling import quiet_profiler
 from dlo.train import evaluate, train
 
 
@@ -311,7 +313,7 @@ def run_all(P, log_dir) -> dict:
     heartbeat("bus bandwidth sweep")
     out = {"world": dist.get_world_size(), "device": str(device), "backend": dist.get_backend(),
            "model": P.model, "params": sum(p.numel() for p in model(P, device).parameters()), "bn_batch": P.bn_batch,
-           "bandwidth": bandwidth(P.msg_sizes, P.bw_reps, P.bw_trials, device),
+           "bandwidth": bus_bandwidth(P.msg_sizes, reps=P.bw_reps, trials=P.bw_trials, device=device),
            "ring sent": ring_sent(dist.get_world_size() * 4096)}
     if dist.get_backend() == "gloo" and os.path.exists("/proc/net/dev"):
         heartbeat("bytes on the loopback interface")

@@ -1,7 +1,8 @@
 """Day 4: what the collectives cost and what a rank really sends.
 
-- `bandwidth`: all-reduce time per message size, sizes interleaved round by round after an untimed
-  warm-up round (the first calls set up connections and buffers: not part of alpha, so not fitted);
+- the all-reduce time per message size is `dlo.distributed.collectives.bus_bandwidth` (sizes
+  interleaved round by round after an untimed warm-up round: the first calls set up connections and
+  buffers, not part of alpha, so not fitted);
 - `ring_sent`: the bytes the ring all-reduce's messages carry, counted by `dlo.measure.CommCounter`
   on the exercise's algorithm (`dlo.distributed.collectives.ring_all_reduce`);
 - `wire_bytes` (`loopback_sent`): the bytes gloo's own all-reduce puts on the loopback interface,
@@ -21,39 +22,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dlo.distributed.collectives import bus_factor, ring_all_reduce
-from dlo.measure import CommCounter, sync
-
-
-def bandwidth(sizes, reps: int, trials: int, device, warmup_rounds: int = 1) -> list[dict]:
-    """dist.all_reduce time per message size. Round r times every size once (a burst of `reps`
-    all-reduces after a barrier, divided by reps), sizes in turn from a different first size each
-    round, so that slow phases of a shared machine hit all sizes; the first `warmup_rounds` rounds
-    are not kept: the first calls pay for connections and buffers, a set-up cost, not the alpha of
-    the model. Rows: "bytes", "times_s"
-    (one per kept round), "s" (their median), "algbw GB/s", "busbw GB/s" (x 2(N-1)/N, nccl-tests)."""
-    world, sizes = dist.get_world_size(), list(sizes)
-    xs = {n: torch.ones(max(1, int(n) // 4), device=device) for n in sizes}
-    times = {n: [] for n in sizes}
-    for rnd in range(warmup_rounds + trials):
-        k = rnd % len(sizes)  # each round starts at another size: none always follows the largest burst
-        for n in [*sizes[k:], *sizes[:k]]:
-            x = xs[n]
-            dist.barrier()  # every rank starts together: the timing is of the collective, not the skew
-            sync(device)
-            t0 = time.perf_counter()
-            for _ in range(reps):
-                dist.all_reduce(x)
-            sync(device)
-            if rnd >= warmup_rounds:
-                times[n].append((time.perf_counter() - t0) / reps)
-    rows = []
-    for n, ts in times.items():
-        med = sorted(ts)[len(ts) // 2]
-        nbytes = xs[n].numel() * 4
-        rows.append({"bytes": nbytes, "times_s": ts, "s": med, "algbw GB/s": nbytes / med / 1e9,
-                     "busbw GB/s": nbytes / med / 1e9 * bus_factor(world)})
-    return rows
+from dlo.distributed.collectives import ring_all_reduce
+from dlo.measure import CommCounter
 
 
 def ring_sent(n: int) -> float:

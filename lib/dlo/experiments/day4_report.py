@@ -1,5 +1,5 @@
 """Day 4's tables, claims and pictures from `dlo.experiments.day4.run_all`'s results (plain data),
-and the two profiler helpers the run uses inside a rank (`quiet_profiler`, `timeline`).
+and the profiler helper the run uses inside a rank (`timeline`).
 
 Every verdict goes through `dlo.claims`: counted bytes are exact; bytes read from the loopback
 interface are a mean over trials with its t-interval; step times are paired round by round (the
@@ -9,35 +9,14 @@ ratio with its order-statistics interval; accuracies are Wilson intervals on the
 
 from __future__ import annotations
 
-import contextlib
 import math
-import os
-import sys
-import warnings
+import statistics
 
 from dlo import claims as C
 
 LI = "Li et al. 2020 (PyTorch DDP); seed 003"
 META_AWS = "Meta and AWS 2021 (seed 003)"
 TANG = "Tang et al. 2021 (1-bit Adam); seed 003"
-
-
-@contextlib.contextmanager
-def quiet_profiler():
-    """The profiler's start/stop chatter off: its warnings, and the lines its C++ side writes
-    straight to file descriptor 2 ("STAGE:", "USDT: profiler_start"), which no Python setting
-    reaches. An exception still surfaces once the descriptor is back."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    try:
-        with open(os.devnull, "w") as null, warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            os.dup2(null.fileno(), 2)
-            yield
-    finally:
-        sys.stderr.flush()
-        os.dup2(saved, 2)
-        os.close(saved)
 
 
 LANES = ("forward", "backward", "all-reduce launch", "all-reduce transfer", "optimizer")
@@ -227,7 +206,7 @@ def _powersgd_claim(ps: dict, world: int, wire: dict | None) -> C.Claim:
         return C.not_measurable(text, "Vogels et al. 2019", "the formula's bytes",
                                 "its second all-reduce runs on a backend thread that CommCounter cannot see, and "
                                 "NCCL's traffic does not cross the loopback interface")
-    header = sorted(wire["overhead per packet"])[len(wire["overhead per packet"]) // 2]
+    header = statistics.median(wire["overhead per packet"])
     ratios = [(b - pk * header) / want for b, pk in ps["wire sent/step"]]
     # TCP/IP headers are taken off at the large all-reduce's rate per packet; gloo's framing of each
     # message stays in, a few percent of PowerSGD's few-KB messages: hence the 10%

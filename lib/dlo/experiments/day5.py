@@ -23,6 +23,7 @@ and the plan in `dlo.experiments.day5_report`.
 from __future__ import annotations
 
 import gc
+import statistics
 import time
 from pathlib import Path
 
@@ -228,7 +229,7 @@ def train_fsdp(P, device, log_dir, data_dir=None, weights_dir: str = "") -> dict
             writer.add_scalar("step_s", times[-1], s)
     if writer is not None:
         writer.close()
-    step_s = sorted(times[1:] or times)[len(times[1:] or times) // 2]  # median, the first (warm-up) left out
+    step_s = statistics.median(times[1:] or times)  # the first (warm-up) left out
     tokens = P.batch_per_rank * P.seq_len
     n_flops = count_parameters(model)  # the tied embedding once: as the head's matmul (a lookup costs nothing)
     per_token = transformer_flops_per_token(n_flops, cfg.n_layers, cfg.dim, P.seq_len)

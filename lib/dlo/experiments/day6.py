@@ -20,6 +20,7 @@ device, `dlo plan day6_pipeline`), are in `dlo.experiments.day6_report`.
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import torch
@@ -182,7 +183,7 @@ def block_times(P, device, reps: int = 3) -> list[float]:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             ts.append(time.perf_counter() - t0)
-        out.append(sorted(ts[1:])[len(ts[1:]) // 2])
+        out.append(statistics.median(ts[1:]))
         x = y.detach()
     return out
 

@@ -8,12 +8,14 @@ t-interval, a byte count is exact.
 
 from __future__ import annotations
 
+import statistics
+
 import torch
 from torch import nn
 
 from dlo.claims import Claim, approx, at_least, at_most, between, exact, from_samples, median_interval, not_measurable
-from dlo.distributed.pipeline_schedules import bubble_formula, bubble_fraction, simulate, split_stages
-from dlo.experiments.day6 import meta_model, model_config, stack
+from dlo.distributed.pipeline_schedules import bubble_fraction, simulate, split_stages
+from dlo.experiments.day6 import COSTS, meta_model, model_config, stack
 from dlo.models.coatnet import block_costs
 
 HUANG = "Huang et al. 2019 (GPipe); seminar (seed 003) eq. 3"
@@ -87,7 +89,7 @@ def split_rows(R: dict) -> list[dict]:
     for cost, s in R["splits"]["splits"].items():
         b = s["bounds"]
         row = {"balanced by": cost, "stages (blocks)": " | ".join(f"{x}:{y}" for x, y in zip(b, b[1:]))}
-        for k in ("params", "flops", "saved_bytes", "time"):
+        for k in COSTS:
             sums = [sum(r[k] for r in blocks[x:y]) for x, y in zip(b, b[1:])]
             row[f"{k} max/mean"] = round(max(sums) / (sum(sums) / len(sums)), 2)
         row["1F1B step ms [95%]"] = str(median_interval(s["times_s"]).scaled(1e3))
@@ -187,14 +189,10 @@ def gantt(ax, events: list[dict], title: str, label: bool = True) -> None:
 
 def simulated_like(events: list[dict], schedule) -> list[dict]:
     """The simulator's timeline of `schedule` with the median F and B durations of recorded `events`."""
-    med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+    med = statistics.median
     t_f = med([e["end"] - e["start"] for e in events if e["kind"] == "F"])
     t_b = med([e["end"] - e["start"] for e in events if e["kind"] == "B"])
     return simulate(schedule, t_f, t_b)
-
-
-def formula_curve(p: int, ms, v: int = 1) -> list[float]:
-    return [bubble_formula(p, m, v) for m in ms]
 
 
 # ----------------------------------------------------------------------------- the full profile on paper

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import statistics
 import time
 
 import torch
@@ -235,7 +236,7 @@ def step_metrics(P, cfg, t: int, res: dict, device) -> dict:
 
     with torch.device("meta"):
         n_params = sum(p.numel() for p in Llama(cfg).parameters())
-    med = sorted(res["step_s"])[len(res["step_s"]) // 2]
+    med = statistics.median(res["step_s"])
     tokens_s = P.batch * P.seq_len / med
     flops = transformer_flops_per_token(n_params, cfg.n_layers, cfg.dim, P.seq_len) * tokens_s
     return {"t": t, "step ms": 1e3 * med, "tokens/s": tokens_s, "mfu": mfu(flops / t, 1.0, device),

@@ -37,7 +37,7 @@ import nbformat
 from dlo.harness import pool
 from dlo.harness.days import list_days, repo_root
 from dlo.harness.merge import is_part, merge  # noqa: F401 - merge: `dlo grade --merge`
-from dlo.harness.nbgrader_cli import generate_assignments
+from dlo.harness.nbgrader_cli import NOT_SUBMITTED, generate_assignments
 from dlo.harness.outdir import OwnedDir
 from dlo.harness.results import (
     CELL_COLUMNS,
@@ -71,7 +71,6 @@ c.OverwriteCells.add_missing_cells = True  # a deleted test cell comes back, and
 # Feedback shows results and messages, never the hidden tests' source.
 c.GenerateFeedback.preprocessors = [GetGrades, StripHiddenTests, CSSHTMLHeaderPreprocessor]
 '''
-HASHED = ("runs", ".ipynb_checkpoints", "__pycache__")  # not part of a submission (TensorBoard logs, caches)
 
 
 # ----------------------------------------------------------------------------- input
@@ -128,7 +127,7 @@ def folder_hash(folder: Path) -> str:
     h = hashlib.sha256()
     for p in sorted(folder.rglob("*")) if folder.is_dir() else []:
         rel = p.relative_to(folder)
-        if p.is_file() and not any(part in HASHED for part in rel.parts):
+        if p.is_file() and not any(part in NOT_SUBMITTED for part in rel.parts):
             h.update(str(rel).encode() + b"\0" + p.read_bytes() + b"\0")
     return h.hexdigest()[:16]
 

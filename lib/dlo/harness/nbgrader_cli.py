@@ -17,17 +17,8 @@ from dlo.harness.setup import normalise_metadata
 _LIVE: set[subprocess.Popen] = set()  # children running now (from any thread), for kill_children()
 _LOCK = threading.Lock()
 _STOPPED = threading.Event()  # set by kill_children(): a child started afterwards is killed at once
-
-
-def nbgrader(args: list[str], course_root: Path, *, env: dict | None = None, timeout: float | None = None,
-             quiet: bool = True, db: Path | None = None) -> subprocess.CompletedProcess:
-    """Run `nbgrader ARGS` with CourseDirectory.root = course_root and its db (default: inside that root)."""
-    cmd = [sys.executable, "-m", "nbgrader", *args,
-           f"--CourseDirectory.root={course_root}",
-           f"--CourseDirectory.db_url=sqlite:///{db or course_root / 'gradebook.db'}"]
-    if quiet:
-        cmd.append("--log-level=WARN")
-    return child(cmd, course_root, env=env, timeout=timeout, what=f"nbgrader {args[0]}")
+# What a day folder may hold that is no part of the notebook: never copied, hashed or graded.
+NOT_SUBMITTED = ("runs", ".ipynb_checkpoints", "__pycache__")  # TensorBoard logs, checkpoints, caches
 
 
 def autograde_and_feedback(course_root: Path, db: Path, day: str, student: str, *, env: dict | None = None,
@@ -90,7 +81,7 @@ def generate_assignments(solutions: Path, days: list[str], course_root: Path, db
     source = course_root / "source"
     for day in days:
         shutil.copytree(solutions / day, source / day, dirs_exist_ok=True,
-                        ignore=shutil.ignore_patterns(".ipynb_checkpoints", "runs", "__pycache__"))
+                        ignore=shutil.ignore_patterns(*NOT_SUBMITTED))
     db = db or course_root / "gradebook.db"
     proc = child([sys.executable, "-m", "dlo.harness.nbgrader_cli", "generate", str(course_root), str(db), *days],
                  course_root, what="generate_assignment")

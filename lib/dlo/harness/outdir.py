@@ -59,7 +59,13 @@ class OwnedDir:
             raise NotOurs(f"--out {self.path} is not empty and not an earlier `{self.command}` output (it holds "
                           f"{', '.join(entries[:5])}{', ...' if len(entries) > 5 else ''}): nothing was written; "
                           f"choose a new or empty folder")
-        strangers = [f for f in files if f not in listed["files"]] + [d for d in dirs if d not in listed["dirs"]]
+        # Inside a folder the marker lists, a file is ours even if unlisted: a run killed outright (SIGKILL,
+        # a node lost) wrote results there after its last record(). Such files are never deleted (claim()
+        # removes only listed files), so a stranger's file there is kept, not lost.
+        def ours(rel: str) -> bool:
+            parents = Path(rel).parents
+            return rel in listed["files"] or rel in listed["dirs"] or any(str(p) in listed["dirs"] for p in parents)
+        strangers = [f for f in files + dirs if not ours(f)]
         if strangers:
             raise NotOurs(f"--out {self.path} holds files that `{self.command}` did not write there: "
                           f"{', '.join(strangers[:5])}{', ...' if len(strangers) > 5 else ''}; nothing was "

@@ -27,12 +27,12 @@ from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dlo.harness.nbgrader_cli import autograde_and_feedback, kill_children
+from dlo.harness.nbgrader_cli import NOT_SUBMITTED, autograde_and_feedback, kill_children
 from dlo.harness.results import copy_feedback, graded, record_path, write_json
 from dlo.harness.sandbox import SPEC_ENV, make_spec
 
 MEM_PER_JOB_GIB = 3.0  # a grading process, the student's kernel and the checks' runner, each with torch
-IGNORE = shutil.ignore_patterns("runs", ".ipynb_checkpoints", "__pycache__")  # TensorBoard logs stay behind
+IGNORE = shutil.ignore_patterns(*NOT_SUBMITTED)  # TensorBoard logs stay behind
 TIMEOUT_ERRORS = ("CellTimeoutError", "CheckTimeout", "KeyboardInterrupt")
 
 
@@ -51,7 +51,6 @@ class Run:
     sandbox: str
     hidden: list[Path]
     inputs: dict = field(default_factory=dict)  # {(student, day): hash of the submitted folder}
-    env: dict = field(default_factory=dict)  # per slot: threads, GPUs
 
     @property
     def course(self) -> Path:
@@ -206,7 +205,7 @@ def run(grading: Run, todo: list[tuple[str, str]], jobs: int, total: int, done: 
     for s in range(jobs):
         slots.put(s)
     stop = threading.Event()
-    envs = [{**slot_env(s, jobs, grading.profile), **grading.env} for s in range(jobs)]
+    envs = [slot_env(s, jobs, grading.profile) for s in range(jobs)]
 
     def work(key):
         slot = slots.get()

@@ -56,9 +56,6 @@ class Timing:
         """The median with its 95% interval (order statistics), times `unit` (1e3 for ms)."""
         return median_interval([t * unit for t in self.times_s])
 
-    def row(self) -> dict:
-        return {"ms": self.median_ms, "spread": self.spread, "n": self.n}
-
 
 def time_fn(fn: Callable[[], object], *, device=None, warmup: int = 2, reps: int = 10,
             min_time_s: float = 0.0, max_reps: int = 1000, before: Callable[[], object] | None = None) -> Timing:

@@ -33,6 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from dlo.models import count_parameters  # one definition; re-exported here
+
 
 @dataclass(frozen=True)
 class CoAtNetConfig:
@@ -235,10 +237,6 @@ class CoAtNet(nn.Module):
         if bounds[0] != 0 or bounds[-1] != n or any(a >= b for a, b in zip(bounds, bounds[1:])):
             raise ValueError(f"bounds {bounds} must rise strictly from 0 to {n} (every stage non-empty)")
         return [nn.Sequential(*self.blocks[a:b]) for a, b in zip(bounds, bounds[1:])]
-
-
-def count_parameters(model: nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())
 
 
 def block_costs(model: CoAtNet, batch_size: int = 1, dtype: torch.dtype = torch.float32) -> list[dict]:

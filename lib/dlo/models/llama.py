@@ -28,6 +28,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from dlo.models import count_parameters  # one definition; re-exported here
+
 _LLAMA3_ROPE = dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
                     original_max_position_embeddings=8192)
 
@@ -276,11 +278,6 @@ def _seeded_normal_(p: Tensor, std: float, seed: int) -> None:
     full = nn.init.normal_(torch.empty(p.shape, dtype=p.dtype, device=local.device), 0.0, std, generator=gen)
     # src_data_rank=None: every rank cuts its own shard from its own (identical) draw, no communication
     local.copy_(distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local())
-
-
-def count_parameters(model: nn.Module) -> int:
-    """Number of parameters, a tied (shared) one counted once; DTensors count their global size."""
-    return sum(p.numel() for p in model.parameters())  # parameters() yields a shared Parameter once
 
 
 def __getattr__(name: str):
