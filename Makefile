@@ -26,11 +26,12 @@ run: $(STAMP)
 	$(DLO) run --all --profile auto --out $(OUT)/submitted/reference
 	$(DLO) grade $(OUT)/submitted --out $(OUT)/grading --require-full
 
-# Style first (seconds), then the suite on two workers (pytest-xdist), a test file per worker at a time:
-# the course's grading (tests/harness/test_course.py, one module fixture) stays on one worker while the
-# other runs the rest. PYTEST_ARGS="-n 0" runs it serially.
+# Style first (seconds), then the suite on two workers (pytest-xdist), a test file (or a test class) per
+# worker at a time: the course's grading (tests/harness/test_course.py, a class per day) is spread over
+# both and starts first (tests/conftest.py orders the files; xdist must keep that order, not put the
+# largest files first). PYTEST_ARGS="-n 0" runs it serially.
 test: $(STAMP) lint
-	$(PY) -m pytest -n 2 --dist loadfile $(PYTEST_ARGS)
+	$(PY) -m pytest -n 2 --dist loadscope --no-loadscope-reorder $(PYTEST_ARGS)
 
 # Style is checked, not remembered: ruff (pyproject.toml [tool.ruff]) on the library, the tests and the
 # notebooks of solutions/ (course/ is generated from them).

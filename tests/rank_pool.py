@@ -3,7 +3,7 @@
 A check calls `on_ranks(worker, n, ...)`; in a notebook that is one `dlo.distributed.launch` of n
 fresh interpreters (seconds of start-up on a small CPU). The tests of the parallel days call dozens
 of checks, so there `RankPool` keeps n ranks alive and hands them one job after another: the same
-trusted worker, the same forbidden names blocked around it (`dlo.checks.common.forbidden`), the same
+trusted worker, the same forbidden names blocked around it (`dlo.checks.common.run_worker`), the same
 plain-data results (`safe_data`) and the same comparisons in the check. What differs is transport
 only, and the real path stays tested: a job that fails on a rank ends the pool (a peer may be stuck
 in a collective), its ranks are killed by pid and the next job starts a fresh launch; the accept
@@ -29,7 +29,7 @@ import cloudpickle
 import pytest
 import torch
 
-from dlo.checks.common import DirectSession, deadlock_message, forbidden, safe_data
+from dlo.checks.common import DirectSession, deadlock_message, run_worker, safe_data
 from dlo.distributed.launch import dumps, launch
 
 
@@ -61,8 +61,7 @@ def serve(jobdir: str) -> None:
         with open(path, "rb") as f:
             worker, forbid, name, hint, args, kwargs = cloudpickle.load(f)
         try:
-            with forbidden(forbid, name, hint):
-                record = ("ok", dumps(worker(*args, **kwargs)))
+            record = ("ok", dumps(run_worker(worker, forbid, name, args, kwargs, hint)))
         except BaseException:  # noqa: BLE001 - reported to the check, then this rank ends
             record = ("error", traceback.format_exc())
         tmp = os.path.join(jobdir, f"result-{k}-{r}.tmp")

@@ -88,3 +88,11 @@ def test_claims_table_keeps_not_measurable_rows_and_summary_counts_all_verdicts(
     assert C.summary(rows) == {C.AGREES: 1, C.DISAGREES: 0, C.INCONCLUSIVE: 0, C.NOT_MEASURABLE: 1}
     with pytest.raises(ValueError, match="say why"):
         C.Claim("x", "s", "c", C.at_least(1), None)
+
+
+def test_a_rate_at_the_median_time_takes_the_interval_of_the_time():
+    # MFU 0.36 measured at the median of 1.0 s; the median's interval [0.99, 1.01] maps through 1/t
+    est = C.per_median_time(0.36, [1.0, 1.01, 0.99])
+    assert est.value == pytest.approx(0.36) and (est.lo, est.hi) == pytest.approx((0.36 / 1.01, 0.36 / 0.99))
+    assert C.per_median_time(0.36, [1.0]) is None  # one timing: no interval, "not measurable here"
+    assert C.verdict(C.per_median_time(0.36, [1.0]), C.between(0.33, 0.39)) == C.NOT_MEASURABLE

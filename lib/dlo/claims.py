@@ -135,6 +135,16 @@ def median_interval(times, how: str = "") -> Estimate:
     return Estimate(med, min(lo, med), max(hi, med), n, how or f"median of {n}")
 
 
+def per_median_time(value: float, times, how: str = "") -> Estimate | None:
+    """A rate measured at the median of `times` (throughput, MFU: inversely proportional to the step
+    time), with the interval the median's interval gives it; None for fewer than 2 timings (no
+    interval: the claim built on it is "not measurable here")."""
+    if len(times) < 2:
+        return None
+    t = median_interval(times)
+    return ratio(exact(value * t.value), t, how or f"at the median of {t.n} steps")
+
+
 def ratio(a: Estimate, b: Estimate, how: str = "") -> Estimate:
     """a / b, both positive, with the interval of the quotient of the two intervals (conservative)."""
     if b.lo <= 0 or a.lo < 0:

@@ -379,6 +379,15 @@ def test_flops_accounting_stub_and_references():
             day2.check_flops_accounting(*fns, trials=1)
 
 
+def test_flops_accounting_blames_the_grader_for_its_own_reference(monkeypatch):
+    """The reference formula disagreeing with FlopCounterMode is the grader's fault, not a wrong answer."""
+    import dlo.measure
+
+    monkeypatch.setattr(dlo.measure, "transformer_flops_per_token", lambda n, layers, d, seq: 6 * n)
+    with pytest.raises(RuntimeError, match="^grader: .* FlopCounterMode counts"):
+        day2.check_flops_accounting(*OK4, trials=1)
+
+
 def test_flops_accounting_sandboxed(sandbox, capsys):
     sandbox.run(day2.check_flops_accounting, *OK4, trials=1)
     assert ": ok (" in capsys.readouterr().out

@@ -324,3 +324,28 @@ def test_rank_dead_before_its_result_is_blamed(tmp_path):
     (tmp_path / "result-0.pkl").write_bytes(dumps(("ok", 0)))
     outcome = _watch([_FakeRank(None), _FakeRank(-6)], str(tmp_path), timeout=5)
     assert outcome[:4] == ("failed", 0, 1, -6)
+
+
+class _DiesLater(_FakeRank):
+    """A rank the parent first sees alive, then killed by a signal."""
+
+    def __init__(self, code, alive_polls):
+        super().__init__(code)
+        self.alive_polls = alive_polls
+
+    def poll(self):
+        self.alive_polls -= 1
+        return None if self.alive_polls >= 0 else self.code
+
+
+def test_a_killed_rank_is_blamed_even_when_its_peers_error_lands_first(tmp_path):
+    """The race CI hit: rank 0 is SIGKILLed, rank 1 loses its peer and writes an exception file
+    before the parent's next poll of rank 0. The parent must wait to see the cause."""
+    import time
+
+    from dlo.distributed._spawn import _watch
+    from dlo.distributed.launch import dumps
+
+    (tmp_path / "result-1.pkl").write_bytes(dumps(("error", "Connection closed by peer", time.time())))
+    outcome = _watch([_DiesLater(-9, alive_polls=1), _FakeRank(1)], str(tmp_path), timeout=5)
+    assert outcome[:4] == ("failed", 0, 0, -9)

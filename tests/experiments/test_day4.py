@@ -110,7 +110,7 @@ def _measurements_worker(P):
     def slow_first(*args, **kwargs):  # a first call that pays a set-up cost, as a fresh process group does
         calls[0] += 1
         if calls[0] == 1:
-            _time.sleep(0.3)
+            _time.sleep(2.0)
         return real(*args, **kwargs)
 
     dist.all_reduce = slow_first
@@ -120,17 +120,21 @@ def _measurements_worker(P):
         dist.all_reduce = real
     device = E.rank_device()
     return {"bw": bw, "ring": day4_comm.ring_sent(dist.get_world_size() * 8),
-            "wire": day4_comm.wire_bytes(1 << 20, calls=2, trials=2), "onebit": E.onebit_adam(P, device)}
+            "wire": day4_comm.wire_bytes(1 << 20, calls=2, trials=3), "onebit": E.onebit_adam(P, device)}
 
 
 def test_bandwidth_warm_up_bytes_on_the_wire_and_onebit_adam_on_two_ranks():
     P = dataclasses.replace(Day4Preset(), hidden=32, layers=2, onebit_steps=4, onebit_warmup=2, onebit_seeds=1,
                             onebit_chunk=64)
     res = launch(_measurements_worker, 2, P, timeout=120)[0]
-    # the slow first call falls in the untimed round: no kept time carries its 0.3 s
-    assert all(len(r["times_s"]) == 3 and max(r["times_s"]) < 0.3 for r in res["bw"])
+    # the slow first call falls in the untimed round: no kept time carries its 2 s (a 4 KB all-reduce
+    # on loopback takes microseconds; the margin is for a loaded machine, not a performance bar)
+    assert all(len(r["times_s"]) == 3 and max(r["times_s"]) < 1.0 for r in res["bw"])
     assert res["ring"] == 1.0  # the ring's sends carry 2(N-1)/N n = n at N = 2
-    assert all(0.99 < x < 1.02 for x in res["wire"]["ratio"])  # gloo on loopback: n per rank, plus headers
+    # gloo on loopback: n per rank, plus headers. Other processes share the interface (the test suite
+    # runs in parallel), and the control window only removes their average: one clean trial of three
+    # is enough to tell n from the 2n of sending everything or the n/2 of a half-ring
+    assert min(abs(x - 1.0) for x in res["wire"]["ratio"]) < 0.02, res["wire"]["ratio"]
     ob = res["onebit"]
     one, fp32 = ob["1-bit Adam"]["sent"][0], ob["Adam (fp32 all-reduce)"]["sent"][0]
     assert one[:2] == fp32[:2] and one[-1] < fp32[-1] / 20  # warm-up at full precision, then ~1/32 + 1/64
@@ -223,6 +227,16 @@ def test_claims_on_compression_and_onebit_adam():
     assert _find(v, "3.3x higher throughput") == NOT_MEASURABLE and _find(v, "0/1 Adam") == NOT_MEASURABLE
     assert _find(v, "scales nearly linearly") == NOT_MEASURABLE  # CPU ranks share the cores
     assert _find(v, "SyncBatchNorm beats") == AGREES
+
+
+def test_one_seed_has_no_interval_but_a_divergence_is_definite():
+    R, wire3 = _results(diverged=False)  # the no-BatchNorm control runs seed 0 only
+    (c,) = [c for c in R4.claims(R, wire3, None) if "without normalisation layers" in c.claim]
+    assert c.verdict == NOT_MEASURABLE and c.row()["how"].startswith("one seed: no interval")
+    R["onebit"]["1-bit Adam"]["losses"] = R["onebit"]["1-bit Adam"]["losses"][:1]  # close to Adam, but one seed
+    assert _find(_verdicts(R, wire3), "converges like Adam") == NOT_MEASURABLE
+    R["onebit"]["1-bit Adam"]["losses"] = [[2.0, float("inf")]]  # one seed that diverged: not noise
+    assert _find(_verdicts(R, wire3), "converges like Adam") == DISAGREES
 
 
 def test_scaling_claim_on_gpus():

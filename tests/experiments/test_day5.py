@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from dlo.claims import AGREES, DISAGREES, NOT_MEASURABLE
+from dlo.claims import AGREES, DISAGREES, INCONCLUSIVE, NOT_MEASURABLE
 from dlo.distributed import launch
 from dlo.distributed.zero import memory_per_rank
 from dlo.experiments import day5 as E
@@ -94,15 +94,27 @@ def test_claims_verdicts():
     same = {"ZeRO-3 (ours)": [1.0, 0.5], "FSDP2 (torch)": [1.0, 0.5]}
     verdicts = [c.verdict for c in report.training_claims(train, same, "cpu")]
     assert verdicts == [AGREES, NOT_MEASURABLE, NOT_MEASURABLE]
-    assert [c.verdict for c in report.training_claims({"mfu": 0.36}, {"ZeRO-3 (ours)": [1.0], "FSDP2 (torch)": [1.5]},
-                                                 "cuda")] == [DISAGREES, DISAGREES, AGREES]
+    far = {"ZeRO-3 (ours)": [1.0], "FSDP2 (torch)": [1.5]}
+    # MFU 0.36 at a median step of 1 s (the first step, a warm-up, left out): [0.99, 1.01] s -> [0.356, 0.364]
+    train = {"mfu": 0.36, "times_s": [5.0, 1.0, 1.01, 0.99, 1.0]}
+    assert [c.verdict for c in report.training_claims(train, far, "cuda")] == [DISAGREES, DISAGREES, AGREES]
+    est = report.mfu_estimate(train)
+    assert est.value == pytest.approx(0.36) and (est.lo, est.hi) == pytest.approx((0.36 / 1.01, 0.36 / 0.99))
+    noisy = {"mfu": 0.40, "times_s": [5.0, 0.8, 1.0, 1.2]}  # [0.33, 0.5]: straddles both anchors
+    assert [c.verdict for c in report.training_claims(noisy, far, "cuda")][1:] == [INCONCLUSIVE, INCONCLUSIVE]
+    one = [c for c in report.training_claims({"mfu": 0.36, "times_s": [5.0, 1.0]}, far, "cuda")][1:]
+    assert [c.verdict for c in one] == [NOT_MEASURABLE] * 2 and one[0].row()["how"].startswith("one timed step")
 
 
 def test_run_all_on_two_ranks(tmp_path):
     R = launch(E.run_all, 2, SMALL, tmp_path, backend="gloo", timeout=180)[0]
     assert set(R["engines"]) == set(E.ENGINES) and R["world"] == 2
-    assert R["engines"]["DDP (torch)"]["comm"] == {"broadcast (forward)": pytest.approx(R["engines"]["DDP (torch)"][
-        "comm"]["broadcast (forward)"]), "all_reduce (backward)": 4 * R["engines"]["DDP (torch)"]["n_params"]}
+    # DDP broadcasts rank 0's buffers before every forward (broadcast_buffers=True; here RoPE's
+    # inv_freq) and all-reduces the fp32 gradients in the backward
+    model = E.build(E.llama_config(SMALL, "compare_model"), "cpu")
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    assert buffers > 0 and R["engines"]["DDP (torch)"]["comm"] == {
+        "broadcast (forward)": buffers, "all_reduce (backward)": 4 * R["engines"]["DDP (torch)"]["n_params"]}
     assert R["same"]["ZeRO-3 (ours)"] == pytest.approx(R["same"]["FSDP2 (torch)"], abs=1e-5)
     assert len(R["timing"]["ZeRO-3 (ours)"]) == SMALL.timing_steps and R["train"]["mfu"] is None
     assert len(R["train"]["losses"]) == SMALL.max_steps and R["train"]["tokens/s per rank"] > 0

@@ -7,8 +7,9 @@ import dataclasses
 import pytest
 import torch
 
-from dlo.claims import AGREES, VERDICTS
+from dlo.claims import AGREES, DISAGREES, NOT_MEASURABLE, VERDICTS
 from dlo.distributed import launch
+from dlo.distributed.pipeline_schedules import bubble_formula
 from dlo.experiments import day6 as E
 from dlo.experiments import day6_report as report
 from dlo.plan import GIB, OPTIMIZER_STATE_BYTES
@@ -56,9 +57,47 @@ def test_run_all_on_two_ranks_and_its_report():
     plan_rows = report.plan(SMALL, gpus=2, gpu_mem_gb=1.0)
     claims = report.bubble_claims(R) + report.other_claims(R, False, plan_rows) + report.zero_bubble_claims()
     assert all(c.verdict in VERDICTS for c in claims)
-    assert sum(c.verdict == "not measurable here" for c in claims) == 3
+    # reps = 1: one timed step has no interval, so every claim on the timings is not measurable here
+    timed = report.bubble_claims(R) + [c for c in report.other_claims(R, False, plan_rows)
+                                       if "bubble" in c.claim and "p = 4" not in c.claim or "balancing" in c.claim]
+    assert len(timed) == 6 + 3 and all(c.verdict == NOT_MEASURABLE and c.row()["how"] == report.ONE_STEP
+                                       for c in timed)
+    assert sum(c.verdict == NOT_MEASURABLE for c in claims) == 6 + 3 + 3  # and the three 4-GPU rows
     assert all(c.verdict == AGREES for c in report.zero_bubble_claims())
     assert report.split_rows(R)[0]["balanced by"] == "params" and report.stage_rows(R["splits"]["blocks"])
+
+
+def _results(p=2, ms=(2, 4), jitter=0.001, one=100, kept_alive=None) -> dict:
+    """run_all's results as plain data: two timed steps per row, the bubble at the formula +- jitter;
+    CUDA peaks of a base plus the micro-batches alive (1F1B keeps `kept_alive` of them if given)."""
+    rows = []
+    for schedule in E.SCHEDULE_NAMES:
+        v = 2 if schedule == "interleaved" else 1
+        for m in ms:
+            f = bubble_formula(p, m, v)
+            alive = m if schedule == "gpipe" else min(kept_alive or p, m)
+            rows.append({"schedule": schedule, "p": p, "v": v, "m": m, "formula": f, "times_s": [0.1, 0.11],
+                         "bubbles": [f - jitter, f + jitter], "peak_bytes": [10_000 + alive * one + 3, 10_000]})
+    splits = {"params": {"times_s": [0.13, 0.131]}, "flops": {"times_s": [0.10, 0.101]}}
+    return {"world": p, "bubble": {"rows": rows, "one_microbatch": one, "memory_kind": "cuda max_memory_allocated"},
+            "splits": {"splits": splits}, "torch": {"gpipe": {"max_grad_diff": 0.0}}}
+
+
+def test_two_timed_steps_give_intervals_and_gpu_memory_can_fail():
+    R = _results()
+    plan_rows = [{"config": "1F1B, batch 16 = 8 x 2", "total": 1, "gpu": 2},
+                 {"config": "DDP, batch 16 = 2 x 8", "world": 2, "total": 3, "gpu": 2}]
+    claims = report.bubble_claims(R) + report.other_claims(R, True, plan_rows)
+    assert all(c.verdict == AGREES for c in claims), [c.row() for c in claims]
+    assert all(c.measured.lo < c.measured.hi for c in claims[:6])  # two steps: a t-interval, not a point
+    # noisy steps: the same mean, an interval wider than the tolerance
+    assert {c.verdict for c in report.bubble_claims(_results(jitter=0.02))} == {"inconclusive at this scale"}
+    # on a GPU, GPipe - 1F1B at the same m: the weights, inputs and workspace cancel
+    memory = report.memory_claims(R)
+    assert [c.claim for c in memory] == [f"GPipe - 1F1B: extra micro-batches alive on stage 0, m={m}" for m in (2, 4)]
+    assert [c.verdict for c in memory] == [AGREES, AGREES]
+    # a 1F1B that kept all m micro-batches alive, like GPipe, is caught at m = 4 (expected 2 more, got 0)
+    assert [c.verdict for c in report.memory_claims(_results(kept_alive=4))] == [AGREES, DISAGREES]
 
 
 def test_plan_matches_a_hand_count():

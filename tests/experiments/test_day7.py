@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from dlo.claims import AGREES
+from dlo.claims import AGREES, INCONCLUSIVE, NOT_MEASURABLE
 from dlo.config import get_preset
 from dlo.distributed import launch
 from dlo.distributed.parallelize import ParallelDims
@@ -95,6 +95,18 @@ def test_bad_degrees_are_refused_before_any_process():
         ParallelDims(tp=3).validate(dataclasses.replace(cfg, n_heads=24, n_kv_heads=3, vocab_size=128257, dim=3072))
 
 
+def test_megatron_mfu_carries_the_interval_of_the_step_time():
+    # t = 1: MFU 0.40 at a median of 1 s over [0.99, 1.01] s -> [0.396, 0.404], inside 0.41 +- 0.05
+    steps = [{"t": 1, "mfu": 0.40, "step_s": [1.0, 1.01, 0.99]}, {"t": 2, "mfu": 0.45, "step_s": [1.0]}]
+    by_t = {c.claim.split("t=")[-1]: c for c in report.megatron_claims(steps, "cuda")}
+    assert by_t["1"].verdict == AGREES and (by_t["1"].measured.lo, by_t["1"].measured.hi) == pytest.approx(
+        (0.40 / 1.01, 0.40 / 0.99))
+    assert by_t["2"].verdict == NOT_MEASURABLE and by_t["2"].row()["how"].startswith("one timed step")
+    assert by_t["4"].verdict == by_t["8"].verdict == NOT_MEASURABLE  # no such run on this node
+    noisy = [{"t": 1, "mfu": 0.40, "step_s": [0.5, 1.0, 2.0]}]  # [0.2, 0.8]: the noise decides nothing
+    assert report.megatron_claims(noisy, "cuda")[0].verdict == INCONCLUSIVE
+
+
 def test_run_all_measures_what_the_claims_say():
     """One launch, like the notebook's: every claim agrees, and the loss does not depend on how the
     Llama is split (t = 1, t = 2, FSDP 2 x TP 2)."""
@@ -106,6 +118,7 @@ def test_run_all_measures_what_the_claims_say():
     assert h[1]["loss"] == pytest.approx(h[2]["loss"], abs=1e-5)
     assert R["fsdp_tp"]["loss"] == pytest.approx(h[2]["loss"], abs=1e-5)
     steps = {r["t"]: r for r in R["steps"]}
+    assert len(steps[1]["step_s"]) == P.max_steps  # every timed step kept: MFU's interval on a GPU
     assert steps[2]["params/rank"] < 0.55 * steps[1]["params/rank"]  # halved, but the norms stay whole
     assert R["fsdp_tp"]["params/rank"] < 0.3 * steps[1]["params/rank"]
     assert all(c.verdict == "not measurable here" for c in report.megatron_claims(R["steps"], "cpu"))

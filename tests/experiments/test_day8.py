@@ -7,6 +7,7 @@ import dataclasses
 
 import pytest
 
+from dlo import claims as C
 from dlo.claims import AGREES, DISAGREES, INCONCLUSIVE, NOT_MEASURABLE
 from dlo.data import cifar10
 from dlo.experiments import day8 as E
@@ -57,12 +58,27 @@ def test_a_clear_effect_agrees_and_a_reversed_one_disagrees():
 
 
 def test_one_seed_uses_the_test_images_noise_and_gpu_rows_get_verdicts():
-    v = _verdicts([_seed(0, gradual=0.58)], gpu={"int8": 1.8, "sparse24": 1.3, "w4 decode": 0.9})
+    gpu = {"int8": [1.8, 1.82, 1.79], "sparse24": [1.3, 1.31, 1.28], "w4 decode": [0.9, 0.91, 0.89]}  # 3 runs
+    v = _verdicts([_seed(0, gradual=0.58)], gpu=gpu)
     # 0.10 apart on 512 images: outside the combined Wilson intervals
     assert _find(v, "gradual pruning") == AGREES
     assert _find(v, "random re-init of the same mask") == INCONCLUSIVE  # 2 points: inside them
     assert _find(v, "INT8 tensor cores") == AGREES and _find(v, "2:4") == AGREES
     assert _find(v, "memory-bound decoding") == DISAGREES
+
+
+def test_gpu_speedups_need_repeats_for_a_verdict():
+    # a fake `gpu` dict (the rows only run on a GPU): one do_bench median per kernel has no interval
+    rows = {c.claim: c for c in E.claims([_seed(0)], 512, {"int8": 1.8, "sparse24": [1.3], "w4 decode": 0.9})}
+    (int8,) = [c for k, c in rows.items() if "INT8" in k]
+    assert int8.verdict == NOT_MEASURABLE and int8.row()["how"].startswith("x1.80 from one do_bench run")
+    assert [c.verdict for k, c in rows.items() if "2:4" in k or "decoding" in k] == [NOT_MEASURABLE] * 2
+    # repeats straddling the claimed edge: the noise decides nothing; an Estimate is taken as given
+    est = E.speedup_estimate([1.4, 1.6, 1.5])
+    assert (est.value, est.lo, est.hi) == (1.5, 1.4, 1.6)
+    v = _verdicts([_seed(0)], gpu={"int8": [1.4, 1.6, 1.5], "sparse24": C.exact(3.0), "w4 decode": None})
+    assert _find(v, "INT8 tensor cores") == INCONCLUSIVE and _find(v, "2:4") == DISAGREES
+    assert _find(v, "memory-bound decoding") == NOT_MEASURABLE
 
 
 def test_results_do_not_depend_on_what_ran_before(one_thread):

@@ -6,6 +6,10 @@ same whatever the profile), each day twice: the autograder executes the instruct
 must score full marks and raise nowhere) and the untouched student notebook (0 on every test cell,
 and still running every experiment to the end). The tiny profile at its real step counts is `make
 run` (papermill, then grading: full marks required), the README's second command.
+
+Each day is a test class with its own grading run, so that `make test` (pytest-xdist, --dist
+loadscope: a class per worker at a time) grades several days at once; tests/conftest.py starts them
+first, as they are the longest.
 """
 
 from __future__ import annotations
@@ -19,7 +23,6 @@ from dlo.harness.days import list_days
 from tests.harness.conftest import REPO, dlo, read_csv
 
 DAYS = list_days(REPO)
-# `make test` distributes by file (--dist loadfile): one worker grades the course, the other runs the rest.
 pytestmark = [pytest.mark.course, pytest.mark.slow]
 
 
@@ -31,20 +34,17 @@ def test_dlo_check_passes():
     assert "ok" in dlo("check", root=REPO).stdout
 
 
-@pytest.fixture(scope="module")
-def graded(tmp_path_factory):
-    """One grading run: the instructors' solutions and the untouched student notebooks."""
-    tmp = tmp_path_factory.mktemp("course")
-    for day in DAYS:
-        for student, folder in (("solution", "solutions"), ("untouched", "course")):
-            dest = tmp / "submitted" / student / day
-            dest.mkdir(parents=True)
-            shutil.copyfile(REPO / folder / day / f"{day}.ipynb", dest / f"{day}.ipynb")
+def grade_day(tmp, day: str):
+    """One grading run of a day: the instructors' solution and the untouched student notebook."""
+    for student, folder in (("solution", "solutions"), ("untouched", "course")):
+        dest = tmp / "submitted" / student / day
+        dest.mkdir(parents=True)
+        shutil.copyfile(REPO / folder / day / f"{day}.ipynb", dest / f"{day}.ipynb")
     out = tmp / "grading"
-    # Two at a time: on the 2-core CI machine a notebook's kernel leaves a core idle while nbgrader, the
-    # checks' runner and kernel start-ups wait (grading is the same bytes at any --jobs: test_parallel).
+    # Both at once: a notebook's kernel leaves a core idle while nbgrader, the checks' runner and kernel
+    # start-ups wait (grading is the same bytes at any --jobs: test_parallel).
     dlo("grade", str(tmp / "submitted"), "--out", str(out), "--profile", "tiny", "--jobs", "2", root=REPO,
-        timeout=400 * len(DAYS), env={"DLO_SMOKE": "1"})
+        timeout=800, env={"DLO_SMOKE": "1"})
     return out
 
 
@@ -52,24 +52,35 @@ def _autograded(graded, student, day):
     return json.loads((graded / "course" / "autograded" / student / day / f"{day}.ipynb").read_text())
 
 
-@pytest.mark.parametrize("day", DAYS)
-def test_solution_scores_full_marks_and_runs_without_error(graded, day):
-    row = next(r for r in read_csv(graded / "scores.csv") if r["student"] == "solution" and r["day"] == day)
-    assert row["status"] == "graded" and float(row["max_score"]) > 0
-    assert float(row["score"]) == float(row["max_score"])
-    nb = _autograded(graded, "solution", day)
-    errors = [o for c in nb["cells"] for o in c.get("outputs", []) if o["output_type"] == "error"]
-    assert not errors, f"{day}: {errors[0]['ename']}: {errors[0]['evalue']}"
+class _Day:
+    """The tests of one day; `day` is set by the subclass made for it below."""
+
+    day = ""
+
+    @pytest.fixture(scope="class")
+    def graded(self, tmp_path_factory):
+        return grade_day(tmp_path_factory.mktemp(self.day), self.day)
+
+    def test_solution_scores_full_marks_and_runs_without_error(self, graded):
+        row = next(r for r in read_csv(graded / "scores.csv") if r["student"] == "solution")
+        assert row["status"] == "graded" and float(row["max_score"]) > 0
+        assert float(row["score"]) == float(row["max_score"])
+        nb = _autograded(graded, "solution", self.day)
+        errors = [o for c in nb["cells"] for o in c.get("outputs", []) if o["output_type"] == "error"]
+        assert not errors, f"{self.day}: {errors[0]['ename']}: {errors[0]['evalue']}"
+
+    def test_untouched_notebook_scores_zero_on_every_cell_and_runs_to_the_end(self, graded):
+        cells = [r for r in read_csv(graded / "cells.csv") if r["student"] == "untouched"]
+        assert cells and all(float(r["score"]) == 0 for r in cells), cells
+        nb = _autograded(graded, "untouched", self.day)
+        code = [c for c in nb["cells"] if c["cell_type"] == "code"]
+        assert code[-1].get("execution_count"), "the grader did not reach the last cell"
+        # Only the exercises and their tests may fail: experiments use dlo's implementations.
+        failing = [c["source"][:80] for c in code if any(o["output_type"] == "error" for o in c.get("outputs", []))
+                   and not c["metadata"].get("nbgrader")]
+        assert not failing, f"cells outside the exercises fail without a solution: {failing}"
 
 
-@pytest.mark.parametrize("day", DAYS)
-def test_untouched_notebook_scores_zero_on_every_cell_and_runs_to_the_end(graded, day):
-    cells = [r for r in read_csv(graded / "cells.csv") if r["student"] == "untouched" and r["day"] == day]
-    assert cells and all(float(r["score"]) == 0 for r in cells), cells
-    nb = _autograded(graded, "untouched", day)
-    code = [c for c in nb["cells"] if c["cell_type"] == "code"]
-    assert code[-1].get("execution_count"), "the grader did not reach the last cell"
-    # Only the exercises and their tests may fail: experiments use dlo's implementations.
-    failing = [c["source"][:80] for c in code if any(o["output_type"] == "error" for o in c.get("outputs", []))
-               and not c["metadata"].get("nbgrader")]
-    assert not failing, f"cells outside the exercises fail without a solution: {failing}"
+for _day in DAYS:  # TestDay1Optimizers, ...: one class, hence one xdist scope, per day
+    _name = "Test" + "".join(part.capitalize() for part in _day.split("_"))
+    globals()[_name] = type(_name, (_Day,), {"day": _day})

@@ -52,10 +52,6 @@ def _unchanged(name: str, grad: torch.Tensor, grad_before: torch.Tensor, hp: dic
                              f"instead of `grad.add_(...)` ({fmt(hp)})")
 
 
-def _ok(name: str, trials: int, seed: int) -> None:
-    ok(name, f"{trials} trials, seed={seed}")
-
-
 # ----------------------------------------------------------------------------- optimizer steps
 
 @check(forbid=SGD)
@@ -86,7 +82,7 @@ def check_sgd_momentum_step(fn, seed: int = 0, trials: int = 5, steps: int = 4) 
                 raise AssertionError(f"{name}: must return the momentum buffer (a tensor), got {type(buf).__name__}")
             assert_close(name, f"returned momentum buffer after step {s}", buf,
                          opt.state[ref]["momentum_buffer"], where)
-    _ok(name, trials, seed)
+    ok(name, f"{trials} trials, seed={seed}")
 
 
 def _adam_trial(rng: random.Random, gen: torch.Generator):
@@ -120,7 +116,7 @@ def check_adamw_step(fn, seed: int = 0, trials: int = 5, steps: int = 4) -> None
             assert_close(name, f"exp_avg_sq (v) after step {s}", v, opt.state[ref]["exp_avg_sq"], where)
             assert_close(name, f"param after step {s} (decoupled decay on the weights before the update? "
                                f"bias correction? eps outside the sqrt?)", param, ref.detach(), where)
-    _ok(name, trials, seed)
+    ok(name, f"{trials} trials, seed={seed}")
 
 
 @check(forbid=LAMB + ADAM)
@@ -157,7 +153,7 @@ def check_lamb_step(fn, seed: int = 0, trials: int = 5, steps: int = 3) -> None:
             assert_close(name, f"exp_avg (m) after step {s}", m, m_ref, where)
             assert_close(name, f"exp_avg_sq (v) after step {s}", v, v_ref, where)
             assert_close(name, f"param after step {s}", param, ref, where)
-    _ok(name, trials, seed)
+    ok(name, f"{trials} trials, seed={seed}")
 
 
 # ----------------------------------------------------------------------------- LR schedules
@@ -206,7 +202,7 @@ def check_warmup_cosine(fn, seed: int = 0, trials: int = 6) -> None:
                                           sch.CosineAnnealingLR(opt, T_max=total - warm, eta_min=kw["min_lr"])],
                                     milestones=[warm])
         _check_schedule(name, fn, kw, torch_scheduler_lrs(make, kw["base_lr"], total + 1))
-    _ok(name, trials, seed)
+    ok(name, f"{trials} trials, seed={seed}")
 
 
 @check(forbid=SCHEDULES)
@@ -223,7 +219,7 @@ def check_one_cycle(fn, seed: int = 0, trials: int = 6) -> None:
             return torch.optim.lr_scheduler.OneCycleLR(opt, anneal_strategy="cos", three_phase=False,
                                                        cycle_momentum=False, **kw)
         _check_schedule(name, fn, kw, torch_scheduler_lrs(make, kw["max_lr"], kw["total_steps"]))
-    _ok(name, trials, seed)
+    ok(name, f"{trials} trials, seed={seed}")
 
 
 # ----------------------------------------------------------------------------- LR range test
@@ -298,7 +294,7 @@ def check_lr_range_test(fn, seed: int = 0, trials: int = 4) -> None:
         assert_close(name, "result.lr_max (lr at min smoothed loss / 10)", got.lr_max, want.lr_max, where)
         assert_close(name, "result.lr_min (steepest descent of smoothed vs log10 lr)", got.lr_min, want.lr_min,
                      where)
-    _ok(name, trials, seed)
+    ok(name, f"{trials} trials, seed={seed}")
 
 
 # ----------------------------------------------------------------------------- clipping, accumulation
@@ -332,7 +328,7 @@ def check_clip_grad_norm(fn, seed: int = 0, trials: int = 6) -> None:
                 continue
             assert_close(name, f"grad of parameter {i} after clipping (in place, coef = max_norm/(total+1e-6) "
                                f"clamped at 1)", p.grad, r.grad, hp)
-    _ok(name, trials, seed)
+    ok(name, f"{trials} trials, seed={seed}")
 
 
 def _tiny_mlp(gen: torch.Generator, d_in: int, n_cls: int) -> torch.nn.Module:
@@ -387,5 +383,5 @@ def check_accumulate_gradients(fn, seed: int = 0, trials: int = 5) -> None:
         for (pname, grad), r in zip(res["grads"], ref.parameters()):
             assert_close(name, f"{pname}.grad (weight each micro-batch mean loss by its share of samples)",
                          grad, r.grad, hp)
-    _ok(name, trials, seed)
+    ok(name, f"{trials} trials, seed={seed}")
 

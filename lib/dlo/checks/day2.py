@@ -335,9 +335,12 @@ def check_flops_accounting(matmul_params, transformer_flops_per_token, mfu, trai
             hint.pop(0, None)
             extra = hint.get(round(got) - n, "count each weight with >= 2 dims once, embedding tables only as the head")
             raise AssertionError(f"{name}: matmul_params = {got:g}, expected {n} for {fmt(cfg)}: {extra}")
-        got = assert_number(name, "transformer_flops_per_token", transformer_flops_per_token(n, layers, d, s), cfg)
         want = reference(n, layers, d, s)
-        if abs(got - want) > 1e-9 * want or abs(want - train) > 1e-9 * want:
+        if abs(want - train) > 1e-9 * want:  # the grader's formula against its own count: not the student's doing
+            raise RuntimeError(f"grader: dlo.measure.transformer_flops_per_token({n}, {layers}, {d}, {s}) = {want:g} "
+                               f"but FlopCounterMode counts {train:g} per token on the check's model ({fmt(cfg)})")
+        got = assert_number(name, "transformer_flops_per_token", transformer_flops_per_token(n, layers, d, s), cfg)
+        if abs(got - want) > 1e-9 * want:
             hint = ("forward only? backward costs twice the forward" if abs(got - want / 3) < 1e-9 * want else
                     "6 N for the weights plus 12 l h s for attention (QK^T and AV, forward and backward)")
             raise AssertionError(f"{name}: transformer_flops_per_token({n}, {layers}, {d}, {s}) = {got:g}, expected "

@@ -35,10 +35,6 @@ TRAINING_STATE = ("dlo.checkpoint.training_state", "dlo.checkpoint.restore_train
                   "dlo.checkpoint.set_rng_state", "dlo.checkpoint.CheckpointManager")
 
 
-def _ok(name: str, trials: int, seed: int) -> None:
-    ok(name, f"{trials} trials, seed={seed}")
-
-
 def _device(device=None) -> torch.device:
     """`device` if given, else CUDA when present (where offload and the CUDA RNG matter), else CPU."""
     if device is not None:
@@ -119,7 +115,7 @@ def check_checkpoint_function(Checkpoint, seed: int = 0, trials: int = 4, device
         if not torch.equal(got["after"].cpu(), want_after):
             raise AssertionError(f"{name}: after backward the global RNG is in another state than without "
                                  f"checkpointing: restore the saved state inside torch.random.fork_rng() ({hp})")
-    _ok(name, trials, seed)
+    ok(name, f"{trials} trials, seed={seed}")
 
 
 # ----------------------------------------------------------------------------- every k-th block
@@ -157,7 +153,7 @@ def check_checkpoint_every(fn, seed: int = 0, trials: int = 5) -> None:
             h = b(h)
         if got["y"] is None or not torch.equal(got["y"], h.detach()):
             raise AssertionError(f"{name}: the output differs from running every block in order ({hp})")
-    _ok(name, trials, seed)
+    ok(name, f"{trials} trials, seed={seed}")
 
 
 # ----------------------------------------------------------------------------- CPU offload hooks
@@ -237,7 +233,7 @@ def check_offload_hooks(pack, unpack, seed: int = 0, trials: int = 4, device=Non
     want = [p.grad.cpu() for p in model.parameters()]
     if not all(g is not None and torch.equal(g.cpu(), w) for g, w in zip(got["grads"], want)):
         raise AssertionError(f"{name}: gradients under saved_tensors_hooks(pack, unpack) differ from plain autograd")
-    _ok(name, trials, seed)
+    ok(name, f"{trials} trials, seed={seed}")
 
 
 # ----------------------------------------------------------------------------- exact resume
@@ -320,4 +316,4 @@ def check_resume(save_training_state, load_training_state, seed: int = 0, trials
         if res["scale"] != scale_want:
             raise AssertionError(f"{name}: the AMP scaler's scale after the resumed run is "
                                  f"{res['scale']}, expected {scale_want}: restore scaler.state_dict()")
-    _ok(name, trials, seed)
+    ok(name, f"{trials} trials, seed={seed}")

@@ -39,6 +39,10 @@ def _free_port() -> int:
 
 
 STALL = 10.0  # seconds without output or heartbeat after which a running rank counts as stuck
+# After the first failure, how long to keep watching before naming a culprit: a rank killed by a
+# signal takes its peers down with "connection closed" errors, and the peer's error file can land
+# before the parent has polled the dead rank. Blame goes to the cause only if both are seen.
+SETTLE = 1.0
 
 
 def _worker_env(r, world_size, port, workdir):
@@ -91,14 +95,15 @@ def _watch(procs, workdir, timeout):
     """
     n = len(procs)
     outcome, ready, joined = [None] * n, [False] * n, False
-    start = time.monotonic()
+    start, first_failure = time.monotonic(), None
     while True:
         failed = []
-        for r, p in enumerate(procs):
+        # exit codes first: a rank that has exited wrote its result file before, so the two agree
+        codes = [p.poll() for p in procs]
+        for r, code in enumerate(codes):
             ready[r] = ready[r] or os.path.exists(os.path.join(workdir, f"ready-{r}"))
             if outcome[r] is None:
                 outcome[r] = _load(os.path.join(workdir, f"result-{r}.pkl"))
-            code = p.poll()
             if outcome[r] is not None and outcome[r][0] == "error":
                 failed.append((1, outcome[r][2], r, code, outcome[r][1]))
             elif code is not None and outcome[r] is None:
@@ -110,7 +115,9 @@ def _watch(procs, workdir, timeout):
             # aborts in interpreter teardown (gloo threads: "terminate called without an active
             # exception") must not turn a finished run into a failure.
             return ("ok", [o[1] for o in outcome])
-        if failed:
+        if failed and first_failure is None:
+            first_failure = time.monotonic()
+        if failed and (time.monotonic() - first_failure >= SETTLE or None not in codes):
             # Blame the cause, not the ranks that then lost their peers: a rank dead without a
             # word (signal, os._exit) first, then the earliest exception, then the final barrier.
             prio, _, r, code, remote_tb = min(failed)

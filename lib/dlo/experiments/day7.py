@@ -230,7 +230,8 @@ def train_steps(P, model, dims, device, steps: int, label: str) -> dict:
 
 def step_metrics(P, cfg, t: int, res: dict, device) -> dict:
     """Tokens/s of one TP group and MFU per GPU (6N + 12 l h s FLOPs per token; the tied table
-    counted once, as the output matmul) from a run's median step time."""
+    counted once, as the output matmul) from a run's median step time; "step_s" keeps every timed
+    step (the report gives MFU the interval of that median)."""
     from dlo.measure import mfu, transformer_flops_per_token
     from dlo.models.llama import Llama
 
@@ -241,7 +242,7 @@ def step_metrics(P, cfg, t: int, res: dict, device) -> dict:
     flops = transformer_flops_per_token(n_params, cfg.n_layers, cfg.dim, P.seq_len) * tokens_s
     return {"t": t, "step ms": 1e3 * med, "tokens/s": tokens_s, "mfu": mfu(flops / t, 1.0, device),
             "params/rank": res["param_bytes"], "peak/rank": res["peak_bytes"], "peak kind": res["peak_kind"],
-            "final loss": res["loss"][-1]}
+            "final loss": res["loss"][-1], "step_s": res["step_s"]}  # the timings: MFU's interval
 
 
 # ----------------------------------------------------------------------------- everything, in one launch

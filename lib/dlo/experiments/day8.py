@@ -195,7 +195,8 @@ def _mean_ratio(results: list[dict], a: str, b: str, n_test: int) -> C.Estimate:
 
 def claims(results: list[dict], n_test: int, gpu: dict | None = None) -> list[C.Claim]:
     """Day 8's claims table from `replicate`'s per-seed results. `gpu`: the best measured kernel
-    speed-ups {"int8": .., "sparse24": .., "w4 decode": ..} (None on a CPU: not measurable here)."""
+    speed-ups {"int8": .., "sparse24": .., "w4 decode": ..} (None on a CPU: not measurable here), each
+    repeated do_bench speed-ups or an Estimate; a single number gets no verdict (`speedup_estimate`)."""
     d = lambda a, b: diff(results, a, b, n_test)  # noqa: E731
     share = results[0]["student/teacher params"]
     rows = _gpu_claims(gpu)
@@ -225,7 +226,20 @@ def claims(results: list[dict], n_test: int, gpu: dict | None = None) -> list[C.
     return rows
 
 
+def speedup_estimate(v) -> C.Estimate | None:
+    """A measured speed-up with its interval: an Estimate as given; repeated speed-ups (one per
+    do_bench run of the same shape) as their median with its order-statistics interval; None for
+    a single number. One do_bench median already averages many calls, but the run-to-run spread
+    (clocks, other tenants, L2 state) is what decides a x1.5 claim, and one run does not show it."""
+    if isinstance(v, C.Estimate):
+        return v
+    if isinstance(v, (list, tuple)) and len(v) > 1:
+        return C.median_interval(v, f"median of {len(v)} do_bench runs")
+    return None
+
+
 def _gpu_claims(gpu: dict | None) -> list[C.Claim]:
+    """The GPU speed-ups of `claims`: a value per key (a float, repeats, or an Estimate; None on a CPU)."""
     spec = [("int8", "INT8 tensor cores: 624 TOPS vs 312 bf16 TFLOPS on A100", "x2", C.at_least(1.5, ">= 1.5")),
             ("sparse24", "2:4 sparsity: x2 in theory, less in practice", "1 < x < 2", C.between(1.0, 2.0)),
             ("w4 decode", "weight-only int4 speeds up memory-bound decoding (M <= 16)", "> 1", C.at_least(1.0, "> 1"))]
@@ -235,8 +249,12 @@ def _gpu_claims(gpu: dict | None) -> list[C.Claim]:
         if v is None:
             out.append(C.not_measurable(text, "seed 000 (NVIDIA A100)", claimed,
                                         "needs a CUDA GPU (int8 / sparse tensor cores)", region))
-        else:  # the best shape's median over triton's do_bench repeats; its run-to-run spread is not kept
-            out.append(C.Claim(text, "seed 000 (NVIDIA A100)", claimed, region, C.exact(v, "do_bench median")))
+            continue
+        est, why = speedup_estimate(v), ""
+        if est is None:  # one number: shown, but no verdict without its noise
+            one = v[0] if isinstance(v, (list, tuple)) else v
+            why = f"x{float(one):.2f} from one do_bench run: no run-to-run interval (pass repeated speed-ups)"
+        out.append(C.Claim(text, "seed 000 (NVIDIA A100)", claimed, region, est, why))
     return out
 
 

@@ -96,8 +96,19 @@ def generate_assignments(solutions: Path, days: list[str], course_root: Path, db
     return release
 
 
+def _alembic_head() -> str:
+    """The gradebook schema's newest revision, read in this process. nbgrader asks `alembic heads` in
+    a child Python (2-3 s: a fresh interpreter importing SQLAlchemy) each time it creates a gradebook;
+    the answer is the same file read here."""
+    import nbgrader
+    from alembic.script import ScriptDirectory
+
+    return ScriptDirectory(str(Path(nbgrader.__file__).parent / "alembic")).get_current_head()
+
+
 def _api(course_root: str, db: str):
     """nbgrader's API on course_root with its nbgrader_config.py (if any) and the gradebook `db`."""
+    import nbgrader.api
     from nbgrader.apps.api import NbGraderAPI
     from nbgrader.coursedir import CourseDirectory
     from traitlets.config import Config
@@ -109,6 +120,7 @@ def _api(course_root: str, db: str):
     config.CourseDirectory.root = course_root
     config.CourseDirectory.db_url = f"sqlite:///{db}"
     config.Application.log_level = "WARN"
+    nbgrader.api.get_alembic_version = _alembic_head  # what Gradebook() calls for a new gradebook
     return NbGraderAPI(CourseDirectory(config=config), config=config)
 
 
