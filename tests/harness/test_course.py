@@ -2,14 +2,15 @@
 
 Whole notebooks run here on the tiny profile's smoke version (DLO_SMOKE=1: the tiny sizes with the
 fewest steps, seeds and sweep points the experiments run with; the checks in the test cells are the
-same whatever the profile), each day twice: the autograder executes the instructors' solution (which
-must score full marks and raise nowhere) and the untouched student notebook (0 on every test cell,
-and still running every experiment to the end). The tiny profile at its real step counts is `make
-run` (papermill, then grading: full marks required), the README's second command.
+same whatever the profile), each day twice: the autograder executes the untouched student notebook
+(0 on every test cell, and still running every experiment to the end) and the instructors' solution
+(full marks, raising nowhere). The solutions' grading is marked `solutions`: its own CI step (`pytest
+-m solutions`), as it doubles the minutes of `make test`, which keeps the untouched half; the tiny
+profile at its real step counts is `make run` (papermill, then grading: full marks required).
 
-Each day is a test class with its own grading run, so that `make test` (pytest-xdist, --dist
-loadscope: a class per worker at a time) grades several days at once; tests/conftest.py starts them
-first, as they are the longest.
+Each day is a test class with its own grading runs, so that pytest-xdist (--dist loadscope: a class
+per worker at a time) grades several days at once; tests/conftest.py starts them first, as they are
+the longest.
 """
 
 from __future__ import annotations
@@ -34,17 +35,16 @@ def test_dlo_check_passes():
     assert "ok" in dlo("check", root=REPO).stdout
 
 
-def grade_day(tmp, day: str):
-    """One grading run of a day: the instructors' solution and the untouched student notebook."""
-    for student, folder in (("solution", "solutions"), ("untouched", "course")):
-        dest = tmp / "submitted" / student / day
-        dest.mkdir(parents=True)
-        shutil.copyfile(REPO / folder / day / f"{day}.ipynb", dest / f"{day}.ipynb")
+def grade_day(tmp, day: str, student: str):
+    """One grading run of a day: the untouched student notebook ("untouched") or the instructors'
+    solution ("solution"), as a class's only submission."""
+    folder = "solutions" if student == "solution" else "course"
+    dest = tmp / "submitted" / student / day
+    dest.mkdir(parents=True)
+    shutil.copyfile(REPO / folder / day / f"{day}.ipynb", dest / f"{day}.ipynb")
     out = tmp / "grading"
-    # Both at once: a notebook's kernel leaves a core idle while nbgrader, the checks' runner and kernel
-    # start-ups wait (grading is the same bytes at any --jobs: test_parallel).
-    dlo("grade", str(tmp / "submitted"), "--out", str(out), "--profile", "tiny", "--jobs", "2", root=REPO,
-        timeout=800, env={"DLO_SMOKE": "1"})
+    dlo("grade", str(tmp / "submitted"), "--out", str(out), "--profile", "tiny", root=REPO, timeout=800,
+        env={"DLO_SMOKE": "1"})
     return out
 
 
@@ -59,9 +59,11 @@ class _Day:
 
     @pytest.fixture(scope="class")
     def graded(self, tmp_path_factory):
-        return grade_day(tmp_path_factory.mktemp(self.day), self.day)
+        return grade_day(tmp_path_factory.mktemp(self.day), self.day, "untouched")
 
-    def test_solution_scores_full_marks_and_runs_without_error(self, graded):
+    @pytest.mark.solutions
+    def test_solution_scores_full_marks_and_runs_without_error(self, tmp_path):
+        graded = grade_day(tmp_path, self.day, "solution")
         row = next(r for r in read_csv(graded / "scores.csv") if r["student"] == "solution")
         assert row["status"] == "graded" and float(row["max_score"]) > 0
         assert float(row["score"]) == float(row["max_score"])
