@@ -28,8 +28,9 @@ run: $(STAMP)
 
 # Style first (seconds), then the suite on two workers (pytest-xdist), a test file (or a test class) per
 # worker at a time: the course's grading (tests/harness/test_course.py, a class per day: the untouched
-# release here, the solutions in `pytest -m solutions`, a CI step of its own) is spread over both and starts first (tests/conftest.py orders the files; xdist must keep that order, not put the
-# largest files first). PYTEST_ARGS="-n 0" runs it serially.
+# release here, the solutions in `pytest -m solutions`, a CI step of its own) is spread over both and
+# starts first (tests/conftest.py orders the files; xdist must keep that order, not put the largest
+# files first). PYTEST_ARGS="-n 0" runs it serially.
 test: $(STAMP) lint
 	$(PY) -m pytest -n 2 --dist loadscope --no-loadscope-reorder $(PYTEST_ARGS)
 
