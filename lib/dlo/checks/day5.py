@@ -44,6 +44,7 @@ from dlo.checks.day5_zero import (
 )
 from dlo.distributed.zero import memory_per_rank
 from dlo.measure import held_bytes
+from dlo.models import count_parameters
 
 __all__ = ["check_fsdp2", "check_memory_accountant", "check_zero1", "check_zero2", "check_zero3"]
 
@@ -210,7 +211,7 @@ def check_zero3(cls, seed: int = 0, world_size: int = 2, steps: int = 3) -> None
                                  f"each unit just before it runs, not the whole model at once ({where})")
     m = verify_memory(name, res, c, 3, world_size, where)
     model = tied_lm(c, 0)
-    unit = sum(p.numel() for p in model.blocks[0].parameters())
+    unit = count_parameters(model.blocks[0])
     root = count_psi(c) - c["n_blocks"] * unit
     allowed = m["want"] + m["slack"] + 8 * (root + unit)
     for r, got in enumerate(res):

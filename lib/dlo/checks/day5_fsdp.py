@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dlo.checks.common import DTYPE, assert_close, check, ok, on_ranks
-from dlo.checks.day5_zero import BYTES_TOL, batch, comm_bytes, comm_summary, lm_loss, optimizer_for
+from dlo.checks.day5_zero import BYTES_TOL, batch, comm_bytes, comm_summary, lm_loss, optimizer_for, train_on_full_batch
 from dlo.measure import CommCounter
 
 FSDP_REFS = ("dlo.distributed.fsdp.apply_fsdp", "dlo.distributed.fsdp.apply_ac", "dlo.distributed.fsdp.apply_compile",
@@ -52,13 +52,7 @@ def _clean(name: str) -> str:
 
 
 def llama_reference(cfg, c: dict, seed: int, kind: str, steps: int, world: int) -> dict:
-    model = llama(cfg, seed + 1)
-    opt_cls, kw = optimizer_for(c, kind)
-    opt = opt_cls(model.parameters(), **kw)
-    for s in range(steps):
-        lm_loss(model, *batch(c, seed, s, world * c["per_rank"])).backward()
-        opt.step()
-        opt.zero_grad()
+    model = train_on_full_batch(llama(cfg, seed + 1), c, seed, kind, steps, world)
     return {k: p.detach().clone() for k, p in model.named_parameters()}
 
 

@@ -23,6 +23,7 @@ from torch import nn
 from dlo.checks.common import DTYPE, assert_close
 from dlo.distributed.zero import memory_per_rank
 from dlo.measure import CommCounter, held_bytes
+from dlo.models import count_parameters
 
 BYTES_TOL = 0.05  # payload bytes vs 2 Psi / 3 Psi: padding every flat buffer to a multiple of N costs < 2% here
 
@@ -93,15 +94,21 @@ def named_leaves(model: nn.Module) -> dict:
             for pn, p in m.named_parameters(recurse=False)}
 
 
-def reference(c: dict, seed: int, kind: str, steps: int, world: int) -> dict:
-    """One process, the whole global batch (world x per_rank sequences), rank 0's initial weights."""
-    model = tied_lm(c, seed + 1)
+def train_on_full_batch(model: nn.Module, c: dict, seed: int, kind: str, steps: int, world: int) -> nn.Module:
+    """`steps` optimizer steps in one process on the whole global batch (world x per_rank sequences):
+    what the sharded engines must reproduce."""
     opt_cls, kw = optimizer_for(c, kind)
     opt = opt_cls(model.parameters(), **kw)
     for s in range(steps):
         lm_loss(model, *batch(c, seed, s, world * c["per_rank"])).backward()
         opt.step()
         opt.zero_grad()
+    return model
+
+
+def reference(c: dict, seed: int, kind: str, steps: int, world: int) -> dict:
+    """One process, the whole global batch, rank 0's initial weights."""
+    model = train_on_full_batch(tied_lm(c, seed + 1), c, seed, kind, steps, world)
     return {k: p.detach().clone() for k, p in named_leaves(model).items()}
 
 
@@ -188,7 +195,7 @@ def zero_worker(cls, stage: int, seed: int, steps: int, extra: dict, one_bucket:
 # ----------------------------------------------------------------------------- comparisons
 
 def count_psi(c: dict) -> int:
-    return sum(p.numel() for p in tied_lm(c, 0).parameters())
+    return count_parameters(tied_lm(c, 0))
 
 
 def compare_params(name: str, got: dict, want: dict, start: dict, n: int, what: str, where) -> None:

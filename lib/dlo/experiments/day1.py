@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile, record_function, schedule, tensorboard_trace_handler
 
 from dlo import claims as C
+from dlo.models import count_parameters
 from dlo.models.small import SmallCNN
 from dlo.plan import OPTIMIZER_STATE_BYTES, activation_bytes, param_bytes, row
 
@@ -239,7 +240,7 @@ def plan(P, *, gpus: int, gpu_mem_gb: float) -> list[dict]:
     parameters (param, gradient, two moments). Single process: `gpus` does not change the rows."""
     with torch.device("meta"):
         model = SmallCNN(width=P.width)
-    n, n_params = param_bytes(model), sum(p.numel() for p in model.parameters())
+    n, n_params = param_bytes(model), count_parameters(model)
     exclude = [*model.parameters(), *model.buffers()]
     acts = {}
     for b in (P.small_batch, P.large_batch):

@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from dlo import claims as C
 from dlo.activation_ckpt import cpu_offload, every_kth
 from dlo.measure import count_flops, optimizer_state_bytes, peak_memory, saved_bytes, tensor_bytes, time_interleaved
+from dlo.models import count_parameters
 from dlo.models.transformer import TransformerStack
 from dlo.optim.offload import CPUOffloadOptimizer
 from dlo.plan import GIB, OPTIMIZER_STATE_BYTES, activation_bytes, param_bytes, row
@@ -251,7 +252,7 @@ def offload_comparison(P, inputs: Tensor, targets: Tensor, device, *, steps: int
                     w.add_scalar("loss", v, i)
     equal = all(torch.equal(a, b) for a, b in zip(models["adamw"].parameters(), models["adamw_offload"].parameters()))
     t_plain, t_off = timings["adamw"].times_s, timings["adamw_offload"].times_s
-    return {"losses": losses, "equal": equal, "n_params": sum(p.numel() for p in models["adamw"].parameters()),
+    return {"losses": losses, "equal": equal, "n_params": count_parameters(models["adamw"]),
             "plain_state_bytes": optimizer_state_bytes(opts["adamw"]),
             "offload_bytes": opts["adamw_offload"].bytes_by_side(), "ratios": [b / a for a, b in zip(t_plain, t_off)],
             "ms": {k: 1e3 * t.median_s for k, t in timings.items()}}

@@ -33,6 +33,7 @@ from dlo.distributed.sync_bn import convert_sync_batchnorm
 from dlo.experiments.day4_comm import loopback_sent, powersgd_bytes, ring_sent, wire_bytes
 from dlo.experiments.day4_report import timeline
 from dlo.measure import CommCounter, time_interleaved
+from dlo.models import count_parameters
 from dlo.models.resnet import resnet18
 from dlo.models.small import MLP
 from dlo.profiling import quiet_profiler
@@ -312,7 +313,7 @@ def run_all(P, log_dir) -> dict:
     device = rank_device()
     heartbeat("bus bandwidth sweep")
     out = {"world": dist.get_world_size(), "device": str(device), "backend": dist.get_backend(),
-           "model": P.model, "params": sum(p.numel() for p in model(P, device).parameters()), "bn_batch": P.bn_batch,
+           "model": P.model, "params": count_parameters(model(P, device)), "bn_batch": P.bn_batch,
            "bandwidth": bus_bandwidth(P.msg_sizes, reps=P.bw_reps, trials=P.bw_trials, device=device),
            "ring sent": ring_sent(dist.get_world_size() * 4096)}
     if dist.get_backend() == "gloo" and os.path.exists("/proc/net/dev"):

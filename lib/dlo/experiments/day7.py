@@ -32,6 +32,7 @@ from dlo.distributed.launch import heartbeat
 from dlo.distributed.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from dlo.distributed.tp_comms import gather_from_sp, tp_size
 from dlo.measure import CommCounter, SavedTensorMeter
+from dlo.models import count_parameters
 from dlo.models.transformer import Block
 
 MODES = ("none", "tp", "tp+sp", "tp+sp (megatron)")
@@ -236,7 +237,7 @@ def step_metrics(P, cfg, t: int, res: dict, device) -> dict:
     from dlo.models.llama import Llama
 
     with torch.device("meta"):
-        n_params = sum(p.numel() for p in Llama(cfg).parameters())
+        n_params = count_parameters(Llama(cfg))
     med = statistics.median(res["step_s"])
     tokens_s = P.batch * P.seq_len / med
     flops = transformer_flops_per_token(n_params, cfg.n_layers, cfg.dim, P.seq_len) * tokens_s

@@ -259,7 +259,7 @@ def block_costs(model: CoAtNet, batch_size: int = 1, dtype: torch.dtype = torch.
             before = meter.bytes
             y = block(x)
             rows.append({"block": i, "name": type(block).__name__, "stage": block.stage,
-                         "params": sum(p.numel() for p in block.parameters()), "saved_bytes": meter.bytes - before,
+                         "params": count_parameters(block), "saved_bytes": meter.bytes - before,
                          "shape": tuple(y.shape)})
             inputs.append(x.detach())
             x = y
