@@ -1,23 +1,46 @@
 # The two commands of the README. Each builds .venv on first use, so a fresh clone needs nothing else.
-# On CPU machines torch is pinned to the 2.13.0 CPU wheel (an unpinned torch pulls GBs of CUDA);
-# on a machine with an NVIDIA driver the newest CUDA build is taken (GPU clusters: environment.yml).
+# .venv holds the locked versions: requirements/cpu.lock (hashes checked; torch's CPU build) on machines
+# without an NVIDIA driver, requirements/gpu.txt (the same versions, torch's CUDA build) on GPU nodes.
+# `make lock` re-resolves the lock from pyproject.toml's ranges; `make newest` tries the newest releases.
 VENV   := .venv
 PY     := $(VENV)/bin/python
 DLO    := $(VENV)/bin/dlo
 STAMP  := $(VENV)/.installed
-TORCH  ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo torch || echo torch==2.13.0)
+LOCK   ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo requirements/gpu.txt || echo requirements/cpu.lock)
+# Where torch's CPU build is published; asked only when pip finds no torch==X+cpu in its usual places.
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 OUT    ?= runs/make-run
 PYTEST_ARGS ?=
 
-.PHONY: run test lint venv release check clean
+.PHONY: run test lint venv lock newest release check clean
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml requirements/cpu.lock requirements/gpu.txt
 	python3 -m venv $(VENV)
-	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e .
+	$(PY) -m pip install -q -r $(LOCK) || { echo "make venv: retrying with $(TORCH_CPU_INDEX) for torch's CPU build" >&2; \
+	  $(PY) -m pip install -q --extra-index-url $(TORCH_CPU_INDEX) -r $(LOCK); }
+	$(PY) -m pip install -q --no-deps -e .
+	$(PY) -m pip check
 	touch $(STAMP)
+
+# Re-resolve requirements/cpu.lock from pyproject.toml's ranges and requirements/cpu.in (pip-tools; existing
+# pins are kept unless UPGRADE=1), then derive requirements/gpu.txt from it. Commit all three files.
+lock: $(STAMP)
+	$(PY) -m pip install -q "pip-tools>=7.4,<8"
+	$(VENV)/bin/pip-compile -q --generate-hashes --allow-unsafe --strip-extras --all-extras --no-emit-index-url \
+	  --no-emit-find-links $(if $(UPGRADE),--upgrade) -o requirements/cpu.lock pyproject.toml requirements/cpu.in
+	$(PY) requirements/gpu.py
+
+# Not part of make test: the suite against the newest releases pyproject.toml allows (torch stays the locked
+# CPU build and its Triton, requirements/cpu.in), in a venv of its own, so that a breaking release is seen
+# before a term starts; first the list of what is newer still, outside the ranges.
+newest:
+	python3 -m venv .venv-newest
+	.venv-newest/bin/python -m pip install -q --no-deps -r requirements/cpu.lock
+	.venv-newest/bin/python -m pip install -q --upgrade --upgrade-strategy eager -c requirements/cpu.in -e ".[browser]"
+	.venv-newest/bin/python -m pip list --outdated --not-required
+	.venv-newest/bin/python -m pytest -n 2 --dist loadscope --no-loadscope-reorder $(PYTEST_ARGS)
 
 # Execute every day's solutions notebook headlessly (tiny profile on CPU, full on GPU nodes),
 # then autograde the executed notebooks as a reference submission: the table must show full marks.
@@ -46,4 +69,4 @@ check: $(STAMP)
 	$(DLO) check
 
 clean:
-	rm -rf $(VENV) runs grading gradebook.db
+	rm -rf $(VENV) .venv-newest runs grading gradebook.db

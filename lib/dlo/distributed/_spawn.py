@@ -19,6 +19,8 @@ import time
 
 import cloudpickle
 
+from dlo import pickling
+
 
 class RankError(RuntimeError):
     """A rank raised, was killed by a signal, or exited without a result."""
@@ -194,7 +196,7 @@ def spawn(fn, world_size, backend, timeout, args, kwargs) -> list:
     workdir = tempfile.mkdtemp(prefix="dlo-launch-")
     with open(os.path.join(workdir, "payload.pkl"), "wb") as f:
         # sys.path travels as plain pickle: the worker needs it before it can unpickle fn
-        pickle.dump((list(sys.path), backend, cloudpickle.dumps((fn, args, kwargs))), f)
+        pickle.dump((list(sys.path), backend, pickling.dumps((fn, args, kwargs))), f)
     port, procs, readers, lock = _free_port(), [], [], threading.Lock()
     tails = [collections.deque(maxlen=20) for _ in range(world_size)]
     last_output: dict[int, float] = {}

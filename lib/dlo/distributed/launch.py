@@ -33,6 +33,7 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 
+from dlo import pickling
 from dlo.distributed._spawn import RankError, spawn
 
 __all__ = ["RankError", "dumps", "heartbeat", "init_from_env", "is_main", "launch", "rank", "rank_device",
@@ -82,7 +83,8 @@ def _cuda_count() -> int:
 
 
 def dumps(obj) -> bytes:
-    """cloudpickle `obj`, moving CUDA tensors to CPU so any process can load the result."""
+    """cloudpickle `obj` (with its code's file names and source lines: `dlo.pickling`), moving CUDA
+    tensors to CPU so any process can load the result."""
     buf = io.BytesIO()
     _CpuPickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
     return buf.getvalue()
@@ -92,7 +94,7 @@ def _rebuild(t):
     return t
 
 
-class _CpuPickler(cloudpickle.CloudPickler):
+class _CpuPickler(pickling.Pickler):
     def reducer_override(self, obj):
         if isinstance(obj, torch.Tensor) and obj.is_cuda:
             cpu = obj.detach().cpu()  # detach: torch refuses to pickle non-leaf tensors

@@ -50,12 +50,13 @@ def free_names(source: str) -> list[str]:
 
 def capture_code(names: list[str], folder: Path) -> str:
     """Code for the student's kernel: each named object into folder/<name>.data when it is plain data
-    (`dlo.checks.wire`, read here without unpickling), else folder/<name>.pkl (cloudpickle, by value,
+    (`dlo.checks.wire`, read here without unpickling), else folder/<name>.pkl (`dlo.pickling`, by value,
     read only by the sandboxed runner); folder/report.json says which, or why a name could not be
     sent. Runs silently, leaves no name behind."""
     return f'''
 def __dlo_capture(names, folder):
-    import json, os, types, cloudpickle
+    import json, os, types
+    from dlo.pickling import dumps
     user_ns = get_ipython().user_ns
     report = {{}}
     for name in names:
@@ -77,7 +78,7 @@ def __dlo_capture(names, folder):
             report[name] = "data"
             continue
         try:
-            data = cloudpickle.dumps(value)
+            data = dumps(value)  # the cells' names and lines kept for the feedback's tracebacks
         except BaseException as exc:
             report[name] = ("could not be sent to the grader: " + type(exc).__name__ + ": " + str(exc))[:400]
             continue
