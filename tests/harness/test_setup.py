@@ -31,7 +31,9 @@ def test_student_hides_the_instructor_tools(tmp_path, capsys):
     assert ext == {"nbgrader.server_extensions.formgrader": False}
     assert "c.Execute.timeout = 1800" in (cfg / "nbgrader_config.py").read_text()
     assert (cfg / "exchange").is_dir()
-    assert "created" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "created" in out
+    assert f"JUPYTER_CONFIG_DIR={cfg.resolve()}" in out  # a --config-dir says how Jupyter will find it
 
 
 def test_idempotent_and_role_switch_rewrites_only_its_keys(tmp_path, capsys):

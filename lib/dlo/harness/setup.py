@@ -161,6 +161,9 @@ def setup(role: str, *, user: bool = False, cfg_dir: str | Path | None = None, e
     else:
         print(f"  exists    exchange folder {ex}")
     print(next_steps(role, root))
+    if cfg_dir:  # a folder Jupyter does not read by itself
+        print(f"note: Jupyter reads {cfg} only when told: start JupyterLab with JUPYTER_CONFIG_DIR={cfg} "
+              f"(e.g. `export JUPYTER_CONFIG_DIR={cfg}` in your shell's profile)")
     if user and not cfg_dir:
         from jupyter_core.paths import prefer_environment_over_user
         if prefer_environment_over_user():
