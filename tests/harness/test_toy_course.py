@@ -173,6 +173,8 @@ NOISY_ADAMW = "import sys\n" + ADAMW_OWN.replace(
     "    param.mul_(", "    print('adamw', file=sys.stderr)\n    param.mul_(", 1)
 SIGINT_HANG = "import signal\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\nwhile True:\n    pass"
 EXIT_IN_CHECK = "import os\ndef norm(x, y):\n    os._exit(3)"
+# An honest mistake: the feedback must point at the student's cell and line, not at "<dynamic-code>".
+RAISING_NORM = "def norm(x, y):\n    z = x * y\n    raise ValueError('norm fails here')"
 
 
 def build_submissions(toy_root, submitted, out, markers) -> dict[str, float]:
@@ -201,6 +203,7 @@ def build_submissions(toy_root, submitted, out, markers) -> dict[str, float]:
         # a cell that kills its kernel (add); a function that kills the check's process (norm)
         "killer": (_chain(SOLVE_ALL, _replace("add", "import os\nos._exit(1)"), _replace("norm", EXIT_IN_CHECK)),
                    POINTS["adamw_test"]),
+        "raiser": (_chain(SOLVE_ALL, _replace("norm", RAISING_NORM)), TOTAL - POINTS["norm_test"]),
     }
     for name, (edit, _) in students.items():
         _student(toy_root, submitted, name, edit)
@@ -250,6 +253,11 @@ def test_grade_holds_against_every_attack(toy_root, tmp_path):
                     for s in ("evil", "snooper")}
     assert "off limits" in adamw_errors["evil"] and "no checker state on the stack" in adamw_errors["snooper"]
     assert "ended in the middle of the check" in str(_outputs(out, "killer", "norm_test"))
+    raised = "".join(o.get("evalue", "") + "".join(o.get("traceback", []))
+                     for o in _outputs(out, "raiser", "norm_test"))
+    assert re.search(r'"Cell In\[\d+\]", line 3, in norm', raised), raised
+    assert "raise ValueError('norm fails here')" in raised
+    assert "<dynamic-code>" not in raised
     assert "did not stop when interrupted" in str(next(
         c for c in _autograded(out, "hanger")["cells"] if grade_id(c) == "add")["outputs"])
     assert "adamw_step: ok (2 trials, seed=1)" in str(_outputs(out, "hanger", "adamw_test"))
