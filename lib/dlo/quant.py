@@ -4,7 +4,8 @@ Q(r) = clamp(round(r / S) + Z, q_min, q_max) and r_hat = S (Q(r) - Z) (Gholami e
 Symmetric: Z = 0, S = max|r| / q_max on the restricted range [-(2^(b-1) - 1), 2^(b-1) - 1].
 Asymmetric: the range [alpha, beta] (widened to contain 0, so 0 is exact) maps onto [-2^(b-1), 2^(b-1) - 1].
 Granularity is the set of values sharing one (S, Z): the whole tensor, one output channel (row), or
-a group of `group_size` consecutive inputs of one row (Q-BERT, Shen et al. 2020).
+a group of `group_size` consecutive inputs of one row (as GPTQ and AWQ group; Q-BERT, Shen et al. 2020,
+groups whole output rows instead).
 
 Scales always have shape (rows or 1, n_groups) for a 2-D tensor: (1, 1) per tensor, (R, 1) per
 channel, (R, C / G) per group. A zero range gives S = 0 and codes Z, which dequantize to exact 0.
