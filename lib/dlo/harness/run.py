@@ -88,7 +88,7 @@ def build_parameters(nb: Path, profile: str, pairs: list[tuple[str, str]]) -> di
     params = {"profile": profile}
     for name, text in pairs:
         if name not in declared:
-            raise BadParameter(f"{nb.name} has no parameter {name!r}; its parameters are: {', '.join(declared)}")
+            raise BadParameter(f"no parameter {name!r}; its parameters are: {', '.join(declared)}")
         value = typed_value(name, text, declared[name].get("inferred_type_name"))
         if name in PATH_PARAMETERS and value:
             value = str(Path(value).resolve())
