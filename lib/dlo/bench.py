@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from dlo import tables
+from dlo.errors import BadInput
 
 NO_GPU_MESSAGE = "dlo bench needs a CUDA GPU; kernels are tested on CPU with TRITON_INTERPRET=1 via make test"
 COLUMNS = ("op", "impl", "dtype", "size", "tensors", "ms", "GB/s", "TFLOP/s", "% peak", "x best torch")
@@ -74,12 +75,11 @@ def _write_json(rows: list[dict], out_dir: str | Path) -> Path:
 
 
 def main(ops: list[str], out_dir: str | Path = "bench/results") -> int:
-    """Run the named benchmarks (all when `ops` is empty); 0 on success, 1 for an unknown op, 2 without CUDA."""
+    """Run the named benchmarks (all when `ops` is empty); 0 on success, 2 without CUDA; BadInput for an unknown op."""
     known = registry()
     unknown = [op for op in ops if op not in known]
     if unknown:
-        print(f"unknown op(s) {', '.join(unknown)}; available: {', '.join(sorted(known))}", file=sys.stderr)
-        return 1
+        raise BadInput(f"unknown op(s) {', '.join(unknown)}; available: {', '.join(sorted(known))}")
     if not torch.cuda.is_available():
         print(NO_GPU_MESSAGE, file=sys.stderr)
         return 2

@@ -9,19 +9,48 @@
     dlo grade --merge DIR
     dlo setup student|instructor [--user|--config-dir DIR] [--exchange DIR] [--cell-timeout S]
     dlo bench [OP ...]
+
+Every command follows `dlo.errors`: errors and warnings on stderr as `dlo <command>: ...`, exit status 2
+for bad usage or values (before any work), 1 for a failed run; SIGTERM, SIGHUP and Ctrl-C end every
+process the command started (`dlo.harness.reaper`), exit status 128 + the signal's number.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
 from pathlib import Path
 
+from dlo.errors import FAILED, USAGE, BadInput
+from dlo.harness import reaper
 from dlo.harness.days import repo_root
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse, its errors in one line (`dlo run: argument --profile: invalid choice ...`), exit 2."""
+
+    def error(self, message: str):
+        self.exit(USAGE, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
+def positive(cast):
+    """An argparse type: a number > 0 of type `cast`."""
+    def parse(text: str):
+        try:
+            value = cast(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"{text} is not a positive number")
+        return value
+    parse.__name__ = f"positive {cast.__name__}"
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dlo", description="DLO course harness (papermill + nbgrader).")
+    parser = Parser(prog="dlo", description="DLO course harness (papermill + nbgrader).")
     parser.add_argument("--root", type=Path, default=None, help="course checkout (default: this install's)")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -34,15 +63,17 @@ def build_parser() -> argparse.ArgumentParser:
                      help="override a parameters-cell value (repeatable)")
     run.add_argument("--notebooks", default="solutions", choices=["solutions", "course"])
     run.add_argument("--out", default=None, help="folder for executed notebooks (default runs/<timestamp>)")
-    run.add_argument("--timeout", type=float, default=3600.0, help="seconds per notebook (default 3600)")
-    run.add_argument("--cell-timeout", type=float, default=1800.0, help="seconds per cell (default 1800)")
+    run.add_argument("--timeout", type=positive(float), default=3600.0, help="seconds per notebook (default 3600)")
+    run.add_argument("--cell-timeout", type=positive(float), default=1800.0, help="seconds per cell (default 1800)")
     run.add_argument("--smoke", action="store_true",
                      help="the profile's model sizes, step counts, data and sweeps cut to the minimum (DLO_SMOKE=1)")
 
     plan = sub.add_parser("plan", help="memory per rank of a day's full profile, worked out on the meta device")
     plan.add_argument("day", metavar="DAY")
-    plan.add_argument("--gpus", type=int, default=0, help="GPUs (ranks) to plan for (default: the day's own)")
-    plan.add_argument("--gpu-mem", type=float, default=80.0, metavar="GB", help="memory per GPU in GiB (default 80)")
+    plan.add_argument("--gpus", type=positive(int), default=None,
+                      help="GPUs (ranks) to plan for (default: the day's own)")
+    plan.add_argument("--gpu-mem", type=positive(float), default=80.0, metavar="GB",
+                      help="memory per GPU in GiB (default 80)")
 
     release = sub.add_parser("release", help="generate course/ from solutions/ (nbgrader generate_assignment)")
     release.add_argument("--force", action="store_true",
@@ -52,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     grade = sub.add_parser("grade", help="autograde SUBMITTED_DIR/<student>/<day>/<day>.ipynb")
     grade.add_argument("submitted", metavar="SUBMITTED_DIR", nargs="?")
-    grade.add_argument("--jobs", type=int, default=None,
+    grade.add_argument("--jobs", type=positive(int), default=None,
                        help="submissions graded at once (default: what the cores and memory allow; one per GPU)")
     grade.add_argument("--shard", default=None, metavar="K/N",
                        help="grade every N-th student from the K-th into DIR/part-K-of-N (a SLURM array task)")
@@ -65,8 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "output (default runs/grade-<time>)")
     grade.add_argument("--profile", default="auto", choices=["tiny", "full", "auto"],
                        help="scale the notebooks run at while graded (DLO_PROFILE)")
-    grade.add_argument("--cell-timeout", type=float, default=600.0, help="seconds per cell (default 600)")
-    grade.add_argument("--notebook-timeout", type=float, default=7200.0,
+    grade.add_argument("--cell-timeout", type=positive(float), default=600.0, help="seconds per cell (default 600)")
+    grade.add_argument("--notebook-timeout", type=positive(float), default=7200.0,
                        help="seconds for one student's notebook (default 7200)")
     grade.add_argument("--require-full", action="store_true", help="exit 1 unless every score is full marks")
 
@@ -78,7 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--config-dir", default=None, metavar="DIR", help="write to this Jupyter config folder instead")
     setup.add_argument("--exchange", default=None, metavar="DIR",
                        help="nbgrader exchange folder (default <sys.prefix>/share/nbgrader/exchange)")
-    setup.add_argument("--cell-timeout", type=int, default=1800, help="seconds per cell for Validate (default 1800)")
+    setup.add_argument("--cell-timeout", type=positive(int), default=1800,
+                       help="seconds per cell for Validate (default 1800)")
 
     bench = sub.add_parser("bench", help="GPU kernel benchmarks vs torch baselines and the device peak")
     bench.add_argument("ops", nargs="*", metavar="OP")
@@ -87,8 +119,34 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    """The `dlo` command: its exit status (see the module's docstring for the conventions)."""
+    args = build_parser().parse_args(argv)
+    with reaper.stopping() as received:
+        try:
+            rc = dispatch(args)
+        except BadInput as exc:
+            return _say(args.command, exc.code, USAGE)
+        except KeyboardInterrupt:
+            rc = 130
+        except SystemExit as exc:
+            if not isinstance(exc.code, str):
+                raise
+            return _say(args.command, exc.code, FAILED)
+        if received or rc == 130:  # a command's own clean-up ran; now whatever it left
+            reaper.kill_tree(os.getpid(), include_root=False)
+            if received:
+                rc = 128 + received[0]
+                _say(args.command, f"stopped by {signal.Signals(received[0]).name}; every process it started "
+                                   f"was ended", rc)
+        return rc
+
+
+def _say(command: str, message: str, rc: int) -> int:
+    print(f"dlo {command}: {message}", file=sys.stderr, flush=True)
+    return rc
+
+
+def dispatch(args: argparse.Namespace) -> int:
     root = (args.root or repo_root()).resolve()
     if args.command == "run":
         from dlo.harness import run
@@ -107,10 +165,10 @@ def main(argv: list[str] | None = None) -> int:
         from dlo.harness import grade
         if args.merge is not None:
             if args.submitted is not None or args.shard is not None:
-                parser.error("grade --merge DIR takes no SUBMITTED_DIR and no --shard")
+                raise BadInput("--merge DIR takes no SUBMITTED_DIR and no --shard")
             return grade.merge(args.merge)
         if args.submitted is None:
-            parser.error("grade: SUBMITTED_DIR is required (or --merge DIR)")
+            raise BadInput("SUBMITTED_DIR is required (or --merge DIR)")
         return grade.main(root, args.submitted, args.out, args.profile, args.cell_timeout,
                           args.notebook_timeout, args.require_full, jobs=args.jobs, shard=args.shard,
                           regrade=args.regrade)

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import sys
 from collections.abc import Iterator
 
 from dlo.measure import fmt_bytes
@@ -89,32 +88,45 @@ def main_configs(rows: list[dict]) -> list[str]:
     return marked or [r["config"] for r in rows[:1]]
 
 
-def plan_day(day: str, gpus: int = 0, gpu_mem_gb: float = 80.0) -> list[dict]:
-    """The rows of `day`'s planner for its `full` preset on `gpus` GPUs (0: the preset's ranks, 1 on
-    single-process days) of `gpu_mem_gb` GB each."""
+def plan_day(day: str, gpus: int | None = None, gpu_mem_gb: float = 80.0) -> list[dict]:
+    """The rows of `day`'s planner for its `full` preset on `gpus` GPUs (None: the preset's ranks, 1 on
+    single-process days) of `gpu_mem_gb` GB each. ValueError (one line) for a bad number, and from a
+    planner whose work cannot be split over `gpus` ranks (`split_evenly`)."""
     from dlo.presets import PRESETS
 
-    if gpus < 0 or gpu_mem_gb <= 0:
-        raise ValueError(f"need gpus >= 0 and gpu_mem_gb > 0, got gpus={gpus}, gpu_mem_gb={gpu_mem_gb}")
+    if (gpus is not None and gpus < 1) or gpu_mem_gb <= 0:
+        raise ValueError(f"need gpus >= 1 and gpu_mem_gb > 0, got gpus={gpus}, gpu_mem_gb={gpu_mem_gb}")
     plan = planner(day)
     preset = PRESETS[day]["full"]
     return plan(preset, gpus=gpus or int(getattr(preset, "ranks", 1)), gpu_mem_gb=gpu_mem_gb)
 
 
-def main(day: str, gpus: int = 0, gpu_mem_gb: float = 80.0) -> int:
-    """`dlo plan DAY`: print the rows; exit 1 when a main configuration does not fit, 2 on bad input."""
+def split_evenly(what: str, sizes: dict[str, int], ranks: int) -> None:
+    """ValueError (one line) unless every size in `sizes` ({name: size}) divides by `ranks`: a planner
+    does not plan for a batch that a data-parallel world cannot share out evenly."""
+    bad = {name: n for name, n in sizes.items() if n % ranks}
+    if bad:
+        counts = [g for g in range(1, max(sizes.values()) + 1) if all(n % g == 0 for n in sizes.values())]
+        raise ValueError(f"{', '.join(f'{name} of {n}' for name, n in bad.items())} cannot be split evenly over "
+                         f"{ranks} GPUs ({what}); plan for {', '.join(map(str, counts[:8]))}"
+                         f"{' ...' if len(counts) > 8 else ''} GPUs")
+
+
+def main(day: str, gpus: int | None = None, gpu_mem_gb: float = 80.0) -> int:
+    """`dlo plan DAY`: print the rows; exit 1 when a main configuration does not fit; BadInput (exit 2)
+    for an unknown day or a bad number."""
+    from dlo.errors import BadInput
+
     try:
         rows = plan_day(day, gpus, gpu_mem_gb)
     except ValueError as exc:  # an unknown day or a bad number: one line, no traceback
-        print(f"dlo plan: {exc}", file=sys.stderr)
-        return 2
+        raise BadInput(str(exc)) from None
     print(f"{day}, full profile: bytes per rank on GPUs of {gpu_mem_gb:g} GiB")
     print(format_rows(rows))
     try:
         check_fits(rows, main_configs(rows))
     except DoesNotFit as exc:
-        print(f"dlo plan: does not fit: {exc}", file=sys.stderr)
-        return 1
+        raise SystemExit(f"does not fit: {exc}") from None
     return 0
 
 

@@ -1,17 +1,20 @@
 """`dlo plan DAY`: the full profile's memory per GPU, worked out without one; its one-line errors."""
 
+import os
 import subprocess
 import sys
 
 import pytest
 
-from dlo.plan import DoesNotFit, check_fits, format_rows, main_configs, plan_day, row
+from dlo.plan import DoesNotFit, check_fits, format_rows, main_configs, plan_day, row, split_evenly
 
 MY_DAYS = ["day1_optimizers", "day2_mixed_precision", "day3_checkpointing", "day4_ddp", "day8_quantization_pruning"]
 
 
-def plan_cli(*args):
-    return subprocess.run([sys.executable, "-m", "dlo.cli", "plan", *args], capture_output=True, text=True, timeout=300)
+def plan_cli(*args, env=None):
+    env = {**{k: v for k, v in os.environ.items() if k not in ("DLO_PROGRESS", "DLO_HEADLESS")}, **(env or {})}
+    return subprocess.run([sys.executable, "-m", "dlo.cli", "plan", *args], capture_output=True, text=True, timeout=300,
+                          env=env)
 
 
 @pytest.mark.parametrize("day", MY_DAYS)
@@ -47,10 +50,32 @@ def test_cli_prints_the_table_and_fails_when_the_main_configuration_does_not_fit
 
 @pytest.mark.parametrize("args,message", [
     (["day9_nope"], "dlo plan: no planner for 'day9_nope'; days with one: day1_optimizers, day2_mixed_precision"),
-    (["day4_ddp", "--gpus", "-1"], "dlo plan: need gpus >= 0 and gpu_mem_gb > 0"),
-    (["day4_ddp", "--gpu-mem", "0"], "dlo plan: need gpus >= 0 and gpu_mem_gb > 0"),
+    (["day4_ddp", "--gpus", "-1"], "dlo plan: argument --gpus: -1 is not a positive number"),
+    (["day5_fsdp", "--gpus", "0"], "dlo plan: argument --gpus: 0 is not a positive number"),  # not "the default"
+    (["day4_ddp", "--gpu-mem", "0"], "dlo plan: argument --gpu-mem: 0 is not a positive number"),
+    (["day6_pipeline", "--gpus", "3"], "dlo plan: the claim's batch of 640"),  # not "batch 640 = 3 x 213"
 ])
 def test_cli_bad_input_is_one_line(args, message):
     proc = plan_cli(*args)
     assert proc.returncode == 2 and proc.stderr.startswith(message) and len(proc.stderr.strip().splitlines()) == 1
     assert proc.stdout == ""
+
+
+def test_no_gpus_and_a_batch_the_ranks_cannot_share_are_refused():
+    with pytest.raises(ValueError, match="need gpus >= 1"):
+        plan_day("day4_ddp", gpus=0)
+    with pytest.raises(ValueError, match=r"^the claim's batch of 640, the notebook's DDP batch of 128 cannot be split "
+                                         r"evenly over 3 GPUs \(data parallel\); plan for 1, 2, 4, 8, 16, 32, 64, 128"):
+        plan_day("day6_pipeline", gpus=3)
+    assert {r["world"] for r in plan_day("day6_pipeline", gpus=4)} == {4}
+    split_evenly("x", {"a": 6, "b": 4}, 2)
+    with pytest.raises(ValueError, match=r"^b of 4 cannot be split evenly over 3 GPUs \(x\); plan for 1, 2 GPUs"):
+        split_evenly("x", {"a": 6, "b": 4}, 3)
+
+
+def test_a_log_gets_no_progress_bars_unless_asked():
+    """`dlo plan day7_tensor_parallel 2>log`: stderr is no terminal, so no carriage-return bars in the log."""
+    quiet = plan_cli("day7_tensor_parallel")
+    assert quiet.returncode == 0 and "TP 2" in quiet.stdout and quiet.stderr == ""
+    forced = plan_cli("day7_tensor_parallel", env={"DLO_PROGRESS": "1"})
+    assert forced.returncode == 0 and "plan: splitting the meta model" in forced.stderr and "it/s]" in forced.stderr

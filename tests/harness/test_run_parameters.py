@@ -82,12 +82,17 @@ def test_a_max_steps_override_carries_what_depends_on_it():
 def test_cli_refuses_before_any_kernel_starts(tmp_path):
     out = tmp_path / "out"
     proc = dlo_cli("run", "day1_optimizers", "--out", str(out), "-p", "max_steps", "notanumber")
-    assert proc.returncode == 2 and proc.stderr.strip() == "dlo run day1_optimizers: max_steps is an int: " \
+    assert proc.returncode == 2 and proc.stderr.strip() == "dlo run: day1_optimizers: max_steps is an int: " \
                                                           "'notanumber' is not"
     proc = dlo_cli("run", "day1_optimizers", "--profile", "full", "--out", str(out), "-p", "device", "cpu",
                    "-p", "max_steps", "2")
-    assert proc.returncode == 2 and "max_steps=2: Day 1 needs >= 6 steps" in proc.stderr
+    assert proc.returncode == 2 and proc.stderr.startswith("dlo run: day1_optimizers: ")
+    assert "max_steps=2: Day 1 needs >= 6 steps" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and not out.exists()  # nothing ran, nothing written
+    proc = dlo_cli("run", "day1_optimizers", "--out", str(out), "-p", "lr_typo", "1")  # an unknown name: exit 2 too
+    assert proc.returncode == 2 and proc.stderr.startswith("dlo run: day1_optimizers: no parameter 'lr_typo'; its "
+                                                           "parameters are: ")
+    assert len(proc.stderr.strip().splitlines()) == 1 and not out.exists()
 
 
 @pytest.mark.slow

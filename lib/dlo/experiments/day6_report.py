@@ -259,9 +259,10 @@ def plan(P, *, gpus: int, gpu_mem_gb: float) -> list[dict]:
     shown). Data parallelism holds the whole model and its per-GPU share of the batch. Rows: the
     claim (a global batch of P.plan_batch that 1F1B trains and neither GPipe nor DDP fits), DDP at
     the largest batch that fits, and the configurations the notebook runs (marked main)."""
-    from dlo.plan import OPTIMIZER_STATE_BYTES, activation_bytes, row
+    from dlo.plan import OPTIMIZER_STATE_BYTES, activation_bytes, row, split_evenly
 
     cfg, p, b = model_config(P), gpus, P.micro_batch
+    split_evenly("data parallel", {"the claim's batch": P.plan_batch, "the notebook's DDP batch": P.split_m * b}, p)
     stages, total = stage_partition(cfg, p), meta_model(cfg)
     n_params = sum(q.numel() for q in total.parameters())
     per_sample = sum(s["saved_per_sample"] for s in stages)

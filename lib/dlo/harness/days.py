@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from dlo.errors import BadInput
+
 
 def repo_root() -> Path:
     """The course checkout: $DLO_ROOT if set, else the folder that holds lib/dlo (editable install)."""
@@ -30,13 +32,13 @@ def notebook_path(root: Path, day: str, notebooks: str = "solutions") -> Path:
 
 
 def select_days(root: Path, days: list[str], all_days: bool, notebooks: str = "solutions") -> list[str]:
-    """Validate the days asked for; an unknown day is an error that lists the known ones."""
+    """Validate the days asked for; an unknown day is a BadInput that lists the known ones."""
     known = list_days(root, notebooks)
     if all_days or not days:
         if not known:
-            raise SystemExit(f"no day notebooks found under {root / notebooks}")
+            raise BadInput(f"no day notebooks found under {root / notebooks}")
         return known
     unknown = [d for d in days if d not in known]
     if unknown:
-        raise SystemExit(f"unknown day(s) {', '.join(unknown)}; the days are: {', '.join(known) or '(none)'}")
+        raise BadInput(f"unknown day(s) {', '.join(unknown)}; the days are: {', '.join(known) or '(none)'}")
     return days

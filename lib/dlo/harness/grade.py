@@ -34,6 +34,7 @@ from pathlib import Path
 
 import nbformat
 
+from dlo.errors import BadInput, warn
 from dlo.harness import pool
 from dlo.harness.days import list_days, repo_root
 from dlo.harness.merge import is_part, merge  # noqa: F401 - merge: `dlo grade --merge`
@@ -81,7 +82,7 @@ def find_submissions(submitted: Path, days: list[str]) -> tuple[list[str], list[
     A graded day is a course day that at least one student folder has; every student gets every
     graded day."""
     if not submitted.is_dir():
-        raise SystemExit(f"{submitted} is not a folder (expected SUBMITTED_DIR/<student>/<day>/<day>.ipynb)")
+        raise BadInput(f"{submitted} is not a folder (expected SUBMITTED_DIR/<student>/<day>/<day>.ipynb)")
     students = sorted(p.name for p in submitted.iterdir() if p.is_dir() and not p.name.startswith("."))
     graded = set()
     for student in students:
@@ -89,9 +90,9 @@ def find_submissions(submitted: Path, days: list[str]) -> tuple[list[str], list[
             if d.name in days:
                 graded.add(d.name)
             else:
-                print(f"warning: {d} is not a day of this course ({', '.join(days)}); skipped")
+                warn("grade", f"{d} is not a day of this course ({', '.join(days)}); skipped")
     if not graded:
-        raise SystemExit(f"no submissions found in {submitted} (expected <student>/<day>/<day>.ipynb with a day "
+        raise BadInput(f"no submissions found in {submitted} (expected <student>/<day>/<day>.ipynb with a day "
                          f"of this course: {', '.join(days)})")
     status = {(s, d): notebook_status(submitted / s / d / f"{d}.ipynb") for s in students for d in sorted(graded)}
     return students, sorted(graded), status
@@ -110,7 +111,7 @@ def notebook_status(nb: Path) -> str:
 
 def check_paths(submitted: Path, out: Path) -> None:
     if out == submitted or submitted in out.parents or out in submitted.parents:
-        raise SystemExit(f"--out {out} and SUBMITTED_DIR {submitted} must not contain each other")
+        raise BadInput(f"--out {out} and SUBMITTED_DIR {submitted} must not contain each other")
 
 
 def parse_shard(text: str | None) -> tuple[int, int] | None:
@@ -118,7 +119,7 @@ def parse_shard(text: str | None) -> tuple[int, int] | None:
         return None
     m = re.fullmatch(r"(\d+)/(\d+)", text)
     if not m or not 1 <= int(m[1]) <= int(m[2]):
-        raise SystemExit(f"--shard {text!r}: expected K/N with 1 <= K <= N (e.g. 2/8)")
+        raise BadInput(f"--shard {text!r}: expected K/N with 1 <= K <= N (e.g. 2/8)")
     return int(m[1]), int(m[2])
 
 
@@ -155,12 +156,12 @@ def main(root: Path, submitted: str, out: str | None, profile: str, cell_timeout
          regrade: bool = False) -> int:
     days = list_days(root)
     if not days:
-        raise SystemExit(f"no day notebooks under {root / 'solutions'}")
+        raise BadInput(f"no day notebooks under {root / 'solutions'}")
     submitted_dir = Path(submitted).resolve()
     students, graded_days, status = find_submissions(submitted_dir, days)
     part = parse_shard(shard)
     if jobs is not None and jobs < 1:
-        raise SystemExit(f"--jobs {jobs}: expected a positive number")
+        raise BadInput(f"--jobs {jobs}: expected a positive number")
     top = Path(out or Path("runs") / f"grade-{datetime.now():%Y%m%d-%H%M%S}").resolve()
     check_paths(submitted_dir, top)
     manifest = {"course_version": course_version(root, graded_days), "days": graded_days, "students": students,
@@ -179,8 +180,8 @@ def main(root: Path, submitted: str, out: str | None, profile: str, cell_timeout
     resume = owned.owned() and not regrade and _resumable(out_dir, manifest)
     sandbox = probe()
     if sandbox != "bwrap":
-        print(f"warning: grading without a sandbox: {sandbox}. Student code can read the solutions, the "
-              f"gradebook and the other submissions while it runs (the `sandbox` column says so).", flush=True)
+        warn("grade", f"grading without a sandbox: {sandbox}. Student code can read the solutions, the "
+                      f"gradebook and the other submissions while it runs (the `sandbox` column says so).")
     jobs = jobs or pool.default_jobs(profile)
     if resume:
         owned.record()
@@ -218,7 +219,7 @@ def _resumable(out_dir: Path, manifest: dict) -> bool:
     differ = [k for k in ("course_version", "days", "profile", "cell_timeout", "shard", "students")
               if earlier.get(k) != manifest[k]]
     if differ:
-        raise SystemExit(f"--out {out_dir} holds a grading with other {', '.join(differ)} "
+        raise BadInput(f"--out {out_dir} holds a grading with other {', '.join(differ)} "
                          f"(course version {earlier.get('course_version')}, now {manifest['course_version']}): "
                          f"nothing was written; add --regrade to grade everything again there, or choose "
                          f"another --out")

@@ -15,6 +15,7 @@ import shutil
 import sys
 from pathlib import Path
 
+from dlo.errors import BadInput
 from dlo.harness.outdir import OwnedDir
 from dlo.harness.results import CELL_COLUMNS, SCORE_COLUMNS, merge_gradebooks, read_csv, read_json, write_csv
 from dlo.tables import format_table
@@ -31,10 +32,10 @@ def merge(top_arg: str) -> int:
     into DIR/scores.csv, cells.csv, feedback/ and gradebook.db; refuses with the list otherwise."""
     top = Path(top_arg).resolve()
     if not top.is_dir():
-        raise SystemExit(f"--merge {top}: not a folder")
+        raise BadInput(f"--merge {top}: not a folder")
     parts = {p.name: (p, read_json(p / "grading.json")) for p in sorted(top.iterdir()) if is_part(p.name)}
     if not parts:
-        raise SystemExit(f"--merge {top}: no part-K-of-N folders (made by `dlo grade --shard K/N --out {top}`)")
+        raise BadInput(f"--merge {top}: no part-K-of-N folders (made by `dlo grade --shard K/N --out {top}`)")
     problems = merge_problems(parts)
     if problems:
         for p in problems:

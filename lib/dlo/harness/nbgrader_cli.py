@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import threading
@@ -12,6 +11,7 @@ from pathlib import Path
 
 import nbformat
 
+from dlo.harness.reaper import kill_tree
 from dlo.harness.setup import normalise_metadata
 
 _LIVE: set[subprocess.Popen] = set()  # children running now (from any thread), for kill_children()
@@ -32,7 +32,8 @@ def autograde_and_feedback(course_root: Path, db: Path, day: str, student: str, 
 
 def child(cmd: list[str], cwd: Path, *, env: dict | None = None, timeout: float | None = None,
           what: str = "") -> subprocess.CompletedProcess:
-    # Own session: on timeout the whole tree (nbgrader and the kernels it started) is killed.
+    # Own session, so a signal to dlo's group does not reach it; on timeout or a stop its whole tree (nbgrader
+    # and the kernels it started) is killed.
     # nbgrader shells out to `alembic`, which lives beside this interpreter (a venv not on PATH).
     path = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
     proc = subprocess.Popen(cmd, cwd=cwd, env={**os.environ, "PATH": path, **(env or {})}, text=True,
@@ -56,10 +57,9 @@ def child(cmd: list[str], cwd: Path, *, env: dict | None = None, timeout: float 
 
 
 def _killpg(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+    """The child with everything below it: nbgrader's kernels run in sessions of their own."""
+    if proc.returncode is None:  # not yet reaped: its pid is still its own
+        kill_tree(proc.pid)
 
 
 def kill_children() -> None:

@@ -17,11 +17,13 @@ import os
 import shutil
 from pathlib import Path
 
+from dlo.errors import BadInput
+
 MARKER = ".dlo-grade.json"
 
 
-class NotOurs(SystemExit):
-    """DIR holds something the command did not make (a one-line refusal)."""
+class NotOurs(BadInput):
+    """DIR holds something the command did not make (a one-line refusal, exit status 2)."""
 
 
 def _walk(root: Path, keep=None) -> tuple[list[str], list[str]]:

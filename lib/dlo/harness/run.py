@@ -5,20 +5,23 @@ per-notebook timeout can stop it together with its kernel, and a crash in one da
 the others. Executed notebooks land in OUT/<day>/<day>.ipynb, and run with OUT/<day> as working
 directory so their logs (runs/, TensorBoard) stay out of the checkout.
 
-Before any kernel starts, every `-p NAME VALUE` is checked against the parameters cell (its name,
-and its annotated type as papermill infers it) and the day's preset is built and validated with
-the resulting values (`dlo.config.check_parameters`), so a bad value or an impossible combination
-fails in one line, not minutes into a run. The kernels get DLO_HEADLESS=1 (`dlo.progress` then
-draws text bars that end in their finished state in the saved notebook). `--smoke` sets DLO_SMOKE=1: the
-presets' `smoke()` versions (real model sizes, minimal step counts). After a run, a failed notebook
-is named with its failing cell, also when the kernel died (papermill then marks no cell failed).
+Before any kernel starts, the days must be named (or `--all` given), every `-p NAME VALUE` is checked
+against the parameters cell (its name, and its annotated type as papermill infers it) and the day's
+preset is built and validated with the resulting values (`dlo.config.check_parameters`), so a bad
+value or an impossible combination fails in one line, not minutes into a run. The kernels get
+DLO_HEADLESS=1 (`dlo.progress` then draws text bars that end in their finished state in the saved
+notebook). `--smoke` sets DLO_SMOKE=1: the presets' `smoke()` versions (real model sizes, minimal
+step counts). After a run, a failed notebook is named with its failing cell, also when the kernel
+died (papermill then marks no cell failed). papermill's own progress bar is drawn only where
+`dlo.progress.bars_wanted()` (stderr a terminal, or DLO_PROGRESS=1). A timeout or a stop kills
+papermill with its kernel and everything they started (`reaper.kill_tree`: the kernel runs in a
+session of its own).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -28,7 +31,10 @@ from pathlib import Path
 import nbformat
 import papermill
 
+from dlo.errors import BadInput
 from dlo.harness.days import notebook_path, select_days
+from dlo.harness.reaper import kill_tree
+from dlo.progress import bars_wanted
 from dlo.tables import format_table
 
 # Parameters naming paths: resolved against the caller's working directory, not the notebook's.
@@ -36,7 +42,7 @@ PATH_PARAMETERS = ("data_dir", "log_dir")
 TRUE, FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
 
 
-class BadParameter(ValueError):
+class BadParameter(BadInput):
     """A -p value that does not fit its parameter (exit status 2, before any work)."""
 
 
@@ -82,7 +88,7 @@ def build_parameters(nb: Path, profile: str, pairs: list[tuple[str, str]]) -> di
     params = {"profile": profile}
     for name, text in pairs:
         if name not in declared:
-            raise SystemExit(f"{nb.name} has no parameter {name!r}; its parameters are: {', '.join(declared)}")
+            raise BadParameter(f"no parameter {name!r}; its parameters are: {', '.join(declared)}")
         value = typed_value(name, text, declared[name].get("inferred_type_name"))
         if name in PATH_PARAMETERS and value:
             value = str(Path(value).resolve())
@@ -151,7 +157,7 @@ def run_notebook(src: Path, dest: Path, params: dict, timeout: float, cell_timeo
     dest.parent.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "papermill", str(src), str(dest), "-y", json.dumps(params),
            "--cwd", str(dest.parent), "--execution-timeout", str(int(cell_timeout)),
-           "--progress-bar", "--log-level", "WARNING"]
+           "--progress-bar" if bars_wanted() else "--no-progress-bar", "--log-level", "WARNING"]
     # DLO_HEADLESS: dlo.progress draws text bars, whose last state is what the saved notebook shows
     env = {**os.environ, "DLO_HEADLESS": "1", **({"DLO_SMOKE": "1"} if smoke else {})}
     start = time.perf_counter()
@@ -159,7 +165,7 @@ def run_notebook(src: Path, dest: Path, params: dict, timeout: float, cell_timeo
     try:
         rc = proc.wait(timeout=timeout)
     except (subprocess.TimeoutExpired, KeyboardInterrupt) as exc:
-        os.killpg(proc.pid, signal.SIGKILL)  # papermill and its kernel share the session
+        kill_tree(proc.pid)  # papermill, its kernel (a session of its own) and what the kernel started
         proc.wait()
         if isinstance(exc, KeyboardInterrupt):
             raise
@@ -170,6 +176,9 @@ def run_notebook(src: Path, dest: Path, params: dict, timeout: float, cell_timeo
 
 def main(root: Path, days: list[str], all_days: bool, profile: str, pairs: list[tuple[str, str]],
          notebooks: str, out: str | None, timeout: float, cell_timeout: float, smoke: bool = False) -> int:
+    if bool(days) == all_days:
+        raise BadInput("name the days to run (dlo run DAY ...) or pass --all for every day, not both"
+                       if days else "name the days to run (dlo run DAY ...) or pass --all for every day")
     days = select_days(root, days, all_days, notebooks)
     jobs = []
     for day in days:  # every day's parameters are checked before the first notebook starts
@@ -178,8 +187,7 @@ def main(root: Path, days: list[str], all_days: bool, profile: str, pairs: list[
             params = build_parameters(src, profile, pairs)
             check_day(day, src, params, smoke)
         except BadParameter as exc:
-            print(f"dlo run {day}: {exc}", file=sys.stderr)
-            return 2
+            raise BadParameter(f"{day}: {exc}") from None
         jobs.append((day, src, params))
     out_dir = Path(out or Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S")).resolve()
     rows = []

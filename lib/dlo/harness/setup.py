@@ -30,6 +30,8 @@ import os
 import sys
 from pathlib import Path
 
+from dlo.errors import BadInput
+
 NBGRADER_LAB = "@jupyter/nbgrader:"
 # True: enabled for that role. The menu and validate plugins stay on for both.
 LAB_PLUGINS = {
@@ -137,13 +139,13 @@ def write(path: Path, content: dict | str) -> str:
 def setup(role: str, *, user: bool = False, cfg_dir: str | Path | None = None, exchange: str | Path | None = None,
           cell_timeout: int = CELL_TIMEOUT, root: Path | None = None) -> int:
     if role not in LAB_PLUGINS:
-        raise SystemExit(f"dlo setup: unknown role {role!r}; choose student or instructor")
+        raise BadInput(f"unknown role {role!r}; choose student or instructor")
     if cell_timeout <= 0:
-        raise SystemExit(f"dlo setup: --cell-timeout must be > 0 seconds, got {cell_timeout}")
+        raise BadInput(f"--cell-timeout must be > 0 seconds, got {cell_timeout}")
     cfg = config_dir(user, cfg_dir)
     ex = Path(exchange).expanduser().resolve() if exchange else default_exchange(cfg, user, bool(cfg_dir))
     if ex.exists() and not ex.is_dir():
-        raise SystemExit(f"dlo setup: exchange {ex} exists and is not a folder")
+        raise BadInput(f"exchange {ex} exists and is not a folder")
     files = planned_files(role, cfg, cell_timeout, ex)
     found = problems(files)
     if found:

@@ -1,0 +1,113 @@
+"""Every process a `dlo` command started ends with it, however the command is stopped.
+
+Killing one process group is not enough: papermill and nbgrader run in sessions of their own (so a
+timeout can stop them), and jupyter_client starts each kernel in yet another session (so an interrupt
+reaches only the kernel). Killing papermill's group used to leave its kernel running, re-parented to
+init. So the command becomes a child subreaper (orphaned descendants are re-parented to it, not to
+init, and stay findable), and a stop kills its whole tree of descendants, read from /proc, until none
+is left (`kill_tree`). `stopping()` turns SIGTERM and SIGHUP into KeyboardInterrupt, as Ctrl-C is,
+so the commands' own clean-up runs (the grading records kept, the status table printed).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+
+SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+PR_SET_CHILD_SUBREAPER, PR_GET_CHILD_SUBREAPER = 36, 37  # linux/prctl.h
+
+
+def _ppids() -> dict[int, list[int]]:
+    """{parent pid: [child pids]} of every live (non-zombie) process, from /proc/<pid>/stat."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue  # gone meanwhile
+        # the command name may hold spaces and parentheses: state and ppid follow the last ")"
+        state, ppid = stat.rsplit(")", 1)[1].split()[:2]
+        if state != "Z":
+            children.setdefault(int(ppid), []).append(int(entry))
+    return children
+
+
+def descendants(pid: int) -> list[int]:
+    """The live processes below `pid` (children, their children, ...), parents first."""
+    children, out, todo = _ppids(), [], [pid]
+    while todo:
+        kids = children.get(todo.pop(0), [])
+        out += kids
+        todo += kids
+    return out
+
+
+def kill_tree(root: int, *, include_root: bool = True, rounds: int = 100) -> None:
+    """SIGKILL `root` (unless include_root is False) and every process below it. The tree is read before
+    anything is killed, so a kernel in a session of its own goes with the papermill that started it;
+    repeated until nothing is left (a process forked meanwhile is re-parented to a subreaper)."""
+    for _ in range(rounds):
+        pids = descendants(root)
+        if include_root and _alive(root):
+            pids.insert(0, root)
+        if not pids:
+            return
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.02)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _subreaper(on: bool) -> bool:
+    """Make this process a child subreaper (or not); whether it was one. False where prctl is missing."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        was = ctypes.c_int(0)
+        libc.prctl(PR_GET_CHILD_SUBREAPER, ctypes.byref(was), 0, 0, 0)
+        libc.prctl(PR_SET_CHILD_SUBREAPER, int(on), 0, 0, 0)
+        return bool(was.value)
+    except (OSError, AttributeError):
+        return False
+
+
+@contextlib.contextmanager
+def stopping() -> Iterator[list[int]]:
+    """While inside: SIGINT, SIGTERM and SIGHUP raise KeyboardInterrupt in the main thread (the first
+    one only: the clean-up is not interrupted again), and orphans of this process's descendants stay
+    its own. Yields the list of signals received."""
+    received: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield received
+        return
+
+    def handler(signum, frame):
+        first = not received
+        received.append(signum)
+        if first:
+            raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    old = {s: signal.signal(s, handler) for s in SIGNALS}
+    was = _subreaper(True)
+    try:
+        yield received
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+        _subreaper(was)
