@@ -76,15 +76,19 @@ def test_jobs_and_shards_give_the_bytes_of_one_at_a_time(toy_root, tmp_path):
     assert not list(one.rglob("runs"))  # the submissions' TensorBoard folders are not copied
 
 
-def _nbgrader_children(student: str) -> list[int]:
-    """The per-submission grading processes of `student` (python -m dlo.harness.nbgrader_cli ... STUDENT)."""
+def _nbgrader_children(student: str, out: Path) -> list[int]:
+    """The per-submission grading processes of `student` in the grading run writing to `out` (python -m
+    dlo.harness.nbgrader_cli OUT/work/... STUDENT): other tests grade students of the same names at the
+    same time, on the other xdist worker."""
+    under = str(out).encode()
     pids = []
     for entry in os.listdir("/proc"):
         try:
             args = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"dlo.harness.nbgrader_cli" in args and args[-2:-1] == [student.encode()]:
+        if b"dlo.harness.nbgrader_cli" in args and args[-2:-1] == [student.encode()] \
+                and any(a.startswith(under) for a in args):
             pids.append(int(entry))
     return pids
 
@@ -92,13 +96,13 @@ def _nbgrader_children(student: str) -> list[int]:
 class Killer(threading.Thread):
     """Kills the first `times` grading processes of `student` that appear (as the OOM killer would)."""
 
-    def __init__(self, student: str, times: int):
+    def __init__(self, student: str, out: Path, times: int):
         super().__init__(daemon=True)
-        self.student, self.times, self.killed, self.done = student, times, set(), threading.Event()
+        self.student, self.out, self.times, self.killed, self.done = student, out, times, set(), threading.Event()
 
     def run(self):
         while not self.done.is_set() and len(self.killed) < self.times:
-            for pid in _nbgrader_children(self.student):
+            for pid in _nbgrader_children(self.student, self.out):
                 if pid not in self.killed:
                     time.sleep(0.5)  # let it start working
                     try:
@@ -121,22 +125,22 @@ def test_killed_workers_and_interrupts_cost_only_their_submission(toy_root, tmp_
     record = out / "results" / "blank" / f"{DAY}.json"
 
     # Run 1: blank's worker is killed once (retried, graded); then SIGTERM (a job's time limit) during sol.
-    killer = Killer("blank", 1)
+    killer = Killer("blank", out, 1)
     killer.start()
     proc = _grade(toy_root, sub, out)
     while not record.exists() and proc.poll() is None:
         time.sleep(0.2)
-    while not _nbgrader_children("sol") and proc.poll() is None:
+    while not _nbgrader_children("sol", out) and proc.poll() is None:
         time.sleep(0.1)
     proc.send_signal(signal.SIGTERM)
     log = proc.communicate(timeout=300)[0]
     assert proc.returncode == 130 and "trying once more" in log and "run the same command again" in log, log
     first = json.loads(record.read_text())
     assert first["status"] == "graded" and first["attempts"] == 2
-    assert not _nbgrader_children("sol")  # the interrupted worker went with the run
+    assert not _nbgrader_children("sol", out)  # the interrupted worker went with the run
 
     # Run 2 resumes (blank kept); sol's worker is killed twice: marked, and the run goes on.
-    killer = Killer("sol", 2)
+    killer = Killer("sol", out, 2)
     killer.start()
     proc = _grade(toy_root, sub, out)
     log = proc.communicate(timeout=600)[0]
