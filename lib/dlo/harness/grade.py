@@ -9,7 +9,8 @@ row per student and day, with the sandbox the grading ran in), cells.csv (one ro
 feedback/<student>/<day>.html (results and messages, no hidden test), results/ (one record per graded
 submission), and course/, the nbgrader course root built from solutions/ (locked test cells and
 hidden tests come from the instructors' notebooks whatever a student edited), whose gradebook.db
-holds every submission once grading is done.
+holds every submission once grading is done, and whose submitted/ holds a copy of each graded one:
+nbgrader's formgrader, `nbgrader export` and `release_feedback` work there (`exchange`).
 
 Each submission is graded on its own (`pool`): its own nbgrader process, course root and gradebook,
 its own sandbox scratch; `--jobs N` grades N at once, with the same bytes in the CSVs as one at a
@@ -34,7 +35,7 @@ from pathlib import Path
 
 import nbformat
 
-from dlo.harness import pool
+from dlo.harness import exchange, pool
 from dlo.harness.days import list_days, repo_root
 from dlo.harness.merge import is_part, merge  # noqa: F401 - merge: `dlo grade --merge`
 from dlo.harness.nbgrader_cli import NOT_SUBMITTED, generate_assignments
@@ -231,7 +232,7 @@ def _run(root, submitted_dir, top, out_dir, owned, graded_days, status, manifest
     if not resume or not (course / "template.db").is_file():
         shutil.rmtree(course, ignore_errors=True)
         course.mkdir()
-        config = CONFIG.format(cell_timeout=int(cell_timeout))
+        config = CONFIG.format(cell_timeout=int(cell_timeout)) + exchange.config_block(exchange.class_exchange())
         _load_config(config)  # nbgrader only logs a broken config file and goes on without it
         (course / "nbgrader_config.py").write_text(config)
         generate_assignments(root / "solutions", graded_days, course, db=course / "template.db")
@@ -260,6 +261,7 @@ def _run(root, submitted_dir, top, out_dir, owned, graded_days, status, manifest
     merge_gradebooks(course / "gradebook.db", course / "template.db",
                      [course / "gradebooks" / d / f"{s}.db" for (s, d), r in sorted(records.items())
                       if r["status"] == "graded"])
+    exchange.publish(course, submitted_dir, sorted(inputs), sorted({s for s, _ in status}))  # for nbgrader's tools
     write_json(out_dir / "grading.json", {**manifest, "complete": True})
     owned.record()
     return rows
