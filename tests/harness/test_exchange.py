@@ -337,3 +337,14 @@ def _round_trip(toy_template: Path, base: Path, users: Users, tag: str) -> None:
         assert len(fetched) == 1, fetched
         assert fetched[0].read_bytes() == (out / "feedback" / student / f"{DAY}.html").read_bytes()
         assert "add(-1, 1)" not in fetched[0].read_text()  # the hidden tests stay hidden
+
+
+@pytest.mark.slow
+def test_similarity_report_beside_the_scores(graded_class):
+    _, _, out, stdout, _ = graded_class
+    assert f"similarity: {out / 'similarity.html'}" in stdout
+    rows = read_csv(out / "similarity.csv")
+    # ann's AdamW is the instructors' solution; bob's cells are the untouched stubs, cat's `add` one line
+    assert {(r["student"], r["other"], r["cell"]) for r in rows} >= {("ann", "solutions", "adamw")}
+    assert not any(r["student"] in ("bob", "ghost") or r["other"] in ("bob", "ghost") for r in rows), rows
+    assert "ann" in (out / "similarity.html").read_text()

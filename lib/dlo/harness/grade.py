@@ -7,7 +7,8 @@ every day anyone submitted ("no submission" and 0 for a missing, empty or cell-l
 Output, only inside DIR (new, empty, or an earlier `dlo grade` output: see `outdir`): scores.csv (one
 row per student and day, with the sandbox the grading ran in), cells.csv (one row per test cell),
 feedback/<student>/<day>.html (results and messages, no hidden test), results/ (one record per graded
-submission), and course/, the nbgrader course root built from solutions/ (locked test cells and
+submission), similarity.html and .csv (code that looks copied: `similarity`; no score depends on it),
+and course/, the nbgrader course root built from solutions/ (locked test cells and
 hidden tests come from the instructors' notebooks whatever a student edited), whose gradebook.db
 holds every submission once grading is done, and whose submitted/ holds a copy of each graded one:
 nbgrader's formgrader, `nbgrader export` and `release_feedback` work there (`exchange`).
@@ -35,7 +36,7 @@ from pathlib import Path
 
 import nbformat
 
-from dlo.harness import exchange, pool
+from dlo.harness import exchange, pool, similarity
 from dlo.harness.days import list_days, repo_root
 from dlo.harness.merge import is_part, merge  # noqa: F401 - merge: `dlo grade --merge`
 from dlo.harness.nbgrader_cli import NOT_SUBMITTED, generate_assignments
@@ -201,7 +202,8 @@ def main(root: Path, submitted: str, out: str | None, profile: str, cell_timeout
     print()
     print(format_table([{k: r[k] for k in SCORE_COLUMNS[:-1]} for r in rows]))
     print(f"\nscores: {out_dir / 'scores.csv'}\nper cell: {out_dir / 'cells.csv'}\nfeedback: {out_dir / 'feedback'}"
-          f"\ngradebook: {out_dir / 'course' / 'gradebook.db'}\nsandbox: {sandbox}")
+          f"\ngradebook: {out_dir / 'course' / 'gradebook.db'}\nsimilarity: {out_dir / 'similarity.html'}"
+          f"\nsandbox: {sandbox}")
     if part:
         print(f"part {part[0]} of {part[1]}: when every part is done, `dlo grade --merge {top}` joins them")
     if require_full and not all(float(r["max_score"]) > 0 and float(r["score"]) == float(r["max_score"]) for r in rows):
@@ -262,6 +264,8 @@ def _run(root, submitted_dir, top, out_dir, owned, graded_days, status, manifest
                      [course / "gradebooks" / d / f"{s}.db" for (s, d), r in sorted(records.items())
                       if r["status"] == "graded"])
     exchange.publish(course, submitted_dir, sorted(inputs), sorted({s for s, _ in status}))  # for nbgrader's tools
+    similarity.write_report(out_dir, graded_days, course / "source", course / "release",
+                            {k: course / "submitted" / k[0] / k[1] / f"{k[1]}.ipynb" for k in sorted(inputs)})
     write_json(out_dir / "grading.json", {**manifest, "complete": True})
     owned.record()
     return rows
