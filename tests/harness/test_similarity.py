@@ -29,6 +29,13 @@ INDEPENDENT = '''def adamw_step(param, grad, exp_avg, exp_avg_sq, step, *, lr, b
 '''
 
 
+NORM = """def norm(x, y):
+    squares = [value * value for value in (x, y)]
+    total = sum(squares)
+    return math.sqrt(total)
+"""
+
+
 def rename(source: str, names: dict[str, str]) -> str:
     for old, new in names.items():
         source = re.sub(rf"\b{old}\b", new, source)
@@ -48,11 +55,13 @@ def _students(toy_root: Path, submitted: Path, answers: dict[str, str | None]) -
     release = toy_root / "course" / DAY / f"{DAY}.ipynb"
     paths = {}
     for student, code in answers.items():
-        def edit(cell, code=code):
+        def edit(cell, code=code, student=student):
             if code is not None and grade_id(cell) == "adamw":
                 cell["source"] = code
             if grade_id(cell) == "add" and code is not None:
                 cell["source"] = "def add(a, b):\n    return a + b"  # one line: the same in every answer
+            if grade_id(cell) == "norm" and student == "eve":
+                cell["source"] = NORM
         paths[(student, DAY)] = edit_cells(release, submitted / student / DAY / f"{DAY}.ipynb", edit)
     return paths
 
@@ -96,7 +105,8 @@ def test_renamed_copies_score_high_independent_code_low_stubs_never(toy_template
     page = (out / "similarity.html").read_text()
     assert "<script>" not in page and "&lt;script&gt;alert(&#x27;x&#x27;)&lt;/script&gt;" in page
     assert "<mark>" in page and page.index("ann</b>") < page.index("dan</b>")
-    assert "dlo.optim.reference.adamw_step" in page and "none mapped" in page  # add/norm: plain asserts
+    assert "dlo.optim.reference.adamw_step" in page
+    assert "none mapped" in page and "not looked up" in page  # norm: plain asserts; add: nothing to compare
 
 
 def test_tokens_ignore_names_comments_and_layout():

@@ -94,13 +94,14 @@ class Code:
     tokens: list = field(default_factory=list)
     grams: list = field(default_factory=list)  # hash of the k-gram starting at each token
     fingerprints: set = field(default_factory=set)  # winnowed, boilerplate removed
+    own: set = field(default_factory=set)  # every k-gram hash but the boilerplate's (what the page marks)
 
     @classmethod
     def of(cls, source: str, boilerplate: frozenset = frozenset()) -> Code:
         tokens = normalized_tokens(source)
         words = [t[0] for t in tokens]
         grams = [_hash(words[i:i + K]) for i in range(len(words) - K + 1)]
-        return cls(source, tokens, grams, winnow(grams) - boilerplate)
+        return cls(source, tokens, grams, winnow(grams) - boilerplate, set(grams) - boilerplate)
 
     @property
     def all_grams(self) -> set:
@@ -196,7 +197,7 @@ def library_references(checks: list[str]) -> dict[str, str]:
 def compare(days: list[str], instructors: Path, release: Path, submissions: dict[tuple[str, str], Path]
             ) -> tuple[list[dict], dict, dict]:
     """(rows at or above THRESHOLD, most similar first; {(day, cell): Code by owner} for the page;
-    {(day, cell): [library names] or [] when none is mapped})."""
+    {(day, cell): [library names], [] when none is mapped, None when no cell needed them})."""
     rows, snippets, mapped = [], {}, {}
     for day in days:
         theirs = instructors / day / f"{day}.ipynb"
@@ -207,8 +208,8 @@ def compare(days: list[str], instructors: Path, release: Path, submissions: dict
             codes = {s: Code.of(cells[cell], boiler) for s, cells in students.items() if cell in cells}
             codes = {s: c for s, c in codes.items() if len(c.fingerprints) >= MIN_FINGERPRINTS}
             others = {"solutions": ("solution", Code.of(solution.get(cell, ""), boiler))}
-            refs = library_references(checks)
-            mapped[(day, cell)] = sorted(refs)
+            refs = library_references(checks) if codes else {}  # nothing to compare: no import of the checks
+            mapped[(day, cell)] = sorted(refs) if codes else None
             others.update({name: ("library", Code.of(src, boiler)) for name, src in refs.items()})
             snippets[(day, cell)] = {**{s: c for s, c in codes.items()}, **{n: c for n, (_, c) in others.items()}}
             names = sorted(codes)
@@ -247,10 +248,10 @@ def write_report(out: Path, days: list[str], instructors: Path, release: Path,
     return rows
 
 
-def _marked(code: Code, other: Code, boiler_free: set) -> str:
-    """code.source, HTML-escaped, the tokens of k-grams that occur in `other` inside <mark>."""
+def _marked(code: Code, other: Code) -> str:
+    """code.source, HTML-escaped, the tokens of its k-grams that occur in `other` (boilerplate aside) in <mark>."""
     hits = [False] * len(code.tokens)
-    common = other.all_grams & boiler_free
+    common = code.own & other.own
     for i, h in enumerate(code.grams):
         if h in common:
             hits[i:i + K] = [True] * K
@@ -277,6 +278,14 @@ border-bottom:1px solid #ddd;text-align:left}.pair{display:flex;gap:1em}.pair>di
 pre{background:#f6f6f6;padding:.5em;overflow-x:auto;font-size:85%}mark{background:#ffd54f}h3{margin-top:2em}"""
 
 
+def _references(names: list[str] | None) -> str:
+    if names is None:
+        return f"not looked up: no submission has {MIN_FINGERPRINTS} fingerprints of its own in this cell"
+    if not names:
+        return "none mapped: its checks name no dlo reference (compared with the students and the solution)"
+    return html.escape(", ".join(names))
+
+
 def page(rows: list[dict], snippets: dict, mapped: dict, submissions: int) -> str:
     e = html.escape
     head = (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>Similarity</title><style>{STYLE}</style>"
@@ -286,22 +295,20 @@ def page(rows: list[dict], snippets: dict, mapped: dict, submissions: int) -> st
             f"symbol, the released stub never counts. Listed: similarity &ge; {THRESHOLD} ({len(rows)}), most "
             f"similar first{f', the first {MAX_SHOWN} shown (all in similarity.csv)' if len(rows) > MAX_SHOWN else ''}."
             f" A high score is a reason to read the two cells, not a verdict; it never changes a score.</p>")
-    refs = "".join(f"<tr><td>{e(d)}</td><td>{e(c)}</td><td>{e(', '.join(n)) if n else 'none mapped: '}"
-                   f"{'' if n else 'its checks name no dlo reference (compared with students and the solution)'}"
-                   f"</td></tr>" for (d, c), n in sorted(mapped.items()))
+    refs = "".join(f"<tr><td>{e(d)}</td><td>{e(c)}</td><td>{_references(n)}</td></tr>"
+                   for (d, c), n in sorted(mapped.items()))
     body = [head, "<h2>Exercises and their library references</h2><table><tr><th>day</th><th>cell</th>"
             f"<th>library reference</th></tr>{refs}</table>", "<h2>Pairs</h2>"]
     if not rows:
         body.append("<p>No pair at or above the threshold.</p>")
     for r in rows[:MAX_SHOWN]:
         a, b = snippets[(r["day"], r["cell"])][r["student"]], snippets[(r["day"], r["cell"])][r["other"]]
-        counted = a.fingerprints | b.fingerprints
         other = {"student": r["other"], "solution": "the instructors' solution"}.get(r["kind"], f"library {r['other']}")
         body.append(
             f"<h3>{r['similarity']:.2f} &middot; {e(r['day'])} / {e(r['cell'])}: {e(r['student'])} and {e(other)}</h3>"
             f"<p>{r['student_in_other']:.0%} of {e(r['student'])}'s fingerprints are in the other, "
             f"{r['other_in_student']:.0%} the other way ({r['fingerprints']} shared).</p><div class='pair'>"
-            f"<div><b>{e(r['student'])}</b><pre>{_marked(a, b, counted)}</pre></div>"
-            f"<div><b>{e(other)}</b><pre>{_marked(b, a, counted)}</pre></div></div>")
+            f"<div><b>{e(r['student'])}</b><pre>{_marked(a, b)}</pre></div>"
+            f"<div><b>{e(other)}</b><pre>{_marked(b, a)}</pre></div></div>")
     body.append("</body></html>\n")
     return "\n".join(body)
