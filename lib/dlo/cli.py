@@ -7,7 +7,7 @@
     dlo check
     dlo grade SUBMITTED_DIR [--out DIR] [--jobs N] [--shard K/N] [--regrade] [--cell-timeout S] [--require-full]
     dlo grade --merge DIR
-    dlo setup student|instructor [--user|--config-dir DIR] [--exchange DIR] [--cell-timeout S]
+    dlo setup student|instructor [--user|--config-dir DIR] [--exchange DIR] [--course-id ID] [--cell-timeout S]
     dlo bench [OP ...]
 
 Every command follows `dlo.errors`: errors and warnings on stderr as `dlo <command>: ...`, exit status 2
@@ -109,6 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--config-dir", default=None, metavar="DIR", help="write to this Jupyter config folder instead")
     setup.add_argument("--exchange", default=None, metavar="DIR",
                        help="nbgrader exchange folder (default <sys.prefix>/share/nbgrader/exchange)")
+    setup.add_argument("--course-id", default=None, metavar="ID",
+                       help="the course's name in the exchange (nbgrader's release, fetch, submit, collect need one)")
     setup.add_argument("--cell-timeout", type=positive(int), default=1800,
                        help="seconds per cell for Validate (default 1800)")
 
@@ -175,7 +177,7 @@ def dispatch(args: argparse.Namespace) -> int:
     if args.command == "setup":
         from dlo.harness.setup import setup
         return setup(args.role, user=args.user, cfg_dir=args.config_dir, exchange=args.exchange,
-                     cell_timeout=args.cell_timeout, root=root)
+                     cell_timeout=args.cell_timeout, root=root, course_id=args.course_id)
     if args.command == "bench":
         from dlo import bench
         return bench.main(args.ops, args.out)

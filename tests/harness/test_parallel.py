@@ -66,7 +66,7 @@ def test_jobs_and_shards_give_the_bytes_of_one_at_a_time(toy_root, tmp_path):
     manifest.write_text(real)
     dlo("grade", "--merge", str(parts), root=toy_root)
 
-    for name in ("scores.csv", "cells.csv"):
+    for name in ("scores.csv", "cells.csv", "similarity.csv", "similarity.html"):  # the report: across the parts
         assert (parts / name).read_bytes() == (one / name).read_bytes(), name
     assert _files(parts / "feedback") == _files(one / "feedback")
     scores = {r["student"]: (float(r["score"]), r["status"]) for r in read_csv(one / "scores.csv")}

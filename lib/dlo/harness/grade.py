@@ -7,9 +7,11 @@ every day anyone submitted ("no submission" and 0 for a missing, empty or cell-l
 Output, only inside DIR (new, empty, or an earlier `dlo grade` output: see `outdir`): scores.csv (one
 row per student and day, with the sandbox the grading ran in), cells.csv (one row per test cell),
 feedback/<student>/<day>.html (results and messages, no hidden test), results/ (one record per graded
-submission), and course/, the nbgrader course root built from solutions/ (locked test cells and
+submission), similarity.html and .csv (code that looks copied: `similarity`; no score depends on it),
+and course/, the nbgrader course root built from solutions/ (locked test cells and
 hidden tests come from the instructors' notebooks whatever a student edited), whose gradebook.db
-holds every submission once grading is done.
+holds every submission once grading is done, and whose submitted/ holds a copy of each graded one:
+nbgrader's formgrader, `nbgrader export` and `release_feedback` work there (`exchange`).
 
 Each submission is graded on its own (`pool`): its own nbgrader process, course root and gradebook,
 its own sandbox scratch; `--jobs N` grades N at once, with the same bytes in the CSVs as one at a
@@ -35,7 +37,7 @@ from pathlib import Path
 import nbformat
 
 from dlo.errors import BadInput, warn
-from dlo.harness import pool
+from dlo.harness import exchange, pool, similarity
 from dlo.harness.days import list_days, repo_root
 from dlo.harness.merge import is_part, merge  # noqa: F401 - merge: `dlo grade --merge`
 from dlo.harness.nbgrader_cli import NOT_SUBMITTED, generate_assignments
@@ -201,7 +203,8 @@ def main(root: Path, submitted: str, out: str | None, profile: str, cell_timeout
     print()
     print(format_table([{k: r[k] for k in SCORE_COLUMNS[:-1]} for r in rows]))
     print(f"\nscores: {out_dir / 'scores.csv'}\nper cell: {out_dir / 'cells.csv'}\nfeedback: {out_dir / 'feedback'}"
-          f"\ngradebook: {out_dir / 'course' / 'gradebook.db'}\nsandbox: {sandbox}")
+          f"\ngradebook: {out_dir / 'course' / 'gradebook.db'}\nsimilarity: {out_dir / 'similarity.html'}"
+          f"\nsandbox: {sandbox}")
     if part:
         print(f"part {part[0]} of {part[1]}: when every part is done, `dlo grade --merge {top}` joins them")
     if require_full and not all(float(r["max_score"]) > 0 and float(r["score"]) == float(r["max_score"]) for r in rows):
@@ -232,7 +235,7 @@ def _run(root, submitted_dir, top, out_dir, owned, graded_days, status, manifest
     if not resume or not (course / "template.db").is_file():
         shutil.rmtree(course, ignore_errors=True)
         course.mkdir()
-        config = CONFIG.format(cell_timeout=int(cell_timeout))
+        config = CONFIG.format(cell_timeout=int(cell_timeout)) + exchange.config_block(exchange.class_exchange())
         _load_config(config)  # nbgrader only logs a broken config file and goes on without it
         (course / "nbgrader_config.py").write_text(config)
         generate_assignments(root / "solutions", graded_days, course, db=course / "template.db")
@@ -261,6 +264,9 @@ def _run(root, submitted_dir, top, out_dir, owned, graded_days, status, manifest
     merge_gradebooks(course / "gradebook.db", course / "template.db",
                      [course / "gradebooks" / d / f"{s}.db" for (s, d), r in sorted(records.items())
                       if r["status"] == "graded"])
+    exchange.publish(course, submitted_dir, sorted(inputs), sorted({s for s, _ in status}))  # for nbgrader's tools
+    similarity.write_report(out_dir, graded_days, course / "source", course / "release",
+                            {k: course / "submitted" / k[0] / k[1] / f"{k[1]}.ipynb" for k in sorted(inputs)})
     write_json(out_dir / "grading.json", {**manifest, "complete": True})
     owned.record()
     return rows

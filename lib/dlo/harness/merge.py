@@ -5,7 +5,8 @@ grading.json that says which course version, settings and students it graded. Th
 listing every reason and writing nothing, when a part is missing, unfinished, of another split, of
 another course version or settings, or graded from another set of students; else it writes
 DIR/scores.csv and cells.csv (the rows of a single run, in the same order: the same bytes),
-DIR/feedback/ and DIR/gradebook.db (every part's submissions, joined by one process).
+DIR/feedback/, DIR/gradebook.db (every part's submissions, joined by one process) and
+DIR/similarity.csv and .html (every student compared with every other, across the parts).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import sys
 from pathlib import Path
 
 from dlo.errors import BadInput
+from dlo.harness import similarity
 from dlo.harness.outdir import OwnedDir
 from dlo.harness.results import CELL_COLUMNS, SCORE_COLUMNS, merge_gradebooks, read_csv, read_json, write_csv
 from dlo.tables import format_table
@@ -55,10 +57,14 @@ def merge(top_arg: str) -> int:
             copy_feedback_file(html, top / "feedback" / html.parent.name / html.name)
     first = ordered[0][0] / "course"
     merge_gradebooks(top / "gradebook.db", first / "template.db", [p / "course" / "gradebook.db" for p, _ in ordered])
+    similarity.write_report(top, ordered[0][1]["days"], first / "source", first / "release",
+                            {(nb.parts[-3], nb.parts[-2]): nb for p, _ in ordered
+                             for nb in sorted((p / "course" / "submitted").glob("*/*/*.ipynb"))
+                             if nb.name == f"{nb.parts[-2]}.ipynb"})
     owned.record()
     print(format_table([{k: r[k] for k in SCORE_COLUMNS[:-1]} for r in rows]))
     print(f"\nmerged {len(ordered)} parts: {top / 'scores.csv'}, {top / 'cells.csv'}, {top / 'feedback'}, "
-          f"{top / 'gradebook.db'}")
+          f"{top / 'gradebook.db'}, {top / 'similarity.html'}")
     return 0
 
 

@@ -10,11 +10,14 @@ folder unless `--user` is given):
   disable/enable --level=sys_prefix` writes it;
 - `jupyter_server_config.d/<extension>.json`: the server extensions, as `jupyter server extension
   disable/enable --sys-prefix` writes them;
-- `nbgrader_config.py`: the cell timeout and the exchange folder. nbgrader reads the nbgrader_config.py
-  of every Jupyter config folder, then the one of its working directory; so the course's timeout
-  (nbgrader's default is 30 s) holds wherever a student opens a day folder, a copy outside the
-  checkout included. Only role-neutral settings go here: `dlo release` and `dlo grade` run nbgrader
-  in course roots of their own and read this file too.
+- `nbgrader_config.py`: the cell timeout, the exchange folder and (`--course-id`) the course's name
+  in it, which release_assignment, fetch_assignment, submit, collect and the feedback need. nbgrader
+  reads the nbgrader_config.py of every Jupyter config folder, then the one of its working directory;
+  so the course's timeout (nbgrader's default is 30 s) holds wherever a student opens a day folder, a
+  copy outside the checkout included. Only role-neutral settings go here. `dlo release` and `dlo
+  grade` run nbgrader in course roots of their own, with those roots' settings only; `dlo grade`
+  copies the course id and exchange into its output's course root (`exchange`), so that
+  `nbgrader release_feedback` works there.
 
 Running it again changes nothing; switching role rewrites the same keys. JSON files are updated key by
 key (other settings in them are kept); nothing is deleted; an nbgrader_config.py that `dlo setup` did
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -48,15 +52,17 @@ MARKER = "# Written by `dlo setup`"
 CELL_TIMEOUT = 1800  # seconds: cells of the full profile run for minutes (nbgrader's default: 30)
 
 
-def nbgrader_config_text(role: str, cell_timeout: int, exchange: Path) -> str:
+def nbgrader_config_text(role: str, cell_timeout: int, exchange: Path, course_id: str | None = None) -> str:
+    course = ("# The course's name in the exchange (release_assignment, fetch_assignment, submit, collect, feedback).\n"
+              f"c.CourseDirectory.course_id = {course_id!r}\n" if course_id else
+              "# No course id (`dlo setup --course-id ID`): nbgrader's release, fetch, submit and collect need one.\n")
     return f'''{MARKER} ({role}); `dlo setup` rewrites this file, edit the command's options instead.
 c = get_config()  # noqa: F821 (provided by traitlets)
 # Validate runs the whole notebook: cells of the full profile run for minutes (nbgrader's default is 30 s).
 c.Execute.timeout = {int(cell_timeout)}
 # The folder assignments are released to and collected from (nbgrader's default one usually does not exist).
 c.Exchange.root = {str(exchange)!r}
-# No course_id here: the gradebooks `dlo release`/`dlo grade` make are keyed by nbgrader's default one.
-'''
+''' + course
 
 
 def config_dir(user: bool = False, explicit: str | Path | None = None) -> Path:
@@ -80,7 +86,8 @@ def default_exchange(cfg: Path, user: bool = False, explicit: bool = False) -> P
     return Path(sys.prefix, "share", "nbgrader", "exchange").resolve()
 
 
-def planned_files(role: str, cfg: Path, cell_timeout: int, exchange: Path) -> dict[Path, dict | str]:
+def planned_files(role: str, cfg: Path, cell_timeout: int, exchange: Path,
+                  course_id: str | None = None) -> dict[Path, dict | str]:
     """{path: JSON keys to merge in, or the whole text of nbgrader_config.py}."""
     files: dict[Path, dict | str] = {}
     disabled = {NBGRADER_LAB + name: not on for name, on in LAB_PLUGINS[role].items()}
@@ -88,7 +95,7 @@ def planned_files(role: str, cfg: Path, cell_timeout: int, exchange: Path) -> di
     for name, on in SERVER_EXTENSIONS[role].items():
         module = f"nbgrader.server_extensions.{name}"
         files[cfg / "jupyter_server_config.d" / f"{module}.json"] = {"ServerApp": {"jpserver_extensions": {module: on}}}
-    files[cfg / "nbgrader_config.py"] = nbgrader_config_text(role, cell_timeout, exchange)
+    files[cfg / "nbgrader_config.py"] = nbgrader_config_text(role, cell_timeout, exchange, course_id)
     return files
 
 
@@ -137,16 +144,19 @@ def write(path: Path, content: dict | str) -> str:
 
 
 def setup(role: str, *, user: bool = False, cfg_dir: str | Path | None = None, exchange: str | Path | None = None,
-          cell_timeout: int = CELL_TIMEOUT, root: Path | None = None) -> int:
+          cell_timeout: int = CELL_TIMEOUT, root: Path | None = None, course_id: str | None = None) -> int:
     if role not in LAB_PLUGINS:
         raise BadInput(f"unknown role {role!r}; choose student or instructor")
     if cell_timeout <= 0:
         raise BadInput(f"--cell-timeout must be > 0 seconds, got {cell_timeout}")
+    if course_id is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", course_id):
+        raise BadInput(f"--course-id {course_id!r}: letters, digits, '.', '_' and '-' only "
+                       f"(it names a folder of the exchange)")
     cfg = config_dir(user, cfg_dir)
     ex = Path(exchange).expanduser().resolve() if exchange else default_exchange(cfg, user, bool(cfg_dir))
     if ex.exists() and not ex.is_dir():
         raise BadInput(f"exchange {ex} exists and is not a folder")
-    files = planned_files(role, cfg, cell_timeout, ex)
+    files = planned_files(role, cfg, cell_timeout, ex, course_id)
     found = problems(files)
     if found:
         for p in found:

@@ -1,0 +1,314 @@
+"""A similarity report beside `dlo grade`'s scores: code that looks copied, for an instructor to read.
+
+Every exercise cell (an nbgrader solution cell, matched by its grade_id) of every graded submission is
+compared with the same cell of every other student, with the instructors' solution, and with the
+library's reference implementations the exercise is graded against: the `dlo.*` names its checks
+forbid (`@check(forbid=...)`, read from the `dlo.checks.<module>.check_<name>` calls of the test
+cells that follow it), since the library the students install holds them. An exercise whose checks
+name no `dlo` reference (plain asserts) is compared with the students and the solution only, and the
+report says so.
+
+The comparison is MOSS's winnowing (Schleimer, Wilkerson and Aiken, SIGMOD 2003) over Python tokens:
+names become one symbol (renaming every variable changes nothing), attribute names after a dot stay
+(the API a solution calls is its substance), strings become one symbol, comments and layout are
+dropped; k-grams of K tokens are hashed (a stable hash: the same bytes every run) and winnowed with
+a window of W, which keeps every match of K + W - 1 tokens or more. Every k-gram of the released stub
+(the function signature, `raise NotImplementedError()`) is boilerplate and never counts, so
+untouched notebooks never look copied from each other. The share of A's fingerprints found anywhere
+in B is "A in B"; a pair's similarity is the larger of the two shares (with the library: the
+student's share only, the library's sources being long). A cell with fewer than MIN_FINGERPRINTS of
+its own is left out (one line of code is the same in every correct answer).
+
+OUT/similarity.csv lists every comparison at or above THRESHOLD, most similar first;
+OUT/similarity.html shows the first MAX_SHOWN of them with the two snippets side by side and the
+matching code marked. The report never changes a score, and a failure in it never fails the grading.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import html
+import importlib
+import inspect
+import io
+import json
+import keyword
+import re
+import tokenize
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dlo.errors import warn
+from dlo.harness.results import write_csv
+
+K = 6  # tokens per k-gram: shorter matches are noise
+W = 4  # winnowing window: every match of K + W - 1 = 9 tokens or more is seen
+THRESHOLD = 0.5
+MIN_FINGERPRINTS = 4
+MAX_SHOWN = 200
+MAX_SNIPPET = 20000  # characters of a snippet shown (a pasted megabyte stays in the CSV only)
+COLUMNS = ["similarity", "day", "cell", "student", "other", "kind", "student_in_other", "other_in_student",
+           "fingerprints"]
+CHECK_CALL = re.compile(r"\bdlo\.checks\.(\w+)\.(check_\w+)")
+_SKIP = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.ENDMARKER,
+         tokenize.ENCODING} | {getattr(tokenize, n) for n in ("FSTRING_MIDDLE", "FSTRING_END") if hasattr(tokenize, n)}
+_STRINGS = {tokenize.STRING} | {getattr(tokenize, n) for n in ("FSTRING_START",) if hasattr(tokenize, n)}
+
+
+# ----------------------------------------------------------------------------- fingerprints
+
+def normalized_tokens(source: str) -> list[tuple[str, int, int]]:
+    """(token as compared, start, end) for the code of `source`; as far as it tokenizes."""
+    starts, pos = [0], 0
+    for line in source.splitlines(keepends=True):
+        pos += len(line)
+        starts.append(pos)
+    out: list[tuple[str, int, int]] = []
+    try:
+        for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+            if tok.type in _SKIP:
+                continue
+            if tok.type == tokenize.NAME:
+                text = tok.string if keyword.iskeyword(tok.string) or (out and out[-1][0] == ".") else "V"
+            elif tok.type in _STRINGS:
+                text = "S"
+            else:
+                text = tok.string
+            start = starts[tok.start[0] - 1] + tok.start[1]
+            end = starts[min(tok.end[0], len(starts)) - 1] + tok.end[1]
+            out.append((text, start, end))
+    except (tokenize.TokenError, SyntaxError):
+        pass  # unfinished code: what came before counts
+    return out
+
+
+def _hash(gram: list[str]) -> int:
+    return int.from_bytes(hashlib.blake2b("\x1f".join(gram).encode(), digest_size=8).digest(), "big")
+
+
+@dataclass
+class Code:
+    """One snippet: its source, tokens, every k-gram hash (by position) and its winnowed fingerprints."""
+
+    source: str
+    tokens: list = field(default_factory=list)
+    grams: list = field(default_factory=list)  # hash of the k-gram starting at each token
+    fingerprints: set = field(default_factory=set)  # winnowed, boilerplate removed
+    own: set = field(default_factory=set)  # every k-gram hash but the boilerplate's (what the page marks)
+
+    @classmethod
+    def of(cls, source: str, boilerplate: frozenset = frozenset()) -> Code:
+        tokens = normalized_tokens(source)
+        words = [t[0] for t in tokens]
+        grams = [_hash(words[i:i + K]) for i in range(len(words) - K + 1)]
+        return cls(source, tokens, grams, winnow(grams) - boilerplate, set(grams) - boilerplate)
+
+    @property
+    def all_grams(self) -> set:
+        return set(self.grams)
+
+
+def winnow(grams: list[int], window: int = W) -> set[int]:
+    """The robust winnowing of Schleimer et al.: in each window of `window` consecutive hashes, the
+    smallest (the rightmost of equals)."""
+    chosen, last = set(), -1
+    for i in range(max(1, len(grams) - window + 1)):
+        span = range(i, min(i + window, len(grams)))
+        if not span:
+            break
+        j = min(span, key=lambda j: (grams[j], -j))
+        if j != last:
+            chosen.add(grams[j])
+            last = j
+    return chosen
+
+
+def share(a: Code, b: Code) -> float:
+    """The share of a's fingerprints that occur in b."""
+    return len(a.fingerprints & b.all_grams) / len(a.fingerprints) if a.fingerprints else 0.0
+
+
+# ----------------------------------------------------------------------------- what is compared
+
+def cells_of(path: Path) -> dict[str, str]:
+    """{grade_id: source} of a notebook's code solution cells; {} when it cannot be read."""
+    try:
+        nb = json.loads(path.read_text())
+        cells = nb["cells"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+    out = {}
+    for cell in cells if isinstance(cells, list) else []:
+        meta = cell.get("metadata", {}).get("nbgrader", {}) if isinstance(cell, dict) else {}
+        if isinstance(meta, dict) and meta.get("solution") and cell.get("cell_type") == "code" and meta.get("grade_id"):
+            src = cell.get("source", "")
+            out.setdefault(str(meta["grade_id"]), "".join(src) if isinstance(src, list) else str(src))
+    return out
+
+
+def exercises(instructors: Path) -> dict[str, list[str]]:
+    """{grade_id of a solution cell: the dlo.checks calls of the test cells after it, up to the next one}."""
+    nb = json.loads(instructors.read_text())
+    out: dict[str, list[str]] = {}
+    current = None
+    for cell in nb["cells"]:
+        meta = cell.get("metadata", {}).get("nbgrader", {})
+        src = "".join(cell.get("source", ""))
+        if meta.get("solution") and cell.get("cell_type") == "code":
+            current = meta.get("grade_id")
+            out.setdefault(current, [])
+        elif meta.get("grade") and current is not None:
+            out[current] += [f"dlo.checks.{m}.{f}" for m, f in CHECK_CALL.findall(src)]
+    return out
+
+
+def library_references(checks: list[str]) -> dict[str, str]:
+    """{dotted name: source} of the dlo functions and classes the checks forbid (the references the
+    exercise is graded against); names that cannot be imported or read are left out."""
+    from dlo.checks.common import _resolve
+
+    names: list[str] = []
+    for call in dict.fromkeys(checks):
+        module, func = call.rsplit(".", 1)
+        try:
+            forbid = getattr(importlib.import_module(module), func).forbid
+        except Exception:  # noqa: BLE001 - a check that moved: no reference, the report says so
+            continue
+        names += [n for n in forbid if n.startswith("dlo.") and not n.startswith("dlo.checks.")]
+    sources: dict[str, str] = {}
+    for name in dict.fromkeys(names):
+        try:
+            owner, attr = _resolve(name)
+            targets = ([(f"{owner.__name__}.{a}", v) for a, v in sorted(vars(owner).items())
+                        if not a.startswith("_") and callable(v) and getattr(v, "__module__", None) == owner.__name__]
+                       if attr == "*" else [(name, getattr(owner, attr))])
+        except Exception:  # noqa: BLE001
+            continue
+        for dotted, obj in targets:
+            try:
+                sources.setdefault(dotted, inspect.getsource(inspect.unwrap(obj)))
+            except (TypeError, OSError):
+                continue  # a builtin or a C function: no source to compare with
+    return sources
+
+
+# ----------------------------------------------------------------------------- the report
+
+def compare(days: list[str], instructors: Path, release: Path, submissions: dict[tuple[str, str], Path]
+            ) -> tuple[list[dict], dict, dict]:
+    """(rows at or above THRESHOLD, most similar first; {(day, cell): Code by owner} for the page;
+    {(day, cell): [library names], [] when none is mapped, None when no cell needed them})."""
+    rows, snippets, mapped = [], {}, {}
+    for day in days:
+        theirs = instructors / day / f"{day}.ipynb"
+        solution, stub = cells_of(theirs), cells_of(release / day / f"{day}.ipynb")
+        students = {s: cells_of(p) for (s, d), p in sorted(submissions.items()) if d == day}
+        for cell, checks in exercises(theirs).items():
+            boiler = frozenset(Code.of(stub.get(cell, "")).all_grams)
+            codes = {s: Code.of(cells[cell], boiler) for s, cells in students.items() if cell in cells}
+            codes = {s: c for s, c in codes.items() if len(c.fingerprints) >= MIN_FINGERPRINTS}
+            others = {"solutions": ("solution", Code.of(solution.get(cell, ""), boiler))}
+            refs = library_references(checks) if codes else {}  # nothing to compare: no import of the checks
+            mapped[(day, cell)] = sorted(refs) if codes else None
+            others.update({name: ("library", Code.of(src, boiler)) for name, src in refs.items()})
+            snippets[(day, cell)] = {**{s: c for s, c in codes.items()}, **{n: c for n, (_, c) in others.items()}}
+            names = sorted(codes)
+            for i, a in enumerate(names):
+                for b in names[i + 1:]:
+                    rows.append(_row(day, cell, a, b, "student", codes[a], codes[b]))
+                for other, (kind, code) in others.items():
+                    if code.fingerprints or kind == "library":
+                        rows.append(_row(day, cell, a, other, kind, codes[a], code))
+    rows = [r for r in rows if r["similarity"] >= THRESHOLD]
+    rows.sort(key=lambda r: (-r["similarity"], r["day"], r["cell"], r["student"], r["other"]))
+    return rows, snippets, mapped
+
+
+def _row(day, cell, a, b, kind, code_a: Code, code_b: Code) -> dict:
+    a_in_b, b_in_a = share(code_a, code_b), share(code_b, code_a)
+    similarity = a_in_b if kind == "library" else max(a_in_b, b_in_a)
+    return {"similarity": round(similarity, 3), "day": day, "cell": cell, "student": a, "other": b, "kind": kind,
+            "student_in_other": round(a_in_b, 3), "other_in_student": round(b_in_a, 3),
+            "fingerprints": len(code_a.fingerprints & code_b.all_grams)}
+
+
+def write_report(out: Path, days: list[str], instructors: Path, release: Path,
+                 submissions: dict[tuple[str, str], Path]) -> list[dict] | None:
+    """out/similarity.csv and out/similarity.html; the rows, or None (a warning on stderr, nothing
+    else changed) when the report could not be made."""
+    try:
+        rows, snippets, mapped = compare(days, instructors, release, submissions)
+        write_csv(out / "similarity.csv", rows, COLUMNS)
+        tmp = out / "similarity.html.tmp"
+        tmp.write_text(page(rows, snippets, mapped, len(submissions)))
+        tmp.replace(out / "similarity.html")
+    except Exception as exc:  # noqa: BLE001 - the scores are written; the report is an aside
+        warn("grade", f"no similarity report ({type(exc).__name__}: {exc})")
+        return None
+    return rows
+
+
+def _marked(code: Code, other: Code) -> str:
+    """code.source, HTML-escaped, the tokens of its k-grams that occur in `other` (boilerplate aside) in <mark>."""
+    hits = [False] * len(code.tokens)
+    common = code.own & other.own
+    for i, h in enumerate(code.grams):
+        if h in common:
+            hits[i:i + K] = [True] * K
+    text, pos, out = code.source[:MAX_SNIPPET], 0, []
+    i = 0
+    while i < len(code.tokens):
+        if not hits[i]:
+            i += 1
+            continue
+        j = i
+        while j + 1 < len(code.tokens) and hits[j + 1]:
+            j += 1
+        start, end = code.tokens[i][1], code.tokens[j][2]
+        if start >= len(text):
+            break
+        out += [html.escape(text[pos:start]), "<mark>", html.escape(text[start:end]), "</mark>"]
+        pos, i = min(end, len(text)), j + 1
+    out.append(html.escape(text[pos:]))
+    return "".join(out) + ("\n... (cut)" if len(code.source) > MAX_SNIPPET else "")
+
+
+STYLE = """body{font-family:sans-serif;margin:1.5em}table{border-collapse:collapse}td,th{padding:2px 8px;
+border-bottom:1px solid #ddd;text-align:left}.pair{display:flex;gap:1em}.pair>div{flex:1;min-width:0}
+pre{background:#f6f6f6;padding:.5em;overflow-x:auto;font-size:85%}mark{background:#ffd54f}h3{margin-top:2em}"""
+
+
+def _references(names: list[str] | None) -> str:
+    if names is None:
+        return f"not looked up: no submission has {MIN_FINGERPRINTS} fingerprints of its own in this cell"
+    if not names:
+        return "none mapped: its checks name no dlo reference (compared with the students and the solution)"
+    return html.escape(", ".join(names))
+
+
+def page(rows: list[dict], snippets: dict, mapped: dict, submissions: int) -> str:
+    e = html.escape
+    head = (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>Similarity</title><style>{STYLE}</style>"
+            f"</head><body><h1>Similarity of the exercise cells</h1><p>{submissions} submission(s) compared: each "
+            f"exercise cell with the same cell of every other student, the instructors' solution and the library "
+            f"references of its checks; winnowed fingerprints of {K} tokens (window {W}); names count as one "
+            f"symbol, the released stub never counts. Listed: similarity &ge; {THRESHOLD} ({len(rows)}), most "
+            f"similar first{f', the first {MAX_SHOWN} shown (all in similarity.csv)' if len(rows) > MAX_SHOWN else ''}."
+            f" A high score is a reason to read the two cells, not a verdict; it never changes a score.</p>")
+    refs = "".join(f"<tr><td>{e(d)}</td><td>{e(c)}</td><td>{_references(n)}</td></tr>"
+                   for (d, c), n in sorted(mapped.items()))
+    body = [head, "<h2>Exercises and their library references</h2><table><tr><th>day</th><th>cell</th>"
+            f"<th>library reference</th></tr>{refs}</table>", "<h2>Pairs</h2>"]
+    if not rows:
+        body.append("<p>No pair at or above the threshold.</p>")
+    for r in rows[:MAX_SHOWN]:
+        a, b = snippets[(r["day"], r["cell"])][r["student"]], snippets[(r["day"], r["cell"])][r["other"]]
+        other = {"student": r["other"], "solution": "the instructors' solution"}.get(r["kind"], f"library {r['other']}")
+        body.append(
+            f"<h3>{r['similarity']:.2f} &middot; {e(r['day'])} / {e(r['cell'])}: {e(r['student'])} and {e(other)}</h3>"
+            f"<p>{r['student_in_other']:.0%} of {e(r['student'])}'s fingerprints are in the other, "
+            f"{r['other_in_student']:.0%} the other way ({r['fingerprints']} shared).</p><div class='pair'>"
+            f"<div><b>{e(r['student'])}</b><pre>{_marked(a, b)}</pre></div>"
+            f"<div><b>{e(other)}</b><pre>{_marked(b, a)}</pre></div></div>")
+    body.append("</body></html>\n")
+    return "\n".join(body)

@@ -1,0 +1,125 @@
+"""The similarity report (issue 26) on made-up submissions of the toy course: a renamed copy scores
+about 1, independent code low, the untouched release never, and the library's reference is found."""
+
+from __future__ import annotations
+
+import csv
+import inspect
+import re
+from pathlib import Path
+
+from dlo.harness import similarity as S
+from tests.harness.conftest import ADAMW, DAY, edit_cells, grade_id
+
+ADAMW_OWN = ADAMW.replace("    ### BEGIN SOLUTION\n", "").replace("\n    ### END SOLUTION", "")
+RENAMES = {"param": "w", "grad": "g", "exp_avg_sq": "second", "exp_avg": "first", "step": "t", "lr": "eta",
+           "beta1": "b_one", "beta2": "b_two", "eps": "tiny", "weight_decay": "decay"}
+# The same AdamW step written another way: moments out of place, bias-corrected estimates, one update.
+INDEPENDENT = '''def adamw_step(param, grad, exp_avg, exp_avg_sq, step, *, lr, beta1=0.9, beta2=0.999, eps=1e-8,
+               weight_decay=1e-2):
+    new_first = beta1 * exp_avg + (1.0 - beta1) * grad
+    new_second = beta2 * exp_avg_sq + (1.0 - beta2) * grad ** 2
+    first_hat = new_first / (1.0 - beta1 ** step)
+    second_hat = new_second / (1.0 - beta2 ** step)
+    update = first_hat / (second_hat ** 0.5 + eps)
+    with torch.no_grad():
+        exp_avg.copy_(new_first)
+        exp_avg_sq.copy_(new_second)
+        param.copy_(param * (1.0 - lr * weight_decay) - lr * update)
+'''
+
+
+NORM = """def norm(x, y):
+    squares = [value * value for value in (x, y)]
+    total = sum(squares)
+    return math.sqrt(total)
+"""
+
+
+def rename(source: str, names: dict[str, str]) -> str:
+    for old, new in names.items():
+        source = re.sub(rf"\b{old}\b", new, source)
+    return source
+
+
+def library_copy() -> str:
+    """dlo.optim.reference.adamw_step's body under the exercise's signature, every name changed."""
+    from dlo.optim.reference import adamw_step
+
+    lines = inspect.getsource(adamw_step).splitlines()
+    body = lines[next(i for i, line in enumerate(lines) if "_check_same_shape" in line):]
+    return rename(ADAMW.split("    ### BEGIN SOLUTION")[0] + "\n".join(body), RENAMES)
+
+
+def _students(toy_root: Path, submitted: Path, answers: dict[str, str | None]) -> dict:
+    release = toy_root / "course" / DAY / f"{DAY}.ipynb"
+    paths = {}
+    for student, code in answers.items():
+        def edit(cell, code=code, student=student):
+            if code is not None and grade_id(cell) == "adamw":
+                cell["source"] = code
+            if grade_id(cell) == "add" and code is not None:
+                cell["source"] = "def add(a, b):\n    return a + b"  # one line: the same in every answer
+            if grade_id(cell) == "norm" and student == "eve":
+                cell["source"] = NORM
+        paths[(student, DAY)] = edit_cells(release, submitted / student / DAY / f"{DAY}.ipynb", edit)
+    return paths
+
+
+def test_renamed_copies_score_high_independent_code_low_stubs_never(toy_template, tmp_path):
+    copied = rename(ADAMW_OWN, RENAMES).replace("    w.mul_", "    # <script>alert('x')</script> mine!\n    w.mul_")
+    answers = {"ann": ADAMW_OWN, "dan": copied, "eve": INDEPENDENT, "lib": library_copy(),
+               "bob": None, "fay": None}  # bob and fay: the untouched release
+    submissions = _students(toy_template, tmp_path / "submitted", answers)
+    source, release = tmp_path / "source", tmp_path / "release"
+    for folder, src in ((source, "solutions"), (release, "course")):
+        (folder / DAY).mkdir(parents=True)
+        (folder / DAY / f"{DAY}.ipynb").write_bytes((toy_template / src / DAY / f"{DAY}.ipynb").read_bytes())
+
+    out = tmp_path / "out"
+    out.mkdir()
+    rows = S.write_report(out, [DAY], source, release, submissions)
+    assert rows is not None
+    got = {(r["student"], r["other"]): r["similarity"] for r in rows}
+    assert got[("ann", "dan")] >= 0.95  # every name changed: still a copy
+    assert got[("ann", "solutions")] >= 0.95 and got[("dan", "solutions")] >= 0.95
+    assert got[("lib", "dlo.optim.reference.adamw_step")] >= 0.9  # the library's reference, renamed
+    assert not any("eve" in pair for pair in got), got  # independent: below the threshold everywhere
+    assert not any({"bob", "fay"} & set(pair) for pair in got), got  # untouched stubs: never compared
+    assert {r["cell"] for r in rows} == {"adamw"}  # `return a + b` is too short to say anything
+
+    # independent code is low against each of the others, not just under the threshold
+    cells = {s: S.cells_of(p)["adamw"] for (s, _), p in submissions.items()}
+    stub = frozenset(S.Code.of(S.cells_of(release / DAY / f"{DAY}.ipynb")["adamw"]).all_grams)
+    eve = S.Code.of(cells["eve"], stub)
+    for other in ("ann", "dan", "lib"):
+        code = S.Code.of(cells[other], stub)
+        assert max(S.share(eve, code), S.share(code, eve)) < 0.3, other
+    assert S.Code.of(cells["bob"], stub).fingerprints == set()  # the stub is all boilerplate
+
+    # the CSV holds the same rows, most similar first; the page escapes the students' code
+    with (out / "similarity.csv").open() as f:
+        listed = list(csv.DictReader(f))
+    assert [(r["student"], r["other"]) for r in listed] == [(r["student"], r["other"]) for r in rows]
+    assert [float(r["similarity"]) for r in listed] == sorted((float(r["similarity"]) for r in listed), reverse=True)
+    page = (out / "similarity.html").read_text()
+    assert "<script>" not in page and "&lt;script&gt;alert(&#x27;x&#x27;)&lt;/script&gt;" in page
+    assert "<mark>" in page and page.index("ann</b>") < page.index("dan</b>")
+    assert "dlo.optim.reference.adamw_step" in page
+    assert "none mapped" in page and "not looked up" in page  # norm: plain asserts; add: nothing to compare
+
+
+def test_tokens_ignore_names_comments_and_layout():
+    a = S.normalized_tokens("def f(x, y):\n    # add them\n    return x.add(y)  # done\n")
+    b = S.normalized_tokens("def g(p,q):\n\n    return p.add(q)\n")
+    assert [t[0] for t in a] == [t[0] for t in b] == ["def", "V", "(", "V", ",", "V", ")", ":", "return", "V", ".",
+                                                      "add", "(", "V", ")"]
+    assert S.normalized_tokens("x = (1,\n") != []  # unfinished code counts as far as it goes
+    src = "value = 'text'\n"
+    assert [(t, src[s:e]) for t, s, e in S.normalized_tokens(src)] == [("V", "value"), ("=", "="), ("S", "'text'")]
+
+
+def test_a_broken_report_never_fails_grading(tmp_path, capsys):
+    assert S.write_report(tmp_path, [DAY], tmp_path / "nothing", tmp_path / "nothing", {}) is None
+    assert "no similarity report" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
