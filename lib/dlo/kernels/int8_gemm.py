@@ -19,10 +19,13 @@ import triton.language as tl
 from torch import Tensor
 
 from dlo import quant
+from dlo.kernels.aot import CompileCase
 from dlo.kernels.runtime import bench_matmuls, kernel_available
 
 OUT_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 MAX_K = (2 ** 31 - 1) // (127 * 127)  # the int32 accumulator is safe up to this K
+GPU_BLOCKS = (128, 128, 64)  # (BLOCK_M, BLOCK_N, BLOCK_K)
+CPU_BLOCKS = (16, 16, 16)  # the interpreter: fewer wasted lanes on the tests' tiny shapes
 
 
 @triton.jit
@@ -73,7 +76,7 @@ def int8_gemm(a: Tensor, b: Tensor, sa: Tensor, sb: Tensor, out_dtype: torch.dty
     a, b = a.contiguous(), b.contiguous()
     sa, sb = sa.float().contiguous(), sb.float().contiguous()
     c = torch.empty((M, N), dtype=out_dtype, device=a.device)
-    BM, BN, BK = (128, 128, 64) if a.device.type == "cuda" else (16, 16, 16)
+    BM, BN, BK = GPU_BLOCKS if a.device.type == "cuda" else CPU_BLOCKS
     grid = (triton.cdiv(M, BM), triton.cdiv(N, BN))
     _int8_gemm_kernel[grid](a, b, sa, sb, c, M, N, K, OUT=OUT_DTYPES[out_dtype],
                             BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK)
@@ -94,6 +97,18 @@ def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
     """Dynamic symmetric per-row int8: (codes (M, K) int8, scales (M,) fp32); an all-zero row gets scale 0."""
     q, scale, _ = quant.quantize(x, 8, "channel", symmetric=True)  # scale (M, 1)
     return q, scale[:, 0]
+
+
+def compile_cases(M: int = 4096, K: int = 3072, N: int = 8192) -> list[CompileCase]:
+    """What a GPU launch compiles (see dlo.kernels.aot): every output dtype at GPU_BLOCKS; the work
+    at Llama 3.2 3B's MLP up-projection over M tokens: read a, b and the scales, write c."""
+    BM, BN, BK = GPU_BLOCKS
+    return [CompileCase(_int8_gemm_kernel, dict(a_ptr=torch.int8, b_ptr=torch.int8, sa_ptr=torch.float32,
+                                                sb_ptr=torch.float32, c_ptr=out, M=M, N=N, K=K, OUT=tl_out,
+                                                BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK),
+                        f"{str(out).removeprefix('torch.')} {BM}x{BN}x{BK}", shape=f"M={M} K={K} N={N}",
+                        bytes=M * K + N * K + 4 * (M + N) + M * N * out.itemsize, flops=2 * M * N * K, peak="int8_tops")
+            for out, tl_out in OUT_DTYPES.items()]
 
 
 # ----------------------------------------------------------------------------- benchmark

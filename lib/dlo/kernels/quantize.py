@@ -22,6 +22,7 @@ import triton.language as tl
 from torch import Tensor
 
 from dlo import quant
+from dlo.kernels.aot import CompileCase
 from dlo.kernels.runtime import kernel_available
 
 
@@ -112,6 +113,21 @@ def unpack_int4(packed: Tensor) -> Tensor:
     lo = (packed & 0xF).to(torch.int8) - 8
     hi = (packed >> 4).to(torch.int8) - 8
     return torch.stack((lo, hi), dim=-1).reshape(*packed.shape[:-1], 2 * packed.shape[-1])
+
+
+def compile_cases(N: int = 8192, K: int = 3072) -> list[CompileCase]:
+    """What a GPU launch compiles (see dlo.kernels.aot): BLOCK follows the group size, so per group
+    of 128 and per channel of Llama 3.2 3B's two input widths (3072, 8192), for each weight dtype;
+    the work at its (8192, 3072) MLP weight: read W, write the int8 codes and the scales."""
+    cases = []
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for G in (128, 3072, 8192):
+            args = dict(w_ptr=dtype, q_ptr=torch.int8, s_ptr=torch.float32, K=max(K, G), n_groups=max(K, G) // G,
+                        q_max=127.0, G=G, BLOCK=triton.next_power_of_2(G))
+            cases.append(CompileCase(_quantize_kernel, args, f"{str(dtype).removeprefix('torch.')} G={G}",
+                                     shape=f"N={N} K={K}", bytes=N * K * (dtype.itemsize + 1) + 4 * N * K // min(G, K),
+                                     flops=3 * N * K))
+    return cases
 
 
 # ----------------------------------------------------------------------------- benchmark

@@ -17,10 +17,20 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from dlo.kernels.aot import CompileCase
 from dlo.kernels.quantize import dequantize_weight, unpack_int4
 from dlo.kernels.runtime import bench_matmuls, kernel_available
 
 ACT_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+# Launch configurations. Decode (M <= 16) reads W once with tall-skinny tiles; larger M uses square
+# tensor-core tiles; the interpreter takes small tiles, fewer wasted lanes on tiny test shapes.
+# Compiled for sm_80/90/100 (tests/kernels/test_compile.py): the former GEMM tile, 64x128x64 on 4
+# warps, spilled ~1.3 KB per thread in W4A16 (the unpacked int4 tile sits in registers beside the
+# accumulator); 16x64x64 spilled 8 bytes on sm_100. These fit in registers on all three targets.
+DECODE = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4)
+GEMM = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8)
+CPU = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, num_warps=4)
+DECODE_MAX_M = 16
 
 
 @triton.jit
@@ -83,15 +93,11 @@ def weight_only_matmul(x: Tensor, w: Tensor, scale: Tensor, bits: int = 8) -> Te
                            f"tensors with TRITON_INTERPRET=1 (use weight_only_matmul_ref otherwise)")
     x, w, scale = x.contiguous(), w.contiguous(), scale.float().contiguous()
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    # Decode (M <= 16) reads W once with tall-skinny tiles; larger M uses square-ish tensor-core tiles.
-    BM = 16 if M <= 16 else 64
-    BN, BK = (64, 64) if M <= 16 else (128, 64)
-    if x.device.type == "cpu":  # the interpreter: small tiles, fewer wasted lanes on tiny test shapes
-        BM, BN, BK = 16, 16, 16
-    grid = (triton.cdiv(M, BM), triton.cdiv(N, BN))
+    config = CPU if x.device.type == "cpu" else DECODE if M <= DECODE_MAX_M else GEMM
+    grid = (triton.cdiv(M, config["BLOCK_M"]), triton.cdiv(N, config["BLOCK_N"]))
     _weight_only_matmul_kernel[grid](
         x, w, scale, y, M, N, K, scale.shape[1], G=K // scale.shape[1], INT4=bits == 4, ACT=ACT_DTYPES[x.dtype],
-        UPCAST=x.device.type == "cpu", BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK)
+        UPCAST=x.device.type == "cpu", **config)
     return y
 
 
@@ -100,6 +106,27 @@ def weight_only_matmul_ref(x: Tensor, w: Tensor, scale: Tensor, bits: int = 8) -
     _check(x, w, scale, bits)
     w_hat = dequantize_weight(unpack_int4(w) if bits == 4 else w, scale.float(), x.dtype)
     return (x.float() @ w_hat.float().T).to(x.dtype)
+
+
+def compile_cases(K: int = 3072, N: int = 8192, group_size: int = 128) -> list[CompileCase]:
+    """What a GPU launch compiles (see dlo.kernels.aot): both activation dtypes, 8 and 4 bits, the
+    decode and GEMM tiles; the work at Llama 3.2 3B's MLP up-projection (decode: M = 16 tokens,
+    GEMM: 4096): read x, the codes and the scales once, write y."""
+    cases = []
+    for act, tl_act in ACT_DTYPES.items():
+        for bits in (8, 4):
+            for config, M in ((DECODE, DECODE_MAX_M), (GEMM, 4096)):
+                blocks = {k: v for k, v in config.items() if k != "num_warps"}
+                args = dict(x_ptr=act, w_ptr=torch.int8 if bits == 8 else torch.uint8, s_ptr=torch.float32,
+                            y_ptr=act, M=M, N=N, K=K, n_groups=K // group_size, G=group_size, INT4=bits == 4,
+                            ACT=tl_act, UPCAST=False, **blocks)
+                moved = 2 * M * K + N * K * bits // 8 + 4 * N * K // group_size + 2 * M * N
+                cases.append(CompileCase(_weight_only_matmul_kernel, args, num_warps=config["num_warps"],
+                                         label=f"W{bits}A16 {str(act).removeprefix('torch.')} "
+                                               f"{'x'.join(str(b) for b in blocks.values())}",
+                                         shape=f"M={M} K={K} N={N} G={group_size}", bytes=moved,
+                                         flops=2 * M * N * K, peak="bf16_tflops"))
+    return cases
 
 
 # ----------------------------------------------------------------------------- benchmark
