@@ -24,10 +24,11 @@ from dlo.kernels.runtime import bench_matmuls, kernel_available
 ACT_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 # Launch configurations. Decode (M <= 16) reads W once with tall-skinny tiles; larger M uses square
 # tensor-core tiles; the interpreter takes small tiles, fewer wasted lanes on tiny test shapes.
-# Compiled for sm_80/90/100 (tests/kernels/test_compile.py): the former GEMM tile, 64x128x64 on 4
-# warps, spilled ~1.3 KB per thread in W4A16 (the unpacked int4 tile sits in registers beside the
-# accumulator); 16x64x64 spilled 8 bytes on sm_100. These fit in registers on all three targets.
-DECODE = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4)
+# Compiled for sm_80/90/100 (tests/kernels/test_compile.py), on 4 warps the former tiles spilled:
+# the GEMM one, 64x128x64, ~1.3 KB per thread in W4A16 (the unpacked int4 tile sits in registers
+# beside the accumulator), the decode one, 16x64x64, 8 bytes in W8A16 on sm_100; 16x64x128 spills
+# in W4A16. On 8 warps these fit in registers on all three targets (W4A16 decode: ~160 registers).
+DECODE = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, num_warps=8)
 GEMM = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8)
 CPU = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, num_warps=4)
 DECODE_MAX_M = 16
