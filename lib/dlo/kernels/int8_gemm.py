@@ -24,8 +24,15 @@ from dlo.kernels.runtime import bench_matmuls, kernel_available
 
 OUT_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 MAX_K = (2 ** 31 - 1) // (127 * 127)  # the int32 accumulator is safe up to this K
-GPU_BLOCKS = (128, 128, 64)  # (BLOCK_M, BLOCK_N, BLOCK_K)
-CPU_BLOCKS = (16, 16, 16)  # the interpreter: fewer wasted lanes on the tests' tiny shapes
+# GPU launch configurations, timed by triton.autotune per (M, N, K) on first use: decode tiles for
+# M <= 16 (one m16 tensor-core row block; the 128-row tile wasted 7/8 of its math there), GEMM tiles
+# above, for Llama 3.2 3B's projections (K = 3072 or 8192, N = 1024 to 8192). Every one is compiled
+# for sm_80/90/100 by tests/kernels/test_compile.py. The interpreter keeps one small tile.
+DECODE_MAX_M = 16
+DECODE_CONFIGS = (dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4),)
+GEMM_CONFIGS = (dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=3),
+                dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3))
+CPU_BLOCKS = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16)
 
 
 @triton.jit
@@ -49,6 +56,21 @@ def _int8_gemm_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, c_ptr,  # a (M, K) int8, b (
     c = acc.to(tl.float32) * sa[:, None] * sb[None, :]  # fused rescale: no int32 round trip through HBM
     tl.store(c_ptr + rm[:, None].to(tl.int64) * N + rn[None, :], c.to(OUT),
              mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+def _configs_for_m(configs, named_args, **kwargs):
+    """The autotuner times only the tiles made for this M (decode or GEMM)."""
+    decode = named_args["M"] <= DECODE_MAX_M
+    return [c for c in configs if (c.kwargs["BLOCK_M"] <= DECODE_MAX_M) == decode]
+
+
+def _config(c: dict):
+    blocks = {k: v for k, v in c.items() if k.startswith("BLOCK")}
+    return triton.Config(blocks, num_warps=c["num_warps"], num_stages=c["num_stages"])
+
+
+_int8_gemm_tuned = triton.autotune([_config(c) for c in DECODE_CONFIGS + GEMM_CONFIGS], key=["M", "N", "K"],
+                                   prune_configs_by={"early_config_prune": _configs_for_m})(_int8_gemm_kernel)
 
 
 def _check(a: Tensor, b: Tensor, sa: Tensor, sb: Tensor, out_dtype: torch.dtype) -> tuple[int, int, int]:
@@ -76,10 +98,12 @@ def int8_gemm(a: Tensor, b: Tensor, sa: Tensor, sb: Tensor, out_dtype: torch.dty
     a, b = a.contiguous(), b.contiguous()
     sa, sb = sa.float().contiguous(), sb.float().contiguous()
     c = torch.empty((M, N), dtype=out_dtype, device=a.device)
-    BM, BN, BK = GPU_BLOCKS if a.device.type == "cuda" else CPU_BLOCKS
-    grid = (triton.cdiv(M, BM), triton.cdiv(N, BN))
-    _int8_gemm_kernel[grid](a, b, sa, sb, c, M, N, K, OUT=OUT_DTYPES[out_dtype],
-                            BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK)
+    def grid(meta):
+        return triton.cdiv(M, meta["BLOCK_M"]), triton.cdiv(N, meta["BLOCK_N"])
+    if a.device.type == "cuda":
+        _int8_gemm_tuned[grid](a, b, sa, sb, c, M, N, K, OUT=OUT_DTYPES[out_dtype])
+    else:
+        _int8_gemm_kernel[grid](a, b, sa, sb, c, M, N, K, OUT=OUT_DTYPES[out_dtype], **CPU_BLOCKS)
     return c
 
 
@@ -99,16 +123,23 @@ def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
     return q, scale[:, 0]
 
 
-def compile_cases(M: int = 4096, K: int = 3072, N: int = 8192) -> list[CompileCase]:
-    """What a GPU launch compiles (see dlo.kernels.aot): every output dtype at GPU_BLOCKS; the work
-    at Llama 3.2 3B's MLP up-projection over M tokens: read a, b and the scales, write c."""
-    BM, BN, BK = GPU_BLOCKS
-    return [CompileCase(_int8_gemm_kernel, dict(a_ptr=torch.int8, b_ptr=torch.int8, sa_ptr=torch.float32,
-                                                sb_ptr=torch.float32, c_ptr=out, M=M, N=N, K=K, OUT=tl_out,
-                                                BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK),
-                        f"{str(out).removeprefix('torch.')} {BM}x{BN}x{BK}", shape=f"M={M} K={K} N={N}",
-                        bytes=M * K + N * K + 4 * (M + N) + M * N * out.itemsize, flops=2 * M * N * K, peak="int8_tops")
-            for out, tl_out in OUT_DTYPES.items()]
+def compile_cases(K: int = 3072, N: int = 8192) -> list[CompileCase]:
+    """What a GPU launch compiles (see dlo.kernels.aot): every output dtype in every autotuner
+    configuration; the work at Llama 3.2 3B's MLP up-projection over M tokens (decode: 16, GEMM:
+    4096): read a, b and the scales, write c."""
+    cases = []
+    for config in DECODE_CONFIGS + GEMM_CONFIGS:
+        M = DECODE_MAX_M if config["BLOCK_M"] <= DECODE_MAX_M else 4096
+        blocks = {k: v for k, v in config.items() if k.startswith("BLOCK")}
+        for out, tl_out in OUT_DTYPES.items():
+            args = dict(a_ptr=torch.int8, b_ptr=torch.int8, sa_ptr=torch.float32, sb_ptr=torch.float32, c_ptr=out,
+                        M=M, N=N, K=K, OUT=tl_out, **blocks)
+            cases.append(CompileCase(_int8_gemm_kernel, args, num_warps=config["num_warps"],
+                                     num_stages=config["num_stages"],
+                                     label=f"{str(out).removeprefix('torch.')} {'x'.join(map(str, blocks.values()))}",
+                                     shape=f"M={M} K={K} N={N}", flops=2 * M * N * K, peak="int8_tops",
+                                     bytes=M * K + N * K + 4 * (M + N) + M * N * out.itemsize))
+    return cases
 
 
 # ----------------------------------------------------------------------------- benchmark
