@@ -134,3 +134,14 @@ def test_compile_report_rows():
                                                           ("sm_90", "H200 SXM")]
     assert rows[0]["error"] == "boom" and rows[1]["smem KiB"] == 48 and rows[1]["occupancy %"] == 12.5
     assert rows[2]["roofline us"] == pytest.approx(bench.roofline_ms(case, "H200 SXM")[0] * 1e3)
+
+
+def test_expected_ratio_against_torch_by_hand():
+    # W4A16 decode, M=16 K=3072 N=8192 G=128 on H100: 4-bit codes + fp32 scales vs torch's bf16 weight.
+    case = _case("_weight_only_matmul_kernel[W4A16 bfloat16 16x64x64]")
+    ours = 2 * 16 * 3072 + 8192 * 3072 // 2 + 4 * 8192 * 3072 // 128 + 2 * 16 * 8192
+    theirs = 2 * (16 * 3072 + 8192 * 3072 + 16 * 8192)
+    assert case.bytes == ours
+    res = dict(regs=161, spill_stores=0, smem=45056, tensor_core="mma", occupancy=0.125)
+    row = bench.compile_report_rows({(case.name, 90): res}, [case])[0]
+    assert row["bound"] == "memory" and row["x torch"] == pytest.approx(theirs / ours)  # ~3.5x

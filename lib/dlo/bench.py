@@ -96,18 +96,19 @@ def main(ops: list[str], out_dir: str | Path = "bench/results") -> int:
 # ----------------------------------------------------------------------------- compile report (no GPU)
 
 REPORT_COLUMNS = ("kernel", "config", "target", "regs", "smem KiB", "spill B", "tensor core", "occupancy %",
-                  "shape", "MB moved", "GFLOP", "device", "roofline us", "bound")
+                  "shape", "MB moved", "GFLOP", "device", "roofline us", "bound", "x torch")
 
 
-def roofline_ms(case, device: str) -> tuple[float, str]:
+def roofline_ms(case, device: str, work: tuple | None = None) -> tuple[float, str]:
     """(time, "memory" or "compute"): the case's bytes at the device's peak HBM bandwidth or its flops
     at the peak rate of `case.peak`, whichever is longer (Williams et al. 2009); `device` is a
-    dlo.hardware.PEAKS label (datasheet figures cited there)."""
+    dlo.hardware.PEAKS label (datasheet figures cited there). `work`: other (bytes, flops, peak)."""
     figures = hardware.peak_for_name(device)
     if figures is None or figures["name"] != device:
         raise ValueError(f"{device!r} is not a dlo.hardware.PEAKS label")
-    memory_ms = case.bytes / (figures["hbm_gbs"] * 1e9) * 1e3
-    compute_ms = case.flops / (figures[case.peak] * 1e12) * 1e3
+    moved, flops, peak = work or (case.bytes, case.flops, case.peak)
+    memory_ms = moved / (figures["hbm_gbs"] * 1e9) * 1e3
+    compute_ms = flops / (figures[peak] * 1e12) * 1e3
     return max(memory_ms, compute_ms), "memory" if memory_ms >= compute_ms else "compute"
 
 
@@ -130,7 +131,9 @@ def compile_report_rows(results: dict, cases: list) -> list[dict]:
                             "tensor core": res["tensor_core"], "occupancy %": 100 * res["occupancy"]})
             for device in target["devices"] or (None,):
                 ms, bound = roofline_ms(case, device) if device else (None, None)
-                rows.append({**row, "device": device, "roofline us": ms and ms * 1e3, "bound": bound})
+                torch_ms = roofline_ms(case, device, case.torch)[0] if device and case.torch else None
+                rows.append({**row, "device": device, "roofline us": ms and ms * 1e3, "bound": bound,
+                             "x torch": torch_ms and torch_ms / ms})
     return rows
 
 

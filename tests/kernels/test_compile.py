@@ -88,3 +88,20 @@ def test_occupancy_by_hand():
     assert aot.occupancy(32, 100 * 1024, 4, 80) == 4 / 64
     # 255 regs round up to 256 per thread (whole 256-register warp units): 1 block of 8 warps.
     assert aot.occupancy(255, 0, 8, 80) == 8 / 64
+
+
+def test_every_autotune_configuration_is_compiled():
+    """Each triton.autotune configuration a GPU launch may pick has a compile case with its blocks,
+    warps and stages (for every dtype the kernel's other cases cover)."""
+    tuned = []
+    for info in pkgutil.iter_modules(dlo.kernels.__path__):
+        module = importlib.import_module(f"dlo.kernels.{info.name}")
+        tuned += [obj for obj in vars(module).values() if hasattr(obj, "configs") and hasattr(obj, "fn")]
+    assert tuned, "the int8 GEMM is autotuned"
+    for autotuner in tuned:
+        fn = aot.python_function(autotuner.fn)
+        cases = [c for c in CASES if aot.python_function(c.kernel) is fn]
+        compiled = {(tuple(sorted((k, v) for k, v in c.args.items() if k in cfg.kwargs)), c.num_warps, c.num_stages)
+                    for c in cases for cfg in autotuner.configs}
+        for cfg in autotuner.configs:
+            assert (tuple(sorted(cfg.kwargs.items())), cfg.num_warps, cfg.num_stages) in compiled, cfg

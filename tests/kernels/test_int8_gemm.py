@@ -52,3 +52,11 @@ def test_bad_input(device):
         quantize_rows(torch.tensor([[1.0, float("nan")]]))
     q, s = quantize_rows(torch.zeros(2, 4))
     assert (s == 0).all() and (q == 0).all()
+
+
+@pytest.mark.parametrize("M,decode", [(1, True), (16, True), (17, False), (4096, False)])
+def test_autotuner_times_only_the_tiles_for_this_m(M, decode):
+    from dlo.kernels import int8_gemm
+    kept = int8_gemm._configs_for_m(int8_gemm._int8_gemm_tuned.configs, {"M": M, "N": 8192, "K": 3072})
+    want = int8_gemm.DECODE_CONFIGS if decode else int8_gemm.GEMM_CONFIGS
+    assert [c.kwargs["BLOCK_M"] for c in kept] == [c["BLOCK_M"] for c in want] and kept

@@ -123,7 +123,8 @@ def compile_cases(numel: int = LLAMA_3B_PARAMS) -> list[CompileCase]:
                              block_start_ptr=torch.int64, found_inf_ptr=torch.float32, inv_scale_ptr=torch.float32,
                              G_DTYPE=tl_dtype, BLOCK=BLOCK_SIZE),
                         str(dtype).removeprefix("torch."), shape=f"{numel:.3g} grads",
-                        bytes=2 * numel * dtype.itemsize, flops=2 * numel)
+                        bytes=2 * numel * dtype.itemsize, flops=2 * numel,
+                        torch=(2 * numel * dtype.itemsize, 2 * numel, "fp32_tflops"))  # its foreach kernel
             for dtype, tl_dtype in GRAD_DTYPES.items()]
 
 

@@ -49,7 +49,8 @@ class CompileCase:
     """One compilation of `kernel`: `args` maps every kernel parameter to what the launcher passes
     (a torch dtype for a tensor, an int, a float, or the constexpr's value). `label` names the
     configuration; `shape`, `bytes`, `flops` and `peak` ("bf16_tflops", "int8_tops", ...) describe
-    the work at a named real shape, for the roofline (bytes = the minimum HBM traffic)."""
+    the work at a named real shape, for the roofline (bytes = the minimum HBM traffic); `torch`, if
+    given, is (bytes, flops, peak) of torch's op at the same shape, for the expected ratio."""
     kernel: object
     args: dict
     label: str
@@ -59,6 +60,7 @@ class CompileCase:
     bytes: int = 0
     flops: int = 0
     peak: str = "fp32_tflops"
+    torch: tuple | None = None
 
     @property
     def name(self) -> str:

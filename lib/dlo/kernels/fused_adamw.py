@@ -192,7 +192,8 @@ def compile_cases(numel: int = LLAMA_3B_PARAMS) -> list[CompileCase]:
                              BLOCK=BLOCK_SIZE), num_warps=NUM_WARPS,
                         label=f"{str(dtype).removeprefix('torch.')} {'aligned' if aligned else 'unaligned'}",
                         shape=f"{numel:.3g} params", bytes=_bytes_per_step(numel, dtype, torch.float32),
-                        flops=10 * numel)
+                        flops=10 * numel,  # torch's fused AdamW keeps its state in the param dtype
+                        torch=(_bytes_per_step(numel, dtype, dtype), 10 * numel, "fp32_tflops"))
             for dtype, tl_dtype in PARAM_DTYPES.items() for aligned in (True, False)]
 
 

@@ -138,7 +138,8 @@ def compile_cases(K: int = 3072, N: int = 8192) -> list[CompileCase]:
                                      num_stages=config["num_stages"],
                                      label=f"{str(out).removeprefix('torch.')} {'x'.join(map(str, blocks.values()))}",
                                      shape=f"M={M} K={K} N={N}", flops=2 * M * N * K, peak="int8_tops",
-                                     bytes=M * K + N * K + 4 * (M + N) + M * N * out.itemsize))
+                                     bytes=M * K + N * K + 4 * (M + N) + M * N * out.itemsize,
+                                     torch=(2 * (M * K + N * K + M * N), 2 * M * N * K, "bf16_tflops")))
     return cases
 
 

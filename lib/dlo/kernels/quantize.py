@@ -136,17 +136,18 @@ def unpack_int4(packed: Tensor) -> Tensor:
 
 def compile_cases(N: int = 8192, K: int = 3072) -> list[CompileCase]:
     """What a GPU launch compiles (see dlo.kernels.aot): BLOCK follows the group size up to MAX_BLOCK,
-    so groups of 128, per channel of Llama 3.2 3B's 3072 (the largest one-pass BLOCK, 4096) and of
-    its 8192 (the looping kernel), for each weight dtype; the work at its (8192, 3072) MLP weight:
-    read W, write the int8 codes and the scales."""
+    so groups of 128, per channel of Llama 3.2 3B's MLP weights, (8192, 3072) (the largest one-pass
+    BLOCK, 4096) and (3072, 8192) (the looping kernel), for each weight dtype; the work: read W,
+    write the int8 codes and the scales."""
     cases = []
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
-        for G in (128, 3072, 8192):
-            args = dict(w_ptr=dtype, q_ptr=torch.int8, s_ptr=torch.float32, K=max(K, G), n_groups=max(K, G) // G,
+        for G in (128, K, N):
+            rows, cols = (N, K) if G <= K else (K, N)  # per channel of 8192: the down-projection, (3072, 8192)
+            args = dict(w_ptr=dtype, q_ptr=torch.int8, s_ptr=torch.float32, K=cols, n_groups=cols // G,
                         q_max=127.0, G=G, BLOCK=min(triton.next_power_of_2(G), MAX_BLOCK["cuda"]))
             cases.append(CompileCase(_quantize_kernel, args, f"{str(dtype).removeprefix('torch.')} G={G}",
-                                     shape=f"N={N} K={K}", bytes=N * K * (dtype.itemsize + 1) + 4 * N * K // min(G, K),
-                                     flops=3 * N * K))
+                                     shape=f"N={rows} K={cols}", flops=3 * N * K,
+                                     bytes=N * K * (dtype.itemsize + 1) + 4 * N * K // G))
     return cases
 
 

@@ -126,7 +126,8 @@ def compile_cases(K: int = 3072, N: int = 8192, group_size: int = 128) -> list[C
                                          label=f"W{bits}A16 {str(act).removeprefix('torch.')} "
                                                f"{'x'.join(str(b) for b in blocks.values())}",
                                          shape=f"M={M} K={K} N={N} G={group_size}", bytes=moved,
-                                         flops=2 * M * N * K, peak="bf16_tflops"))
+                                         flops=2 * M * N * K, peak="bf16_tflops",
+                                         torch=(2 * (M * K + N * K + M * N), 2 * M * N * K, "bf16_tflops")))
     return cases
 
 
