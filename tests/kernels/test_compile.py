@@ -105,3 +105,8 @@ def test_every_autotune_configuration_is_compiled():
                     for c in cases for cfg in autotuner.configs}
         for cfg in autotuner.configs:
             assert (tuple(sorted(cfg.kwargs.items())), cfg.num_warps, cfg.num_stages) in compiled, cfg
+
+
+def test_unknown_target_is_refused_before_compiling():
+    with pytest.raises(ValueError, match="no target sm_75; known: sm_80, sm_90, sm_100"):
+        aot.compile_all(archs=(80, 75))

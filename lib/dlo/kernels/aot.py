@@ -128,7 +128,8 @@ def ptxas_resources(ptx: str, arch: int) -> dict:
 
 def occupancy(regs: int, smem: int, num_warps: int, arch: int) -> float:
     """Fraction of an SM's 64 warp slots filled by resident blocks, limited by warps, blocks,
-    registers (allocated per warp in units of 256) and shared memory (CUDA occupancy calculator rules) on sm_`arch`."""
+    registers (allocated per warp in units of 256) and shared memory on sm_`arch` (the rules of
+    the CUDA occupancy calculator)."""
     regs_per_warp = -(-regs * 32 // 256) * 256
     limits = [WARPS_PER_SM // num_warps, BLOCKS_PER_SM, REGS_PER_SM // (regs_per_warp * num_warps)]
     if smem:
@@ -189,6 +190,8 @@ def compile_all(archs: tuple[int, ...] = tuple(TARGETS), cache_dir: str | None =
                 jobs: int | None = None) -> dict[tuple[str, int], dict]:
     """Compile every case for every arch in a child process with the interpreter off:
     {(case name, arch): resources or {"error": ...}}. `cache_dir`: Triton's cache for this run."""
+    if unknown := sorted(set(archs) - set(TARGETS)):
+        raise ValueError(f"no target sm_{unknown[0]}; known: {', '.join(f'sm_{a}' for a in TARGETS)}")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     if cache_dir:
         env["TRITON_CACHE_DIR"] = str(cache_dir)
