@@ -32,6 +32,11 @@ def test_compiles_within_limits_without_spills(compiled, name, arch):
     assert res["regs"] <= 255
 
 
+def test_case_names_are_unique():
+    names = [case.name for case in CASES]  # results are keyed by name: a duplicate would hide a case
+    assert len(set(names)) == len(names)
+
+
 def _jit_functions():
     """(qualified name, python function) of every triton.jit object defined in dlo.kernels."""
     found = {}
