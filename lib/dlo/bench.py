@@ -3,6 +3,8 @@
 Every module of `dlo.kernels` that defines `bench() -> list[dict]` is an op, named after the module.
 Rows carry at least "impl" and "ms", and "GB/s" or "TFLOP/s" with "% peak"; torch baselines have an
 impl name starting with "torch". Results go to `<out_dir>/<YYYY-MM-DD>_<device-slug>.json`.
+`dlo bench --compile-report` needs no GPU: each kernel's compile cases (dlo.kernels.aot) with their
+resources per target and their roofline times on the target's GPUs.
 """
 
 from __future__ import annotations
