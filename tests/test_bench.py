@@ -100,3 +100,50 @@ def test_matmul_rows_are_grouped_by_size(monkeypatch):
     assert [r["x best torch"] for r in rows] == [1.0, 2.0, 1.0, 4.0]
     assert rows[0]["TFLOP/s"] == pytest.approx(2 * 2 * 3 * 5 / 1e-3 / 1e12)
     assert rows[0]["% peak"] == pytest.approx(100 * rows[0]["TFLOP/s"] / 100.0) and rows[1]["% peak"] is None
+
+
+def _case(name):
+    from dlo.kernels import aot
+    return next(c for c in aot.all_cases() if c.name == name)
+
+
+def test_roofline_of_the_int8_gemm_by_hand():
+    # Llama 3.2 3B up-projection, M=4096 K=3072 N=8192, bf16 out: a, b int8, fp32 scales, c bf16.
+    case = _case("_int8_gemm_kernel[bfloat16 128x128x64]")
+    moved = 4096 * 3072 + 8192 * 3072 + 4 * (4096 + 8192) + 2 * 4096 * 8192
+    flops = 2 * 4096 * 8192 * 3072
+    assert (case.bytes, case.flops) == (moved, flops)
+    # H100 SXM: 3350 GB/s, 1979 int8 TOP/s -> 31.3 us of traffic, 104.2 us of math: compute-bound.
+    ms, bound = bench.roofline_ms(case, "H100 SXM")
+    assert bound == "compute" and ms == pytest.approx(flops / 1979e12 * 1e3)
+    assert bench.roofline_ms(case, "A100 80GB SXM")[0] == pytest.approx(flops / 624e12 * 1e3)
+
+
+def test_roofline_of_fused_adamw_by_hand():
+    # fp32 params: read p, g, m, v and write p, m, v = 28 bytes per parameter, ~10 flops: memory-bound.
+    case = _case("_fused_adamw_kernel[float32 aligned]")
+    ms, bound = bench.roofline_ms(case, "H200 SXM")
+    assert bound == "memory" and ms == pytest.approx(28 * 3_212_749_824 / 4800e9 * 1e3)
+    with pytest.raises(ValueError, match="not a dlo.hardware.PEAKS label"):
+        bench.roofline_ms(case, "H100")
+
+
+def test_compile_report_rows():
+    case = _case("_int8_gemm_kernel[bfloat16 128x128x64]")
+    res = dict(regs=186, spill_stores=0, smem=49152, tensor_core="wgmma", occupancy=0.125)
+    rows = bench.compile_report_rows({(case.name, 90): res, (case.name, 80): {"error": "boom"}}, [case])
+    assert [(r["target"], r["device"]) for r in rows] == [("sm_80", "A100 80GB SXM"), ("sm_90", "H100 SXM"),
+                                                          ("sm_90", "H200 SXM")]
+    assert rows[0]["error"] == "boom" and rows[1]["smem KiB"] == 48 and rows[1]["occupancy %"] == 12.5
+    assert rows[2]["roofline us"] == pytest.approx(bench.roofline_ms(case, "H200 SXM")[0] * 1e3)
+
+
+def test_expected_ratio_against_torch_by_hand():
+    # W4A16 decode, M=16 K=3072 N=8192 G=128 on H100: 4-bit codes + fp32 scales vs torch's bf16 weight.
+    case = _case("_weight_only_matmul_kernel[W4A16 bfloat16 16x64x64]")
+    ours = 2 * 16 * 3072 + 8192 * 3072 // 2 + 4 * 8192 * 3072 // 128 + 2 * 16 * 8192
+    theirs = 2 * (16 * 3072 + 8192 * 3072 + 16 * 8192)
+    assert case.bytes == ours
+    res = dict(regs=161, spill_stores=0, smem=45056, tensor_core="mma", occupancy=0.125)
+    row = bench.compile_report_rows({(case.name, 90): res}, [case])[0]
+    assert row["bound"] == "memory" and row["x torch"] == pytest.approx(theirs / ours)  # ~3.5x

@@ -3,6 +3,8 @@
 Every module of `dlo.kernels` that defines `bench() -> list[dict]` is an op, named after the module.
 Rows carry at least "impl" and "ms", and "GB/s" or "TFLOP/s" with "% peak"; torch baselines have an
 impl name starting with "torch". Results go to `<out_dir>/<YYYY-MM-DD>_<device-slug>.json`.
+`dlo bench --compile-report` needs no GPU: each kernel's compile cases (dlo.kernels.aot) with their
+resources per target and their roofline times on the target's GPUs.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from dlo import tables
+from dlo import hardware, tables
 from dlo.errors import BadInput
 
 NO_GPU_MESSAGE = "dlo bench needs a CUDA GPU; kernels are tested on CPU with TRITON_INTERPRET=1 via make test"
@@ -91,3 +93,60 @@ def main(ops: list[str], out_dir: str | Path = "bench/results") -> int:
     print(format_table(rows))
     print(f"wrote {_write_json(rows, out_dir)}")
     return 0
+
+
+# ----------------------------------------------------------------------------- compile report (no GPU)
+
+REPORT_COLUMNS = ("kernel", "config", "target", "regs", "smem KiB", "spill B", "tensor core", "occupancy %",
+                  "shape", "MB moved", "GFLOP", "device", "roofline us", "bound", "x torch")
+
+
+def roofline_ms(case, device: str, work: tuple | None = None) -> tuple[float, str]:
+    """(time, "memory" or "compute"): the case's bytes at the device's peak HBM bandwidth or its flops
+    at the peak rate of `case.peak`, whichever is longer (Williams et al. 2009); `device` is a
+    dlo.hardware.PEAKS label (datasheet figures cited there). `work`: other (bytes, flops, peak)."""
+    figures = hardware.peak_for_name(device)
+    if figures is None or figures["name"] != device:
+        raise ValueError(f"{device!r} is not a dlo.hardware.PEAKS label")
+    moved, flops, peak = work or (case.bytes, case.flops, case.peak)
+    memory_ms = moved / (figures["hbm_gbs"] * 1e9) * 1e3
+    compute_ms = flops / (figures[peak] * 1e12) * 1e3
+    return max(memory_ms, compute_ms), "memory" if memory_ms >= compute_ms else "compute"
+
+
+def compile_report_rows(results: dict, cases: list) -> list[dict]:
+    """One row per case, target and device of that target (dlo.kernels.aot.TARGETS) from the
+    results of aot.compile_all."""
+    from dlo.kernels import aot
+    rows = []
+    for case in cases:
+        for arch, target in aot.TARGETS.items():
+            res = results.get((case.name, arch))
+            if res is None:
+                continue
+            row = {"kernel": case.name.split("[")[0], "config": case.label, "target": f"sm_{arch}",
+                   "shape": case.shape, "MB moved": case.bytes / 1e6, "GFLOP": case.flops / 1e9}
+            if "error" in res:
+                row["error"] = res["error"]
+            else:
+                row.update({"regs": res["regs"], "smem KiB": res["smem"] / 1024, "spill B": res["spill_stores"],
+                            "tensor core": res["tensor_core"], "occupancy %": 100 * res["occupancy"]})
+            for device in target["devices"] or (None,):
+                ms, bound = roofline_ms(case, device) if device else (None, None)
+                torch_ms = roofline_ms(case, device, case.torch)[0] if device and case.torch else None
+                rows.append({**row, "device": device, "roofline us": ms and ms * 1e3, "bound": bound,
+                             "x torch": torch_ms and torch_ms / ms})
+    return rows
+
+
+def compile_report(archs: tuple[int, ...] | None = None) -> int:
+    """`dlo bench --compile-report`: compile every kernel case for each target on this machine (no GPU
+    needed) and print its resources and its roofline time on the target's GPUs."""
+    import tempfile
+
+    from dlo.kernels import aot
+    with tempfile.TemporaryDirectory() as cache:  # a fresh cache: the figures are this checkout's
+        results = aot.compile_all(archs or tuple(aot.TARGETS), cache_dir=cache)
+    rows = compile_report_rows(results, aot.all_cases())
+    print(tables.format_table(rows, [c for c in REPORT_COLUMNS + ("error",) if any(c in r for r in rows)]))
+    return 1 if any("error" in r for r in rows) else 0

@@ -117,6 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="GPU kernel benchmarks vs torch baselines and the device peak")
     bench.add_argument("ops", nargs="*", metavar="OP")
     bench.add_argument("--out", default="bench/results", help="folder for the JSON results")
+    bench.add_argument("--compile-report", action="store_true",
+                       help="no GPU needed: compile every kernel for sm_80/90/100, print resources and roofline")
     return parser
 
 
@@ -180,7 +182,7 @@ def dispatch(args: argparse.Namespace) -> int:
                      cell_timeout=args.cell_timeout, root=root, course_id=args.course_id)
     if args.command == "bench":
         from dlo import bench
-        return bench.main(args.ops, args.out)
+        return bench.compile_report() if args.compile_report else bench.main(args.ops, args.out)
     raise AssertionError(args.command)
 
 

@@ -52,3 +52,16 @@ def test_bad_input(device):
         quantize_rows(torch.tensor([[1.0, float("nan")]]))
     q, s = quantize_rows(torch.zeros(2, 4))
     assert (s == 0).all() and (q == 0).all()
+
+
+@pytest.mark.parametrize("M,K,want", [(1, 3072, ("DECODE_CONFIGS", 0)), (16, 8192, ("DECODE_CONFIGS", 0)),
+                                      (17, 3072, ("GEMM_CONFIGS", 0)), (4096, 3072, ("GEMM_CONFIGS", 1)),
+                                      (16, 3000, ("UNALIGNED_CONFIGS", 0)), (4096, 24, ("UNALIGNED_CONFIGS", 1))])
+def test_autotuner_times_only_the_tiles_for_this_m_and_k(M, K, want):
+    # Unaligned K (not a multiple of 16) spilled registers in the aligned tiles on every target.
+    from dlo.kernels import int8_gemm
+    kept = int8_gemm._configs_for(int8_gemm._int8_gemm_tuned.configs, {"M": M, "N": 8192, "K": K})
+    pool, index = want
+    assert str(int8_gemm._config(getattr(int8_gemm, pool)[index])) in [str(c) for c in kept]
+    assert all(c.kwargs["BLOCK_M"] <= 16 for c in kept) == (M <= 16)
+    assert len(kept) == len([c for c in getattr(int8_gemm, pool) if (c["BLOCK_M"] <= 16) == (M <= 16)])

@@ -39,3 +39,11 @@ def test_bad_input(device):
         weight_only_matmul(x, q, s, bits=4)
     with pytest.raises(ValueError, match="K=12"):
         weight_only_matmul(x[:, :12], q, s)
+
+
+@pytest.mark.parametrize("M,K,want", [(1, 3072, "DECODE"), (16, 3000, "DECODE"), (17, 3072, "GEMM"),
+                                      (4096, 3000, "GEMM_UNALIGNED_K"), (4096, 40, "CPU")])
+def test_launch_config(M, K, want):
+    # An unaligned K (not a multiple of 16) spilled registers in the GEMM tile on every target.
+    from dlo.kernels import weight_only_matmul as wom
+    assert wom.launch_config(M, K, "cpu" if want == "CPU" else "cuda") is getattr(wom, want)

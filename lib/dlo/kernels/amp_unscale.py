@@ -25,7 +25,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from dlo.kernels.fused_adamw import transformer_numels
+from dlo.kernels.aot import CompileCase
+from dlo.kernels.fused_adamw import LLAMA_3B_PARAMS, transformer_numels
 from dlo.kernels.runtime import interpreting, kernel_available, launch_tables, round_to_bf16, time_ms
 
 BLOCK_SIZE = 1024  # elements per program: 4 KiB of fp32 per program, 8 per thread with 4 warps
@@ -112,6 +113,19 @@ def amp_unscale_ref(grads: list[Tensor], found_inf: Tensor, inv_scale: Tensor) -
         bad = (~torch.isfinite(g32)).any()
         found_inf.copy_(torch.where(bad, torch.ones_like(found_inf), found_inf))
         g.copy_(g32 * inv_scale)
+
+
+def compile_cases(numel: int = LLAMA_3B_PARAMS) -> list[CompileCase]:
+    """What a GPU launch compiles (see dlo.kernels.aot), per gradient dtype; the work over `numel`
+    gradients: one read and one write of each, a compare and a multiply."""
+    return [CompileCase(_amp_unscale_kernel,
+                        dict(g_addr_ptr=torch.int64, numel_ptr=torch.int64, block_tensor_ptr=torch.int32,
+                             block_start_ptr=torch.int64, found_inf_ptr=torch.float32, inv_scale_ptr=torch.float32,
+                             G_DTYPE=tl_dtype, BLOCK=BLOCK_SIZE),
+                        str(dtype).removeprefix("torch."), shape=f"{numel:.3g} grads",
+                        bytes=2 * numel * dtype.itemsize, flops=2 * numel,
+                        torch=(2 * numel * dtype.itemsize, 2 * numel, "fp32_tflops"))  # its foreach kernel
+            for dtype, tl_dtype in GRAD_DTYPES.items()]
 
 
 # ----------------------------------------------------------------------------- benchmarks

@@ -27,9 +27,13 @@ import triton.language as tl
 from torch import Tensor
 from torch.optim.adamw import adamw
 
+from dlo.kernels.aot import CompileCase
 from dlo.kernels.runtime import interpreting, kernel_available, launch_tables, round_to_bf16, time_ms
 
-BLOCK_SIZE = 1024  # elements per program: 4 KiB of fp32 per stream, 8 per thread with 4 warps
+BLOCK_SIZE = 1024  # elements per program: 4 KiB of fp32 per stream, 4 per thread with 8 warps
+# 8 warps, not Triton's default 4: compiled for sm_80, the fp16 kernel spilled 16 bytes per thread
+# at 4 warps; at 8 it needs 32 registers and no shared memory (tests/kernels/test_compile.py).
+NUM_WARPS = 8
 MAX_TENSORS_PER_LAUNCH = 2048  # longer tables are split so the per-launch metadata stays small
 PARAM_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
@@ -150,7 +154,7 @@ def fused_adamw_(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tenso
             with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
                 _fused_adamw_kernel[(len(block_tensor),)](*addrs, numels, block_tensor, block_start, **scalars,
                                                           P_DTYPE=PARAM_DTYPES[dtype], ALIGNED=aligned,
-                                                          BLOCK=BLOCK_SIZE)
+                                                          BLOCK=BLOCK_SIZE, num_warps=NUM_WARPS)
 
 
 @torch.no_grad()
@@ -172,6 +176,25 @@ def fused_adamw_ref(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Te
     for p, p32 in zip(params, copies):
         if p32 is not p:
             p.copy_(p32)
+
+
+LLAMA_3B_PARAMS = 3_212_749_824  # Llama 3.2 3B, tied embedding: the optimizer's flat buffers
+
+
+def compile_cases(numel: int = LLAMA_3B_PARAMS) -> list[CompileCase]:
+    """What a GPU launch compiles (see dlo.kernels.aot): each param dtype, aligned or not; the work
+    of one step over `numel` parameters (~10 flops per element, the bytes of `_bytes_per_step`)."""
+    scalars = _scalars(2, 1e-3, 0.9, 0.999, 1e-8, 1e-2)
+    return [CompileCase(_fused_adamw_kernel,
+                        dict(p_addr_ptr=torch.int64, g_addr_ptr=torch.int64, m_addr_ptr=torch.int64,
+                             v_addr_ptr=torch.int64, numel_ptr=torch.int64, block_tensor_ptr=torch.int32,
+                             block_start_ptr=torch.int64, **scalars, P_DTYPE=tl_dtype, ALIGNED=aligned,
+                             BLOCK=BLOCK_SIZE), num_warps=NUM_WARPS,
+                        label=f"{str(dtype).removeprefix('torch.')} {'aligned' if aligned else 'unaligned'}",
+                        shape=f"{numel:.3g} params", bytes=_bytes_per_step(numel, dtype, torch.float32),
+                        flops=10 * numel,  # torch's fused AdamW keeps its state in the param dtype
+                        torch=(_bytes_per_step(numel, dtype, dtype), 10 * numel, "fp32_tflops"))
+            for dtype, tl_dtype in PARAM_DTYPES.items() for aligned in (True, False)]
 
 
 # ----------------------------------------------------------------------------- benchmarks

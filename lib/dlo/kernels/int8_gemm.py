@@ -19,10 +19,24 @@ import triton.language as tl
 from torch import Tensor
 
 from dlo import quant
+from dlo.kernels.aot import CompileCase
 from dlo.kernels.runtime import bench_matmuls, kernel_available
 
 OUT_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 MAX_K = (2 ** 31 - 1) // (127 * 127)  # the int32 accumulator is safe up to this K
+# GPU launch configurations, timed by triton.autotune per (M, N, K) on first use: decode tiles for
+# M <= 16 (one m16 tensor-core row block; the 128-row tile wasted 7/8 of its math there), GEMM tiles
+# above, for Llama 3.2 3B's projections (K = 3072 or 8192, N = 1024 to 8192). Every one is compiled
+# for sm_80/90/100 by tests/kernels/test_compile.py. The interpreter keeps one small tile.
+# A K that is not a multiple of 16 makes rows unaligned: no vector or asynchronous copies, and the
+# tiles above spilled 1-9 KB per thread on every target; such launches take the UNALIGNED tiles.
+DECODE_MAX_M = 16
+DECODE_CONFIGS = (dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4),)
+GEMM_CONFIGS = (dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=3),
+                dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3))
+UNALIGNED_CONFIGS = (dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=4),
+                     dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3))
+CPU_BLOCKS = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16)
 
 
 @triton.jit
@@ -46,6 +60,24 @@ def _int8_gemm_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, c_ptr,  # a (M, K) int8, b (
     c = acc.to(tl.float32) * sa[:, None] * sb[None, :]  # fused rescale: no int32 round trip through HBM
     tl.store(c_ptr + rm[:, None].to(tl.int64) * N + rn[None, :], c.to(OUT),
              mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+def _config(c: dict):
+    blocks = {k: v for k, v in c.items() if k.startswith("BLOCK")}
+    return triton.Config(blocks, num_warps=c["num_warps"], num_stages=c["num_stages"])
+
+
+def _configs_for(configs, named_args, **kwargs):
+    """The autotuner times only the tiles made for this M (decode or GEMM) and this K (aligned or not)."""
+    pool = DECODE_CONFIGS + GEMM_CONFIGS if named_args["K"] % 16 == 0 else UNALIGNED_CONFIGS
+    decode = named_args["M"] <= DECODE_MAX_M
+    wanted = [str(_config(c)) for c in pool if (c["BLOCK_M"] <= DECODE_MAX_M) == decode]
+    return [c for c in configs if str(c) in wanted]
+
+
+_int8_gemm_tuned = triton.autotune([_config(c) for c in DECODE_CONFIGS + GEMM_CONFIGS + UNALIGNED_CONFIGS],
+                                   key=["M", "N", "K"],
+                                   prune_configs_by={"early_config_prune": _configs_for})(_int8_gemm_kernel)
 
 
 def _check(a: Tensor, b: Tensor, sa: Tensor, sb: Tensor, out_dtype: torch.dtype) -> tuple[int, int, int]:
@@ -73,10 +105,12 @@ def int8_gemm(a: Tensor, b: Tensor, sa: Tensor, sb: Tensor, out_dtype: torch.dty
     a, b = a.contiguous(), b.contiguous()
     sa, sb = sa.float().contiguous(), sb.float().contiguous()
     c = torch.empty((M, N), dtype=out_dtype, device=a.device)
-    BM, BN, BK = (128, 128, 64) if a.device.type == "cuda" else (16, 16, 16)
-    grid = (triton.cdiv(M, BM), triton.cdiv(N, BN))
-    _int8_gemm_kernel[grid](a, b, sa, sb, c, M, N, K, OUT=OUT_DTYPES[out_dtype],
-                            BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK)
+    def grid(meta):
+        return triton.cdiv(M, meta["BLOCK_M"]), triton.cdiv(N, meta["BLOCK_N"])
+    if a.device.type == "cuda":
+        _int8_gemm_tuned[grid](a, b, sa, sb, c, M, N, K, OUT=OUT_DTYPES[out_dtype])
+    else:
+        _int8_gemm_kernel[grid](a, b, sa, sb, c, M, N, K, OUT=OUT_DTYPES[out_dtype], **CPU_BLOCKS)
     return c
 
 
@@ -94,6 +128,28 @@ def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
     """Dynamic symmetric per-row int8: (codes (M, K) int8, scales (M,) fp32); an all-zero row gets scale 0."""
     q, scale, _ = quant.quantize(x, 8, "channel", symmetric=True)  # scale (M, 1)
     return q, scale[:, 0]
+
+
+def compile_cases(K: int = 3072, N: int = 8192, unaligned_k: int = 3000) -> list[CompileCase]:
+    """What a GPU launch compiles (see dlo.kernels.aot): every output dtype in every autotuner
+    configuration; the work at Llama 3.2 3B's MLP up-projection over M tokens (decode: 16, GEMM:
+    4096), or at `unaligned_k` for the unaligned tiles: read a, b and the scales, write c."""
+    cases = []
+    for config in DECODE_CONFIGS + GEMM_CONFIGS + UNALIGNED_CONFIGS:
+        M = DECODE_MAX_M if config["BLOCK_M"] <= DECODE_MAX_M else 4096
+        unaligned = config in UNALIGNED_CONFIGS
+        k = unaligned_k if unaligned else K
+        blocks = {name: v for name, v in config.items() if name.startswith("BLOCK")}
+        tile = "x".join(map(str, blocks.values())) + (" K%16!=0" if unaligned else "")
+        for out, tl_out in OUT_DTYPES.items():
+            args = dict(a_ptr=torch.int8, b_ptr=torch.int8, sa_ptr=torch.float32, sb_ptr=torch.float32, c_ptr=out,
+                        M=M, N=N, K=k, OUT=tl_out, **blocks)
+            cases.append(CompileCase(_int8_gemm_kernel, args, num_warps=config["num_warps"],
+                                     num_stages=config["num_stages"], label=f"{str(out).removeprefix('torch.')} {tile}",
+                                     shape=f"M={M} K={k} N={N}", flops=2 * M * N * k, peak="int8_tops",
+                                     bytes=M * k + N * k + 4 * (M + N) + M * N * out.itemsize,
+                                     torch=(2 * (M * k + N * k + M * N), 2 * M * N * k, "bf16_tflops")))
+    return cases
 
 
 # ----------------------------------------------------------------------------- benchmark

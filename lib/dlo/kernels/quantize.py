@@ -22,7 +22,13 @@ import triton.language as tl
 from torch import Tensor
 
 from dlo import quant
+from dlo.kernels.aot import CompileCase
 from dlo.kernels.runtime import kernel_available
+
+# Elements per program at most. The whole group used to be one block of next_power_of_2(G): compiled
+# for sm_90, per-channel quantization of a row of 65536 spilled 14 KB per thread (16384: 167
+# registers). Wider groups now loop; the interpreter's small cap makes the tests take that path too.
+MAX_BLOCK = {"cuda": 4096, "cpu": 64}
 
 
 @triton.jit
@@ -34,20 +40,34 @@ def _round_half_even(y):
 
 
 @triton.jit
+def _codes(w, scale, q_max):
+    safe = tl.where(scale > 0.0, scale, 1.0)  # an all-zero group: q = 0 / 1 = 0, s = 0
+    q = _round_half_even(tl.div_rn(w, safe))
+    return tl.minimum(tl.maximum(q, -q_max), q_max).to(tl.int8)
+
+
+@triton.jit
 def _quantize_kernel(w_ptr, q_ptr, s_ptr,  # (N, K) float, (N, K) int8, (N, K // G) fp32
                      K, n_groups, q_max, G: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     g = tl.program_id(1)
     offs = tl.arange(0, BLOCK)
-    mask = offs < G
     base = row.to(tl.int64) * K + g * G
-    w = tl.load(w_ptr + base + offs, mask=mask, other=0.0).to(tl.float32)  # (BLOCK,)
-    absmax = tl.max(tl.abs(w), axis=0)
-    scale = absmax / q_max
-    safe = tl.where(scale > 0.0, scale, 1.0)  # an all-zero group: q = 0 / 1 = 0, s = 0
-    q = _round_half_even(tl.div_rn(w, safe))
-    q = tl.minimum(tl.maximum(q, -q_max), q_max)
-    tl.store(q_ptr + base + offs, q.to(tl.int8), mask=mask)
+    if G <= BLOCK:  # the group fits one block: read once, keep it in registers
+        w = tl.load(w_ptr + base + offs, mask=offs < G, other=0.0).to(tl.float32)  # (BLOCK,)
+        scale = tl.max(tl.abs(w), axis=0) / q_max
+        tl.store(q_ptr + base + offs, _codes(w, scale, q_max), mask=offs < G)
+    else:  # a wider group (per-channel on a wide row): a max pass, then a quantize pass, BLOCK at a time
+        running = tl.zeros((BLOCK,), dtype=tl.float32)
+        for start in range(0, G, BLOCK):
+            mask = start + offs < G
+            running = tl.maximum(running, tl.abs(tl.load(w_ptr + base + start + offs, mask=mask, other=0.0)
+                                                 .to(tl.float32)))
+        scale = tl.max(running, axis=0) / q_max
+        for start in range(0, G, BLOCK):
+            mask = start + offs < G
+            w = tl.load(w_ptr + base + start + offs, mask=mask, other=0.0).to(tl.float32)
+            tl.store(q_ptr + base + start + offs, _codes(w, scale, q_max), mask=mask)
     tl.store(s_ptr + row.to(tl.int64) * n_groups + g, scale)
 
 
@@ -80,7 +100,7 @@ def quantize_weight(w: Tensor, bits: int = 8, group_size: int = -1) -> tuple[Ten
     if w.numel() == 0:
         return q, scale
     _quantize_kernel[(N, K // G)](w, q, scale, K, K // G, float(2 ** (bits - 1) - 1),
-                                  G=G, BLOCK=triton.next_power_of_2(G))
+                                  G=G, BLOCK=min(triton.next_power_of_2(G), MAX_BLOCK[w.device.type]))
     return q, scale
 
 
@@ -112,6 +132,23 @@ def unpack_int4(packed: Tensor) -> Tensor:
     lo = (packed & 0xF).to(torch.int8) - 8
     hi = (packed >> 4).to(torch.int8) - 8
     return torch.stack((lo, hi), dim=-1).reshape(*packed.shape[:-1], 2 * packed.shape[-1])
+
+
+def compile_cases(N: int = 8192, K: int = 3072) -> list[CompileCase]:
+    """What a GPU launch compiles (see dlo.kernels.aot): BLOCK follows the group size up to MAX_BLOCK,
+    so groups of 128, per channel of Llama 3.2 3B's MLP weights, (8192, 3072) (the largest one-pass
+    BLOCK, 4096) and (3072, 8192) (the looping kernel), for each weight dtype; the work: read W,
+    write the int8 codes and the scales."""
+    cases = []
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for G in (128, K, N):
+            rows, cols = (N, K) if G <= K else (K, N)  # per channel of 8192: the down-projection, (3072, 8192)
+            args = dict(w_ptr=dtype, q_ptr=torch.int8, s_ptr=torch.float32, K=cols, n_groups=cols // G,
+                        q_max=127.0, G=G, BLOCK=min(triton.next_power_of_2(G), MAX_BLOCK["cuda"]))
+            cases.append(CompileCase(_quantize_kernel, args, f"{str(dtype).removeprefix('torch.')} G={G}",
+                                     shape=f"N={rows} K={cols}", flops=3 * N * K,
+                                     bytes=N * K * (dtype.itemsize + 1) + 4 * N * K // G))
+    return cases
 
 
 # ----------------------------------------------------------------------------- benchmark

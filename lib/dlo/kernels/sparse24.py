@@ -17,8 +17,11 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from dlo.kernels.aot import CompileCase
 from dlo.kernels.runtime import bench_matmuls, kernel_available
 from dlo.prune import mask_2to4
+
+GPU_BLOCK, CPU_BLOCK = 1024, 64  # groups of 4 per program
 
 
 @triton.jit
@@ -85,7 +88,7 @@ def sparse24(w: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     mask = torch.empty((N, K), dtype=torch.int8, device=w.device)
     n_groups = N * K // 4
     if n_groups:
-        BLOCK = 1024 if w.device.type == "cuda" else 64
+        BLOCK = GPU_BLOCK if w.device.type == "cuda" else CPU_BLOCK
         _sparse24_kernel[(triton.cdiv(n_groups, BLOCK),)](w, values, idx, mask, n_groups, BLOCK=BLOCK)
     return values, idx, mask.bool()
 
@@ -108,6 +111,16 @@ def decompress24(values: Tensor, idx: Tensor) -> Tensor:
     dense = torch.zeros(N, half // 2, 4, dtype=values.dtype, device=values.device)
     dense.scatter_(-1, idx.long().reshape(N, half // 2, 2), values.reshape(N, half // 2, 2))
     return dense.reshape(N, 2 * half)
+
+
+def compile_cases(N: int = 8192, K: int = 3072) -> list[CompileCase]:
+    """What a GPU launch compiles (see dlo.kernels.aot), per weight dtype; the work at Llama 3.2 3B's
+    (8192, 3072) MLP weight: read W, write half of it, the int8 positions and the int8 mask."""
+    return [CompileCase(_sparse24_kernel, dict(w_ptr=dtype, v_ptr=dtype, i_ptr=torch.int8, m_ptr=torch.int8,
+                                               n_groups=N * K // 4, BLOCK=GPU_BLOCK),
+                        f"{str(dtype).removeprefix('torch.')} BLOCK={GPU_BLOCK}", shape=f"N={N} K={K}",
+                        bytes=N * K * dtype.itemsize * 3 // 2 + N * K // 2 + N * K, flops=0)
+            for dtype in (torch.float32, torch.bfloat16, torch.float16)]
 
 
 # ----------------------------------------------------------------------------- benchmark

@@ -17,10 +17,31 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from dlo.kernels.aot import CompileCase
 from dlo.kernels.quantize import dequantize_weight, unpack_int4
 from dlo.kernels.runtime import bench_matmuls, kernel_available
 
 ACT_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+# Launch configurations. Decode (M <= 16) reads W once with tall-skinny tiles; larger M uses square
+# tensor-core tiles; the interpreter takes small tiles, fewer wasted lanes on tiny test shapes.
+# Compiled for sm_80/90/100 (tests/kernels/test_compile.py), on 4 warps the former tiles spilled:
+# the GEMM one, 64x128x64, ~1.3 KB per thread in W4A16 (the unpacked int4 tile sits in registers
+# beside the accumulator), the decode one, 16x64x64, 8 bytes in W8A16 on sm_100; 16x64x128 spills
+# in W4A16. On 8 warps these fit in registers on all three targets (W4A16 decode: ~160 registers).
+# A K that is not a multiple of 16 leaves rows unaligned (no vector or asynchronous copies): the GEMM
+# tile then spilled ~0.5 KB per thread, so such launches take a 64x64 tile.
+DECODE = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, num_warps=8)
+GEMM = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8)
+GEMM_UNALIGNED_K = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4)
+CPU = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, num_warps=4)
+DECODE_MAX_M = 16
+
+
+def launch_config(M: int, K: int, device_type: str) -> dict:
+    """Blocks and warps of a launch: the interpreter's small tile, decode, GEMM or unaligned-K GEMM."""
+    if device_type == "cpu":
+        return CPU
+    return DECODE if M <= DECODE_MAX_M else GEMM if K % 16 == 0 else GEMM_UNALIGNED_K
 
 
 @triton.jit
@@ -83,15 +104,11 @@ def weight_only_matmul(x: Tensor, w: Tensor, scale: Tensor, bits: int = 8) -> Te
                            f"tensors with TRITON_INTERPRET=1 (use weight_only_matmul_ref otherwise)")
     x, w, scale = x.contiguous(), w.contiguous(), scale.float().contiguous()
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    # Decode (M <= 16) reads W once with tall-skinny tiles; larger M uses square-ish tensor-core tiles.
-    BM = 16 if M <= 16 else 64
-    BN, BK = (64, 64) if M <= 16 else (128, 64)
-    if x.device.type == "cpu":  # the interpreter: small tiles, fewer wasted lanes on tiny test shapes
-        BM, BN, BK = 16, 16, 16
-    grid = (triton.cdiv(M, BM), triton.cdiv(N, BN))
+    config = launch_config(M, K, x.device.type)
+    grid = (triton.cdiv(M, config["BLOCK_M"]), triton.cdiv(N, config["BLOCK_N"]))
     _weight_only_matmul_kernel[grid](
         x, w, scale, y, M, N, K, scale.shape[1], G=K // scale.shape[1], INT4=bits == 4, ACT=ACT_DTYPES[x.dtype],
-        UPCAST=x.device.type == "cpu", BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK)
+        UPCAST=x.device.type == "cpu", **config)
     return y
 
 
@@ -100,6 +117,31 @@ def weight_only_matmul_ref(x: Tensor, w: Tensor, scale: Tensor, bits: int = 8) -
     _check(x, w, scale, bits)
     w_hat = dequantize_weight(unpack_int4(w) if bits == 4 else w, scale.float(), x.dtype)
     return (x.float() @ w_hat.float().T).to(x.dtype)
+
+
+def compile_cases(K: int = 3072, N: int = 8192, group_size: int = 128, unaligned_k: int = 3000) -> list[CompileCase]:
+    """What a GPU launch compiles (see dlo.kernels.aot): both activation dtypes, 8 and 4 bits, every
+    tile of `launch_config`; the work at Llama 3.2 3B's MLP up-projection (decode: M = 16 tokens,
+    GEMM: 4096), at `unaligned_k` (one group per row) for a K that is not a multiple of 16: read x,
+    the codes and the scales once, write y."""
+    cases = []
+    launches = [(M, k, group_size if k == K else k) for M in (DECODE_MAX_M, 4096) for k in (K, unaligned_k)]
+    for act, tl_act in ACT_DTYPES.items():
+        for bits in (8, 4):
+            for M, k, G in launches:
+                config = launch_config(M, k, "cuda")
+                blocks = {name: v for name, v in config.items() if name != "num_warps"}
+                tile = "x".join(str(b) for b in blocks.values()) + ("" if k % 16 == 0 else " K%16!=0")
+                args = dict(x_ptr=act, w_ptr=torch.int8 if bits == 8 else torch.uint8, s_ptr=torch.float32,
+                            y_ptr=act, M=M, N=N, K=k, n_groups=k // G, G=G, INT4=bits == 4,
+                            ACT=tl_act, UPCAST=False, **blocks)
+                moved = 2 * M * k + N * k * bits // 8 + 4 * N * k // G + 2 * M * N
+                cases.append(CompileCase(_weight_only_matmul_kernel, args, num_warps=config["num_warps"],
+                                         label=f"W{bits}A16 {str(act).removeprefix('torch.')} {tile}",
+                                         shape=f"M={M} K={k} N={N} G={G}", bytes=moved,
+                                         flops=2 * M * N * k, peak="bf16_tflops",
+                                         torch=(2 * (M * k + N * k + M * N), 2 * M * N * k, "bf16_tflops")))
+    return cases
 
 
 # ----------------------------------------------------------------------------- benchmark
