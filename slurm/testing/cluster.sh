@@ -32,7 +32,8 @@ ClusterName=dlotest
 SlurmctldHost=$host
 SlurmctldPort=$CTLD_PORT
 AuthType=auth/munge
-AuthInfo=socket=$DIR/munge/munge.socket
+# cred_expire is also how long a requeued job waits before it may start again (default 120 s).
+AuthInfo=socket=$DIR/munge/munge.socket,cred_expire=20
 CredType=cred/munge
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
@@ -48,8 +49,8 @@ SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 ReturnToService=2
 MpiDefault=none
-# Short so that preemptible.sbatch's tests see a time limit and a requeue within a minute.
-MinJobAge=30
+# Ended jobs stay in scontrol for an hour (no accounting database here: that is where tests read their state).
+MinJobAge=3600
 KillWait=5
 SchedulerParameters=bf_interval=2
 JobRequeue=1

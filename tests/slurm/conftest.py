@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.harness.conftest import toy_template  # noqa: F401 - the toy course, a fixture here too
+
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "slurm" / "testing" / "cluster.sh"
 STATE_DIR = Path(os.environ.get("DLO_SLURM_DIR", "/tmp/dlo-slurm-test"))
@@ -30,22 +32,23 @@ class Cluster:
         self.conf = conf
         self.env = dict(os.environ, SLURM_CONF=str(conf), DLO_ENV=str(Path(sys.prefix)), OMP_NUM_THREADS="1")
 
-    def run(self, *cmd: str, check: bool = True) -> str:
-        done = subprocess.run(cmd, capture_output=True, text=True, env=self.env, cwd=REPO, timeout=60)
+    def run(self, *cmd: str, check: bool = True, env: dict | None = None) -> str:
+        done = subprocess.run(cmd, capture_output=True, text=True, env={**self.env, **(env or {})}, cwd=REPO,
+                              timeout=60)
         if check and done.returncode:
             raise AssertionError(f"{' '.join(cmd)}: exit {done.returncode}\n{done.stdout}{done.stderr}")
         return done.stdout
 
-    def sbatch(self, *args: str) -> str:
-        """sbatch --parsable ARGS...; the job id."""
-        return self.run("sbatch", "--parsable", *args).strip().split(";")[0]
+    def sbatch(self, *args: str, env: dict | None = None) -> str:
+        """sbatch --parsable ARGS... with `env` added to what the job inherits; the job id."""
+        return self.run("sbatch", "--parsable", *args, env=env).strip().split(";")[0]
 
     def jobs(self, job_id: str) -> list[dict]:
         """Every task of a job (an array has several) as scontrol shows it: JobState, ExitCode, Restarts..."""
         out = self.run("scontrol", "-o", "show", "job", job_id, check=False)
         return [dict(re.findall(r"(\w+)=(\S*)", line)) for line in out.splitlines() if line.strip()]
 
-    def wait(self, job_id: str, timeout: float = 300, tasks: int = 1) -> list[dict]:
+    def wait(self, job_id: str, timeout: float = 900, tasks: int = 1) -> list[dict]:
         """Poll until all `tasks` tasks of the job have ended (a hang guard, not a speed check)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
