@@ -29,7 +29,8 @@ write_conf() {
     cat > "$CONF" <<EOF
 # Written by slurm/testing/cluster.sh: a two-node test cluster on 127.0.0.1 (state in $DIR).
 ClusterName=dlotest
-SlurmctldHost=$host
+# host(address): clients reach slurmctld at the address, so the host name need not resolve.
+SlurmctldHost=$host(127.0.0.1)
 SlurmctldPort=$CTLD_PORT
 AuthType=auth/munge
 # cred_expire is also how long a requeued job waits before it may start again (default 120 s).
