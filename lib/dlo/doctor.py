@@ -1,0 +1,141 @@
+"""`python -m dlo.doctor [DAY ...] [--data-dir DIR]`: what this machine (a cluster node, a laptop) offers the
+course, one line each, `ok` or `FIX` with the fix: torch and its CUDA/NCCL, the GPUs and their memory,
+Triton and whether it compiles for the GPU present, bwrap (the grading sandbox), the data folder, and
+whether each day's `dlo plan` fits the GPUs found. Exit status 1 when a line says FIX, 2 on bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+Line = tuple[bool, str, str]  # (ok, topic, what was found or the fix)
+
+
+def torch_line() -> Line:
+    import torch
+
+    if not torch.cuda.is_available():
+        build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU build"
+        return True, "torch", f"{torch.__version__} ({build}; no GPU visible: the tiny profile runs on the CPU)"
+    nccl = ".".join(map(str, torch.cuda.nccl.version())) if torch.distributed.is_nccl_available() else None
+    if nccl is None:
+        return False, "torch", f"{torch.__version__}, CUDA {torch.version.cuda} without NCCL: Days 4-7 need it; " \
+                               "install the CUDA build of environment.yml (requirements/gpu.txt)"
+    return True, "torch", f"{torch.__version__}, CUDA {torch.version.cuda}, NCCL {nccl}"
+
+
+def gpus() -> list[tuple[str, float, tuple[int, int]]]:
+    """(name, memory in GiB, compute capability) of every visible GPU."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return []
+    props = [torch.cuda.get_device_properties(i) for i in range(torch.cuda.device_count())]
+    return [(p.name, p.total_memory / 2 ** 30, (p.major, p.minor)) for p in props]
+
+
+def gpu_line(found) -> Line:
+    if not found:
+        return True, "gpus", "none (full profile and Days 4-7 at scale need GPU nodes: sbatch --gres=gpu:N)"
+    return True, "gpus", ", ".join(f"{i}: {name} {mem:.0f} GiB sm_{cc[0]}{cc[1]}" for i, (name, mem, cc) in
+                                   enumerate(found))
+
+
+def triton_line(found) -> Line:
+    """Compile a small kernel ahead of time for the GPU present (sm_80 without one): the course's kernels
+    need Triton's compiler and ptxas, which a broken install or an unsupported GPU lacks."""
+    try:
+        import triton
+        import triton.language as tl
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+        from triton.runtime.jit import JITFunction
+    except ImportError as exc:
+        return False, "triton", f"not importable ({exc}): pip install -e . installs the pinned version"
+
+    def _double(x_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) * 2, mask=offs < n)
+
+    _double = JITFunction(_double)  # not triton.jit: under TRITON_INTERPRET=1 that gives no compilable kernel
+
+    cc = found[0][2] if found else (8, 0)
+    arch = cc[0] * 10 + cc[1]
+    try:
+        src = ASTSource(fn=_double, signature={"x_ptr": "*fp32", "n": "i32", "BLOCK": "constexpr"},
+                        constexprs={"BLOCK": 128})
+        triton.compile(src, target=GPUTarget("cuda", arch, 32))
+    except Exception as exc:  # noqa: BLE001 - any compiler failure is the finding itself
+        return False, "triton", f"{triton.__version__} cannot compile for sm_{arch}: {str(exc).splitlines()[0][:150]}"
+    where = f"the GPU (sm_{arch})" if found else "sm_80 (no GPU here: the kernels run in the interpreter)"
+    return True, "triton", f"{triton.__version__}, compiles for {where}"
+
+
+def bwrap_line() -> Line:
+    from dlo.harness import sandbox
+
+    found = sandbox.probe()
+    if found == "bwrap":
+        return True, "bwrap", "runs with the grader's flags: student code is graded in a sandbox"
+    return False, "bwrap", f"{found}; without it `dlo grade` runs student code unconfined"
+
+
+def data_line(data_dir: Path | None) -> Line:
+    if data_dir is None:
+        return True, "data", "no --data-dir: notebooks use deterministic synthetic data (data_dir \"\")"
+    if (data_dir / "cifar-10-batches-bin").is_dir():
+        return True, "data", f"{data_dir}: CIFAR-10 found (pass -p data_dir {data_dir} to dlo run)"
+    return False, "data", f"{data_dir} has no cifar-10-batches-bin/: put CIFAR-10's binary version there " \
+                          "(compute nodes are often offline: copy it from a login node)"
+
+
+def plan_lines(days: list[str], found) -> list[Line]:
+    """Each day's `dlo plan` on the GPUs found: their count and the smallest memory."""
+    from dlo import plan
+
+    if not found:
+        return [(True, "plan", "no GPU: skipped (dlo plan DAY --gpus N --gpu-mem GB plans for a GPU node)")]
+    mem = min(m for _, m, _ in found)
+    lines = []
+    for day in days:
+        rows = plan.plan_day(day, len(found), mem)
+        try:
+            plan.check_fits(rows, plan.main_configs(rows))
+        except plan.DoesNotFit as exc:
+            lines.append((False, f"plan {day}", f"does not fit {len(found)} x {mem:.0f} GiB: {exc}"))
+            continue
+        lines.append((True, f"plan {day}", f"fits {len(found)} GPU(s) of {mem:.0f} GiB"))
+    return lines
+
+
+def report(days: list[str], data_dir: Path | None) -> list[Line]:
+    found = gpus()
+    return [torch_line(), gpu_line(found), triton_line(found), bwrap_line(), data_line(data_dir),
+            *plan_lines(days, found)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    from dlo import plan
+
+    p = argparse.ArgumentParser(prog="dlo doctor", description=__doc__.split("\n\n")[0])
+    p.add_argument("days", nargs="*", metavar="DAY", help="days whose plan to check (default: every planned day)")
+    p.add_argument("--data-dir", type=Path, default=None, help="the folder you will pass as data_dir")
+    args = p.parse_args(argv)
+    unknown = [d for d in args.days if d not in plan.PLANNERS]
+    if unknown:
+        print(f"dlo doctor: no plan for {', '.join(unknown)}; days: {', '.join(plan.PLANNERS)}", file=sys.stderr)
+        return 2
+    if args.data_dir is not None and not args.data_dir.is_dir():
+        print(f"dlo doctor: --data-dir {args.data_dir} is not a folder", file=sys.stderr)
+        return 2
+    lines = report(args.days or list(plan.PLANNERS), args.data_dir)
+    width = max(len(topic) for _, topic, _ in lines)
+    for ok, topic, text in lines:
+        print(f"{'ok ' if ok else 'FIX'}  {topic:<{width}}  {text}")
+    return 0 if all(ok for ok, _, _ in lines) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
