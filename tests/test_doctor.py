@@ -1,12 +1,14 @@
 """dlo.doctor: one line per topic, FIX with the fix when something is missing, bad input refused first."""
 
+
 from dlo import doctor
+from dlo.cli import main as cli_main
 
 H100 = ("NVIDIA H100", 79.6, (9, 0))
 
 
 def test_this_machine_reports_every_topic(capsys):
-    assert doctor.main(["day4_ddp"]) in (0, 1)  # FIX lines are findings about the machine, not errors
+    assert cli_main(["doctor", "day4_ddp"]) in (0, 1)  # FIX lines are findings about the machine, not errors
     out = capsys.readouterr().out.splitlines()
     assert [line.split()[1] for line in out][:5] == ["torch", "gpus", "triton", "bwrap", "data"]
     assert all(line.startswith(("ok ", "FIX")) for line in out)
@@ -33,7 +35,7 @@ def test_data_folder_without_cifar_says_where_to_put_it(tmp_path):
 
 
 def test_bad_input_is_one_line_before_any_check(tmp_path, capsys):
-    assert doctor.main(["day9_nothing"]) == 2
-    assert doctor.main(["--data-dir", str(tmp_path / "missing")]) == 2
+    assert cli_main(["doctor", "day9_nothing"]) == 2
+    assert cli_main(["doctor", "--data-dir", str(tmp_path / "missing")]) == 2
     captured = capsys.readouterr()
     assert captured.out == "" and len(captured.err.splitlines()) == 2

@@ -8,7 +8,8 @@
     dlo grade SUBMITTED_DIR [--out DIR] [--jobs N] [--shard K/N] [--regrade] [--cell-timeout S] [--require-full]
     dlo grade --merge DIR
     dlo setup student|instructor [--user|--config-dir DIR] [--exchange DIR] [--course-id ID] [--cell-timeout S]
-    dlo bench [OP ...]
+    dlo doctor [DAY ...] [--data-dir DIR]
+    dlo bench [OP ...] [--compile-report]
 
 Every command follows `dlo.errors`: errors and warnings on stderr as `dlo <command>: ...`, exit status 2
 for bad usage or values (before any work), 1 for a failed run; SIGTERM, SIGHUP and Ctrl-C end every
@@ -114,6 +115,11 @@ def build_parser() -> argparse.ArgumentParser:
     setup.add_argument("--cell-timeout", type=positive(int), default=1800,
                        help="seconds per cell for Validate (default 1800)")
 
+    doctor = sub.add_parser("doctor", help="what this machine offers the course: torch/CUDA/NCCL, GPUs, Triton, "
+                                           "bwrap, the data folder, whether each day's plan fits; ok or the fix")
+    doctor.add_argument("days", nargs="*", metavar="DAY", help="days whose plan to check (default: every planned day)")
+    doctor.add_argument("--data-dir", type=Path, default=None, help="the folder you will pass as data_dir")
+
     bench = sub.add_parser("bench", help="GPU kernel benchmarks vs torch baselines and the device peak")
     bench.add_argument("ops", nargs="*", metavar="OP")
     bench.add_argument("--out", default="bench/results", help="folder for the JSON results")
@@ -180,6 +186,9 @@ def dispatch(args: argparse.Namespace) -> int:
         from dlo.harness.setup import setup
         return setup(args.role, user=args.user, cfg_dir=args.config_dir, exchange=args.exchange,
                      cell_timeout=args.cell_timeout, root=root, course_id=args.course_id)
+    if args.command == "doctor":
+        from dlo import doctor
+        return doctor.main(args.days, args.data_dir)
     if args.command == "bench":
         from dlo import bench
         return bench.compile_report() if args.compile_report else bench.main(args.ops, args.out)

@@ -1,4 +1,4 @@
-"""`python -m dlo.doctor [DAY ...] [--data-dir DIR]`: what this machine (a cluster node, a laptop) offers the
+"""`dlo doctor [DAY ...] [--data-dir DIR]`: what this machine (a cluster node, a laptop) offers the
 course, one line each, `ok` or `FIX` with the fix: torch and its CUDA/NCCL, the GPUs and their memory,
 Triton and whether it compiles for the GPU present, bwrap (the grading sandbox), the data folder, and
 whether each day's `dlo plan` fits the GPUs found. Exit status 1 when a line says FIX, 2 on bad input.
@@ -6,9 +6,10 @@ whether each day's `dlo plan` fits the GPUs found. Exit status 1 when a line say
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
+
+from dlo.errors import BadInput
 
 Line = tuple[bool, str, str]  # (ok, topic, what was found or the fix)
 
@@ -116,26 +117,23 @@ def report(days: list[str], data_dir: Path | None) -> list[Line]:
             *plan_lines(days, found)]
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(days: list[str], data_dir: Path | None) -> int:
+    """`dlo doctor`: the lines, then exit status 1 when one says FIX."""
     from dlo import plan
 
-    p = argparse.ArgumentParser(prog="dlo doctor", description=__doc__.split("\n\n")[0])
-    p.add_argument("days", nargs="*", metavar="DAY", help="days whose plan to check (default: every planned day)")
-    p.add_argument("--data-dir", type=Path, default=None, help="the folder you will pass as data_dir")
-    args = p.parse_args(argv)
-    unknown = [d for d in args.days if d not in plan.PLANNERS]
+    unknown = [d for d in days if d not in plan.PLANNERS]
     if unknown:
-        print(f"dlo doctor: no plan for {', '.join(unknown)}; days: {', '.join(plan.PLANNERS)}", file=sys.stderr)
-        return 2
-    if args.data_dir is not None and not args.data_dir.is_dir():
-        print(f"dlo doctor: --data-dir {args.data_dir} is not a folder", file=sys.stderr)
-        return 2
-    lines = report(args.days or list(plan.PLANNERS), args.data_dir)
+        raise BadInput(f"no plan for {', '.join(unknown)}; days: {', '.join(plan.PLANNERS)}")
+    if data_dir is not None and not data_dir.is_dir():
+        raise BadInput(f"--data-dir {data_dir} is not a folder")
+    lines = report(days or list(plan.PLANNERS), data_dir)
     width = max(len(topic) for _, topic, _ in lines)
     for ok, topic, text in lines:
         print(f"{'ok ' if ok else 'FIX'}  {topic:<{width}}  {text}")
     return 0 if all(ok for ok, _, _ in lines) else 1
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
+if __name__ == "__main__":  # the same as `dlo doctor ...`
+    from dlo.cli import main as cli_main
+
+    raise SystemExit(cli_main(["doctor", *sys.argv[1:]]))
