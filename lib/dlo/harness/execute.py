@@ -20,6 +20,7 @@ goes on. A cell that hangs but obeys SIGINT is interrupted by nbclient as before
 from __future__ import annotations
 
 import copy
+import os
 import shutil
 import tempfile
 import threading
@@ -31,7 +32,7 @@ from nbformat.notebooknode import NotebookNode
 from nbgrader.api import Gradebook, MissingEntry
 from nbgrader.preprocessors import Execute
 
-from dlo.harness import testcells
+from dlo.harness import files, testcells
 from dlo.harness.sandbox import SandboxedKernelManager, Spec, probe, spec_from_env
 
 
@@ -74,8 +75,9 @@ class ResilientExecute(Execute):
             from dlo.checks.sandbox import SandboxBackend
 
             spec = self._spec
-            backend = SandboxBackend(prefix=spec.runner_prefix(), log=spec.runner_dir / "runner.log",
-                                     env=spec.env(spec.runner_dir))
+            # the log beside the scratch folders, not in one: nothing in the sandbox can name it
+            backend = SandboxBackend(prefix=spec.runner_prefix(), log=Path(spec.scratch) / "runner.log",
+                                     env=spec.env(spec.runner_dir), cwd=spec.runner_dir)
             backend.warm()
             self._backend = backend
         except Exception as exc:  # noqa: BLE001 - reported in every test cell, graded 0: the instructor sees it
@@ -224,11 +226,13 @@ def _copy_extra_files(resources, dest: Path) -> None:
     path = ((resources or {}).get("metadata") or {}).get("path")
     if not path or not Path(path).is_dir():
         return
-    for item in Path(path).iterdir():
-        if item.suffix == ".ipynb" or item.name.startswith("."):
-            continue
-        target = dest / item.name
-        if item.is_dir():
-            shutil.copytree(item, target, dirs_exist_ok=True, symlinks=True)
-        elif item.is_file():
-            shutil.copy2(item, target)
+    for rel, fd, why in files.walk(path):
+        top = rel.split("/", 1)[0]
+        if why is not None or top.startswith(".") or (top == rel and rel.endswith(".ipynb")):
+            continue  # links and special files are not followed (`dlo grade` named them in the feedback)
+        if fd is None:
+            (dest / rel).mkdir(exist_ok=True)
+        else:
+            with open(dest / rel, "wb") as out:
+                while chunk := os.read(fd, files.CHUNK):
+                    out.write(chunk)

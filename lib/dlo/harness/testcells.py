@@ -24,6 +24,8 @@ from pathlib import Path
 from nbformat.notebooknode import NotebookNode
 from nbgrader.preprocessors import NbGraderPreprocessor
 
+from dlo.harness import files
+
 # Modules a test cell may name directly (bound here, not taken from the student's kernel).
 MODULES_OK = ("torch", "numpy", "math", "random", "dlo", "cmath", "statistics", "itertools", "functools",
               "collections", "operator")
@@ -106,7 +108,7 @@ def bindings(names: list[str], folder: Path, backend) -> dict:
     The report is the student's kernel's word: it is read as data, and a handle only exists for a
     pickle that is there."""
     try:
-        report = json.loads((folder / "report.json").read_text())
+        report = json.loads(_read(folder, "report.json", limit=1 << 20))
     except (OSError, ValueError):
         report = {}
     if not isinstance(report, dict):
@@ -114,10 +116,10 @@ def bindings(names: list[str], folder: Path, backend) -> dict:
     out = {}
     for name in names:
         status = report.get(name)
-        if status == "ok" and (folder / f"{name}.pkl").is_file():
-            out[name] = backend.captured(name, folder / f"{name}.pkl")
-        elif status == "data" and (folder / f"{name}.data").is_file():
-            out[name] = _data(name, folder / f"{name}.data")
+        if status == "ok" and files.is_regular(folder.parent, folder.name, f"{name}.pkl"):
+            out[name] = backend.captured(name, folder / f"{name}.pkl")  # read in the sandbox only
+        elif status == "data" and files.is_regular(folder.parent, folder.name, f"{name}.data"):
+            out[name] = _data(name, folder)
         elif isinstance(status, dict) and isinstance(status.get("module"), str):
             out[name] = _module(name, status["module"])
         elif status == "not defined":
@@ -129,11 +131,18 @@ def bindings(names: list[str], folder: Path, backend) -> dict:
     return out
 
 
-def _data(name: str, path: Path):
+def _read(folder: Path, name: str, limit: int | None = None) -> bytes:
+    """A file the student's kernel wrote into the capture folder: a regular file inside `folder`,
+    inside the grader's capture folder, reached without following a link (a link to the instructors'
+    files or a fifo is refused, never read)."""
+    return files.read_file(folder.parent, folder.name, name, limit=limit)
+
+
+def _data(name: str, folder: Path):
     from dlo.checks.wire import decode
 
     try:
-        return decode(path.read_bytes())  # JSON and raw tensor bytes: no unpickling
+        return decode(_read(folder, f"{name}.data"))  # JSON and raw tensor bytes: no unpickling
     except (OSError, ValueError) as exc:
         raise CaptureFailed("RuntimeError", f"{name} could not be read by the grader ({exc})") from None
 
