@@ -147,9 +147,10 @@ def is_regular(base: str | Path, *parts: str) -> bool:
 
 def walk(src: str | Path, ignore: Iterable[str] = ()) -> Iterator[tuple[str, int | None, str | None]]:
     """Every entry under folder `src` (NotRegular when `src` itself is a link; the folders above it
-    are the grader's, followed), depth first, sorted: (relative path, descriptor of a regular file, None) or (relative path, None, what it is)
-    for anything else but a folder, which is descended into without following links. A descriptor is
-    valid until the next item. Names in `ignore` are left out entirely."""
+    are the grader's, followed), depth first, sorted: (relative path, descriptor, None) for a regular
+    file, (relative path + "/", None, None) for a folder, which is descended into without following
+    links, (relative path, None, what it is) for anything else. A descriptor is valid until the next
+    item. Names in `ignore` are left out entirely."""
     skip, src = set(ignore), Path(src)
     with opened_dir(src.parent, [src.name]) as top:
         yield from _walk(top, "", skip)
