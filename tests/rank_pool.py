@@ -3,11 +3,12 @@
 A check calls `on_ranks(worker, n, ...)`; in a notebook that is one `dlo.distributed.launch` of n
 fresh interpreters (seconds of start-up on a small CPU). The tests of the parallel days call dozens
 of checks, so there `RankPool` keeps n ranks alive and hands them one job after another: the same
-trusted worker, the same forbidden names blocked around it (`dlo.checks.common.run_worker`), the same
-plain-data results (`safe_data`) and the same comparisons in the check. What differs is transport
-only, and the real path stays tested: a job that fails on a rank ends the pool (a peer may be stuck
-in a collective), its ranks are killed by pid and the next job starts a fresh launch; the accept
-tests of every check still meet the real launch through `dlo grade`'s test and the deadlock tests.
+trusted worker, the same forbidden names blocked and modules sealed around it
+(`dlo.checks.common.run_on_rank`), the same plain-data results (`safe_data`) and the same
+comparisons in the check. What differs is transport only, and the real path stays tested: a job
+that fails on a rank ends the pool (a peer may be stuck in a collective), its ranks are killed by
+pid and the next job starts a fresh launch; the accept tests of every check still meet the real
+launch through `dlo grade`'s test and the deadlock tests.
 
     with RankPool() as pool, pool.serving():   # DirectSession.on_ranks goes through the pool
         day7.check_tp_linears(...)
@@ -29,7 +30,7 @@ import cloudpickle
 import pytest
 import torch
 
-from dlo.checks.common import DirectSession, deadlock_message, run_worker, safe_data
+from dlo.checks.common import DirectSession, deadlock_message, rank_payload, run_on_rank, safe_data, worker_ref
 from dlo.distributed.launch import dumps, launch
 
 
@@ -59,9 +60,9 @@ def serve(jobdir: str) -> None:
                 return None
             time.sleep(0.01)
         with open(path, "rb") as f:
-            worker, forbid, name, hint, args, kwargs = cloudpickle.load(f)
+            worker, forbid, name, hint, payload = cloudpickle.load(f)
         try:
-            record = ("ok", dumps(run_worker(worker, forbid, name, args, kwargs, hint)))
+            record = ("ok", dumps(run_on_rank(worker, forbid, name, hint, payload)))
         except BaseException:  # noqa: BLE001 - reported to the check, then this rank ends
             record = ("error", traceback.format_exc())
         tmp = os.path.join(jobdir, f"result-{k}-{r}.tmp")
@@ -115,7 +116,8 @@ class RankPool:
         if self.world != world or not self.thread.is_alive():
             self.start(world)
         k, self.k = self.k, self.k + 1
-        job = cloudpickle.dumps((worker, session.forbid, session.name, session.hint, args, kwargs))
+        job = cloudpickle.dumps((worker_ref(worker), session.forbid, session.name, session.hint,
+                                 rank_payload(args, kwargs)))
         tmp = os.path.join(self.jobdir, f"job-{k}.tmp")
         with open(tmp, "wb") as f:
             f.write(job)

@@ -49,10 +49,13 @@ import math
 import random
 import sys
 import threading
+import types
 from collections.abc import Callable, Iterator
 from numbers import Integral, Real
 
 import torch
+
+from dlo.seal import sealed
 
 DTYPE = torch.float64
 RTOL, ATOL = 1e-9, 1e-12  # float64: correct code agrees to ~1e-15; slips show at >= 1e-7
@@ -123,6 +126,9 @@ class ForbiddenCall(AssertionError):
     """A check's forbidden reference was called by the student's code."""
 
 
+_ABSENT = object()
+
+
 def _resolve(path: str):
     """'torch.optim.AdamW' -> (the module or class holding it, 'AdamW')."""
     parts = path.split(".")
@@ -181,9 +187,112 @@ def _aliases(package: str, obj) -> list[tuple[object, str]]:
     return _ALIASES[key]
 
 
+def _code_names(code) -> set[str]:
+    """The global and attribute names a code object (and the functions nested in it) mentions."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _code_names(const)
+    return names
+
+
+def _functions_of(obj) -> list:
+    """The plain functions of a module-level function or class (its own methods, unwrapped)."""
+    if isinstance(obj, types.FunctionType):
+        return [obj]
+    if not isinstance(obj, type):
+        return []
+    out = []
+    for v in vars(obj).values():
+        v = v.__func__ if isinstance(v, (staticmethod, classmethod)) else v.fget if isinstance(v, property) else v
+        if isinstance(v, types.FunctionType):
+            out.append(v)
+    return out
+
+
+def _uses(obj, defined: dict) -> set[str]:
+    """The names of `defined` (a module's own functions and classes) that `obj` uses: in its code,
+    and for a class its bases."""
+    names = set().union(*(_code_names(f.__code__) for f in _functions_of(obj))) if _functions_of(obj) else set()
+    if isinstance(obj, type):
+        names |= {b.__name__ for b in obj.__bases__ if defined.get(b.__name__) is b}
+    return names & set(defined)
+
+
+def _reach(starts: list, defined: dict, private: set) -> set[str]:
+    seen: set[str] = set()
+    todo = [n for obj in starts for n in _uses(obj, defined) & private]
+    while todo:
+        n = todo.pop()
+        if n not in seen:
+            seen.add(n)
+            todo += list(_uses(defined[n], defined) & private - seen)
+    return seen
+
+
+def private_targets(paths) -> list[tuple[object, str, str]]:
+    """(holder, attribute, dotted name) of the private machinery behind the forbidden names of dlo's
+    own modules: the module-level `_functions` and `_Classes` that a forbidden name uses (its code, its
+    bases; transitively) and no allowed public name of the same module or other dlo module shares, and
+    the own methods of those classes (`zero._Sharded.__init__`, `_VocabParallelCrossEntropy.forward`:
+    a student's subclass, or `.apply`, reaches them). Without them a student could call the reference
+    under its private name. Cached per list of names (the modules are scanned once)."""
+    key = tuple(paths)
+    if key not in _PRIVATE:
+        _PRIVATE[key] = _private_targets(key)
+    return _PRIVATE[key]
+
+
+_PRIVATE: dict[tuple, list] = {}
+
+
+def _private_targets(paths) -> list[tuple[object, str, str]]:
+    by_module: dict[str, list] = {}
+    for path in paths:
+        owner, attr = _resolve(path)
+        module = owner if isinstance(owner, types.ModuleType) else sys.modules.get(getattr(owner, "__module__", ""))
+        if module is None or not module.__name__.startswith("dlo.") or module.__name__.startswith("dlo.checks"):
+            continue
+        if attr == "*":
+            by_module.setdefault(module.__name__, []).extend(
+                v for a, v in vars(module).items() if not a.startswith("_") and (isinstance(v, type) or callable(v)))
+        else:
+            by_module.setdefault(module.__name__, []).append(getattr(owner, attr))
+    out = []
+    for name, forbidden_objs in by_module.items():
+        module = sys.modules[name]
+        defined = {a: v for a, v in vars(module).items() if isinstance(v, (type, types.FunctionType))
+                   and getattr(v, "__module__", None) == name}
+        private = {a for a in defined if a.startswith("_") and not a.startswith("__")}
+        ids = {id(o) for o in forbidden_objs}
+        allowed = [v for a, v in defined.items() if a not in private and id(v) not in ids
+                   and not (isinstance(v, type) and any(id(f) in ids for f in _functions_of(v)))]
+        shared = _reach(allowed, defined, private) | {a for a in private if _bound_elsewhere(defined[a], name)}
+        for a in sorted(_reach(forbidden_objs, defined, private) - shared):
+            obj = defined[a]
+            out.append((module, a, f"{name}.{a}"))
+            if isinstance(obj, type):
+                out += [(obj, m, f"{name}.{a}.{m}") for m, v in vars(obj).items()
+                        if isinstance(v, (types.FunctionType, staticmethod, classmethod))]
+    return out
+
+
+def _bound_elsewhere(obj, home: str) -> bool:
+    """True when another dlo module (not the grader's) imported `obj`: shared machinery, not the answer."""
+    for name, module in list(sys.modules.items()):
+        if module is None or name == home or not name.startswith("dlo.") or name.startswith("dlo.checks"):
+            continue
+        try:
+            if any(v is obj for v in vars(module).values()):
+                return True
+        except TypeError:
+            continue
+    return False
+
+
 class _Blocked:
     """What a forbidden name is bound to while a check runs: calling it, or using an attribute of it
-    (`CheckpointFunction.apply`, `GradScaler.step`), raises ForbiddenCall."""
+    (`CheckpointFunction.apply`, `GradScaler.step`), raises ForbiddenCall; so does subclassing it."""
 
     def __init__(self, path: str, exercise: str, hint: str = ""):
         self.__dlo_forbidden__ = path
@@ -199,6 +308,9 @@ class _Blocked:
             raise AttributeError(name)
         raise ForbiddenCall(self._message)
 
+    def __mro_entries__(self, bases):
+        raise ForbiddenCall(self._message)
+
     def __repr__(self) -> str:
         return f"<{self.__dlo_forbidden__}: off limits in this check>"
 
@@ -211,7 +323,7 @@ def _blocker(path: str, exercise: str, hint: str = "") -> _Blocked:
 def forbidden(paths, exercise: str, hint: str = "") -> Iterator[None]:
     """Replace each dotted name in `paths` (and its aliases; "module.*": all its public functions and
     classes) with a function that raises ForbiddenCall; restore on exit."""
-    saved = []
+    saved, private = [], private_targets(paths)  # found before anything is blocked
     try:
         for path in paths:
             for owner, attr in forbidden_targets(path):
@@ -224,6 +336,12 @@ def forbidden(paths, exercise: str, hint: str = "") -> Iterator[None]:
                 except (AttributeError, TypeError):
                     continue  # a read-only holder (a C extension type): its alias elsewhere is blocked
                 saved.append((owner, attr, value))
+        for owner, attr, label in private:
+            raw = vars(owner).get(attr, _ABSENT)  # a class's own staticmethod comes back as one
+            if raw is _ABSENT or getattr(raw, "__dlo_forbidden__", None):
+                continue
+            setattr(owner, attr, _blocker(label, exercise, hint))
+            saved.append((owner, attr, raw))
         yield
     finally:
         for owner, attr, value in reversed(saved):
@@ -289,8 +407,8 @@ class DirectSession:
             raise AssertionError(f"{self.name}: {getattr(stub, '__name__', 'the answer')} raised NotImplementedError "
                                  f"on every rank: the exercise is not done yet")
         try:
-            results = launch(run_worker, world_size, worker, self.forbid, self.name, args, kwargs,
-                             backend=backend, timeout=timeout, hint=self.hint)
+            results = launch(run_on_rank, world_size, worker_ref(worker), self.forbid, self.name, self.hint,
+                             rank_payload(args, kwargs), backend=backend, timeout=timeout)
         except RankError as e:  # the rank's own message (assertion or exception) is the useful part
             raise AssertionError(f"{self.name}: {e}") from None
         except TimeoutError as e:
@@ -323,9 +441,40 @@ def deadlock_message(name: str, err: Exception) -> str:
 
 
 def run_worker(worker, forbid, name, args, kwargs, hint=""):
-    """A trusted worker run where student code runs: the check's forbidden names blocked around it (in
-    process, and on each rank of `on_ranks` and of the tests' rank pool; module-level: pickled by reference)."""
-    with forbidden(forbid, name, hint):
+    """A trusted worker run where student code runs (in process: `run_student` of a direct check): the
+    check's forbidden names blocked and the grader's modules sealed around it (`dlo.seal`)."""
+    with forbidden(forbid, name, hint), sealed():
+        return worker(*args, **kwargs)
+
+
+def worker_ref(worker):
+    """A module-level worker as (module, qualname), resolved on the rank (where the grader's modules are
+    sealed by the time anything could look them up); any other callable as itself."""
+    module, qualname = getattr(worker, "__module__", None), getattr(worker, "__qualname__", "<>")
+    importable = module not in (None, "__main__") and "<" not in qualname and module in sys.modules
+    return (module, qualname) if importable else worker
+
+
+def rank_payload(args, kwargs) -> bytes:
+    """The worker's arguments (the student's objects among them), pickled apart from the worker: a rank
+    unpickles them only once it has blocked the forbidden names and sealed the grader's modules, since
+    unpickling a student's object may run the student's code (`__reduce__`, `__init_subclass__`)."""
+    import cloudpickle
+
+    return cloudpickle.dumps((args, kwargs))
+
+
+def run_on_rank(worker, forbid, name, hint, payload: bytes):
+    """On each rank of `on_ranks` (and of the tests' rank pool): the worker resolved, then the check's
+    forbidden names blocked and the grader's modules sealed, then the student's objects unpickled and
+    the worker run with them."""
+    if isinstance(worker, tuple):
+        module, qualname = worker
+        worker = importlib.import_module(module)
+        for part in qualname.split("."):
+            worker = getattr(worker, part)
+    with forbidden(forbid, name, hint), sealed() as sealing:
+        args, kwargs = sealing.loads(payload)
         return worker(*args, **kwargs)
 
 
@@ -337,7 +486,7 @@ class _Guarded:
         functools.update_wrapper(self, fn, updated=())
 
     def __call__(self, *args, **kwargs):
-        with forbidden(self._forbid, self._name, self._hint):
+        with forbidden(self._forbid, self._name, self._hint), sealed():
             return self._fn(*args, **kwargs)
 
     def __reduce__(self):  # ranks and workers get the plain function; they block names themselves

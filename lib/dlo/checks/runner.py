@@ -25,6 +25,7 @@ which the grader opened on its log (outside the runner's scratch).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import signal
@@ -34,7 +35,8 @@ import traceback
 
 import cloudpickle
 
-from dlo.checks import wire
+from dlo.checks import common, wire
+from dlo.seal import seal
 
 
 def main(argv: list[str]) -> int:
@@ -44,7 +46,6 @@ def main(argv: list[str]) -> int:
     import torch  # noqa: F401 - warm: every session's fork starts with torch and the checks imported
 
     import dlo.checks  # noqa: F401
-    from dlo.checks import common
 
     wire.write_frame(proto_out, wire.encode({"kind": "ready", "pid": os.getpid()}))
     while True:
@@ -59,6 +60,8 @@ def main(argv: list[str]) -> int:
                 common.forbidden_targets(path)
             except Exception:  # noqa: BLE001 - the child reports a name it cannot resolve
                 pass
+        with contextlib.suppress(Exception):
+            common.private_targets(tuple(req.get("forbid", ())))
         serve(req, proto_in, proto_out)
 
 
@@ -157,12 +160,13 @@ class Session:
         return i
 
     def serve(self) -> None:
-        from dlo.checks.common import forbidden
-
         try:
             # kept, and entered for the whole session (it ends with this process): a collected one would restore
-            self._blocked = forbidden(self.forbid, self.name, self.hint)
+            self._blocked = common.forbidden(self.forbid, self.name, self.hint)
             self._blocked.__enter__()
+            # the grader's modules sealed for good: the student's objects are loaded after this, and only
+            # the grader's own requests see the real modules (`sealing.loads`)
+            self.sealing = seal()
         except BaseException as exc:  # noqa: BLE001
             self.send(_error(exc))
             return
@@ -181,7 +185,7 @@ class Session:
         while True:
             frame = wire.read_frame(self.fd)
             try:
-                return cloudpickle.loads(frame)
+                return self.sealing.loads(frame)
             except BaseException as exc:  # noqa: BLE001
                 self.send(_error(exc))
 
@@ -201,14 +205,10 @@ class Session:
         if op == "getattr":
             return {"kind": "result", "value": getattr(self.resolve(req["target"]), req["name"]), "after": None}
         if op == "run":
-            from dlo.checks.common import safe_data
-
-            value = safe_data(req["worker"](*args, **kwargs), f"{self.name}: the worker's result")
+            value = common.safe_data(req["worker"](*args, **kwargs), f"{self.name}: the worker's result")
             return {"kind": "result", "value": value, "after": None}
         if op == "ranks":
-            from dlo.checks.common import DirectSession
-
-            ranks = DirectSession(self.name, self.forbid, self.hint)  # each rank blocks the names itself
+            ranks = common.DirectSession(self.name, self.forbid, self.hint)  # each rank blocks and seals itself
             value = ranks.on_ranks(req["worker"], req["world_size"], args, kwargs, req["timeout"], req["backend"])
             return {"kind": "result", "value": value, "after": None}
         raise ValueError(f"unknown request {op!r}")

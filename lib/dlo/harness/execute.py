@@ -28,12 +28,15 @@ import time
 from pathlib import Path
 
 from nbclient.exceptions import CellTimeoutError, DeadKernelError
+from nbclient.util import run_sync
 from nbformat.notebooknode import NotebookNode
 from nbgrader.api import Gradebook, MissingEntry
 from nbgrader.preprocessors import Execute
 
 from dlo.harness import files, testcells
 from dlo.harness.sandbox import SandboxedKernelManager, Spec, probe, spec_from_env
+
+SEAL = "import dlo.seal\ndlo.seal.seal()\ndel dlo"  # the grading kernel's first code (silent, no history)
 
 
 class ResilientExecute(Execute):
@@ -83,6 +86,18 @@ class ResilientExecute(Execute):
         except Exception as exc:  # noqa: BLE001 - reported in every test cell, graded 0: the instructor sees it
             self.log.error("the grader's sandbox did not start: %s", exc)
             self._warm_error = f"{type(exc).__name__}: {exc}"
+
+    async def async_start_new_kernel_client(self):
+        """A kernel client, once the kernel has sealed the grader's modules (`dlo.seal`) for good: from
+        the first student cell on, `import dlo.checks.<day>` gives a placeholder, never the checks'
+        references or test benches. After a restart too."""
+        kc = await super().async_start_new_kernel_client()
+        reply = await self.async_wait_for_reply(kc.execute(SEAL, silent=True, store_history=False))
+        if not reply or reply.get("content", {}).get("status") != "ok":
+            self.log.warning("the kernel did not seal the grader's modules: %s", (reply or {}).get("content"))
+        return kc
+
+    start_new_kernel_client = run_sync(async_start_new_kernel_client)
 
     def create_kernel_manager(self):
         km = super().create_kernel_manager()
