@@ -30,7 +30,15 @@ import cloudpickle
 import pytest
 import torch
 
-from dlo.checks.common import DirectSession, deadlock_message, rank_payload, run_on_rank, safe_data, worker_ref
+from dlo.checks.common import (
+    DirectSession,
+    deadlock_message,
+    fold_traceback_text,
+    rank_payload,
+    run_on_rank,
+    safe_data,
+    worker_ref,
+)
 from dlo.distributed.launch import dumps, launch
 
 
@@ -131,7 +139,8 @@ class RankPool:
                         results[r] = pickle.load(f)
                     if results[r][0] == "error":
                         self.stop(kill=True)
-                        raise AssertionError(f"{session.name}: rank {r} raised:\n{results[r][1]}")
+                        raise AssertionError(f"{session.name}: rank {r} raised "
+                                             f"{fold_traceback_text(results[r][1], ('tests/rank_pool.py',))}")
             if all(x is not None for x in results):
                 return [safe_data(pickle.loads(x[1]), f"{session.name}: rank {r}'s result")
                         for r, x in enumerate(results)]

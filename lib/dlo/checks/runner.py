@@ -268,20 +268,16 @@ def state(obj, depth: int = 0):
     return None
 
 
-_OWN_FILES = {__file__, wire.__file__}  # the runner's frames are noise in a student's traceback
-
-
 def _error(exc: BaseException) -> dict:
+    """A student's exception as data: its type, message, and the frames of the student's code (the
+    grader's - this runner, the checks, the launcher - folded into a count), the exception first."""
     try:
         message = str(exc)
     except BaseException:  # noqa: BLE001 - a student exception whose __str__ raises
         message = f"<{type(exc).__name__} whose message cannot be shown>"
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename not in _OWN_FILES]
-    try:
-        last = traceback.format_exception_only(type(exc), exc)
-    except BaseException:  # noqa: BLE001
-        last = [f"{type(exc).__name__}\n"]
-    tb = "".join(["Traceback (most recent call last):\n", *traceback.format_list(frames[-12:]), *last])
+    folded = common.fold_frames(traceback.extract_tb(exc.__traceback__))
+    kept = [line for line in folded if not line.startswith("  (")]
+    tb = "".join([*(["in your code (most recent call last):\n"] if kept else []), *kept[-12:], *folded[len(kept):]])
     return {"kind": "error", "type": type(exc).__name__[:100], "message": message[:20000], "traceback": tb[-8000:]}
 
 

@@ -196,12 +196,12 @@ def _message(exc: BaseException) -> str:
 
 
 def _student_traceback(exc: BaseException) -> list[str]:
-    """The traceback of an exception the student's code raised in the sandbox (no test cell line)."""
+    """The frames of an exception the student's code raised in the sandbox, as the runner sent them:
+    the student's code first, the grader's frames folded into a count (no test cell line)."""
     tb = getattr(exc, "remote_traceback", "")
     if not tb or isinstance(exc, AssertionError):
         return []
-    lines = tb.rstrip().splitlines()
-    return ["", "in your code (as the grader ran it):", *lines[-16:]]
+    return ["", *tb.rstrip().splitlines()[:40]]
 
 
 class StripHiddenTests(NbGraderPreprocessor):
