@@ -567,16 +567,50 @@ def rank_payload(args, kwargs) -> bytes:
 
 def run_on_rank(worker, forbid, name, hint, payload: bytes):
     """On each rank of `on_ranks` (and of the tests' rank pool): the worker resolved, then the check's
-    forbidden names blocked and the grader's modules sealed, then the student's objects unpickled and
-    the worker run with them."""
+    forbidden names blocked, the grader's modules sealed and new threads refused, then the student's
+    objects unpickled and the worker run with them."""
     if isinstance(worker, tuple):
         module, qualname = worker
         worker = importlib.import_module(module)
         for part in qualname.split("."):
             worker = getattr(worker, part)
-    with forbidden(forbid, name, hint), sealed() as sealing:
+    with forbidden(forbid, name, hint), sealed() as sealing, no_threads(name):
         args, kwargs = sealing.loads(payload)
         return worker(*args, **kwargs)
+
+
+_THREAD_STARTERS = (("_thread", "start_new_thread"), ("_thread", "start_new"), ("_thread", "start_joinable_thread"),
+                    ("threading", "_start_new_thread"), ("threading", "_start_joinable_thread"))
+
+
+@contextlib.contextmanager
+def no_threads(exercise: str) -> Iterator[None]:
+    """Starting a Python thread raises ForbiddenCall inside the block, and a thread that appeared
+    anyway fails the check at its end. On a rank the grader counts collectives (`CommCounter`) and
+    saved tensors (`SavedTensorMeter`) on the thread that calls the student's code (both are
+    thread-local): work moved to another thread would be invisible to them."""
+    message = (f"{exercise}: starting a thread is off limits while this check runs on the ranks: the grader "
+               f"counts the collectives and the tensors saved for backward on the thread that calls your code; "
+               f"run everything there")
+
+    def refuse(*args, **kwargs):
+        raise ForbiddenCall(message)
+
+    before = {t.ident for t in threading.enumerate()}
+    saved = []
+    for module_name, attr in _THREAD_STARTERS:
+        module = sys.modules.get(module_name)
+        if module is not None and hasattr(module, attr):
+            saved.append((module, attr, getattr(module, attr)))
+            setattr(module, attr, refuse)
+    try:
+        yield
+    finally:
+        for module, attr, value in reversed(saved):
+            setattr(module, attr, value)
+    new = [t.name for t in threading.enumerate() if t.ident not in before and t.is_alive()]
+    if new:
+        raise ForbiddenCall(f"{message} (threads started: {', '.join(new)})")
 
 
 class _Guarded:

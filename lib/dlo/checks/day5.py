@@ -27,6 +27,7 @@ import torch.distributed as dist
 from dlo.checks.common import DTYPE, assert_number, check, ok, on_ranks
 from dlo.checks.day5_fsdp import check_fsdp2
 from dlo.checks.day5_zero import (
+    STEP,
     batch,
     build_engine,
     case,
@@ -38,6 +39,7 @@ from dlo.checks.day5_zero import (
     memory_slack,
     optimizer_for,
     tied_lm,
+    verify_every_byte,
     verify_memory,
     verify_training,
     zero_worker,
@@ -135,6 +137,7 @@ def check_zero1(cls, seed: int = 0, world_size: int = 2, steps: int = 3) -> None
                      "reduce-scatter the whole flat gradient once per step", where)
         expect_bytes(name, "all-gather of the updated parameters", comm_bytes(calls, "all_gather"), psi_b, 1,
                      "all-gather the whole flat parameter buffer once per step", where)
+    verify_every_byte(name, res, 1, psi_b, steps, where)
     m = verify_memory(name, res, c, 1, world_size, where)
     ok(name, f"{steps} steps on {world_size} ranks, 2 Psi = {2 * psi_b:,} bytes per step, {res[0]['held']:,} bytes "
              f"held (formula {m['want']:,}), seed={seed}")
@@ -153,7 +156,7 @@ def check_zero2(cls, seed: int = 0, world_size: int = 2, steps: int = 3) -> None
     verify_training(name, res, c, seed, steps, world_size)
     psi_b = 8 * count_psi(c)
     for r, got in enumerate(res):
-        rs = [x for x in got["comm"] if x["kind"] == "reduce_scatter"]
+        rs = [x for x in got["comm"] if x["kind"] == "reduce_scatter" and x["phase"] in STEP]
         if len(rs) < 2 or not all(x["async"] and x["phase"] == "backward" for x in rs):
             raise AssertionError(f"{name}: rank {r} issued {len(rs)} reduce-scatter(s) with bucket_cap_mb={cap:.2g}; "
                                  f"expected several buckets, each launched with async_op=True from a gradient hook "
@@ -170,6 +173,7 @@ def check_zero2(cls, seed: int = 0, world_size: int = 2, steps: int = 3) -> None
         if comm_bytes(got["comm"], "all_reduce"):
             raise AssertionError(f"{name}: an all-reduce of the gradients leaves every rank the full gradient; "
                                  f"reduce-scatter ({where})")
+    verify_every_byte(name, res, 2, psi_b, steps, where)
     m = verify_memory(name, res, c, 2, world_size, where)
     biggest = max(p.numel() for p in tied_lm(c, 0).parameters())
     peak_allowed = m["want"] + m["slack"] + 8 * 2 * (60 + biggest)
@@ -209,6 +213,7 @@ def check_zero3(cls, seed: int = 0, world_size: int = 2, steps: int = 3) -> None
         if len(gathers) < c["n_blocks"]:
             raise AssertionError(f"{name}: {len(gathers)} all-gathers in forward for {c['n_blocks']} units: gather "
                                  f"each unit just before it runs, not the whole model at once ({where})")
+    verify_every_byte(name, res, 3, psi_b, steps, where)
     m = verify_memory(name, res, c, 3, world_size, where)
     model = tied_lm(c, 0)
     unit = count_parameters(model.blocks[0])

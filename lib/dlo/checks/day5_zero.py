@@ -146,32 +146,45 @@ def build_engine(cls, stage: int, model, opt_cls, kw, extra: dict):
 
 
 def zero_worker(cls, stage: int, seed: int, steps: int, extra: dict, one_bucket: dict | None = None):
+    """Every collective and point-to-point message of the rank is counted, from each engine's
+    construction to the last forward (phases "init", "start", "forward", "backward", "step",
+    "after", "adamw"): a byte sent outside the step's own collectives shows."""
     r, n = dist.get_rank(), dist.get_world_size()
     c = case(seed)
     out = {}
     if one_bucket is not None:  # ZeRO-2 at the default cap: count the reduce-scatters of one step
-        engine = build_engine(cls, stage, tied_lm(c, seed + 1 + r), *optimizer_for(c, "sgd"), one_bucket)
-        x, y = batch(c, seed, 0, n * c["per_rank"])
         with CommCounter() as comm:
+            comm.phase = "init"
+            engine = build_engine(cls, stage, tied_lm(c, seed + 1 + r), *optimizer_for(c, "sgd"), one_bucket)
+            x, y = batch(c, seed, 0, n * c["per_rank"])
+            comm.phase = "step"
             lm_loss(engine, x[r::n], y[r::n]).backward()
             engine.step()
         out["one_bucket"] = comm.count("reduce_scatter")
-    model = tied_lm(c, seed + 1 + r)  # every rank its own weights: the engine must start from rank 0's
-    engine = build_engine(cls, stage, model, *optimizer_for(c, "sgd"), extra)
-    x, y = batch(c, seed, 0, n * c["per_rank"])
-    out["start"] = seen_parameters(model, lambda: engine(x[:1]))
+        out["one_bucket_comm"] = comm_summary(comm)
     with CommCounter() as comm:
+        comm.phase = "init"
+        model = tied_lm(c, seed + 1 + r)  # every rank its own weights: the engine must start from rank 0's
+        engine = build_engine(cls, stage, model, *optimizer_for(c, "sgd"), extra)
+        x, y = batch(c, seed, 0, n * c["per_rank"])
+        comm.phase = "start"
+        out["start"] = seen_parameters(model, lambda: engine(x[:1]))
         comm.phase = "forward"
         loss = lm_loss(engine, x[r::n], y[r::n])
         comm.phase = "backward"
         loss.backward()
         comm.phase = "step"
         engine.step()
-    engine.zero_grad()
-    out["sgd"] = seen_parameters(model, lambda: engine(x[:1]))
+        comm.phase = "after"
+        engine.zero_grad()
+        out["sgd"] = seen_parameters(model, lambda: engine(x[:1]))
     out["comm"] = comm_summary(comm)
+    adamw = CommCounter()
+    adamw.__enter__()
+    adamw.phase = "init"
     model = tied_lm(c, seed + 1 + r)
     engine = build_engine(cls, stage, model, *optimizer_for(c, "adamw"), extra)
+    adamw.phase = "adamw"
     samples = {"backward": [], "forward": []}
     for s in range(steps):
         if s == steps - 1:  # the last step is watched: memory during forward (per unit) and backward
@@ -188,6 +201,8 @@ def zero_worker(cls, stage: int, seed: int, steps: int, extra: dict, one_bucket:
                 h.remove()
         engine.zero_grad()
     out["adamw"] = seen_parameters(model, lambda: engine(x[:1]))
+    adamw.__exit__(None, None, None)
+    out["adamw_comm"] = comm_summary(adamw)
     out["samples"] = samples
     return out
 
@@ -235,8 +250,42 @@ def fmt_where(where: dict) -> str:
     return ", ".join(f"{k}={v}" for k, v in where.items())
 
 
-def comm_bytes(calls: list, kind: str, phase=None) -> int:
-    return sum(x["bytes"] for x in calls if x["kind"] == kind and (phase is None or x["phase"] == phase))
+STEP = ("forward", "backward", "step")  # the phases of the counted SGD step
+
+
+def comm_bytes(calls: list, kind: str, phase=STEP) -> int:
+    """Payload bytes of `kind` in `phase` (a name, or a tuple of names; the SGD step's by default)."""
+    phases = (phase,) if isinstance(phase, str) else phase
+    return sum(x["bytes"] for x in calls if x["kind"] == kind and x["phase"] in phases)
+
+
+def verify_every_byte(name: str, res: list, stage: int, psi_bytes: int, steps: int, where: str) -> None:
+    """Every byte each rank sent, by kind and phase, within what the engine needs (plus BYTES_TOL of
+    Psi): at construction a broadcast of the parameters (a tied weight twice at most), before and
+    after the step only ZeRO-3's gathers for a forward, in the step one reduce-scatter and the
+    all-gathers, in the AdamW steps as many as those steps need. Anything else - a send or recv, an
+    all-reduce, a broadcast mid-step - is data moved where the exercise's accounting cannot see it."""
+    g = 1 if stage == 3 else 0  # ZeRO-3 gathers the parameters for every forward (and again in backward)
+    budgets = {"init": {"broadcast": 2}, "start": {"all_gather": g}, "after": {"all_gather": g},
+               STEP: {"reduce_scatter": 1, "all_gather": 1 + g},  # the step's phases count together
+               "adamw": {"reduce_scatter": steps, "all_gather": steps * (1 + g) + g}}
+    for r, got in enumerate(res):
+        totals: dict[tuple, int] = {}
+        for key in ("comm", "adamw_comm", "one_bucket_comm"):
+            for x in got.get(key, ()):
+                k = (key, STEP if x["phase"] in STEP else x["phase"], x["kind"])
+                totals[k] = totals.get(k, 0) + x["bytes"]
+        order = list(budgets)
+        over = [(phase, kind, b) for (_, phase, kind), b in sorted(
+                    totals.items(), key=lambda kv: (order.index(kv[0][1]) if kv[0][1] in order else 9, str(kv[0])))
+                if b > (budgets.get(phase, {}).get(kind, 0) + BYTES_TOL) * psi_bytes]
+        if over:
+            said = ", ".join(f"{kind} {b / psi_bytes:.2f} Psi in {'the step' if phase == STEP else phase}"
+                             for phase, kind, b in over)
+            raise AssertionError(f"{name}: rank {r} sent more than ZeRO-{stage} needs: {said}. Every byte a rank "
+                                 f"sends is counted, point-to-point included, from the engine's construction on: "
+                                 f"the broadcast of the parameters when it is built, then only the reduce-scatter "
+                                 f"of the gradients and the all-gather of the parameters ({where})")
 
 
 def expect_bytes(name: str, what: str, got: int, psi_bytes: int, k: float, hint: str, where: str) -> None:
