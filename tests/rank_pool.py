@@ -38,6 +38,7 @@ from dlo.checks.common import (
     run_on_rank,
     safe_data,
     worker_ref,
+    write_shards,
 )
 from dlo.distributed.launch import dumps, launch
 
@@ -68,9 +69,9 @@ def serve(jobdir: str) -> None:
                 return None
             time.sleep(0.01)
         with open(path, "rb") as f:
-            worker, forbid, name, hint, payload = cloudpickle.load(f)
+            worker, forbid, name, hint, payload, shards = cloudpickle.load(f)
         try:
-            record = ("ok", dumps(run_on_rank(worker, forbid, name, hint, payload)))
+            record = ("ok", dumps(run_on_rank(worker, forbid, name, hint, payload, shards)))
         except BaseException:  # noqa: BLE001 - reported to the check, then this rank ends
             record = ("error", traceback.format_exc())
         tmp = os.path.join(jobdir, f"result-{k}-{r}.tmp")
@@ -119,13 +120,16 @@ class RankPool:
         shutil.rmtree(self.jobdir, ignore_errors=True)
         self.world, self.jobdir, self.thread = None, None, None
 
-    def run(self, session: DirectSession, worker, world: int, args, kwargs, timeout: float) -> list:
+    def run(self, session: DirectSession, worker, world: int, args, kwargs, timeout: float, per_rank=None) -> list:
         """What DirectSession.on_ranks returns for this job, or its AssertionError."""
         if self.world != world or not self.thread.is_alive():
             self.start(world)
         k, self.k = self.k, self.k + 1
+        shards = write_shards(per_rank, world)
+        if shards is not None:  # inside the job folder: gone with the pool
+            shards = shutil.move(shards, os.path.join(self.jobdir, f"shards-{k}"))
         job = cloudpickle.dumps((worker_ref(worker), session.forbid, session.name, session.hint,
-                                 rank_payload(args, kwargs)))
+                                 rank_payload(args, kwargs), shards))
         tmp = os.path.join(self.jobdir, f"job-{k}.tmp")
         with open(tmp, "wb") as f:
             f.write(job)
@@ -156,10 +160,10 @@ class RankPool:
         """DirectSession.on_ranks through this pool inside the block."""
         pool, real = self, DirectSession.on_ranks
 
-        def on_ranks(session, worker, world_size, args, kwargs, timeout, backend):
+        def on_ranks(session, worker, world_size, args, kwargs, timeout, backend, per_rank=None):
             if backend != "gloo":
-                return real(session, worker, world_size, args, kwargs, timeout, backend)
-            return pool.run(session, worker, world_size, args, kwargs, timeout)
+                return real(session, worker, world_size, args, kwargs, timeout, backend, per_rank)
+            return pool.run(session, worker, world_size, args, kwargs, timeout, per_rank)
         DirectSession.on_ranks = on_ranks
         try:
             yield self

@@ -44,12 +44,16 @@ from __future__ import annotations
 import contextlib
 import dis
 import functools
+import hashlib
 import importlib
 import math
 import os
 import random
 import re
+import secrets
+import shutil
 import sys
+import tempfile
 import threading
 import traceback
 import types
@@ -497,16 +501,17 @@ class DirectSession:
         return safe_data(run_worker(worker, self.forbid, self.name, args, kwargs, self.hint),
                          f"{self.name}: the worker's result")
 
-    def on_ranks(self, worker, world_size, args, kwargs, timeout, backend):
+    def on_ranks(self, worker, world_size, args, kwargs, timeout, backend, per_rank=None):
         from dlo.distributed.launch import RankError, launch
 
         stub = next((obj for obj in (*args, *kwargs.values()) if is_stub(obj)), None)
         if stub is not None:  # its first call raises on every rank: say so without starting them
             raise AssertionError(f"{self.name}: {getattr(stub, '__name__', 'the answer')} raised NotImplementedError "
                                  f"on every rank: the exercise is not done yet")
+        shards = write_shards(per_rank, world_size)
         try:
             results = launch(run_on_rank, world_size, worker_ref(worker), self.forbid, self.name, self.hint,
-                             rank_payload(args, kwargs), backend=backend, timeout=timeout)
+                             rank_payload(args, kwargs), shards, backend=backend, timeout=timeout)
         except RankError as e:  # the rank's own message (assertion or exception) is the useful part
             if e.remote_traceback:
                 raise AssertionError(f"{self.name}: rank {e.rank} raised "
@@ -514,6 +519,9 @@ class DirectSession:
             raise AssertionError(f"{self.name}: {e}") from None
         except TimeoutError as e:
             raise AssertionError(deadlock_message(self.name, e)) from None
+        finally:
+            if shards is not None:
+                shutil.rmtree(shards, ignore_errors=True)
         return [safe_data(r, f"{self.name}: rank {i}'s result") for i, r in enumerate(results)]
 
 
@@ -565,18 +573,51 @@ def rank_payload(args, kwargs) -> bytes:
     return cloudpickle.dumps((args, kwargs))
 
 
-def run_on_rank(worker, forbid, name, hint, payload: bytes):
-    """On each rank of `on_ranks` (and of the tests' rank pool): the worker resolved, then the check's
-    forbidden names blocked, the grader's modules sealed and new threads refused, then the student's
-    objects unpickled and the worker run with them."""
+def write_shards(per_rank, world_size: int) -> str | None:
+    """Each rank's own part of a check's case (`on_ranks(..., per_rank=[...])`) in a file of its own,
+    in a new private folder (None when there is no per-rank part)."""
+    if per_rank is None:
+        return None
+    import cloudpickle
+
+    if len(per_rank) != world_size:
+        raise ValueError(f"per_rank has {len(per_rank)} parts for {world_size} ranks")
+    folder = tempfile.mkdtemp(prefix="dlo-shards-")
+    for r, part in enumerate(per_rank):
+        with open(os.path.join(folder, f"rank-{r}.pkl"), "wb") as f:
+            f.write(cloudpickle.dumps(part))
+    return folder
+
+
+def take_shard(folder: str):
+    """On a rank: its own part, read and deleted, then a barrier - every rank has taken its part (and
+    deleted it) before any student code runs, so no rank's code can read another's."""
+    import pickle
+
+    import torch.distributed as dist
+
+    path = os.path.join(folder, f"rank-{dist.get_rank()}.pkl")
+    with open(path, "rb") as f:
+        data = f.read()
+    os.unlink(path)
+    dist.barrier()
+    return pickle.loads(data)
+
+
+def run_on_rank(worker, forbid, name, hint, payload: bytes, shards: str | None = None):
+    """On each rank of `on_ranks` (and of the tests' rank pool): the worker resolved and this rank's
+    own part of the case taken (`per_rank`: the worker's first argument), then the check's forbidden
+    names blocked, the grader's modules sealed and new threads refused, then the student's objects
+    unpickled and the worker run with them."""
     if isinstance(worker, tuple):
         module, qualname = worker
         worker = importlib.import_module(module)
         for part in qualname.split("."):
             worker = getattr(worker, part)
+    mine = (take_shard(shards),) if shards is not None else ()
     with forbidden(forbid, name, hint), sealed() as sealing, no_threads(name):
         args, kwargs = sealing.loads(payload)
-        return worker(*args, **kwargs)
+        return worker(*mine, *args, **kwargs)
 
 
 _THREAD_STARTERS = (("_thread", "start_new_thread"), ("_thread", "start_new"), ("_thread", "start_joinable_thread"),
@@ -689,7 +730,24 @@ def run_student(worker: Callable, *args, **kwargs):
 
 
 def on_ranks(worker: Callable, world_size: int, *args, timeout: float = RANK_TIMEOUT, backend: str = "gloo",
-             **kwargs) -> list:
+             per_rank: list | None = None, **kwargs) -> list:
     """Run the trusted `worker(*args, **kwargs)` on `world_size` ranks (torch.distributed initialised,
-    gloo by default: the checks compare float64 CPU tensors); the per-rank plain-data results."""
-    return _session().on_ranks(worker, world_size, args, kwargs, timeout, backend)
+    gloo by default: the checks compare float64 CPU tensors); the per-rank plain-data results.
+    `per_rank`: one part of the case per rank, rank r's given as the worker's first argument and
+    never seen by the other ranks (each rank holds only its shard, not the whole problem)."""
+    if per_rank is None:
+        return _session().on_ranks(worker, world_size, args, kwargs, timeout, backend)
+    return _session().on_ranks(worker, world_size, args, kwargs, timeout, backend, per_rank=per_rank)
+
+
+_SECRET = secrets.token_bytes(16)  # drawn once per grading process; never leaves it
+
+
+def case_seed(seed: int) -> int:
+    """The seed a check draws its case from. Under the grader's sandboxed backend: a secret one mixed
+    from `seed` and a number drawn in the grading process (the student's code never sees it: the ranks
+    get the materialised case, each its own part), so that a case cannot be recomputed where the
+    student's code runs. In a notebook's direct checks: `seed` itself (reproducible feedback)."""
+    if _backend() is DirectSession:
+        return seed
+    return int.from_bytes(hashlib.sha256(_SECRET + str(seed).encode()).digest()[:4], "big")

@@ -24,7 +24,7 @@ import random
 import torch
 import torch.distributed as dist
 
-from dlo.checks.common import DTYPE, assert_number, check, ok, on_ranks
+from dlo.checks.common import DTYPE, assert_number, case_seed, check, ok, on_ranks
 from dlo.checks.day5_fsdp import check_fsdp2
 from dlo.checks.day5_zero import (
     STEP,
@@ -38,6 +38,7 @@ from dlo.checks.day5_zero import (
     lm_loss,
     memory_slack,
     optimizer_for,
+    rank_part,
     tied_lm,
     verify_every_byte,
     verify_memory,
@@ -122,10 +123,12 @@ def check_zero1(cls, seed: int = 0, world_size: int = 2, steps: int = 3) -> None
     """`cls(module, optimizer_cls, **optimizer_kwargs)` with `step()` and `zero_grad()`: one
     reduce-scatter and one all-gather per step (2 Psi, no all-reduce), the optimizer state of
     1/N of the parameters per rank; parameters equal to one process after one SGD step and k AdamW steps."""
-    name, c = "zero1", case(seed)
-    res = on_ranks(zero_worker, world_size, cls, 1, seed, steps, {})
+    name, secret = "zero1", case_seed(seed)  # the case's seed: secret when graded
+    c = case(secret)
+    res = on_ranks(zero_worker, world_size, cls, 1, steps, {},
+                   per_rank=[rank_part(c, secret, r, world_size, steps) for r in range(world_size)])
     where = f"world_size={world_size}, seed={seed}"
-    verify_training(name, res, c, seed, steps, world_size)
+    verify_training(name, res, c, secret, steps, world_size, seed)
     psi_b = 8 * count_psi(c)
     for r, got in enumerate(res):
         calls = got["comm"]
@@ -149,11 +152,13 @@ def check_zero2(cls, seed: int = 0, world_size: int = 2, steps: int = 3) -> None
     reduce-scattered bucket by bucket (async, from gradient hooks, during backward), only the 1/N
     gradient shard kept (also during backward: at most a couple of buckets of full gradients);
     parameters equal to one process. Run at a tiny bucket cap (several buckets) and at 25 MB (one)."""
-    name, c = "zero2", case(seed)
+    name, secret = "zero2", case_seed(seed)  # the case's seed: secret when graded
+    c = case(secret)
     cap = 60 * 8 / 2 ** 20  # 60 float64 elements: several buckets, whichever side of the cap a bucket closes on
-    res = on_ranks(zero_worker, world_size, cls, 2, seed, steps, {"bucket_cap_mb": cap}, {"bucket_cap_mb": 25.0})
+    res = on_ranks(zero_worker, world_size, cls, 2, steps, {"bucket_cap_mb": cap}, {"bucket_cap_mb": 25.0},
+                   per_rank=[rank_part(c, secret, r, world_size, steps) for r in range(world_size)])
     where = f"world_size={world_size}, seed={seed}"
-    verify_training(name, res, c, seed, steps, world_size)
+    verify_training(name, res, c, secret, steps, world_size, seed)
     psi_b = 8 * count_psi(c)
     for r, got in enumerate(res):
         rs = [x for x in got["comm"] if x["kind"] == "reduce_scatter" and x["phase"] in STEP]
@@ -193,10 +198,12 @@ def check_zero3(cls, seed: int = 0, world_size: int = 2, steps: int = 3) -> None
     unit all-gathered just before its forward and freed after, gathered again for its backward,
     gradients reduce-scattered (3 Psi per step); 1/N of everything held between steps, little
     more during forward; parameters equal to one process."""
-    name, c = "zero3", case(seed)
-    res = on_ranks(zero_worker, world_size, cls, 3, seed, steps, {})
+    name, secret = "zero3", case_seed(seed)  # the case's seed: secret when graded
+    c = case(secret)
+    res = on_ranks(zero_worker, world_size, cls, 3, steps, {},
+                   per_rank=[rank_part(c, secret, r, world_size, steps) for r in range(world_size)])
     where = f"world_size={world_size}, seed={seed}"
-    verify_training(name, res, c, seed, steps, world_size)
+    verify_training(name, res, c, secret, steps, world_size, seed)
     psi_b = 8 * count_psi(c)
     for got in res:
         calls = got["comm"]

@@ -16,7 +16,6 @@ import math
 import random
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -145,44 +144,58 @@ def build_engine(cls, stage: int, model, opt_cls, kw, extra: dict):
     return cls(model, opt_cls, **extra, **kw)
 
 
-def zero_worker(cls, stage: int, seed: int, steps: int, extra: dict, one_bucket: dict | None = None):
-    """Every collective and point-to-point message of the rank is counted, from each engine's
-    construction to the last forward (phases "init", "start", "forward", "backward", "step",
-    "after", "adamw"): a byte sent outside the step's own collectives shows."""
-    r, n = dist.get_rank(), dist.get_world_size()
-    c = case(seed)
+def rank_part(c: dict, seed: int, r: int, n: int, steps: int) -> dict:
+    """What rank r of n is given, drawn here on the grader's side: the case's sizes and
+    hyper-parameters, its own initial weights, its own slice of each step's batch and the one
+    sequence every rank probes the parameters with; never the global batch nor the seed."""
+    batches = [batch(c, seed, s, n * c["per_rank"]) for s in range(steps)]
+    return {"c": c, "init": {k: v.detach().clone() for k, v in tied_lm(c, seed + 1 + r).state_dict().items()},
+            "batches": [(x[r::n].clone(), y[r::n].clone()) for x, y in batches], "probe": batches[0][0][:1].clone()}
+
+
+def rank_model(mine: dict) -> TiedLM:
+    c = mine["c"]
+    model = TiedLM(c["vocab"], c["dim"], c["hidden"], c["n_blocks"]).to(DTYPE)
+    model.load_state_dict(mine["init"])
+    return model
+
+
+def zero_worker(mine: dict, cls, stage: int, steps: int, extra: dict, one_bucket: dict | None = None):
+    """`mine`: this rank's part of the case (`rank_part`). Every collective and point-to-point
+    message of the rank is counted, from each engine's construction to the last forward (phases
+    "init", "start", "forward", "backward", "step", "after", "adamw"): a byte sent outside the step's
+    own collectives shows."""
+    c, probe, batches = mine["c"], mine["probe"], mine["batches"]
     out = {}
     if one_bucket is not None:  # ZeRO-2 at the default cap: count the reduce-scatters of one step
         with CommCounter() as comm:
             comm.phase = "init"
-            engine = build_engine(cls, stage, tied_lm(c, seed + 1 + r), *optimizer_for(c, "sgd"), one_bucket)
-            x, y = batch(c, seed, 0, n * c["per_rank"])
+            engine = build_engine(cls, stage, rank_model(mine), *optimizer_for(c, "sgd"), one_bucket)
             comm.phase = "step"
-            lm_loss(engine, x[r::n], y[r::n]).backward()
+            lm_loss(engine, *batches[0]).backward()
             engine.step()
         out["one_bucket"] = comm.count("reduce_scatter")
         out["one_bucket_comm"] = comm_summary(comm)
     with CommCounter() as comm:
         comm.phase = "init"
-        model = tied_lm(c, seed + 1 + r)  # every rank its own weights: the engine must start from rank 0's
+        model = rank_model(mine)  # every rank its own weights: the engine must start from rank 0's
         engine = build_engine(cls, stage, model, *optimizer_for(c, "sgd"), extra)
-        x, y = batch(c, seed, 0, n * c["per_rank"])
         comm.phase = "start"
-        out["start"] = seen_parameters(model, lambda: engine(x[:1]))
+        out["start"] = seen_parameters(model, lambda: engine(probe))
         comm.phase = "forward"
-        loss = lm_loss(engine, x[r::n], y[r::n])
+        loss = lm_loss(engine, *batches[0])
         comm.phase = "backward"
         loss.backward()
         comm.phase = "step"
         engine.step()
         comm.phase = "after"
         engine.zero_grad()
-        out["sgd"] = seen_parameters(model, lambda: engine(x[:1]))
+        out["sgd"] = seen_parameters(model, lambda: engine(probe))
     out["comm"] = comm_summary(comm)
     adamw = CommCounter()
     adamw.__enter__()
     adamw.phase = "init"
-    model = tied_lm(c, seed + 1 + r)
+    model = rank_model(mine)
     engine = build_engine(cls, stage, model, *optimizer_for(c, "adamw"), extra)
     adamw.phase = "adamw"
     samples = {"backward": [], "forward": []}
@@ -192,15 +205,14 @@ def zero_worker(cls, stage: int, seed: int, steps: int, extra: dict, one_bucket:
                      for p in model.parameters()]
             hooks += [b.register_forward_hook(lambda *a: samples["forward"].append(held_bytes(engine)))
                       for b in model.blocks]
-        x, y = batch(c, seed, s, n * c["per_rank"])
-        lm_loss(engine, x[r::n], y[r::n]).backward()
+        lm_loss(engine, *batches[s]).backward()
         engine.step()
         if s == steps - 1:
             out["held"] = held_bytes(engine)
             for h in hooks:
                 h.remove()
         engine.zero_grad()
-    out["adamw"] = seen_parameters(model, lambda: engine(x[:1]))
+    out["adamw"] = seen_parameters(model, lambda: engine(probe))
     adamw.__exit__(None, None, None)
     out["adamw_comm"] = comm_summary(adamw)
     out["samples"] = samples
@@ -232,11 +244,12 @@ def compare_params(name: str, got: dict, want: dict, start: dict, n: int, what: 
         assert_close(name, f"parameter {key} after {what}", g, w, where)
 
 
-def verify_training(name: str, res: list, c: dict, seed: int, steps: int, n: int) -> None:
+def verify_training(name: str, res: list, c: dict, seed: int, steps: int, n: int, shown_seed=None) -> None:
+    """`seed`: the case's (secret when graded); `shown_seed`: the test cell's, for the messages."""
     init = {k: p.detach() for k, p in named_leaves(tied_lm(c, seed + 1)).items()}
     sgd, adamw = reference(c, seed, "sgd", 1, n), reference(c, seed, "adamw", steps, n)
     for r, got in enumerate(res):
-        where = {"rank": r, "world_size": n, "seed": seed}
+        where = {"rank": r, "world_size": n, "seed": seed if shown_seed is None else shown_seed}
         for key, w in init.items():
             if key in got["start"] and not torch.equal(got["start"][key].to(DTYPE), w):
                 raise AssertionError(f"{name}: before the first step, parameter {key} on rank {r} differs from rank "

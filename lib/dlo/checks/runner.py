@@ -209,7 +209,8 @@ class Session:
             return {"kind": "result", "value": value, "after": None}
         if op == "ranks":
             ranks = common.DirectSession(self.name, self.forbid, self.hint)  # each rank blocks and seals itself
-            value = ranks.on_ranks(req["worker"], req["world_size"], args, kwargs, req["timeout"], req["backend"])
+            value = ranks.on_ranks(req["worker"], req["world_size"], args, kwargs, req["timeout"], req["backend"],
+                                   per_rank=req.get("per_rank"))
             return {"kind": "result", "value": value, "after": None}
         raise ValueError(f"unknown request {op!r}")
 

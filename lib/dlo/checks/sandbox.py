@@ -283,9 +283,9 @@ class Session:
     def run(self, worker, args, kwargs):
         return self.request({"op": "run", "worker": worker, "args": args, "kwargs": kwargs})
 
-    def on_ranks(self, worker, world_size, args, kwargs, timeout, backend):
+    def on_ranks(self, worker, world_size, args, kwargs, timeout, backend, per_rank=None):
         return self.request({"op": "ranks", "worker": worker, "world_size": world_size, "args": args,
-                             "kwargs": kwargs, "timeout": timeout, "backend": backend})
+                             "kwargs": kwargs, "timeout": timeout, "backend": backend, "per_rank": per_rank})
 
     def call(self, target: Remote, args, kwargs):
         args, kwargs = _materialise(tuple(args)), _materialise(dict(kwargs))
