@@ -2,7 +2,8 @@
 graded nor copied (they are named in the feedback), a notebook that is a link counts as not
 submitted, and the grader's reads from the capture folder and its runner's log refuse links and fifos.
 
-The first test grades a small class on the toy course, the rest take the pieces one by one.
+The first test grades a small class on the toy course (one student also looks for the checks in the
+grading kernel, where `dlo.checks` is sealed), the rest take the pieces one by one.
 """
 
 from __future__ import annotations
@@ -34,6 +35,20 @@ for folder, dirs, names in os.walk("."):
             print(path, type(exc).__name__)'''
 
 
+BENCH = '''import importlib
+try:
+    print("bench:", importlib.import_module("dlo.checks.day1").check_adamw_step)
+except AttributeError as exc:
+    print("bench:", exc)'''
+
+
+def _grade_id_source(gid, source):
+    def edit(cell):
+        if cell.get("metadata", {}).get("nbgrader", {}).get("grade_id") == gid:
+            cell["source"] = source
+    return edit
+
+
 def _print_files(cell):
     if cell.get("metadata", {}).get("nbgrader", {}).get("grade_id") == "add":
         cell["source"] = PRINT_DATA
@@ -57,6 +72,8 @@ def test_links_in_a_submission_are_never_followed(toy_root, tmp_path):
     os.mkfifo(day / "pipe")
     sock = socket.socket(socket.AF_UNIX)
     sock.bind(str(day / "sock"))
+    # and a cell that looks for the checks in the grading kernel: sealed there from its first cell on
+    _student(toy_root, submitted, "bencher", _grade_id_source("add", BENCH))
 
     proc = dlo("grade", str(submitted), "--out", str(out), "--cell-timeout", "30", root=toy_root, check=False,
                timeout=900, cwd=tmp_path)
@@ -72,6 +89,10 @@ def test_links_in_a_submission_are_never_followed(toy_root, tmp_path):
     assert "my own notes" in feedback  # the regular file in a real folder came along
     for skipped in ("data.txt (a symlink)", "pipe (a fifo)", "sock (a socket)", "sub/solutions (a symlink)"):
         assert skipped in feedback and skipped in proc.stdout, skipped
+    bench = html.unescape(re.sub(r"<[^>]+>", "", (out / "feedback" / "bencher" / f"{DAY}.html").read_text()))
+    assert "bench: dlo.checks.day1.check_adamw_step is the grader's" in bench, bench[-3000:]
+    assert float(scores["bencher"]["score"]) == 0
+
     kept = {str(p.relative_to(out)) for p in out.rglob("*") if p.is_symlink() or not (p.is_file() or p.is_dir())}
     assert not kept, kept  # nbgrader copied no link and no special file into the course's folders
     for folder in (out / "course" / "feedback" / "leaker", out / "course" / "autograded" / "leaker"):
