@@ -3,11 +3,12 @@
 A check calls `on_ranks(worker, n, ...)`; in a notebook that is one `dlo.distributed.launch` of n
 fresh interpreters (seconds of start-up on a small CPU). The tests of the parallel days call dozens
 of checks, so there `RankPool` keeps n ranks alive and hands them one job after another: the same
-trusted worker, the same forbidden names blocked around it (`dlo.checks.common.run_worker`), the same
-plain-data results (`safe_data`) and the same comparisons in the check. What differs is transport
-only, and the real path stays tested: a job that fails on a rank ends the pool (a peer may be stuck
-in a collective), its ranks are killed by pid and the next job starts a fresh launch; the accept
-tests of every check still meet the real launch through `dlo grade`'s test and the deadlock tests.
+trusted worker, the same forbidden names blocked and modules sealed around it
+(`dlo.checks.common.run_on_rank`), the same plain-data results (`safe_data`) and the same
+comparisons in the check. What differs is transport only, and the real path stays tested: a job
+that fails on a rank ends the pool (a peer may be stuck in a collective), its ranks are killed by
+pid and the next job starts a fresh launch; the accept tests of every check still meet the real
+launch through `dlo grade`'s test and the deadlock tests.
 
     with RankPool() as pool, pool.serving():   # DirectSession.on_ranks goes through the pool
         day7.check_tp_linears(...)
@@ -29,7 +30,16 @@ import cloudpickle
 import pytest
 import torch
 
-from dlo.checks.common import DirectSession, deadlock_message, run_worker, safe_data
+from dlo.checks.common import (
+    DirectSession,
+    deadlock_message,
+    fold_traceback_text,
+    rank_payload,
+    run_on_rank,
+    safe_data,
+    worker_ref,
+    write_shards,
+)
 from dlo.distributed.launch import dumps, launch
 
 
@@ -59,9 +69,9 @@ def serve(jobdir: str) -> None:
                 return None
             time.sleep(0.01)
         with open(path, "rb") as f:
-            worker, forbid, name, hint, args, kwargs = cloudpickle.load(f)
+            worker, forbid, name, hint, payload, shards = cloudpickle.load(f)
         try:
-            record = ("ok", dumps(run_worker(worker, forbid, name, args, kwargs, hint)))
+            record = ("ok", dumps(run_on_rank(worker, forbid, name, hint, payload, shards)))
         except BaseException:  # noqa: BLE001 - reported to the check, then this rank ends
             record = ("error", traceback.format_exc())
         tmp = os.path.join(jobdir, f"result-{k}-{r}.tmp")
@@ -110,12 +120,16 @@ class RankPool:
         shutil.rmtree(self.jobdir, ignore_errors=True)
         self.world, self.jobdir, self.thread = None, None, None
 
-    def run(self, session: DirectSession, worker, world: int, args, kwargs, timeout: float) -> list:
+    def run(self, session: DirectSession, worker, world: int, args, kwargs, timeout: float, per_rank=None) -> list:
         """What DirectSession.on_ranks returns for this job, or its AssertionError."""
         if self.world != world or not self.thread.is_alive():
             self.start(world)
         k, self.k = self.k, self.k + 1
-        job = cloudpickle.dumps((worker, session.forbid, session.name, session.hint, args, kwargs))
+        shards = write_shards(per_rank, world)
+        if shards is not None:  # inside the job folder: gone with the pool
+            shards = shutil.move(shards, os.path.join(self.jobdir, f"shards-{k}"))
+        job = cloudpickle.dumps((worker_ref(worker), session.forbid, session.name, session.hint,
+                                 rank_payload(args, kwargs), shards))
         tmp = os.path.join(self.jobdir, f"job-{k}.tmp")
         with open(tmp, "wb") as f:
             f.write(job)
@@ -129,7 +143,8 @@ class RankPool:
                         results[r] = pickle.load(f)
                     if results[r][0] == "error":
                         self.stop(kill=True)
-                        raise AssertionError(f"{session.name}: rank {r} raised:\n{results[r][1]}")
+                        raise AssertionError(f"{session.name}: rank {r} raised "
+                                             f"{fold_traceback_text(results[r][1], ('tests/rank_pool.py',))}")
             if all(x is not None for x in results):
                 return [safe_data(pickle.loads(x[1]), f"{session.name}: rank {r}'s result")
                         for r, x in enumerate(results)]
@@ -145,10 +160,10 @@ class RankPool:
         """DirectSession.on_ranks through this pool inside the block."""
         pool, real = self, DirectSession.on_ranks
 
-        def on_ranks(session, worker, world_size, args, kwargs, timeout, backend):
+        def on_ranks(session, worker, world_size, args, kwargs, timeout, backend, per_rank=None):
             if backend != "gloo":
-                return real(session, worker, world_size, args, kwargs, timeout, backend)
-            return pool.run(session, worker, world_size, args, kwargs, timeout)
+                return real(session, worker, world_size, args, kwargs, timeout, backend, per_rank)
+            return pool.run(session, worker, world_size, args, kwargs, timeout, per_rank)
         DirectSession.on_ranks = on_ranks
         try:
             yield self

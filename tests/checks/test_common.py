@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import re
+import traceback
+
 import pytest
 
-from dlo.checks.common import DirectSession, is_stub
+from dlo.checks.common import DirectSession, check, is_stub
 
 
 def released(x, y):
@@ -57,3 +60,55 @@ def test_a_stub_fails_on_ranks_without_starting_them(monkeypatch):
     monkeypatch.setattr(launch_module, "launch", no_launch)
     with pytest.raises(AssertionError, match="released raised NotImplementedError on every rank"):
         DirectSession("check_x", ()).on_ranks(print, 2, (released,), {}, 10, "gloo")
+
+
+# ----------------------------------------------------------------------------- the student's frames first
+
+def _divides(x):
+    return 1 / x
+
+
+def _calls(fn):
+    """A worker: the student's function on each rank."""
+    return fn(0)
+
+
+@check()
+def check_divides(fn):
+    fn(0)
+
+
+def _grader_paths(text: str) -> list[str]:
+    return [p for p in ("dlo/checks/", "dlo/seal.py", "_worker.py", "launch.py") if p in text]
+
+
+def test_a_direct_check_shows_the_student_s_frames_and_folds_the_grader_s():
+    """What a notebook (and nbgrader's Validate) shows: the test cell's line, the student's frames,
+    a note for the grader's (the @check wrapper, the check's source, the guard around the call)."""
+    from dlo.checks import day1
+
+    def adamw_step(param, *args, **hp):
+        return _divides(0)
+    with pytest.raises(ZeroDivisionError) as err:
+        day1.check_adamw_step(adamw_step)
+    frames = traceback.extract_tb(err.value.__traceback__)
+    assert [f.name for f in frames[-2:]] == ["adamw_step", "_divides"]
+    assert not _grader_paths("".join(f.filename for f in frames)), frames
+    assert any(re.fullmatch(r"\(\d+ grader frames hidden\)", n) for n in err.value.__notes__)
+
+
+def test_the_sandbox_sends_the_student_s_frames_first(sandbox):
+    with pytest.raises(ZeroDivisionError) as err:
+        sandbox.run(check_divides, _divides)
+    tb = err.value.remote_traceback.splitlines()
+    assert tb[0] == "in your code (most recent call last):" and "_divides" in tb[1]
+    assert re.fullmatch(r"  \(\d+ grader frames? hidden\)", tb[-1]) and not _grader_paths("\n".join(tb))
+
+
+def test_a_rank_s_error_names_the_exception_then_the_student_s_frames():
+    with pytest.raises(AssertionError) as err:
+        DirectSession("folded", ()).on_ranks(_calls, 2, (_divides,), {}, 120, "gloo")
+    lines = str(err.value).splitlines()
+    assert re.fullmatch(r"folded: rank \d raised ZeroDivisionError: division by zero", lines[0]), lines
+    assert lines[1] == "in your code (most recent call last):" and any("_divides" in x for x in lines[2:])
+    assert re.fullmatch(r"  \(\d+ grader frames? hidden\)", lines[-1]) and not _grader_paths(str(err.value))

@@ -82,6 +82,26 @@ def test_zero1_rejects_all_reduce(sol, ranks):
         day5.check_zero1(AllReduce)
 
 
+def test_zero1_rejects_gradients_moved_point_to_point(sol, ranks):
+    """The gradients averaged by send/recv (the whole buffer to the peer), then a dummy reduce-scatter
+    and the all-gather to show ZeRO-1's 2 Psi: every byte a rank sends counts, send included."""
+    class PointToPoint(sol.ZeRO1):
+        def step(self):
+            peer = torch.empty_like(self.grads.data)
+            ops = [dist.P2POp(dist.isend, self.grads.data, 1 - self.rank),
+                   dist.P2POp(dist.irecv, peer, 1 - self.rank)]
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+            mean = (self.grads.data + peer) / self.world
+            sol.reduce_scatter(torch.empty_like(self.shard), self.grads.data)  # for the byte count only
+            self.shard.grad = mean.chunk(self.world)[self.rank][:self.shard.numel()].clone()
+            self.optimizer.step()
+            all_gather(self.flat.data, self.shard.detach().clone())
+    with pytest.raises(AssertionError, match=r"rank 0 sent more than ZeRO-1 needs: recv 1\.\d\d Psi in the "
+                                             r"step, send 1\.\d\d Psi in the step"):
+        day5.check_zero1(PointToPoint)
+
+
 def test_zero2_accepts(sol, ranks):
     day5.check_zero2(sol.ZeRO2, seed=2)
 

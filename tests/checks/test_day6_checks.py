@@ -144,6 +144,29 @@ def test_gpipe_rejects_the_library_engine(ranks):  # a failure on a rank: the la
         day6.check_gpipe_step(gpipe_step_via_library, seed=0)
 
 
+def test_one_f_one_b_rejects_work_hidden_in_a_thread(sol, ranks):
+    """GPipe's step run in a thread: the saved-tensor meter (thread-local hooks) would see nothing of
+    its activations. Threads are refused on the ranks (a failure on a rank: the pool starts again)."""
+    gpipe_step = sol.gpipe_step
+
+    def gpipe_in_a_thread(stage, xs, ys, loss_fn):
+        import threading
+
+        import torch
+        import torch.distributed as dist
+        out = []
+        worker = threading.Thread(target=lambda: out.append(gpipe_step(stage, xs, ys, loss_fn)))
+        worker.start()
+        worker.join()
+        token = torch.zeros(1)  # one message on the calling thread: the watch sees the stages talk
+        for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, token, 1 - stage.rank),
+                                            dist.P2POp(dist.irecv, torch.empty(1), 1 - stage.rank)]):
+            work.wait()
+        return out[0]
+    with pytest.raises(AssertionError, match="starting a thread is off limits while this check runs on the ranks"):
+        day6.check_one_f_one_b_step(gpipe_in_a_thread, seed=0)
+
+
 def test_one_f_one_b_accepts_the_reference_on_three_ranks(sol, ranks):
     day6.check_one_f_one_b_step(sol.one_f_one_b_step, seed=1, world_size=3)
 

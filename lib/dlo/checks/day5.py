@@ -24,9 +24,10 @@ import random
 import torch
 import torch.distributed as dist
 
-from dlo.checks.common import DTYPE, assert_number, check, ok, on_ranks
+from dlo.checks.common import DTYPE, assert_number, case_seed, check, ok, on_ranks
 from dlo.checks.day5_fsdp import check_fsdp2
 from dlo.checks.day5_zero import (
+    STEP,
     batch,
     build_engine,
     case,
@@ -37,7 +38,9 @@ from dlo.checks.day5_zero import (
     lm_loss,
     memory_slack,
     optimizer_for,
+    rank_part,
     tied_lm,
+    verify_every_byte,
     verify_memory,
     verify_training,
     zero_worker,
@@ -120,10 +123,12 @@ def check_zero1(cls, seed: int = 0, world_size: int = 2, steps: int = 3) -> None
     """`cls(module, optimizer_cls, **optimizer_kwargs)` with `step()` and `zero_grad()`: one
     reduce-scatter and one all-gather per step (2 Psi, no all-reduce), the optimizer state of
     1/N of the parameters per rank; parameters equal to one process after one SGD step and k AdamW steps."""
-    name, c = "zero1", case(seed)
-    res = on_ranks(zero_worker, world_size, cls, 1, seed, steps, {})
+    name, secret = "zero1", case_seed(seed)  # the case's seed: secret when graded
+    c = case(secret)
+    res = on_ranks(zero_worker, world_size, cls, 1, steps, {},
+                   per_rank=[rank_part(c, secret, r, world_size, steps) for r in range(world_size)])
     where = f"world_size={world_size}, seed={seed}"
-    verify_training(name, res, c, seed, steps, world_size)
+    verify_training(name, res, c, secret, steps, world_size, seed)
     psi_b = 8 * count_psi(c)
     for r, got in enumerate(res):
         calls = got["comm"]
@@ -135,6 +140,7 @@ def check_zero1(cls, seed: int = 0, world_size: int = 2, steps: int = 3) -> None
                      "reduce-scatter the whole flat gradient once per step", where)
         expect_bytes(name, "all-gather of the updated parameters", comm_bytes(calls, "all_gather"), psi_b, 1,
                      "all-gather the whole flat parameter buffer once per step", where)
+    verify_every_byte(name, res, 1, psi_b, steps, where)
     m = verify_memory(name, res, c, 1, world_size, where)
     ok(name, f"{steps} steps on {world_size} ranks, 2 Psi = {2 * psi_b:,} bytes per step, {res[0]['held']:,} bytes "
              f"held (formula {m['want']:,}), seed={seed}")
@@ -146,14 +152,16 @@ def check_zero2(cls, seed: int = 0, world_size: int = 2, steps: int = 3) -> None
     reduce-scattered bucket by bucket (async, from gradient hooks, during backward), only the 1/N
     gradient shard kept (also during backward: at most a couple of buckets of full gradients);
     parameters equal to one process. Run at a tiny bucket cap (several buckets) and at 25 MB (one)."""
-    name, c = "zero2", case(seed)
+    name, secret = "zero2", case_seed(seed)  # the case's seed: secret when graded
+    c = case(secret)
     cap = 60 * 8 / 2 ** 20  # 60 float64 elements: several buckets, whichever side of the cap a bucket closes on
-    res = on_ranks(zero_worker, world_size, cls, 2, seed, steps, {"bucket_cap_mb": cap}, {"bucket_cap_mb": 25.0})
+    res = on_ranks(zero_worker, world_size, cls, 2, steps, {"bucket_cap_mb": cap}, {"bucket_cap_mb": 25.0},
+                   per_rank=[rank_part(c, secret, r, world_size, steps) for r in range(world_size)])
     where = f"world_size={world_size}, seed={seed}"
-    verify_training(name, res, c, seed, steps, world_size)
+    verify_training(name, res, c, secret, steps, world_size, seed)
     psi_b = 8 * count_psi(c)
     for r, got in enumerate(res):
-        rs = [x for x in got["comm"] if x["kind"] == "reduce_scatter"]
+        rs = [x for x in got["comm"] if x["kind"] == "reduce_scatter" and x["phase"] in STEP]
         if len(rs) < 2 or not all(x["async"] and x["phase"] == "backward" for x in rs):
             raise AssertionError(f"{name}: rank {r} issued {len(rs)} reduce-scatter(s) with bucket_cap_mb={cap:.2g}; "
                                  f"expected several buckets, each launched with async_op=True from a gradient hook "
@@ -170,6 +178,7 @@ def check_zero2(cls, seed: int = 0, world_size: int = 2, steps: int = 3) -> None
         if comm_bytes(got["comm"], "all_reduce"):
             raise AssertionError(f"{name}: an all-reduce of the gradients leaves every rank the full gradient; "
                                  f"reduce-scatter ({where})")
+    verify_every_byte(name, res, 2, psi_b, steps, where)
     m = verify_memory(name, res, c, 2, world_size, where)
     biggest = max(p.numel() for p in tied_lm(c, 0).parameters())
     peak_allowed = m["want"] + m["slack"] + 8 * 2 * (60 + biggest)
@@ -189,10 +198,12 @@ def check_zero3(cls, seed: int = 0, world_size: int = 2, steps: int = 3) -> None
     unit all-gathered just before its forward and freed after, gathered again for its backward,
     gradients reduce-scattered (3 Psi per step); 1/N of everything held between steps, little
     more during forward; parameters equal to one process."""
-    name, c = "zero3", case(seed)
-    res = on_ranks(zero_worker, world_size, cls, 3, seed, steps, {})
+    name, secret = "zero3", case_seed(seed)  # the case's seed: secret when graded
+    c = case(secret)
+    res = on_ranks(zero_worker, world_size, cls, 3, steps, {},
+                   per_rank=[rank_part(c, secret, r, world_size, steps) for r in range(world_size)])
     where = f"world_size={world_size}, seed={seed}"
-    verify_training(name, res, c, seed, steps, world_size)
+    verify_training(name, res, c, secret, steps, world_size, seed)
     psi_b = 8 * count_psi(c)
     for got in res:
         calls = got["comm"]
@@ -209,6 +220,7 @@ def check_zero3(cls, seed: int = 0, world_size: int = 2, steps: int = 3) -> None
         if len(gathers) < c["n_blocks"]:
             raise AssertionError(f"{name}: {len(gathers)} all-gathers in forward for {c['n_blocks']} units: gather "
                                  f"each unit just before it runs, not the whole model at once ({where})")
+    verify_every_byte(name, res, 3, psi_b, steps, where)
     m = verify_memory(name, res, c, 3, world_size, where)
     model = tied_lm(c, 0)
     unit = count_parameters(model.blocks[0])

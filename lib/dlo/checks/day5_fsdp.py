@@ -107,13 +107,14 @@ def _fsdp_run(fn, cfg, c, seed, kind, steps, policy, ac_mode, compile_):
     opt = opt_cls(model.parameters(), **kw)
     for s in range(steps):
         x, y = batch(c, seed, s, n * c["per_rank"])
-        with CommCounter() as comm:
+        with CommCounter() as comm:  # every byte of the step, point-to-point included
             comm.phase = "forward"
             loss = lm_loss(model, x[r::n], y[r::n])
             comm.phase = "backward"
             loss.backward()
-        opt.step()
-        opt.zero_grad()
+            comm.phase = "step"
+            opt.step()
+            opt.zero_grad()
         if s == 0:
             out["comm"], out["ffn_calls"], out["dtypes"] = comm_summary(comm), ffn_calls[0], sorted(set(dtypes))
     out["params"] = {_clean(k): p.full_tensor().detach().clone() for k, p in model.named_parameters()}
@@ -166,6 +167,12 @@ def check_fsdp2(fn, seed: int = 0, world_size: int = 2, steps: int = 3) -> None:
     for r, got in enumerate(res):
         _check_fsdp_structure(name, got["sgd"]["structure"], cfg.n_layers, f"{where}, rank {r}")
         calls = got["sgd"]["comm"]
+        other = sorted({(x["kind"], x["phase"]) for x in calls if x["kind"] not in ("all_gather", "reduce_scatter")
+                        or x["phase"] == "step"})
+        if other:
+            raise AssertionError(f"{name}: rank {r} also sent {other} (kind, phase): FSDP2 moves parameters by "
+                                 f"all-gathers and gradients by reduce-scatters only; every byte a rank sends is "
+                                 f"counted, point-to-point included ({where})")
         n_fwd = sum(x["kind"] == "all_gather" and x["phase"] == "forward" for x in calls)
         n_rs = sum(x["kind"] == "reduce_scatter" for x in calls)
         if n_fwd != cfg.n_layers + 1 or n_rs != cfg.n_layers + 1:

@@ -16,7 +16,6 @@ import math
 import random
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -145,33 +144,60 @@ def build_engine(cls, stage: int, model, opt_cls, kw, extra: dict):
     return cls(model, opt_cls, **extra, **kw)
 
 
-def zero_worker(cls, stage: int, seed: int, steps: int, extra: dict, one_bucket: dict | None = None):
-    r, n = dist.get_rank(), dist.get_world_size()
-    c = case(seed)
+def rank_part(c: dict, seed: int, r: int, n: int, steps: int) -> dict:
+    """What rank r of n is given, drawn here on the grader's side: the case's sizes and
+    hyper-parameters, its own initial weights, its own slice of each step's batch and the one
+    sequence every rank probes the parameters with; never the global batch nor the seed."""
+    batches = [batch(c, seed, s, n * c["per_rank"]) for s in range(steps)]
+    return {"c": c, "init": {k: v.detach().clone() for k, v in tied_lm(c, seed + 1 + r).state_dict().items()},
+            "batches": [(x[r::n].clone(), y[r::n].clone()) for x, y in batches], "probe": batches[0][0][:1].clone()}
+
+
+def rank_model(mine: dict) -> TiedLM:
+    c = mine["c"]
+    model = TiedLM(c["vocab"], c["dim"], c["hidden"], c["n_blocks"]).to(DTYPE)
+    model.load_state_dict(mine["init"])
+    return model
+
+
+def zero_worker(mine: dict, cls, stage: int, steps: int, extra: dict, one_bucket: dict | None = None):
+    """`mine`: this rank's part of the case (`rank_part`). Every collective and point-to-point
+    message of the rank is counted, from each engine's construction to the last forward (phases
+    "init", "start", "forward", "backward", "step", "after", "adamw"): a byte sent outside the step's
+    own collectives shows."""
+    c, probe, batches = mine["c"], mine["probe"], mine["batches"]
     out = {}
     if one_bucket is not None:  # ZeRO-2 at the default cap: count the reduce-scatters of one step
-        engine = build_engine(cls, stage, tied_lm(c, seed + 1 + r), *optimizer_for(c, "sgd"), one_bucket)
-        x, y = batch(c, seed, 0, n * c["per_rank"])
         with CommCounter() as comm:
-            lm_loss(engine, x[r::n], y[r::n]).backward()
+            comm.phase = "init"
+            engine = build_engine(cls, stage, rank_model(mine), *optimizer_for(c, "sgd"), one_bucket)
+            comm.phase = "step"
+            lm_loss(engine, *batches[0]).backward()
             engine.step()
         out["one_bucket"] = comm.count("reduce_scatter")
-    model = tied_lm(c, seed + 1 + r)  # every rank its own weights: the engine must start from rank 0's
-    engine = build_engine(cls, stage, model, *optimizer_for(c, "sgd"), extra)
-    x, y = batch(c, seed, 0, n * c["per_rank"])
-    out["start"] = seen_parameters(model, lambda: engine(x[:1]))
+        out["one_bucket_comm"] = comm_summary(comm)
     with CommCounter() as comm:
+        comm.phase = "init"
+        model = rank_model(mine)  # every rank its own weights: the engine must start from rank 0's
+        engine = build_engine(cls, stage, model, *optimizer_for(c, "sgd"), extra)
+        comm.phase = "start"
+        out["start"] = seen_parameters(model, lambda: engine(probe))
         comm.phase = "forward"
-        loss = lm_loss(engine, x[r::n], y[r::n])
+        loss = lm_loss(engine, *batches[0])
         comm.phase = "backward"
         loss.backward()
         comm.phase = "step"
         engine.step()
-    engine.zero_grad()
-    out["sgd"] = seen_parameters(model, lambda: engine(x[:1]))
+        comm.phase = "after"
+        engine.zero_grad()
+        out["sgd"] = seen_parameters(model, lambda: engine(probe))
     out["comm"] = comm_summary(comm)
-    model = tied_lm(c, seed + 1 + r)
+    adamw = CommCounter()
+    adamw.__enter__()
+    adamw.phase = "init"
+    model = rank_model(mine)
     engine = build_engine(cls, stage, model, *optimizer_for(c, "adamw"), extra)
+    adamw.phase = "adamw"
     samples = {"backward": [], "forward": []}
     for s in range(steps):
         if s == steps - 1:  # the last step is watched: memory during forward (per unit) and backward
@@ -179,15 +205,16 @@ def zero_worker(cls, stage: int, seed: int, steps: int, extra: dict, one_bucket:
                      for p in model.parameters()]
             hooks += [b.register_forward_hook(lambda *a: samples["forward"].append(held_bytes(engine)))
                       for b in model.blocks]
-        x, y = batch(c, seed, s, n * c["per_rank"])
-        lm_loss(engine, x[r::n], y[r::n]).backward()
+        lm_loss(engine, *batches[s]).backward()
         engine.step()
         if s == steps - 1:
             out["held"] = held_bytes(engine)
             for h in hooks:
                 h.remove()
         engine.zero_grad()
-    out["adamw"] = seen_parameters(model, lambda: engine(x[:1]))
+    out["adamw"] = seen_parameters(model, lambda: engine(probe))
+    adamw.__exit__(None, None, None)
+    out["adamw_comm"] = comm_summary(adamw)
     out["samples"] = samples
     return out
 
@@ -217,11 +244,12 @@ def compare_params(name: str, got: dict, want: dict, start: dict, n: int, what: 
         assert_close(name, f"parameter {key} after {what}", g, w, where)
 
 
-def verify_training(name: str, res: list, c: dict, seed: int, steps: int, n: int) -> None:
+def verify_training(name: str, res: list, c: dict, seed: int, steps: int, n: int, shown_seed=None) -> None:
+    """`seed`: the case's (secret when graded); `shown_seed`: the test cell's, for the messages."""
     init = {k: p.detach() for k, p in named_leaves(tied_lm(c, seed + 1)).items()}
     sgd, adamw = reference(c, seed, "sgd", 1, n), reference(c, seed, "adamw", steps, n)
     for r, got in enumerate(res):
-        where = {"rank": r, "world_size": n, "seed": seed}
+        where = {"rank": r, "world_size": n, "seed": seed if shown_seed is None else shown_seed}
         for key, w in init.items():
             if key in got["start"] and not torch.equal(got["start"][key].to(DTYPE), w):
                 raise AssertionError(f"{name}: before the first step, parameter {key} on rank {r} differs from rank "
@@ -235,8 +263,42 @@ def fmt_where(where: dict) -> str:
     return ", ".join(f"{k}={v}" for k, v in where.items())
 
 
-def comm_bytes(calls: list, kind: str, phase=None) -> int:
-    return sum(x["bytes"] for x in calls if x["kind"] == kind and (phase is None or x["phase"] == phase))
+STEP = ("forward", "backward", "step")  # the phases of the counted SGD step
+
+
+def comm_bytes(calls: list, kind: str, phase=STEP) -> int:
+    """Payload bytes of `kind` in `phase` (a name, or a tuple of names; the SGD step's by default)."""
+    phases = (phase,) if isinstance(phase, str) else phase
+    return sum(x["bytes"] for x in calls if x["kind"] == kind and x["phase"] in phases)
+
+
+def verify_every_byte(name: str, res: list, stage: int, psi_bytes: int, steps: int, where: str) -> None:
+    """Every byte each rank sent, by kind and phase, within what the engine needs (plus BYTES_TOL of
+    Psi): at construction a broadcast of the parameters (a tied weight twice at most), before and
+    after the step only ZeRO-3's gathers for a forward, in the step one reduce-scatter and the
+    all-gathers, in the AdamW steps as many as those steps need. Anything else - a send or recv, an
+    all-reduce, a broadcast mid-step - is data moved where the exercise's accounting cannot see it."""
+    g = 1 if stage == 3 else 0  # ZeRO-3 gathers the parameters for every forward (and again in backward)
+    budgets = {"init": {"broadcast": 2}, "start": {"all_gather": g}, "after": {"all_gather": g},
+               STEP: {"reduce_scatter": 1, "all_gather": 1 + g},  # the step's phases count together
+               "adamw": {"reduce_scatter": steps, "all_gather": steps * (1 + g) + g}}
+    for r, got in enumerate(res):
+        totals: dict[tuple, int] = {}
+        for key in ("comm", "adamw_comm", "one_bucket_comm"):
+            for x in got.get(key, ()):
+                k = (key, STEP if x["phase"] in STEP else x["phase"], x["kind"])
+                totals[k] = totals.get(k, 0) + x["bytes"]
+        order = list(budgets)
+        over = [(phase, kind, b) for (_, phase, kind), b in sorted(
+                    totals.items(), key=lambda kv: (order.index(kv[0][1]) if kv[0][1] in order else 9, str(kv[0])))
+                if b > (budgets.get(phase, {}).get(kind, 0) + BYTES_TOL) * psi_bytes]
+        if over:
+            said = ", ".join(f"{kind} {b / psi_bytes:.2f} Psi in {'the step' if phase == STEP else phase}"
+                             for phase, kind, b in over)
+            raise AssertionError(f"{name}: rank {r} sent more than ZeRO-{stage} needs: {said}. Every byte a rank "
+                                 f"sends is counted, point-to-point included, from the engine's construction on: "
+                                 f"the broadcast of the parameters when it is built, then only the reduce-scatter "
+                                 f"of the gradients and the all-gather of the parameters ({where})")
 
 
 def expect_bytes(name: str, what: str, got: int, psi_bytes: int, k: float, hint: str, where: str) -> None:

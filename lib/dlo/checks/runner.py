@@ -1,6 +1,6 @@
 """The sandboxed runner: where the student's code runs while `dlo grade` checks it.
 
-    python -I -m dlo.checks.runner LOGFILE     (inside bubblewrap; requests on stdin, replies on stdout)
+    python -I -m dlo.checks.runner     (inside bubblewrap; requests on stdin, replies on stdout, output on stderr)
 
 It imports torch and dlo once, then serves one session per `@check` call: it forks a child that first
 blocks the check's forbidden references (`dlo.checks.common.forbidden`), then loads the student's
@@ -19,11 +19,13 @@ serves requests until the check closes the session:
 Trusted callables among the inputs (`wire.Callback`) are called back over the channel. The parent
 never runs student code: it forwards frames between the trusted side and the child, and reports the
 child's end (`ended`, with its exit code) - a student function that calls os._exit or crashes fails
-its own check, and the next session forks a fresh child. Output of the student's code goes to LOGFILE.
+its own check, and the next session forks a fresh child. Output of the student's code goes to stderr,
+which the grader opened on its log (outside the runner's scratch).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import signal
@@ -33,21 +35,17 @@ import traceback
 
 import cloudpickle
 
-from dlo.checks import wire
+from dlo.checks import common, wire
+from dlo.seal import seal
 
 
 def main(argv: list[str]) -> int:
-    log = argv[1] if len(argv) > 1 else os.devnull
     proto_in, proto_out = os.dup(0), os.dup(1)
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
-    out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    os.dup2(out, 1)
-    os.dup2(out, 2)
-    os.close(out)
+    os.dup2(2, 1)  # the student's output joins stderr: the grader's log, opened by the grader, never by name here
     import torch  # noqa: F401 - warm: every session's fork starts with torch and the checks imported
 
     import dlo.checks  # noqa: F401
-    from dlo.checks import common
 
     wire.write_frame(proto_out, wire.encode({"kind": "ready", "pid": os.getpid()}))
     while True:
@@ -62,6 +60,8 @@ def main(argv: list[str]) -> int:
                 common.forbidden_targets(path)
             except Exception:  # noqa: BLE001 - the child reports a name it cannot resolve
                 pass
+        with contextlib.suppress(Exception):
+            common.private_targets(tuple(req.get("forbid", ())))
         serve(req, proto_in, proto_out)
 
 
@@ -160,12 +160,13 @@ class Session:
         return i
 
     def serve(self) -> None:
-        from dlo.checks.common import forbidden
-
         try:
             # kept, and entered for the whole session (it ends with this process): a collected one would restore
-            self._blocked = forbidden(self.forbid, self.name, self.hint)
+            self._blocked = common.forbidden(self.forbid, self.name, self.hint)
             self._blocked.__enter__()
+            # the grader's modules sealed for good: the student's objects are loaded after this, and only
+            # the grader's own requests see the real modules (`sealing.loads`)
+            self.sealing = seal()
         except BaseException as exc:  # noqa: BLE001
             self.send(_error(exc))
             return
@@ -184,7 +185,7 @@ class Session:
         while True:
             frame = wire.read_frame(self.fd)
             try:
-                return cloudpickle.loads(frame)
+                return self.sealing.loads(frame)
             except BaseException as exc:  # noqa: BLE001
                 self.send(_error(exc))
 
@@ -204,15 +205,12 @@ class Session:
         if op == "getattr":
             return {"kind": "result", "value": getattr(self.resolve(req["target"]), req["name"]), "after": None}
         if op == "run":
-            from dlo.checks.common import safe_data
-
-            value = safe_data(req["worker"](*args, **kwargs), f"{self.name}: the worker's result")
+            value = common.safe_data(req["worker"](*args, **kwargs), f"{self.name}: the worker's result")
             return {"kind": "result", "value": value, "after": None}
         if op == "ranks":
-            from dlo.checks.common import DirectSession
-
-            ranks = DirectSession(self.name, self.forbid, self.hint)  # each rank blocks the names itself
-            value = ranks.on_ranks(req["worker"], req["world_size"], args, kwargs, req["timeout"], req["backend"])
+            ranks = common.DirectSession(self.name, self.forbid, self.hint)  # each rank blocks and seals itself
+            value = ranks.on_ranks(req["worker"], req["world_size"], args, kwargs, req["timeout"], req["backend"],
+                                   per_rank=req.get("per_rank"))
             return {"kind": "result", "value": value, "after": None}
         raise ValueError(f"unknown request {op!r}")
 
@@ -271,20 +269,16 @@ def state(obj, depth: int = 0):
     return None
 
 
-_OWN_FILES = {__file__, wire.__file__}  # the runner's frames are noise in a student's traceback
-
-
 def _error(exc: BaseException) -> dict:
+    """A student's exception as data: its type, message, and the frames of the student's code (the
+    grader's - this runner, the checks, the launcher - folded into a count), the exception first."""
     try:
         message = str(exc)
     except BaseException:  # noqa: BLE001 - a student exception whose __str__ raises
         message = f"<{type(exc).__name__} whose message cannot be shown>"
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename not in _OWN_FILES]
-    try:
-        last = traceback.format_exception_only(type(exc), exc)
-    except BaseException:  # noqa: BLE001
-        last = [f"{type(exc).__name__}\n"]
-    tb = "".join(["Traceback (most recent call last):\n", *traceback.format_list(frames[-12:]), *last])
+    folded = common.fold_frames(traceback.extract_tb(exc.__traceback__))
+    kept = [line for line in folded if not line.startswith("  (")]
+    tb = "".join([*(["in your code (most recent call last):\n"] if kept else []), *kept[-12:], *folded[len(kept):]])
     return {"kind": "error", "type": type(exc).__name__[:100], "message": message[:20000], "traceback": tb[-8000:]}
 
 

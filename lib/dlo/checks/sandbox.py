@@ -89,15 +89,15 @@ def kill_tree(proc: subprocess.Popen, tag: str | None = None) -> None:
 class Runner:
     """One sandboxed runner process and its pipes."""
 
-    def __init__(self, prefix: list[str], log: Path, env: dict | None = None):
+    def __init__(self, prefix: list[str], log_fd: int, cwd: Path, env: dict | None = None):
+        """`log_fd`: the grader's own descriptor of the log (opened once, never by path again): the
+        runner's stdout and stderr, whatever the student does to the file's name."""
         self.tag = uuid.uuid4().hex
-        log.parent.mkdir(parents=True, exist_ok=True)
-        self.log = log
-        cmd = [*prefix, sys.executable, "-I", "-m", "dlo.checks.runner", str(log)]
+        self.log_fd = log_fd
+        cmd = [*prefix, sys.executable, "-I", "-m", "dlo.checks.runner"]
         full_env = {**os.environ, **(env or {}), TAG_ENV: self.tag, "PYTHONUNBUFFERED": "1"}
-        with open(log, "ab") as err:
-            self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
-                                         env=full_env, start_new_session=True, cwd=log.parent)
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log_fd,
+                                     env=full_env, start_new_session=True, cwd=cwd)
         self.ready = False
 
     def send(self, payload: bytes) -> None:
@@ -135,7 +135,8 @@ class Runner:
     def _died(self) -> str:
         tail = ""
         with contextlib.suppress(OSError):
-            tail = self.log.read_text(errors="replace")[-1500:]
+            size = os.fstat(self.log_fd).st_size
+            tail = os.pread(self.log_fd, 1500, max(0, size - 1500)).decode(errors="replace")
         return f"the grader's sandboxed runner stopped (exit code {self.proc.poll()}); its log ends with:\n{tail}"
 
     def alive(self) -> bool:
@@ -282,9 +283,9 @@ class Session:
     def run(self, worker, args, kwargs):
         return self.request({"op": "run", "worker": worker, "args": args, "kwargs": kwargs})
 
-    def on_ranks(self, worker, world_size, args, kwargs, timeout, backend):
+    def on_ranks(self, worker, world_size, args, kwargs, timeout, backend, per_rank=None):
         return self.request({"op": "ranks", "worker": worker, "world_size": world_size, "args": args,
-                             "kwargs": kwargs, "timeout": timeout, "backend": backend})
+                             "kwargs": kwargs, "timeout": timeout, "backend": backend, "per_rank": per_rank})
 
     def call(self, target: Remote, args, kwargs):
         args, kwargs = _materialise(tuple(args)), _materialise(dict(kwargs))
@@ -396,9 +397,12 @@ class SandboxBackend:
     (time.monotonic() seconds, or None) bounds every wait for the sandbox; the executor sets it per
     cell. `close()` kills the runner and every process it started."""
 
-    def __init__(self, prefix: list[str] | None = None, log: Path | None = None, env: dict | None = None):
+    def __init__(self, prefix: list[str] | None = None, log: Path | None = None, env: dict | None = None,
+                 cwd: Path | None = None):
         self.prefix, self.env = list(prefix or []), env
         self.log = Path(log) if log else Path(os.devnull)
+        self.cwd = Path(cwd) if cwd else self.log.parent
+        self._log_fd: int | None = None
         self.deadline: float | None = None
         self.current: Session | None = None
         self._adhoc: Session | None = None
@@ -418,7 +422,7 @@ class SandboxBackend:
         if self._runner is not None and not self._runner.alive():
             self.drop_runner()
         if self._runner is None:
-            self._runner = Runner(self.prefix, self.log, self.env)
+            self._runner = Runner(self.prefix, self.log_fd(), self.cwd, self.env)
         if not self._runner.ready:  # a cold start (torch import on a busy node) is not the student's time
             deadline = None if self.deadline is None else max(self.deadline, time.monotonic() + START_TIMEOUT)
             msg = self._runner.recv_decoded(deadline, None)
@@ -462,11 +466,27 @@ class SandboxBackend:
     def close(self) -> None:
         self.end_cell()
         self.drop_runner()
+        if self._log_fd is not None:
+            os.close(self._log_fd)
+            self._log_fd = None
+
+    def log_fd(self) -> int:
+        """The log, opened once (appending, readable for the tail a dead runner leaves), never through a
+        link nor as a special file; every runner of this backend writes to this descriptor."""
+        if self._log_fd is None:
+            if self.log == Path(os.devnull):
+                self._log_fd = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
+            else:
+                from dlo.harness.files import open_log
+
+                self.log.parent.mkdir(parents=True, exist_ok=True)
+                self._log_fd = open_log(self.log)
+        return self._log_fd
 
     def warm(self) -> None:
         """Start the runner now (it imports torch: seconds) so the first check does not wait for it."""
         if self._runner is None:
-            self._runner = Runner(self.prefix, self.log, self.env)
+            self._runner = Runner(self.prefix, self.log_fd(), self.cwd, self.env)
 
 
 

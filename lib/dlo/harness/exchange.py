@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import os
 import shutil
-import stat
 from pathlib import Path
 
 from nbgrader.exchange.abc import ExchangeList
 
+from dlo.harness import files
 from dlo.harness.nbgrader_cli import NOT_SUBMITTED
 
 
@@ -88,44 +88,7 @@ def publish(course: Path, submitted: Path, keys: list[tuple[str, str]], students
     dest = course / "submitted"
     shutil.rmtree(dest, ignore_errors=True)
     for student, day in keys:
-        copy_regular_files(submitted / student / day, dest / student / day)
+        files.copy_tree(submitted / student / day, dest / student / day, ignore=NOT_SUBMITTED)
     with Gradebook(f"sqlite:///{course / 'gradebook.db'}") as gb:
         for student in students:
             gb.update_or_create_student(student)
-
-
-def copy_regular_files(src: Path, dest: Path) -> list[str]:
-    """Copy the regular files under src (no link followed, NOT_SUBMITTED folders left out) into dest;
-    the paths (relative to src) of what was skipped."""
-    skipped = []
-    dest.mkdir(parents=True, exist_ok=True)
-    for base, dirs, files in os.walk(src, followlinks=False):
-        rel = Path(base).relative_to(src)
-        keep = []
-        for d in sorted(dirs):
-            if d in NOT_SUBMITTED:
-                continue
-            if stat.S_ISDIR(os.lstat(Path(base) / d).st_mode):
-                keep.append(d)
-                (dest / rel / d).mkdir(exist_ok=True)
-            else:
-                skipped.append(str(rel / d))
-        dirs[:] = keep
-        for name in sorted(files):
-            if not _copy_file(Path(base) / name, dest / rel / name):
-                skipped.append(str(rel / name))
-    return skipped
-
-
-def _copy_file(src: Path, dest: Path) -> bool:
-    """Copy one regular file, opened without following a link (False, nothing written, otherwise)."""
-    try:
-        fd = os.open(src, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError:
-        return False  # a link (ELOOP), or gone
-    with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-            return False  # a fifo, socket or device: never read
-        with open(dest, "xb") as out:
-            shutil.copyfileobj(f, out)
-    return True

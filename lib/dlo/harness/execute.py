@@ -20,6 +20,7 @@ goes on. A cell that hangs but obeys SIGINT is interrupted by nbclient as before
 from __future__ import annotations
 
 import copy
+import os
 import shutil
 import tempfile
 import threading
@@ -27,12 +28,15 @@ import time
 from pathlib import Path
 
 from nbclient.exceptions import CellTimeoutError, DeadKernelError
+from nbclient.util import run_sync
 from nbformat.notebooknode import NotebookNode
 from nbgrader.api import Gradebook, MissingEntry
 from nbgrader.preprocessors import Execute
 
-from dlo.harness import testcells
+from dlo.harness import files, testcells
 from dlo.harness.sandbox import SandboxedKernelManager, Spec, probe, spec_from_env
+
+SEAL = "import dlo.seal\ndlo.seal.seal()\ndel dlo"  # the grading kernel's first code (silent, no history)
 
 
 class ResilientExecute(Execute):
@@ -74,13 +78,26 @@ class ResilientExecute(Execute):
             from dlo.checks.sandbox import SandboxBackend
 
             spec = self._spec
-            backend = SandboxBackend(prefix=spec.runner_prefix(), log=spec.runner_dir / "runner.log",
-                                     env=spec.env(spec.runner_dir))
+            # the log beside the scratch folders, not in one: nothing in the sandbox can name it
+            backend = SandboxBackend(prefix=spec.runner_prefix(), log=Path(spec.scratch) / "runner.log",
+                                     env=spec.env(spec.runner_dir), cwd=spec.runner_dir)
             backend.warm()
             self._backend = backend
         except Exception as exc:  # noqa: BLE001 - reported in every test cell, graded 0: the instructor sees it
             self.log.error("the grader's sandbox did not start: %s", exc)
             self._warm_error = f"{type(exc).__name__}: {exc}"
+
+    async def async_start_new_kernel_client(self):
+        """A kernel client, once the kernel has sealed the grader's modules (`dlo.seal`) for good: from
+        the first student cell on, `import dlo.checks.<day>` gives a placeholder, never the checks'
+        references or test benches. After a restart too."""
+        kc = await super().async_start_new_kernel_client()
+        reply = await self.async_wait_for_reply(kc.execute(SEAL, silent=True, store_history=False))
+        if not reply or reply.get("content", {}).get("status") != "ok":
+            self.log.warning("the kernel did not seal the grader's modules: %s", (reply or {}).get("content"))
+        return kc
+
+    start_new_kernel_client = run_sync(async_start_new_kernel_client)
 
     def create_kernel_manager(self):
         km = super().create_kernel_manager()
@@ -224,11 +241,13 @@ def _copy_extra_files(resources, dest: Path) -> None:
     path = ((resources or {}).get("metadata") or {}).get("path")
     if not path or not Path(path).is_dir():
         return
-    for item in Path(path).iterdir():
-        if item.suffix == ".ipynb" or item.name.startswith("."):
-            continue
-        target = dest / item.name
-        if item.is_dir():
-            shutil.copytree(item, target, dirs_exist_ok=True, symlinks=True)
-        elif item.is_file():
-            shutil.copy2(item, target)
+    for rel, fd, why in files.walk(path):
+        top = rel.split("/", 1)[0]
+        if why is not None or top.startswith(".") or (top == rel and rel.endswith(".ipynb")):
+            continue  # links and special files are not followed (`dlo grade` named them in the feedback)
+        if fd is None:
+            (dest / rel).mkdir(exist_ok=True)
+        else:
+            with open(dest / rel, "wb") as out:
+                while chunk := os.read(fd, files.CHUNK):
+                    out.write(chunk)

@@ -27,6 +27,7 @@ are kept, the rest graded; an output graded with another course version is refus
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 import shutil
 import sys
@@ -37,7 +38,7 @@ from pathlib import Path
 import nbformat
 
 from dlo.errors import BadInput, warn
-from dlo.harness import exchange, pool, similarity
+from dlo.harness import exchange, files, pool, similarity
 from dlo.harness.days import list_days, repo_root
 from dlo.harness.merge import is_part, merge  # noqa: F401 - merge: `dlo grade --merge`
 from dlo.harness.nbgrader_cli import NOT_SUBMITTED, generate_assignments
@@ -101,11 +102,21 @@ def find_submissions(submitted: Path, days: list[str]) -> tuple[list[str], list[
 
 
 def notebook_status(nb: Path) -> str:
-    """"ok", "no submission" (missing, 0 bytes, no cells) or why the notebook cannot be read."""
-    if not nb.is_file() or nb.stat().st_size == 0:
+    """"ok", "no submission" (missing, 0 bytes, no cells) or why the notebook cannot be read. The day
+    folder and the notebook are the student's: a link or a special file there is not followed (a
+    notebook linked to the instructors' would otherwise be graded as the student's)."""
+    try:
+        text = files.read_file(nb.parent.parent, nb.parent.name, nb.name)
+    except files.NotRegular as exc:
+        return f"not graded: {exc.name} is {exc.what} (only regular files are graded)"
+    except FileNotFoundError:
+        return NO_SUBMISSION
+    except OSError as exc:
+        return f"{nb.name} cannot be read ({exc.strerror or exc})"
+    if not text:
         return NO_SUBMISSION
     try:
-        notebook = nbformat.reads(nb.read_text(), as_version=4)
+        notebook = nbformat.reads(text.decode(), as_version=4)
     except Exception:  # noqa: BLE001 - JSON, encoding or nbformat errors alike
         return f"{nb.name} is not a readable notebook"
     return "ok" if notebook.get("cells") else NO_SUBMISSION
@@ -126,12 +137,20 @@ def parse_shard(text: str | None) -> tuple[int, int] | None:
 
 
 def folder_hash(folder: Path) -> str:
-    """What a submission is: its files' names and bytes (its runs/ and caches left out)."""
+    """What a submission is: its regular files' names and bytes (its runs/ and caches left out; links
+    and special files by name only: they are never followed, nor graded)."""
     h = hashlib.sha256()
-    for p in sorted(folder.rglob("*")) if folder.is_dir() else []:
-        rel = p.relative_to(folder)
-        if p.is_file() and not any(part in NOT_SUBMITTED for part in rel.parts):
-            h.update(str(rel).encode() + b"\0" + p.read_bytes() + b"\0")
+    try:
+        for rel, fd, why in files.walk(folder, NOT_SUBMITTED):
+            if fd is not None:
+                h.update(rel.encode() + b"\0")
+                while chunk := os.read(fd, files.CHUNK):
+                    h.update(chunk)
+                h.update(b"\0")
+            elif why is not None:
+                h.update(rel.encode() + b"\0" + why.encode() + b"\0")
+    except OSError:
+        pass  # a missing folder (or one that is a link): nothing of it is graded
     return h.hexdigest()[:16]
 
 

@@ -27,12 +27,12 @@ from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dlo.harness import files
 from dlo.harness.nbgrader_cli import NOT_SUBMITTED, autograde_and_feedback, kill_children
 from dlo.harness.results import copy_feedback, graded, record_path, write_json
 from dlo.harness.sandbox import SPEC_ENV, make_spec
 
 MEM_PER_JOB_GIB = 3.0  # a grading process, the student's kernel and the checks' runner, each with torch
-IGNORE = shutil.ignore_patterns(*NOT_SUBMITTED)  # TensorBoard logs stay behind
 TIMEOUT_ERRORS = ("CellTimeoutError", "CheckTimeout", "KeyboardInterrupt")
 
 
@@ -112,7 +112,7 @@ def grade_one(run: Run, student: str, day: str, env: dict, attempt: int = 1) -> 
     (root / "submitted" / student).mkdir(parents=True)
     os.symlink(run.course / "source", root / "source")
     shutil.copyfile(run.course / "nbgrader_config.py", root / "nbgrader_config.py")
-    shutil.copytree(run.submitted / student / day, root / "submitted" / student / day, ignore=IGNORE)
+    skipped = copy_submission(run.submitted / student / day, root / "submitted" / student / day, day)
     db = root / "gradebook.db"
     shutil.copyfile(run.course / "template.db", db)
     spec = make_spec(run.sandbox, work, run.hidden)
@@ -145,12 +145,35 @@ def grade_one(run: Run, student: str, day: str, env: dict, attempt: int = 1) -> 
             status += f" (see course/logs/{student}/{day}/autograde.log)"
     record = {"student": student, "day": day, "status": status, "score": 0.0, "cells": {}, "seconds": round(seconds, 1),
               "attempts": attempt, "input": run.inputs.get((student, day), ""), "sandbox": run.sandbox, "final": True,
-              "timeouts": 0, "kernel_deaths": 0}
+              "timeouts": 0, "kernel_deaths": 0, "skipped": skipped}
     if status == "graded":
         record.update(_keep(run, root, student, day, db))
     shutil.rmtree(root, ignore_errors=True)
     write_json(record_path(run.out, student, day), record)
     return record
+
+
+def copy_submission(src: Path, dest: Path, day: str) -> list[str]:
+    """The submission's regular files and folders into the grading scratch (its runs/ and caches left
+    behind), never following a link nor opening a special file; what was skipped, as "data.txt (a
+    symlink)", is also said at the top of the copied notebook, hence in the student's feedback."""
+    skipped = files.copy_tree(src, dest, NOT_SUBMITTED)
+    nb_path = dest / f"{day}.ipynb"
+    if skipped and nb_path.is_file():
+        import nbformat
+        from nbformat.v4 import new_markdown_cell
+
+        try:
+            nb = nbformat.read(nb_path, as_version=4)
+        except Exception:  # noqa: BLE001 - nbgrader reports an unreadable notebook itself
+            return skipped
+        note = new_markdown_cell("**Not graded** (only regular files and folders are read by the grader; links and "
+                                 "special files are skipped): " + ", ".join(f"`{s}`" for s in skipped))
+        if nb.get("nbformat_minor", 0) < 5:
+            note.pop("id", None)
+        nb.cells.insert(0, note)
+        nbformat.write(nb, nb_path)
+    return skipped
 
 
 def _keep(run: Run, root: Path, student: str, day: str, db: Path) -> dict:
@@ -292,4 +315,6 @@ def summary(records: dict, wall: float, jobs: int, slowest: int = 5) -> str:
                              or "none"),
              "kernels that died: " + (", ".join(f"{name(r)} ({r['kernel_deaths']})" for r in recs
                                                 if r.get("kernel_deaths")) or "none")]
+    skipped = [f"{name(r)}: {', '.join(r['skipped'])}" for r in sorted(recs, key=name) if r.get("skipped")]
+    lines.append("skipped (links and special files are never read): " + ("; ".join(skipped) or "none"))
     return "\n".join(lines + [f"failed: {f}" for f in failed])

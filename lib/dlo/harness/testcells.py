@@ -24,6 +24,8 @@ from pathlib import Path
 from nbformat.notebooknode import NotebookNode
 from nbgrader.preprocessors import NbGraderPreprocessor
 
+from dlo.harness import files
+
 # Modules a test cell may name directly (bound here, not taken from the student's kernel).
 MODULES_OK = ("torch", "numpy", "math", "random", "dlo", "cmath", "statistics", "itertools", "functools",
               "collections", "operator")
@@ -107,7 +109,7 @@ def bindings(names: list[str], folder: Path, backend) -> dict:
     The report is the student's kernel's word: it is read as data, and a handle only exists for a
     pickle that is there."""
     try:
-        report = json.loads((folder / "report.json").read_text())
+        report = json.loads(_read(folder, "report.json", limit=1 << 20))
     except (OSError, ValueError):
         report = {}
     if not isinstance(report, dict):
@@ -115,10 +117,10 @@ def bindings(names: list[str], folder: Path, backend) -> dict:
     out = {}
     for name in names:
         status = report.get(name)
-        if status == "ok" and (folder / f"{name}.pkl").is_file():
-            out[name] = backend.captured(name, folder / f"{name}.pkl")
-        elif status == "data" and (folder / f"{name}.data").is_file():
-            out[name] = _data(name, folder / f"{name}.data")
+        if status == "ok" and files.is_regular(folder.parent, folder.name, f"{name}.pkl"):
+            out[name] = backend.captured(name, folder / f"{name}.pkl")  # read in the sandbox only
+        elif status == "data" and files.is_regular(folder.parent, folder.name, f"{name}.data"):
+            out[name] = _data(name, folder)
         elif isinstance(status, dict) and isinstance(status.get("module"), str):
             out[name] = _module(name, status["module"])
         elif status == "not defined":
@@ -130,11 +132,18 @@ def bindings(names: list[str], folder: Path, backend) -> dict:
     return out
 
 
-def _data(name: str, path: Path):
+def _read(folder: Path, name: str, limit: int | None = None) -> bytes:
+    """A file the student's kernel wrote into the capture folder: a regular file inside `folder`,
+    inside the grader's capture folder, reached without following a link (a link to the instructors'
+    files or a fifo is refused, never read)."""
+    return files.read_file(folder.parent, folder.name, name, limit=limit)
+
+
+def _data(name: str, folder: Path):
     from dlo.checks.wire import decode
 
     try:
-        return decode(path.read_bytes())  # JSON and raw tensor bytes: no unpickling
+        return decode(_read(folder, f"{name}.data"))  # JSON and raw tensor bytes: no unpickling
     except (OSError, ValueError) as exc:
         raise CaptureFailed("RuntimeError", f"{name} could not be read by the grader ({exc})") from None
 
@@ -188,12 +197,12 @@ def _message(exc: BaseException) -> str:
 
 
 def _student_traceback(exc: BaseException) -> list[str]:
-    """The traceback of an exception the student's code raised in the sandbox (no test cell line)."""
+    """The frames of an exception the student's code raised in the sandbox, as the runner sent them:
+    the student's code first, the grader's frames folded into a count (no test cell line)."""
     tb = getattr(exc, "remote_traceback", "")
     if not tb or isinstance(exc, AssertionError):
         return []
-    lines = tb.rstrip().splitlines()
-    return ["", "in your code (as the grader ran it):", *lines[-16:]]
+    return ["", *tb.rstrip().splitlines()[:40]]
 
 
 class StripHiddenTests(NbGraderPreprocessor):
