@@ -1,6 +1,6 @@
 """The sandboxed runner: where the student's code runs while `dlo grade` checks it.
 
-    python -I -m dlo.checks.runner LOGFILE     (inside bubblewrap; requests on stdin, replies on stdout)
+    python -I -m dlo.checks.runner     (inside bubblewrap; requests on stdin, replies on stdout, output on stderr)
 
 It imports torch and dlo once, then serves one session per `@check` call: it forks a child that first
 blocks the check's forbidden references (`dlo.checks.common.forbidden`), then loads the student's
@@ -19,7 +19,8 @@ serves requests until the check closes the session:
 Trusted callables among the inputs (`wire.Callback`) are called back over the channel. The parent
 never runs student code: it forwards frames between the trusted side and the child, and reports the
 child's end (`ended`, with its exit code) - a student function that calls os._exit or crashes fails
-its own check, and the next session forks a fresh child. Output of the student's code goes to LOGFILE.
+its own check, and the next session forks a fresh child. Output of the student's code goes to stderr:
+the log the trusted side opened (outside the sandbox; the runner never names it, nor can replace it).
 """
 
 from __future__ import annotations
@@ -37,13 +38,9 @@ from dlo.checks import wire
 
 
 def main(argv: list[str]) -> int:
-    log = argv[1] if len(argv) > 1 else os.devnull
     proto_in, proto_out = os.dup(0), os.dup(1)
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
-    out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    os.dup2(out, 1)
-    os.dup2(out, 2)
-    os.close(out)
+    os.dup2(2, 1)  # print() of the student's code and of the checks: into the log, not the protocol
     import torch  # noqa: F401 - warm: every session's fork starts with torch and the checks imported
 
     import dlo.checks  # noqa: F401

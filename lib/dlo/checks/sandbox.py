@@ -2,10 +2,10 @@
 
 Checks run here, in a process where no student code ever ran, exactly as written (`@check`, plain
 calls, `run_student`, `on_ranks`); the student's objects are `Remote` handles to objects living in
-a sandboxed runner (`python -I -m dlo.checks.runner`, one per graded notebook, under bubblewrap when
-the grader has it). What comes back is data decoded by `dlo.checks.wire` (JSON and raw tensor
-bytes, never a pickle), and the comparison with the reference happens
-here, out of the student's reach.
+a sandboxed runner (`python -I -m dlo.checks.runner`, one per graded notebook, under bubblewrap unless
+grading runs with --no-sandbox), its output in a log the trusted side opened once (`open_log`). What
+comes back is data decoded by `dlo.checks.wire` (JSON and raw tensor bytes, never a pickle), and the
+comparison with the reference happens here, out of the student's reach.
 
     backend = SandboxBackend(prefix=bwrap_args, log=path)     # the runner starts on first use
     with use_backend(backend):
@@ -25,6 +25,7 @@ import contextlib
 import os
 import select
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -86,18 +87,39 @@ def kill_tree(proc: subprocess.Popen, tag: str | None = None) -> None:
     proc.wait()
 
 
-class Runner:
-    """One sandboxed runner process and its pipes."""
+def open_log(path: Path | None) -> int:
+    """The runner's log, opened once by the trusted side (appending, created 0600, never through a
+    symlink, a regular file only); every runner writes into this descriptor, and the tail shown when
+    one dies is read back from it: never a path the sandbox could have replaced."""
+    if path is None:
+        return os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, 0o600)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):  # a fifo or a device put in its place
+        os.close(fd)
+        raise OSError(f"{path} is not a regular file; the grader does not write its log there")
+    os.set_blocking(fd, True)
+    return fd
 
-    def __init__(self, prefix: list[str], log: Path, env: dict | None = None):
+
+def log_tail(fd: int, n: int = 1500) -> str:
+    with contextlib.suppress(OSError):
+        size = os.fstat(fd).st_size
+        return os.pread(fd, n, max(0, size - n)).decode(errors="replace")
+    return ""
+
+
+class Runner:
+    """One sandboxed runner process and its pipes; its stdout and stderr go to `log_fd`."""
+
+    def __init__(self, prefix: list[str], log_fd: int, env: dict | None = None, cwd: Path | None = None):
         self.tag = uuid.uuid4().hex
-        log.parent.mkdir(parents=True, exist_ok=True)
-        self.log = log
-        cmd = [*prefix, sys.executable, "-I", "-m", "dlo.checks.runner", str(log)]
+        self.log_fd = log_fd
+        cmd = [*prefix, sys.executable, "-I", "-m", "dlo.checks.runner"]
         full_env = {**os.environ, **(env or {}), TAG_ENV: self.tag, "PYTHONUNBUFFERED": "1"}
-        with open(log, "ab") as err:
-            self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
-                                         env=full_env, start_new_session=True, cwd=log.parent)
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log_fd,
+                                     env=full_env, start_new_session=True, cwd=cwd)
         self.ready = False
 
     def send(self, payload: bytes) -> None:
@@ -133,9 +155,7 @@ class Runner:
         return msg
 
     def _died(self) -> str:
-        tail = ""
-        with contextlib.suppress(OSError):
-            tail = self.log.read_text(errors="replace")[-1500:]
+        tail = log_tail(self.log_fd)
         return f"the grader's sandboxed runner stopped (exit code {self.proc.poll()}); its log ends with:\n{tail}"
 
     def alive(self) -> bool:
@@ -392,13 +412,17 @@ def _died_message(name: str, code) -> str:
 class SandboxBackend:
     """The session factory given to `use_backend`, and the runner's owner.
 
-    `prefix`: the sandbox command (bwrap and its flags; [] runs the runner unconfined). `deadline`
+    `prefix`: the sandbox command (bwrap and its flags; [] runs the runner unconfined); `log`: where the
+    runner's output goes (opened once here: keep it out of every folder the sandbox can write); `cwd`: the
+    unconfined runner's working directory (bwrap's own --chdir otherwise). `deadline`
     (time.monotonic() seconds, or None) bounds every wait for the sandbox; the executor sets it per
     cell. `close()` kills the runner and every process it started."""
 
-    def __init__(self, prefix: list[str] | None = None, log: Path | None = None, env: dict | None = None):
-        self.prefix, self.env = list(prefix or []), env
-        self.log = Path(log) if log else Path(os.devnull)
+    def __init__(self, prefix: list[str] | None = None, log: Path | None = None, env: dict | None = None,
+                 cwd: Path | None = None):
+        self.prefix, self.env, self.cwd = list(prefix or []), env, cwd
+        self.log = Path(log) if log else Path(os.devnull)  # for people to read; the grader writes `log_fd`
+        self.log_fd = open_log(Path(log) if log else None)
         self.deadline: float | None = None
         self.current: Session | None = None
         self._adhoc: Session | None = None
@@ -418,7 +442,7 @@ class SandboxBackend:
         if self._runner is not None and not self._runner.alive():
             self.drop_runner()
         if self._runner is None:
-            self._runner = Runner(self.prefix, self.log, self.env)
+            self._runner = Runner(self.prefix, self.log_fd, self.env, self.cwd)
         if not self._runner.ready:  # a cold start (torch import on a busy node) is not the student's time
             deadline = None if self.deadline is None else max(self.deadline, time.monotonic() + START_TIMEOUT)
             msg = self._runner.recv_decoded(deadline, None)
@@ -462,11 +486,14 @@ class SandboxBackend:
     def close(self) -> None:
         self.end_cell()
         self.drop_runner()
+        if self.log_fd >= 0:
+            os.close(self.log_fd)
+            self.log_fd = -1
 
     def warm(self) -> None:
         """Start the runner now (it imports torch: seconds) so the first check does not wait for it."""
         if self._runner is None:
-            self._runner = Runner(self.prefix, self.log, self.env)
+            self._runner = Runner(self.prefix, self.log_fd, self.env, self.cwd)
 
 
 
@@ -479,7 +506,7 @@ class LocalSandbox(SandboxBackend):
     def __init__(self, folder: Path, prefix: list[str] | None = None, log: Path | None = None):
         self.folder = Path(folder)
         self.folder.mkdir(parents=True, exist_ok=True)
-        super().__init__(prefix=prefix, log=log or self.folder / "runner.log")
+        super().__init__(prefix=prefix, log=log or self.folder / "runner.log", cwd=self.folder)
         self._n = 0
 
     def capture(self, obj) -> Remote:

@@ -7,9 +7,10 @@ to handles of objects living in a sandboxed runner (`dlo.checks.sandbox`): the s
 there, the comparison with the reference happens here, and the cell's outputs are what the checks
 printed (stdout) and, on failure, an error. nbgrader then scores as usual: error -> 0, else the points.
 
-**The kernel runs in the sandbox** (`dlo.harness.sandbox`: bubblewrap when available) with its own
-scratch folder as working directory, out of sight of the solutions, the gradebook and the other
-submissions.
+**The kernel runs in the sandbox** (`dlo.harness.sandbox`: bubblewrap, unless `dlo grade --no-sandbox`)
+with its own scratch folder as working directory, out of sight of the solutions, the gradebook and the
+other submissions, its channels Unix sockets (the sandbox has a network of its own). Grading as root,
+what the grader makes for it (capture folders, the files beside the notebook) is handed to its uid.
 
 **A student cell that kills its kernel or hangs while ignoring interrupts** costs only what depends on
 it: the cell gets an error, a fresh kernel starts, the cells before it are replayed silently (except
@@ -27,12 +28,13 @@ import time
 from pathlib import Path
 
 from nbclient.exceptions import CellTimeoutError, DeadKernelError
+from nbclient.util import run_sync
 from nbformat.notebooknode import NotebookNode
 from nbgrader.api import Gradebook, MissingEntry
 from nbgrader.preprocessors import Execute
 
 from dlo.harness import testcells
-from dlo.harness.sandbox import SandboxedKernelManager, Spec, probe, spec_from_env
+from dlo.harness.sandbox import SandboxedKernelManager, make_spec, probe, spec_from_env
 
 
 class ResilientExecute(Execute):
@@ -48,10 +50,11 @@ class ResilientExecute(Execute):
         spec = spec_from_env()
         if spec is None:  # nbgrader called directly: no hiding known, a scratch of our own
             self._own_scratch = tempfile.mkdtemp(prefix="dlo-grade-")
-            spec = Spec(mode=probe(), scratch=self._own_scratch)
+            spec = make_spec(probe(), Path(self._own_scratch), hidden=[])
         spec.make_dirs()
         self._spec = spec
         _copy_extra_files(resources, spec.kernel_dir)
+        spec.hand_over(spec.kernel_dir, tree=True)  # before the kernel starts
         self._tests = trusted_test_cells(resources)
         self._backend = None
         # torch, the checks and the runner start while the kernel runs the first cells (both mostly wait)
@@ -74,8 +77,8 @@ class ResilientExecute(Execute):
             from dlo.checks.sandbox import SandboxBackend
 
             spec = self._spec
-            backend = SandboxBackend(prefix=spec.runner_prefix(), log=spec.runner_dir / "runner.log",
-                                     env=spec.env(spec.runner_dir))
+            backend = SandboxBackend(prefix=spec.runner_prefix(), log=spec.runner_log, env=spec.env(spec.runner_dir),
+                                     cwd=spec.runner_dir)
             backend.warm()
             self._backend = backend
         except Exception as exc:  # noqa: BLE001 - reported in every test cell, graded 0: the instructor sees it
@@ -113,6 +116,7 @@ class ResilientExecute(Execute):
         self._captures += 1
         folder = self._spec.capture_dir / f"cell{index}-{self._captures}"
         folder.mkdir(parents=True)
+        self._spec.hand_over(folder)  # the kernel writes the pickles there
         if names and not self._capture(names, folder, index):
             cell.outputs = [testcells.error_output(
                 "CellTimeoutError", "the grader could not get your objects from the kernel: pickling them did not "
@@ -179,12 +183,12 @@ class ResilientExecute(Execute):
             self.kc.stop_channels()
         except Exception:  # noqa: BLE001 - the channels of a dead kernel may be half gone
             pass
-        try:
-            self.km.shutdown_kernel(now=True)  # SIGKILL: a kernel ignoring SIGINT/SIGTERM goes too
+        try:  # the manager is async: its calls are awaited here
+            run_sync(self.km.shutdown_kernel)(now=True)  # SIGKILL: a kernel ignoring SIGINT/SIGTERM goes too
         except Exception:  # noqa: BLE001
             pass
         try:
-            self.km.cleanup_resources()
+            run_sync(self.km.cleanup_resources)()
         except Exception:  # noqa: BLE001
             pass
 
