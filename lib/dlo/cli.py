@@ -101,6 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
     grade.add_argument("--notebook-timeout", type=positive(float), default=7200.0,
                        help="seconds for one student's notebook (default 7200)")
     grade.add_argument("--require-full", action="store_true", help="exit 1 unless every score is full marks")
+    grade.add_argument("--no-sandbox", action="store_true",
+                       help="grade even where bubblewrap cannot run, unconfined (the `sandbox` column says so)")
 
     setup = sub.add_parser("setup", help="JupyterLab for a role: students get Validate and the assignment list, "
                                           "instructors the formgrader too (settings in this environment)")
@@ -181,7 +183,7 @@ def dispatch(args: argparse.Namespace) -> int:
             raise BadInput("SUBMITTED_DIR is required (or --merge DIR)")
         return grade.main(root, args.submitted, args.out, args.profile, args.cell_timeout,
                           args.notebook_timeout, args.require_full, jobs=args.jobs, shard=args.shard,
-                          regrade=args.regrade)
+                          regrade=args.regrade, no_sandbox=args.no_sandbox)
     if args.command == "setup":
         from dlo.harness.setup import setup
         return setup(args.role, user=args.user, cfg_dir=args.config_dir, exchange=args.exchange,

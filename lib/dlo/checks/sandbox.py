@@ -2,10 +2,10 @@
 
 Checks run here, in a process where no student code ever ran, exactly as written (`@check`, plain
 calls, `run_student`, `on_ranks`); the student's objects are `Remote` handles to objects living in
-a sandboxed runner (`python -I -m dlo.checks.runner`, one per graded notebook, under bubblewrap when
-the grader has it). What comes back is data decoded by `dlo.checks.wire` (JSON and raw tensor
-bytes, never a pickle), and the comparison with the reference happens
-here, out of the student's reach.
+a sandboxed runner (`python -I -m dlo.checks.runner`, one per graded notebook, under bubblewrap unless
+grading runs with --no-sandbox), its output in a log the trusted side opened once (`open_log`). What
+comes back is data decoded by `dlo.checks.wire` (JSON and raw tensor bytes, never a pickle), and the
+comparison with the reference happens here, out of the student's reach.
 
     backend = SandboxBackend(prefix=bwrap_args, log=path)     # the runner starts on first use
     with use_backend(backend):
@@ -393,7 +393,9 @@ def _died_message(name: str, code) -> str:
 class SandboxBackend:
     """The session factory given to `use_backend`, and the runner's owner.
 
-    `prefix`: the sandbox command (bwrap and its flags; [] runs the runner unconfined). `deadline`
+    `prefix`: the sandbox command (bwrap and its flags; [] runs the runner unconfined); `log`: where the
+    runner's output goes (opened once here: keep it out of every folder the sandbox can write); `cwd`: the
+    unconfined runner's working directory (bwrap's own --chdir otherwise). `deadline`
     (time.monotonic() seconds, or None) bounds every wait for the sandbox; the executor sets it per
     cell. `close()` kills the runner and every process it started."""
 
@@ -499,7 +501,7 @@ class LocalSandbox(SandboxBackend):
     def __init__(self, folder: Path, prefix: list[str] | None = None, log: Path | None = None):
         self.folder = Path(folder)
         self.folder.mkdir(parents=True, exist_ok=True)
-        super().__init__(prefix=prefix, log=log or self.folder / "runner.log")
+        super().__init__(prefix=prefix, log=log or self.folder / "runner.log", cwd=self.folder)
         self._n = 0
 
     def capture(self, obj) -> Remote:

@@ -7,9 +7,10 @@ to handles of objects living in a sandboxed runner (`dlo.checks.sandbox`): the s
 there, the comparison with the reference happens here, and the cell's outputs are what the checks
 printed (stdout) and, on failure, an error. nbgrader then scores as usual: error -> 0, else the points.
 
-**The kernel runs in the sandbox** (`dlo.harness.sandbox`: bubblewrap when available) with its own
-scratch folder as working directory, out of sight of the solutions, the gradebook and the other
-submissions.
+**The kernel runs in the sandbox** (`dlo.harness.sandbox`: bubblewrap, unless `dlo grade --no-sandbox`)
+with its own scratch folder as working directory, out of sight of the solutions, the gradebook and the
+other submissions, its channels Unix sockets (the sandbox has a network of its own). Grading as root,
+what the grader makes for it (capture folders, the files beside the notebook) is handed to its uid.
 
 **A student cell that kills its kernel or hangs while ignoring interrupts** costs only what depends on
 it: the cell gets an error, a fresh kernel starts, the cells before it are replayed silently (except
@@ -34,7 +35,7 @@ from nbgrader.api import Gradebook, MissingEntry
 from nbgrader.preprocessors import Execute
 
 from dlo.harness import files, testcells
-from dlo.harness.sandbox import SandboxedKernelManager, Spec, probe, spec_from_env
+from dlo.harness.sandbox import SandboxedKernelManager, make_spec, probe, spec_from_env
 
 SEAL = "import dlo.seal\ndlo.seal.seal()\ndel dlo"  # the grading kernel's first code (silent, no history)
 
@@ -52,10 +53,11 @@ class ResilientExecute(Execute):
         spec = spec_from_env()
         if spec is None:  # nbgrader called directly: no hiding known, a scratch of our own
             self._own_scratch = tempfile.mkdtemp(prefix="dlo-grade-")
-            spec = Spec(mode=probe(), scratch=self._own_scratch)
+            spec = make_spec(probe(), Path(self._own_scratch), hidden=[])
         spec.make_dirs()
         self._spec = spec
         _copy_extra_files(resources, spec.kernel_dir)
+        spec.hand_over(spec.kernel_dir, tree=True)  # before the kernel starts
         self._tests = trusted_test_cells(resources)
         self._backend = None
         # torch, the checks and the runner start while the kernel runs the first cells (both mostly wait)
@@ -79,7 +81,7 @@ class ResilientExecute(Execute):
 
             spec = self._spec
             # the log beside the scratch folders, not in one: nothing in the sandbox can name it
-            backend = SandboxBackend(prefix=spec.runner_prefix(), log=Path(spec.scratch) / "runner.log",
+            backend = SandboxBackend(prefix=spec.runner_prefix(), log=spec.runner_log,
                                      env=spec.env(spec.runner_dir), cwd=spec.runner_dir)
             backend.warm()
             self._backend = backend
@@ -130,6 +132,7 @@ class ResilientExecute(Execute):
         self._captures += 1
         folder = self._spec.capture_dir / f"cell{index}-{self._captures}"
         folder.mkdir(parents=True)
+        self._spec.hand_over(folder)  # the kernel writes the pickles there
         if names and not self._capture(names, folder, index):
             cell.outputs = [testcells.error_output(
                 "CellTimeoutError", "the grader could not get your objects from the kernel: pickling them did not "
@@ -196,12 +199,12 @@ class ResilientExecute(Execute):
             self.kc.stop_channels()
         except Exception:  # noqa: BLE001 - the channels of a dead kernel may be half gone
             pass
-        try:
-            self.km.shutdown_kernel(now=True)  # SIGKILL: a kernel ignoring SIGINT/SIGTERM goes too
+        try:  # the manager is async: its calls are awaited here
+            run_sync(self.km.shutdown_kernel)(now=True)  # SIGKILL: a kernel ignoring SIGINT/SIGTERM goes too
         except Exception:  # noqa: BLE001
             pass
         try:
-            self.km.cleanup_resources()
+            run_sync(self.km.cleanup_resources)()
         except Exception:  # noqa: BLE001
             pass
 

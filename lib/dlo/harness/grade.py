@@ -16,7 +16,9 @@ nbgrader's formgrader, `nbgrader export` and `release_feedback` work there (`exc
 Each submission is graded on its own (`pool`): its own nbgrader process, course root and gradebook,
 its own sandbox scratch; `--jobs N` grades N at once, with the same bytes in the CSVs as one at a
 time. The test cells' verdict comes from checks run outside the student's kernel
-(`execute.ResilientExecute`), and the student's code runs under bubblewrap where it is available.
+(`execute.ResilientExecute`), and the student's code runs under bubblewrap (`dlo.harness.sandbox`):
+where no bwrap can run, `dlo grade` refuses to start (exit 2, the cause and its fix on stderr) unless
+given --no-sandbox.
 
 Started again with the same --out, a run resumes: submissions with a record (and unchanged input)
 are kept, the rest graded; an output graded with another course version is refused (--regrade).
@@ -174,7 +176,7 @@ def course_version(root: Path, days: list[str]) -> str:
 
 def main(root: Path, submitted: str, out: str | None, profile: str, cell_timeout: float,
          notebook_timeout: float, require_full: bool, jobs: int | None = None, shard: str | None = None,
-         regrade: bool = False) -> int:
+         regrade: bool = False, no_sandbox: bool = False) -> int:
     days = list_days(root)
     if not days:
         raise BadInput(f"no day notebooks under {root / 'solutions'}")
@@ -199,7 +201,10 @@ def main(root: Path, submitted: str, out: str | None, profile: str, cell_timeout
     owned = OwnedDir(out_dir, keep=None if part else is_part)
     owned.check()  # refuses before anything is written
     resume = owned.owned() and not regrade and _resumable(out_dir, manifest)
-    sandbox = probe()
+    sandbox = "none (--no-sandbox)" if no_sandbox else probe()
+    if sandbox != "bwrap" and not no_sandbox:
+        raise BadInput(f"refusing to grade without a sandbox: {sandbox[6:-1]}; or pass --no-sandbox to grade "
+                       f"unconfined")
     if sandbox != "bwrap":
         warn("grade", f"grading without a sandbox: {sandbox}. Student code can read the solutions, the "
                       f"gradebook and the other submissions while it runs (the `sandbox` column says so).")
@@ -270,7 +275,7 @@ def _run(root, submitted_dir, top, out_dir, owned, graded_days, status, manifest
     if resume:
         print(f"resuming in {out_dir}: {len(records)} submission(s) already graded, {len(todo)} to go", flush=True)
     grading = pool.Run(out=out_dir, submitted=submitted_dir, profile=profile, notebook_timeout=notebook_timeout,
-                       sandbox=sandbox, hidden=[root, repo_root(), submitted_dir, top], inputs=inputs)
+                       sandbox=sandbox, hidden=[root, repo_root(), submitted_dir, top, Path.home()], inputs=inputs)
     start = time.monotonic()
     try:
         records.update(pool.run(grading, todo, min(jobs, max(1, len(todo))), len(inputs), len(records)))

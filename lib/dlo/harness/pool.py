@@ -128,8 +128,8 @@ def grade_one(run: Run, student: str, day: str, env: dict, attempt: int = 1) -> 
     except TimeoutError:
         status = f"error: autograde took over {run.notebook_timeout:.0f} s"
     finally:
-        # the student's files and pickles are not kept; the runner's log (the student's output during checks) is
-        for scratch in (spec.kernel_dir, spec.capture_dir, spec.runner_dir / ".home"):
+        # the sandbox's folders are not kept; the runner's log beside them (the student's output during checks) is
+        for scratch in (spec.kernel_dir, spec.capture_dir, spec.runner_dir):
             shutil.rmtree(scratch, ignore_errors=True)
     seconds = time.perf_counter() - start
     if proc is not None and proc.returncode < 0:
