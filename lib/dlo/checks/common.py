@@ -568,9 +568,9 @@ def rank_payload(args, kwargs) -> bytes:
     """The worker's arguments (the student's objects among them), pickled apart from the worker: a rank
     unpickles them only once it has blocked the forbidden names and sealed the grader's modules, since
     unpickling a student's object may run the student's code (`__reduce__`, `__init_subclass__`)."""
-    import cloudpickle
+    from dlo.pickling import dumps
 
-    return cloudpickle.dumps((args, kwargs))
+    return dumps((args, kwargs))  # the student's functions keep their cells' names and lines
 
 
 def write_shards(per_rank, world_size: int) -> str | None:

@@ -507,6 +507,8 @@ class LocalSandbox(SandboxBackend):
     def capture(self, obj) -> Remote:
         import cloudpickle
 
+        from dlo import pickling
+
         module = sys.modules.get(getattr(obj, "__module__", ""), None)
         by_value = module is not None and module.__name__ not in ("__main__", "builtins") \
             and not module.__name__.startswith(("dlo.", "torch", "numpy")) \
@@ -514,7 +516,7 @@ class LocalSandbox(SandboxBackend):
         if by_value:
             cloudpickle.register_pickle_by_value(module)
         try:
-            data = cloudpickle.dumps(obj)
+            data = pickling.dumps(obj)  # as the kernel captures: file names and lines kept
         finally:
             if by_value:
                 cloudpickle.unregister_pickle_by_value(module)
