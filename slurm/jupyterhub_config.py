@@ -1,0 +1,55 @@
+# The course on a site's JupyterHub that spawns on SLURM: batchspawner's SlurmSpawner with the course's
+# environment and student settings. For the hub's administrator: add these lines to jupyterhub_config.py
+# (or `load_subconfig("/path/to/checkout/slurm/jupyterhub_config.py")` there), and set DLO_CHECKOUT below.
+#
+# Needs, beside the course's own environment (the checkout's .venv or the conda env `dlo`, slurm/env.sh):
+# `pip install "batchspawner>=1.3,<2" jupyterhub` into the hub's environment, and `batchspawner` with the
+# hub's version of `jupyterhub` into the course's environment (the single-user server runs there:
+# batchspawner-singleuser). Neither is in requirements/ (only a hub needs them).
+#
+# What a student gets: a job of its own on a GPU node, JupyterLab started by the hub in the course's
+# environment, with `dlo setup student --user` applied first (Validate with the course's timeout, no
+# instructor tools), the same as slurm/jupyter.sbatch without the SSH tunnel. Tested by rendering the
+# job script the way batchspawner does (tests/slurm/test_jupyterhub_config.py); a hub itself is not run.
+
+DLO_CHECKOUT = "/path/to/checkout"  # the course's checkout, readable by every student
+DLO_ENV = ""  # as slurm/env.sh reads it: a venv path, a conda env name, or "" for the checkout's .venv
+
+c = get_config()  # noqa: F821 - JupyterHub's config loader defines get_config
+
+c.JupyterHub.spawner_class = "batchspawner.SlurmSpawner"
+c.SlurmSpawner.req_partition = "gpu"
+c.SlurmSpawner.req_runtime = "04:00:00"
+c.SlurmSpawner.req_nprocs = "8"
+c.SlurmSpawner.req_memory = "64G"
+c.SlurmSpawner.req_gres = "gpu:1"
+c.SlurmSpawner.start_timeout = 600  # a GPU node may take a while to come free
+c.SlurmSpawner.req_prologue = f"""\
+cd {DLO_CHECKOUT}
+export DLO_ENV={DLO_ENV!r} JUPYTER_PREFER_ENV_PATH=0
+source slurm/env.sh
+dlo setup student --user
+cd "$HOME"
+"""
+# The job script is batchspawner's own (its default SlurmSpawner.batch_script), with a job name of the
+# course's so that `squeue` says what runs.
+c.SlurmSpawner.batch_script = """#!/bin/bash
+#SBATCH --output={{homedir}}/jupyterhub_slurmspawner_%j.log
+#SBATCH --job-name=dlo-jupyterhub
+#SBATCH --chdir={{homedir}}
+#SBATCH --export={{keepvars}}
+#SBATCH --get-user-env=L
+{% if partition  %}#SBATCH --partition={{partition}}
+{% endif %}{% if runtime    %}#SBATCH --time={{runtime}}
+{% endif %}{% if memory     %}#SBATCH --mem={{memory}}
+{% endif %}{% if gres       %}#SBATCH --gres={{gres}}
+{% endif %}{% if nprocs     %}#SBATCH --cpus-per-task={{nprocs}}
+{% endif %}
+set -euo pipefail
+
+trap 'echo SIGTERM received' TERM
+{{prologue}}
+{% if srun %}{{srun}} {% endif %}{{cmd}}
+echo "jupyterhub-singleuser ended gracefully"
+{{epilogue}}
+"""
