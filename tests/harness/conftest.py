@@ -132,3 +132,15 @@ def read_csv(path: Path) -> list[dict]:
 
     with path.open() as f:
         return list(csv.DictReader(f))
+
+
+def unreachable_by_others(path: Path) -> str | None:
+    """Why another Unix user cannot reach `path` (a folder above it without the x bit for others, as
+    `mktemp -d` makes), or None. /root is left out: the tests that run as another user mount a 0755
+    tmpfs over it themselves."""
+    for folder in [path, *path.parents]:
+        if folder == Path("/root") or folder == Path("/"):
+            continue
+        if not folder.stat().st_mode & 0o001:
+            return f"{folder} is closed to other users (mode {folder.stat().st_mode & 0o777:o})"
+    return None

@@ -25,7 +25,7 @@ import pytest
 from dlo.harness import exchange, files
 from dlo.harness.nbgrader_cli import NOT_SUBMITTED
 from dlo.harness.setup import setup
-from tests.harness.conftest import ADAMW, DAY, POINTS, REPO, dlo, edit_cells, grade_id, read_csv
+from tests.harness.conftest import ADAMW, DAY, POINTS, REPO, dlo, edit_cells, grade_id, read_csv, unreachable_by_others
 
 TOTAL = sum(POINTS.values())
 ADD = "def add(a, b):\n    return a + b"
@@ -254,6 +254,8 @@ SOLVE = textwrap.dedent('''
 ''')
 
 
+@pytest.mark.skipif(unreachable_by_others(REPO) is not None,
+                    reason=f"another user must reach the checkout: {unreachable_by_others(REPO)}")
 @pytest.mark.slow
 def test_exchange_round_trip_with_unix_users(toy_template):
     why = _can_switch_users()

@@ -28,7 +28,7 @@ from dlo.checks.sandbox import LocalSandbox, RunnerDied, StudentProcessDied
 from dlo.harness import sandbox
 from dlo.harness.files import open_log
 from dlo.harness.sandbox import make_spec, probe
-from tests.harness.conftest import DAY, POINTS, dlo, read_csv
+from tests.harness.conftest import DAY, POINTS, REPO, dlo, read_csv, unreachable_by_others
 
 pytestmark = pytest.mark.skipif(probe() != "bwrap", reason=f"bubblewrap cannot run here: {probe()}")
 SECRET = "the instructors' answers"
@@ -224,6 +224,8 @@ def test_the_kernel_talks_over_unix_sockets(spec):
 
 # ----------------------------------------------------------------------------- dlo grade, where and as whom
 
+@pytest.mark.skipif(unreachable_by_others(REPO) is not None,
+                    reason=f"another user must reach the checkout: {unreachable_by_others(REPO)}")
 @pytest.mark.slow
 @pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare") or not shutil.which("setpriv"),
                     reason="needs root (a private mount namespace, then uid 65534) and util-linux's unshare, setpriv")
