@@ -75,9 +75,9 @@ def triton_line(found) -> Line:
 
 
 def bwrap_line() -> Line:
-    from dlo.harness import sandbox
+    from dlo.grading import jail
 
-    found = sandbox.probe()
+    found = jail.probe()
     if found == "bwrap":
         return True, "bwrap", "runs with the grader's flags: student code is graded in a sandbox"
     return False, "bwrap", f"{found}; without it `dlo grade` runs student code unconfined"

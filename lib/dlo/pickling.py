@@ -1,7 +1,7 @@
 """cloudpickle by value, with the student's file names and source lines kept for tracebacks.
 
 A function defined in a notebook cell or a script reaches a rank (`dlo.distributed.launch`) or the
-grader's sandboxed runner (`dlo.checks.runner`) as a code object rebuilt by cloudpickle. From
+grader's sandboxed runner (`dlo.grading.jail_runner`) as a code object rebuilt by cloudpickle. From
 cloudpickle 3.1.3 on, every rebuilt code object is called `<dynamic-code>`, so an error on a rank
 read `File "<dynamic-code>", line 10, in step` with no source line; and even with the file name
 kept, a notebook cell's "file" (`/tmp/ipykernel_<pid>/<hash>.py`) exists only in the kernel's memory.

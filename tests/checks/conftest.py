@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import nbformat
 import pytest
 
-from dlo.checks.sandbox import LocalSandbox
+from dlo.grading.trusted import LocalSandbox
 from tests.rank_pool import RankPool, one_thread  # noqa: F401 - a fixture, re-exported to the test modules
 
 REPO = Path(__file__).resolve().parents[2]

@@ -1,4 +1,4 @@
-"""dlo.checks.common: what every day's checks share."""
+"""dlo.grading.api: what every day's checks are written against."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import traceback
 
 import pytest
 
-from dlo.checks.common import DirectSession, check, is_stub
+from dlo.grading.api import DirectSession, check, is_stub
 
 
 def released(x, y):
@@ -79,7 +79,7 @@ def check_divides(fn):
 
 
 def _grader_paths(text: str) -> list[str]:
-    return [p for p in ("dlo/checks/", "dlo/seal.py", "_worker.py", "launch.py") if p in text]
+    return [p for p in ("dlo/checks/", "dlo/grading/", "_worker.py", "launch.py") if p in text]
 
 
 def test_a_direct_check_shows_the_student_s_frames_and_folds_the_grader_s():

@@ -18,7 +18,7 @@ import torch
 import dlo.optim
 from dlo import lr_finder, schedules
 from dlo.checks import day1
-from dlo.checks.common import ForbiddenCall
+from dlo.grading.forbid import ForbiddenCall
 from dlo.optim import reference, utils
 
 

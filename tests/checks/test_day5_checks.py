@@ -154,7 +154,7 @@ def test_zero3_rejects_keeping_parameters_until_backward(sol, ranks):
 def test_zero_checks_forbid_the_library_and_subclasses_of_it():
     """What the ranks do under the ZeRO checks' forbid lists, tested here without a launch: the
     library's engine, or a subclass that inherits its methods, raises ForbiddenCall."""
-    from dlo.checks.common import ForbiddenCall, forbidden
+    from dlo.grading.forbid import ForbiddenCall, forbidden
 
     class Borrowed(zero.ZeRO3):
         pass

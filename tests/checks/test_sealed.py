@@ -19,8 +19,8 @@ import pytest
 
 import dlo.checks
 from dlo.checks import day5, day6, day7
-from dlo.checks.common import ForbiddenCall
-from dlo.seal import Placeholder, sealed
+from dlo.grading.forbid import ForbiddenCall
+from dlo.grading.seal import Placeholder, sealed
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -95,9 +95,11 @@ def test_sealed_gives_placeholders_through_every_door():
         with pytest.raises(ImportError, match="the grader's module: off limits"):
             from dlo.checks.day5_zero import reference  # noqa: F401
         assert not hasattr(sys.modules["dlo.checks.day5_zero"], "reference")
-        wire = importlib.import_module("dlo.checks.wire")  # what the kernel and the runner run on stays open
-        assert dlo.checks.wire is wire and not isinstance(wire, Placeholder)
-        assert hasattr(dlo.checks.common, "forbidden")
+        wire = importlib.import_module("dlo.grading.wire")  # what the kernel and the runner run on stays open
+        assert dlo.grading.wire is wire and not isinstance(wire, Placeholder)
+        assert hasattr(dlo.grading.forbid, "forbidden")
+        for trusted in ("dlo.grading.trusted", "dlo.grading.testcells", "dlo.grading.jail"):  # the grader's side
+            assert isinstance(importlib.import_module(trusted), Placeholder), trusted
     assert sys.modules["dlo.checks.day5_zero"] is day5_zero and dlo.checks.day5 is day5  # restored
 
 

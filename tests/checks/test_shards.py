@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from dlo.checks import day7
-from dlo.checks.common import DirectSession, case_seed
+from dlo.grading.api import DirectSession, case_seed
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -62,7 +62,7 @@ def test_the_full_logits_are_on_no_rank(ranks):
 def test_a_graded_case_cannot_be_redrawn(tmp_path, ranks):
     """In a notebook (direct checks) the case comes from the test cell's seed: copying the bench's
     drawing works there, and only there; the grader draws it from a secret seed."""
-    from dlo.checks.sandbox import LocalSandbox  # here: the ranks import this module (sealed) for its functions
+    from dlo.grading.trusted import LocalSandbox  # here: the ranks import this module (sealed) for its functions
 
     assert case_seed(3) == 3  # the direct backend: reproducible feedback
     day7.check_vocab_parallel_cross_entropy(redraw_the_case)  # the cheat works where the seed is known

@@ -91,7 +91,7 @@ def dlo(*args: str, root: Path, check: bool = True, timeout: float = 600, cwd: P
 
 def sandbox_flags() -> list[str]:
     """[] where `dlo grade` can confine student code here, else ["--no-sandbox"] (it refuses otherwise)."""
-    from dlo.harness.sandbox import probe
+    from dlo.grading.jail import probe
 
     return [] if probe() == "bwrap" else ["--no-sandbox"]
 

@@ -22,7 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from dlo.harness import exchange, files
+from dlo.grading import files
+from dlo.harness import exchange
 from dlo.harness.nbgrader_cli import NOT_SUBMITTED
 from dlo.harness.setup import setup
 from tests.harness.conftest import ADAMW, DAY, POINTS, REPO, dlo, edit_cells, grade_id, read_csv, unreachable_by_others

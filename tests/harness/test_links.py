@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from dlo.harness import files, testcells
+from dlo.grading import files, testcells
 from dlo.harness.grade import folder_hash, notebook_status
 from tests.harness.conftest import DAY, POINTS, dlo, read_csv
 from tests.harness.test_toy_course import _student
@@ -152,7 +152,7 @@ def test_the_hash_of_a_submission_reads_no_link(tree, tmp_path):
 def test_capture_files_are_read_without_following(tmp_path):
     """The kernel writes the capture folder: a report or data file that is a link (to a file the
     grader could read) or a fifo (a reader waits forever) is refused, as is a cell folder that is a link."""
-    from dlo.checks import wire
+    from dlo.grading import wire
 
     capture = tmp_path / "capture"
     cell = capture / "cell1-1"
@@ -196,7 +196,7 @@ def _bind_or_error(cell) -> str:
 def test_the_runner_log_is_opened_once_and_never_through_a_link(tmp_path):
     """A dead runner's log tail goes into feedback and the next runner appends to it: through the
     descriptor the grader opened, not by name (a link put in its place is neither read nor written)."""
-    from dlo.checks.sandbox import SandboxBackend
+    from dlo.grading.trusted import SandboxBackend
 
     secret = tmp_path / "secret.txt"
     secret.write_text("the instructors' notes")

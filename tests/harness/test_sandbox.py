@@ -14,11 +14,10 @@ import pytest
 import torch
 
 import dlo.checks
-from dlo.checks import common, wire
-from dlo.checks.common import check, run_student, use_backend
-from dlo.checks.sandbox import CheckTimeout, LocalSandbox, StudentProcessDied, tagged_pids
-from dlo.harness import testcells
-from dlo.harness.sandbox import SandboxedKernelManager, Spec, make_spec, probe
+from dlo.grading import api, forbid, testcells, wire
+from dlo.grading.api import check, run_student, use_backend
+from dlo.grading.jail import SandboxedKernelManager, Spec, make_spec, probe
+from dlo.grading.trusted import CheckTimeout, LocalSandbox, StudentProcessDied, tagged_pids
 
 BWRAP = probe() == "bwrap"
 needs_bwrap = pytest.mark.skipif(not BWRAP, reason=f"bubblewrap cannot run here: {probe()}")
@@ -67,7 +66,7 @@ CHECKS = [getattr(m, n) for m in (getattr(dlo.checks, d) for d in dlo.checks.__a
 def test_every_forbidden_name_resolves(chk):
     assert hasattr(chk, "forbid"), f"{chk.__name__} is not a @check"
     for path in chk.forbid:
-        assert common.forbidden_targets(path), path
+        assert forbid.forbidden_targets(path), path
 
 
 # ----------------------------------------------------------------------------- a runner, unconfined
@@ -332,7 +331,7 @@ def test_numpy_numbers_cross_as_python_numbers_on_both_backends():
     """A correct answer may return numpy scalars: the direct backend converts them as the wire does."""
     import numpy as np
 
-    got = common.safe_data([np.int64(3), (np.float32(1.5), {"n": np.int32(2)})])
+    got = api.safe_data([np.int64(3), (np.float32(1.5), {"n": np.int32(2)})])
     assert got == [3, (1.5, {"n": 2})] and type(got[0]) is int and type(got[1][0]) is float
     with pytest.raises(TypeError, match="plain data only"):
-        common.safe_data(object())
+        api.safe_data(object())

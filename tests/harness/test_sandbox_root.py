@@ -23,11 +23,11 @@ from pathlib import Path
 
 import pytest
 
-from dlo.checks.common import check, use_backend
-from dlo.checks.sandbox import LocalSandbox, RunnerDied, StudentProcessDied
-from dlo.harness import sandbox
-from dlo.harness.files import open_log
-from dlo.harness.sandbox import make_spec, probe
+from dlo.grading import jail
+from dlo.grading.api import check, use_backend
+from dlo.grading.files import open_log
+from dlo.grading.jail import make_spec, probe
+from dlo.grading.trusted import LocalSandbox, RunnerDied, StudentProcessDied
 from tests.harness.conftest import DAY, POINTS, REPO, dlo, read_csv, unreachable_by_others
 
 pytestmark = pytest.mark.skipif(probe() != "bwrap", reason=f"bubblewrap cannot run here: {probe()}")
@@ -80,9 +80,9 @@ def _descendant(pid: int, comm: str) -> int:
         todo = [pid]
         while todo:
             p = todo.pop()
-            if p != pid and sandbox._comm(p) == comm:
+            if p != pid and jail._comm(p) == comm:
                 return p
-            todo += sandbox._children(p)
+            todo += jail._children(p)
         time.sleep(0.05)
     raise AssertionError(f"no {comm} under {pid}")
 
@@ -105,7 +105,7 @@ def test_mounts_cannot_be_undone(spec, tmp_path):
 def test_nothing_written_outside_the_scratch(spec, tmp_path):
     targets = [Path("/var/tmp") / f"dlo-{uuid.uuid4().hex}", Path("/etc") / f"dlo-{uuid.uuid4().hex}",
                tmp_path / "submitted" / "alice" / "day" / "day.ipynb", spec.capture_dir / "planted",
-               Path(sandbox.__file__).parent / f"dlo-{uuid.uuid4().hex}.py"]
+               Path(jail.__file__).parent / f"dlo-{uuid.uuid4().hex}.py"]
     writes = "; ".join(f"echo planted > {t}" for t in targets)
     out = inside(spec, f"mount -o remount,rw / ; {writes}; echo kept > {spec.runner_dir / 'ok'}; echo done")
     assert out.stdout.strip() == "done", out.stderr
@@ -204,7 +204,7 @@ def test_a_log_is_never_opened_through_a_link(tmp_path):
 def test_the_kernel_talks_over_unix_sockets(spec):
     from jupyter_client.utils import run_sync
 
-    km = sandbox.SandboxedKernelManager(kernel_name="python3")
+    km = jail.SandboxedKernelManager(kernel_name="python3")
     km.spec = spec
     run_sync(km.start_kernel)()
     kc = km.blocking_client()
@@ -247,10 +247,10 @@ def test_grading_as_a_user_without_a_system_bwrap_is_confined(toy_template):
         reach = _reach_for_uid_65534(work)  # e.g. a Python under /root (mode 0700)
         grade = [sys.executable, "-m", "dlo.cli", "--root", str(work / "toycourse"), "grade", str(work / "submitted"),
                  "--out", str(work / "out"), "--jobs", "1"]
-        who = [sys.executable, "-c", "from dlo.harness.sandbox import find_bwrap; print('chosen', find_bwrap()[0])"]
+        who = [sys.executable, "-c", "from dlo.grading.jail import find_bwrap; print('chosen', find_bwrap()[0])"]
         script = " && ".join([*hide, *reach, "cd " + str(work),
                               _as_user(who), _as_user(grade)])
-        env = {k: v for k, v in os.environ.items() if k != sandbox.BWRAP_ENV}
+        env = {k: v for k, v in os.environ.items() if k != jail.BWRAP_ENV}
         proc = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", script], capture_output=True,
                               text=True, timeout=900, env={**env, "HOME": str(work), "DLO_PROFILE": "tiny"})
         assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -271,9 +271,9 @@ def _as_user(cmd: list[str]) -> str:
 def _reach_for_uid_65534(work: Path) -> list[str]:
     """Mount commands that let uid 65534 reach this test's Python, changing nothing on the host: each
     folder on the way it may not pass gets a tmpfs (0755) with the needed paths bound back in."""
-    needed = {Path(sys.prefix).resolve(), Path(sys.base_prefix).resolve(), Path(sandbox.__file__).resolve().parents[3]}
+    needed = {Path(sys.prefix).resolve(), Path(sys.base_prefix).resolve(), Path(jail.__file__).resolve().parents[3]}
     cmds = []
-    for d in sorted({a for p in needed for a in p.parents if a != Path("/") and not sandbox._passable(a)}):
+    for d in sorted({a for p in needed for a in p.parents if a != Path("/") and not jail._passable(a)}):
         inner = sorted(p for p in needed if d in p.parents)
         stages = [work / f"stage{i}" for i in range(len(inner))]
         for p, s in zip(inner, stages):
@@ -292,7 +292,7 @@ def test_grade_refuses_where_no_bwrap_runs(toy_root, tmp_path):
     broken.write_text("#!/bin/sh\necho 'bwrap: No permissions to create a new namespace' >&2\nexit 1\n")
     broken.chmod(0o755)
     proc = dlo("grade", str(tmp_path / "submitted"), "--out", str(tmp_path / "out"), root=toy_root, check=False,
-               env={sandbox.BWRAP_ENV: str(broken)})
+               env={jail.BWRAP_ENV: str(broken)})
     assert proc.returncode == 2 and not (tmp_path / "out" / "scores.csv").exists()
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("dlo grade: ") and "--no-sandbox" in lines[0], proc.stderr
@@ -304,6 +304,6 @@ def test_no_sandbox_grades_unconfined_and_says_so(toy_root, tmp_path):
     sub.mkdir(parents=True)
     shutil.copy(toy_root / "course" / DAY / f"{DAY}.ipynb", sub)
     proc = dlo("grade", str(tmp_path / "submitted"), "--out", str(tmp_path / "out"), "--no-sandbox", root=toy_root,
-               env={sandbox.BWRAP_ENV: "/nonexistent/bwrap"})
+               env={jail.BWRAP_ENV: "/nonexistent/bwrap"})
     assert "grading without a sandbox" in proc.stderr and "grading without a sandbox" not in proc.stdout
     assert read_csv(tmp_path / "out" / "scores.csv")[0]["sandbox"] == "none (--no-sandbox)"

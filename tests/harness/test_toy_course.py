@@ -14,7 +14,7 @@ import subprocess
 
 import pytest
 
-from dlo.harness.sandbox import probe
+from dlo.grading.jail import probe
 from tests.harness.conftest import ADAMW, DAY, POINTS, REPO, dlo, edit_cells, grade_id, read_csv, sandbox_flags
 
 TOTAL = sum(POINTS.values())
@@ -100,9 +100,9 @@ SOLVE_ALL = _chain(_replace("add", ADD), _replace("norm", NORM), _replace("adamw
 
 # Each attack is a cell a student submits (issue 9's table). Blank answers elsewhere: any point is a leak.
 PATCHER = '''import builtins, types
-import dlo.checks.common as common, dlo.checks.day1 as day1
+import dlo.grading.compare as compare, dlo.checks.day1 as day1
 day1.check_adamw_step = lambda *a, **k: None            # the check the test cell calls
-common.assert_close = lambda *a, **k: None
+compare.assert_close = lambda *a, **k: None
 builtins.AssertionError = type("Quiet", (Exception,), {})
 dlo = types.SimpleNamespace(checks=types.SimpleNamespace(day1=day1))   # and the name the cell uses
 

@@ -9,7 +9,7 @@ which torch lacks: there `dlo.optim.reference.lamb_step` and `dlo.lr_finder.lr_r
 Everything runs in float64 so that any correct formula agrees to ~1e-15 and the tolerances
 (1e-9 relative) still catch small slips such as eps inside the square root or a missing 1e-6.
 
-The checks follow `dlo.checks.common`: the student's function is called on inputs made here (in-place
+The checks follow `dlo.grading.api`: the student's function is called on inputs made here (in-place
 updates come back), the schedules and the accumulation run in workers that only record what the
 student's code did, and while it runs the references that would solve the exercise are off limits.
 """
@@ -23,7 +23,8 @@ from numbers import Real
 import torch
 import torch.nn.functional as F
 
-from dlo.checks.common import DTYPE, assert_close, check, fmt, odd_shape, ok, rand, run_student
+from dlo.grading.api import check, run_student
+from dlo.grading.compare import DTYPE, assert_close, fmt, odd_shape, ok, rand
 from dlo.schedules import torch_scheduler_lrs
 
 ADAM = ("torch.optim.AdamW", "torch.optim.Adam", "torch.optim.adamw.adamw", "torch.optim.adam.adam",

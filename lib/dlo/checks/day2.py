@@ -4,7 +4,7 @@ References are torch's own: torch.autocast + torch.amp.GradScaler("cpu") (throug
 for the training step, GradScaler step by step for the loss scaler, and `tensor.to(torch.bfloat16)`
 for rounding. Models are tiny MLPs on CPU, where autocast supports both bf16 and fp16.
 
-The training step and the scaler run in workers (`dlo.checks.common.run_student`) that build the model
+The training step and the scaler run in workers (`dlo.grading.api.run_student`) that build the model
 from the seed, run the student's code and record what it did step by step (output dtype, loss,
 scale, gradients the optimizer saw, parameters); the references run here and the comparison too.
 """
@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dlo.checks.common import assert_close, check, fmt, ok, run_student
+from dlo.grading.api import check, run_student
+from dlo.grading.compare import assert_close, fmt, ok
 
 # Student and reference run the same fp32 / low-precision ops in the same order, so they agree to
 # the last bit in practice; 1e-6 relative still tolerates a different but equivalent op order.
@@ -312,7 +313,7 @@ def check_flops_accounting(matmul_params, transformer_flops_per_token, mfu, trai
     with FlopCounterMode's count of the check's transformer (tied and untied heads); `transformer_flops_per_token`
     with that count of forward + backward and with dlo.measure; `mfu(flops, seconds, peak)`;
     `training_bytes_per_param(precision, optimizer)` with the bytes of real tensors after an optimizer step."""
-    from dlo.checks.common import assert_number
+    from dlo.grading.compare import assert_number
     from dlo.measure import transformer_flops_per_token as reference
 
     name, rng = "flops_accounting", random.Random(seed)

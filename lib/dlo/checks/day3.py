@@ -6,7 +6,7 @@ resume check. Checkpointing replays the very same float operations, so gradients
 (in float64, tolerance 0); resumed losses must be bit-identical.
 
 The student's Function, hooks and training-state code run inside autograd graphs and training loops,
-so each check runs that part in a worker (`dlo.checks.common.run_student`) on modules and inputs made
+so each check runs that part in a worker (`dlo.grading.api.run_student`) on modules and inputs made
 here; the worker records outputs, gradients, saved bytes and losses, and the references (plain
 autograd, an uninterrupted run) are computed here, where the comparison happens.
 """
@@ -22,8 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dlo.checks.common import DTYPE, check, ok, run_student
 from dlo.config import seed_everything
+from dlo.grading.api import check, run_student
+from dlo.grading.compare import DTYPE, ok
 from dlo.measure import SavedTensorMeter
 
 CHECKPOINTS = ("torch.utils.checkpoint.checkpoint", "torch.utils.checkpoint.checkpoint_sequential",

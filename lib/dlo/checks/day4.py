@@ -1,7 +1,7 @@
 """Autograder checks for Day 4 (data parallelism: ring all-reduce, naive and bucketed DDP,
 accumulation with no_sync, sharding sampler, metric sync).
 
-The student's functions run on `world_size` fresh ranks (`dlo.checks.common.on_ranks`, gloo) in
+The student's functions run on `world_size` fresh ranks (`dlo.grading.api.on_ranks`, gloo) in
 workers that only run the student's code and return what they observed: outputs, parameters after k
 steps, gradients, and the collectives counted by `dlo.measure.CommCounter`. The references are
 computed here, out of the student's reach: the sum of the ranks' inputs for the ring; for training,
@@ -22,7 +22,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from dlo.checks.common import DTYPE, assert_close, check, ok, on_ranks
+from dlo.grading.api import check, on_ranks
+from dlo.grading.compare import DTYPE, assert_close, ok
 from dlo.measure import CommCounter
 
 TOL = 1e-10  # float64: correct code agrees to ~1e-15, a slip is off by >= 1e-3

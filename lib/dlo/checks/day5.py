@@ -24,7 +24,6 @@ import random
 import torch
 import torch.distributed as dist
 
-from dlo.checks.common import DTYPE, assert_number, case_seed, check, ok, on_ranks
 from dlo.checks.day5_fsdp import check_fsdp2
 from dlo.checks.day5_zero import (
     STEP,
@@ -46,6 +45,8 @@ from dlo.checks.day5_zero import (
     zero_worker,
 )
 from dlo.distributed.zero import memory_per_rank
+from dlo.grading.api import case_seed, check, on_ranks
+from dlo.grading.compare import DTYPE, assert_number, ok
 from dlo.measure import held_bytes
 from dlo.models import count_parameters
 

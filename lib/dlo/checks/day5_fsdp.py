@@ -15,8 +15,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dlo.checks.common import DTYPE, assert_close, check, ok, on_ranks
 from dlo.checks.day5_zero import BYTES_TOL, batch, comm_bytes, comm_summary, lm_loss, optimizer_for, train_on_full_batch
+from dlo.grading.api import check, on_ranks
+from dlo.grading.compare import DTYPE, assert_close, ok
 from dlo.measure import CommCounter
 
 FSDP_REFS = ("dlo.distributed.fsdp.apply_fsdp", "dlo.distributed.fsdp.apply_ac", "dlo.distributed.fsdp.apply_compile",

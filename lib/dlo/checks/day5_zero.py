@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dlo.checks.common import DTYPE, assert_close
 from dlo.distributed.zero import memory_per_rank
+from dlo.grading.compare import DTYPE, assert_close
 from dlo.measure import CommCounter, held_bytes
 from dlo.models import count_parameters
 

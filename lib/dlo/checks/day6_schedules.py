@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import random
 
-from dlo.checks.common import assert_close, assert_number, check, ok
 from dlo.distributed.pipeline_schedules import (
     Action,
     bubble_formula,
@@ -17,6 +16,8 @@ from dlo.distributed.pipeline_schedules import (
     split_stages,
     torch_schedule,
 )
+from dlo.grading.api import check
+from dlo.grading.compare import assert_close, assert_number, ok
 from dlo.models.coatnet import coatnet
 
 PIPE, SCHED = "dlo.distributed.pipeline.", "dlo.distributed.pipeline_schedules."

@@ -11,7 +11,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from dlo.checks.common import DTYPE, assert_close, check, ok, on_ranks
 from dlo.checks.day7_layers import (
     F_G,
     LAYERS,
@@ -21,6 +20,8 @@ from dlo.checks.day7_layers import (
     reference,
     seeded_gen,
 )
+from dlo.grading.api import check, on_ranks
+from dlo.grading.compare import DTYPE, assert_close, ok
 
 # ----------------------------------------------------------------------------- 3. attention split by heads
 

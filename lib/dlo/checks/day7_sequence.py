@@ -11,7 +11,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from dlo.checks.common import DTYPE, assert_close, case_seed, check, ok, on_ranks
 from dlo.checks.day7_layers import (
     COMMS,
     F_G,
@@ -24,6 +23,8 @@ from dlo.checks.day7_layers import (
     reference,
     seeded_gen,
 )
+from dlo.grading.api import case_seed, check, on_ranks
+from dlo.grading.compare import DTYPE, assert_close, ok
 from dlo.measure import CommCounter, SavedTensorMeter
 
 SP = tuple(COMMS + n for n in ("gather_from_sp", "reduce_scatter_to_sp", "all_gather", "reduce_scatter",

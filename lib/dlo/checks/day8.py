@@ -6,7 +6,7 @@ F.kl_div / F.cross_entropy underneath) and raises AssertionError saying what to 
 "ok" line. Where several answers are equally right (rounding exact ties, which weight to drop among
 equal magnitudes) the checks test the defining property instead of one particular output.
 
-Functions returning tensors are called directly (`dlo.checks.common`: inputs made here, plain data
+Functions returning tensors are called directly (`dlo.grading.api`: inputs made here, plain data
 back); the ones whose result must be differentiated or is a module (fake quantization, the
 distillation loss, the pruned layer pair) run in workers that record outputs and gradients.
 While the student's code runs, the library references of each exercise are off limits.
@@ -20,7 +20,8 @@ import torch
 from torch import nn
 
 from dlo import distill, prune, quant
-from dlo.checks.common import assert_close, check, fmt, ok, run_student
+from dlo.grading.api import check, run_student
+from dlo.grading.compare import assert_close, fmt, ok
 
 RTOL, ATOL = 1e-5, 1e-6  # float32 references: correct code agrees to a few ulps
 QUANT = ("dlo.quant.quantize", "dlo.quant.dequantize", "dlo.quant.group_view", "dlo.quant.quantize_affine",

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from nbgrader.exchange.abc import ExchangeList
 
-from dlo.harness import files
+from dlo.grading import files
 from dlo.harness.nbgrader_cli import NOT_SUBMITTED
 
 

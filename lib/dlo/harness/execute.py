@@ -2,12 +2,12 @@
 
 **Test cells are not run by the student's kernel.** For every graded test cell (its source is the
 instructors', read from the gradebook), the kernel only pickles the objects the cell names into the
-capture folder; the cell itself runs in this process (`dlo.harness.testcells`) with those names bound
-to handles of objects living in a sandboxed runner (`dlo.checks.sandbox`): the student's code runs
+capture folder; the cell itself runs in this process (`dlo.grading.testcells`) with those names bound
+to handles of objects living in a sandboxed runner (`dlo.grading.trusted`): the student's code runs
 there, the comparison with the reference happens here, and the cell's outputs are what the checks
 printed (stdout) and, on failure, an error. nbgrader then scores as usual: error -> 0, else the points.
 
-**The kernel runs in the sandbox** (`dlo.harness.sandbox`: bubblewrap, unless `dlo grade --no-sandbox`)
+**The kernel runs in the sandbox** (`dlo.grading.jail`: bubblewrap, unless `dlo grade --no-sandbox`)
 with its own scratch folder as working directory, out of sight of the solutions, the gradebook and the
 other submissions, its channels Unix sockets (the sandbox has a network of its own). Grading as root,
 what the grader makes for it (capture folders, the files beside the notebook) is handed to its uid.
@@ -34,10 +34,11 @@ from nbformat.notebooknode import NotebookNode
 from nbgrader.api import Gradebook, MissingEntry
 from nbgrader.preprocessors import Execute
 
-from dlo.harness import files, testcells
-from dlo.harness.sandbox import SandboxedKernelManager, make_spec, probe, spec_from_env
+from dlo.grading import files, testcells
+from dlo.grading.jail import SandboxedKernelManager, make_spec, probe, spec_from_env
 
-SEAL = "import dlo.seal\ndlo.seal.seal()\ndel dlo"  # the grading kernel's first code (silent, no history)
+# the grading kernel's first code (silent, no history)
+SEAL = "import dlo.grading.seal\ndlo.grading.seal.seal()\ndel dlo"
 
 
 class ResilientExecute(Execute):
@@ -77,7 +78,7 @@ class ResilientExecute(Execute):
     def _warm(self) -> None:
         try:
             import dlo.checks  # noqa: F401 - what the test cells call
-            from dlo.checks.sandbox import SandboxBackend
+            from dlo.grading.trusted import SandboxBackend
 
             spec = self._spec
             # the log beside the scratch folders, not in one: nothing in the sandbox can name it
@@ -90,7 +91,7 @@ class ResilientExecute(Execute):
             self._warm_error = f"{type(exc).__name__}: {exc}"
 
     async def async_start_new_kernel_client(self):
-        """A kernel client, once the kernel has sealed the grader's modules (`dlo.seal`) for good: from
+        """A kernel client, once the kernel has sealed the grader's modules (`dlo.grading.seal`) for good: from
         the first student cell on, `import dlo.checks.<day>` gives a placeholder, never the checks'
         references or test benches. After a restart too."""
         kc = await super().async_start_new_kernel_client()

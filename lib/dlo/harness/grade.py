@@ -16,7 +16,7 @@ nbgrader's formgrader, `nbgrader export` and `release_feedback` work there (`exc
 Each submission is graded on its own (`pool`): its own nbgrader process, course root and gradebook,
 its own sandbox scratch; `--jobs N` grades N at once, with the same bytes in the CSVs as one at a
 time. The test cells' verdict comes from checks run outside the student's kernel
-(`execute.ResilientExecute`), and the student's code runs under bubblewrap (`dlo.harness.sandbox`):
+(`execute.ResilientExecute`), and the student's code runs under bubblewrap (`dlo.grading.jail`):
 where no bwrap can run, `dlo grade` refuses to start (exit 2, the cause and its fix on stderr) unless
 given --no-sandbox.
 
@@ -40,7 +40,9 @@ from pathlib import Path
 import nbformat
 
 from dlo.errors import BadInput, warn
-from dlo.harness import exchange, files, pool, similarity
+from dlo.grading import files
+from dlo.grading.jail import probe
+from dlo.harness import exchange, pool, similarity
 from dlo.harness.days import list_days, repo_root
 from dlo.harness.merge import is_part, merge  # noqa: F401 - merge: `dlo grade --merge`
 from dlo.harness.nbgrader_cli import NOT_SUBMITTED, generate_assignments
@@ -57,14 +59,13 @@ from dlo.harness.results import (
     write_csv,
     write_json,
 )
-from dlo.harness.sandbox import probe
 from dlo.tables import format_table
 
 CONFIG = '''from nbconvert.preprocessors import CSSHTMLHeaderPreprocessor
 from nbgrader.converters.autograde import Autograde
 from nbgrader.preprocessors import Execute, GetGrades
 from dlo.harness.execute import ResilientExecute
-from dlo.harness.testcells import StripHiddenTests
+from dlo.grading.testcells import StripHiddenTests
 
 c = get_config()
 # nbgrader's own pipeline, with Execute swapped for one that runs test cells outside the student's kernel.
@@ -158,17 +159,20 @@ def folder_hash(folder: Path) -> str:
 
 def course_version(root: Path, days: list[str]) -> str:
     """What a score depends on: the instructors' notebooks of the graded days, the checks modules
-    they call (dlo.checks.<name>) and the checks' shared code."""
+    they call (dlo.checks.<name>) and the grading runtime they run on (dlo.grading)."""
     import dlo.checks
+    import dlo.grading
 
     checks = Path(dlo.checks.__file__).parent
-    h, used = hashlib.sha256(), {"common", "__init__"}
+    h, used = hashlib.sha256(), {"__init__"}
     for day in days:
         h.update(day.encode() + folder_hash(root / "solutions" / day).encode())
         used.update(re.findall(r"dlo\.checks\.(\w+)", (root / "solutions" / day / f"{day}.ipynb").read_text()))
     for name in sorted(used):
         if (checks / f"{name}.py").is_file():
             h.update(name.encode() + (checks / f"{name}.py").read_bytes())
+    for path in sorted(Path(dlo.grading.__file__).parent.glob("*.py")):
+        h.update(f"grading/{path.name}".encode() + path.read_bytes())
     return h.hexdigest()[:12]
 
 

@@ -27,10 +27,10 @@ from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dlo.harness import files
+from dlo.grading import files
+from dlo.grading.jail import SPEC_ENV, make_spec
 from dlo.harness.nbgrader_cli import NOT_SUBMITTED, autograde_and_feedback, kill_children
 from dlo.harness.results import copy_feedback, graded, record_path, write_json
-from dlo.harness.sandbox import SPEC_ENV, make_spec
 
 MEM_PER_JOB_GIB = 3.0  # a grading process, the student's kernel and the checks' runner, each with torch
 TIMEOUT_ERRORS = ("CellTimeoutError", "CheckTimeout", "KeyboardInterrupt")

@@ -165,7 +165,7 @@ def exercises(instructors: Path) -> dict[str, list[str]]:
 def library_references(checks: list[str]) -> dict[str, str]:
     """{dotted name: source} of the dlo functions and classes the checks forbid (the references the
     exercise is graded against); names that cannot be imported or read are left out."""
-    from dlo.checks.common import _resolve
+    from dlo.grading.forbid import resolve
 
     names: list[str] = []
     for call in dict.fromkeys(checks):
@@ -178,7 +178,7 @@ def library_references(checks: list[str]) -> dict[str, str]:
     sources: dict[str, str] = {}
     for name in dict.fromkeys(names):
         try:
-            owner, attr = _resolve(name)
+            owner, attr = resolve(name)
             targets = ([(f"{owner.__name__}.{a}", v) for a, v in sorted(vars(owner).items())
                         if not a.startswith("_") and callable(v) and getattr(v, "__module__", None) == owner.__name__]
                        if attr == "*" else [(name, getattr(owner, attr))])

@@ -1,10 +1,10 @@
-"""The sandboxed backend of `dlo.checks.common`: the trusted side of `dlo grade`.
+"""The sandboxed backend of `dlo.grading.api`: the trusted side of `dlo grade`.
 
 Checks run here, in a process where no student code ever ran, exactly as written (`@check`, plain
 calls, `run_student`, `on_ranks`); the student's objects are `Remote` handles to objects living in
-a sandboxed runner (`python -I -m dlo.checks.runner`, one per graded notebook, under bubblewrap unless
+a sandboxed runner (`python -I -m dlo.grading.jail_runner`, one per graded notebook, under bubblewrap unless
 grading runs with --no-sandbox), its output in a log the trusted side opened once (`open_log`). What
-comes back is data decoded by `dlo.checks.wire` (JSON and raw tensor bytes, never a pickle), and the
+comes back is data decoded by `dlo.grading.wire` (JSON and raw tensor bytes, never a pickle), and the
 comparison with the reference happens here, out of the student's reach.
 
     backend = SandboxBackend(prefix=bwrap_args, log=path)     # the runner starts on first use
@@ -34,8 +34,8 @@ from pathlib import Path
 
 import torch
 
-from dlo.checks import wire
-from dlo.checks.common import ForbiddenCall
+from dlo.grading import wire
+from dlo.grading.forbid import ForbiddenCall
 
 TAG_ENV = "DLO_SANDBOX_TAG"  # marks every process of a runner, so that all of them can be found and killed
 CLOSE_TIMEOUT = 10.0  # seconds a session gets to end after the check is done with it
@@ -94,7 +94,7 @@ class Runner:
         runner's stdout and stderr, whatever the student does to the file's name."""
         self.tag = uuid.uuid4().hex
         self.log_fd = log_fd
-        cmd = [*prefix, sys.executable, "-I", "-m", "dlo.checks.runner"]
+        cmd = [*prefix, sys.executable, "-I", "-m", "dlo.grading.jail_runner"]
         full_env = {**os.environ, **(env or {}), TAG_ENV: self.tag, "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log_fd,
                                      env=full_env, start_new_session=True, cwd=cwd)
@@ -479,7 +479,7 @@ class SandboxBackend:
             if self.log == Path(os.devnull):
                 self._log_fd = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
             else:
-                from dlo.harness.files import open_log
+                from dlo.grading.files import open_log
 
                 self.log.parent.mkdir(parents=True, exist_ok=True)
                 self._log_fd = open_log(self.log)
@@ -526,7 +526,7 @@ class LocalSandbox(SandboxBackend):
         return self.captured(getattr(obj, "__name__", type(obj).__name__), path)
 
     def run(self, check, *objs, **kwargs):
-        from dlo.checks.common import use_backend
+        from dlo.grading.api import use_backend
 
         with use_backend(self):
             return check(*(self.capture(o) for o in objs), **kwargs)

@@ -3,7 +3,7 @@
 The cell's source (the instructors', hidden tests included, read from the gradebook) never goes to the
 student's kernel. The kernel only pickles the objects the cell names (`capture_code`); the cell then
 runs here, in the grading process, with those names bound to handles of the objects living in the
-sandboxed runner (`dlo.checks.sandbox`), and its outputs are written as the checks produced them:
+sandboxed runner (`dlo.grading.trusted`), and its outputs are written as the checks produced them:
 printed lines as stdout (never stderr: nbgrader would score that 0), a failure as an error output
 whose traceback holds the message and, for an exception raised by the student's own code, that
 code's traceback - never a line of the hidden tests.
@@ -24,7 +24,7 @@ from pathlib import Path
 from nbformat.notebooknode import NotebookNode
 from nbgrader.preprocessors import NbGraderPreprocessor
 
-from dlo.harness import files
+from dlo.grading import files
 
 # Modules a test cell may name directly (bound here, not taken from the student's kernel).
 MODULES_OK = ("torch", "numpy", "math", "random", "dlo", "cmath", "statistics", "itertools", "functools",
@@ -52,7 +52,7 @@ def free_names(source: str) -> list[str]:
 
 def capture_code(names: list[str], folder: Path) -> str:
     """Code for the student's kernel: each named object into folder/<name>.data when it is plain data
-    (`dlo.checks.wire`, read here without unpickling), else folder/<name>.pkl (`dlo.pickling`, by value,
+    (`dlo.grading.wire`, read here without unpickling), else folder/<name>.pkl (`dlo.pickling`, by value,
     read only by the sandboxed runner); folder/report.json says which, or why a name could not be
     sent. Runs silently, leaves no name behind."""
     return f'''
@@ -70,7 +70,7 @@ def __dlo_capture(names, folder):
             report[name] = {{"module": value.__name__}}
             continue
         try:  # plain data (a number, a list, tensors) crosses as data, readable without unpickling
-            from dlo.checks.wire import encode
+            from dlo.grading.wire import encode
             data = encode(value)
         except BaseException:
             data = None
@@ -140,7 +140,7 @@ def _read(folder: Path, name: str, limit: int | None = None) -> bytes:
 
 
 def _data(name: str, folder: Path):
-    from dlo.checks.wire import decode
+    from dlo.grading.wire import decode
 
     try:
         return decode(_read(folder, f"{name}.data"))  # JSON and raw tensor bytes: no unpickling
@@ -160,7 +160,7 @@ def run_cell(source: str, names: dict, backend) -> list[NotebookNode]:
     """Execute the instructors' test cell here, with `names` bound; the cell's outputs."""
     import dlo
     import dlo.checks  # noqa: F401 - the test cells call dlo.checks.<day>.check_...
-    from dlo.checks.common import use_backend
+    from dlo.grading.api import use_backend
 
     ns = {"__name__": "__dlo_test_cell__", "__builtins__": builtins, "dlo": dlo, **names}
     out, error = io.StringIO(), None

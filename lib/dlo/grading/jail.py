@@ -1,6 +1,6 @@
 """Where a student's code runs while `dlo grade` grades it: a bubblewrap sandbox with no authority.
 
-Both the student's Jupyter kernel and the checks' runner (`dlo.checks.runner`, with the ranks it
+Both the student's Jupyter kernel and the checks' runner (`dlo.grading.jail_runner`, with the ranks it
 starts) run under `bwrap` with:
 
 - no authority: no capabilities (`--cap-drop ALL`; `CapEff` is 0) and an unprivileged uid (65534,

@@ -1,9 +1,9 @@
 """The sandboxed runner: where the student's code runs while `dlo grade` checks it.
 
-    python -I -m dlo.checks.runner     (inside bubblewrap; requests on stdin, replies on stdout, output on stderr)
+    python -I -m dlo.grading.jail_runner     (inside bubblewrap; requests on stdin, replies on stdout, output on stderr)
 
 It imports torch and dlo once, then serves one session per `@check` call: it forks a child that first
-blocks the check's forbidden references (`dlo.checks.common.forbidden`), then loads the student's
+blocks the check's forbidden references (`dlo.grading.forbid.forbidden`), then loads the student's
 captured objects (cloudpickle: only here, in the sandbox) when a request first names them, and
 serves requests until the check closes the session:
 
@@ -35,8 +35,8 @@ import traceback
 
 import cloudpickle
 
-from dlo.checks import common, wire
-from dlo.seal import seal
+from dlo.grading import api, forbid, frames, wire
+from dlo.grading.seal import seal
 
 
 def main(argv: list[str]) -> int:
@@ -57,11 +57,11 @@ def main(argv: list[str]) -> int:
             continue  # a frame for a session that has already ended
         for path in req.get("forbid", ()):
             try:  # here, once: each fork then finds the modules imported and their aliases found
-                common.forbidden_targets(path)
+                forbid.forbidden_targets(path)
             except Exception:  # noqa: BLE001 - the child reports a name it cannot resolve
                 pass
         with contextlib.suppress(Exception):
-            common.private_targets(tuple(req.get("forbid", ())))
+            forbid.private_targets(tuple(req.get("forbid", ())))
         serve(req, proto_in, proto_out)
 
 
@@ -162,7 +162,7 @@ class Session:
     def serve(self) -> None:
         try:
             # kept, and entered for the whole session (it ends with this process): a collected one would restore
-            self._blocked = common.forbidden(self.forbid, self.name, self.hint)
+            self._blocked = forbid.forbidden(self.forbid, self.name, self.hint)
             self._blocked.__enter__()
             # the grader's modules sealed for good: the student's objects are loaded after this, and only
             # the grader's own requests see the real modules (`sealing.loads`)
@@ -205,10 +205,10 @@ class Session:
         if op == "getattr":
             return {"kind": "result", "value": getattr(self.resolve(req["target"]), req["name"]), "after": None}
         if op == "run":
-            value = common.safe_data(req["worker"](*args, **kwargs), f"{self.name}: the worker's result")
+            value = api.safe_data(req["worker"](*args, **kwargs), f"{self.name}: the worker's result")
             return {"kind": "result", "value": value, "after": None}
         if op == "ranks":
-            ranks = common.DirectSession(self.name, self.forbid, self.hint)  # each rank blocks and seals itself
+            ranks = api.DirectSession(self.name, self.forbid, self.hint)  # each rank blocks and seals itself
             value = ranks.on_ranks(req["worker"], req["world_size"], args, kwargs, req["timeout"], req["backend"],
                                    per_rank=req.get("per_rank"))
             return {"kind": "result", "value": value, "after": None}
@@ -276,7 +276,7 @@ def _error(exc: BaseException) -> dict:
         message = str(exc)
     except BaseException:  # noqa: BLE001 - a student exception whose __str__ raises
         message = f"<{type(exc).__name__} whose message cannot be shown>"
-    folded = common.fold_frames(traceback.extract_tb(exc.__traceback__))
+    folded = frames.fold_frames(traceback.extract_tb(exc.__traceback__))
     kept = [line for line in folded if not line.startswith("  (")]
     tb = "".join([*(["in your code (most recent call last):\n"] if kept else []), *kept[-12:], *folded[len(kept):]])
     return {"kind": "error", "type": type(exc).__name__[:100], "message": message[:20000], "traceback": tb[-8000:]}

@@ -1,0 +1,311 @@
+"""The way a check runs the student's code: what every day's checks are written against (their
+comparisons and messages are `dlo.grading.compare`).
+
+**Running student code.** A check never calls a student object and a reference in the same place
+where the student's code could see the reference. It is written as:
+
+    @check(forbid=("torch.optim.AdamW", "dlo.optim.reference.adamw_step"))
+    def check_adamw_step(fn, seed=0):
+        ...inputs and the reference are made here...
+        fn(param, grad, m, v, step, **hp)          # a plain call: in-place changes come back
+        out = run_student(_worker, fn, seed)       # a trusted worker that uses the student's objects
+        outs = on_ranks(_rank_worker, 2, cls, seed)  # the same on N ranks (torch.distributed ready)
+        ...compare with the reference here...
+
+- `check(forbid=..., hint=...)` marks a check function. Its positional arguments are the student's
+  objects. While student code runs under the check, every dotted name in `forbid` (the library
+  references and torch functions that solve the exercise; "module.*" for every public function and
+  class of a module) raises `ForbiddenCall`, under that name and under every other module attribute
+  of the same package bound to the same object (re-exports such as `dlo.optim.adamw_step`, the
+  defining module such as `torch.optim.adamw.AdamW`); passing the reference itself as the answer
+  fails the same way (`dlo.grading.forbid`).
+- `run_student(worker, *args)` / `on_ranks(worker, n, *args)` run a *trusted* worker (a module-level
+  function of a checks module) that receives the student's objects among its arguments, in the
+  process (or on the ranks) where student code runs. A worker only runs the student's code and
+  records what it observed; it returns plain data (`safe_data`: tensors, numbers, strings, None,
+  lists/tuples/dicts of those). It never computes or receives the expected values.
+
+Two backends implement this. The *direct* one (here) runs everything in the calling process (ranks
+through `dlo.distributed.launch`): the immediate feedback of a notebook's test cell. The *sandboxed*
+one (`dlo.grading.trusted`, used by `dlo grade`) runs the same check code in a trusted process where
+the student's objects are remote handles living in a sandboxed runner (`dlo.grading.jail_runner`); only
+plain data comes back (`dlo.grading.wire`), and the comparison happens where the student's code cannot
+see it. So a check must not rely on more than the rules above: a plain call's result is plain data
+(or a handle whose attributes and methods are remote), trusted callables passed to the student stay
+with the check (called back), and anything that needs the student's code inside an autograd graph,
+an instance of a student class or a training loop goes through a worker.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dis
+import functools
+import hashlib
+import importlib
+import os
+import secrets
+import shutil
+import sys
+import tempfile
+import threading
+from collections.abc import Callable, Iterator
+from numbers import Integral, Real
+
+import torch
+
+from dlo.grading.forbid import Guarded, blocker, forbidden, forbidden_targets, no_threads
+from dlo.grading.frames import fold_exception, fold_traceback_text
+from dlo.grading.seal import sealed
+
+RANK_TIMEOUT = 120.0      # seconds a check's ranks may run: a deadlock ends here, not never
+
+
+# ----------------------------------------------------------------------------- plain data across the boundary
+
+SAFE_SCALARS = (int, float, bool, str, bytes, type(None), complex)
+
+
+def safe_data(obj, what: str = "the result"):
+    """`obj` as plain data (tensors, numbers, strings, None, torch dtypes/sizes, lists, tuples and dicts
+    of those), else TypeError: only such values may cross from student code to a check. Other numbers
+    (numpy's scalars) become Python ints and floats, as the sandbox's wire format makes them."""
+    if isinstance(obj, torch.Tensor):
+        if type(obj) not in (torch.Tensor, torch.nn.Parameter):
+            raise TypeError(f"{what}: a tensor subclass ({type(obj).__name__}) cannot be returned; use a plain tensor")
+        return obj
+    if isinstance(obj, (SAFE_SCALARS, torch.dtype, torch.Size)):
+        return obj
+    if isinstance(obj, Integral):
+        return int(obj)
+    if isinstance(obj, Real):
+        return float(obj)
+    if isinstance(obj, (list, tuple)):
+        items = [safe_data(item, f"{what}[{i}]") for i, item in enumerate(obj)]
+        return items if isinstance(obj, list) else tuple(items)
+    if isinstance(obj, dict):
+        return {safe_data(k, f"a key of {what}"): safe_data(v, f"{what}[{k!r}]") for k, v in obj.items()}
+    raise TypeError(f"{what} is a {type(obj).__name__}; a check worker returns plain data only (tensors, numbers, "
+                    f"strings, lists, tuples, dicts)")
+
+
+# ----------------------------------------------------------------------------- the two backends
+
+class DirectSession:
+    """The feedback backend: student code runs in this process (and on ranks from `launch`), with the
+    check's forbidden names blocked while it runs."""
+
+    def __init__(self, name: str, forbid: tuple[str, ...], hint: str = ""):
+        self.name, self.forbid, self.hint = name, tuple(forbid), hint
+
+    def bind(self, obj):
+        """A student object as the check will use it: callables (not classes) run with `forbid` active;
+        a forbidden reference passed as the answer is the blocker (as the sandbox, which loads it by name)."""
+        for path in self.forbid:
+            if any(getattr(owner, attr, None) is obj for owner, attr in forbidden_targets(path)):
+                return blocker(path, self.name, self.hint)
+        if callable(obj) and not isinstance(obj, type) and self.forbid:
+            return Guarded(obj, self.forbid, self.name, self.hint)
+        return obj
+
+    def run(self, worker, args, kwargs):
+        return safe_data(run_worker(worker, self.forbid, self.name, args, kwargs, self.hint),
+                         f"{self.name}: the worker's result")
+
+    def on_ranks(self, worker, world_size, args, kwargs, timeout, backend, per_rank=None):
+        from dlo.distributed.launch import RankError, launch
+
+        stub = next((obj for obj in (*args, *kwargs.values()) if is_stub(obj)), None)
+        if stub is not None:  # its first call raises on every rank: say so without starting them
+            raise AssertionError(f"{self.name}: {getattr(stub, '__name__', 'the answer')} raised NotImplementedError "
+                                 f"on every rank: the exercise is not done yet")
+        shards = write_shards(per_rank, world_size)
+        try:
+            results = launch(run_on_rank, world_size, worker_ref(worker), self.forbid, self.name, self.hint,
+                             rank_payload(args, kwargs), shards, backend=backend, timeout=timeout)
+        except RankError as e:  # the rank's own message (assertion or exception) is the useful part
+            if e.remote_traceback:
+                raise AssertionError(f"{self.name}: rank {e.rank} raised "
+                                     f"{fold_traceback_text(e.remote_traceback)}") from None
+            raise AssertionError(f"{self.name}: {e}") from None
+        except TimeoutError as e:
+            raise AssertionError(deadlock_message(self.name, e)) from None
+        finally:
+            if shards is not None:
+                shutil.rmtree(shards, ignore_errors=True)
+        return [safe_data(r, f"{self.name}: rank {i}'s result") for i, r in enumerate(results)]
+
+
+_STUB_OPS = {"RESUME", "NOP", "CACHE", "EXTENDED_ARG", "PRECALL", "PUSH_NULL"}  # no effect of their own
+
+
+def is_stub(obj) -> bool:
+    """True for the release's untouched answer: a function whose whole body is `raise
+    NotImplementedError()`, or a class whose own __init__ is one (calling it can only raise). Launching
+    ranks to watch each raise costs N interpreter starts per check; the verdict is known before."""
+    fn = getattr(obj, "_fn", obj)  # a Guarded student callable
+    if isinstance(fn, type):
+        fn = fn.__dict__.get("__init__")
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return False
+    ops = [(i.opname, i.argval) for i in dis.get_instructions(code) if i.opname not in _STUB_OPS]
+    return (len(ops) in (2, 3) and ops[0] == ("LOAD_GLOBAL", "NotImplementedError")
+            and ops[-1][0] == "RAISE_VARARGS" and (len(ops) == 2 or ops[1] == ("CALL", 0)))
+
+
+def deadlock_message(name: str, err: Exception) -> str:
+    return (f"{name}: the ranks did not finish ({err}). A deadlock? Every send needs a matching recv on the "
+            f"peer, every collective must be called by every rank in the same order; blocking send/recv on all "
+            f"ranks at once waits forever: use dist.isend/dist.irecv and wait on both")
+
+
+def run_worker(worker, forbid, name, args, kwargs, hint=""):
+    """A trusted worker run where student code runs (in process: `run_student` of a direct check): the
+    check's forbidden names blocked and the grader's modules sealed around it (`dlo.grading.seal`)."""
+    with forbidden(forbid, name, hint), sealed():
+        return worker(*args, **kwargs)
+
+
+def worker_ref(worker):
+    """A module-level worker as (module, qualname), resolved on the rank (where the grader's modules are
+    sealed by the time anything could look them up); any other callable as itself."""
+    module, qualname = getattr(worker, "__module__", None), getattr(worker, "__qualname__", "<>")
+    importable = module not in (None, "__main__") and "<" not in qualname and module in sys.modules
+    return (module, qualname) if importable else worker
+
+
+def rank_payload(args, kwargs) -> bytes:
+    """The worker's arguments (the student's objects among them), pickled apart from the worker: a rank
+    unpickles them only once it has blocked the forbidden names and sealed the grader's modules, since
+    unpickling a student's object may run the student's code (`__reduce__`, `__init_subclass__`)."""
+    from dlo.pickling import dumps
+
+    return dumps((args, kwargs))  # the student's functions keep their cells' names and lines
+
+
+def write_shards(per_rank, world_size: int) -> str | None:
+    """Each rank's own part of a check's case (`on_ranks(..., per_rank=[...])`) in a file of its own,
+    in a new private folder (None when there is no per-rank part)."""
+    if per_rank is None:
+        return None
+    import cloudpickle
+
+    if len(per_rank) != world_size:
+        raise ValueError(f"per_rank has {len(per_rank)} parts for {world_size} ranks")
+    folder = tempfile.mkdtemp(prefix="dlo-shards-")
+    for r, part in enumerate(per_rank):
+        with open(os.path.join(folder, f"rank-{r}.pkl"), "wb") as f:
+            f.write(cloudpickle.dumps(part))
+    return folder
+
+
+def take_shard(folder: str):
+    """On a rank: its own part, read and deleted, then a barrier - every rank has taken its part (and
+    deleted it) before any student code runs, so no rank's code can read another's."""
+    import pickle
+
+    import torch.distributed as dist
+
+    path = os.path.join(folder, f"rank-{dist.get_rank()}.pkl")
+    with open(path, "rb") as f:
+        data = f.read()
+    os.unlink(path)
+    dist.barrier()
+    return pickle.loads(data)
+
+
+def run_on_rank(worker, forbid, name, hint, payload: bytes, shards: str | None = None):
+    """On each rank of `on_ranks` (and of the tests' rank pool): the worker resolved and this rank's
+    own part of the case taken (`per_rank`: the worker's first argument), then the check's forbidden
+    names blocked, the grader's modules sealed and new threads refused, then the student's objects
+    unpickled and the worker run with them."""
+    if isinstance(worker, tuple):
+        module, qualname = worker
+        worker = importlib.import_module(module)
+        for part in qualname.split("."):
+            worker = getattr(worker, part)
+    mine = (take_shard(shards),) if shards is not None else ()
+    with forbidden(forbid, name, hint), sealed() as sealing, no_threads(name):
+        args, kwargs = sealing.loads(payload)
+        return worker(*mine, *args, **kwargs)
+
+
+_state = threading.local()
+
+
+def _backend():
+    """The session factory in use: the sandbox's while `dlo grade` runs checks, else DirectSession."""
+    return getattr(_state, "backend", None) or DirectSession
+
+
+@contextlib.contextmanager
+def use_backend(factory) -> Iterator[None]:
+    """Run checks with another session factory (the sandbox) inside the block."""
+    old = getattr(_state, "backend", None)
+    _state.backend = factory
+    try:
+        yield
+    finally:
+        _state.backend = old
+
+
+def _session():
+    session = getattr(_state, "session", None)
+    if session is None:
+        raise RuntimeError("run_student/on_ranks are for code inside a @check function")
+    return session
+
+
+def check(*, forbid: tuple[str, ...] = (), hint: str = "") -> Callable:
+    """Decorator of a check function: its positional arguments are the student's objects, bound to a
+    session (direct or sandboxed) for the duration of the call; `forbid` lists the dotted names the
+    student's code may not call while it runs ("module.*": every public function and class of that
+    module; re-exports of a name are blocked with it), `hint` what to use instead."""
+    def deco(f):
+        @functools.wraps(f)
+        def wrapper(*args, **kwargs):
+            session = _backend()(f.__name__.removeprefix("check_"), tuple(forbid), hint)
+            outer = getattr(_state, "session", None)
+            _state.session = session
+            try:
+                with (session if hasattr(session, "__enter__") else contextlib.nullcontext()):
+                    return f(*(session.bind(a) for a in args), **kwargs)
+            except BaseException as exc:
+                if outer is None:  # the outermost check: what the notebook shows
+                    fold_exception(exc)
+                raise
+            finally:
+                _state.session = outer
+        wrapper.forbid = tuple(forbid)
+        return wrapper
+    return deco
+
+
+def run_student(worker: Callable, *args, **kwargs):
+    """Run the trusted `worker(*args, **kwargs)` where student code runs; plain data comes back."""
+    return _session().run(worker, args, kwargs)
+
+
+def on_ranks(worker: Callable, world_size: int, *args, timeout: float = RANK_TIMEOUT, backend: str = "gloo",
+             per_rank: list | None = None, **kwargs) -> list:
+    """Run the trusted `worker(*args, **kwargs)` on `world_size` ranks (torch.distributed initialised,
+    gloo by default: the checks compare float64 CPU tensors); the per-rank plain-data results.
+    `per_rank`: one part of the case per rank, rank r's given as the worker's first argument and
+    never seen by the other ranks (each rank holds only its shard, not the whole problem)."""
+    if per_rank is None:
+        return _session().on_ranks(worker, world_size, args, kwargs, timeout, backend)
+    return _session().on_ranks(worker, world_size, args, kwargs, timeout, backend, per_rank=per_rank)
+
+
+_SECRET = secrets.token_bytes(16)  # drawn once per grading process; never leaves it
+
+
+def case_seed(seed: int) -> int:
+    """The seed a check draws its case from. Under the grader's sandboxed backend: a secret one mixed
+    from `seed` and a number drawn in the grading process (the student's code never sees it: the ranks
+    get the materialised case, each its own part), so that a case cannot be recomputed where the
+    student's code runs. In a notebook's direct checks: `seed` itself (reproducible feedback)."""
+    if _backend() is DirectSession:
+        return seed
+    return int.from_bytes(hashlib.sha256(_SECRET + str(seed).encode()).digest()[:4], "big")

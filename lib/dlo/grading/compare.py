@@ -1,0 +1,77 @@
+"""The comparisons every day's checks share, and the one line a passing check prints.
+
+`assert_close(name, what, got, want, where)` explains the first mismatch (shape, max error, expected vs
+got at one index); `assert_number` accepts a number or a one-element tensor; `ok(name, detail)` prints
+the success line; `odd_shape` and `rand` draw the odd-sized random inputs the checks use. They run
+where the check runs (the trusted side under `dlo grade`, the notebook's kernel in a direct check) and
+in workers, so the seal leaves this module open (`dlo.grading.seal.OPEN`).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from numbers import Real
+
+import torch
+
+DTYPE = torch.float64
+RTOL, ATOL = 1e-9, 1e-12  # float64: correct code agrees to ~1e-15; slips show at >= 1e-7
+
+# ----------------------------------------------------------------------------- messages and comparisons
+
+def fmt(where) -> str:
+    """A check's context for a message: a dict of hyper-parameters or a string."""
+    if isinstance(where, dict):
+        return ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in where.items())
+    return str(where)
+
+
+def ok(name: str, detail: str) -> None:
+    """The one line a passing check prints."""
+    print(f"{name}: ok ({detail})")
+
+
+def assert_close(name: str, what: str, got, want, where=None, *, rtol: float = RTOL, atol: float = ATOL) -> None:
+    """got == want elementwise within atol + rtol * |want| (in float64), else AssertionError naming
+    the first worst mismatch. `got` may be a tensor, a number or a list of numbers; nan counts as an
+    infinite error; a missing value or a wrong shape is named as such."""
+    ctx = f" ({fmt(where)})" if where not in (None, "", {}) else ""
+    if got is None:
+        raise AssertionError(f"{name}: {what} is None; expected a value{ctx}")
+    try:
+        got_t = torch.as_tensor(got).detach().to("cpu", DTYPE)
+    except (TypeError, ValueError, RuntimeError):
+        raise AssertionError(f"{name}: {what} is a {type(got).__name__}, expected a tensor or number{ctx}") from None
+    want_t = torch.as_tensor(want).detach().to("cpu", DTYPE)
+    if got_t.shape != want_t.shape:
+        raise AssertionError(f"{name}: {what} has shape {tuple(got_t.shape)}, expected {tuple(want_t.shape)}{ctx}")
+    err = (got_t - want_t).abs().nan_to_num(math.inf)
+    bad = err > atol + rtol * want_t.abs()
+    if bad.any():
+        i = int(torch.argmax(torch.where(bad, err, -1.0).flatten()))
+        raise AssertionError(
+            f"{name}: {what} differs from the reference{ctx}: max abs error {err.max():.3g} "
+            f"(tolerance {atol:g} + {rtol:g}*|expected|); e.g. at flat index {i}: expected "
+            f"{want_t.flatten()[i].item():.10g}, got {got_t.flatten()[i].item():.10g}")
+
+
+def assert_number(name: str, what: str, got, where=None) -> float:
+    """`got` as a float (a one-element tensor is accepted), else AssertionError."""
+    if isinstance(got, torch.Tensor) and got.numel() == 1:
+        got = got.item()
+    if not isinstance(got, Real) or isinstance(got, bool):
+        ctx = f" ({fmt(where)})" if where else ""
+        raise AssertionError(f"{name}: {what} must be a number, got {type(got).__name__}{ctx}")
+    return float(got)
+
+
+def odd_shape(rng: random.Random) -> tuple[int, ...]:
+    """A 1-3 dimensional shape of odd sizes (nothing divides evenly; 1 appears)."""
+    dims = rng.choice([1, 2, 3])
+    return tuple(rng.choice([1, 3, 5, 7, 11, 13]) for _ in range(dims - 1)) + (rng.choice([3, 7, 17, 33]),)
+
+
+def rand(shape, gen: torch.Generator, scale: float = 1.0, dtype: torch.dtype = DTYPE) -> torch.Tensor:
+    return torch.randn(shape, generator=gen, dtype=dtype) * scale
+
