@@ -115,12 +115,12 @@ def int8_gemm(a: Tensor, b: Tensor, sa: Tensor, sb: Tensor, out_dtype: torch.dty
 
 
 def int8_gemm_ref(a: Tensor, b: Tensor, sa: Tensor, sb: Tensor, out_dtype: torch.dtype = torch.bfloat16) -> Tensor:
-    """torch: exact int32 product (torch._int_mm where its shape rules allow, else int64 matmul), then rescale."""
+    """torch: exact integer product (torch._int_mm where its shape rules allow, else an fp64 matmul), then rescale."""
     M, N, K = _check(a, b, sa, sb, out_dtype)
     if M > 16 and K % 8 == 0 and N % 8 == 0:
         acc = torch._int_mm(a, b.T)  # (M, K) @ (K, N) column-major view -> (M, N) int32
-    else:
-        acc = a.long() @ b.long().T
+    else:  # exact: every partial sum is an integer below 2^31 < 2^53; CUDA has no int64 matmul
+        acc = a.double() @ b.double().T
     return (acc.float() * sa.float()[:, None] * sb.float()[None, :]).to(out_dtype)
 
 
