@@ -80,18 +80,24 @@ def time_ms(fn, device: torch.device | str = "cuda", warmup: int = 25, rep: int 
     return time_fn(fn, device=device, warmup=1, reps=3, min_time_s=0.2, max_reps=50).median_ms
 
 
-def bench_matmuls(op: str, M: int, K: int, N: int, impls: dict) -> list[dict]:
+def bench_matmuls(op: str, M: int, K: int, N: int, impls: dict, peaks: dict | None = None) -> list[dict]:
     """Time implementations of one (M, K) x (K, N) product for `dlo bench` (GPU only).
 
-    `impls` maps a name to (fn, peak TFLOP/s or None); the first entry is the dense bf16 baseline
-    that "speed-up" refers to. TFLOP/s counts the dense work 2 M N K, whatever the format, so rates
-    of sparse and quantized products compare with dense ones. "size" groups rows for dlo.bench's ratios.
+    `impls` maps a name to (fn, peak key such as "bf16_tflops", bytes it must move at least or None);
+    the first entry is the dense bf16 baseline that "speed-up" refers to. TFLOP/s counts the dense
+    work 2 M N K, whatever the format, so rates of sparse and quantized products compare with dense
+    ones. `peaks`: dlo.hardware figures (default: this GPU's). "size" groups rows for dlo.bench's ratios.
     """
+    if peaks is None:
+        from dlo.hardware import peak
+        peaks = peak("cuda") or {}
     rows, base = [], None
-    for impl, (fn, pk) in impls.items():
+    for impl, (fn, key, moved) in impls.items():
         ms = time_ms(fn, warmup=10, rep=50)
         base = base or ms
         tflops = 2 * M * N * K / (ms * 1e-3) / 1e12
+        pk = peaks.get(key)
         rows.append({"op": op, "size": f"{M}x{K}x{N}", "M": M, "K": K, "N": N, "impl": impl, "ms": ms,
-                     "TFLOP/s": tflops, "% peak": 100 * tflops / pk if pk else None, "speed-up": base / ms})
+                     "TFLOP/s": tflops, "% peak": 100 * tflops / pk if pk else None, "speed-up": base / ms,
+                     **({"work": (moved, 2 * M * N * K, key)} if moved else {})})
     return rows
