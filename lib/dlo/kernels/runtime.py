@@ -54,9 +54,11 @@ def launch_tables(lists: list[list[Tensor]], device: torch.device, block_size: i
     (L, T) int64 addresses, (T,) sizes (of lists[0]), the per-program map of `block_map`, and
     whether every address is 16-byte aligned. A pure function of addresses, sizes and block size,
     so the cache is always right; it saves rebuilding and copying the tables every step."""
-    addrs = [[t.data_ptr() for t in lst] for lst in lists]
-    numels = [t.numel() for t in lists[0]]
-    key = (device, block_size, len(lists), *(a for lst in addrs for a in lst), *numels)
+    # map over the unbound methods and flat tuples: this runs every optimizer step, and with ~150
+    # tensors its Python time is what a small model's step costs (host-bound, first H100 run).
+    addrs = tuple(tuple(map(Tensor.data_ptr, lst)) for lst in lists)
+    numels = tuple(map(Tensor.numel, lists[0]))
+    key = (device, block_size, addrs, numels)
     if key not in _tables:
         block_tensor, block_start = block_map(numels, block_size)
         if len(_tables) >= 64:
