@@ -5,7 +5,10 @@ G input features (see dlo.kernels.quantize). Each program loads a (BLOCK_N, BLOC
 multiplies by its scales in registers, casts to the activation dtype (bf16 / fp16) and feeds the
 tensor cores with fp32 accumulation. At small batch (LLM decoding) the matmul is bound by reading W,
 so 1 byte (or half a byte) per weight instead of 2 is up to a 2x (4x) speed-up; at large batch it is
-compute bound and the dequantization is extra work on top of the bf16 GEMM.
+compute bound and the dequantization is extra work on top of the bf16 GEMM. Decoding therefore takes
+narrow tiles and may split K over several programs (split-K, as in GEMV kernels: more loads in
+flight for the same W), whose fp32 partial sums the launcher adds; prefill takes tensor-core GEMM
+tiles. Both are chosen per shape by triton.autotune among configurations made for that M, K and G.
 
 Order: kernel, launcher, `weight_only_matmul_ref` (torch), benchmark.
 """
