@@ -58,3 +58,18 @@ def test_autotuner_times_only_the_tiles_for_this_m_k_and_g(M, K, G, pool, block_
     assert kept and all(str(c) in [str(wom._config(p)) for p in getattr(wom, pool)] for c in kept)
     assert all((c.kwargs["BLOCK_M"] <= 16) == (M <= 16) for c in kept)
     assert sorted({c.kwargs["BLOCK_K"] for c in kept}) == list(block_k)
+
+
+def test_autotuner_times_a_split_with_its_sum():
+    """A split-K configuration is timed together with the sum of its partials (the autotuner's
+    post_hook, run inside each timed call); the launcher adds them the same way after the real run."""
+    from dlo.kernels import weight_only_matmul as wom
+    assert wom._weight_only_matmul_tuned.user_defined_post_hook
+    part = torch.randn(wom.MAX_SPLIT_K, 2, 3, generator=torch.Generator().manual_seed(0))
+    y = torch.zeros(2, 3, dtype=torch.bfloat16)
+    wom._timed_with_the_sum({"y_ptr": y, "part_ptr": part, "SPLIT_K": 1})
+    assert not y.any()  # one split: the kernel wrote y itself
+    wom._timed_with_the_sum({"y_ptr": y, "part_ptr": part, "SPLIT_K": 3}, exception=RuntimeError("launch"))
+    assert not y.any()
+    wom._timed_with_the_sum({"y_ptr": y, "part_ptr": part, "SPLIT_K": 3})
+    assert torch.equal(y, part[:3].sum(dim=0).to(torch.bfloat16))
