@@ -96,14 +96,17 @@ def test_matmul_rows_are_grouped_by_size(monkeypatch):
     for tag, (M, K, N) in (("small", (2, 3, 5)), ("big", (20, 30, 50))):
         rows += bench_matmuls("mm", M, K, N, {"torch bf16": (lambda t=tag: f"{t} bf16", "bf16_tflops", 2 * M * K),
                                               "dlo int8": (lambda t=tag: f"{t} int8", "int8_tops", None)},
-                              peaks={"bf16_tflops": 100.0})
+                              peaks={"name": "H100 SXM", "bf16_tflops": 100.0})
     bench.add_ratios(rows)
     assert [r["size"] for r in rows] == ["2x3x5", "2x3x5", "20x30x50", "20x30x50"]
     assert [r["speed-up"] for r in rows] == [1.0, 2.0, 1.0, 4.0]
     assert [r["x best torch"] for r in rows] == [1.0, 2.0, 1.0, 4.0]
     assert rows[0]["TFLOP/s"] == pytest.approx(2 * 2 * 3 * 5 / 1e-3 / 1e12)
     assert rows[0]["% peak"] == pytest.approx(100 * rows[0]["TFLOP/s"] / 100.0) and rows[1]["% peak"] is None
-    assert rows[0]["work"] == (2 * 2 * 3, 2 * 2 * 3 * 5, "bf16_tflops") and "work" not in rows[1]
+    # the roofline of the bytes given (2 M K) and the dense flops, on the H100 SXM's datasheet figures
+    assert rows[0]["roofline ms"] == bench.roofline(2 * 2 * 3, 2 * 2 * 3 * 5, "bf16_tflops", "H100 SXM")[0]
+    assert rows[0]["% roofline"] == pytest.approx(100 * rows[0]["roofline ms"] / 1.0)
+    assert "roofline ms" not in rows[1] and not any("work" in r for r in rows)  # no bytes given: none
 
 
 def _case(name):

@@ -2,9 +2,9 @@
 
 Every module of `dlo.kernels` that defines `bench() -> list[dict]` is an op, named after the module.
 Rows carry at least "impl" and "ms", and "GB/s" or "TFLOP/s" with "% peak"; torch baselines have an
-impl name starting with "torch". A row may carry "work": (bytes, flops, peak key) at its shape, the
-minimum HBM traffic and math; `dlo bench` turns it into "roofline ms" on this GPU's peaks and "% roofline"
-(the roofline time over the measured one), with the same `roofline` the compile report uses.
+impl name starting with "torch". Each bench turns the minimum HBM traffic and math of a row at its
+shape into "roofline ms" on this GPU's peaks and "% roofline" (the roofline time over the measured
+one) with `add_roofline`, the same `roofline` the compile report uses.
 Results go to `<out_dir>/<YYYY-MM-DD>T<HHMM>_<device-slug>.json` (UTC; runs of one day never overwrite).
 `dlo bench --compile-report` needs no GPU: each kernel's compile cases (dlo.kernels.aot) with their
 resources per target and their roofline times on the target's GPUs.
@@ -94,7 +94,6 @@ def main(ops: list[str], out_dir: str | Path = "bench/results") -> int:
         print(f"benchmarking {op} ...", flush=True)
         rows += [{"op": op, **row} for row in known[op]()]
     add_ratios(rows)
-    add_roofline(rows, (hardware.peak() or {}).get("name"))
     print(format_table(rows))
     print(f"wrote {_write_json(rows, out_dir)}")
     return 0

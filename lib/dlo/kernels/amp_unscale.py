@@ -157,5 +157,6 @@ def bench(sizes: tuple[int, ...] = (256, 512, 1024), dtype: torch.dtype = torch.
                          "work": (moved, 2 * sum(numels), "fp32_tflops")})
         grads = impls = None  # free this width before the next one
         torch.cuda.empty_cache()
-    return rows
+    from dlo.bench import add_roofline
+    return add_roofline(rows, (peak("cuda") or {}).get("name"))
 

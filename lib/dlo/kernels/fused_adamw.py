@@ -264,7 +264,8 @@ def bench_optimizer_step(numel_list: list[int], dtype: torch.dtype = torch.float
         gbs = moved / (ms * 1e-3) / 1e9
         rows.append({"impl": impl, "ms": ms, "GB/s": gbs, "% peak": 100 * gbs / hbm if hbm else None,
                      "work": (moved, FLOPS_PER_ELEMENT * sum(numel_list), "fp32_tflops")})
-    return rows
+    from dlo.bench import add_roofline
+    return add_roofline(rows, (peak(device) or {}).get("name"))
 
 
 def bench(sizes: tuple[int, ...] = (256, 512, 1024), dtype: torch.dtype = torch.float32) -> list[dict]:

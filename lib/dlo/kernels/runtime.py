@@ -85,7 +85,8 @@ def time_ms(fn, device: torch.device | str = "cuda", warmup: int = 25, rep: int 
 def bench_matmuls(op: str, M: int, K: int, N: int, impls: dict, peaks: dict | None = None) -> list[dict]:
     """Time implementations of one (M, K) x (K, N) product for `dlo bench` (GPU only).
 
-    `impls` maps a name to (fn, peak key such as "bf16_tflops", bytes it must move at least or None);
+    `impls` maps a name to (fn, peak key such as "bf16_tflops", bytes it must move at least or None:
+    then no roofline columns);
     the first entry is the dense bf16 baseline that "speed-up" refers to. TFLOP/s counts the dense
     work 2 M N K, whatever the format, so rates of sparse and quantized products compare with dense
     ones. `peaks`: dlo.hardware figures (default: this GPU's). "size" groups rows for dlo.bench's ratios.
@@ -102,4 +103,5 @@ def bench_matmuls(op: str, M: int, K: int, N: int, impls: dict, peaks: dict | No
         rows.append({"op": op, "size": f"{M}x{K}x{N}", "M": M, "K": K, "N": N, "impl": impl, "ms": ms,
                      "TFLOP/s": tflops, "% peak": 100 * tflops / pk if pk else None, "speed-up": base / ms,
                      **({"work": (moved, 2 * M * N * K, key)} if moved else {})})
-    return rows
+    from dlo.bench import add_roofline
+    return add_roofline(rows, peaks.get("name"))
