@@ -12,6 +12,7 @@ export PYTHONPATH=$PWD/lib${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 # Kernel, optimizer, AMP and quantization tests on the GPU (conftest picks cuda when TRITON_INTERPRET is unset).
 timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider -o addopts="" -m "not browser and not smoke and not solutions and not slurm" \
   tests/kernels tests/test_bench.py tests/optim/test_fused_adamw.py tests/test_amp.py tests/test_quant.py \
-  --maxfail=30 2>&1 | tail -n 60 | tee "$OUT/gpu-tests.txt"
+  --maxfail=30 -rfE > "$OUT/gpu-tests-full.txt" 2>&1  # the whole log: every failure's traceback
+tail -n 60 "$OUT/gpu-tests-full.txt" | tee "$OUT/gpu-tests.txt"
 timeout ${BENCH_TIMEOUT:-240} python3 -c "import sys; from dlo.cli import main; sys.exit(main(['bench', '--out', '$OUT'] + sys.argv[1:]))" "$@" 2>&1 \
   | tee "$OUT/gpu-bench.txt"

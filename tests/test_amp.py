@@ -27,14 +27,14 @@ def tiny_model(seed=0):
     return nn.Sequential(nn.Linear(7, 5), nn.Tanh(), nn.Linear(5, 3))
 
 
-def run_scaler(scaler, steps=10, unscale_first=False):
-    """Per step: (scale after update, params after step, whether the optimizer stepped)."""
-    model = tiny_model()
+def run_scaler(scaler, device, steps=10, unscale_first=False):
+    """Per step: (scale after update, params after step, whether the optimizer stepped), on `device`."""
+    model = tiny_model().to(device)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     gen = torch.Generator().manual_seed(1)
     out = []
     for s in range(steps):
-        x, y = torch.randn(9, 7, generator=gen), torch.randint(0, 3, (9,), generator=gen)
+        x, y = torch.randn(9, 7, generator=gen).to(device), torch.randint(0, 3, (9,), generator=gen).to(device)
         opt.zero_grad()
         scaler.scale(nn.functional.cross_entropy(model(x), y)).backward()
         if s in INJECT:
@@ -51,10 +51,10 @@ def run_scaler(scaler, steps=10, unscale_first=False):
 
 @pytest.mark.parametrize("use_kernel", [True, False])  # True: the Triton kernel (interpreted on CPU)
 @pytest.mark.parametrize("unscale_first", [False, True])
-def test_scaler_matches_grad_scaler(use_kernel, unscale_first):
+def test_scaler_matches_grad_scaler(use_kernel, unscale_first, device):
     hp = dict(init_scale=2.0 ** 10, growth_factor=2.0, backoff_factor=0.5, growth_interval=3)
-    ours = run_scaler(DynamicLossScaler(**hp, use_kernel=use_kernel), unscale_first=unscale_first)
-    want = run_scaler(torch.amp.GradScaler("cpu", **hp), unscale_first=unscale_first)
+    ours = run_scaler(DynamicLossScaler(**hp, use_kernel=use_kernel), device, unscale_first=unscale_first)
+    want = run_scaler(torch.amp.GradScaler(device.type, **hp), device, unscale_first=unscale_first)
     scales = [s for s, _, _ in want]
     assert len(set(scales)) > 2  # the run both backs off and grows
     for step, ((s1, p1, m1), (s2, p2, m2)) in enumerate(zip(ours, want)):

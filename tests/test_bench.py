@@ -42,7 +42,8 @@ def test_ratios_and_table():
 def test_write_json(tmp_path):
     path = bench._write_json([{"impl": "torch a", "ms": 1.0}], tmp_path / "results")
     record = json.loads(path.read_text())
-    assert path.name == f"{record['date']}_{bench._slug(record['device'])}.json"
+    hhmm = record["time"][:5].replace(":", "")  # runs of one day get their own files
+    assert path.name == f"{record['date']}T{hhmm}_{bench._slug(record['device'])}.json"
     assert record["rows"] == [{"impl": "torch a", "ms": 1.0}] and record["torch"] == torch.__version__
     assert bench._slug("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
 
@@ -51,7 +52,8 @@ def test_write_json(tmp_path):
     ("NVIDIA A100-SXM4-40GB", "A100 40GB", 1555), ("NVIDIA A100-PCIE-40GB", "A100 40GB", 1555),
     ("NVIDIA A100-SXM4-80GB", "A100 80GB SXM", 2039), ("NVIDIA A100 80GB PCIe", "A100 80GB PCIe", 1935),
     ("NVIDIA H100 80GB HBM3", "H100 SXM", 3350), ("NVIDIA H100 PCIe", "H100 PCIe", 2000),
-    ("NVIDIA H200", "H200 SXM", 4800), ("Tesla V100-SXM2-16GB", "V100", 900), ("NVIDIA L40S", "L40S", 864)])
+    ("NVIDIA H200", "H200 SXM", 4800), ("Tesla V100-SXM2-16GB", "V100", 900), ("NVIDIA L40S", "L40S", 864),
+    ("NVIDIA B200", "B200", 7700), ("NVIDIA GB200", "GB200", 8000)])
 def test_peak_lookup(name, label, gbs):
     peak = hardware.peak_for_name(name)
     assert (peak["name"], peak["hbm_gbs"]) == (label, gbs)
@@ -92,14 +94,19 @@ def test_matmul_rows_are_grouped_by_size(monkeypatch):
     monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: times[fn()])
     rows = []
     for tag, (M, K, N) in (("small", (2, 3, 5)), ("big", (20, 30, 50))):
-        rows += bench_matmuls("mm", M, K, N, {"torch bf16": (lambda t=tag: f"{t} bf16", 100.0),
-                                              "dlo int8": (lambda t=tag: f"{t} int8", None)})
+        rows += bench_matmuls("mm", M, K, N, {"torch bf16": (lambda t=tag: f"{t} bf16", "bf16_tflops", 2 * M * K),
+                                              "dlo int8": (lambda t=tag: f"{t} int8", "int8_tops", None)},
+                              peaks={"name": "H100 SXM", "bf16_tflops": 100.0})
     bench.add_ratios(rows)
     assert [r["size"] for r in rows] == ["2x3x5", "2x3x5", "20x30x50", "20x30x50"]
     assert [r["speed-up"] for r in rows] == [1.0, 2.0, 1.0, 4.0]
     assert [r["x best torch"] for r in rows] == [1.0, 2.0, 1.0, 4.0]
     assert rows[0]["TFLOP/s"] == pytest.approx(2 * 2 * 3 * 5 / 1e-3 / 1e12)
     assert rows[0]["% peak"] == pytest.approx(100 * rows[0]["TFLOP/s"] / 100.0) and rows[1]["% peak"] is None
+    # the roofline of the bytes given (2 M K) and the dense flops, on the H100 SXM's datasheet figures
+    assert rows[0]["roofline ms"] == bench.roofline(2 * 2 * 3, 2 * 2 * 3 * 5, "bf16_tflops", "H100 SXM")[0]
+    assert rows[0]["% roofline"] == pytest.approx(100 * rows[0]["roofline ms"] / 1.0)
+    assert "roofline ms" not in rows[1] and not any("work" in r for r in rows)  # no bytes given: none
 
 
 def _case(name):
@@ -140,10 +147,27 @@ def test_compile_report_rows():
 
 def test_expected_ratio_against_torch_by_hand():
     # W4A16 decode, M=16 K=3072 N=8192 G=128 on H100: 4-bit codes + fp32 scales vs torch's bf16 weight.
-    case = _case("_weight_only_matmul_kernel[W4A16 bfloat16 16x64x64]")
+    case = _case("_weight_only_matmul_kernel[W4A16 bfloat16 16x32x128 M=16]")
     ours = 2 * 16 * 3072 + 8192 * 3072 // 2 + 4 * 8192 * 3072 // 128 + 2 * 16 * 8192
     theirs = 2 * (16 * 3072 + 8192 * 3072 + 16 * 8192)
     assert case.bytes == ours
     res = dict(regs=161, spill_stores=0, smem=45056, tensor_core="mma", occupancy=0.125)
     row = bench.compile_report_rows({(case.name, 90): res}, [case])[0]
     assert row["bound"] == "memory" and row["x torch"] == pytest.approx(theirs / ours)  # ~3.5x
+
+
+def test_roofline_column_of_a_decode_w8a16_by_hand():
+    """`dlo bench`'s roofline column: W8A16 at M=1, K=4096, N=11008, G=128 on an H100 SXM (3350 GB/s)."""
+    from dlo.kernels.weight_only_matmul import moved_bytes
+    # x: 4096 bf16 = 8192 B; codes: 11008 * 4096 int8 = 45,088,768 B; scales: 11008 * 32 fp32 = 1,409,024 B;
+    # y: 11008 bf16 = 22,016 B. Total 46,528,000 B -> 46.528e6 / 3350e9 s = 13.889 us of traffic; the
+    # 90.2 MFLOP take 0.09 us at 989 bf16 TFLOP/s: memory-bound.
+    moved = moved_bytes(1, 4096, 11008, 8, 128)
+    assert moved == 8192 + 45_088_768 + 1_409_024 + 22_016 == 46_528_000
+    rows = [{"impl": "dlo W8A16", "ms": 0.02, "work": (moved, 2 * 4096 * 11008, "bf16_tflops")},
+            {"impl": "torch bf16", "ms": 0.05}]
+    bench.add_roofline(rows, "H100 SXM")
+    assert rows[0]["roofline ms"] == pytest.approx(46.528e6 / 3350e9 * 1e3) == pytest.approx(0.013889, rel=1e-4)
+    assert rows[0]["% roofline"] == pytest.approx(100 * 0.013889 / 0.02, rel=1e-4) and "work" not in rows[0]
+    assert "roofline ms" not in rows[1]  # no work given: no roofline
+    assert "work" not in bench.add_roofline([{"ms": 1.0, "work": (1, 1, "bf16_tflops")}], None)[0]

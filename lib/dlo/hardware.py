@@ -14,6 +14,10 @@ _KEYS = ("hbm_gbs", "fp32_tflops", "tf32_tflops", "bf16_tflops", "fp16_tflops", 
 
 PEAKS: list[tuple[tuple[str, ...], str, tuple]] = [
     # substrings,          label,            GB/s, fp32,  tf32,  bf16,  fp16,  int8
+    # Blackwell: NVIDIA's HGX / GB200 NVL72 platform tables, per GPU; their tensor-core figures are
+    # with 2:4 sparsity (HGX B200: 4.5 PFLOPS bf16, 2.2 tf32, 9 POPS int8), halved here to dense.
+    (("gb200",), "GB200", (8000, 80.0, 1250.0, 2500.0, 2500.0, 5000.0)),
+    (("b200",), "B200", (7700, 75.0, 1100.0, 2250.0, 2250.0, 4500.0)),
     (("h200", "nvl"), "H200 NVL", (4800, 60.0, 418.0, 836.0, 836.0, 1671.0)),
     (("h200",), "H200 SXM", (4800, 67.0, 494.0, 989.0, 989.0, 1979.0)),
     (("h100", "pcie"), "H100 PCIe", (2000, 51.0, 378.0, 756.0, 756.0, 1513.0)),

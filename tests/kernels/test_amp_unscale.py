@@ -21,13 +21,16 @@ def make_grads(dtype, device, seed=0, scale=1000.0):
 
 
 def run_all(grads, inv_scale, device, start=0.0):
-    """(grads, found_inf) after ours, the reference and torch's kernel, each on its own copy."""
+    """(grads, found_inf) after ours, the reference and torch's kernel, each on its own copy, on `device`.
+    torch's kernel runs on CPU copies: its CUDA version takes fp32 and fp16 only (no bf16); the CPU one
+    does the same fp32 multiply and one rounding for every dtype."""
     out = []
-    for fn in (amp_unscale_, amp_unscale_ref, torch._amp_foreach_non_finite_check_and_unscale_):
-        gs = [g.clone() for g in grads]
-        found = torch.full((1,), start, device=device)
-        fn(gs, found, torch.full((1,), inv_scale, device=device))
-        out.append((gs, found))
+    for fn, where in ((amp_unscale_, device), (amp_unscale_ref, device),
+                      (torch._amp_foreach_non_finite_check_and_unscale_, torch.device("cpu"))):
+        gs = [g.to(where, copy=True) for g in grads]
+        found = torch.full((1,), start, device=where)
+        fn(gs, found, torch.full((1,), inv_scale, device=where))
+        out.append(([g.to(device) for g in gs], found.to(device)))
     return out
 
 

@@ -115,3 +115,16 @@ def test_every_autotune_configuration_is_compiled():
 def test_unknown_target_is_refused_before_compiling():
     with pytest.raises(ValueError, match="no target sm_75; known: sm_80, sm_90, sm_100"):
         aot.compile_all(archs=(80, 75))
+
+
+@pytest.mark.parametrize("module", ["int8_gemm", "weight_only_matmul"])
+def test_decode_tiles_compile_for_one_token_and_sixteen(module):
+    """The launcher makes M = 1 a constant (another compilation than M = 16, which is divisible by
+    16): every decode configuration has a compile case at each."""
+    mod = importlib.import_module(f"dlo.kernels.{module}")
+    cases = [c for c in CASES if c.name.startswith(f"_{module}_kernel")]
+    for config in mod.DECODE_CONFIGS:
+        blocks = {k: v for k, v in config.items() if k.isupper()}
+        ms = {c.args["M"] for c in cases if all(c.args[k] == v for k, v in blocks.items())
+              and (c.num_warps, c.num_stages) == (config["num_warps"], config["num_stages"])}
+        assert {1, mod.DECODE_MAX_M} <= ms, (config, ms)

@@ -45,12 +45,12 @@ def test_w8a8_close_to_float_matmul(device):
 def test_bad_input(device):
     a = torch.zeros(4, 16, dtype=torch.int8, device=device)
     with pytest.raises(TypeError, match="int8"):
-        int8_gemm(a.float(), a, torch.ones(4), torch.ones(4))
+        int8_gemm(a.float(), a, torch.ones(4, device=device), torch.ones(4, device=device))
     with pytest.raises(ValueError, match="scales"):
         int8_gemm(a, a, torch.ones(3, device=device), torch.ones(4, device=device))
     with pytest.raises(ValueError, match="inf or nan"):
-        quantize_rows(torch.tensor([[1.0, float("nan")]]))
-    q, s = quantize_rows(torch.zeros(2, 4))
+        quantize_rows(torch.tensor([[1.0, float("nan")]], device=device))
+    q, s = quantize_rows(torch.zeros(2, 4, device=device))
     assert (s == 0).all() and (q == 0).all()
 
 

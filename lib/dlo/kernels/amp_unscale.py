@@ -153,8 +153,10 @@ def bench(sizes: tuple[int, ...] = (256, 512, 1024), dtype: torch.dtype = torch.
             gbs = moved / (ms * 1e-3) / 1e9
             rows.append({"op": "amp_unscale", "size": sum(numels), "tensors": len(numels),
                          "dtype": str(dtype).removeprefix("torch."), "impl": impl, "ms": ms, "GB/s": gbs,
-                         "% peak": 100 * gbs / hbm if hbm else None})
+                         "% peak": 100 * gbs / hbm if hbm else None,
+                         "work": (moved, 2 * sum(numels), "fp32_tflops")})
         grads = impls = None  # free this width before the next one
         torch.cuda.empty_cache()
-    return rows
+    from dlo.bench import add_roofline
+    return add_roofline(rows, (peak("cuda") or {}).get("name"))
 

@@ -36,7 +36,7 @@ import torch
 TARGETS = {
     80: dict(gpu="A100", smem_block=163 * 1024, smem_sm=164 * 1024, devices=("A100 80GB SXM",)),
     90: dict(gpu="H100/H200", smem_block=227 * 1024, smem_sm=228 * 1024, devices=("H100 SXM", "H200 SXM")),
-    100: dict(gpu="B200", smem_block=227 * 1024, smem_sm=228 * 1024, devices=()),
+    100: dict(gpu="B200", smem_block=227 * 1024, smem_sm=228 * 1024, devices=("B200",)),
 }
 REGS_PER_SM, WARPS_PER_SM, BLOCKS_PER_SM = 65536, 64, 32
 SMEM_RESERVED_PER_BLOCK = 1024  # the guide: 1 KB per block is reserved for system use

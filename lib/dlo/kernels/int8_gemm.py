@@ -115,12 +115,12 @@ def int8_gemm(a: Tensor, b: Tensor, sa: Tensor, sb: Tensor, out_dtype: torch.dty
 
 
 def int8_gemm_ref(a: Tensor, b: Tensor, sa: Tensor, sb: Tensor, out_dtype: torch.dtype = torch.bfloat16) -> Tensor:
-    """torch: exact int32 product (torch._int_mm where its shape rules allow, else int64 matmul), then rescale."""
+    """torch: exact integer product (torch._int_mm where its shape rules allow, else an fp64 matmul), then rescale."""
     M, N, K = _check(a, b, sa, sb, out_dtype)
     if M > 16 and K % 8 == 0 and N % 8 == 0:
         acc = torch._int_mm(a, b.T)  # (M, K) @ (K, N) column-major view -> (M, N) int32
-    else:
-        acc = a.long() @ b.long().T
+    else:  # exact: every partial sum is an integer below 2^31 < 2^53; CUDA has no int64 matmul
+        acc = a.double() @ b.double().T
     return (acc.float() * sa.float()[:, None] * sb.float()[None, :]).to(out_dtype)
 
 
@@ -130,24 +130,34 @@ def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
     return q, scale[:, 0]
 
 
+def moved_bytes(M: int, K: int, N: int, out_itemsize: int) -> int:
+    """HBM bytes of one launch: read a, b (int8) and the fp32 scales once, write c."""
+    return M * K + N * K + 4 * (M + N) + M * N * out_itemsize
+
+
 def compile_cases(K: int = 3072, N: int = 8192, unaligned_k: int = 3000) -> list[CompileCase]:
     """What a GPU launch compiles (see dlo.kernels.aot): every output dtype in every autotuner
     configuration; the work at Llama 3.2 3B's MLP up-projection over M tokens (decode: 16, GEMM:
     4096), or at `unaligned_k` for the unaligned tiles: read a, b and the scales, write c."""
     cases = []
     for config in DECODE_CONFIGS + GEMM_CONFIGS + UNALIGNED_CONFIGS:
-        M = DECODE_MAX_M if config["BLOCK_M"] <= DECODE_MAX_M else 4096
         unaligned = config in UNALIGNED_CONFIGS
         k = unaligned_k if unaligned else K
         blocks = {name: v for name, v in config.items() if name.startswith("BLOCK")}
         tile = "x".join(map(str, blocks.values())) + (" K%16!=0" if unaligned else "")
-        for out, tl_out in OUT_DTYPES.items():
+        # M = 1 is a constant to the launcher (one token): decode tiles also compile that specialization.
+        launches = [(out, 4096 if config["BLOCK_M"] > DECODE_MAX_M else DECODE_MAX_M) for out in OUT_DTYPES]
+        if config["BLOCK_M"] <= DECODE_MAX_M:
+            launches.append((torch.bfloat16, 1))
+        for out, M in launches:
+            tl_out = OUT_DTYPES[out]
             args = dict(a_ptr=torch.int8, b_ptr=torch.int8, sa_ptr=torch.float32, sb_ptr=torch.float32, c_ptr=out,
                         M=M, N=N, K=k, OUT=tl_out, **blocks)
             cases.append(CompileCase(_int8_gemm_kernel, args, num_warps=config["num_warps"],
-                                     num_stages=config["num_stages"], label=f"{str(out).removeprefix('torch.')} {tile}",
+                                     num_stages=config["num_stages"],
+                                     label=f"{str(out).removeprefix('torch.')} {tile}" + (" M=1" if M == 1 else ""),
                                      shape=f"M={M} K={k} N={N}", flops=2 * M * N * k, peak="int8_tops",
-                                     bytes=M * k + N * k + 4 * (M + N) + M * N * out.itemsize,
+                                     bytes=moved_bytes(M, k, N, out.itemsize),
                                      torch=(2 * (M * k + N * k + M * N), 2 * M * N * k, "bf16_tflops")))
     return cases
 
@@ -159,8 +169,6 @@ def bench(shapes: tuple[tuple[int, int, int], ...] = ((4096, 4096, 4096), (8192,
     """GPU: bf16 cuBLAS vs torch._int_mm vs this kernel (with its fused rescale), TOPS and speed-up."""
     if not torch.cuda.is_available():
         raise RuntimeError("the int8 GEMM benchmark needs a CUDA GPU")
-    from dlo.hardware import peak
-    p = peak("cuda") or {}
     rows = []
     for M, K, N in shapes:
         x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
@@ -168,8 +176,8 @@ def bench(shapes: tuple[tuple[int, int, int], ...] = ((4096, 4096, 4096), (8192,
         qa, sa = quantize_rows(x)
         qb, sb = quantize_rows(w)
         qbt = qb.T  # (K, N) column-major view, the layout cuBLASLt int8 wants
-        impls = {"torch bf16": (lambda: x @ w.T, p.get("bf16_tflops")),
-                 "torch._int_mm": (lambda: torch._int_mm(qa, qbt), p.get("int8_tops")),
-                 "dlo int8 + rescale": (lambda: int8_gemm(qa, qb, sa, sb), p.get("int8_tops"))}
+        impls = {"torch bf16": (lambda: x @ w.T, "bf16_tflops", 2 * (M * K + N * K + M * N)),
+                 "torch._int_mm": (lambda: torch._int_mm(qa, qbt), "int8_tops", M * K + N * K + 4 * M * N),
+                 "dlo int8 + rescale": (lambda: int8_gemm(qa, qb, sa, sb), "int8_tops", moved_bytes(M, K, N, 2))}
         rows += bench_matmuls("int8_gemm", M, K, N, impls)
     return rows

@@ -25,10 +25,21 @@ from dlo import quant
 from dlo.kernels.aot import CompileCase
 from dlo.kernels.runtime import kernel_available
 
-# Elements per program at most. The whole group used to be one block of next_power_of_2(G): compiled
-# for sm_90, per-channel quantization of a row of 65536 spilled 14 KB per thread (16384: 167
-# registers). Wider groups now loop; the interpreter's small cap makes the tests take that path too.
-MAX_BLOCK = {"cuda": 4096, "cpu": 64}
+# Elements per program at most: a program quantizes BLOCK_R rows x one group, BLOCK_R = TILE // BLOCK.
+# One row-group per program (the first H100 run) launched 131k programs of 128 elements, one per
+# thread, for a 4096x4096 weight at G = 128: 6-8% of HBM bandwidth. A 4096-element tile is 32
+# rows of a 128-group, 16-byte loads along each row. The whole group used to be one block of
+# next_power_of_2(G): compiled for sm_90, per-channel quantization of a row of 65536 spilled 14 KB
+# per thread (16384: 167 registers); wider groups now loop. The interpreter's small tile makes the
+# tests take the multi-row and the looping paths.
+TILE = {"cuda": 4096, "cpu": 64}
+NUM_WARPS = 4
+
+
+def blocks(G: int, device_type: str) -> tuple[int, int]:
+    """(BLOCK_R rows, BLOCK columns) of a program for groups of G on `device_type`."""
+    block = min(triton.next_power_of_2(G), TILE[device_type])
+    return TILE[device_type] // block, block
 
 
 @triton.jit
@@ -48,27 +59,29 @@ def _codes(w, scale, q_max):
 
 @triton.jit
 def _quantize_kernel(w_ptr, q_ptr, s_ptr,  # (N, K) float, (N, K) int8, (N, K // G) fp32
-                     K, n_groups, q_max, G: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
+                     N, K, n_groups, q_max, G: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # (BLOCK_R,)
     g = tl.program_id(1)
     offs = tl.arange(0, BLOCK)
-    base = row.to(tl.int64) * K + g * G
+    base = rows[:, None].to(tl.int64) * K + g * G  # (BLOCK_R, 1)
+    row_ok = rows[:, None] < N
     if G <= BLOCK:  # the group fits one block: read once, keep it in registers
-        w = tl.load(w_ptr + base + offs, mask=offs < G, other=0.0).to(tl.float32)  # (BLOCK,)
-        scale = tl.max(tl.abs(w), axis=0) / q_max
-        tl.store(q_ptr + base + offs, _codes(w, scale, q_max), mask=offs < G)
+        mask = row_ok & (offs[None, :] < G)
+        w = tl.load(w_ptr + base + offs[None, :], mask=mask, other=0.0).to(tl.float32)  # (BLOCK_R, BLOCK)
+        scale = tl.max(tl.abs(w), axis=1) / q_max  # (BLOCK_R,)
+        tl.store(q_ptr + base + offs[None, :], _codes(w, scale[:, None], q_max), mask=mask)
     else:  # a wider group (per-channel on a wide row): a max pass, then a quantize pass, BLOCK at a time
-        running = tl.zeros((BLOCK,), dtype=tl.float32)
+        running = tl.zeros((BLOCK_R, BLOCK), dtype=tl.float32)
         for start in range(0, G, BLOCK):
-            mask = start + offs < G
-            running = tl.maximum(running, tl.abs(tl.load(w_ptr + base + start + offs, mask=mask, other=0.0)
-                                                 .to(tl.float32)))
-        scale = tl.max(running, axis=0) / q_max
+            mask = row_ok & (start + offs[None, :] < G)
+            running = tl.maximum(running, tl.abs(tl.load(w_ptr + base + start + offs[None, :], mask=mask,
+                                                         other=0.0).to(tl.float32)))
+        scale = tl.max(running, axis=1) / q_max
         for start in range(0, G, BLOCK):
-            mask = start + offs < G
-            w = tl.load(w_ptr + base + start + offs, mask=mask, other=0.0).to(tl.float32)
-            tl.store(q_ptr + base + start + offs, _codes(w, scale, q_max), mask=mask)
-    tl.store(s_ptr + row.to(tl.int64) * n_groups + g, scale)
+            mask = row_ok & (start + offs[None, :] < G)
+            w = tl.load(w_ptr + base + start + offs[None, :], mask=mask, other=0.0).to(tl.float32)
+            tl.store(q_ptr + base + start + offs[None, :], _codes(w, scale[:, None], q_max), mask=mask)
+    tl.store(s_ptr + rows.to(tl.int64) * n_groups + g, scale, mask=rows < N)
 
 
 def _check_weight(w: Tensor, bits: int, group_size: int) -> int:
@@ -99,8 +112,9 @@ def quantize_weight(w: Tensor, bits: int = 8, group_size: int = -1) -> tuple[Ten
     scale = torch.empty((N, K // G), dtype=torch.float32, device=w.device)
     if w.numel() == 0:
         return q, scale
-    _quantize_kernel[(N, K // G)](w, q, scale, K, K // G, float(2 ** (bits - 1) - 1),
-                                  G=G, BLOCK=min(triton.next_power_of_2(G), MAX_BLOCK[w.device.type]))
+    block_r, block = blocks(G, w.device.type)
+    _quantize_kernel[(triton.cdiv(N, block_r), K // G)](w, q, scale, N, K, K // G, float(2 ** (bits - 1) - 1),
+                                                        G=G, BLOCK_R=block_r, BLOCK=block, num_warps=NUM_WARPS)
     return q, scale
 
 
@@ -134,20 +148,26 @@ def unpack_int4(packed: Tensor) -> Tensor:
     return torch.stack((lo, hi), dim=-1).reshape(*packed.shape[:-1], 2 * packed.shape[-1])
 
 
+def moved_bytes(N: int, K: int, G: int, itemsize: int) -> int:
+    """HBM bytes of one quantization: read W, write the int8 codes and the fp32 scales."""
+    return N * K * (itemsize + 1) + 4 * N * (K // G)
+
+
 def compile_cases(N: int = 8192, K: int = 3072) -> list[CompileCase]:
-    """What a GPU launch compiles (see dlo.kernels.aot): BLOCK follows the group size up to MAX_BLOCK,
-    so groups of 128, per channel of Llama 3.2 3B's MLP weights, (8192, 3072) (the largest one-pass
-    BLOCK, 4096) and (3072, 8192) (the looping kernel), for each weight dtype; the work: read W,
-    write the int8 codes and the scales."""
+    """What a GPU launch compiles (see dlo.kernels.aot): the tile follows the group size (`blocks`),
+    so groups of 128 (32 rows a program), per channel of Llama 3.2 3B's MLP weights, (8192, 3072)
+    (one row, the largest one-pass BLOCK) and (3072, 8192) (the looping kernel), for each weight
+    dtype; the work: read W, write the int8 codes and the scales."""
     cases = []
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         for G in (128, K, N):
             rows, cols = (N, K) if G <= K else (K, N)  # per channel of 8192: the down-projection, (3072, 8192)
-            args = dict(w_ptr=dtype, q_ptr=torch.int8, s_ptr=torch.float32, K=cols, n_groups=cols // G,
-                        q_max=127.0, G=G, BLOCK=min(triton.next_power_of_2(G), MAX_BLOCK["cuda"]))
+            block_r, block = blocks(G, "cuda")
+            args = dict(w_ptr=dtype, q_ptr=torch.int8, s_ptr=torch.float32, N=rows, K=cols, n_groups=cols // G,
+                        q_max=127.0, G=G, BLOCK_R=block_r, BLOCK=block)
             cases.append(CompileCase(_quantize_kernel, args, f"{str(dtype).removeprefix('torch.')} G={G}",
-                                     shape=f"N={rows} K={cols}", flops=3 * N * K,
-                                     bytes=N * K * (dtype.itemsize + 1) + 4 * N * K // G))
+                                     num_warps=NUM_WARPS, shape=f"N={rows} K={cols}", flops=3 * N * K,
+                                     bytes=moved_bytes(rows, cols, G, dtype.itemsize)))
     return cases
 
 
@@ -162,11 +182,12 @@ def bench(shapes: tuple[tuple[int, int], ...] = ((4096, 4096), (11008, 4096)), g
     rows = []
     for N, K in shapes:
         w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16)
-        moved = N * K * (2 + 1) + 4 * N * K // group_size  # read bf16, write int8 and the scales
+        moved = moved_bytes(N, K, group_size, 2)  # read bf16, write int8 and the scales
         for impl, fn in (("torch", lambda: quantize_ref(w, 8, group_size)),
                          ("dlo triton", lambda: quantize_weight(w, 8, group_size))):
             ms = triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
             gbs = moved / (ms * 1e-3) / 1e9
             rows.append({"op": "quantize", "size": f"{N}x{K}", "impl": impl, "ms": ms, "GB/s": gbs,
-                         "% peak": 100 * gbs / hbm if hbm else None})
-    return rows
+                         "% peak": 100 * gbs / hbm if hbm else None, "work": (moved, 3 * N * K, "fp32_tflops")})
+    from dlo.bench import add_roofline
+    return add_roofline(rows, (peak("cuda") or {}).get("name"))

@@ -54,9 +54,11 @@ def launch_tables(lists: list[list[Tensor]], device: torch.device, block_size: i
     (L, T) int64 addresses, (T,) sizes (of lists[0]), the per-program map of `block_map`, and
     whether every address is 16-byte aligned. A pure function of addresses, sizes and block size,
     so the cache is always right; it saves rebuilding and copying the tables every step."""
-    addrs = [[t.data_ptr() for t in lst] for lst in lists]
-    numels = [t.numel() for t in lists[0]]
-    key = (device, block_size, len(lists), *(a for lst in addrs for a in lst), *numels)
+    # map over the unbound methods and flat tuples: this runs every optimizer step, and with ~150
+    # tensors its Python time is what a small model's step costs (host-bound, first H100 run).
+    addrs = tuple(tuple(map(Tensor.data_ptr, lst)) for lst in lists)
+    numels = tuple(map(Tensor.numel, lists[0]))
+    key = (device, block_size, addrs, numels)
     if key not in _tables:
         block_tensor, block_start = block_map(numels, block_size)
         if len(_tables) >= 64:
@@ -80,18 +82,26 @@ def time_ms(fn, device: torch.device | str = "cuda", warmup: int = 25, rep: int 
     return time_fn(fn, device=device, warmup=1, reps=3, min_time_s=0.2, max_reps=50).median_ms
 
 
-def bench_matmuls(op: str, M: int, K: int, N: int, impls: dict) -> list[dict]:
+def bench_matmuls(op: str, M: int, K: int, N: int, impls: dict, peaks: dict | None = None) -> list[dict]:
     """Time implementations of one (M, K) x (K, N) product for `dlo bench` (GPU only).
 
-    `impls` maps a name to (fn, peak TFLOP/s or None); the first entry is the dense bf16 baseline
-    that "speed-up" refers to. TFLOP/s counts the dense work 2 M N K, whatever the format, so rates
-    of sparse and quantized products compare with dense ones. "size" groups rows for dlo.bench's ratios.
+    `impls` maps a name to (fn, peak key such as "bf16_tflops", bytes it must move at least or None:
+    then no roofline columns);
+    the first entry is the dense bf16 baseline that "speed-up" refers to. TFLOP/s counts the dense
+    work 2 M N K, whatever the format, so rates of sparse and quantized products compare with dense
+    ones. `peaks`: dlo.hardware figures (default: this GPU's). "size" groups rows for dlo.bench's ratios.
     """
+    if peaks is None:
+        from dlo.hardware import peak
+        peaks = peak("cuda") or {}
     rows, base = [], None
-    for impl, (fn, pk) in impls.items():
+    for impl, (fn, key, moved) in impls.items():
         ms = time_ms(fn, warmup=10, rep=50)
         base = base or ms
         tflops = 2 * M * N * K / (ms * 1e-3) / 1e12
+        pk = peaks.get(key)
         rows.append({"op": op, "size": f"{M}x{K}x{N}", "M": M, "K": K, "N": N, "impl": impl, "ms": ms,
-                     "TFLOP/s": tflops, "% peak": 100 * tflops / pk if pk else None, "speed-up": base / ms})
-    return rows
+                     "TFLOP/s": tflops, "% peak": 100 * tflops / pk if pk else None, "speed-up": base / ms,
+                     **({"work": (moved, 2 * M * N * K, key)} if moved else {})})
+    from dlo.bench import add_roofline
+    return add_roofline(rows, peaks.get("name"))

@@ -113,13 +113,18 @@ def decompress24(values: Tensor, idx: Tensor) -> Tensor:
     return dense.reshape(N, 2 * half)
 
 
+def compress_bytes(N: int, K: int, itemsize: int) -> int:
+    """HBM bytes of one compression: read W, write half of it, the int8 positions and the int8 mask."""
+    return N * K * itemsize * 3 // 2 + N * K // 2 + N * K
+
+
 def compile_cases(N: int = 8192, K: int = 3072) -> list[CompileCase]:
     """What a GPU launch compiles (see dlo.kernels.aot), per weight dtype; the work at Llama 3.2 3B's
     (8192, 3072) MLP weight: read W, write half of it, the int8 positions and the int8 mask."""
     return [CompileCase(_sparse24_kernel, dict(w_ptr=dtype, v_ptr=dtype, i_ptr=torch.int8, m_ptr=torch.int8,
                                                n_groups=N * K // 4, BLOCK=GPU_BLOCK),
                         f"{str(dtype).removeprefix('torch.')} BLOCK={GPU_BLOCK}", shape=f"N={N} K={K}",
-                        bytes=N * K * dtype.itemsize * 3 // 2 + N * K // 2 + N * K, flops=0)
+                        bytes=compress_bytes(N, K, dtype.itemsize), flops=0)
             for dtype in (torch.float32, torch.bfloat16, torch.float16)]
 
 
@@ -132,18 +137,22 @@ def bench(shapes: tuple[tuple[int, int, int], ...] = ((4096, 4096, 4096), (8192,
         raise RuntimeError("the 2:4 sparsity benchmark needs a CUDA GPU")
     from torch.sparse import to_sparse_semi_structured
 
-    from dlo.hardware import peak
-    bf16_peak = (peak("cuda") or {}).get("bf16_tflops")
     rows = []
     for M, K, N in shapes:
         x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16)
         w24 = w * sparse24(w)[2]
         w_sparse = to_sparse_semi_structured(w24)
-        impls = {"torch bf16 dense": (lambda: torch.nn.functional.linear(x, w24), bf16_peak),
-                 "2:4 semi-structured": (lambda: torch.nn.functional.linear(x, w_sparse), bf16_peak)}
+        # 2:4: half the values, plus 2 bits of position metadata per kept value.
+        impls = {"torch bf16 dense": (lambda: torch.nn.functional.linear(x, w24), "bf16_tflops",
+                                      2 * (M * K + N * K + M * N)),
+                 "2:4 semi-structured": (lambda: torch.nn.functional.linear(x, w_sparse), "bf16_tflops",
+                                         2 * (M * K + M * N) + N * K + N * K // 8)}
         rows += bench_matmuls("sparse24_matmul", M, K, N, impls)  # TFLOP/s: dense-equivalent work
         ms = triton.testing.do_bench(lambda: sparse24(w), warmup=10, rep=50, return_mode="median")
         rows.append({"op": "sparse24_compress", "size": f"{N}x{K}", "K": K, "N": N, "impl": "dlo triton", "ms": ms,
-                     "TFLOP/s": None, "% peak": None, "speed-up": None})
-    return rows
+                     "TFLOP/s": None, "% peak": None, "speed-up": None,
+                     "work": (compress_bytes(N, K, 2), 0, "bf16_tflops")})
+    from dlo.bench import add_roofline
+    from dlo.hardware import peak
+    return add_roofline(rows, (peak("cuda") or {}).get("name"))

@@ -5,7 +5,10 @@ G input features (see dlo.kernels.quantize). Each program loads a (BLOCK_N, BLOC
 multiplies by its scales in registers, casts to the activation dtype (bf16 / fp16) and feeds the
 tensor cores with fp32 accumulation. At small batch (LLM decoding) the matmul is bound by reading W,
 so 1 byte (or half a byte) per weight instead of 2 is up to a 2x (4x) speed-up; at large batch it is
-compute bound and the dequantization is extra work on top of the bf16 GEMM.
+compute bound and the dequantization is extra work on top of the bf16 GEMM. Decoding therefore takes
+narrow tiles and may split K over several programs (split-K, as in GEMV kernels: more loads in
+flight for the same W), whose fp32 partial sums the launcher adds; prefill takes tensor-core GEMM
+tiles. Both are chosen per shape by triton.autotune among configurations made for that M, K and G.
 
 Order: kernel, launcher, `weight_only_matmul_ref` (torch), benchmark.
 """
@@ -22,57 +25,115 @@ from dlo.kernels.quantize import dequantize_weight, unpack_int4
 from dlo.kernels.runtime import bench_matmuls, kernel_available
 
 ACT_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
-# Launch configurations. Decode (M <= 16) reads W once with tall-skinny tiles; larger M uses square
-# tensor-core tiles; the interpreter takes small tiles, fewer wasted lanes on tiny test shapes.
-# Compiled for sm_80/90/100 (tests/kernels/test_compile.py), on 4 warps the former tiles spilled:
-# the GEMM one, 64x128x64, ~1.3 KB per thread in W4A16 (the unpacked int4 tile sits in registers
-# beside the accumulator), the decode one, 16x64x64, 8 bytes in W8A16 on sm_100; 16x64x128 spills
-# in W4A16. On 8 warps these fit in registers on all three targets (W4A16 decode: ~160 registers).
-# A K that is not a multiple of 16 leaves rows unaligned (no vector or asynchronous copies): the GEMM
-# tile then spilled ~0.5 KB per thread, so such launches take a 64x64 tile.
-DECODE = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, num_warps=8)
-GEMM = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8)
-GEMM_UNALIGNED_K = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4)
-CPU = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, num_warps=4)
+# GPU launch configurations, timed by triton.autotune per (M, N, K) on first use, chosen for Llama 3.2
+# 3B's projections (K = 3072 or 8192, N = 1024 to 8192) and the 7B MLP the benchmark uses.
+# Decode (M <= 16) is bound by reading W once: narrow column tiles and a split of K over SPLIT_K
+# programs put enough loads in flight to fill HBM even at N = 1024 (k/v projections); each split writes
+# fp32 partial sums that the launcher adds. Prefill (M > 16) takes tensor-core GEMM tiles. A tile whose
+# BLOCK_K divides the group size G takes one scale per row (a (BLOCK_N,) load); otherwise every
+# element gathers its scale, which the first H100 run showed cost ~10x (0.38 ms for a 45 MB W8A16
+# decode vs 0.047 ms for torch's 90 MB bf16). A K that is not a multiple of 16 leaves rows unaligned
+# (no vector or asynchronous copies): such launches take the UNALIGNED tiles, which spilled least.
+# Compiled, 128x256x64 spilled on sm_80 (76 B per thread in W8A16, 268 B in W4A16: the dequantized
+# tile sits in registers beside the accumulator) and 16x64x128 spilled on sm_100 (16 B per thread in
+# W8A16 on 4 warps, 8 B in W4A16 on 8).
+# Every configuration is compiled for sm_80/90/100 by tests/kernels/test_compile.py. The interpreter
+# takes small tiles, split in two at decode so the tests run the split path too.
 DECODE_MAX_M = 16
-
-
-def launch_config(M: int, K: int, device_type: str) -> dict:
-    """Blocks and warps of a launch: the interpreter's small tile, decode, GEMM or unaligned-K GEMM."""
-    if device_type == "cpu":
-        return CPU
-    return DECODE if M <= DECODE_MAX_M else GEMM if K % 16 == 0 else GEMM_UNALIGNED_K
+DECODE_CONFIGS = (dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, SPLIT_K=1, num_warps=4, num_stages=4),
+                  dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, SPLIT_K=4, num_warps=4, num_stages=4),
+                  dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, SPLIT_K=8, num_warps=4, num_stages=4))
+GEMM_CONFIGS = (dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, SPLIT_K=1, num_warps=8, num_stages=3),
+                dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, SPLIT_K=1, num_warps=4, num_stages=4))
+UNALIGNED_CONFIGS = (dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, SPLIT_K=1, num_warps=8, num_stages=3),
+                     dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, SPLIT_K=1, num_warps=4, num_stages=3))
+CPU_DECODE = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, SPLIT_K=2)
+CPU_GEMM = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, SPLIT_K=1)
+MAX_SPLIT_K = max(c["SPLIT_K"] for c in DECODE_CONFIGS + GEMM_CONFIGS + UNALIGNED_CONFIGS + (CPU_DECODE,))
 
 
 @triton.jit
-def _weight_only_matmul_kernel(x_ptr, w_ptr, s_ptr, y_ptr,  # x (M, K), w (N, K) int8 or (N, K/2) uint8, s (N, K/G)
-                               M, N, K, n_groups,
+def _weight_only_matmul_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr,  # x (M, K), w (N, K) int8 or (N, K/2)
+                               M, N, K, n_groups,  # uint8, s (N, K/G) fp32, y (M, N), part (SPLIT_K, M, N) fp32
                                G: tl.constexpr, INT4: tl.constexpr, ACT: tl.constexpr, UPCAST: tl.constexpr,
-                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                               SPLIT_K: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # (BM,)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_split = tl.cdiv(K, SPLIT_K * BLOCK_K) * BLOCK_K  # whole tiles per split: a tile never spans two
+    k_end = tl.minimum(K, (pid_k + 1) * k_split)
+    for k0 in range(pid_k * k_split, k_end, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)  # (BK,)
         x = tl.load(x_ptr + rm[:, None].to(tl.int64) * K + rk[None, :],
                     mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)  # (BM, BK)
-        w_mask = (rn[:, None] < N) & (rk[None, :] < K)
         if INT4:
-            # Two codes per byte: byte k // 2, low nibble for even k, high nibble for odd k, offset by 8.
-            byte = tl.load(w_ptr + rn[:, None].to(tl.int64) * (K // 2) + rk[None, :] // 2, mask=w_mask, other=8)
-            code = ((byte.to(tl.int32) >> ((rk[None, :] % 2) * 4)) & 0xF) - 8  # (BN, BK)
+            # Two codes per byte, offset by 8: even k in the low nibble, odd k in the high one. Each
+            # byte is loaded once and its nibbles interleaved back into k order (join + reshape).
+            rb = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # (BK/2,)
+            byte = tl.load(w_ptr + rn[:, None].to(tl.int64) * (K // 2) + rb[None, :],
+                           mask=(rn[:, None] < N) & (rb[None, :] < K // 2), other=0x88).to(tl.int32)
+            code = tl.reshape(tl.join((byte & 0xF) - 8, (byte >> 4) - 8), (BLOCK_N, BLOCK_K))  # (BN, BK)
         else:
-            code = tl.load(w_ptr + rn[:, None].to(tl.int64) * K + rk[None, :], mask=w_mask, other=0).to(tl.int32)
-        s = tl.load(s_ptr + rn[:, None].to(tl.int64) * n_groups + rk[None, :] // G, mask=w_mask, other=0.0)
+            code = tl.load(w_ptr + rn[:, None].to(tl.int64) * K + rk[None, :],
+                           mask=(rn[:, None] < N) & (rk[None, :] < K), other=0)  # (BN, BK)
+        if G % BLOCK_K == 0:  # the tile lies in one group: one scale per row
+            s = tl.load(s_ptr + rn.to(tl.int64) * n_groups + k0 // G, mask=rn < N, other=0.0)[:, None]
+        else:
+            s = tl.load(s_ptr + rn[:, None].to(tl.int64) * n_groups + rk[None, :] // G,
+                        mask=(rn[:, None] < N) & (rk[None, :] < K), other=0.0)
         w = (code.to(tl.float32) * s).to(ACT)  # (BN, BK), dequantized in registers
         if UPCAST:  # the CPU interpreter multiplies bf16 tiles wrongly: same values, fp32 dot
             acc = tl.dot(x.to(tl.float32), tl.trans(w).to(tl.float32), acc)
         else:
             acc = tl.dot(x, tl.trans(w), acc)  # (BM, BN) fp32 accumulation on the tensor cores
-    tl.store(y_ptr + rm[:, None].to(tl.int64) * N + rn[None, :], acc.to(ACT),
-             mask=(rm[:, None] < M) & (rn[None, :] < N))
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    if SPLIT_K == 1:
+        tl.store(y_ptr + rm[:, None].to(tl.int64) * N + rn[None, :], acc.to(ACT), mask=mask)
+    else:  # fp32 partial sums, added by the launcher: deterministic, unlike atomics
+        tl.store(part_ptr + (pid_k * M + rm[:, None]).to(tl.int64) * N + rn[None, :], acc, mask=mask)
+
+
+def _config(c: dict):
+    return triton.Config({k: v for k, v in c.items() if k.isupper()}, num_warps=c["num_warps"],
+                         num_stages=c["num_stages"])
+
+
+def _pool(M: int, K: int, G: int) -> list[dict]:
+    """The configurations made for this launch: decode or GEMM by M, aligned K or not; among aligned
+    ones, those whose BLOCK_K divides G (one scale per row) when there are any."""
+    decode = M <= DECODE_MAX_M
+    pool = [c for c in (DECODE_CONFIGS + GEMM_CONFIGS if K % 16 == 0 else UNALIGNED_CONFIGS)
+            if (c["BLOCK_M"] <= DECODE_MAX_M) == decode]
+    return [c for c in pool if G % c["BLOCK_K"] == 0] or pool
+
+
+def _configs_for(configs, named_args, **kwargs):
+    """The autotuner times only the tiles of `_pool` for this M, K and G."""
+    wanted = [str(_config(c)) for c in _pool(named_args["M"], named_args["K"], kwargs["G"])]
+    return [c for c in configs if str(c) in wanted]
+
+
+def _add_partials(y: Tensor, part: Tensor, split: int) -> None:
+    """y = the sum of a split launch's `split` fp32 partial sums, rounded once to y's dtype."""
+    if split > 1:
+        y.copy_(part[:split].sum(dim=0))
+
+
+def _timed_with_the_sum(nargs: dict, exception=None) -> None:
+    """The autotuner's post_hook, run inside each timed call: a split configuration is timed with the
+    sum it needs (two small launches, a few microseconds beside a ~20 us decode)."""
+    if exception is None:
+        _add_partials(nargs["y_ptr"], nargs["part_ptr"], nargs["SPLIT_K"])
+
+
+_weight_only_matmul_tuned = triton.autotune([_config(c) for c in DECODE_CONFIGS + GEMM_CONFIGS + UNALIGNED_CONFIGS],
+                                            key=["M", "N", "K"], post_hook=_timed_with_the_sum,
+                                            prune_configs_by={"early_config_prune": _configs_for}
+                                            )(_weight_only_matmul_kernel)
 
 
 def _check(x: Tensor, w: Tensor, scale: Tensor, bits: int) -> tuple[int, int, int]:
@@ -104,11 +165,20 @@ def weight_only_matmul(x: Tensor, w: Tensor, scale: Tensor, bits: int = 8) -> Te
                            f"tensors with TRITON_INTERPRET=1 (use weight_only_matmul_ref otherwise)")
     x, w, scale = x.contiguous(), w.contiguous(), scale.float().contiguous()
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    config = launch_config(M, K, x.device.type)
-    grid = (triton.cdiv(M, config["BLOCK_M"]), triton.cdiv(N, config["BLOCK_N"]))
-    _weight_only_matmul_kernel[grid](
-        x, w, scale, y, M, N, K, scale.shape[1], G=K // scale.shape[1], INT4=bits == 4, ACT=ACT_DTYPES[x.dtype],
-        UPCAST=x.device.type == "cpu", **config)
+    # Decode may split K: room for the largest split's fp32 partial sums (M <= 16 rows: small).
+    part = torch.empty((MAX_SPLIT_K, M, N) if M <= DECODE_MAX_M else (1,), dtype=torch.float32, device=x.device)
+    args = dict(G=K // scale.shape[1], INT4=bits == 4, ACT=ACT_DTYPES[x.dtype], UPCAST=x.device.type == "cpu")
+
+    def grid(meta):
+        return triton.cdiv(M, meta["BLOCK_M"]), triton.cdiv(N, meta["BLOCK_N"]), meta["SPLIT_K"]
+    if x.device.type == "cuda":
+        _weight_only_matmul_tuned[grid](x, w, scale, y, part, M, N, K, scale.shape[1], **args)
+        split = _weight_only_matmul_tuned.best_config.kwargs["SPLIT_K"]
+    else:
+        config = CPU_DECODE if M <= DECODE_MAX_M else CPU_GEMM
+        _weight_only_matmul_kernel[grid(config)](x, w, scale, y, part, M, N, K, scale.shape[1], **args, **config)
+        split = config["SPLIT_K"]
+    _add_partials(y, part, split)
     return y
 
 
@@ -119,28 +189,40 @@ def weight_only_matmul_ref(x: Tensor, w: Tensor, scale: Tensor, bits: int = 8) -
     return (x.float() @ w_hat.float().T).to(x.dtype)
 
 
+def moved_bytes(M: int, K: int, N: int, bits: int, G: int, split: int = 1) -> int:
+    """HBM bytes of one launch: read x (bf16/fp16) once, the codes and their fp32 scales once, write y;
+    with K split over `split` programs, also write and read back the fp32 partial sums."""
+    return 2 * M * K + N * K * bits // 8 + 4 * N * (K // G) + 2 * M * N + (8 * split * M * N if split > 1 else 0)
+
+
 def compile_cases(K: int = 3072, N: int = 8192, group_size: int = 128, unaligned_k: int = 3000) -> list[CompileCase]:
-    """What a GPU launch compiles (see dlo.kernels.aot): both activation dtypes, 8 and 4 bits, every
-    tile of `launch_config`; the work at Llama 3.2 3B's MLP up-projection (decode: M = 16 tokens,
-    GEMM: 4096), at `unaligned_k` (one group per row) for a K that is not a multiple of 16: read x,
-    the codes and the scales once, write y."""
+    """What a GPU launch compiles (see dlo.kernels.aot): every autotuner configuration with 8 and 4
+    bits and both activation dtypes; decode tiles also at M = 1 (the launcher makes M a constant
+    there), in bf16. The work at Llama 3.2 3B's MLP up-projection (decode: M tokens, GEMM: 4096), or at
+    `unaligned_k` (one group per row) for the unaligned tiles: read x, the codes and the scales once,
+    write y (and at a split K, write and read back the fp32 partial sums)."""
     cases = []
-    launches = [(M, k, group_size if k == K else k) for M in (DECODE_MAX_M, 4096) for k in (K, unaligned_k)]
-    for act, tl_act in ACT_DTYPES.items():
-        for bits in (8, 4):
-            for M, k, G in launches:
-                config = launch_config(M, k, "cuda")
-                blocks = {name: v for name, v in config.items() if name != "num_warps"}
-                tile = "x".join(str(b) for b in blocks.values()) + ("" if k % 16 == 0 else " K%16!=0")
-                args = dict(x_ptr=act, w_ptr=torch.int8 if bits == 8 else torch.uint8, s_ptr=torch.float32,
-                            y_ptr=act, M=M, N=N, K=k, n_groups=k // G, G=G, INT4=bits == 4,
-                            ACT=tl_act, UPCAST=False, **blocks)
-                moved = 2 * M * k + N * k * bits // 8 + 4 * N * k // G + 2 * M * N
-                cases.append(CompileCase(_weight_only_matmul_kernel, args, num_warps=config["num_warps"],
-                                         label=f"W{bits}A16 {str(act).removeprefix('torch.')} {tile}",
-                                         shape=f"M={M} K={k} N={N} G={G}", bytes=moved,
-                                         flops=2 * M * N * k, peak="bf16_tflops",
-                                         torch=(2 * (M * k + N * k + M * N), 2 * M * N * k, "bf16_tflops")))
+    for config in DECODE_CONFIGS + GEMM_CONFIGS + UNALIGNED_CONFIGS:
+        unaligned = config in UNALIGNED_CONFIGS
+        k = unaligned_k if unaligned else K
+        G = k if unaligned else group_size
+        blocks = {name: v for name, v in config.items() if name.isupper()}
+        tile = (f"{config['BLOCK_M']}x{config['BLOCK_N']}x{config['BLOCK_K']}" + (" K%16!=0" if unaligned else "")
+                + (f" split{config['SPLIT_K']}" if config["SPLIT_K"] > 1 else ""))
+        decode = config["BLOCK_M"] <= DECODE_MAX_M
+        for act, tl_act in ACT_DTYPES.items():
+            for bits in (8, 4):
+                for M in ((1, DECODE_MAX_M) if act == torch.bfloat16 else (DECODE_MAX_M,)) if decode else (4096,):
+                    args = dict(x_ptr=act, w_ptr=torch.int8 if bits == 8 else torch.uint8, s_ptr=torch.float32,
+                                y_ptr=act, part_ptr=torch.float32, M=M, N=N, K=k, n_groups=k // G, G=G,
+                                INT4=bits == 4, ACT=tl_act, UPCAST=False, **blocks)
+                    moved = moved_bytes(M, k, N, bits, G, config["SPLIT_K"])
+                    cases.append(CompileCase(_weight_only_matmul_kernel, args, num_warps=config["num_warps"],
+                                             num_stages=config["num_stages"],
+                                             label=f"W{bits}A16 {str(act).removeprefix('torch.')} {tile} M={M}",
+                                             shape=f"M={M} K={k} N={N} G={G}", bytes=moved,
+                                             flops=2 * M * N * k, peak="bf16_tflops",
+                                             torch=(2 * (M * k + N * k + M * N), 2 * M * N * k, "bf16_tflops")))
     return cases
 
 
@@ -151,9 +233,7 @@ def bench(shapes: tuple[tuple[int, int, int], ...] = ((1, 4096, 11008), (16, 409
     """GPU: x (M, K) @ W^T with W (N, K) of a Llama-7B MLP: bf16 cuBLAS vs W8A16 vs W4A16 (TFLOP/s)."""
     if not torch.cuda.is_available():
         raise RuntimeError("the weight-only matmul benchmark needs a CUDA GPU")
-    from dlo.hardware import peak
     from dlo.kernels.quantize import pack_int4, quantize_weight
-    bf16_peak = (peak("cuda") or {}).get("bf16_tflops")
     rows = []
     for M, K, N in shapes:
         x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
@@ -161,8 +241,10 @@ def bench(shapes: tuple[tuple[int, int, int], ...] = ((1, 4096, 11008), (16, 409
         q8, s8 = quantize_weight(w, 8, group_size)
         q4, s4 = quantize_weight(w, 4, group_size)
         p4 = pack_int4(q4)
-        impls = {"torch bf16": (lambda: x @ w.T, bf16_peak),
-                 "dlo W8A16": (lambda: weight_only_matmul(x, q8, s8, 8), bf16_peak),
-                 "dlo W4A16": (lambda: weight_only_matmul(x, p4, s4, 4), bf16_peak)}
+        impls = {"torch bf16": (lambda: x @ w.T, "bf16_tflops", 2 * (M * K + N * K + M * N)),
+                 "dlo W8A16": (lambda: weight_only_matmul(x, q8, s8, 8), "bf16_tflops",
+                               moved_bytes(M, K, N, 8, group_size)),
+                 "dlo W4A16": (lambda: weight_only_matmul(x, p4, s4, 4), "bf16_tflops",
+                               moved_bytes(M, K, N, 4, group_size))}
         rows += bench_matmuls("weight_only_matmul", M, K, N, impls)
     return rows
