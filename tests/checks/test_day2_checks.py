@@ -226,7 +226,12 @@ def test_loss_scaler_stub():
 def round_ok(x):
     bits = x.view(torch.int32)
     bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536  # -65536 == 0xFFFF0000 as int32
-    return bits.view(torch.float32)
+    return torch.where(x.isnan(), x, bits.view(torch.float32))
+
+
+def round_loses_nan(x):
+    bits = x.view(torch.int32)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).view(torch.float32)
 
 
 def round_truncate(x):
@@ -257,6 +262,7 @@ def test_round_to_bf16_accepts(capsys):
                                          (round_half_up, r"bits 0x06608000\) should round to"),  # a tie
                                          (round_in_place, "the input was modified"),
                                          (round_via_fp16, "should round to -9437184.0, got -inf"),
+                                         (round_loses_nan, "bits 0x7fffffff.*got -0.0; .*a nan must stay nan"),
                                          (lambda x: x.clone(), "should round to -9437184.0, got -9444229.0")])
 def test_round_to_bf16_rejects(wrong, match):
     with pytest.raises(AssertionError, match=match):

@@ -30,10 +30,12 @@ def kernel_available(device: torch.device | str) -> bool:
 def round_to_bf16(x):
     """fp32 -> the nearest bf16 value (ties to even), still as fp32. Done by hand because the CPU
     interpreter truncates on fp32 -> bf16, which would bias small updates downwards; this way GPU
-    and interpreter agree bit for bit. inf and nan keep their class under this rounding."""
+    and interpreter agree bit for bit. inf keeps its class under this rounding; a nan is passed through
+    as it is: the canonical nan of NVIDIA's arithmetic is 0x7FFFFFFF, whose rounding carry would run into
+    the sign bit and make it -0.0 (seen on an H100: nan * 0.5 unscaled to -0.0, hiding an overflow)."""
     bits = x.to(tl.uint32, bitcast=True)
     bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-    return bits.to(tl.float32, bitcast=True)
+    return tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
 
 
 def block_map(numels: list[int], block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
