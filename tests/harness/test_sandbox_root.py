@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from dlo import reaper
 from dlo.grading import jail
 from dlo.grading.api import check, use_backend
 from dlo.grading.files import open_log
@@ -80,9 +81,9 @@ def _descendant(pid: int, comm: str) -> int:
         todo = [pid]
         while todo:
             p = todo.pop()
-            if p != pid and jail._comm(p) == comm:
+            if p != pid and reaper.comm(p) == comm:
                 return p
-            todo += jail._children(p)
+            todo += reaper.children(p)
         time.sleep(0.05)
     raise AssertionError(f"no {comm} under {pid}")
 

@@ -58,6 +58,8 @@ from pathlib import Path
 
 from jupyter_client.manager import AsyncKernelManager
 
+from dlo.reaper import children, comm
+
 SPEC_ENV = "DLO_SANDBOX_SPEC"  # path of the JSON spec `dlo grade` writes for one submission
 BWRAP_ENV = "DLO_BWRAP"  # the bwrap to use (a path); else a system bwrap, else the bundled one
 UID = GID = 65534  # who the student's code is, inside the sandbox and (grading as root) outside too
@@ -379,26 +381,10 @@ class SandboxedKernelManager(AsyncKernelManager):
         """The first process below the bwrap processes: the kernel."""
         pid = getattr(self.provisioner, "pid", None) or getattr(getattr(self.provisioner, "process", None), "pid", None)
         for _ in range(4):
-            kids = _children(pid) if pid else []
+            kids = children(pid) if pid else []
             if not kids:
                 return None
             pid = kids[0]
-            if _comm(pid) != "bwrap":
+            if comm(pid) != "bwrap":
                 return pid
         return None
-
-
-def _children(pid: int) -> list[int]:
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            return [int(x) for x in f.read().split()]
-    except OSError:
-        return []
-
-
-def _comm(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/comm") as f:
-            return f.read().strip()
-    except OSError:
-        return ""

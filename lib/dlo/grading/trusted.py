@@ -36,6 +36,7 @@ import torch
 
 from dlo.grading import wire
 from dlo.grading.forbid import ForbiddenCall
+from dlo.reaper import kill_tree
 
 TAG_ENV = "DLO_SANDBOX_TAG"  # marks every process of a runner, so that all of them can be found and killed
 CLOSE_TIMEOUT = 10.0  # seconds a session gets to end after the check is done with it
@@ -55,36 +56,6 @@ class StudentProcessDied(AssertionError):
 
 
 # ----------------------------------------------------------------------------- processes
-
-def tagged_pids(tag: str) -> list[int]:
-    """Processes (of this user) whose environment carries TAG_ENV=tag."""
-    needle, pids = f"{TAG_ENV}={tag}".encode() + b"\0", []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                if needle in f.read() + b"\0":
-                    pids.append(int(entry))
-        except OSError:
-            continue
-    return pids
-
-
-def kill_tree(proc: subprocess.Popen, tag: str | None = None) -> None:
-    """SIGKILL a process started with start_new_session=True, its group, and every process carrying
-    its tag (ranks start their own sessions). Under bubblewrap with --unshare-pid and
-    --die-with-parent, killing the group already takes the whole PID namespace with it."""
-    for _ in range(3):  # a second pass catches what was being forked during the first
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        for pid in tagged_pids(tag) if tag else []:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, signal.SIGKILL)
-        if not tag or not tagged_pids(tag):
-            break
-    proc.wait()
-
 
 class Runner:
     """One sandboxed runner process and its pipes."""
@@ -143,7 +114,8 @@ class Runner:
         return self.proc.poll() is None
 
     def kill(self) -> None:
-        kill_tree(self.proc, self.tag)
+        kill_tree(self.proc.pid, mark=f"{TAG_ENV}={self.tag}")
+        self.proc.wait()
         for f in (self.proc.stdin, self.proc.stdout):
             with contextlib.suppress(OSError):
                 f.close()
