@@ -18,7 +18,8 @@ from dlo import reaper
 from dlo.grading import api, forbid, testcells, wire
 from dlo.grading.api import check, run_student, use_backend
 from dlo.grading.jail import SandboxedKernelManager, Spec, make_spec, probe
-from dlo.grading.trusted import TAG_ENV, CheckTimeout, LocalSandbox, StudentProcessDied
+from dlo.grading.remote import TAG_ENV, CheckTimeout
+from dlo.grading.trusted import LocalSandbox, StudentProcessDied
 
 BWRAP = probe() == "bwrap"
 needs_bwrap = pytest.mark.skipif(not BWRAP, reason=f"bubblewrap cannot run here: {probe()}")

@@ -28,7 +28,8 @@ from dlo.grading import jail
 from dlo.grading.api import check, use_backend
 from dlo.grading.files import open_log
 from dlo.grading.jail import make_spec, probe
-from dlo.grading.trusted import LocalSandbox, RunnerDied, StudentProcessDied
+from dlo.grading.remote import RunnerDied
+from dlo.grading.trusted import LocalSandbox, StudentProcessDied
 from tests.harness.conftest import DAY, POINTS, REPO, dlo, read_csv, unreachable_by_others
 
 pytestmark = pytest.mark.skipif(probe() != "bwrap", reason=f"bubblewrap cannot run here: {probe()}")
