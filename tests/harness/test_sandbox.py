@@ -17,7 +17,8 @@ import dlo.checks
 from dlo import reaper
 from dlo.grading import api, forbid, testcells, wire
 from dlo.grading.api import check, run_student, use_backend
-from dlo.grading.jail import SandboxedKernelManager, Spec, make_spec, probe
+from dlo.grading.jail import Spec, make_spec, probe
+from dlo.grading.jail_kernel import SandboxedKernelManager
 from dlo.grading.remote import TAG_ENV, CheckTimeout
 from dlo.grading.trusted import LocalSandbox, StudentProcessDied
 
