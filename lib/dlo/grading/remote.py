@@ -27,6 +27,7 @@ import torch
 
 from dlo.grading import wire
 from dlo.grading.forbid import ForbiddenCall
+from dlo.grading.wire_request import OneShot, Ref
 from dlo.reaper import kill_tree
 
 TAG_ENV = "DLO_SANDBOX_TAG"  # marks every process of a runner, so that all of them can be found and killed
@@ -79,7 +80,7 @@ class Runner:
     def recv_decoded(self, deadline: float | None, session) -> dict:
         """The next message, decoded safely; handles in it belong to `session` (a `trusted.Session`, or None)."""
         data = self.recv(deadline)
-        make = None if session is None else (lambda i, ty: Remote(session.backend, wire.Ref("obj", i), ty, session))
+        make = None if session is None else (lambda i, ty: Remote(session.backend, Ref("obj", i), ty, session))
         try:
             msg = wire.decode(data, make_handle=make)
         except Exception as exc:  # noqa: BLE001 - json, a tensor's size or a tag check refused it
@@ -112,7 +113,7 @@ class Remote:
     """A student object that lives in the sandbox. Calls and attribute reads are requests; what
     comes back is plain data or another Remote (valid while its check runs)."""
 
-    def __init__(self, backend, ref: wire.Ref, label: str, session=None):
+    def __init__(self, backend, ref: Ref, label: str, session=None):
         self._backend, self._ref, self._label, self._session = backend, ref, label, session
 
     def _bound(self, session) -> Remote:
@@ -138,7 +139,7 @@ class Remote:
 def materialise(obj, depth: int = 0):
     """Generators become OneShot lists (a generator cannot travel; the student still sees one pass)."""
     if isinstance(obj, types.GeneratorType):
-        return wire.OneShot(list(obj))
+        return OneShot(list(obj))
     if depth < 8 and type(obj) in (list, tuple):
         return type(obj)(materialise(x, depth + 1) for x in obj)
     if depth < 8 and type(obj) is dict:
@@ -166,7 +167,7 @@ def apply_after(orig, st, depth: int = 0) -> None:
         if type(st[3]) is bool:
             orig.train(st[3])
     elif kind == "seq" and len(st) == 2 and type(st[1]) is list:
-        items = orig.items if isinstance(orig, wire.OneShot) else orig
+        items = orig.items if isinstance(orig, OneShot) else orig
         if isinstance(items, (list, tuple)):
             for o, s in zip(items, st[1]):
                 apply_after(o, s, d)

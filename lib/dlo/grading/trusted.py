@@ -28,8 +28,8 @@ import sys
 import time
 from pathlib import Path
 
-from dlo.grading import wire
 from dlo.grading.remote import CheckTimeout, Remote, Runner, RunnerDied, apply_after, materialise, rebuild_error
+from dlo.grading.wire_request import Callback, Ref, dump_request
 
 CLOSE_TIMEOUT = 10.0  # seconds a session gets to end after the check is done with it
 START_TIMEOUT = 180.0  # seconds a runner gets to import torch and dlo
@@ -84,7 +84,7 @@ class Session:
     # -- the channel
     def start(self) -> None:
         self.runner = self.backend.runner()
-        self.runner.send(wire.dump_request({"op": "open", "forbid": self.forbid, "exercise": self.name,
+        self.runner.send(dump_request({"op": "open", "forbid": self.forbid, "exercise": self.name,
                                              "hint": self.hint}))
         msg = self.receive()
         if msg.get("kind") == "error":
@@ -100,7 +100,7 @@ class Session:
         self.open = False
         runner = self.runner
         try:
-            runner.send(wire.dump_request({"op": "close"}))
+            runner.send(dump_request({"op": "close"}))
             self.wait_ended(min(CLOSE_TIMEOUT, self.backend.left()))
         except (CheckTimeout, RunnerDied):
             self.backend.drop_runner()
@@ -120,15 +120,15 @@ class Session:
             raise RuntimeError(f"{obj!r} belonged to a check that has ended; it cannot be used here")
         return obj._ref
 
-    def callback(self, fn) -> wire.Callback:
+    def callback(self, fn) -> Callback:
         cid = len(self.callbacks) + 1
         self.callbacks[cid] = fn
-        return wire.Callback(cid, getattr(fn, "__qualname__", "callback"))
+        return Callback(cid, getattr(fn, "__qualname__", "callback"))
 
     def request(self, req: dict, full: bool = False):
         if not self.open:
             raise RuntimeError(f"{self.name}: the check's sandbox session is closed")
-        self.runner.send(wire.dump_request(req, self.encode_ref, self.callback))
+        self.runner.send(dump_request(req, self.encode_ref, self.callback))
         while True:
             try:
                 msg = self.receive()
@@ -158,7 +158,7 @@ class Session:
             reply = {"op": "cb_result", "value": fn(*args, **kwargs)}
         except Exception as exc:  # noqa: BLE001 - the callback's failure is reported to the caller in the sandbox
             reply = {"op": "cb_error", "message": f"{type(exc).__name__}: {exc}"}
-        self.runner.send(wire.dump_request(reply, self.encode_ref, self.callback))
+        self.runner.send(dump_request(reply, self.encode_ref, self.callback))
 
 
 def _died_message(name: str, code) -> str:
@@ -197,7 +197,7 @@ class SandboxBackend:
 
     def captured(self, label: str, path: str | Path) -> Remote:
         """The handle of a student object that the kernel pickled into `path` (read in the sandbox only)."""
-        return Remote(self, wire.Ref("cap", str(path)), label)
+        return Remote(self, Ref("cap", str(path)), label)
 
     def left(self) -> float:
         return CLOSE_TIMEOUT if self.deadline is None else max(0.0, self.deadline - time.monotonic())
