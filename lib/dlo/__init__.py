@@ -2,8 +2,9 @@
 
 `dlo.setup(day, profile=...)` turns a notebook's parameters cell into a `Run` (device, preset,
 seeded RNGs, log folder). Everything else lives in submodules: `dlo.optim`, `dlo.kernels`,
-`dlo.distributed`, `dlo.models`, `dlo.data`, `dlo.checks` (the autograder's checks) and
-`dlo.harness` (papermill and nbgrader behind the `dlo` command).
+`dlo.distributed`, `dlo.models`, `dlo.data`, `dlo.checks` (the autograder's checks), `dlo.grading`
+(what runs them: the check API, the sandbox, the trusted side) and `dlo.harness` (papermill and
+nbgrader behind the `dlo` command).
 """
 
 from dlo.config import Run, setup

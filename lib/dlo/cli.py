@@ -13,7 +13,7 @@
 
 Every command follows `dlo.errors`: errors and warnings on stderr as `dlo <command>: ...`, exit status 2
 for bad usage or values (before any work), 1 for a failed run; SIGTERM, SIGHUP and Ctrl-C end every
-process the command started (`dlo.harness.reaper`), exit status 128 + the signal's number.
+process the command started (`dlo.reaper`), exit status 128 + the signal's number.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ import signal
 import sys
 from pathlib import Path
 
+from dlo import reaper
 from dlo.errors import FAILED, USAGE, BadInput
-from dlo.harness import reaper
 from dlo.harness.days import repo_root
 
 

@@ -14,10 +14,13 @@ import pytest
 import torch
 
 import dlo.checks
+from dlo import reaper
 from dlo.grading import api, forbid, testcells, wire
 from dlo.grading.api import check, run_student, use_backend
-from dlo.grading.jail import SandboxedKernelManager, Spec, make_spec, probe
-from dlo.grading.trusted import CheckTimeout, LocalSandbox, StudentProcessDied, tagged_pids
+from dlo.grading.jail import Spec, make_spec, probe
+from dlo.grading.jail_kernel import SandboxedKernelManager
+from dlo.grading.remote import TAG_ENV, CheckTimeout
+from dlo.grading.trusted import LocalSandbox, StudentProcessDied
 
 BWRAP = probe() == "bwrap"
 needs_bwrap = pytest.mark.skipif(not BWRAP, reason=f"bubblewrap cannot run here: {probe()}")
@@ -188,7 +191,8 @@ def test_a_hang_past_the_deadline_kills_everything(tmp_path):
         sb.deadline = time.monotonic() + 3
         with pytest.raises(CheckTimeout):
             check_calls(handle)
-        assert runner.proc.poll() is not None and not tagged_pids(runner.tag)  # the escaped `sleep` too
+        # the escaped `sleep` too
+        assert runner.proc.poll() is not None and not reaper.tagged(f"{TAG_ENV}={runner.tag}")
     assert set(_sleepers()) <= before
 
 

@@ -23,11 +23,14 @@ from pathlib import Path
 
 import pytest
 
+from dlo import reaper
 from dlo.grading import jail
 from dlo.grading.api import check, use_backend
 from dlo.grading.files import open_log
 from dlo.grading.jail import make_spec, probe
-from dlo.grading.trusted import LocalSandbox, RunnerDied, StudentProcessDied
+from dlo.grading.jail_kernel import SandboxedKernelManager
+from dlo.grading.remote import RunnerDied
+from dlo.grading.trusted import LocalSandbox, StudentProcessDied
 from tests.harness.conftest import DAY, POINTS, REPO, dlo, read_csv, unreachable_by_others
 
 pytestmark = pytest.mark.skipif(probe() != "bwrap", reason=f"bubblewrap cannot run here: {probe()}")
@@ -80,9 +83,9 @@ def _descendant(pid: int, comm: str) -> int:
         todo = [pid]
         while todo:
             p = todo.pop()
-            if p != pid and jail._comm(p) == comm:
+            if p != pid and reaper.comm(p) == comm:
                 return p
-            todo += jail._children(p)
+            todo += reaper.children(p)
         time.sleep(0.05)
     raise AssertionError(f"no {comm} under {pid}")
 
@@ -204,7 +207,7 @@ def test_a_log_is_never_opened_through_a_link(tmp_path):
 def test_the_kernel_talks_over_unix_sockets(spec):
     from jupyter_client.utils import run_sync
 
-    km = jail.SandboxedKernelManager(kernel_name="python3")
+    km = SandboxedKernelManager(kernel_name="python3")
     km.spec = spec
     run_sync(km.start_kernel)()
     kc = km.blocking_client()

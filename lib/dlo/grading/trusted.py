@@ -1,11 +1,12 @@
 """The sandboxed backend of `dlo.grading.api`: the trusted side of `dlo grade`.
 
 Checks run here, in a process where no student code ever ran, exactly as written (`@check`, plain
-calls, `run_student`, `on_ranks`); the student's objects are `Remote` handles to objects living in
-a sandboxed runner (`python -I -m dlo.grading.jail_runner`, one per graded notebook, under bubblewrap unless
-grading runs with --no-sandbox), its output in a log the trusted side opened once (`open_log`). What
-comes back is data decoded by `dlo.grading.wire` (JSON and raw tensor bytes, never a pickle), and the
-comparison with the reference happens here, out of the student's reach.
+calls, `run_student`, `on_ranks`); the student's objects are `Remote` handles (`dlo.grading.remote`)
+to objects living in a sandboxed runner (`python -I -m dlo.grading.jail_runner`, one per graded
+notebook, under bubblewrap unless grading runs with --no-sandbox), its output in a log the trusted
+side opened once (`open_log`). What comes back is data decoded by `dlo.grading.wire` (JSON and raw
+tensor bytes, never a pickle), and the comparison with the reference happens here, out of the
+student's reach.
 
     backend = SandboxBackend(prefix=bwrap_args, log=path)     # the runner starts on first use
     with use_backend(backend):
@@ -20,241 +21,22 @@ everything it started (ranks included); the next check starts a fresh runner.
 
 from __future__ import annotations
 
-import builtins
 import contextlib
 import os
-import select
 import signal
-import subprocess
 import sys
 import time
-import types
-import uuid
 from pathlib import Path
 
-import torch
+from dlo.grading.remote import CheckTimeout, Remote, Runner, RunnerDied, apply_after, materialise, rebuild_error
+from dlo.grading.wire_request import Callback, Ref, dump_request
 
-from dlo.grading import wire
-from dlo.grading.forbid import ForbiddenCall
-
-TAG_ENV = "DLO_SANDBOX_TAG"  # marks every process of a runner, so that all of them can be found and killed
 CLOSE_TIMEOUT = 10.0  # seconds a session gets to end after the check is done with it
 START_TIMEOUT = 180.0  # seconds a runner gets to import torch and dlo
 
 
-class CheckTimeout(TimeoutError):
-    """The cell's checks ran out of time; the runner and all it started were killed."""
-
-
-class RunnerDied(RuntimeError):
-    """The sandboxed runner itself went away (not just one check's child)."""
-
-
 class StudentProcessDied(AssertionError):
     """The process running the student's code ended in the middle of a check."""
-
-
-# ----------------------------------------------------------------------------- processes
-
-def tagged_pids(tag: str) -> list[int]:
-    """Processes (of this user) whose environment carries TAG_ENV=tag."""
-    needle, pids = f"{TAG_ENV}={tag}".encode() + b"\0", []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                if needle in f.read() + b"\0":
-                    pids.append(int(entry))
-        except OSError:
-            continue
-    return pids
-
-
-def kill_tree(proc: subprocess.Popen, tag: str | None = None) -> None:
-    """SIGKILL a process started with start_new_session=True, its group, and every process carrying
-    its tag (ranks start their own sessions). Under bubblewrap with --unshare-pid and
-    --die-with-parent, killing the group already takes the whole PID namespace with it."""
-    for _ in range(3):  # a second pass catches what was being forked during the first
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        for pid in tagged_pids(tag) if tag else []:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, signal.SIGKILL)
-        if not tag or not tagged_pids(tag):
-            break
-    proc.wait()
-
-
-class Runner:
-    """One sandboxed runner process and its pipes."""
-
-    def __init__(self, prefix: list[str], log_fd: int, cwd: Path, env: dict | None = None):
-        """`log_fd`: the grader's own descriptor of the log (opened once, never by path again): the
-        runner's stdout and stderr, whatever the student does to the file's name."""
-        self.tag = uuid.uuid4().hex
-        self.log_fd = log_fd
-        cmd = [*prefix, sys.executable, "-I", "-m", "dlo.grading.jail_runner"]
-        full_env = {**os.environ, **(env or {}), TAG_ENV: self.tag, "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log_fd,
-                                     env=full_env, start_new_session=True, cwd=cwd)
-        self.ready = False
-
-    def send(self, payload: bytes) -> None:
-        try:
-            wire.write_frame(self.proc.stdin.fileno(), payload)
-        except OSError:
-            raise RunnerDied(self._died()) from None
-
-    def recv(self, deadline: float | None) -> dict:
-        fd = self.proc.stdout.fileno()
-        while True:
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                raise CheckTimeout()
-            ready, _, _ = select.select([fd], [], [], left)
-            if ready:
-                break
-        try:
-            return wire.read_frame(fd)
-        except wire.ChannelClosed:
-            raise RunnerDied(self._died()) from None
-
-    def recv_decoded(self, deadline: float | None, session: Session | None) -> dict:
-        """The next message, decoded safely; handles in it belong to `session`."""
-        data = self.recv(deadline)
-        make = None if session is None else (lambda i, ty: Remote(session.backend, wire.Ref("obj", i), ty, session))
-        try:
-            msg = wire.decode(data, make_handle=make)
-        except Exception as exc:  # noqa: BLE001 - json, a tensor's size or a tag check refused it
-            raise RuntimeError(f"a malformed message came from the sandbox ({type(exc).__name__}: {exc})") from None
-        if type(msg) is not dict:
-            raise RuntimeError("a malformed message came from the sandbox")
-        return msg
-
-    def _died(self) -> str:
-        tail = ""
-        with contextlib.suppress(OSError):
-            size = os.fstat(self.log_fd).st_size
-            tail = os.pread(self.log_fd, 1500, max(0, size - 1500)).decode(errors="replace")
-        return f"the grader's sandboxed runner stopped (exit code {self.proc.poll()}); its log ends with:\n{tail}"
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def kill(self) -> None:
-        kill_tree(self.proc, self.tag)
-        for f in (self.proc.stdin, self.proc.stdout):
-            with contextlib.suppress(OSError):
-                f.close()
-
-
-# ----------------------------------------------------------------------------- handles
-
-class Remote:
-    """A student object that lives in the sandbox. Calls and attribute reads are requests; what
-    comes back is plain data or another Remote (valid while its check runs)."""
-
-    def __init__(self, backend: SandboxBackend, ref: wire.Ref, label: str, session: Session | None = None):
-        self._backend, self._ref, self._label, self._session = backend, ref, label, session
-
-    def _bound(self, session: Session) -> Remote:
-        return self if self._ref.kind == "obj" else Remote(self._backend, self._ref, self._label, session)
-
-    def _sess(self) -> Session:
-        if self._session is not None:
-            return self._session
-        return self._backend.current or self._backend.adhoc()
-
-    def __call__(self, *args, **kwargs):
-        return self._sess().call(self, args, kwargs)
-
-    def __getattr__(self, name: str):
-        if name.startswith("_"):
-            raise AttributeError(name)
-        return self._sess().getattr(self, name)
-
-    def __repr__(self) -> str:
-        return f"<{self._label} (in the sandbox)>"
-
-
-def _materialise(obj, depth: int = 0):
-    """Generators become OneShot lists (a generator cannot travel; the student still sees one pass)."""
-    if isinstance(obj, types.GeneratorType):
-        return wire.OneShot(list(obj))
-    if depth < 8 and type(obj) in (list, tuple):
-        return type(obj)(_materialise(x, depth + 1) for x in obj)
-    if depth < 8 and type(obj) is dict:
-        return {k: _materialise(v, depth + 1) for k, v in obj.items()}
-    return obj
-
-
-def apply_after(orig, st, depth: int = 0) -> None:
-    """Copy the state a call left in the sandbox (tensor values, grads, module parameters and
-    buffers) into the trusted side's own objects, in place. `st` is untrusted: shapes are checked."""
-    if depth > 32 or type(st) is not list or not st or type(st[0]) is not str:
-        return
-    kind, d = st[0], depth + 1
-    if kind == "tensor" and len(st) == 3 and isinstance(orig, torch.Tensor):
-        _copy_tensor(orig, st[1], st[2])
-    elif kind == "module" and len(st) == 4 and isinstance(orig, torch.nn.Module) and type(st[1]) is list:
-        params = dict(orig.named_parameters(remove_duplicate=False))
-        buffers = dict(orig.named_buffers())
-        for pair in st[1]:
-            if type(pair) is list and len(pair) == 2 and pair[0] in params:
-                apply_after(params[pair[0]], pair[1], d)
-        for pair in st[2] if type(st[2]) is list else ():
-            if type(pair) is list and len(pair) == 2 and pair[0] in buffers and buffers[pair[0]] is not None:
-                _copy_tensor(buffers[pair[0]], pair[1], None, grads=False)
-        if type(st[3]) is bool:
-            orig.train(st[3])
-    elif kind == "seq" and len(st) == 2 and type(st[1]) is list:
-        items = orig.items if isinstance(orig, wire.OneShot) else orig
-        if isinstance(items, (list, tuple)):
-            for o, s in zip(items, st[1]):
-                apply_after(o, s, d)
-    elif kind == "map" and len(st) == 2 and type(st[1]) is list and isinstance(orig, dict):
-        for pair in st[1]:
-            if type(pair) is list and len(pair) == 2 and pair[0] in orig:
-                apply_after(orig[pair[0]], pair[1], d)
-
-
-def _copy_tensor(orig: torch.Tensor, new, grad, grads: bool = True) -> None:
-    if not isinstance(new, torch.Tensor):
-        return
-    with torch.no_grad():
-        if new.shape == orig.shape and new.dtype == orig.dtype:
-            orig.copy_(new)
-        else:
-            orig.data = new.to(orig.device)  # the student resized or re-typed it: mirror that
-    if not grads:
-        return
-    if isinstance(grad, torch.Tensor):
-        orig.grad = grad.to(orig.device, orig.dtype) if grad.shape == orig.shape else None
-    elif orig.grad is not None:
-        orig.grad = None
-
-
-_REBUILT = {name: obj for name, obj in vars(builtins).items()
-            if isinstance(obj, type) and issubclass(obj, Exception)
-            and name not in ("StopIteration", "StopAsyncIteration", "GeneratorExit")}
-
-
-def rebuild_error(msg: dict) -> Exception:
-    """A student's exception as an exception of the trusted side: the builtin of that name (or
-    ForbiddenCall), else RuntimeError. Built from strings only; never unpickled."""
-    name, text, tb = (msg.get(k) for k in ("type", "message", "traceback"))
-    if not all(isinstance(x, str) for x in (name, text, tb)):
-        return RuntimeError("malformed error message from the sandbox")
-    if name == "ForbiddenCall":
-        exc: Exception = ForbiddenCall(text)
-    else:
-        try:
-            exc = _REBUILT[name](text) if name in _REBUILT else RuntimeError(f"{name}: {text}")
-        except TypeError:  # an exception class whose constructor wants other arguments
-            exc = RuntimeError(f"{name}: {text}")
-    exc.remote_traceback = tb
-    return exc
 
 
 # ----------------------------------------------------------------------------- sessions
@@ -288,7 +70,7 @@ class Session:
                              "kwargs": kwargs, "timeout": timeout, "backend": backend, "per_rank": per_rank})
 
     def call(self, target: Remote, args, kwargs):
-        args, kwargs = _materialise(tuple(args)), _materialise(dict(kwargs))
+        args, kwargs = materialise(tuple(args)), materialise(dict(kwargs))
         reply = self.request({"op": "call", "target": target, "args": args, "kwargs": kwargs}, full=True)
         after = reply.get("after")
         if type(after) is list and len(after) == 2:
@@ -302,7 +84,7 @@ class Session:
     # -- the channel
     def start(self) -> None:
         self.runner = self.backend.runner()
-        self.runner.send(wire.dump_request({"op": "open", "forbid": self.forbid, "exercise": self.name,
+        self.runner.send(dump_request({"op": "open", "forbid": self.forbid, "exercise": self.name,
                                              "hint": self.hint}))
         msg = self.receive()
         if msg.get("kind") == "error":
@@ -318,7 +100,7 @@ class Session:
         self.open = False
         runner = self.runner
         try:
-            runner.send(wire.dump_request({"op": "close"}))
+            runner.send(dump_request({"op": "close"}))
             self.wait_ended(min(CLOSE_TIMEOUT, self.backend.left()))
         except (CheckTimeout, RunnerDied):
             self.backend.drop_runner()
@@ -338,15 +120,15 @@ class Session:
             raise RuntimeError(f"{obj!r} belonged to a check that has ended; it cannot be used here")
         return obj._ref
 
-    def callback(self, fn) -> wire.Callback:
+    def callback(self, fn) -> Callback:
         cid = len(self.callbacks) + 1
         self.callbacks[cid] = fn
-        return wire.Callback(cid, getattr(fn, "__qualname__", "callback"))
+        return Callback(cid, getattr(fn, "__qualname__", "callback"))
 
     def request(self, req: dict, full: bool = False):
         if not self.open:
             raise RuntimeError(f"{self.name}: the check's sandbox session is closed")
-        self.runner.send(wire.dump_request(req, self.encode_ref, self.callback))
+        self.runner.send(dump_request(req, self.encode_ref, self.callback))
         while True:
             try:
                 msg = self.receive()
@@ -376,7 +158,7 @@ class Session:
             reply = {"op": "cb_result", "value": fn(*args, **kwargs)}
         except Exception as exc:  # noqa: BLE001 - the callback's failure is reported to the caller in the sandbox
             reply = {"op": "cb_error", "message": f"{type(exc).__name__}: {exc}"}
-        self.runner.send(wire.dump_request(reply, self.encode_ref, self.callback))
+        self.runner.send(dump_request(reply, self.encode_ref, self.callback))
 
 
 def _died_message(name: str, code) -> str:
@@ -415,7 +197,7 @@ class SandboxBackend:
 
     def captured(self, label: str, path: str | Path) -> Remote:
         """The handle of a student object that the kernel pickled into `path` (read in the sandbox only)."""
-        return Remote(self, wire.Ref("cap", str(path)), label)
+        return Remote(self, Ref("cap", str(path)), label)
 
     def left(self) -> float:
         return CLOSE_TIMEOUT if self.deadline is None else max(0.0, self.deadline - time.monotonic())

@@ -35,7 +35,8 @@ from nbgrader.api import Gradebook, MissingEntry
 from nbgrader.preprocessors import Execute
 
 from dlo.grading import files, testcells
-from dlo.grading.jail import SandboxedKernelManager, make_spec, probe, spec_from_env
+from dlo.grading.jail import make_spec, probe, spec_from_env
+from dlo.grading.jail_kernel import SandboxedKernelManager
 
 # the grading kernel's first code (silent, no history)
 SEAL = "import dlo.grading.seal\ndlo.grading.seal.seal()\ndel dlo"

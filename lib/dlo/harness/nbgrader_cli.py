@@ -11,8 +11,8 @@ from pathlib import Path
 
 import nbformat
 
-from dlo.harness.reaper import kill_tree
 from dlo.harness.setup import normalise_metadata
+from dlo.reaper import kill_tree
 
 _LIVE: set[subprocess.Popen] = set()  # children running now (from any thread), for kill_children()
 _LOCK = threading.Lock()

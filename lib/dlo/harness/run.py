@@ -33,8 +33,8 @@ import papermill
 
 from dlo.errors import BadInput
 from dlo.harness.days import notebook_path, select_days
-from dlo.harness.reaper import kill_tree
 from dlo.progress import bars_wanted
+from dlo.reaper import kill_tree
 from dlo.tables import format_table
 
 # Parameters naming paths: resolved against the caller's working directory, not the notebook's.

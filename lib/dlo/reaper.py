@@ -7,6 +7,11 @@ init. So the command becomes a child subreaper (orphaned descendants are re-pare
 init, and stay findable), and a stop kills its whole tree of descendants, read from /proc, until none
 is left (`kill_tree`). `stopping()` turns SIGTERM and SIGHUP into KeyboardInterrupt, as Ctrl-C is,
 so the commands' own clean-up runs (the grading records kept, the status table printed).
+
+The one place that reads process trees from /proc (`children`, `descendants`, `comm`) and kills them:
+papermill's and nbgrader's trees here, and the grader's sandboxed runner (`dlo.grading.trusted`),
+whose processes also carry a mark in their environment (`tagged`: a rank started without the
+sandbox's PID namespace may leave the tree), and the kernel inside bubblewrap (`dlo.grading.jail`).
 """
 
 from __future__ import annotations
@@ -41,24 +46,57 @@ def _ppids() -> dict[int, list[int]]:
     return children
 
 
+def children(pid: int) -> list[int]:
+    """The live processes whose parent is `pid`, lowest pid first."""
+    return sorted(_ppids().get(pid, []))
+
+
 def descendants(pid: int) -> list[int]:
     """The live processes below `pid` (children, their children, ...), parents first."""
-    children, out, todo = _ppids(), [], [pid]
+    tree, out, todo = _ppids(), [], [pid]
     while todo:
-        kids = children.get(todo.pop(0), [])
+        kids = sorted(tree.get(todo.pop(0), []))
         out += kids
         todo += kids
     return out
 
 
-def kill_tree(root: int, *, include_root: bool = True, rounds: int = 100) -> None:
-    """SIGKILL `root` (unless include_root is False) and every process below it. The tree is read before
-    anything is killed, so a kernel in a session of its own goes with the papermill that started it;
-    repeated until nothing is left (a process forked meanwhile is re-parented to a subreaper)."""
+def comm(pid: int) -> str:
+    """The process's command name ("" once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def tagged(mark: str) -> list[int]:
+    """Processes (of this user; never this one) whose environment holds `mark` ("NAME=value")."""
+    needle, pids = mark.encode() + b"\0", []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if needle in f.read() + b"\0":
+                    pids.append(int(entry))
+        except OSError:
+            continue
+    return pids
+
+
+def kill_tree(root: int, *, include_root: bool = True, mark: str | None = None, rounds: int = 100) -> None:
+    """SIGKILL `root` with its process group (unless include_root is False), every process below it
+    and, given a `mark`, every process `tagged` with it. The tree is read before anything is killed, so
+    a kernel in a session of its own goes with the papermill that started it; repeated until nothing
+    is left (a process forked meanwhile is re-parented to a subreaper, or carries the mark)."""
     for _ in range(rounds):
-        pids = descendants(root)
+        pids = descendants(root) + (tagged(mark) if mark else [])
         if include_root and _alive(root):
             pids.insert(0, root)
+        if include_root:  # the group root leads (start_new_session), members that left the tree included
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(root, signal.SIGKILL)
         if not pids:
             return
         for pid in pids:
