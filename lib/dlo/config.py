@@ -124,13 +124,14 @@ def get_preset(day: str, profile: str, max_steps: int = 0, smoke: bool | None = 
     default: DLO_SMOKE), `max_steps` > 0 applied through `with_max_steps` where the preset has it
     (which carries the settings that depend on the step count: warmup, interrupt point, ...), then
     `overrides`; finally `validate()`, whose ValueError says in one line what does not fit."""
-    from dlo.presets import PRESETS
+    from dlo.registry import DAYS
 
-    if day not in PRESETS:
-        raise ValueError(f"no presets for day {day!r}; known days: {', '.join(sorted(PRESETS))}")
-    if profile not in PRESETS[day]:
-        raise ValueError(f"{day} has no profile {profile!r}; choose one of {', '.join(PRESETS[day])}")
-    preset = PRESETS[day][profile]
+    if day not in DAYS:
+        raise ValueError(f"no presets for day {day!r}; known days: {', '.join(sorted(DAYS))}")
+    presets = DAYS[day].presets
+    if profile not in presets:
+        raise ValueError(f"{day} has no profile {profile!r}; choose one of {', '.join(presets)}")
+    preset = presets[profile]
     if (smoke_requested() if smoke is None else smoke) and hasattr(preset, "smoke"):
         preset = preset.smoke()
     if max_steps < 0:

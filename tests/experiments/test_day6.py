@@ -13,7 +13,8 @@ from dlo.distributed.pipeline_schedules import bubble_formula
 from dlo.experiments import day6 as E
 from dlo.experiments import day6_report as report
 from dlo.plan import GIB, OPTIMIZER_STATE_BYTES
-from dlo.presets import PRESETS, Day6Preset
+from dlo.presets import Day6Preset
+from dlo.registry import DAYS
 from tests.rank_pool import one_thread  # noqa: F401 - a fixture
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -24,14 +25,14 @@ SMALL = Day6Preset(image_size=32, micro_batch=2, m_values=(2, 4), gantt_m=2, spl
 
 def test_presets_validate_and_smoke_keeps_the_model():
     for profile in ("tiny", "full"):
-        P = PRESETS["day6_pipeline"][profile]
+        P = DAYS["day6_pipeline"].presets[profile]
         P.validate()
         smoke = P.smoke()
         smoke.validate()
         assert (smoke.model, smoke.image_size, smoke.stack_width, smoke.stack_grid) == \
                (P.model, P.image_size, P.stack_width, P.stack_grid)
         assert smoke.reps == 1 and len(smoke.m_values) == 1 and smoke.micro_batch == 1
-    assert PRESETS["day6_pipeline"]["full"].with_max_steps(7).reps == 7
+    assert DAYS["day6_pipeline"].presets["full"].with_max_steps(7).reps == 7
     with pytest.raises(ValueError, match="multiple of ranks"):
         dataclasses.replace(SMALL, gantt_m=3, m_values=(3,)).validate()
     with pytest.raises(ValueError, match="stack_blocks >= 2 x ranks"):

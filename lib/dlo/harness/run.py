@@ -100,9 +100,9 @@ def check_day(day: str, nb: Path, params: dict, smoke: bool = False) -> None:
     """The day's preset built from the parameters the kernel will see (defaults of the parameters
     cell, then the overrides), as `dlo.setup` will build it: BadParameter when that fails."""
     from dlo.config import check_parameters
-    from dlo.presets import PRESETS
+    from dlo.registry import DAYS
 
-    if day not in PRESETS:
+    if day not in DAYS:
         return  # a course day without presets (the harness tests' toy day)
     declared = papermill.inspect_notebook(str(nb))
     values = {}
