@@ -16,8 +16,8 @@ the planners' building blocks and imports no day (the days import it).
 How the columns are counted (bytes per rank):
 - params, grads: every element of the model built on the meta device, in its training dtype (fp32
   master weights and gradients also under mixed precision);
-- optimizer: `OPTIMIZER_STATE_BYTES` per parameter (AdamW and LAMB two fp32 moments, SGD one
-  momentum buffer) plus what the day keeps beside them (a DDP bucket, a calibration buffer);
+- optimizer: `dlo.accounting.optimizer_bytes` (AdamW and LAMB two fp32 moments, SGD with momentum one
+  buffer, plain SGD none) plus what the day keeps beside them (a DDP bucket, a calibration buffer);
 - activations: what autograd saves for backward, counted by `dlo.measure.SavedTensorMeter` on
   meta tensors (exact for the shapes, no memory used), at its peak over forward and backward; on
   fake CPU tensors (`fake_cpu`) where the meta device would take another path (autocast, fused
@@ -37,10 +37,6 @@ GIB = 2 ** 30
 
 # A planner's row: bytes per rank of each kind, and whether the sum fits the GPU.
 ROW_KEYS = ("config", "world", "params", "grads", "optimizer", "activations", "total", "gpu", "fits", "note")
-
-# Optimizer state per fp32 parameter, in bytes.
-OPTIMIZER_STATE_BYTES = {"sgd": 0, "sgd_momentum": 4, "adamw": 8, "lamb": 8}
-
 
 class DoesNotFit(ValueError):
     """A planned configuration needs more memory per rank than the GPU has."""

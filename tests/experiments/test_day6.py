@@ -7,12 +7,13 @@ import dataclasses
 import pytest
 import torch
 
+from dlo.accounting import optimizer_bytes
 from dlo.claims import AGREES, DISAGREES, NOT_MEASURABLE, VERDICTS
 from dlo.distributed import launch
 from dlo.distributed.pipeline_schedules import bubble_formula
 from dlo.experiments import day6 as E
 from dlo.experiments import day6_report as report
-from dlo.plan import GIB, OPTIMIZER_STATE_BYTES
+from dlo.plan import GIB
 from dlo.presets import Day6Preset
 from dlo.registry import DAYS
 from tests.rank_pool import one_thread  # noqa: F401 - a fixture
@@ -106,7 +107,6 @@ def test_plan_matches_a_hand_count():
     rows = {r["config"]: r for r in report.plan(P, gpus=2, gpu_mem_gb=1.0)}
     stages = report.stage_partition(E.model_config(P), 2)
     n = sum(s["params"] for s in stages)
-    adamw = OPTIMIZER_STATE_BYTES["adamw"]
     # 1F1B, m = 8 micro-batches of 2: rank r holds min(2 - r, 8) of them; the worst rank is shown
     one_f = rows["1F1B, batch 16 = 8 x 2"]
     want = max(16 * s["params"] + min(2 - r, 8) * 2 * s["saved_per_sample"] for r, s in enumerate(stages))
@@ -114,7 +114,7 @@ def test_plan_matches_a_hand_count():
     gpipe = rows["GPipe, batch 16 = 8 x 2"]
     assert gpipe["total"] == max(16 * s["params"] + 8 * 2 * s["saved_per_sample"] for s in stages)
     ddp = rows["DDP, batch 16 = 2 x 8"]  # the whole model, a half of the batch per GPU
-    assert (ddp["params"], ddp["optimizer"]) == (4 * n, adamw * n)
+    assert (ddp["params"], ddp["optimizer"]) == (4 * n, optimizer_bytes("adamw", 4 * n))
     assert ddp["activations"] == 8 * sum(s["saved_per_sample"] for s in stages)
     assert {r["config"] for r in rows.values() if r.get("main")} == {
         "notebook: 1F1B splits, m = 4 x 2", "notebook: DDP, 8 samples", "notebook: bubble sweep, GPipe m = 4 x 2"}
