@@ -142,4 +142,20 @@ def plan(P, *, gpus: int, gpu_mem_gb: float) -> list[dict]:
     return rows
 
 
-__all__ = ["activation_estimate", "engine_claims", "fsdp2_shards", "mfu_estimate", "plan", "training_claims"]
+def preflight(run) -> None:
+    """Day 5's refusals before any process starts (`dlo.registry`'s preflight: `dlo.setup` in the
+    notebook and `dlo run` before it call it), each one line: more ranks than a weight has rows, a
+    weights_dir that is not a checkpoint of P.model, and on a GPU a plan whose main configuration
+    does not fit the GPU's memory (`dlo.plan.DoesNotFit`)."""
+    from dlo.experiments.day5 import check_weights, check_world
+    from dlo.plan import check_fits, device_memory_gb, main_configs
+
+    check_world(run.preset, run.world_size)
+    check_weights(run.preset, run.params.get("weights_dir", ""))
+    if run.device.type == "cuda":
+        rows = plan(run.preset, gpus=run.world_size, gpu_mem_gb=device_memory_gb(run.device))
+        check_fits(rows, main_configs(rows))
+
+
+__all__ = ["activation_estimate", "engine_claims", "fsdp2_shards", "mfu_estimate", "plan", "preflight",
+           "training_claims"]
