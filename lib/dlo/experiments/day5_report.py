@@ -120,6 +120,7 @@ def plan(P, *, gpus: int, gpu_mem_gb: float) -> list[dict]:
     group (parameters = master, gradients reduced in fp32, two moments), plus the bf16 working set
     (the root, i.e. the tied embedding, and two blocks: the running one and the prefetched one).
     ZeRO-1/2 and DDP: the accountant (`memory_per_rank`). Activations: `activation_estimate`."""
+    from dlo.accounting import optimizer_bytes
     from dlo.plan import row
 
     cfg = llama_config(P)
@@ -128,8 +129,9 @@ def plan(P, *, gpus: int, gpu_mem_gb: float) -> list[dict]:
     act = activation_estimate(cfg, P.batch_per_rank, P.seq_len)
     what = f"{P.model}, {P.batch_per_rank} x {P.seq_len} tokens per rank"
     gathered = 2 * (sh["root"] + min(2, cfg.n_layers) * sh["block"])
-    rows = [row(f"FSDP2 bf16 + AC ({P.model})", gpus, params=4 * sh["local"] + gathered, grads=4 * sh["local"],
-                optimizer=8 * sh["local"], activations=act["full"], gpu_mem_gb=gpu_mem_gb, main=True,
+    shard = 4 * sh["local"]  # fp32: the master weights, their gradients, and AdamW's moments beside them
+    rows = [row(f"FSDP2 bf16 + AC ({P.model})", gpus, params=shard + gathered, grads=shard,
+                optimizer=optimizer_bytes("adamw", shard), activations=act["full"], gpu_mem_gb=gpu_mem_gb, main=True,
                 note=f"{what}; fp32 shards + bf16 root and 2 blocks gathered")]
     for stage, label in ((3, "ZeRO-3 (accountant)"), (2, "ZeRO-2"), (1, "ZeRO-1"), (0, "DDP")):
         m = memory_per_rank(n, gpus, stage, param_dtype=torch.bfloat16)
