@@ -1,8 +1,8 @@
 """The days of the course, in one registry: `DAYS[name]` is a `DaySpec` (torchtitan's train-spec idea).
 
-Everything that needs the list of days reads it here: `dlo.config` (a day's presets, its preflight
-checks), `dlo plan` and `dlo doctor` (its planner), `dlo run` (which days have presets to check before a
-notebook starts), `dlo.checks` (its checks module) and the tests. The harness finds notebooks on disk
+Everything that needs the list of days reads it here: `dlo.config` (a day's presets, its own
+parameters and preflight checks, for `dlo.setup` and `dlo run` alike), `dlo plan` and `dlo doctor` (its
+planner: `plan_day`, `plan_main`), `dlo.checks` (its checks module) and the tests. The harness finds notebooks on disk
 (`dlo.harness.days`: a course root may be a test's toy course); `tests/test_registry.py` holds the two
 equal for this course.
 
