@@ -1,9 +1,18 @@
 """dlo.accounting: the N of 6N on modules whose count is known by hand, and bytes per parameter."""
 
 import pytest
+import torch
 from torch import nn
 
-from dlo.accounting import matmul_params, training_bytes_per_param
+from dlo.accounting import (
+    OPTIMIZER_STATES,
+    PRECISIONS,
+    matmul_params,
+    model_state_bytes,
+    optimizer_bytes,
+    precision_of,
+    training_bytes_per_param,
+)
 
 
 class _LM(nn.Module):
@@ -23,15 +32,31 @@ def test_matmul_params_counts_weights_and_a_tied_head_once():
     assert matmul_params(tied) == 3 * d * d + vocab * d  # the tied table counts once, as the head
 
 
-@pytest.mark.parametrize("precision, optimizer, want", [("fp32", "adam", 16), ("mixed", "adam", 16),
-                                                        ("bf16", "adam", 8), ("fp32", "sgd", 8),
-                                                        ("mixed", "momentum", 12)])
+@pytest.mark.parametrize("precision, optimizer, want", [("fp32", "adamw", 16), ("mixed", "adamw", 16),
+                                                        ("bf16", "adamw", 8), ("fp32", "sgd", 8),
+                                                        ("mixed", "sgd_momentum", 12), ("mixed", "lamb", 16)])
 def test_training_bytes_per_param(precision, optimizer, want):
     assert training_bytes_per_param(precision, optimizer) == want
 
 
 def test_bad_names_are_refused():
     with pytest.raises(ValueError, match="precision"):
-        training_bytes_per_param("fp8", "adam")
+        training_bytes_per_param("fp8", "adamw")
     with pytest.raises(ValueError, match="optimizer"):
         training_bytes_per_param("fp32", "lion")
+    with pytest.raises(ValueError, match="optimizer 'adam'; choose from sgd, sgd_momentum, adamw, lamb"):
+        optimizer_bytes("adam", 4)  # one vocabulary: AdamW's name for Adam's two moments
+    with pytest.raises(ValueError, match="stage"):
+        model_state_bytes(10, "adamw", stage=4)
+
+
+def test_one_accountant_for_plans_zero_and_the_exercise():
+    """`optimizer_bytes` (dlo plan's rows) and `training_bytes_per_param` are `model_state_bytes` at one
+    rank; ZeRO's stages partition it, a shard being ceil(n / world) elements."""
+    for opt in OPTIMIZER_STATES:
+        whole = model_state_bytes(10, opt)  # fp32
+        assert whole["optimizer"] == optimizer_bytes(opt, whole["params"])
+        assert whole["total"] == 10 * training_bytes_per_param("fp32", opt)
+    zero3 = model_state_bytes(10, "adamw", precision_of(torch.bfloat16), world=4, stage=3)
+    assert zero3 == {"params": 2 * 3, "grads": 2 * 3, "optimizer": 12 * 3, "total": 16 * 3}
+    assert precision_of(torch.float64) == (8, 8, 0, 8) and precision_of(torch.float16) == PRECISIONS["mixed"]

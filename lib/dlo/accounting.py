@@ -11,10 +11,18 @@ Two numbers every plan of Days 5-7 starts from (with `dlo.measure.transformer_fl
   optimizer state, per parameter. Mixed-precision Adam costs 2 + 2 + 4 + 4 + 4 = 16 bytes (ZeRO,
   Rajbhandari et al. 2020, Sec. 3.1), the same as fp32 Adam's 4 + 4 + 8: mixed precision saves
   activations and time, not model-state memory ("16 bytes per parameter", Lippe 2024).
+
+The one accountant of model state: `model_state_bytes` (per rank, replicated or partitioned by ZeRO's
+stages; `dlo.distributed.zero.memory_per_rank` is it for a parameter dtype) and `optimizer_bytes` (the
+state beside full-precision parameters, what `dlo plan`'s rows count), both from `OPTIMIZER_STATES`,
+whose names every caller uses: "sgd", "sgd_momentum", "adamw", "lamb".
 """
 
 from __future__ import annotations
 
+import math
+
+import torch
 from torch import nn
 
 PRECISIONS = {
@@ -23,7 +31,8 @@ PRECISIONS = {
     "mixed": (2, 2, 4, 4),   # bf16/fp16 weights and gradients, fp32 master weights and optimizer state
     "bf16": (2, 2, 0, 2),    # pure bf16: no master copy, bf16 optimizer state (cheaper, less accurate)
 }
-OPTIMIZER_STATES = {"sgd": 0, "momentum": 1, "adam": 2}  # state values kept per parameter
+# state values kept per parameter: none, a momentum buffer, two moments (AdamW's; LAMB keeps Adam's two)
+OPTIMIZER_STATES = {"sgd": 0, "sgd_momentum": 1, "adamw": 2, "lamb": 2}
 
 
 def matmul_params(model: nn.Module) -> int:
@@ -35,12 +44,56 @@ def matmul_params(model: nn.Module) -> int:
                if p.dim() >= 2 and (id(p) not in embeddings or id(p) in linears))
 
 
+def shard_numel(numel: int, world: int) -> int:
+    """Elements per rank of a flat partition: ceil(numel / world) (the last ranks hold padding)."""
+    if world < 1:
+        raise ValueError(f"world size must be >= 1, got {world}")
+    return math.ceil(numel / world)
+
+
+def precision_of(param_dtype: torch.dtype) -> tuple[int, int, int, int]:
+    """`PRECISIONS`' widths of training with parameters and gradients in `param_dtype`: a 16-bit dtype
+    means mixed precision (an fp32 master copy, fp32 optimizer state); a 32- or 64-bit one keeps
+    everything at its own width, without a master copy."""
+    b = torch.empty((), dtype=param_dtype).element_size()
+    return PRECISIONS["mixed"] if b < 4 else (b, b, 0, b)
+
+
+def _state_values(optimizer: str) -> int:
+    if optimizer not in OPTIMIZER_STATES:
+        raise ValueError(f"unknown optimizer {optimizer!r}; choose from {', '.join(OPTIMIZER_STATES)}")
+    return OPTIMIZER_STATES[optimizer]
+
+
+def optimizer_bytes(optimizer: str, param_bytes: int) -> int:
+    """Bytes of `optimizer`'s state beside full-precision parameters of `param_bytes` bytes (each state
+    value as wide as a parameter); mixed precision: `model_state_bytes`."""
+    return _state_values(optimizer) * param_bytes
+
+
+def model_state_bytes(n_params: int, optimizer: str, widths: tuple[int, int, int, int] = PRECISIONS["fp32"], *,
+                      world: int = 1, stage: int = 0) -> dict:
+    """Bytes of model state per rank: {"params", "grads", "optimizer", "total"} (ZeRO, Sec. 3.1 and 5).
+    `widths`: (weight, gradient, master copy, state value) bytes, a `PRECISIONS` entry or
+    `precision_of(dtype)`. Stage 0 replicates everything (DDP); stages 1/2/3 partition over `world`
+    ranks the optimizer state (the master copy with it), then the gradients, then the parameters, each
+    partition `shard_numel(n_params, world)` elements."""
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"stage must be 0 (DDP), 1, 2 or 3, got {stage}")
+    weight, grad, master, state = widths
+    k = master + _state_values(optimizer) * state  # ZeRO's K: optimizer-side bytes per parameter
+    if n_params < 0:
+        raise ValueError(f"n_params must be >= 0, got {n_params}")
+    s = shard_numel(n_params, world)
+    params = weight * (s if stage >= 3 else n_params)
+    grads = grad * (s if stage >= 2 else n_params)
+    opt = k * (s if stage >= 1 else n_params)
+    return {"params": params, "grads": grads, "optimizer": opt, "total": params + grads + opt}
+
+
 def training_bytes_per_param(precision: str, optimizer: str) -> int:
     """Bytes of model state per parameter while training: weights, gradients, master weights (mixed
     precision only) and the optimizer's state (`OPTIMIZER_STATES` values, at the state's width)."""
     if precision not in PRECISIONS:
         raise ValueError(f"unknown precision {precision!r}; choose from {sorted(PRECISIONS)}")
-    if optimizer not in OPTIMIZER_STATES:
-        raise ValueError(f"unknown optimizer {optimizer!r}; choose from {sorted(OPTIMIZER_STATES)}")
-    weight, grad, master, state = PRECISIONS[precision]
-    return weight + grad + master + OPTIMIZER_STATES[optimizer] * state
+    return model_state_bytes(1, optimizer, PRECISIONS[precision])["total"]

@@ -165,8 +165,8 @@ def dispatch(args: argparse.Namespace) -> int:
         return run.main(root, args.days, args.all, args.profile, [tuple(p) for p in args.parameter],
                         args.notebooks, args.out, args.timeout, args.cell_timeout, smoke=args.smoke)
     if args.command == "plan":
-        from dlo import plan
-        return plan.main(args.day, args.gpus, args.gpu_mem)
+        from dlo import registry
+        return registry.plan_main(args.day, args.gpus, args.gpu_mem)
     if args.command == "release":
         from dlo.harness.release import release
         return release(root, force=args.force)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -48,34 +48,43 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def pick_backend(world_size: int, backend: str | None = None) -> str:
+    """The process-group backend of `world_size` ranks on this machine, the one rule of `Run` and
+    `dlo.distributed.launch`: None picks NCCL when every rank can have its own GPU, else gloo; NCCL asked
+    for with fewer GPUs than ranks is refused (ValueError, one line)."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if backend is None:
+        return "nccl" if gpus >= world_size else "gloo"
+    if "nccl" in backend and gpus < world_size:
+        raise ValueError(f"backend {backend!r} needs one GPU per rank: world_size={world_size} but {gpus} CUDA "
+                         f"device(s) are visible; ask for fewer ranks, or device='cpu' / backend='gloo' for CPU ranks")
+    return backend
+
+
 def resolve_world(world_size: int, preset: Any, device: torch.device) -> tuple[int, str]:
-    """(ranks, backend) of a day's experiments, the same rule on every day.
+    """(world_size, backend) of a day's experiments, the same rule on every day.
 
     world_size > 0 is taken as asked; 0 means the preset's `ranks` (1 on single-process days). On a
-    GPU device every rank needs its own GPU (NCCL); with fewer GPUs than asked for, a 0 request
-    shrinks to the GPU count and an explicit one is refused. On the CPU the ranks use gloo.
+    GPU device every rank needs its own GPU (NCCL): with fewer GPUs than asked for, a 0 request
+    shrinks to the GPU count and an explicit one is refused (`pick_backend`). On the CPU the ranks
+    use gloo.
     """
     if world_size < 0:
         raise ValueError(f"world_size must be >= 0 (0: the preset's), got {world_size}")
     wanted = world_size or int(getattr(preset, "ranks", 1))
-    if device.type != "cuda":
-        return wanted, "gloo"
-    gpus = torch.cuda.device_count()
-    if wanted > gpus:
-        if world_size:
-            raise ValueError(f"world_size={world_size} needs one GPU per rank, but {gpus} are visible; "
-                             f"ask for fewer ranks, or device='cpu' to run gloo ranks on the CPU")
-        wanted = gpus
-    return wanted, "nccl"
+    if device.type == "cuda" and not world_size:
+        wanted = min(wanted, torch.cuda.device_count())
+    return wanted, pick_backend(wanted, "nccl" if device.type == "cuda" else "gloo")
 
 
 @dataclass
 class Run:
-    """What a notebook needs after its parameters cell: resolved scale, device, world and folders.
+    """What a notebook needs after its parameters cell: resolved scale, device, ranks and folders.
 
-    `world` and `backend` are the ranks and process-group backend of the day's distributed work
-    (`dlo.distributed.launch(fn, run.world, backend=run.backend)`); `mesh(...)` builds a DeviceMesh
-    inside a rank.
+    `world_size` and `backend` are the ranks and process-group backend of the day's distributed work
+    (`dlo.distributed.launch(fn, run.world_size, backend=run.backend)`; 1 on single-process days);
+    `mesh(...)` builds a DeviceMesh inside a rank. `params`: the day's own parameters-cell values
+    (`dlo.registry.DaySpec.parameters`, e.g. Day 5's weights_dir).
     """
 
     day: str
@@ -86,8 +95,8 @@ class Run:
     data_dir: Path | None
     log_dir: Path
     preset: Any
-    world: int = 1
     backend: str = "gloo"
+    params: dict[str, Any] = field(default_factory=dict)
 
     def mesh(self, shape: tuple[int, ...] | int | None = None, names: tuple[str, ...] | None = None):
         """A DeviceMesh over the ranks of the current process group (call it inside a rank):
@@ -110,7 +119,7 @@ class Run:
     def __str__(self) -> str:
         data = self.data_dir or "synthetic"
         return (f"{self.day}: profile={self.profile} device={self.device} seed={self.seed} "
-                f"world={self.world} ({self.backend}) data={data} logs={self.log_dir}\n  {self.preset}")
+                f"world_size={self.world_size} ({self.backend}) data={data} logs={self.log_dir}\n  {self.preset}")
 
 
 def smoke_requested() -> bool:
@@ -124,13 +133,14 @@ def get_preset(day: str, profile: str, max_steps: int = 0, smoke: bool | None = 
     default: DLO_SMOKE), `max_steps` > 0 applied through `with_max_steps` where the preset has it
     (which carries the settings that depend on the step count: warmup, interrupt point, ...), then
     `overrides`; finally `validate()`, whose ValueError says in one line what does not fit."""
-    from dlo.presets import PRESETS
+    from dlo.registry import DAYS
 
-    if day not in PRESETS:
-        raise ValueError(f"no presets for day {day!r}; known days: {', '.join(sorted(PRESETS))}")
-    if profile not in PRESETS[day]:
-        raise ValueError(f"{day} has no profile {profile!r}; choose one of {', '.join(PRESETS[day])}")
-    preset = PRESETS[day][profile]
+    if day not in DAYS:
+        raise ValueError(f"no presets for day {day!r}; known days: {', '.join(sorted(DAYS))}")
+    presets = DAYS[day].presets
+    if profile not in presets:
+        raise ValueError(f"{day} has no profile {profile!r}; choose one of {', '.join(presets)}")
+    preset = presets[profile]
     if (smoke_requested() if smoke is None else smoke) and hasattr(preset, "smoke"):
         preset = preset.smoke()
     if max_steps < 0:
@@ -149,31 +159,42 @@ def get_preset(day: str, profile: str, max_steps: int = 0, smoke: bool | None = 
     return preset
 
 
-def check_parameters(day: str, profile: str = "auto", device: str = "auto", max_steps: int = 0, world_size: int = 0,
-                     data_dir: str = "", smoke: bool | None = None) -> None:
-    """What `setup` resolves, without doing any work: ValueError (one line) when the parameters do not
-    fit the day (an unknown profile or device, a step count below what the preset needs, more ranks
-    than GPUs, a data_dir that is not a folder). `dlo run` calls it before a kernel starts."""
-    if data_dir and not Path(data_dir).is_dir():
-        raise ValueError(f"data_dir={data_dir!r} is not a folder; leave it empty for synthetic data")
-    profile = resolve_profile(profile)
-    preset = get_preset(day, profile, max_steps, smoke=smoke)
-    resolve_world(world_size, preset, resolve_device(device))
+# the parameters-cell names every day has and `resolve` takes (`dlo run` passes these, and the day's own)
+PARAMETERS = ("profile", "device", "seed", "max_steps", "world_size", "data_dir", "log_dir")
 
 
-def setup(day: str, profile: str = "auto", device: str = "auto", seed: int = 0, max_steps: int = 0,
-          world_size: int = 0, data_dir: str = "", log_dir: str = "", **overrides: Any) -> Run:
-    """Resolve a notebook's parameters into a `Run`, seed every RNG and print a summary line."""
+def resolve(day: str, profile: str = "auto", device: str = "auto", seed: int = 0, max_steps: int = 0,
+            world_size: int = 0, data_dir: str = "", log_dir: str = "", smoke: bool | None = None, **more: Any) -> Run:
+    """A notebook's parameters cell as a `Run`, without doing any work (no folder made, no RNG seeded):
+    ValueError (one line) for whatever cannot work, before anything starts: an unknown day, profile or
+    device, a step count below what the preset needs, more ranks than GPUs, a data_dir that is not a
+    folder, then the day's own preflight (`dlo.registry.DaySpec.preflight`: Day 5's weights and plan).
+    `more`: the day's own parameters (`DaySpec.parameters`), the rest preset fields to override.
+    `dlo.setup` (in the notebook) and `dlo run` (before the notebook starts) both call it."""
+    from dlo.registry import DAYS
+
     profile = resolve_profile(profile)
     dev = resolve_device(device)
     if data_dir and not Path(data_dir).is_dir():
-        raise FileNotFoundError(f"data_dir={data_dir!r} is not a folder; leave it empty for synthetic data")
-    preset = get_preset(day, profile, max_steps, **overrides)
-    world, backend = resolve_world(world_size, preset, dev)
-    run = Run(day=day, profile=profile, device=dev, seed=seed, world_size=world_size,
+        raise ValueError(f"data_dir={data_dir!r} is not a folder; leave it empty for synthetic data")
+    own = DAYS[day].parameters if day in DAYS else ()
+    params = {k: more.pop(k) for k in own if k in more}
+    preset = get_preset(day, profile, max_steps, smoke=smoke, **more)
+    ranks, backend = resolve_world(world_size, preset, dev)
+    run = Run(day=day, profile=profile, device=dev, seed=seed, world_size=ranks,
               data_dir=Path(data_dir) if data_dir else None,
               log_dir=Path(log_dir or "runs"),  # beside the notebook: <day>/runs/<configuration>, no day twice
-              preset=preset, world=world, backend=backend)
+              preset=preset, backend=backend, params=params)
+    if DAYS[day].preflight:
+        DAYS[day].load(DAYS[day].preflight)(run)
+    return run
+
+
+def setup(day: str, profile: str = "auto", device: str = "auto", seed: int = 0, max_steps: int = 0,
+          world_size: int = 0, data_dir: str = "", log_dir: str = "", **more: Any) -> Run:
+    """`resolve` the notebook's parameters (its one-line ValueError before any work), make the log
+    folder, seed every RNG and print a summary line."""
+    run = resolve(day, profile, device, seed, max_steps, world_size, data_dir, log_dir, **more)
     run.log_dir.mkdir(parents=True, exist_ok=True)
     seed_everything(seed)
     print(run)

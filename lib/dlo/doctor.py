@@ -95,13 +95,14 @@ def data_line(data_dir: Path | None) -> Line:
 def plan_lines(days: list[str], found) -> list[Line]:
     """Each day's `dlo plan` on the GPUs found: their count and the smallest memory."""
     from dlo import plan
+    from dlo.registry import plan_day
 
     if not found:
         return [(True, "plan", "no GPU: skipped (dlo plan DAY --gpus N --gpu-mem GB plans for a GPU node)")]
     mem = min(m for _, m, _ in found)
     lines = []
     for day in days:
-        rows = plan.plan_day(day, len(found), mem)
+        rows = plan_day(day, len(found), mem)
         try:
             plan.check_fits(rows, plan.main_configs(rows))
         except plan.DoesNotFit as exc:
@@ -119,14 +120,14 @@ def report(days: list[str], data_dir: Path | None) -> list[Line]:
 
 def main(days: list[str], data_dir: Path | None) -> int:
     """`dlo doctor`: the lines, then exit status 1 when one says FIX."""
-    from dlo import plan
+    from dlo.registry import DAYS
 
-    unknown = [d for d in days if d not in plan.PLANNERS]
+    unknown = [d for d in days if d not in DAYS]
     if unknown:
-        raise BadInput(f"no plan for {', '.join(unknown)}; days: {', '.join(plan.PLANNERS)}")
+        raise BadInput(f"no plan for {', '.join(unknown)}; days: {', '.join(DAYS)}")
     if data_dir is not None and not data_dir.is_dir():
         raise BadInput(f"--data-dir {data_dir} is not a folder")
-    lines = report(days or list(plan.PLANNERS), data_dir)
+    lines = report(days or list(DAYS), data_dir)
     width = max(len(topic) for _, topic, _ in lines)
     for ok, topic, text in lines:
         print(f"{'ok ' if ok else 'FIX'}  {topic:<{width}}  {text}")

@@ -7,16 +7,17 @@ behave as on n ranks and report the per-rank shapes. It returns one row per conf
 `ROW_KEYS`, bytes per rank) beside the GPU memory; `check_fits` turns a row that cannot fit into a
 one-line error before any process starts.
 
-Planners: `PLANNERS[day]` names a function `plan(preset, *, gpus: int, gpu_mem_gb: float) -> list[dict]`.
-`plan_day(day)` runs a day's planner on its `full` preset; `dlo plan DAY` prints the rows and fails
-when a row marked `main` (the configuration the notebook cannot do without; the first row when none
-is marked) does not fit.
+A day's planner is a function `plan(preset, *, gpus: int, gpu_mem_gb: float) -> list[dict]` that the
+registry names (`dlo.registry.DAYS[day].planner`); `dlo.registry.plan_day(day)` runs it on the day's
+`full` preset, and `dlo plan DAY` prints the rows and fails when a row marked `main` (the configuration
+the notebook cannot do without; the first row when none is marked) does not fit. This module holds
+the planners' building blocks and imports no day (the days import it).
 
 How the columns are counted (bytes per rank):
 - params, grads: every element of the model built on the meta device, in its training dtype (fp32
   master weights and gradients also under mixed precision);
-- optimizer: `OPTIMIZER_STATE_BYTES` per parameter (AdamW and LAMB two fp32 moments, SGD one
-  momentum buffer) plus what the day keeps beside them (a DDP bucket, a calibration buffer);
+- optimizer: `dlo.accounting.optimizer_bytes` (AdamW and LAMB two fp32 moments, SGD with momentum one
+  buffer, plain SGD none) plus what the day keeps beside them (a DDP bucket, a calibration buffer);
 - activations: what autograd saves for backward, counted by `dlo.measure.SavedTensorMeter` on
   meta tensors (exact for the shapes, no memory used), at its peak over forward and backward; on
   fake CPU tensors (`fake_cpu`) where the meta device would take another path (autocast, fused
@@ -28,7 +29,6 @@ How the columns are counted (bytes per rank):
 from __future__ import annotations
 
 import contextlib
-import importlib
 from collections.abc import Iterator
 
 from dlo.measure import fmt_bytes
@@ -38,35 +38,8 @@ GIB = 2 ** 30
 # A planner's row: bytes per rank of each kind, and whether the sum fits the GPU.
 ROW_KEYS = ("config", "world", "params", "grads", "optimizer", "activations", "total", "gpu", "fits", "note")
 
-# day -> "module:function" of its planner
-PLANNERS: dict[str, str] = {
-    "day1_optimizers": "dlo.experiments.day1:plan",
-    "day2_mixed_precision": "dlo.experiments.day2:plan",
-    "day3_checkpointing": "dlo.experiments.day3:plan",
-    "day4_ddp": "dlo.experiments.day4:plan",
-    "day8_quantization_pruning": "dlo.experiments.day8:plan",
-    "day5_fsdp": "dlo.experiments.day5_report:plan",
-    "day6_pipeline": "dlo.experiments.day6_report:plan",
-    "day7_tensor_parallel": "dlo.experiments.day7_report:plan",
-}
-
-
-# Optimizer state per fp32 parameter, in bytes.
-OPTIMIZER_STATE_BYTES = {"sgd": 0, "sgd_momentum": 4, "adamw": 8, "lamb": 8}
-
-
 class DoesNotFit(ValueError):
     """A planned configuration needs more memory per rank than the GPU has."""
-
-
-def planner(day: str):
-    if day not in PLANNERS:
-        raise ValueError(f"no planner for {day!r}; days with one: {', '.join(sorted(PLANNERS)) or '(none)'}")
-    module, _, name = PLANNERS[day].partition(":")
-    try:
-        return getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(f"the planner of {day}, {PLANNERS[day]}, cannot be loaded: {exc}") from None
 
 
 def row(config: str, world: int, *, params: int, grads: int, optimizer: int, activations: int,
@@ -88,19 +61,6 @@ def main_configs(rows: list[dict]) -> list[str]:
     return marked or [r["config"] for r in rows[:1]]
 
 
-def plan_day(day: str, gpus: int | None = None, gpu_mem_gb: float = 80.0) -> list[dict]:
-    """The rows of `day`'s planner for its `full` preset on `gpus` GPUs (None: the preset's ranks, 1 on
-    single-process days) of `gpu_mem_gb` GB each. ValueError (one line) for a bad number, and from a
-    planner whose work cannot be split over `gpus` ranks (`split_evenly`)."""
-    from dlo.presets import PRESETS
-
-    if (gpus is not None and gpus < 1) or gpu_mem_gb <= 0:
-        raise ValueError(f"need gpus >= 1 and gpu_mem_gb > 0, got gpus={gpus}, gpu_mem_gb={gpu_mem_gb}")
-    plan = planner(day)
-    preset = PRESETS[day]["full"]
-    return plan(preset, gpus=gpus or int(getattr(preset, "ranks", 1)), gpu_mem_gb=gpu_mem_gb)
-
-
 def split_evenly(what: str, sizes: dict[str, int], ranks: int) -> None:
     """ValueError (one line) unless every size in `sizes` ({name: size}) divides by `ranks`: a planner
     does not plan for a batch that a data-parallel world cannot share out evenly."""
@@ -110,24 +70,6 @@ def split_evenly(what: str, sizes: dict[str, int], ranks: int) -> None:
         raise ValueError(f"{', '.join(f'{name} of {n}' for name, n in bad.items())} cannot be split evenly over "
                          f"{ranks} GPUs ({what}); plan for {', '.join(map(str, counts[:8]))}"
                          f"{' ...' if len(counts) > 8 else ''} GPUs")
-
-
-def main(day: str, gpus: int | None = None, gpu_mem_gb: float = 80.0) -> int:
-    """`dlo plan DAY`: print the rows; exit 1 when a main configuration does not fit; BadInput (exit 2)
-    for an unknown day or a bad number."""
-    from dlo.errors import BadInput
-
-    try:
-        rows = plan_day(day, gpus, gpu_mem_gb)
-    except ValueError as exc:  # an unknown day or a bad number: one line, no traceback
-        raise BadInput(str(exc)) from None
-    print(f"{day}, full profile: bytes per rank on GPUs of {gpu_mem_gb:g} GiB")
-    print(format_rows(rows))
-    try:
-        check_fits(rows, main_configs(rows))
-    except DoesNotFit as exc:
-        raise SystemExit(f"does not fit: {exc}") from None
-    return 0
 
 
 def param_bytes(model) -> int:

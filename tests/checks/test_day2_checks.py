@@ -344,7 +344,7 @@ def flops_ok(n, layers, d, seq):
 
 def bytes_ok(precision, optimizer):
     w, g, master, state = {"fp32": (4, 4, 0, 4), "mixed": (2, 2, 4, 4), "bf16": (2, 2, 0, 2)}[precision]
-    return w + g + master + {"sgd": 0, "momentum": 1, "adam": 2}[optimizer] * state
+    return w + g + master + {"sgd": 0, "sgd_momentum": 1, "adamw": 2}[optimizer] * state
 
 
 OK4 = (matmul_params_ok, flops_ok, lambda f, s, p: f / s / p, bytes_ok)
@@ -364,7 +364,7 @@ def test_flops_accounting_accepts(capsys):
     (2, lambda f, s, p: 100 * f / s / p, "mfu"),
     (3, lambda precision, optimizer: bytes_ok(precision, optimizer) - 4 * (precision == "mixed"),
      "master copy, 4 bytes, missing"),
-    (3, lambda precision, optimizer: bytes_ok(precision, "adam"), "training_bytes_per_param")])
+    (3, lambda precision, optimizer: bytes_ok(precision, "adamw"), "training_bytes_per_param")])
 def test_flops_accounting_rejects(i, wrong, match):
     fns = list(OK4)
     fns[i] = wrong
@@ -378,7 +378,12 @@ def test_flops_accounting_stub_and_references():
     from dlo.accounting import matmul_params, training_bytes_per_param
     from dlo.measure import transformer_flops_per_token
 
-    for i, ref in ((0, matmul_params), (1, transformer_flops_per_token), (3, training_bytes_per_param)):
+    def via_the_accountant(precision, optimizer):
+        from dlo.accounting import PRECISIONS, model_state_bytes
+        return model_state_bytes(1, optimizer, PRECISIONS[precision])["total"]
+
+    for i, ref in ((0, matmul_params), (1, transformer_flops_per_token), (3, training_bytes_per_param),
+                   (3, via_the_accountant)):
         fns = list(OK4)
         fns[i] = ref
         with pytest.raises(ForbiddenCall, match="off limits"):

@@ -64,6 +64,12 @@ def test_accountant_rejects_the_library():
     with pytest.raises(AssertionError, match="off limits"):
         day5.check_memory_accountant(borrowed)
 
+    def via_the_accountant(n, world, stage, *, param_dtype, optimizer):
+        from dlo.accounting import model_state_bytes, precision_of
+        return model_state_bytes(n, optimizer, precision_of(param_dtype), world=world, stage=stage)
+    with pytest.raises(AssertionError, match="off limits"):
+        day5.check_memory_accountant(via_the_accountant)
+
 
 # ----------------------------------------------------------------------------- 2-4. ZeRO (one launch each)
 

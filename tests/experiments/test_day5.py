@@ -15,13 +15,13 @@ from dlo.distributed.zero import memory_per_rank
 from dlo.experiments import day5 as E
 from dlo.experiments import day5_report as report
 from dlo.models.llama_hf import CheckpointError
-from dlo.plan import DoesNotFit, check_fits, main_configs, plan_day
-from dlo.presets import PRESETS
+from dlo.plan import DoesNotFit, check_fits, main_configs
+from dlo.registry import DAYS, plan_day
 from tests.rank_pool import one_thread  # noqa: F401 - a fixture
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-TINY = PRESETS["day5_fsdp"]["tiny"]
+TINY = DAYS["day5_fsdp"].presets["tiny"]
 SMALL = dataclasses.replace(TINY, seq_len=16, batch_per_rank=2, max_steps=2, timing_steps=1,
                             model_overrides=(("n_layers", 1),))
 
@@ -55,7 +55,7 @@ def test_bad_input_is_one_line(tmp_path):
         dataclasses.replace(TINY, ac_mode="op").validate()
     with pytest.raises(ValueError, match="max_steps >= 2"):
         dataclasses.replace(TINY, max_steps=1).validate()
-    smoke = PRESETS["day5_fsdp"]["full"].smoke()
+    smoke = DAYS["day5_fsdp"].presets["full"].smoke()
     smoke.validate()
     assert E.llama_config(smoke).dim == 3072 and E.llama_config(smoke).n_layers == 1  # the 3B's width, cut
 
@@ -72,7 +72,7 @@ def test_plan_of_llama_3b_on_8_gpus():
     with pytest.raises(DoesNotFit, match="DDP bf16, no activation checkpointing at 8 rank"):
         check_fits(rows)
     assert rows[-1]["activations"] > 5 * fsdp["activations"]  # 28 blocks' activations vs their inputs
-    assert not any(r["fits"] for r in report.plan(PRESETS["day5_fsdp"]["full"], gpus=8, gpu_mem_gb=4))
+    assert not any(r["fits"] for r in report.plan(DAYS["day5_fsdp"].presets["full"], gpus=8, gpu_mem_gb=4))
 
 
 def test_memory_table_matches_the_formulas():

@@ -7,13 +7,15 @@ import dataclasses
 import pytest
 import torch
 
+from dlo.accounting import optimizer_bytes
 from dlo.claims import AGREES, DISAGREES, NOT_MEASURABLE, VERDICTS
 from dlo.distributed import launch
 from dlo.distributed.pipeline_schedules import bubble_formula
 from dlo.experiments import day6 as E
 from dlo.experiments import day6_report as report
-from dlo.plan import GIB, OPTIMIZER_STATE_BYTES
-from dlo.presets import PRESETS, Day6Preset
+from dlo.plan import GIB
+from dlo.presets import Day6Preset
+from dlo.registry import DAYS
 from tests.rank_pool import one_thread  # noqa: F401 - a fixture
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -24,14 +26,14 @@ SMALL = Day6Preset(image_size=32, micro_batch=2, m_values=(2, 4), gantt_m=2, spl
 
 def test_presets_validate_and_smoke_keeps_the_model():
     for profile in ("tiny", "full"):
-        P = PRESETS["day6_pipeline"][profile]
+        P = DAYS["day6_pipeline"].presets[profile]
         P.validate()
         smoke = P.smoke()
         smoke.validate()
         assert (smoke.model, smoke.image_size, smoke.stack_width, smoke.stack_grid) == \
                (P.model, P.image_size, P.stack_width, P.stack_grid)
         assert smoke.reps == 1 and len(smoke.m_values) == 1 and smoke.micro_batch == 1
-    assert PRESETS["day6_pipeline"]["full"].with_max_steps(7).reps == 7
+    assert DAYS["day6_pipeline"].presets["full"].with_max_steps(7).reps == 7
     with pytest.raises(ValueError, match="multiple of ranks"):
         dataclasses.replace(SMALL, gantt_m=3, m_values=(3,)).validate()
     with pytest.raises(ValueError, match="stack_blocks >= 2 x ranks"):
@@ -105,7 +107,6 @@ def test_plan_matches_a_hand_count():
     rows = {r["config"]: r for r in report.plan(P, gpus=2, gpu_mem_gb=1.0)}
     stages = report.stage_partition(E.model_config(P), 2)
     n = sum(s["params"] for s in stages)
-    adamw = OPTIMIZER_STATE_BYTES["adamw"]
     # 1F1B, m = 8 micro-batches of 2: rank r holds min(2 - r, 8) of them; the worst rank is shown
     one_f = rows["1F1B, batch 16 = 8 x 2"]
     want = max(16 * s["params"] + min(2 - r, 8) * 2 * s["saved_per_sample"] for r, s in enumerate(stages))
@@ -113,7 +114,7 @@ def test_plan_matches_a_hand_count():
     gpipe = rows["GPipe, batch 16 = 8 x 2"]
     assert gpipe["total"] == max(16 * s["params"] + 8 * 2 * s["saved_per_sample"] for s in stages)
     ddp = rows["DDP, batch 16 = 2 x 8"]  # the whole model, a half of the batch per GPU
-    assert (ddp["params"], ddp["optimizer"]) == (4 * n, adamw * n)
+    assert (ddp["params"], ddp["optimizer"]) == (4 * n, optimizer_bytes("adamw", 4 * n))
     assert ddp["activations"] == 8 * sum(s["saved_per_sample"] for s in stages)
     assert {r["config"] for r in rows.values() if r.get("main")} == {
         "notebook: 1F1B splits, m = 4 x 2", "notebook: DDP, 8 samples", "notebook: bubble sweep, GPipe m = 4 x 2"}

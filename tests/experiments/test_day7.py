@@ -15,10 +15,10 @@ from dlo.experiments import day7 as E
 from dlo.experiments import day7_report as report
 from dlo.measure import saved_bytes
 from dlo.models.llama import LlamaConfig, TransformerBlock, rope_cos_sin, rope_frequencies
-from dlo.presets import PRESETS
+from dlo.registry import DAYS
 from tests.rank_pool import one_thread  # noqa: F401 - a fixture
 
-TINY, FULL = PRESETS["day7_tensor_parallel"]["tiny"], PRESETS["day7_tensor_parallel"]["full"]
+TINY, FULL = DAYS["day7_tensor_parallel"].presets["tiny"], DAYS["day7_tensor_parallel"].presets["full"]
 
 
 

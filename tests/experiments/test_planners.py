@@ -111,9 +111,8 @@ def test_day8_rows():
 
 @pytest.mark.parametrize("planner", [day1.plan, day2.plan, day3.plan, day8.plan])
 def test_rows_have_every_column(planner):
-    from dlo.presets import PRESETS
+    from dlo.registry import DAYS
 
-    preset = next(p for ps in PRESETS.values() for p in ps.values() if planner.__module__.endswith(
-        type(p).__name__.removesuffix("Preset").lower()))
+    preset = next(d.presets["tiny"] for d in DAYS.values() if d.planner == f"{planner.__module__}:plan")
     for r in planner(preset, gpus=1, gpu_mem_gb=80):
         assert r["total"] == r["params"] + r["grads"] + r["optimizer"] + r["activations"] and r["fits"]

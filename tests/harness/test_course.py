@@ -1,4 +1,5 @@
-"""The real course, every day found in solutions/: it releases, runs, and grades honestly.
+"""The real course, every day of `dlo.registry.DAYS` (the folders of solutions/): it releases, runs, and
+grades honestly.
 
 Whole notebooks run here on the tiny profile's smoke version (DLO_SMOKE=1: the tiny sizes with the
 fewest steps, seeds and sweep points the experiments run with; the checks in the test cells are the
@@ -20,10 +21,9 @@ import shutil
 
 import pytest
 
-from dlo.harness.days import list_days
+from dlo.registry import DAYS
 from tests.harness.conftest import REPO, dlo, read_csv
 
-DAYS = list_days(REPO)
 pytestmark = [pytest.mark.course, pytest.mark.slow]
 
 

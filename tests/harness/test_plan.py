@@ -6,7 +6,8 @@ import sys
 
 import pytest
 
-from dlo.plan import DoesNotFit, check_fits, format_rows, main_configs, plan_day, row, split_evenly
+from dlo.plan import DoesNotFit, check_fits, format_rows, main_configs, row, split_evenly
+from dlo.registry import plan_day
 
 MY_DAYS = ["day1_optimizers", "day2_mixed_precision", "day3_checkpointing", "day4_ddp", "day8_quantization_pruning"]
 

@@ -11,9 +11,10 @@ import nbformat
 import pytest
 from nbformat.v4 import new_code_cell, new_notebook
 
-from dlo.config import check_parameters
-from dlo.harness.release import REQUIRED_PARAMETERS
+import dlo
+from dlo.config import PARAMETERS, resolve
 from dlo.harness.run import BadParameter, build_parameters, typed_value
+from dlo.registry import DAYS
 
 REPO = Path(__file__).resolve().parents[2]
 PARAMS = 'profile: str = "auto"\nmax_steps: int = 0\nlr: float = 0.1\nverbose: bool = False\nname: str = "x"\n'
@@ -64,19 +65,41 @@ def test_untyped_values_keep_their_best_guess():
     ("day1_optimizers", dict(profile="huge"), r"unknown profile 'huge'"),
     ("day4_ddp", dict(profile="tiny", world_size=-1), r"world_size must be >= 0"),
     ("day2_mixed_precision", dict(profile="tiny", max_steps=-3), r"max_steps must be >= 0"),
+    ("day2_mixed_precision", dict(profile="tiny", data_dir="/nonexistent"), r"data_dir='/nonexistent' is not a folder"),
+    ("day2_mixed_precision", dict(profile="tiny", lr_typo=1.0), r"Day2Preset has no field\(s\) \['lr_typo'\]"),
+    ("day5_fsdp", dict(profile="tiny", device="cpu", world_size=100), r"world_size=100 is larger than the 32 rows"),
+    ("day5_fsdp", dict(profile="tiny", weights_dir="/nonexistent"), r"weights_dir /nonexistent is not a folder"),
 ])
-def test_impossible_combinations_are_refused(day, kwargs, match):
+def test_impossible_combinations_are_refused(day, kwargs, match, tmp_path):
+    """`resolve` refuses them (`dlo run` before a notebook starts), and `dlo.setup` the same way, with
+    the same exception, before it makes a folder."""
     with pytest.raises(ValueError, match=match):
-        check_parameters(day, **kwargs)
+        resolve(day, **kwargs)
+    with pytest.raises(ValueError, match=match):
+        dlo.setup(day, log_dir=str(tmp_path / "logs"), **kwargs)
+    assert not (tmp_path / "logs").exists()
+
+
+def test_the_resolved_run():
+    run = resolve("day5_fsdp", profile="tiny", device="cpu", weights_dir="", max_steps=3, lr=0.5)
+    assert (run.world_size, run.backend, run.params) == (2, "gloo", {"weights_dir": ""})
+    assert (run.preset.max_steps, run.preset.lr) == (3, 0.5)  # overrides reach the preset
 
 
 def test_a_max_steps_override_carries_what_depends_on_it():
-    check_parameters("day1_optimizers", profile="full", device="cpu", max_steps=20)  # warmup 200 -> 2
+    resolve("day1_optimizers", profile="full", device="cpu", max_steps=20)  # warmup 200 -> 2
     from dlo.config import get_preset
     p = get_preset("day1_optimizers", "full", 20)
     assert (p.max_steps, p.warmup_steps, p.lr_finder_steps) == (20, 2, 10)
     p = get_preset("day3_checkpointing", "full", 10)
     assert 1 <= p.save_every <= p.interrupt_at < p.max_steps == 10
+
+
+def test_cli_runs_the_days_preflight_before_any_kernel_starts(tmp_path):
+    out, missing = tmp_path / "out", tmp_path / "no-weights"
+    proc = dlo_cli("run", "day5_fsdp", "--out", str(out), "-p", "weights_dir", str(missing))
+    assert proc.returncode == 2 and proc.stderr.strip() == f"dlo run: day5_fsdp: weights_dir {missing} is not a folder"
+    assert not out.exists()
 
 
 def test_cli_refuses_before_any_kernel_starts(tmp_path):
@@ -114,10 +137,10 @@ def test_a_dead_kernel_is_a_failure_with_its_cell_named(tmp_path):
     assert dead["outputs"][-1]["ename"] == "DeadKernelError"
 
 
-@pytest.mark.parametrize("day", sorted(p.name for p in (REPO / "solutions").iterdir() if p.is_dir()))
+@pytest.mark.parametrize("day", list(DAYS))
 def test_papermill_reads_every_parameter_of_every_day(day):
     # papermill skips a line with a second "=" (e.g. ">=" in its comment): -p could not set it
     import papermill
 
     declared = papermill.inspect_notebook(str(REPO / "solutions" / day / f"{day}.ipynb"))
-    assert set(REQUIRED_PARAMETERS) <= set(declared)
+    assert set(PARAMETERS) | set(DAYS[day].parameters) <= set(declared)

@@ -16,8 +16,8 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from dlo.plan import check_fits, planner
-from dlo.presets import PRESETS
+from dlo.plan import check_fits
+from dlo.registry import DAYS
 
 REPO = Path(__file__).resolve().parents[2]
 SMOKED = ("day1_optimizers", "day2_mixed_precision", "day8_quantization_pruning")
@@ -33,8 +33,8 @@ NOT_HERE = {
 @pytest.mark.parametrize("day", ["day1_optimizers", "day2_mixed_precision", "day3_checkpointing", "day4_ddp",
                                  "day8_quantization_pruning"])
 def test_the_smoke_preset_fits_a_cpu_box(day):
-    full = PRESETS[day]["full"]
-    rows = planner(day)(full.smoke(), gpus=int(getattr(full, "ranks", 1)), gpu_mem_gb=24.0)
+    full = DAYS[day].presets["full"]
+    rows = DAYS[day].load(DAYS[day].planner)(full.smoke(), gpus=int(getattr(full, "ranks", 1)), gpu_mem_gb=24.0)
     check_fits(rows)  # every configuration of the cut run fits 24 GB
     assert all(r["total"] < 8 * 2**30 for r in rows), "a smoke run should leave room for the notebook itself"
 

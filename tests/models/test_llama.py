@@ -13,14 +13,12 @@ from dlo.models.llama import (
     Llama,
     LlamaConfig,
     apply_rope,
-    config_from_hf,
     count_parameters,
     grouped_query_attention,
-    load_hf_weights,
     rope_cos_sin,
     rope_frequencies,
 )
-from dlo.models.llama_hf import CheckpointError, hf_names
+from dlo.models.llama_hf import CheckpointError, config_from_hf, hf_names, load_hf_weights
 from tests.rank_pool import one_thread  # noqa: F401 - a fixture
 
 pytestmark = pytest.mark.usefixtures("one_thread")

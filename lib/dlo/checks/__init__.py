@@ -6,6 +6,10 @@ AssertionError with an actionable message (or NotImplementedError propagates fro
 them (the `@check` decorator, the sandbox, the trusted runner) is `dlo.grading`.
 """
 
-from dlo.checks import day1, day2, day3, day4, day5, day6, day7, day8
+import importlib
 
-__all__ = ["day1", "day2", "day3", "day4", "day5", "day6", "day7", "day8"]
+from dlo.registry import DAYS
+
+# each day's checks module (`dlo.registry.DaySpec.checks`), as an attribute: `dlo.checks.day5`
+__all__ = [spec.short for spec in DAYS.values()]
+globals().update({spec.short: importlib.import_module(spec.checks) for spec in DAYS.values()})

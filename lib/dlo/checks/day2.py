@@ -301,8 +301,8 @@ def _state_bytes_per_param(precision: str, optimizer: str) -> float:
     for p, g in zip(stepped, grads):
         p.grad = g.to(p.dtype)
     opt = {"sgd": lambda ps: torch.optim.SGD(ps, lr=0.1),
-           "momentum": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
-           "adam": lambda ps: torch.optim.Adam(ps, lr=0.1)}[optimizer](stepped)
+           "sgd_momentum": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+           "adamw": lambda ps: torch.optim.AdamW(ps, lr=0.1)}[optimizer](stepped)
     opt.step()
     state = sum(tensor_bytes(t for t in s.values() if isinstance(t, torch.Tensor) and t.numel() == p.numel())
                 for p, s in ((p, opt.state[p]) for p in stepped))
@@ -310,7 +310,7 @@ def _state_bytes_per_param(precision: str, optimizer: str) -> float:
 
 
 @check(forbid=("dlo.measure.transformer_flops_per_token", "dlo.measure.mfu", "dlo.accounting.matmul_params",
-               "dlo.accounting.training_bytes_per_param"))
+               "dlo.accounting.training_bytes_per_param", "dlo.accounting.model_state_bytes"))
 def check_flops_accounting(matmul_params, transformer_flops_per_token, mfu, training_bytes_per_param,
                            seed: int = 0, trials: int = 3) -> None:
     """Four small functions, compared on random configurations with counts made here: `matmul_params(model)`
@@ -355,7 +355,7 @@ def check_flops_accounting(matmul_params, transformer_flops_per_token, mfu, trai
         assert_close(name, "mfu(flops_per_step, step_seconds, peak_flops)", got, flops / seconds / peak,
                      dict(flops=flops, seconds=seconds, peak=peak), rtol=1e-9)
     for precision in ("fp32", "mixed", "bf16"):
-        for optimizer in ("sgd", "momentum", "adam"):
+        for optimizer in ("sgd", "sgd_momentum", "adamw"):  # dlo.accounting.OPTIMIZER_STATES' names
             want = _state_bytes_per_param(precision, optimizer)
             got = assert_number(name, "training_bytes_per_param", training_bytes_per_param(precision, optimizer))
             if got != want:

@@ -66,7 +66,7 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 LLAMA_3B = 3_212_749_824
 
 
-@check(forbid=(Z + "memory_per_rank", "dlo.plan.row"))
+@check(forbid=(Z + "memory_per_rank", "dlo.accounting.model_state_bytes", "dlo.plan.row"))
 def check_memory_accountant(fn, seed: int = 0, trials: int = 40) -> None:
     """`fn(n_params, world, stage, *, param_dtype, optimizer) -> {"params", "grads", "optimizer",
     "total"}`: bytes per rank, stage 0 (DDP) to 3, against the ZeRO paper's formulas (exact ints)

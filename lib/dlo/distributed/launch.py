@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from dlo import pickling
+from dlo.config import pick_backend
 from dlo.distributed._spawn import RankError, spawn
 
 __all__ = ["RankError", "dumps", "heartbeat", "init_from_env", "is_main", "launch", "rank", "rank_device",
@@ -169,16 +170,6 @@ def _destroy():
 
 # ------------------------------------------------------------------- the entry point (spawning: _spawn.py)
 
-def _pick_backend(backend, world_size):
-    gpus = _cuda_count()
-    if backend is None:
-        return "nccl" if gpus >= world_size else "gloo"
-    if "nccl" in backend and gpus < world_size:
-        raise ValueError(f"backend {backend!r} needs one GPU per rank: world_size={world_size} but "
-                         f"{gpus} CUDA device(s) are visible; use backend='gloo' (CPU) or fewer ranks")
-    return backend
-
-
 def launch(fn, world_size, *args, backend=None, timeout=300.0, **kwargs) -> list:
     """Run `fn(*args, **kwargs)` on `world_size` ranks with torch.distributed ready; return the
     per-rank return values as a list indexed by rank.
@@ -199,5 +190,5 @@ def launch(fn, world_size, *args, backend=None, timeout=300.0, **kwargs) -> list
                              f"(WORLD_SIZE/SLURM_NTASKS={found[1]}); make them agree")
         return _run_here(fn, world_size, backend, args, kwargs)
     timeout = math.inf if timeout is None else float(timeout)
-    return spawn(fn, world_size, _pick_backend(backend, world_size), timeout, args, kwargs)
+    return spawn(fn, world_size, pick_backend(world_size, backend), timeout, args, kwargs)
 

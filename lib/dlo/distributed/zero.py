@@ -36,10 +36,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dlo.distributed.zero_comms import FlatBuffer, all_gather, reduce_scatter, shard_numel
-
-OPTIMIZER_MOMENTS = {"adamw": 2, "adam": 2, "sgd_momentum": 1, "sgd": 0}  # state tensors per parameter
-
+from dlo.accounting import model_state_bytes, precision_of
+from dlo.distributed.zero_comms import FlatBuffer, all_gather, reduce_scatter
 
 # ----------------------------------------------------------------------------- the memory accountant
 
@@ -52,22 +50,9 @@ def memory_per_rank(n_params: int, world: int, stage: int, *, param_dtype: torch
     Parameters and gradients are stored in `param_dtype`. A 16-bit `param_dtype` means mixed
     precision: the optimizer also keeps an fp32 master copy, and its moments are fp32 (K = 4 + 4 m
     bytes, 12 for Adam); in 32- or 64-bit training there is no master copy and the moments have the
-    parameters' dtype (K = m x its size).
+    parameters' dtype (K = m x its size). `dlo.accounting.model_state_bytes` at `precision_of(param_dtype)`.
     """
-    if stage not in (0, 1, 2, 3):
-        raise ValueError(f"stage must be 0 (DDP), 1, 2 or 3, got {stage}")
-    if optimizer not in OPTIMIZER_MOMENTS:
-        raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZER_MOMENTS)}, got {optimizer!r}")
-    if n_params < 0:
-        raise ValueError(f"n_params must be >= 0, got {n_params}")
-    b = torch.empty((), dtype=param_dtype).element_size()
-    mixed = b < 4
-    k = (4 + 4 * OPTIMIZER_MOMENTS[optimizer]) if mixed else b * OPTIMIZER_MOMENTS[optimizer]
-    s = shard_numel(n_params, world)
-    params = b * (s if stage >= 3 else n_params)
-    grads = b * (s if stage >= 2 else n_params)
-    opt = k * (s if stage >= 1 else n_params)
-    return {"params": params, "grads": grads, "optimizer": opt, "total": params + grads + opt}
+    return model_state_bytes(n_params, optimizer, precision_of(param_dtype), world=world, stage=stage)
 
 
 # ----------------------------------------------------------------------------- shared machinery
@@ -305,4 +290,4 @@ class ZeRO3(_Sharded):
         self.optimizer.step()  # on the shards only: the next forward gathers the new values
 
 
-__all__ = ["memory_per_rank", "ZeRO1", "ZeRO2", "ZeRO3", "OPTIMIZER_MOMENTS"]
+__all__ = ["memory_per_rank", "ZeRO1", "ZeRO2", "ZeRO3"]

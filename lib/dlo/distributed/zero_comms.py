@@ -18,11 +18,10 @@ collectives, named `reduce_scatter_single` / `all_gather_single` from torch 2.13
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.distributed as dist
 
+from dlo.accounting import shard_numel  # the accountant's partition: the buffers hold what it counts
 from dlo.distributed.collectives import all_gather_single, reduce_scatter_single
 
 
@@ -34,13 +33,6 @@ def all_gather(full: torch.Tensor, shard: torch.Tensor, group=None, async_op: bo
 def reduce_scatter(shard: torch.Tensor, full: torch.Tensor, group=None, async_op: bool = False):
     """shard (S,) <- slice r of the sum over ranks of full (N*S,); a Work handle when async_op."""
     return reduce_scatter_single(shard, full, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
-
-
-def shard_numel(numel: int, world: int) -> int:
-    """Elements per rank of a flat partition: ceil(numel / world) (the last ranks hold padding)."""
-    if world < 1:
-        raise ValueError(f"world size must be >= 1, got {world}")
-    return math.ceil(numel / world)
 
 
 class FlatBuffer:

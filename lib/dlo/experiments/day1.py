@@ -17,9 +17,9 @@ import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile, record_function, schedule, tensorboard_trace_handler
 
 from dlo import claims as C
-from dlo.models import count_parameters
+from dlo.accounting import optimizer_bytes
 from dlo.models.small import SmallCNN
-from dlo.plan import OPTIMIZER_STATE_BYTES, activation_bytes, param_bytes, row
+from dlo.plan import activation_bytes, param_bytes, row
 
 # optimizer of the notebook -> its state per fp32 parameter (SGD has Nesterov momentum)
 OPTIMIZERS = {"sgd": "sgd_momentum", "adamw": "adamw", "lamb": "lamb"}
@@ -240,19 +240,19 @@ def plan(P, *, gpus: int, gpu_mem_gb: float) -> list[dict]:
     parameters (param, gradient, two moments). Single process: `gpus` does not change the rows."""
     with torch.device("meta"):
         model = SmallCNN(width=P.width)
-    n, n_params = param_bytes(model), count_parameters(model)
+    n = param_bytes(model)
     exclude = [*model.parameters(), *model.buffers()]
     acts = {}
     for b in (P.small_batch, P.large_batch):
         with torch.device("meta"):
             x, y = torch.randn(b, 3, P.image_size, P.image_size), torch.randint(0, 10, (b,))
         acts[b] = activation_bytes(lambda x=x, y=y: F.cross_entropy(model(x), y), exclude=exclude)
-    rows = [row(f"{name} b{b}", 1, params=n, grads=n, optimizer=OPTIMIZER_STATE_BYTES[state] * n_params,
+    rows = [row(f"{name} b{b}", 1, params=n, grads=n, optimizer=optimizer_bytes(state, n),
                 activations=acts[b], gpu_mem_gb=gpu_mem_gb, main=b == P.large_batch,
                 note=f"SmallCNN width {P.width}, {P.image_size}x{P.image_size} images")
             for name, state in OPTIMIZERS.items() for b in (P.small_batch, P.large_batch)]
     bench = 4 * P.bench_numel
     rows.append(row("AdamW step benchmark", 1, params=bench, grads=bench,
-                    optimizer=OPTIMIZER_STATE_BYTES["adamw"] * P.bench_numel, activations=0, gpu_mem_gb=gpu_mem_gb,
+                    optimizer=optimizer_bytes("adamw", bench), activations=0, gpu_mem_gb=gpu_mem_gb,
                     note=f"{P.bench_numel:,} fp32 parameters in 32 tensors"))
     return rows

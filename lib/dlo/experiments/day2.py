@@ -13,8 +13,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from dlo import claims as C
+from dlo.accounting import optimizer_bytes
 from dlo.models.small import MLP, SmallCNN
-from dlo.plan import OPTIMIZER_STATE_BYTES, activation_bytes, fake_cpu, param_bytes, row
+from dlo.plan import activation_bytes, fake_cpu, param_bytes, row
 
 LIPPE, MICIK, KALAM = "Lippe 2024 (case study)", "Micikevicius et al. 2018", "Kalamkar et al. 2019"
 
@@ -269,7 +270,6 @@ def plan(P, *, gpus: int, gpu_mem_gb: float) -> list[dict]:
         with torch.device("meta"):
             model = build(P)
         n = param_bytes(model)
-        n_params = sum(p.numel() for p in model.parameters())
         mode = fake_cpu(model)
         with mode:
             x = torch.randint(0, high, shape) if high else torch.randn(shape)
@@ -280,7 +280,7 @@ def plan(P, *, gpus: int, gpu_mem_gb: float) -> list[dict]:
                         return F.cross_entropy(model(x), y)
                 acts = activation_bytes(loss, exclude=[*model.parameters(), *model.buffers()])
                 rows.append(row(f"{name} {label}", 1, params=n, grads=n,
-                                optimizer=OPTIMIZER_STATE_BYTES["adamw"] * n_params, activations=acts,
+                                optimizer=optimizer_bytes("adamw", n), activations=acts,
                                 gpu_mem_gb=gpu_mem_gb, main=name == "TinyLM" and dtype is None,
                                 note=f"batch {' x '.join(map(str, shape))}, AdamW"))
     return rows

@@ -20,12 +20,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dlo import claims as C
+from dlo.accounting import optimizer_bytes
 from dlo.activation_ckpt import cpu_offload, every_kth
 from dlo.measure import count_flops, optimizer_state_bytes, peak_memory, saved_bytes, tensor_bytes, time_interleaved
 from dlo.models import count_parameters
 from dlo.models.transformer import TransformerStack
 from dlo.optim.offload import CPUOffloadOptimizer
-from dlo.plan import GIB, OPTIMIZER_STATE_BYTES, activation_bytes, param_bytes, row
+from dlo.plan import GIB, activation_bytes, param_bytes, row
 from dlo.progress import tqdm
 
 OFFLOAD = "offload to CPU"
@@ -333,7 +334,7 @@ def plan(P, *, gpus: int, gpu_mem_gb: float) -> list[dict]:
         model = build_model(P)
         idx = torch.randint(0, P.vocab, (P.batch_size, P.seq_len + 1))
     params = list(model.parameters())
-    n_bytes, n_params = param_bytes(model), sum(p.numel() for p in params)
+    n_bytes = param_bytes(model)
     inputs, targets = idx[:, :-1], idx[:, 1:]
     rows, none = [], 0
     for name, policy in policies(P.n_layers).items():
@@ -345,11 +346,11 @@ def plan(P, *, gpus: int, gpu_mem_gb: float) -> list[dict]:
         rows.append(row(f"policy: {name}", 1, params=n_bytes, grads=n_bytes, optimizer=0,
                         activations=0 if offload else acts, gpu_mem_gb=gpu_mem_gb, note=note, main=name == "none"))
     rows.append(row("resume run (AdamW, GradScaler)", 1, params=n_bytes, grads=n_bytes,
-                    optimizer=OPTIMIZER_STATE_BYTES["adamw"] * n_params, activations=none,
+                    optimizer=optimizer_bytes("adamw", n_bytes), activations=none,
                     gpu_mem_gb=gpu_mem_gb, note=f"{P.batch_size} x {P.seq_len} tokens, no checkpointing"))
     rows.append(row("AdamW state offloaded (ZeRO-Offload)", 1, params=n_bytes, grads=n_bytes, optimizer=0,
                     activations=none, gpu_mem_gb=gpu_mem_gb,
-                    note=f"{OPTIMIZER_STATE_BYTES['adamw'] * n_params / GIB:.2g} GiB of state + "
+                    note=f"{optimizer_bytes('adamw', n_bytes) / GIB:.2g} GiB of state + "
                          f"{n_bytes / GIB:.2g} GiB master copy in host memory"))
     rows.append(row("SIGKILL demo (host memory, disk)", 1, params=0, grads=0, optimizer=0, activations=0,
                     gpu_mem_gb=gpu_mem_gb, note=f"{P.big_numel * 4 / GIB:.2g} GiB per checkpoint, on disk"))

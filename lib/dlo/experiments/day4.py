@@ -345,7 +345,8 @@ def plan(P, *, gpus: int, gpu_mem_gb: float) -> list[dict]:
     built inside `fake_world(gpus)` (its flat buckets are real objects there), torch DDP's buckets
     counted as one gradient-sized copy (gradient_as_bucket_view=False, its default). SGD momentum:
     one buffer per parameter. The throughput table keeps its three versions alive together."""
-    from dlo.plan import OPTIMIZER_STATE_BYTES, activation_bytes, fake_world, param_bytes, row
+    from dlo.accounting import optimizer_bytes
+    from dlo.plan import activation_bytes, fake_world, param_bytes, row
 
     with torch.device("meta"):
         net = model(P, "meta")
@@ -353,7 +354,7 @@ def plan(P, *, gpus: int, gpu_mem_gb: float) -> list[dict]:
         bn = mlp(P, "meta", norm=True)
         xb, yb = feature_batch(P, 0, 0, "meta", n=P.bn_batch)
     n, n_bn = param_bytes(net), param_bytes(bn)  # fp32: SGD's momentum buffer is as large again
-    momentum = OPTIMIZER_STATE_BYTES["sgd_momentum"] / 4  # bytes of state per byte of parameters
+    momentum = optimizer_bytes("sgd_momentum", n)
     acts = activation_bytes(lambda: F.cross_entropy(net(x), y), exclude=[*net.parameters(), *net.buffers()])
     acts_bn = activation_bytes(lambda: F.cross_entropy(bn(xb), yb), exclude=[*bn.parameters(), *bn.buffers()])
     with fake_world(gpus):
@@ -361,15 +362,15 @@ def plan(P, *, gpus: int, gpu_mem_gb: float) -> list[dict]:
                      for b in DataParallelBucket(net, bucket_cap_mb=P.bucket_cap_mb).buckets)
     what = f"{P.model}, {P.batch_per_rank} samples per rank"
     rows = [row("throughput: naive + bucketed + torch DDP", gpus, params=3 * n, grads=3 * n,
-                optimizer=int(3 * momentum * n) + bucket + n, activations=acts, gpu_mem_gb=gpu_mem_gb, main=True,
+                optimizer=3 * momentum + bucket + n, activations=acts, gpu_mem_gb=gpu_mem_gb, main=True,
                 note=f"{what}; three replicas alive together, buckets of ours and of torch DDP in optimizer"),
             row("scaling: bucketed + torch DDP", gpus, params=2 * n, grads=2 * n,
-                optimizer=int(2 * momentum * n) + bucket + n, activations=acts, gpu_mem_gb=gpu_mem_gb, note=what),
-            row("compression: torch DDP + hook", gpus, params=n, grads=n, optimizer=int(momentum * n) + n,
+                optimizer=2 * momentum + bucket + n, activations=acts, gpu_mem_gb=gpu_mem_gb, note=what),
+            row("compression: torch DDP + hook", gpus, params=n, grads=n, optimizer=momentum + n,
                 activations=acts, gpu_mem_gb=gpu_mem_gb, note=f"{what}; PowerSGD's low-rank factors not counted"),
             row(f"bus bandwidth: {max(P.msg_sizes) / 2**20:.0f} MiB all-reduce", gpus, params=0, grads=0,
                 optimizer=0, activations=max(P.msg_sizes), gpu_mem_gb=gpu_mem_gb, note="the message itself"),
-            row("SyncBatchNorm: MLP", gpus, params=n_bn, grads=n_bn, optimizer=int(momentum * n_bn) + n_bn,
-                activations=acts_bn, gpu_mem_gb=gpu_mem_gb,
+            row("SyncBatchNorm: MLP", gpus, params=n_bn, grads=n_bn,
+                optimizer=optimizer_bytes("sgd_momentum", n_bn) + n_bn, activations=acts_bn, gpu_mem_gb=gpu_mem_gb,
                 note=f"{P.layers} x {P.hidden} wide, {P.bn_batch} samples per rank")]
     return rows

@@ -195,7 +195,8 @@ def _writer(log_dir, name: str):
 def train_fsdp(P, device, log_dir, data_dir=None, weights_dir: str = "") -> dict:
     """The production run on `P.model`: built on the meta device, sharded, then materialised shard
     by shard (or loaded from `weights_dir` before sharding); tokens/s per rank, MFU, peak memory."""
-    from dlo.models.llama import Llama, count_parameters, load_hf_weights
+    from dlo.models.llama import Llama, count_parameters
+    from dlo.models.llama_hf import load_hf_weights
     from dlo.progress import tqdm
 
     cfg = llama_config(P)

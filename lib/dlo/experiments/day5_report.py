@@ -120,6 +120,7 @@ def plan(P, *, gpus: int, gpu_mem_gb: float) -> list[dict]:
     group (parameters = master, gradients reduced in fp32, two moments), plus the bf16 working set
     (the root, i.e. the tied embedding, and two blocks: the running one and the prefetched one).
     ZeRO-1/2 and DDP: the accountant (`memory_per_rank`). Activations: `activation_estimate`."""
+    from dlo.accounting import optimizer_bytes
     from dlo.plan import row
 
     cfg = llama_config(P)
@@ -128,8 +129,9 @@ def plan(P, *, gpus: int, gpu_mem_gb: float) -> list[dict]:
     act = activation_estimate(cfg, P.batch_per_rank, P.seq_len)
     what = f"{P.model}, {P.batch_per_rank} x {P.seq_len} tokens per rank"
     gathered = 2 * (sh["root"] + min(2, cfg.n_layers) * sh["block"])
-    rows = [row(f"FSDP2 bf16 + AC ({P.model})", gpus, params=4 * sh["local"] + gathered, grads=4 * sh["local"],
-                optimizer=8 * sh["local"], activations=act["full"], gpu_mem_gb=gpu_mem_gb, main=True,
+    shard = 4 * sh["local"]  # fp32: the master weights, their gradients, and AdamW's moments beside them
+    rows = [row(f"FSDP2 bf16 + AC ({P.model})", gpus, params=shard + gathered, grads=shard,
+                optimizer=optimizer_bytes("adamw", shard), activations=act["full"], gpu_mem_gb=gpu_mem_gb, main=True,
                 note=f"{what}; fp32 shards + bf16 root and 2 blocks gathered")]
     for stage, label in ((3, "ZeRO-3 (accountant)"), (2, "ZeRO-2"), (1, "ZeRO-1"), (0, "DDP")):
         m = memory_per_rank(n, gpus, stage, param_dtype=torch.bfloat16)
@@ -142,4 +144,20 @@ def plan(P, *, gpus: int, gpu_mem_gb: float) -> list[dict]:
     return rows
 
 
-__all__ = ["activation_estimate", "engine_claims", "fsdp2_shards", "mfu_estimate", "plan", "training_claims"]
+def preflight(run) -> None:
+    """Day 5's refusals before any process starts (`dlo.registry`'s preflight: `dlo.setup` in the
+    notebook and `dlo run` before it call it), each one line: more ranks than a weight has rows, a
+    weights_dir that is not a checkpoint of P.model, and on a GPU a plan whose main configuration
+    does not fit the GPU's memory (`dlo.plan.DoesNotFit`)."""
+    from dlo.experiments.day5 import check_weights, check_world
+    from dlo.plan import check_fits, device_memory_gb, main_configs
+
+    check_world(run.preset, run.world_size)
+    check_weights(run.preset, run.params.get("weights_dir", ""))
+    if run.device.type == "cuda":
+        rows = plan(run.preset, gpus=run.world_size, gpu_mem_gb=device_memory_gb(run.device))
+        check_fits(rows, main_configs(rows))
+
+
+__all__ = ["activation_estimate", "engine_claims", "fsdp2_shards", "mfu_estimate", "plan", "preflight",
+           "training_claims"]

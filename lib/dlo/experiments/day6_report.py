@@ -259,20 +259,21 @@ def plan(P, *, gpus: int, gpu_mem_gb: float) -> list[dict]:
     shown). Data parallelism holds the whole model and its per-GPU share of the batch. Rows: the
     claim (a global batch of P.plan_batch that 1F1B trains and neither GPipe nor DDP fits), DDP at
     the largest batch that fits, and the configurations the notebook runs (marked main)."""
-    from dlo.plan import OPTIMIZER_STATE_BYTES, activation_bytes, row, split_evenly
+    from dlo.accounting import optimizer_bytes
+    from dlo.plan import activation_bytes, row, split_evenly
 
     cfg, p, b = model_config(P), gpus, P.micro_batch
     split_evenly("data parallel", {"the claim's batch": P.plan_batch, "the notebook's DDP batch": P.split_m * b}, p)
     stages, total = stage_partition(cfg, p), meta_model(cfg)
     n_params = sum(q.numel() for q in total.parameters())
     per_sample = sum(s["saved_per_sample"] for s in stages)
-    adamw = OPTIMIZER_STATE_BYTES["adamw"]
 
     def pipeline_row(label, m, gpipe=False, main=False):
         worst = None
         for r, s in enumerate(stages):
             alive = m if gpipe else min(p - r, m)
-            cand = row(label, p, params=4 * s["params"], grads=4 * s["params"], optimizer=adamw * s["params"],
+            fp32 = 4 * s["params"]
+            cand = row(label, p, params=fp32, grads=fp32, optimizer=optimizer_bytes("adamw", fp32),
                        activations=alive * b * s["saved_per_sample"], gpu_mem_gb=gpu_mem_gb, main=main,
                        note=f"{cfg.name}, worst stage: rank {r} (blocks {s['blocks']}), {alive} micro-batches of {b} "
                             f"alive")
@@ -280,12 +281,12 @@ def plan(P, *, gpus: int, gpu_mem_gb: float) -> list[dict]:
         return worst
 
     def ddp_row(label, per_gpu, main=False):
-        return row(label, p, params=4 * n_params, grads=4 * n_params, optimizer=adamw * n_params,
+        return row(label, p, params=4 * n_params, grads=4 * n_params, optimizer=optimizer_bytes("adamw", 4 * n_params),
                    activations=per_gpu * per_sample, gpu_mem_gb=gpu_mem_gb, main=main,
                    note=f"{cfg.name}, the whole model on every GPU, {per_gpu} samples each")
 
     m_claim = max(1, P.plan_batch // b)
-    fixed = (4 + 4 + adamw) * n_params
+    fixed = (4 + 4) * n_params + optimizer_bytes("adamw", 4 * n_params)  # fp32 weights, gradients, AdamW
     fit = max(0, int((gpu_mem_gb * 2 ** 30 - fixed) // per_sample))
     rows = [pipeline_row(f"1F1B, batch {m_claim * b} = {m_claim} x {b}", m_claim),
             pipeline_row(f"GPipe, batch {m_claim * b} = {m_claim} x {b}", m_claim, gpipe=True),

@@ -207,8 +207,9 @@ def plan(P, *, gpus: int, gpu_mem_gb: float) -> list[dict]:
     counted on the meta model split inside a fake process group. Activations: one block measured on
     fake tensors, divided by t (tensor + sequence parallelism), plus the two all-gathered inputs
     DTensor's plan keeps (4 b s h (t-1)/t, bf16), times the layers, plus the fp32 logits' shard."""
+    from dlo.accounting import optimizer_bytes
     from dlo.distributed.parallelize import ParallelDims
-    from dlo.plan import OPTIMIZER_STATE_BYTES, fake_world, row
+    from dlo.plan import fake_world, row
     from dlo.progress import tqdm
 
     cfg = llama_config(P)
@@ -233,7 +234,7 @@ def plan(P, *, gpus: int, gpu_mem_gb: float) -> list[dict]:
         with fake_world(dims.world):
             model = _sharded(P, dims, dims.world)
             n = local_bytes(model.parameters())
-        rows.append(row(name, dims.world, params=n, grads=n, optimizer=OPTIMIZER_STATE_BYTES[opt] * n // 4,
+        rows.append(row(name, dims.world, params=n, grads=n, optimizer=optimizer_bytes(opt, n),
                         activations=activations(dims.tp, b, s), gpu_mem_gb=gpu_mem_gb, main=main,
                         note=f"{'SGD momentum' if opt != 'adamw' else 'AdamW'}, b={b}, s={s}, fp32 shards"))
     return rows

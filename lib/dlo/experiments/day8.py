@@ -18,9 +18,10 @@ import torch
 import torch.nn.functional as F
 
 from dlo import claims as C
+from dlo.accounting import optimizer_bytes
 from dlo.distill import train_distill
 from dlo.models.small import MLP
-from dlo.plan import OPTIMIZER_STATE_BYTES, activation_bytes, param_bytes, row
+from dlo.plan import activation_bytes, param_bytes, row
 from dlo.prune import apply_masks_, gradual_sparsity, keep_masked, magnitude_masks, prunable, rewind_
 from dlo.quant import prepare_qat, quantize_model
 from dlo.train import evaluate, make_loader, train
@@ -271,7 +272,7 @@ def plan(P, *, gpus: int, gpu_mem_gb: float) -> list[dict]:
     for name, model, extra in (("base MLP training", base, 0), ("distillation", student, param_bytes(base))):
         n = param_bytes(model)
         acts = activation_bytes(lambda model=model: F.cross_entropy(model(x), y), exclude=list(model.parameters()))
-        rows.append(row(name, 1, params=n + extra, grads=n, optimizer=OPTIMIZER_STATE_BYTES["adamw"] * n // 4,
+        rows.append(row(name, 1, params=n + extra, grads=n, optimizer=optimizer_bytes("adamw", n),
                         activations=acts, gpu_mem_gb=gpu_mem_gb, main=name == "base MLP training",
                         note=f"{d_in} -> {model.net[1].out_features} x 2 -> 10, batch {P.batch_size}, AdamW"
                         + ("; the teacher's weights in params" if extra else "")))

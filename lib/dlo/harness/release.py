@@ -19,11 +19,10 @@ from pathlib import Path
 
 import nbformat
 
+from dlo.config import PARAMETERS  # what every parameters cell declares: what dlo.setup resolves
 from dlo.harness.days import list_days, notebook_path
 from dlo.harness.nbgrader_cli import generate_assignments
 from dlo.harness.setup import comparable_metadata
-
-REQUIRED_PARAMETERS = ("profile", "device", "seed", "max_steps", "world_size", "data_dir", "log_dir")
 
 
 def release(root: Path, force: bool = False) -> int:
@@ -172,7 +171,7 @@ def lint_parameters(nb) -> list[str]:
             problems.append(f"parameters cell line {node.lineno}: only `name: type = literal` is allowed")
         else:
             names.append(node.target.id)
-    missing = [n for n in REQUIRED_PARAMETERS if n not in names]
+    missing = [n for n in PARAMETERS if n not in names]
     if missing:
         problems.append(f"parameters cell lacks {missing}")
     return problems

@@ -7,8 +7,10 @@ directory so their logs (runs/, TensorBoard) stay out of the checkout.
 
 Before any kernel starts, the days must be named (or `--all` given), every `-p NAME VALUE` is checked
 against the parameters cell (its name, and its annotated type as papermill infers it) and the day's
-preset is built and validated with the resulting values (`dlo.config.check_parameters`), so a bad
-value or an impossible combination fails in one line, not minutes into a run. The kernels get
+preset is built and validated with the resulting values, and the day's own preflight run
+(`dlo.config.resolve`, as `dlo.setup` will in the notebook), so a bad value or an impossible combination
+(more ranks than GPUs, weights that are not the model's, a plan that does not fit) fails in one line,
+not minutes into a run. The kernels get
 DLO_HEADLESS=1 (`dlo.progress` then draws text bars that end in their finished state in the saved
 notebook). `--smoke` sets DLO_SMOKE=1: the presets' `smoke()` versions (real model sizes, minimal
 step counts). After a run, a failed notebook is named with its failing cell, also when the kernel
@@ -38,7 +40,7 @@ from dlo.reaper import kill_tree
 from dlo.tables import format_table
 
 # Parameters naming paths: resolved against the caller's working directory, not the notebook's.
-PATH_PARAMETERS = ("data_dir", "log_dir")
+PATH_PARAMETERS = ("data_dir", "log_dir", "weights_dir")
 TRUE, FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
 
 
@@ -97,12 +99,13 @@ def build_parameters(nb: Path, profile: str, pairs: list[tuple[str, str]]) -> di
 
 
 def check_day(day: str, nb: Path, params: dict, smoke: bool = False) -> None:
-    """The day's preset built from the parameters the kernel will see (defaults of the parameters
-    cell, then the overrides), as `dlo.setup` will build it: BadParameter when that fails."""
-    from dlo.config import check_parameters
-    from dlo.presets import PRESETS
+    """The parameters the kernel will see (defaults of the parameters cell, then the overrides)
+    resolved as `dlo.setup` will resolve them (`dlo.config.resolve`: the preset, the ranks, the data
+    folder, the day's preflight): BadParameter (one line) when that fails."""
+    from dlo.config import PARAMETERS, resolve
+    from dlo.registry import DAYS
 
-    if day not in PRESETS:
+    if day not in DAYS:
         return  # a course day without presets (the harness tests' toy day)
     declared = papermill.inspect_notebook(str(nb))
     values = {}
@@ -113,8 +116,7 @@ def check_day(day: str, nb: Path, params: dict, smoke: bool = False) -> None:
             continue  # a default that is not a plain literal: leave it to the notebook
     values.update(params)
     try:
-        names = ("profile", "device", "max_steps", "world_size", "data_dir")
-        check_parameters(day, smoke=smoke, **{k: values[k] for k in names if k in values})
+        resolve(day, smoke=smoke, **{k: values[k] for k in PARAMETERS + DAYS[day].parameters if k in values})
     except ValueError as exc:
         raise BadParameter(str(exc)) from None
 

@@ -11,7 +11,8 @@ two halves of a head are the real and imaginary parts), so HF checkpoints load w
     model.to_empty(device="cpu"); model.init_weights(seed=0)
     logits = model(tokens)                        # (B, T) int64 -> (B, T, vocab)
 
-The HF loader (`config_from_hf`, `load_hf_weights`) lives in `dlo.models.llama_hf`, re-exported here.
+The HF loader (`config_from_hf`, `load_hf_weights`, `CheckpointError`) is `dlo.models.llama_hf`, which imports
+this module (not the other way round: no cycle).
 Tied embedding under sharding: keep `tok_embeddings` and `output` in one FSDP unit (e.g. the root), else
 `fully_shard` unties them; after `parallelize_module` of both, call `tie_weights()` (or `to_empty`).
 """
@@ -280,15 +281,6 @@ def _seeded_normal_(p: Tensor, std: float, seed: int) -> None:
     local.copy_(distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local())
 
 
-def __getattr__(name: str):
-    """`config_from_hf`, `load_hf_weights`, `CheckpointError` live in `dlo.models.llama_hf` (which imports
-    this module, hence the lazy re-export, PEP 562)."""
-    if name in ("config_from_hf", "load_hf_weights", "CheckpointError"):
-        from dlo.models import llama_hf
-        return getattr(llama_hf, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
 __all__ = ["PRESETS", "Attention", "FeedForward", "Llama", "LlamaConfig", "RMSNorm", "TransformerBlock", "apply_rope",
            "count_parameters", "grouped_query_attention", "llama3_scale_frequencies", "rope_cos_sin",
-           "rope_frequencies", "rotate_half",
-           "CheckpointError", "config_from_hf", "load_hf_weights"]  # noqa: F822 - the three lazy ones above
+           "rope_frequencies", "rotate_half"]

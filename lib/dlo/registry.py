@@ -1,0 +1,104 @@
+"""The days of the course, in one registry: `DAYS[name]` is a `DaySpec` (torchtitan's train-spec idea).
+
+Everything that needs the list of days reads it here: `dlo.config` (a day's presets, its own
+parameters and preflight checks, for `dlo.setup` and `dlo run` alike), `dlo plan` and `dlo doctor` (its
+planner: `plan_day`, `plan_main`), `dlo.checks` (its checks module) and the tests. The harness finds notebooks on disk
+(`dlo.harness.days`: a course root may be a test's toy course); `tests/test_registry.py` holds the two
+equal for this course.
+
+A spec names its modules (experiments, planner, checks, preflight) as strings, imported when first
+used: the registry sits on a low floor (`dlo.config` reads it for every notebook) and the day modules
+are heavy. The arrows go one way: those modules import `dlo.plan` (the planners' building blocks) and
+never this registry, so there is no cycle, visible or by string.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Any
+
+from dlo import presets as P
+
+
+@dataclass(frozen=True)
+class DaySpec:
+    """One day: its folder and notebook name (`solutions/<name>/<name>.ipynb`), its presets (one per
+    profile, instances of `preset_class`) and the modules that serve it (`module` or `module:function`)."""
+
+    name: str                      # "day5_fsdp": the folder, the notebook and `dlo.setup`'s first argument
+    number: int                    # 5: the modules below are named after it (`dlo.experiments.day5`)
+    preset_class: type
+    presets: dict[str, Any]        # profile ("tiny", "full") -> preset
+    experiments: str               # what the notebook runs: `dlo.experiments.dayN`
+    planner: str                   # `plan(preset, *, gpus, gpu_mem_gb) -> rows` of `dlo plan` (`dlo.plan`)
+    checks: str                    # the autograder's checks its test cells call: `dlo.checks.dayN`
+    preflight: str = ""            # `preflight(run)`: ValueError (one line) before any work; "" for none
+    parameters: tuple[str, ...] = field(default=())  # the day's own parameters-cell names, beside the common ones
+
+    @property
+    def short(self) -> str:
+        """"day5": the name of the day's modules."""
+        return f"day{self.number}"
+
+    def load(self, target: str):
+        """The module, or `module:function`, that `target` names (one of this spec's fields)."""
+        module, _, name = target.partition(":")
+        try:
+            loaded = importlib.import_module(module)
+            return getattr(loaded, name) if name else loaded
+        except (ImportError, AttributeError) as exc:
+            raise ValueError(f"{self.name}: {target} cannot be loaded: {exc}") from None
+
+
+def _day(number: int, name: str, preset_class: type, experiments: str = "", planner: str = "", **more) -> DaySpec:
+    short = f"day{number}"
+    return DaySpec(name=name, number=number, preset_class=preset_class, presets=P.PRESETS[name],
+                   experiments=experiments or f"dlo.experiments.{short}",
+                   planner=planner or f"dlo.experiments.{short}:plan", checks=f"dlo.checks.{short}", **more)
+
+
+DAYS: dict[str, DaySpec] = {d.name: d for d in (
+    _day(1, "day1_optimizers", P.Day1Preset),
+    _day(2, "day2_mixed_precision", P.Day2Preset),
+    _day(3, "day3_checkpointing", P.Day3Preset),
+    _day(4, "day4_ddp", P.Day4Preset),
+    _day(5, "day5_fsdp", P.Day5Preset, planner="dlo.experiments.day5_report:plan",
+         preflight="dlo.experiments.day5_report:preflight", parameters=("weights_dir",)),
+    _day(6, "day6_pipeline", P.Day6Preset, planner="dlo.experiments.day6_report:plan"),
+    _day(7, "day7_tensor_parallel", P.Day7Preset, planner="dlo.experiments.day7_report:plan"),
+    _day(8, "day8_quantization_pruning", P.Day8Preset),
+)}
+
+
+def plan_day(day: str, gpus: int | None = None, gpu_mem_gb: float = 80.0) -> list[dict]:
+    """The rows of `day`'s planner for its `full` preset on `gpus` GPUs (None: the preset's ranks, 1 on
+    single-process days) of `gpu_mem_gb` GB each. ValueError (one line) for an unknown day or a bad
+    number, and from a planner whose work cannot be split over `gpus` ranks (`dlo.plan.split_evenly`)."""
+    if day not in DAYS:
+        raise ValueError(f"no planner for {day!r}; days with one: {', '.join(sorted(DAYS)) or '(none)'}")
+    if (gpus is not None and gpus < 1) or gpu_mem_gb <= 0:
+        raise ValueError(f"need gpus >= 1 and gpu_mem_gb > 0, got gpus={gpus}, gpu_mem_gb={gpu_mem_gb}")
+    day_spec = DAYS[day]
+    preset = day_spec.presets["full"]
+    return day_spec.load(day_spec.planner)(preset, gpus=gpus or int(getattr(preset, "ranks", 1)),
+                                           gpu_mem_gb=gpu_mem_gb)
+
+
+def plan_main(day: str, gpus: int | None = None, gpu_mem_gb: float = 80.0) -> int:
+    """`dlo plan DAY`: print the rows; exit 1 when a main configuration does not fit; BadInput (exit 2)
+    for an unknown day or a bad number."""
+    from dlo.errors import BadInput
+    from dlo.plan import DoesNotFit, check_fits, format_rows, main_configs
+
+    try:
+        rows = plan_day(day, gpus, gpu_mem_gb)
+    except ValueError as exc:  # an unknown day or a bad number: one line, no traceback
+        raise BadInput(str(exc)) from None
+    print(f"{day}, full profile: bytes per rank on GPUs of {gpu_mem_gb:g} GiB")
+    print(format_rows(rows))
+    try:
+        check_fits(rows, main_configs(rows))
+    except DoesNotFit as exc:
+        raise SystemExit(f"does not fit: {exc}") from None
+    return 0
