@@ -35,7 +35,16 @@ from dlo.distributed.fsdp import apply_ac, apply_compile, apply_fsdp
 from dlo.distributed.launch import heartbeat, rank_device
 from dlo.distributed.zero import ZeRO1, ZeRO2, ZeRO3
 from dlo.experiments.day5_data import build, check_weights, check_world, llama_config, lm_loss, n_params, token_batches
-from dlo.measure import CommCounter, held_bytes, mfu, peak_memory, sync, time_interleaved, transformer_flops_per_token
+from dlo.measure import (
+    CommCounter,
+    held_bytes,
+    mfu,
+    peak_memory,
+    sync,
+    tally,
+    time_interleaved,
+    transformer_flops_per_token,
+)
 
 ENGINES = ("DDP (torch)", "ZeRO-1 (ours)", "ZeRO-2 (ours)", "ZeRO-3 (ours)", "FSDP2 (torch)")
 STAGE = {"DDP (torch)": 0, "ZeRO-1 (ours)": 1, "ZeRO-2 (ours)": 2, "ZeRO-3 (ours)": 3, "FSDP2 (torch)": 3}
@@ -107,12 +116,9 @@ def measure_engine(name: str, P, cfg, device, x, y, fake: bool = False) -> dict:
     state = held_bytes([t for s in opt.state.values() for t in s.values()])  # not the keys: they are the params
     total, grads = held_bytes(net, opt), held_bytes(_grads(opt))
     zero()
-    by_kind = {}
-    for c in comm.calls:
-        key = f"{c.kind} ({c.phase})"
-        by_kind[key] = by_kind.get(key, 0) + c.nbytes
+    comm_by_phase = {f"{kind} ({phase})": row["bytes"] for (kind, phase), row in tally(comm.records()).items()}
     return {"params": total - grads - state, "grads": grads, "optimizer": state, "total": total,
-            "comm": by_kind, "sent": comm.sent(), "payload": comm.bytes(), "world": dist.get_world_size(),
+            "comm": comm_by_phase, "sent": comm.sent(), "payload": comm.bytes(), "world": dist.get_world_size(),
             "n_params": n_params(cfg)}
 
 

@@ -125,11 +125,8 @@ def measure_layers(P, group, mode: str, device) -> dict:
         y.float().square().mean().backward()
     L = P.gpt_layers
     return {"mode": mode, "t": t, "saved/layer": saved / L, "sent fwd/layer": fwd.sent() / L,
-            "sent bwd/layer": bwd.sent() / L, "calls": {"forward": _kinds(fwd), "backward": _kinds(bwd)}}
-
-
-def _kinds(counter: CommCounter) -> dict:
-    return {k: v["calls"] for k, v in counter.by_kind().items()}
+            "sent bwd/layer": bwd.sent() / L,
+            "calls": {"forward": fwd.by_kind("calls"), "backward": bwd.by_kind("calls")}}
 
 
 # ----------------------------------------------------------------------------- the Llama, split with DTensor
