@@ -30,6 +30,14 @@ _OPS = {
 }
 
 
+def collective_kind(func) -> str | None:
+    """The kind (a key of the table above: "all_reduce", ..., "send", "recv") of a dispatcher op, or
+    None for an op that is not a collective or a point-to-point message."""
+    if func.namespace not in ("c10d", "_c10d_functional"):
+        return None
+    return _OPS.get(func._schema.name.split("::")[-1])
+
+
 @dataclass
 class CommCall:
     op: str          # the dispatcher op, e.g. "c10d.allreduce_" or "_c10d_functional.all_gather_into_tensor"
@@ -115,9 +123,9 @@ class CommCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        namespace, name = func.namespace, func._schema.name.split("::")[-1]
-        kind = _OPS.get(name) if namespace in ("c10d", "_c10d_functional") else None
+        kind = collective_kind(func)
         if kind is not None:
+            namespace, name = func.namespace, func._schema.name.split("::")[-1]
             op = f"{namespace}.{name}"
             world = _group_size(args, self._default_world())
             if namespace == "_c10d_functional":  # group sizes are plain ints in these schemas
