@@ -21,7 +21,7 @@ from dlo.grading.compare import DTYPE, assert_close, ok
 from dlo.measure import CommCounter, comm_bytes
 
 FSDP_REFS = ("dlo.distributed.fsdp.apply_fsdp", "dlo.distributed.fsdp.apply_ac", "dlo.distributed.fsdp.apply_compile",
-             "dlo.experiments.day5.parallelize")
+             "dlo.distributed.parallelize.parallelize_llama")
 _WRAPPERS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
 
 

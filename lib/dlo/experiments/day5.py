@@ -8,8 +8,8 @@
 - `timing`: step time of our ZeRO-3 and of FSDP2 on the same model and ranks, interleaved step by
   step (`dlo.measure.time_interleaved`), and their ratio;
 - `same`: our ZeRO-3 and FSDP2 trained side by side from the same weights: the same losses;
-- `train`: the production recipe (`parallelize`: activation checkpointing, compile, FSDP2 with the
-  preset's MixedPrecisionPolicy) on `P.model`, meta-initialised shard by shard: losses, tokens/s,
+- `train`: the production recipe (`recipe`: `parallelize_llama`'s activation checkpointing, compile,
+  FSDP2 with the preset's MixedPrecisionPolicy) on `P.model`, meta-initialised shard by shard: losses, tokens/s,
   peak memory and MFU on GPUs.
 
 `memory_vs_world(P)` runs in the notebook's process: the same engines at every world size of
@@ -31,8 +31,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dlo.distributed.fsdp import apply_ac, apply_compile, apply_fsdp
+from dlo.distributed.fsdp import apply_fsdp
 from dlo.distributed.launch import heartbeat, rank_device
+from dlo.distributed.parallelize import ParallelDims, parallelize_llama
 from dlo.distributed.zero import ZeRO1, ZeRO2, ZeRO3
 from dlo.experiments.day5_data import build, check_weights, check_world, llama_config, lm_loss, n_params, token_batches
 from dlo.measure import (
@@ -48,19 +49,17 @@ from dlo.measure import (
 
 ENGINES = ("DDP (torch)", "ZeRO-1 (ours)", "ZeRO-2 (ours)", "ZeRO-3 (ours)", "FSDP2 (torch)")
 STAGE = {"DDP (torch)": 0, "ZeRO-1 (ours)": 1, "ZeRO-2 (ours)": 2, "ZeRO-3 (ours)": 3, "FSDP2 (torch)": 3}
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 # ----------------------------------------------------------------------------- the engines
 
-def parallelize(P, model: nn.Module, mesh) -> nn.Module:
-    """The production recipe, in torchtitan's order: activation checkpointing, compile (GPU runs),
-    FSDP2 per block and the root with the preset's MixedPrecisionPolicy."""
-    apply_ac(model, P.ac_mode)
-    if P.compile and mesh.device_type == "cuda":
-        apply_compile(model)
-    return apply_fsdp(model, mesh, param_dtype=DTYPES[P.param_dtype], reduce_dtype=DTYPES[P.reduce_dtype],
-                      cpu_offload=P.cpu_offload)
+def recipe(P, device) -> ParallelDims:
+    """The production recipe as `parallelize_llama` dims, in torchtitan's order: activation
+    checkpointing, compile (GPU runs), FSDP2 over every rank with the preset's MixedPrecisionPolicy
+    (the preset names its dtypes: "bfloat16" -> torch.bfloat16)."""
+    return ParallelDims(dp=dist.get_world_size(), ac=P.ac_mode, compile=P.compile and device.type == "cuda",
+                        param_dtype=getattr(torch, P.param_dtype), reduce_dtype=getattr(torch, P.reduce_dtype),
+                        cpu_offload=P.cpu_offload, fsdp=True)
 
 
 def _mesh(device):
@@ -209,7 +208,8 @@ def train_fsdp(P, device, log_dir, data_dir=None, weights_dir: str = "") -> dict
         model = Llama(cfg)
     if weights_dir:  # every rank reads the checkpoint to host memory, then FSDP2 keeps its shard
         load_hf_weights(model, weights_dir, device="cpu")
-    parallelize(P, model, _mesh(device))
+    dims = recipe(P, device)
+    parallelize_llama(model, dims, dims.build_mesh(device.type))
     if not weights_dir:
         model.to_empty(device=device)
         model.init_weights(seed=0)
@@ -263,6 +263,6 @@ def run_all(P, log_dir=None, data_dir=None, weights_dir: str = "") -> dict:
     return out
 
 
-__all__ = ["DTYPES", "ENGINES", "STAGE", "build", "check_weights", "check_world", "engine", "llama_config",
-           "lm_loss", "measure_engine", "memory_vs_world", "n_params", "parallelize", "run_all", "same_losses",
+__all__ = ["ENGINES", "STAGE", "build", "check_weights", "check_world", "engine", "llama_config",
+           "lm_loss", "measure_engine", "memory_vs_world", "n_params", "recipe", "run_all", "same_losses",
            "step_fn", "timing", "token_batches", "train_fsdp"]
