@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from dlo import tb
 from dlo.distributed.collectives import bus_bandwidth
 from dlo.distributed.ddp import DataParallelBucket, DataParallelNaive
 from dlo.distributed.launch import heartbeat, rank_device
@@ -119,18 +120,8 @@ def wrappers(P, device) -> dict:
             "torch DDP": lambda m: nn.parallel.DistributedDataParallel(m, bucket_cap_mb=cap, **ddp_kw)}
 
 
-def writer(log_dir, name: str):
-    """A TensorBoard writer for run folder `name` under `log_dir` on rank 0 (None elsewhere, or
-    without a log_dir): one folder per configuration, one tag per metric, as `Run.writer`."""
-    if log_dir is None or dist.get_rank() != 0:
-        return None
-    from torch.utils.tensorboard import SummaryWriter
-
-    return SummaryWriter(str(Path(log_dir) / name))
-
-
 def log_curve(log_dir, name: str, values, tag: str = "loss") -> None:
-    w = writer(log_dir, name)
+    w = tb.writer(log_dir, name, dist.get_rank())
     if w is not None:
         with contextlib.closing(w):
             for i, v in enumerate(values):
@@ -230,7 +221,7 @@ def compression(P, device, log_dir=None) -> dict:
         losses = []
         if P.compress_steps > 1:  # PowerSGD sends full gradients for its first steps: count the last one
             hist = train(net, opt, batches(P, rank, device), steps=P.compress_steps - 1, device=device, step_fn=step,
-                         progress=False, writer=writer(log_dir, f"compression/{FOLDERS[name]}"))
+                         progress=False, writer=tb.writer(log_dir, f"compression/{FOLDERS[name]}", dist.get_rank()))
             losses = hist["loss"]
         with CommCounter() as comm:
             loss = step(net, opt, batch(P, P.compress_steps - 1, rank, device))["loss"]
@@ -301,7 +292,7 @@ def batchnorm(P, device, log_dir=None) -> dict:
         opt = torch.optim.SGD(net.parameters(), lr=P.bn_lr, momentum=0.9)
         hist = train(net, opt, batches(P, r, device, n=P.bn_batch, features=True), steps=P.bn_steps, device=device,
                      step_fn=ddp_step(f"batchnorm, {name}"), progress=False,
-                     writer=writer(log_dir, f"batchnorm/{FOLDERS[name]}"))
+                     writer=tb.writer(log_dir, f"batchnorm/{FOLDERS[name]}", dist.get_rank()))
         # eval mode: running statistics, rank 0's own for local BN, the global ones when synced
         loss, acc = evaluate(net, (x_test, y_test), device)
         out[name] = {"test loss": loss, "test acc": acc, "n": len(y_test), "losses": hist["loss"]}

@@ -25,12 +25,12 @@ from __future__ import annotations
 import gc
 import statistics
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from dlo import tb
 from dlo.distributed.fsdp import apply_fsdp
 from dlo.distributed.launch import heartbeat, rank_device
 from dlo.distributed.parallelize import ParallelDims, parallelize_llama
@@ -178,7 +178,7 @@ def same_losses(P, cfg, device, batches, log_dir) -> dict:
     for name, run in (("ZeRO-3 (ours)", "zero3_ours"), ("FSDP2 (torch)", "fsdp2_fp32")):
         heartbeat(f"training {name}")
         net, opt, step, zero = engine(name, P, cfg, device)
-        writer = _writer(log_dir, run)
+        writer = tb.writer(log_dir, run, dist.get_rank())
         hist = train(net, opt, batches, steps=P.max_steps, device=device, step_fn=step_fn(net, step, zero),
                      writer=writer, tag=name, progress=False)
         if writer is not None:
@@ -187,14 +187,6 @@ def same_losses(P, cfg, device, batches, log_dir) -> dict:
         del net, opt, step, zero
         gc.collect()
     return out
-
-
-def _writer(log_dir, name: str):
-    if log_dir is None or dist.get_rank() != 0:
-        return None
-    from torch.utils.tensorboard import SummaryWriter
-
-    return SummaryWriter(str(Path(log_dir) / name))
 
 
 def train_fsdp(P, device, log_dir, data_dir=None, weights_dir: str = "") -> dict:
@@ -215,7 +207,7 @@ def train_fsdp(P, device, log_dir, data_dir=None, weights_dir: str = "") -> dict
         model.init_weights(seed=0)
     opt = torch.optim.AdamW(model.parameters(), lr=P.lr)
     batches = token_batches(P, cfg, dist.get_rank(), device, data_dir)
-    writer = _writer(log_dir, f"fsdp2_{P.param_dtype}_ac-{P.ac_mode}")
+    writer = tb.writer(log_dir, f"fsdp2_{P.param_dtype}_ac-{P.ac_mode}", dist.get_rank())
     losses, times = [], []
     bar = tqdm(range(P.max_steps), desc=f"FSDP2 {P.model}", disable=dist.get_rank() != 0)
     for s in bar:
