@@ -11,7 +11,9 @@ and 1-bit Adam's (`dlo.distributed.onebit_adam`, Tang et al. 2021) against fp32 
 losses; local vs synchronized BatchNorm at a small per-rank batch. Training curves go to TensorBoard
 (rank 0, one run folder per configuration under `log_dir`). Every phase reports
 `dlo.distributed.heartbeat`, so a slow run reads as progress, not as a deadlock. The preset `P` is a
-`dlo.presets.Day4Preset`; `plan` sizes its full profile. Tables and claims: `day4_report`.
+`dlo.presets.Day4Preset`; `plan` sizes its full profile. Tables and claims: `day4_report`; models and
+batches: `day4_data`; byte counters: `day4_comm`. (About 310 lines: every experiment of the one launch,
+each a short function, and the planner that sizes exactly those.)
 """
 
 from __future__ import annotations
