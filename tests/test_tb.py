@@ -1,4 +1,4 @@
-"""dlo.tb: curves written with Run.writer's convention read back and drawn as TensorBoard shows them."""
+"""dlo.tb: curves written with its writer (Run.writer's convention) read back and drawn as TensorBoard shows them."""
 
 import matplotlib
 
@@ -11,14 +11,13 @@ from dlo.config import setup  # noqa: E402
 
 
 def write_runs(root):
-    from torch.utils.tensorboard import SummaryWriter
-
     for name, scale in (("sgd_b32/seed0", 1.0), ("adamw_b32/seed0", 0.5)):
-        with SummaryWriter(log_dir=str(root / name)) as w:
+        with dlo.tb.writer(root, name) as w:
             for step in range(5):
                 w.add_scalar("loss", scale / (step + 1), step)
-    with SummaryWriter(log_dir=str(root / "lr_finder")) as w:
+    with dlo.tb.writer(root, "lr_finder") as w:
         w.add_scalar("lr", 0.1, 0)
+    assert dlo.tb.writer(root, "rank1", rank=1) is None and dlo.tb.writer(None, "no_log_dir") is None
 
 
 def test_read_scalars_one_tag_overlays_every_run(tmp_path):

@@ -111,10 +111,10 @@ class Run:
         return init_device_mesh(kind, shape, mesh_dim_names=names)
 
     def writer(self, name: str):
-        """A TensorBoard SummaryWriter logging under log_dir/name."""
-        from torch.utils.tensorboard import SummaryWriter
+        """A TensorBoard SummaryWriter logging under log_dir/name (`dlo.tb.writer`)."""
+        from dlo.tb import writer
 
-        return SummaryWriter(log_dir=str(self.log_dir / name))
+        return writer(self.log_dir, name)
 
     def __str__(self) -> str:
         data = self.data_dir or "synthetic"

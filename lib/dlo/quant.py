@@ -9,6 +9,8 @@ groups whole output rows instead).
 
 Scales always have shape (rows or 1, n_groups) for a 2-D tensor: (1, 1) per tensor, (R, 1) per
 channel, (R, C / G) per group. A zero range gives S = 0 and codes Z, which dequantize to exact 0.
+(About 310 lines: one pipeline, read in order with Day 8 - quantize, fake-quantize, observe, PTQ and
+QAT modules - each section built on the one before.)
 """
 
 from __future__ import annotations

@@ -1,12 +1,13 @@
-"""TensorBoard logs read back, to show in a notebook the curves TensorBoard would show.
+"""TensorBoard logs written, and read back to show in a notebook the curves TensorBoard would show.
 
-The course's convention (`Run.writer(name)`): one run folder per configuration under `log_dir`, one
-tag per metric ("loss", "lr", "grad_norm", "eval_acc"), so the configurations overlay in
-TensorBoard. `log_dir` defaults to `runs` beside the notebook (`<day>/runs/<configuration>`): the day
-is the folder already, so it is not repeated below it. `read_scalars` reads one tag of every run below
-a folder with TensorBoard's own event reader, exactly what `tensorboard --logdir` would plot;
-`plot_scalars` draws it inline, and `how_to_open` says how to open TensorBoard itself, on a laptop or
-on a cluster node (port forwarding).
+`writer(log_dir, name)` is the one way a run folder is opened for writing (`Run.writer(name)` in a
+notebook, the experiments on rank 0 of a launch). The course's convention: one run folder per
+configuration under `log_dir`, one tag per metric ("loss", "lr", "grad_norm", "eval_acc"), so the
+configurations overlay in TensorBoard. `log_dir` defaults to `runs` beside the notebook
+(`<day>/runs/<configuration>`): the day is the folder already, so it is not repeated below it.
+`read_scalars` reads one tag of every run below a folder with TensorBoard's own event reader,
+exactly what `tensorboard --logdir` would plot; `plot_scalars` draws it inline, and `how_to_open`
+says how to open TensorBoard itself, on a laptop or on a cluster node (port forwarding).
 """
 
 from __future__ import annotations
@@ -21,6 +22,16 @@ and open http://localhost:6006 on the laptop."""
 
 OPEN_HERE = """TensorBoard of these runs: `tensorboard --logdir {log_dir}` in a terminal, then http://localhost:6006
 (or, in the notebook: `%load_ext tensorboard` then `%tensorboard --logdir {log_dir}`)."""
+
+
+def writer(log_dir: str | Path | None, name: str, rank: int = 0):
+    """A TensorBoard SummaryWriter for run folder `name` under `log_dir`; None without a log_dir, or
+    for a `rank` other than 0 (launched experiments pass theirs: one writer per run, not per rank)."""
+    if log_dir is None or rank != 0:
+        return None
+    from torch.utils.tensorboard import SummaryWriter
+
+    return SummaryWriter(log_dir=str(Path(log_dir) / name))
 
 
 def how_to_open(log_dir: str | Path) -> str:

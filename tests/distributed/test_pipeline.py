@@ -118,6 +118,45 @@ def test_stage_modules_and_shapes():
     assert len(tags) == 32  # every message of a step has its own tag
 
 
+# ----------------------------------------------------------------------------- engine order, no messages
+
+class _Loopback:
+    """A stage's messages without a peer: zeros of the agreed shapes in, nothing out."""
+
+    def __init__(self, stage):
+        self.stage = stage
+
+    def recv_forward(self, i):
+        return torch.zeros(self.stage.in_shapes[i]).requires_grad_()
+
+    def recv_backward(self, i):
+        return torch.zeros(self.stage.out_shapes[i])
+
+    def send_forward(self, y, i):
+        pass
+
+    def send_backward(self, dx, i):
+        pass
+
+    def wait(self):
+        pass
+
+
+@pytest.mark.parametrize("p,m", [(2, 1), (3, 2), (3, 5), (4, 4), (4, 7)])
+def test_engines_run_the_schedule_lists_in_order(p, m, monkeypatch):
+    """Each rank's GPipe and 1F1B engine runs its forwards and backwards (recorded by its Timeline)
+    in the order of the schedule's list for that rank, warm-up and drain included (m < p too)."""
+    monkeypatch.setattr(pp.Stage, "comms", lambda stage: _Loopback(stage))
+    for engine, schedule in ((pp.gpipe_step, S.gpipe_schedule), (pp.one_f_one_b_step, S.one_f_one_b_schedule)):
+        for r in range(p):
+            last = r == p - 1
+            stage = pp.Stage(torch.nn.Linear(4, 3 if last else 4), r, p, p, [(2, 4)] * m, [(2, 3 if last else 4)] * m)
+            xs, ys = [torch.randn(2, 4) for _ in range(m)], [torch.tensor([0, 2])] * m
+            tl = pp.Timeline(r)
+            engine(stage, xs, ys, F.cross_entropy, tl)
+            assert [(e["kind"], e["stage"], e["mb"]) for e in tl.events] == [tuple(a) for a in schedule(p, m)[r]]
+
+
 # ----------------------------------------------------------------------------- engines on 2 ranks
 
 def _case(m: int, equal: bool):

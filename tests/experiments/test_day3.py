@@ -1,4 +1,4 @@
-"""dlo.experiments.day3: the frontier and the claims' verdicts on synthetic rows (sqrt(n) and selective
+"""dlo.experiments.day3 and day3_report: the frontier and the claims' verdicts on synthetic rows (sqrt(n) and selective
 dominated when their own numbers say so, one claim per measured slow-down, GPU claims kept as "not
 measurable here" rows), Chen et al.'s a and b of a real block, and the optimizer-offload comparison."""
 
@@ -9,6 +9,7 @@ import torch
 
 from dlo.claims import AGREES, DISAGREES, INCONCLUSIVE, NOT_MEASURABLE
 from dlo.experiments import day3 as E
+from dlo.experiments import day3_report as report
 from dlo.presets import Day3Preset
 
 N_LAYERS = 8
@@ -48,12 +49,12 @@ def test_frontier_names_what_dominates_sqrt_n_and_selective():
     # selective is slower than every 2 and keeps more: dominated; the rest trade memory for time
     rows = _rows(MIB, {"none": 1, "every 4": 1.15, "every 2": 1.3, "every 1": 1.6, "selective (attention)": 1.4,
                        SQRT: 1.6, E.OFFLOAD: 1.3})
-    on, dominated, undecided = E.frontier(rows)
+    on, dominated, undecided = report.frontier(rows)
     assert on == ["none", "every 4", "every 2", "every 1"] and not undecided
     assert dominated[SQRT][0] == "every 1" and dominated[SQRT][1].lo <= 1 <= dominated[SQRT][1].hi  # a tie
     assert dominated["selective (attention)"][0] == "every 2" and E.OFFLOAD not in on + list(dominated)
     # by counted FLOPs, sqrt(n) is dominated exactly, and selective's cheap recompute keeps it on the frontier
-    on, dominated, undecided = E.frontier(rows, axis="flops")
+    on, dominated, undecided = report.frontier(rows, axis="flops")
     assert dominated[SQRT] == ("every 1", dominated[SQRT][1]) and dominated[SQRT][1].value == 1.0
     assert "selective (attention)" in on and not undecided
 
@@ -61,12 +62,12 @@ def test_frontier_names_what_dominates_sqrt_n_and_selective():
 def test_a_measurably_faster_policy_stays_on_the_frontier_and_noise_leaves_it_undecided():
     rows = _rows(MIB, {"none": 1, "every 4": 1.15, "every 2": 1.3, "every 1": 1.6, "selective (attention)": 1.05,
                        SQRT: 1.3, E.OFFLOAD: 1.3})
-    on, dominated, _ = E.frontier(rows)
+    on, dominated, _ = report.frontier(rows)
     assert "selective (attention)" in on and SQRT in on  # faster than every 1 beyond the noise
     # the same policies with +-40% noise per step: a 0-10% difference cannot be told, nothing is called dominated
     rows = _rows(MIB, {"none": 1, "every 4": 1.05, "every 2": 1.1, "every 1": 1.1, "selective (attention)": 1.1,
                        SQRT: 1.1, E.OFFLOAD: 1.1}, noise=0.4)
-    on, dominated, undecided = E.frontier(rows)
+    on, dominated, undecided = report.frontier(rows)
     assert SQRT in undecided and "selective (attention)" in undecided and SQRT not in dominated
 
 
@@ -76,7 +77,7 @@ def test_a_measurably_slower_policy_leaves_the_faster_one_on_the_frontier():
     rows = [{"policy": "none", "peak_saved_bytes": 30, "flops": 3}, {"policy": "every 4", "peak_saved_bytes": 23,
                                                                      "flops": 3.25}]
     E.add_times(rows, {"none": [0.1] * 9, "every 4": [0.1 * (1.01 + 0.02 * k) for k in range(9)]})
-    assert E.frontier(rows) == (["none", "every 4"], {}, {})
+    assert report.frontier(rows) == (["none", "every 4"], {}, {})
 
 
 def _claims(slow_every1: float, sel: float, cuda: bool = False, noise: float = 0.02):
@@ -85,7 +86,7 @@ def _claims(slow_every1: float, sel: float, cuda: bool = False, noise: float = 0
     if cuda:
         for r in rows:
             r["peak_bytes"] = (100 if r["policy"] == "none" else 45) * 2**20
-    return {c.claim: c for c in E.claims(rows, N_LAYERS, PLAN, OFFLOAD, cuda=cuda)}
+    return {c.claim: c for c in report.claims(rows, N_LAYERS, PLAN, OFFLOAD, cuda=cuda)}
 
 
 def _one(claims: dict, text: str):

@@ -91,6 +91,8 @@ def test_bad_degrees_are_refused_before_any_process():
         ParallelDims(dp=4, tp=16).validate(cfg)
     with pytest.raises(ValueError, match="but the world has 32"):
         ParallelDims(dp=2, tp=8).validate(cfg, world=32)
+    with pytest.raises(ValueError, match="unsynchronised replicas"):
+        ParallelDims(dp=2, fsdp=False).validate(cfg)
     with pytest.raises(ValueError, match="does not divide ffn_dim=8192"):
         ParallelDims(tp=3).validate(dataclasses.replace(cfg, n_heads=24, n_kv_heads=3, vocab_size=128257, dim=3072))
 

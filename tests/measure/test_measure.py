@@ -9,6 +9,7 @@ from dlo.distributed.collectives import all_gather_single, reduce_scatter_single
 from dlo.measure import (
     CommCounter,
     SavedTensorMeter,
+    comm_bytes,
     count_flops,
     fmt_bytes,
     held_bytes,
@@ -16,6 +17,7 @@ from dlo.measure import (
     optimizer_state_bytes,
     peak_memory,
     saved_bytes,
+    tally,
     tensor_bytes,
     time_fn,
     time_interleaved,
@@ -90,6 +92,25 @@ def test_comm_counter_sees_collectives_with_payload_and_ring_bytes():
     assert comm.bytes("all_gather") == 16000 and comm.sent("all_gather") == pytest.approx(3 / 4 * 16000)
     assert comm.bytes("reduce_scatter") == 4000 and comm.sent("reduce_scatter") == pytest.approx(3000)
     assert comm.count() == 3
+
+
+def test_comm_by_phase_sums_the_records_a_rank_sends_back():
+    with fake_world(4):
+        t = torch.zeros(1000)                   # 4000 bytes
+        with CommCounter() as comm:
+            comm.phase = "forward"
+            all_gather_single(torch.zeros(4000), t)
+            comm.phase = "backward"
+            reduce_scatter_single(torch.zeros(250), t)
+            dist.all_reduce(t)
+            dist.all_reduce(t)
+    records = comm.records()                    # plain data: what crosses the grader's wire
+    assert tally(records)[("all_reduce", "backward")] == {"calls": 2, "bytes": 8000, "sent": pytest.approx(12000)}
+    assert list(tally(records)) == [("all_gather", "forward"), ("reduce_scatter", "backward"),
+                                    ("all_reduce", "backward")]
+    assert comm_bytes(records, "all_gather", "forward") == 16000 and comm_bytes(records, "all_gather", "backward") == 0
+    assert comm_bytes(records, phase=("forward", "backward")) == comm_bytes(records) == comm.bytes() == 28000
+    assert comm.by_kind("calls") == {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 2}
 
 
 def test_flops_mfu_and_formatting():

@@ -30,7 +30,6 @@ from dlo.checks.day5_zero import (
     batch,
     build_engine,
     case,
-    comm_bytes,
     count_psi,
     expect_bytes,
     fmt_where,
@@ -47,7 +46,7 @@ from dlo.checks.day5_zero import (
 from dlo.distributed.zero import memory_per_rank
 from dlo.grading.api import case_seed, check, on_ranks
 from dlo.grading.compare import DTYPE, assert_number, ok
-from dlo.measure import held_bytes
+from dlo.measure import comm_bytes, held_bytes
 from dlo.models import count_parameters
 
 __all__ = ["check_fsdp2", "check_memory_accountant", "check_zero1", "check_zero2", "check_zero3"]
@@ -133,13 +132,13 @@ def check_zero1(cls, seed: int = 0, world_size: int = 2, steps: int = 3) -> None
     psi_b = 8 * count_psi(c)
     for r, got in enumerate(res):
         calls = got["comm"]
-        if comm_bytes(calls, "all_reduce"):
+        if comm_bytes(calls, "all_reduce", STEP):
             raise AssertionError(f"{name}: rank {r} all-reduces the gradients: that is 2 Psi already, and the "
                                  f"all-gather of the parameters makes 3 Psi. Reduce-scatter them: each rank only "
                                  f"needs the averaged slice its optimizer updates ({where})")
-        expect_bytes(name, "reduce-scatter of the gradients", comm_bytes(calls, "reduce_scatter"), psi_b, 1,
+        expect_bytes(name, "reduce-scatter of the gradients", comm_bytes(calls, "reduce_scatter", STEP), psi_b, 1,
                      "reduce-scatter the whole flat gradient once per step", where)
-        expect_bytes(name, "all-gather of the updated parameters", comm_bytes(calls, "all_gather"), psi_b, 1,
+        expect_bytes(name, "all-gather of the updated parameters", comm_bytes(calls, "all_gather", STEP), psi_b, 1,
                      "all-gather the whole flat parameter buffer once per step", where)
     verify_every_byte(name, res, 1, psi_b, steps, where)
     m = verify_memory(name, res, c, 1, world_size, where)
@@ -172,11 +171,12 @@ def check_zero2(cls, seed: int = 0, world_size: int = 2, steps: int = 3) -> None
         if n_big != 1:
             raise AssertionError(f"{name}: {n_big} reduce-scatters per step with bucket_cap_mb=25: the whole model "
                                  f"fits one bucket ({where})")
-        expect_bytes(name, "reduce-scatter of the gradients", comm_bytes(got["comm"], "reduce_scatter"), psi_b, 1,
+        calls = got["comm"]
+        expect_bytes(name, "reduce-scatter of the gradients", comm_bytes(calls, "reduce_scatter", STEP), psi_b, 1,
                      "every gradient goes through one reduce-scatter", where)
-        expect_bytes(name, "all-gather of the updated parameters", comm_bytes(got["comm"], "all_gather"), psi_b, 1,
+        expect_bytes(name, "all-gather of the updated parameters", comm_bytes(calls, "all_gather", STEP), psi_b, 1,
                      "all-gather every bucket's parameters after the step", where)
-        if comm_bytes(got["comm"], "all_reduce"):
+        if comm_bytes(calls, "all_reduce", STEP):
             raise AssertionError(f"{name}: an all-reduce of the gradients leaves every rank the full gradient; "
                                  f"reduce-scatter ({where})")
     verify_every_byte(name, res, 2, psi_b, steps, where)
@@ -215,7 +215,7 @@ def check_zero3(cls, seed: int = 0, world_size: int = 2, steps: int = 3) -> None
                      where)
         expect_bytes(name, "all-gathers in forward", comm_bytes(calls, "all_gather", "forward"), psi_b, 1,
                      "gather every unit (and the root's parameters) once in forward", where)
-        expect_bytes(name, "reduce-scatter of the gradients", comm_bytes(calls, "reduce_scatter"), psi_b, 1,
+        expect_bytes(name, "reduce-scatter of the gradients", comm_bytes(calls, "reduce_scatter", STEP), psi_b, 1,
                      "reduce-scatter each unit's gradients after its backward", where)
         gathers = [x for x in calls if x["kind"] == "all_gather" and x["phase"] == "forward"]
         if len(gathers) < c["n_blocks"]:

@@ -15,13 +15,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dlo.checks.day5_zero import BYTES_TOL, batch, comm_bytes, comm_summary, lm_loss, optimizer_for, train_on_full_batch
+from dlo.checks.day5_zero import BYTES_TOL, STEP, batch, lm_loss, optimizer_for, train_on_full_batch
 from dlo.grading.api import check, on_ranks
 from dlo.grading.compare import DTYPE, assert_close, ok
-from dlo.measure import CommCounter
+from dlo.measure import CommCounter, comm_bytes
 
 FSDP_REFS = ("dlo.distributed.fsdp.apply_fsdp", "dlo.distributed.fsdp.apply_ac", "dlo.distributed.fsdp.apply_compile",
-             "dlo.experiments.day5.parallelize")
+             "dlo.distributed.parallelize.parallelize_llama")
 _WRAPPERS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
 
 
@@ -117,7 +117,7 @@ def _fsdp_run(fn, cfg, c, seed, kind, steps, policy, ac_mode, compile_):
             opt.step()
             opt.zero_grad()
         if s == 0:
-            out["comm"], out["ffn_calls"], out["dtypes"] = comm_summary(comm), ffn_calls[0], sorted(set(dtypes))
+            out["comm"], out["ffn_calls"], out["dtypes"] = comm.records(), ffn_calls[0], sorted(set(dtypes))
     out["params"] = {_clean(k): p.full_tensor().detach().clone() for k, p in model.named_parameters()}
     return out
 
@@ -188,7 +188,7 @@ def check_fsdp2(fn, seed: int = 0, world_size: int = 2, steps: int = 3) -> None:
             raise AssertionError(f"{name}: with param_dtype=bfloat16 the blocks compute with {bf['dtypes']} weights: "
                                  f"pass MixedPrecisionPolicy(param_dtype, reduce_dtype) to fully_shard ({where})")
         gathered = comm_bytes(bf["comm"], "all_gather", "forward")
-        reduced = comm_bytes(bf["comm"], "reduce_scatter")
+        reduced = comm_bytes(bf["comm"], "reduce_scatter", STEP)
         if abs(reduced / max(gathered, 1) - 2) > 2 * BYTES_TOL:
             raise AssertionError(f"{name}: reduce-scattered {reduced:,} bytes for {gathered:,} all-gathered in "
                                  f"forward; bf16 parameters and fp32 gradients make it 2x: reduce_dtype=float32 "

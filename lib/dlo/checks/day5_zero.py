@@ -21,7 +21,7 @@ from torch import nn
 
 from dlo.distributed.zero import memory_per_rank
 from dlo.grading.compare import DTYPE, assert_close
-from dlo.measure import CommCounter, held_bytes
+from dlo.measure import CommCounter, held_bytes, tally
 from dlo.models import count_parameters
 
 BYTES_TOL = 0.05  # payload bytes vs 2 Psi / 3 Psi: padding every flat buffer to a multiple of N costs < 2% here
@@ -134,10 +134,6 @@ def seen_parameters(model: nn.Module, forward) -> dict:
     return seen
 
 
-def comm_summary(counter: CommCounter) -> list:
-    return [{"kind": k.kind, "bytes": k.nbytes, "async": k.async_op, "phase": k.phase} for k in counter.calls]
-
-
 def build_engine(cls, stage: int, model, opt_cls, kw, extra: dict):
     if stage == 3:
         return cls(model, opt_cls, units=list(model.blocks), **kw)
@@ -175,7 +171,7 @@ def zero_worker(mine: dict, cls, stage: int, steps: int, extra: dict, one_bucket
             lm_loss(engine, *batches[0]).backward()
             engine.step()
         out["one_bucket"] = comm.count("reduce_scatter")
-        out["one_bucket_comm"] = comm_summary(comm)
+        out["one_bucket_comm"] = comm.records()
     with CommCounter() as comm:
         comm.phase = "init"
         model = rank_model(mine)  # every rank its own weights: the engine must start from rank 0's
@@ -191,7 +187,7 @@ def zero_worker(mine: dict, cls, stage: int, steps: int, extra: dict, one_bucket
         comm.phase = "after"
         engine.zero_grad()
         out["sgd"] = seen_parameters(model, lambda: engine(probe))
-    out["comm"] = comm_summary(comm)
+    out["comm"] = comm.records()
     adamw = CommCounter()
     adamw.__enter__()
     adamw.phase = "init"
@@ -214,7 +210,7 @@ def zero_worker(mine: dict, cls, stage: int, steps: int, extra: dict, one_bucket
         engine.zero_grad()
     out["adamw"] = seen_parameters(model, lambda: engine(probe))
     adamw.__exit__(None, None, None)
-    out["adamw_comm"] = comm_summary(adamw)
+    out["adamw_comm"] = adamw.records()
     out["samples"] = samples
     return out
 
@@ -266,12 +262,6 @@ def fmt_where(where: dict) -> str:
 STEP = ("forward", "backward", "step")  # the phases of the counted SGD step
 
 
-def comm_bytes(calls: list, kind: str, phase=STEP) -> int:
-    """Payload bytes of `kind` in `phase` (a name, or a tuple of names; the SGD step's by default)."""
-    phases = (phase,) if isinstance(phase, str) else phase
-    return sum(x["bytes"] for x in calls if x["kind"] == kind and x["phase"] in phases)
-
-
 def verify_every_byte(name: str, res: list, stage: int, psi_bytes: int, steps: int, where: str) -> None:
     """Every byte each rank sent, by kind and phase, within what the engine needs (plus BYTES_TOL of
     Psi): at construction a broadcast of the parameters (a tied weight twice at most), before and
@@ -285,9 +275,9 @@ def verify_every_byte(name: str, res: list, stage: int, psi_bytes: int, steps: i
     for r, got in enumerate(res):
         totals: dict[tuple, int] = {}
         for key in ("comm", "adamw_comm", "one_bucket_comm"):
-            for x in got.get(key, ()):
-                k = (key, STEP if x["phase"] in STEP else x["phase"], x["kind"])
-                totals[k] = totals.get(k, 0) + x["bytes"]
+            for (kind, phase), row in tally(got.get(key, ())).items():
+                k = (key, STEP if phase in STEP else phase, kind)
+                totals[k] = totals.get(k, 0) + row["bytes"]
         order = list(budgets)
         over = [(phase, kind, b) for (_, phase, kind), b in sorted(
                     totals.items(), key=lambda kv: (order.index(kv[0][1]) if kv[0][1] in order else 9, str(kv[0])))

@@ -53,10 +53,6 @@ class SwiGLU(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
-def comm_kinds(counter: CommCounter) -> dict[str, int]:
-    return {k: v["calls"] for k, v in counter.by_kind().items()}
-
-
 def fwd_bwd(fn, x, up):
     """fn(x) with x a fresh leaf, then backward of <fn(x), up>: output, x.grad, comm counts fwd/bwd."""
     x = x.detach().clone().requires_grad_(True)
@@ -66,7 +62,7 @@ def fwd_bwd(fn, x, up):
         raise AssertionError(f"the forward returned a {type(y).__name__}, expected a tensor")
     with CommCounter() as bwd:
         (y * up).sum().backward()
-    return {"y": y.detach(), "dx": x.grad, "fwd": comm_kinds(fwd), "bwd": comm_kinds(bwd)}
+    return {"y": y.detach(), "dx": x.grad, "fwd": fwd.by_kind("calls"), "bwd": bwd.by_kind("calls")}
 
 
 def reference(fn, x, up):

@@ -16,7 +16,6 @@ from dlo.checks.day7_layers import (
     F_G,
     LAYERS,
     SwiGLU,
-    comm_kinds,
     expect_comms,
     fwd_bwd,
     param_grad,
@@ -59,7 +58,8 @@ def _sp_worker(gather_fn, scatter_fn, cls, seed):
         y = block(x)
     with CommCounter() as bwd:
         (y * shard(c["up"])).sum().backward()
-    out["block"] = {"y": y.detach(), "dx": x.grad, "fwd": comm_kinds(fwd), "bwd": comm_kinds(bwd), "saved": meter.peak}
+    out["block"] = {"y": y.detach(), "dx": x.grad, "fwd": fwd.by_kind("calls"), "bwd": bwd.by_kind("calls"),
+                    "saved": meter.peak}
     out["block"].update({w: param_grad(block, f"{w}.weight", "the sequence-parallel block")
                          for w in ("norm", "w1", "w2")})
     return out

@@ -41,6 +41,8 @@ class ParallelDims:
     reshard_after_forward: bool = True       # ZeRO-3 (True) or keep the gathered blocks until backward
     cpu_offload: bool = False
     loss_parallel: bool = True     # leave the logits sharded by vocabulary (loss_parallel)
+    fsdp: bool | None = None       # FSDP on "dp": None when dp > 1 (torchtitan's rule); True also at dp = 1
+                                   # (Day 5's recipe: its MixedPrecisionPolicy whatever the world size)
 
     @property
     def world(self) -> int:
@@ -51,6 +53,8 @@ class ParallelDims:
         if self.dp < 1 or self.tp < 1:
             raise ValueError(f"dp and tp must be >= 1, got dp={self.dp}, tp={self.tp}")
         check_tp_degree(cfg, self.tp)
+        if self.fsdp is False and self.dp > 1:
+            raise ValueError(f"dp={self.dp} without FSDP would train {self.dp} unsynchronised replicas")
         if world is not None and world != self.world:
             raise ValueError(f"dp={self.dp} x tp={self.tp} = {self.world} ranks, but the world has {world}")
 
@@ -73,13 +77,14 @@ def parallelize_llama(model: nn.Module, dims: ParallelDims, mesh=None) -> nn.Mod
         mesh = dims.build_mesh(rank_device().type)
     if dims.tp > 1:
         apply_tp(model, mesh["tp"], loss_parallel=dims.loss_parallel)
-    if dims.ac != "none" or dims.compile or dims.dp > 1:
+    fsdp = dims.dp > 1 if dims.fsdp is None else dims.fsdp
+    if dims.ac != "none" or dims.compile or fsdp:
         from dlo.distributed.fsdp import apply_ac, apply_compile, apply_fsdp
         if dims.ac != "none":
             apply_ac(model, dims.ac)
         if dims.compile:
             apply_compile(model)
-        if dims.dp > 1:
+        if fsdp:
             apply_fsdp(model, mesh["dp"], param_dtype=dims.param_dtype, reduce_dtype=dims.reduce_dtype,
                        reshard_after_forward=dims.reshard_after_forward, cpu_offload=dims.cpu_offload)
     return model

@@ -179,13 +179,10 @@ class _Runner:
 # ----------------------------------------------------------------------------- the engines
 
 def gpipe_step(stage: Stage, microbatches, targets, loss_fn, timeline: Timeline | None = None):
-    """GPipe (all forwards, all backwards) on this rank's stage; the batch's mean loss on the last stage."""
-    run, m = _Runner(stage, microbatches, targets, loss_fn, timeline), len(stage.in_shapes)
-    for i in range(m):
-        run.forward(i)
-    for i in range(m):
-        run.backward(i)
-    return run.finish()
+    """GPipe (all forwards, all backwards) on this rank's stage; the batch's mean loss on the last stage.
+    The order is `gpipe_schedule`'s list for the stage."""
+    actions = gpipe_schedule(stage.n_stages, len(stage.in_shapes))[stage.index]
+    return run_schedule([stage], actions, microbatches, targets, loss_fn, timeline)
 
 
 def naive_step(stage: Stage, x, y, loss_fn, timeline: Timeline | None = None):
@@ -194,17 +191,10 @@ def naive_step(stage: Stage, x, y, loss_fn, timeline: Timeline | None = None):
 
 
 def one_f_one_b_step(stage: Stage, microbatches, targets, loss_fn, timeline: Timeline | None = None):
-    """1F1B (PipeDream-Flush) on this rank's stage; the batch's mean loss on the last stage."""
-    run, m = _Runner(stage, microbatches, targets, loss_fn, timeline), len(stage.in_shapes)
-    warmup = min(stage.n_stages - stage.index - 1, m)
-    for i in range(warmup):
-        run.forward(i)
-    for j in range(m - warmup):  # steady state: one forward, one backward
-        run.forward(warmup + j)
-        run.backward(j)
-    for j in range(m - warmup, m):  # cooldown
-        run.backward(j)
-    return run.finish()
+    """1F1B (PipeDream-Flush) on this rank's stage; the batch's mean loss on the last stage. The order
+    (warm-up forwards, one forward one backward, drain) is `one_f_one_b_schedule`'s list for the stage."""
+    actions = one_f_one_b_schedule(stage.n_stages, len(stage.in_shapes))[stage.index]
+    return run_schedule([stage], actions, microbatches, targets, loss_fn, timeline)
 
 
 def run_schedule(stages: list[Stage], actions: list[Action], microbatches, targets, loss_fn,

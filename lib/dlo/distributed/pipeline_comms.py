@@ -32,6 +32,7 @@ from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dlo.distributed.launch import heartbeat
+from dlo.measure import collective_kind
 
 
 def sample_shapes(modules: list[nn.Module], sample_shape: tuple[int, ...], dtype=torch.float32) -> list[tuple]:
@@ -127,15 +128,15 @@ class StageComms:
 
 
 def _describe(func, args) -> tuple[str, str] | None:
-    """("send" or "recv", a phrase) for a c10d point-to-point op, else None."""
-    name = func._schema.name.split("::")[-1]
-    if func.namespace != "c10d" or name not in ("send", "recv_", "recv_any_source_"):
+    """("send" or "recv", a phrase) for a c10d point-to-point op (`dlo.measure`'s table of ops), else None."""
+    kind = collective_kind(func)
+    if kind not in ("send", "recv"):
         return None
     tensors = args[0] if isinstance(args[0], (list, tuple)) else [args[0]]
     shape = "x".join(str(s) for s in tensors[0].shape) if tensors else "?"
-    if name == "send":
+    if kind == "send":
         return "send", f"send of a ({shape}) tensor to rank {args[2]}"
-    peer = f"rank {args[2]}" if name == "recv_" else "any rank"
+    peer = "any rank" if func._schema.name.endswith("any_source_") else f"rank {args[2]}"
     return "recv", f"recv of a ({shape}) tensor from {peer}"
 
 

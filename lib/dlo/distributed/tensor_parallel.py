@@ -13,6 +13,7 @@ holds the r-th contiguous block of the split dimension; the communication is in 
   `_VocabParallelCrossEntropy`);
 - `TensorParallelSwiGLU`, `TensorParallelAttention` and `apply_megatron_tp(model, group)`: the
   Llama's blocks split by hidden units and heads, one all-reduce forward and one backward each.
+(`dlo.distributed.tp_gpt` splits Korthikanti et al.'s GPT layer, Day 7's tables' model, with them.)
 
 **With DTensor**, `apply_tp(model, mesh)` gives torch's `parallelize_module` the same plan for the
 Llama (torchtitan's `apply_tp`): rowwise embedding, sequence-parallel norms, colwise q/k/v/w1/w3,

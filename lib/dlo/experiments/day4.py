@@ -11,7 +11,9 @@ and 1-bit Adam's (`dlo.distributed.onebit_adam`, Tang et al. 2021) against fp32 
 losses; local vs synchronized BatchNorm at a small per-rank batch. Training curves go to TensorBoard
 (rank 0, one run folder per configuration under `log_dir`). Every phase reports
 `dlo.distributed.heartbeat`, so a slow run reads as progress, not as a deadlock. The preset `P` is a
-`dlo.presets.Day4Preset`; `plan` sizes its full profile. Tables and claims: `day4_report`.
+`dlo.presets.Day4Preset`; `plan` sizes its full profile. Tables and claims: `day4_report`; models and
+batches: `day4_data`; byte counters: `day4_comm`. (About 310 lines: every experiment of the one launch,
+each a short function, and the planner that sizes exactly those.)
 """
 
 from __future__ import annotations
@@ -25,69 +27,19 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from dlo import tb
 from dlo.distributed.collectives import bus_bandwidth
 from dlo.distributed.ddp import DataParallelBucket, DataParallelNaive
 from dlo.distributed.launch import heartbeat, rank_device
 from dlo.distributed.onebit_adam import OneBitAdam
 from dlo.distributed.sync_bn import convert_sync_batchnorm
 from dlo.experiments.day4_comm import loopback_sent, powersgd_bytes, ring_sent, wire_bytes
+from dlo.experiments.day4_data import batch, batches, feature_batch, mlp, model
 from dlo.experiments.day4_report import timeline
 from dlo.measure import CommCounter, time_interleaved
 from dlo.models import count_parameters
-from dlo.models.resnet import resnet18
-from dlo.models.small import MLP
 from dlo.profiling import quiet_profiler
 from dlo.train import evaluate, train
-
-
-def mlp(P, device, norm: bool = False, seed: int = 0) -> nn.Module:
-    """d_in -> (hidden [BatchNorm] ReLU) x layers -> 10, the same weights on every call (seeded)."""
-    torch.manual_seed(seed)
-    return MLP(P.d_in, P.hidden, 10, depth=P.layers + 1, norm=norm).to(device)
-
-
-def feature_batch(P, step: int, rank: int, device, n: int | None = None):
-    """A learnable synthetic batch, different on every rank and step: 10 Gaussian clusters around
-    fixed centres, each feature with its own offset and scale (so that normalization matters)."""
-    centres = torch.randn(10, P.d_in, generator=torch.Generator().manual_seed(12345))  # (10, d_in)
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    y = torch.randint(0, 10, (n or P.batch_per_rank,), generator=g)  # (B,)
-    x = 0.3 * centres[y] + torch.randn(len(y), P.d_in, generator=g)  # (B, d_in)
-    shift = torch.linspace(-3, 3, P.d_in)
-    scale = torch.linspace(0.5, 4, P.d_in).roll(P.d_in // 3)
-    return (x * scale + shift).to(device), y.to(device)
-
-
-def image_batch(P, step: int, rank: int, device):
-    """Synthetic images (B, 3, S, S) for the ResNet: 10 classes, each with its own mean pattern."""
-    centres = torch.randn(10, 3, P.image_size, P.image_size, generator=torch.Generator().manual_seed(12345))
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    y = torch.randint(0, 10, (P.batch_per_rank,), generator=g)  # (B,)
-    x = 0.5 * centres[y] + torch.randn(len(y), 3, P.image_size, P.image_size, generator=g)  # (B, 3, S, S)
-    return x.to(device), y.to(device)
-
-
-def model(P, device) -> nn.Module:
-    """The model of the DDP comparisons: P.model is "mlp" (tiny) or "resnet18" (full, He et al. 2016)."""
-    if P.model == "resnet18":
-        torch.manual_seed(0)
-        return resnet18(num_classes=10, width=P.width).to(device)
-    if P.model == "mlp":
-        return mlp(P, device)
-    raise ValueError(f"Day4Preset.model must be 'mlp' or 'resnet18', got {P.model!r}")
-
-
-def batch(P, step: int, rank: int, device):
-    """A batch for `model(P, device)`."""
-    return (image_batch if P.model == "resnet18" else feature_batch)(P, step, rank, device)
-
-
-def batches(P, rank: int, device, n: int | None = None, features: bool = False):
-    """The endless stream of batches 0, 1, 2, ... of this rank (for `dlo.train.train`)."""
-    step = 0
-    while True:
-        yield feature_batch(P, step, rank, device, n) if features else batch(P, step, rank, device)
-        step += 1
 
 
 def ddp_step(label: str = ""):
@@ -119,18 +71,8 @@ def wrappers(P, device) -> dict:
             "torch DDP": lambda m: nn.parallel.DistributedDataParallel(m, bucket_cap_mb=cap, **ddp_kw)}
 
 
-def writer(log_dir, name: str):
-    """A TensorBoard writer for run folder `name` under `log_dir` on rank 0 (None elsewhere, or
-    without a log_dir): one folder per configuration, one tag per metric, as `Run.writer`."""
-    if log_dir is None or dist.get_rank() != 0:
-        return None
-    from torch.utils.tensorboard import SummaryWriter
-
-    return SummaryWriter(str(Path(log_dir) / name))
-
-
 def log_curve(log_dir, name: str, values, tag: str = "loss") -> None:
-    w = writer(log_dir, name)
+    w = tb.writer(log_dir, name, dist.get_rank())
     if w is not None:
         with contextlib.closing(w):
             for i, v in enumerate(values):
@@ -230,7 +172,7 @@ def compression(P, device, log_dir=None) -> dict:
         losses = []
         if P.compress_steps > 1:  # PowerSGD sends full gradients for its first steps: count the last one
             hist = train(net, opt, batches(P, rank, device), steps=P.compress_steps - 1, device=device, step_fn=step,
-                         progress=False, writer=writer(log_dir, f"compression/{FOLDERS[name]}"))
+                         progress=False, writer=tb.writer(log_dir, f"compression/{FOLDERS[name]}", dist.get_rank()))
             losses = hist["loss"]
         with CommCounter() as comm:
             loss = step(net, opt, batch(P, P.compress_steps - 1, rank, device))["loss"]
@@ -301,7 +243,7 @@ def batchnorm(P, device, log_dir=None) -> dict:
         opt = torch.optim.SGD(net.parameters(), lr=P.bn_lr, momentum=0.9)
         hist = train(net, opt, batches(P, r, device, n=P.bn_batch, features=True), steps=P.bn_steps, device=device,
                      step_fn=ddp_step(f"batchnorm, {name}"), progress=False,
-                     writer=writer(log_dir, f"batchnorm/{FOLDERS[name]}"))
+                     writer=tb.writer(log_dir, f"batchnorm/{FOLDERS[name]}", dist.get_rank()))
         # eval mode: running statistics, rank 0's own for local BN, the global ones when synced
         loss, acc = evaluate(net, (x_test, y_test), device)
         out[name] = {"test loss": loss, "test acc": acc, "n": len(y_test), "losses": hist["loss"]}

@@ -8,8 +8,8 @@
 - `timing`: step time of our ZeRO-3 and of FSDP2 on the same model and ranks, interleaved step by
   step (`dlo.measure.time_interleaved`), and their ratio;
 - `same`: our ZeRO-3 and FSDP2 trained side by side from the same weights: the same losses;
-- `train`: the production recipe (`parallelize`: activation checkpointing, compile, FSDP2 with the
-  preset's MixedPrecisionPolicy) on `P.model`, meta-initialised shard by shard: losses, tokens/s,
+- `train`: the production recipe (`recipe`: `parallelize_llama`'s activation checkpointing, compile,
+  FSDP2 with the preset's MixedPrecisionPolicy) on `P.model`, meta-initialised shard by shard: losses, tokens/s,
   peak memory and MFU on GPUs.
 
 `memory_vs_world(P)` runs in the notebook's process: the same engines at every world size of
@@ -25,33 +25,41 @@ from __future__ import annotations
 import gc
 import statistics
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from dlo.distributed.fsdp import apply_ac, apply_compile, apply_fsdp
+from dlo import tb
+from dlo.distributed.fsdp import apply_fsdp
 from dlo.distributed.launch import heartbeat, rank_device
+from dlo.distributed.parallelize import ParallelDims, parallelize_llama
 from dlo.distributed.zero import ZeRO1, ZeRO2, ZeRO3
 from dlo.experiments.day5_data import build, check_weights, check_world, llama_config, lm_loss, n_params, token_batches
-from dlo.measure import CommCounter, held_bytes, mfu, peak_memory, sync, time_interleaved, transformer_flops_per_token
+from dlo.measure import (
+    CommCounter,
+    held_bytes,
+    mfu,
+    peak_memory,
+    sync,
+    tally,
+    time_interleaved,
+    transformer_flops_per_token,
+)
 
 ENGINES = ("DDP (torch)", "ZeRO-1 (ours)", "ZeRO-2 (ours)", "ZeRO-3 (ours)", "FSDP2 (torch)")
 STAGE = {"DDP (torch)": 0, "ZeRO-1 (ours)": 1, "ZeRO-2 (ours)": 2, "ZeRO-3 (ours)": 3, "FSDP2 (torch)": 3}
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 # ----------------------------------------------------------------------------- the engines
 
-def parallelize(P, model: nn.Module, mesh) -> nn.Module:
-    """The production recipe, in torchtitan's order: activation checkpointing, compile (GPU runs),
-    FSDP2 per block and the root with the preset's MixedPrecisionPolicy."""
-    apply_ac(model, P.ac_mode)
-    if P.compile and mesh.device_type == "cuda":
-        apply_compile(model)
-    return apply_fsdp(model, mesh, param_dtype=DTYPES[P.param_dtype], reduce_dtype=DTYPES[P.reduce_dtype],
-                      cpu_offload=P.cpu_offload)
+def recipe(P, device) -> ParallelDims:
+    """The production recipe as `parallelize_llama` dims, in torchtitan's order: activation
+    checkpointing, compile (GPU runs), FSDP2 over every rank with the preset's MixedPrecisionPolicy
+    (the preset names its dtypes: "bfloat16" -> torch.bfloat16)."""
+    return ParallelDims(dp=dist.get_world_size(), ac=P.ac_mode, compile=P.compile and device.type == "cuda",
+                        param_dtype=getattr(torch, P.param_dtype), reduce_dtype=getattr(torch, P.reduce_dtype),
+                        cpu_offload=P.cpu_offload, fsdp=True)
 
 
 def _mesh(device):
@@ -107,12 +115,9 @@ def measure_engine(name: str, P, cfg, device, x, y, fake: bool = False) -> dict:
     state = held_bytes([t for s in opt.state.values() for t in s.values()])  # not the keys: they are the params
     total, grads = held_bytes(net, opt), held_bytes(_grads(opt))
     zero()
-    by_kind = {}
-    for c in comm.calls:
-        key = f"{c.kind} ({c.phase})"
-        by_kind[key] = by_kind.get(key, 0) + c.nbytes
+    comm_by_phase = {f"{kind} ({phase})": row["bytes"] for (kind, phase), row in tally(comm.records()).items()}
     return {"params": total - grads - state, "grads": grads, "optimizer": state, "total": total,
-            "comm": by_kind, "sent": comm.sent(), "payload": comm.bytes(), "world": dist.get_world_size(),
+            "comm": comm_by_phase, "sent": comm.sent(), "payload": comm.bytes(), "world": dist.get_world_size(),
             "n_params": n_params(cfg)}
 
 
@@ -173,7 +178,7 @@ def same_losses(P, cfg, device, batches, log_dir) -> dict:
     for name, run in (("ZeRO-3 (ours)", "zero3_ours"), ("FSDP2 (torch)", "fsdp2_fp32")):
         heartbeat(f"training {name}")
         net, opt, step, zero = engine(name, P, cfg, device)
-        writer = _writer(log_dir, run)
+        writer = tb.writer(log_dir, run, dist.get_rank())
         hist = train(net, opt, batches, steps=P.max_steps, device=device, step_fn=step_fn(net, step, zero),
                      writer=writer, tag=name, progress=False)
         if writer is not None:
@@ -182,14 +187,6 @@ def same_losses(P, cfg, device, batches, log_dir) -> dict:
         del net, opt, step, zero
         gc.collect()
     return out
-
-
-def _writer(log_dir, name: str):
-    if log_dir is None or dist.get_rank() != 0:
-        return None
-    from torch.utils.tensorboard import SummaryWriter
-
-    return SummaryWriter(str(Path(log_dir) / name))
 
 
 def train_fsdp(P, device, log_dir, data_dir=None, weights_dir: str = "") -> dict:
@@ -204,13 +201,14 @@ def train_fsdp(P, device, log_dir, data_dir=None, weights_dir: str = "") -> dict
         model = Llama(cfg)
     if weights_dir:  # every rank reads the checkpoint to host memory, then FSDP2 keeps its shard
         load_hf_weights(model, weights_dir, device="cpu")
-    parallelize(P, model, _mesh(device))
+    dims = recipe(P, device)
+    parallelize_llama(model, dims, dims.build_mesh(device.type))
     if not weights_dir:
         model.to_empty(device=device)
         model.init_weights(seed=0)
     opt = torch.optim.AdamW(model.parameters(), lr=P.lr)
     batches = token_batches(P, cfg, dist.get_rank(), device, data_dir)
-    writer = _writer(log_dir, f"fsdp2_{P.param_dtype}_ac-{P.ac_mode}")
+    writer = tb.writer(log_dir, f"fsdp2_{P.param_dtype}_ac-{P.ac_mode}", dist.get_rank())
     losses, times = [], []
     bar = tqdm(range(P.max_steps), desc=f"FSDP2 {P.model}", disable=dist.get_rank() != 0)
     for s in bar:
@@ -258,6 +256,6 @@ def run_all(P, log_dir=None, data_dir=None, weights_dir: str = "") -> dict:
     return out
 
 
-__all__ = ["DTYPES", "ENGINES", "STAGE", "build", "check_weights", "check_world", "engine", "llama_config",
-           "lm_loss", "measure_engine", "memory_vs_world", "n_params", "parallelize", "run_all", "same_losses",
+__all__ = ["ENGINES", "STAGE", "build", "check_weights", "check_world", "engine", "llama_config",
+           "lm_loss", "measure_engine", "memory_vs_world", "n_params", "recipe", "run_all", "same_losses",
            "step_fn", "timing", "token_batches", "train_fsdp"]

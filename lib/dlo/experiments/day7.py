@@ -5,7 +5,7 @@ and measures every degree t of `P.degrees` on the first t ranks (subgroups), so 
 one launch; rank 0's dict is what the notebook reads:
 
 - `layers`: a stack of GPT blocks (Korthikanti et al. 2022's model: LayerNorm, 4h GELU MLP, dropout,
-  attention written out) split by hand (`TensorParallelGPTBlock`) without, with and with
+  attention written out) split by hand (`dlo.distributed.tp_gpt.TensorParallelGPTBlock`) without, with and with
   Megatron's sequence parallelism: bytes each rank sends per layer (`CommCounter`, ring model) beside
   the seminar's 8 b s h (t-1)/t, and bytes saved for backward per layer (`SavedTensorMeter`, in
   bfloat16 as the paper counts) beside s b h (34 + 5 a s / h) and its tensor/sequence-parallel forms;
@@ -19,7 +19,6 @@ The formulas, the claims beside the measurements and the full profile's plan are
 from __future__ import annotations
 
 import contextlib
-import math
 import statistics
 import time
 
@@ -29,72 +28,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dlo.distributed.launch import heartbeat
-from dlo.distributed.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-from dlo.distributed.tp_comms import gather_from_sp, tp_size
+from dlo.distributed.tp_comms import tp_size
+from dlo.distributed.tp_gpt import MODES, TensorParallelGPTBlock
 from dlo.measure import CommCounter, SavedTensorMeter
 from dlo.models import count_parameters
 from dlo.models.transformer import Block
-
-MODES = ("none", "tp", "tp+sp", "tp+sp (megatron)")
-
-
-# ----------------------------------------------------------------------------- a GPT block split by hand
-
-def dropout(x: Tensor, p: float, training: bool) -> Tensor:
-    """Dropout that keeps a 1-byte mask for backward, as CUDA's kernel does (torch's CPU kernel keeps
-    it in the activation's dtype): the memory Korthikanti et al. count on every device."""
-    if not training or p == 0:
-        return x
-    keep = torch.rand(x.shape, device=x.device) >= p  # bool: the only tensor saved
-    return x * keep / (1 - p)
-
-
-def _attention(q: Tensor, k: Tensor, v: Tensor, p: float, training: bool) -> Tensor:
-    """Causal softmax(q k^T / sqrt(d)) v with dropout on the probabilities; (B, H, T, D)."""
-    T = q.shape[-2]
-    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # (B, H, T, T)
-    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
-    return dropout(scores.masked_fill(causal, float("-inf")).softmax(-1), p, training) @ v
-
-
-class TensorParallelGPTBlock(nn.Module):
-    """Korthikanti et al. 2022's GPT layer (`dlo.models.transformer.Block`'s weights, dropout after
-    the attention projection and after the MLP as in their count) split over `group`: the fused
-    [q|k|v] projection and fc1 column-parallel, the attention output projection and fc2
-    row-parallel, a/t heads per rank. On a group of one rank it is the plain layer.
-
-    mode "tp": replicated norms and residuals (f and g around each half);
-    "tp+sp": norms, dropout and residuals on 1/t of the sequence, an all-gather of the normed shard
-    before the column layers (which then save the gathered input, as DTensor's plan does) and a
-    reduce-scatter after the row layers; "tp+sp (megatron)": the column layers save only the shard
-    and all-gather it again in backward (Korthikanti et al. 2022, Sec. 4.2.2)."""
-
-    def __init__(self, block: Block, group=None, mode: str = "tp"):
-        super().__init__()
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        t = tp_size(group)
-        if block.attn.n_heads % t:
-            raise ValueError(f"tensor-parallel degree {t} does not divide n_heads={block.attn.n_heads}")
-        self.group, self.sp, self.regather = group, mode.startswith("tp+sp"), mode == "tp+sp (megatron)"
-        col = dict(sequence_parallel=self.sp, comm_input=not self.sp or self.regather)
-        self.ln1, self.ln2 = block.ln1, block.ln2
-        self.qkv = ColumnParallelLinear(block.attn.qkv, group, parts=3, **col)
-        self.proj = RowParallelLinear(block.attn.proj, group, sequence_parallel=self.sp)
-        self.fc1 = ColumnParallelLinear(block.mlp[0], group, **col)
-        self.fc2 = RowParallelLinear(block.mlp[2], group, sequence_parallel=self.sp)
-        self.heads, self.p = block.attn.n_heads // t, block.attn.dropout
-
-    def _enter(self, x: Tensor) -> Tensor:
-        return gather_from_sp(x, 1, self.group) if self.sp and not self.regather else x
-
-    def forward(self, x: Tensor) -> Tensor:
-        h = self.qkv(self._enter(self.ln1(x)))  # (B, T, 3C/t)
-        B, T, _ = h.shape
-        q, k, v = (z.view(B, T, self.heads, -1).transpose(1, 2) for z in h.chunk(3, -1))  # (B, a/t, T, d)
-        y = _attention(q, k, v, self.p, self.training).transpose(1, 2).reshape(B, T, -1)  # (B, T, C/t)
-        x = x + dropout(self.proj(y), self.p, self.training)  # (B, T, C) or (B, T/t, C)
-        return x + dropout(self.fc2(F.gelu(self.fc1(self._enter(self.ln2(x))))), self.p, self.training)
 
 
 def gpt_stack(P, group=None, mode: str = "none") -> nn.Sequential:
@@ -125,11 +63,8 @@ def measure_layers(P, group, mode: str, device) -> dict:
         y.float().square().mean().backward()
     L = P.gpt_layers
     return {"mode": mode, "t": t, "saved/layer": saved / L, "sent fwd/layer": fwd.sent() / L,
-            "sent bwd/layer": bwd.sent() / L, "calls": {"forward": _kinds(fwd), "backward": _kinds(bwd)}}
-
-
-def _kinds(counter: CommCounter) -> dict:
-    return {k: v["calls"] for k, v in counter.by_kind().items()}
+            "sent bwd/layer": bwd.sent() / L,
+            "calls": {"forward": fwd.by_kind("calls"), "backward": bwd.by_kind("calls")}}
 
 
 # ----------------------------------------------------------------------------- the Llama, split with DTensor
@@ -294,5 +229,5 @@ def run_all(P) -> dict:
     return out
 
 
-__all__ = ["MODES", "TensorParallelGPTBlock", "batch", "build_llama", "dropout", "gpt_stack", "llama_config",
+__all__ = ["MODES", "batch", "build_llama", "gpt_stack", "llama_config",
            "local_bytes", "measure_layers", "run_all", "step_metrics", "train_steps"]

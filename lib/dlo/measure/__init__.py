@@ -12,12 +12,13 @@ same thing on every day:
   and `measure_step(step)` are the two measurements every day's tables are made of.
 - communication: `CommCounter` is a dispatch mode that sees every collective that reaches the
   dispatcher (`dist.all_reduce` and friends, torch's functional collectives used by DTensor/FSDP2,
-  point-to-point sends): calls, payload bytes and the bytes this rank sends under the ring model.
+  point-to-point sends): calls, payload bytes and the bytes this rank sends under the ring model;
+  `tally` and `comm_bytes` sum its `records()` by kind and phase.
 - compute: `count_flops(fn)` (torch's FlopCounterMode), `transformer_flops_per_token` (6N + 12 l h s,
   Kaplan et al. 2020 / PaLM appendix B), and `mfu(...)` against `dlo.hardware` peaks.
 """
 
-from dlo.measure.comm import CommCall, CommCounter
+from dlo.measure.comm import CommCall, CommCounter, collective_kind, comm_bytes, tally
 from dlo.measure.compute import count_flops, fmt_bytes, mfu, transformer_flops_per_token
 from dlo.measure.memory import (
     PeakMemory,
@@ -33,4 +34,5 @@ from dlo.measure.timing import Timing, sync, time_fn, time_interleaved
 
 __all__ = ["sync", "Timing", "time_fn", "time_interleaved", "SavedTensorMeter", "PeakMemory", "peak_memory",
            "saved_bytes", "measure_step", "tensor_bytes", "optimizer_state_bytes", "held_bytes", "CommCall",
-           "CommCounter", "count_flops", "transformer_flops_per_token", "mfu", "fmt_bytes"]
+           "CommCounter", "tally", "comm_bytes", "collective_kind", "count_flops", "transformer_flops_per_token",
+           "mfu", "fmt_bytes"]

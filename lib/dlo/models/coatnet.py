@@ -11,7 +11,8 @@ returning an image-shaped tensor (B, C, H, W), so a pipeline can cut between any
 
     stem conv x L0 | MBConv x L1 | MBConv x L2 | Transformer x L3 | Transformer x L4 | head
 
-and `block_costs(model)` measures what a cut has to balance: parameters per block, forward FLOPs
+(`dlo.distributed.pipeline.make_stage_modules(list(model.blocks), bounds)` makes the cut), and
+`block_costs(model)` measures what a cut has to balance: parameters per block, forward FLOPs
 (`dlo.measure.count_flops`) and the bytes autograd saves for backward (`SavedTensorMeter`), on the
 meta device, so the full-size models cost nothing to measure. The stages are very unequal: the
 early ones hold the activations (large images, few channels), the late ones the parameters, and S3
@@ -230,13 +231,6 @@ class CoAtNet(nn.Module):
         for block in self.blocks:
             x = block(x)
         return x
-
-    def stages(self, bounds: list[int]) -> list[nn.Sequential]:
-        """The blocks cut at `bounds` (0 = b_0 < b_1 < ... < b_p = len(blocks)) into p sequentials."""
-        n = len(self.blocks)
-        if bounds[0] != 0 or bounds[-1] != n or any(a >= b for a, b in zip(bounds, bounds[1:])):
-            raise ValueError(f"bounds {bounds} must rise strictly from 0 to {n} (every stage non-empty)")
-        return [nn.Sequential(*self.blocks[a:b]) for a, b in zip(bounds, bounds[1:])]
 
 
 def block_costs(model: CoAtNet, batch_size: int = 1, dtype: torch.dtype = torch.float32) -> list[dict]:
