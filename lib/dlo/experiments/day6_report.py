@@ -49,6 +49,15 @@ def median_estimate(times) -> Estimate | None:
     return median_interval(times) if len(times) > 1 else None
 
 
+def median_text(times_s) -> str:
+    """Step times in ms as a table cell: the median [interval of the median] from 3 timings or more,
+    the median alone below that (rule 1 of `dlo.claims`: no interval from fewer than 3)."""
+    ms = [1e3 * t for t in times_s]
+    if len(ms) >= 3:
+        return str(median_interval(ms))
+    return f"{statistics.median(ms):.3g} ({len(ms)} step{'s' * (len(ms) > 1)}, no interval)"
+
+
 def bubble_rows(R: dict) -> list[dict]:
     """Measured bubble fraction (mean [95% interval] over the timed steps) beside the formula."""
     rows = []
