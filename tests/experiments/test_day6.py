@@ -68,7 +68,7 @@ def test_run_all_on_two_ranks_and_its_report():
 
 
 def _results(p=2, ms=(2, 4), jitter=0.001, one=100, kept_alive=None) -> dict:
-    """run_all's results as plain data: two timed steps per row, the bubble at the formula +- jitter;
+    """run_all's results as plain data: three timed steps per row, the bubble at the formula +- jitter;
     CUDA peaks of a base plus the micro-batches alive (1F1B keeps `kept_alive` of them if given)."""
     rows = []
     for schedule in E.SCHEDULE_NAMES:
@@ -76,20 +76,21 @@ def _results(p=2, ms=(2, 4), jitter=0.001, one=100, kept_alive=None) -> dict:
         for m in ms:
             f = bubble_formula(p, m, v)
             alive = m if schedule == "gpipe" else min(kept_alive or p, m)
-            rows.append({"schedule": schedule, "p": p, "v": v, "m": m, "formula": f, "times_s": [0.1, 0.11],
-                         "bubbles": [f - jitter, f + jitter], "peak_bytes": [10_000 + alive * one + 3, 10_000]})
-    splits = {"params": {"times_s": [0.13, 0.131]}, "flops": {"times_s": [0.10, 0.101]}}
+            rows.append({"schedule": schedule, "p": p, "v": v, "m": m, "formula": f,
+                         "times_s": [0.1, 0.11, 0.105], "bubbles": [f - jitter, f + jitter, f + jitter],
+                         "peak_bytes": [10_000 + alive * one + 3, 10_000]})
+    splits = {"params": {"times_s": [0.13, 0.131, 0.1305]}, "flops": {"times_s": [0.10, 0.101, 0.1005]}}
     return {"world": p, "bubble": {"rows": rows, "one_microbatch": one, "memory_kind": "cuda max_memory_allocated"},
             "splits": {"splits": splits}, "torch": {"gpipe": {"max_grad_diff": 0.0}}}
 
 
-def test_two_timed_steps_give_intervals_and_gpu_memory_can_fail():
+def test_three_timed_steps_give_intervals_and_gpu_memory_can_fail():
     R = _results()
     plan_rows = [{"config": "1F1B, batch 16 = 8 x 2", "total": 1, "gpu": 2},
                  {"config": "DDP, batch 16 = 2 x 8", "world": 2, "total": 3, "gpu": 2}]
     claims = report.bubble_claims(R) + report.other_claims(R, True, plan_rows)
     assert all(c.verdict == AGREES for c in claims), [c.row() for c in claims]
-    assert all(c.measured.lo < c.measured.hi for c in claims[:6])  # two steps: a t-interval, not a point
+    assert all(c.measured.lo < c.measured.hi for c in claims[:6])  # three steps: a t-interval, not a point
     # noisy steps: the same mean, an interval wider than the tolerance
     assert {c.verdict for c in report.bubble_claims(_results(jitter=0.02))} == {"inconclusive at this scale"}
     # on a GPU, GPipe - 1F1B at the same m: the weights, inputs and workspace cancel
