@@ -81,7 +81,8 @@ def _results(p=2, ms=(2, 4), jitter=0.001, one=100, kept_alive=None, device="cud
                          "times_s": [0.1, 0.11, 0.105], "bubbles": [f - jitter, f + jitter, f + jitter],
                          "peak_bytes": [10_000 + alive * one + 3, 10_000]})
     splits = {"params": {"times_s": [0.13, 0.131, 0.1305]}, "flops": {"times_s": [0.10, 0.101, 0.1005]}}
-    return {"world": p, "device": device, "bubble": {"rows": rows, "one_microbatch": one, "memory_kind": "cuda max_memory_allocated"},
+    return {"world": p, "device": device,
+            "bubble": {"rows": rows, "one_microbatch": one, "memory_kind": "cuda max_memory_allocated"},
             "splits": {"splits": splits}, "torch": {"gpipe": {"max_grad_diff": 0.0}}}
 
 
