@@ -1,0 +1,91 @@
+"""Day 7's exercise 7 (compute against communication): the check accepts the solution notebook's
+functions and rejects a stub, the reference itself, and the plausible slips (an all-reduce counted
+for FSDP's all-gather, the latency left out, a rounded instead of a ceiling token count, one TP
+all-reduce per layer, matmuls not split t ways)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from dlo import comm_compute
+from dlo.checks import day7_scale
+from tests.checks.conftest import load_solution
+
+
+@pytest.fixture(scope="module")
+def sol():
+    return load_solution("day7_tensor_parallel")
+
+
+def stub(*args, **kwargs):
+    raise NotImplementedError()
+
+
+def _tokens(P, N, F, B, alpha, b, factor=1.0):
+    """The exact (real) token bound, times `factor`: the wrong variants below build on it (the
+    reference is off limits to them as to a student)."""
+    return factor * ((N - 1) * alpha + (N - 1) / N * P * b / B) * F / (2 * P)
+
+
+def _ratio(P, h, t, T, F, B, alpha, b, allreduces=2, split=True):
+    comm = allreduces * (2 * (t - 1) * alpha + 2 * (t - 1) / t * T * h * b / B)
+    return comm / (2 * P * T / (t if split else 1) / F)
+
+
+def fsdp_allreduce(P, N, F, B, alpha=0.0, param_bytes=2):
+    """An all-reduce's 2(N-1)/N where the all-gather moves (N-1)/N."""
+    return math.ceil(round(_tokens(P, N, F, B, alpha, param_bytes, factor=2.0), 6))
+
+
+def fsdp_no_alpha(P, N, F, B, alpha=0.0, param_bytes=2):
+    return math.ceil(round(_tokens(P, N, F, B, 0.0, param_bytes), 6))
+
+
+def fsdp_rounded(P, N, F, B, alpha=0.0, param_bytes=2):
+    """round() instead of the ceiling: one token short half of the time."""
+    return round(_tokens(P, N, F, B, alpha, param_bytes))
+
+
+def fsdp_float(P, N, F, B, alpha=0.0, param_bytes=2):
+    return _tokens(P, N, F, B, alpha, param_bytes)
+
+
+def tp_one_allreduce(P, h, t, T, F, B, alpha=0.0, act_bytes=2):
+    return _ratio(P, h, t, T, F, B, alpha, act_bytes, allreduces=1)
+
+
+def tp_unsplit_matmuls(P, h, t, T, F, B, alpha=0.0, act_bytes=2):
+    return _ratio(P, h, t, T, F, B, alpha, act_bytes, split=False)
+
+
+def test_accepts_the_solution(sol):
+    day7_scale.check_comm_compute(sol.fsdp_min_tokens, sol.tp_comm_ratio, seed=1, trials=40)
+
+
+def test_rejects_a_stub(sol):
+    with pytest.raises(NotImplementedError):
+        day7_scale.check_comm_compute(stub, sol.tp_comm_ratio)
+    with pytest.raises(NotImplementedError):
+        day7_scale.check_comm_compute(sol.fsdp_min_tokens, stub)
+
+
+@pytest.mark.parametrize("wrong,match", [
+    (lambda *a, **k: comm_compute.fsdp_min_tokens(*a, **k), "off limits"),
+    (fsdp_allreduce, "x2 the reference: an all-reduce"),
+    (fsdp_no_alpha, "too few"),
+    (fsdp_rounded, "too few"),
+    (fsdp_float, "an int")])
+def test_rejects_fsdp_slips(sol, wrong, match):
+    with pytest.raises(AssertionError, match=match):
+        day7_scale.check_comm_compute(wrong, sol.tp_comm_ratio, seed=0, trials=12)
+
+
+@pytest.mark.parametrize("wrong,match", [
+    (tp_one_allreduce, "one all-reduce per layer"),
+    (tp_unsplit_matmuls, "tp_comm_ratio: got"),
+    (lambda *a, **k: comm_compute.tp_comm_ratio(*a, **k), "off limits")])
+def test_rejects_tp_slips(sol, wrong, match):
+    with pytest.raises(AssertionError, match=match):
+        day7_scale.check_comm_compute(sol.fsdp_min_tokens, wrong, seed=0, trials=12)
