@@ -89,3 +89,61 @@ def test_rejects_fsdp_slips(sol, wrong, match):
 def test_rejects_tp_slips(sol, wrong, match):
     with pytest.raises(AssertionError, match=match):
         day7_scale.check_comm_compute(sol.fsdp_min_tokens, wrong, seed=0, trials=12)
+
+
+# ----------------------------------------------------------------------------- 8. choosing a layout
+
+def _search_with(fits_fn, tps=None):
+    """A search that differs from the reference only in its fit test or its tensor degrees."""
+    from dlo.layout import Layout, step_time
+
+    def search(model, cluster, batch):
+        n, best = cluster.gpus, None
+        for tp in tps or [d for d in range(1, n + 1) if n % d == 0 and model.kv_heads % d == 0]:
+            for pp in (d for d in range(1, n // tp + 1) if (n // tp) % d == 0 and model.layers % d == 0):
+                dp = n // (tp * pp)
+                if n % tp or batch % dp:
+                    continue
+                for m in (k for k in range(pp, batch // dp + 1) if (batch // dp) % k == 0):
+                    for lay in (Layout(dp, tp, pp, f, m, ac) for f in ((False, True) if dp > 1 else (False,))
+                                for ac in (False, True)):
+                        if fits_fn(model, lay, cluster, batch):
+                            t = step_time(model, lay, cluster, batch)
+                            best = (t, lay) if best is None or t < best[0] else best
+        return best[1]
+    return search
+
+
+def states_only_fit(model, lay, cluster, batch):
+    """Plausible and wrong: the model states (and FSDP's gathered layers) fit, activations forgotten."""
+    from dlo.layout import memory_bytes
+
+    without = memory_bytes(model, lay, cluster, batch) - _activations(model, lay, batch)
+    return without <= cluster.mem_gib * 2 ** 30
+
+
+def _activations(model, lay, batch):
+    b = batch / (lay.dp * lay.m)
+    per_layer = (2 * b * model.seq * model.hidden if lay.ac else b * model.act_layer) / lay.tp
+    return min(lay.pp, lay.m) * model.layers // lay.pp * per_layer
+
+
+def test_layout_search_accepts_the_solution(sol):
+    day7_scale.check_layout_search(sol.search_layout, seed=1, trials=6)
+
+
+def test_layout_search_rejects_a_stub_and_the_mistakes(sol):
+    from dlo.layout import Layout, fits
+
+    with pytest.raises(NotImplementedError):
+        day7_scale.check_layout_search(stub)
+    with pytest.raises(AssertionError, match="does not fit"):
+        day7_scale.check_layout_search(_search_with(states_only_fit))
+    with pytest.raises(AssertionError, match="a faster one fits"):  # tp = 8 never tried: the 70B's best
+        day7_scale.check_layout_search(_search_with(fits, tps=[1, 2, 4]))
+    with pytest.raises(AssertionError, match="not a layout of this problem: dp x tp x pp = 0"):
+        day7_scale.check_layout_search(lambda model, cluster, batch: Layout(cluster.gpus // 16, 16, 1, True, 1, True))
+    from dlo import layout
+
+    with pytest.raises(AssertionError, match="off limits"):
+        day7_scale.check_layout_search(lambda *a: layout.search(*a))
