@@ -21,8 +21,9 @@ from __future__ import annotations
 import functools
 import random
 
-from dlo.checks.common import assert_close, assert_number, check, fmt, ok
 from dlo.comm_compute import allgather_time, tp_comm_ratio
+from dlo.grading.api import check
+from dlo.grading.compare import assert_close, assert_number, fmt, ok
 from dlo.hardware import LINKS, link_bytes_per_s, peak_for_name
 
 REFERENCE = ("dlo.comm_compute.*",)
