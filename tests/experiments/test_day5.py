@@ -135,3 +135,16 @@ def test_fsdp2_row_tests_the_predicted_count():
     assert verdicts == [AGREES, DISAGREES, DISAGREES]
     with pytest.raises(ValueError, match="cfg"):
         report.engine_claims({"FSDP2 (torch)": {**e, "sent": k * 4 * n / 2}})
+
+
+def test_mfu_rows_need_a_core_per_rank(monkeypatch):
+    """The MFU of 8 ranks timed beside the kernel on 2 cores is no evidence, whatever its interval."""
+    import dlo.claims as claims_module
+
+    monkeypatch.setattr(claims_module, "cpu_cores", lambda: 2)
+    train = {"mfu": 0.36, "times_s": [5.0, 1.0, 1.01, 0.99, 1.0]}
+    same = {"ZeRO-3 (ours)": [1.0], "FSDP2 (torch)": [1.0]}
+    crowded = report.training_claims(train, same, "cuda", ranks=8)[1:]
+    assert [c.verdict for c in crowded] == [NOT_MEASURABLE] * 2 and "kernel > 2 cores" in crowded[0].reason
+    monkeypatch.setattr(claims_module, "cpu_cores", lambda: 16)
+    assert report.training_claims(train, same, "cuda", ranks=8)[2].verdict == AGREES
