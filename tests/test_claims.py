@@ -30,12 +30,17 @@ def test_exact_values_agree_or_disagree_never_inconclusive():
     assert C.verdict(C.exact(18), C.approx(16, abs_tol=0.5)) == C.DISAGREES
 
 
-def test_from_samples_is_a_t_interval_and_refuses_one_sample():
+def test_from_samples_is_a_t_interval_and_gives_none_from_fewer_than_three():
     est = C.from_samples([1.0, 2.0, 3.0])
     half = 4.303 * 1.0 / math.sqrt(3)                      # t(2) * sd / sqrt(n)
     assert est.value == 2.0 and est.lo == pytest.approx(2 - half) and est.hi == pytest.approx(2 + half)
-    with pytest.raises(ValueError, match="two repeats"):
-        C.from_samples([1.0])
+    assert not est.reason
+    for xs in ([1.0], [1.0, 2.0]):                         # rule 1: no interval from 1 or 2 samples
+        few = C.from_samples(xs)
+        assert few.reason == f"{len(xs)} samples < 3" and few.lo == few.hi == few.value
+        assert C.verdict(few, C.at_least(-100)) == C.NOT_MEASURABLE
+    with pytest.raises(ValueError, match="no values"):
+        C.from_samples([])
 
 
 def test_binomial_is_wilson_and_stays_in_0_1():
@@ -52,7 +57,7 @@ def test_median_interval_uses_order_statistics():
     times = list(range(1, 101))                            # 1..100
     est = C.median_interval(times)
     assert est.value == 50.5 and est.lo < 50.5 < est.hi and est.hi - est.lo < 30
-    assert C.median_interval([3.0, 1.0, 2.0]) == C.Estimate(2.0, 1.0, 3.0, 3, "median of 3")
+    assert C.median_interval([3.0, 1.0, 2.0]) == C.Estimate(2.0, 1.0, 3.0, 3, "median of 3", C.TIMINGS)
 
 
 def test_ratio_difference_and_paired_difference():
@@ -85,7 +90,8 @@ def test_claims_table_keeps_not_measurable_rows_and_summary_counts_all_verdicts(
             C.not_measurable("H100 bf16 speed-up", "slides", "2x", "no GPU in this run")]
     text = C.claims_table(rows)
     assert "not measurable here" in text and "no GPU in this run" in text and "agrees" in text
-    assert C.summary(rows) == {C.AGREES: 1, C.DISAGREES: 0, C.INCONCLUSIVE: 0, C.NOT_MEASURABLE: 1}
+    assert C.summary(rows) == {**dict.fromkeys(C.VERDICTS, 0), C.AGREES: 1, C.NOT_MEASURABLE: 1}
+    assert C.evidence(rows) == rows[:1]
     with pytest.raises(ValueError, match="say why"):
         C.Claim("x", "s", "c", C.at_least(1), None)
 
@@ -96,3 +102,84 @@ def test_a_rate_at_the_median_time_takes_the_interval_of_the_time():
     assert est.value == pytest.approx(0.36) and (est.lo, est.hi) == pytest.approx((0.36 / 1.01, 0.36 / 0.99))
     assert C.per_median_time(0.36, [1.0]) is None  # one timing: no interval, "not measurable here"
     assert C.verdict(C.per_median_time(0.36, [1.0]), C.between(0.33, 0.39)) == C.NOT_MEASURABLE
+
+
+# ----------------------------------------------------------------------------- the rules, with fixed numbers
+
+def test_rule1_no_interval_from_fewer_than_three_samples():
+    assert C.median_interval([1.0, 2.0]).reason == "2 timings < 3"
+    assert C.median_interval([1.0, 2.0, 3.0]) == C.Estimate(2.0, 1.0, 3.0, 3, "median of 3", C.TIMINGS)
+    rate = C.per_median_time(0.36, [1.0, 1.1])               # two timings: a value, no interval
+    assert rate.reason and C.verdict(rate, C.at_least(0)) == C.NOT_MEASURABLE
+    # the reason travels through ratio, difference and scaling
+    assert C.ratio(C.exact(1), C.from_samples([1.0, 2.0])).reason == "2 samples < 3"
+    assert C.difference(C.from_samples([1.0]), C.exact(0)).scaled(100).reason == "1 samples < 3"
+
+
+def test_rule2_one_seed_on_a_shared_test_set_is_not_evidence():
+    # Day 1's old LAMB row: four accuracies on one test set of 2048 images, one seed, Wilson intervals
+    # added in quadrature as if independent -> now "not measurable here (one seed)"
+    a, b = C.accuracy(0.60, 2048), C.accuracy(0.70, 2048)
+    d = C.difference(a, b)
+    assert d.reason == "one seed" and C.Claim("x", "s", "c", C.at_most(0), d).verdict == C.NOT_MEASURABLE
+    row = C.Claim("x", "s", "c", C.at_most(0), d).row()
+    assert row["verdict"] == "not measurable here (one seed)"
+    # paired over one or two seeds: no interval; over three: a t-interval of the per-seed differences
+    assert C.paired_difference([0.6], [0.7]).reason == "one seed"
+    assert C.paired_difference([0.6, 0.61], [0.7, 0.7]).reason == "2 seeds < 3"
+    three = C.paired_difference([0.60, 0.61, 0.62], [0.70, 0.70, 0.71])   # differences -0.10, -0.09, -0.09
+    assert not three.reason and three.value == pytest.approx(-0.28 / 3) and three.hi < 0
+    # independent estimates of other kinds (timings of two programs) still subtract
+    assert not C.difference(C.median_interval([1, 2, 3]), C.median_interval([1, 2, 3])).reason
+
+
+def test_rule2_per_example_pairing_mcnemar():
+    # 100 examples: 80 both right, 6 only a right, 2 only b right, 12 both wrong
+    a = [1] * 80 + [1] * 6 + [0] * 2 + [0] * 12
+    b = [1] * 80 + [0] * 6 + [1] * 2 + [0] * 12
+    d = C.paired_examples(a, b)
+    half = 1.959964 * math.sqrt(8 - 100 * 0.04 ** 2) / 100       # sqrt(n10 + n01 - n d^2) / n
+    assert d.value == pytest.approx(0.04) and d.half_width == pytest.approx(half) and d.kind == C.PAIRED
+    # much narrower than two independent Wilson intervals of 0.86 and 0.82 on the same 100 examples
+    assert d.half_width < 0.6 * C.difference(C.accuracy(0.86, 100), C.accuracy(0.82, 100)).half_width
+    with pytest.raises(ValueError, match="same examples"):
+        C.paired_examples([1, 0], [1])
+
+
+def test_rule3_wall_clock_needs_the_hardware_it_claims():
+    t = C.median_interval([1.0, 1.1, 0.9, 1.0, 1.05, 0.95])
+    assert C.timed(t, device="cuda", gpu_claim=True) is t
+    assert C.timed(t, device="cpu", gpu_claim=True, cores=16).reason == "GPU claim timed on cpu"
+    assert C.timed(t, device="cpu", ranks=2, cores=2) is t                   # 2 ranks x 1 thread on 2 cores
+    late = C.timed(t, device="cpu", ranks=2, kernel=True, cores=2)           # + the notebook's kernel
+    assert late.reason == "2 rank(s) x 1 thread(s) + kernel > 2 cores" and late.value == t.value
+    assert C.timed(t, device="cpu", threads=4, cores=2).reason.endswith("> 2 cores")
+    row = C.Claim("compile: fewer kernel launches, faster", "s", "1.3x", C.at_least(1), late).row()
+    assert row["verdict"].startswith("not measurable here (") and "no evidence" in row["measured [95% interval]"]
+
+
+def test_control_that_meets_the_claim_too_gets_its_own_verdict():
+    # Day 8's distillation: the student keeps 97% of the teacher, the labels-only control 98%
+    keeps = C.Estimate(0.97, 0.96, 0.98, 5, kind=C.REPEATS)
+    control = C.Estimate(0.98, 0.97, 0.99, 5, kind=C.REPEATS)
+    region = C.at_least(0.95)
+    c = C.Claim("distilled student keeps >= 95%", "Hinton et al.", "97%", region, keeps, control=control)
+    assert c.verdict == C.CONTROL_TOO and c in C.evidence([c]) and c.row()["control"] == "0.98 [0.97, 0.99]"
+    below = C.Estimate(0.90, 0.88, 0.92, 5, kind=C.REPEATS)
+    assert C.Claim("x", "s", "c", region, keeps, control=below).verdict == C.AGREES
+    assert C.Claim("x", "s", "c", region, below, control=control).verdict == C.DISAGREES
+
+
+def test_by_construction_and_planned_rows_are_shown_but_not_evidence():
+    forced = C.by_construction("GradScaler skips >= 1 step", "Micikevicius et al.", ">= 1 skip",
+                               "a 2^40 starting scale overflows the first step", C.exact(3))
+    plan = C.planned("AdamW state 16 B/param", "ZeRO", "16 B", C.approx(16, abs_tol=0.5), C.exact(16))
+    rows = [forced, plan]
+    assert forced.verdict == C.BY_CONSTRUCTION and plan.verdict == C.PLANNED and C.evidence(rows) == []
+    assert C.summary(rows)[C.BY_CONSTRUCTION] == 1 and C.summary(rows)[C.PLANNED] == 1
+    text = C.claims_table(rows)
+    assert "2^40" in text and "agrees" not in text and "planned" in text
+    with pytest.raises(ValueError, match="say why"):
+        C.by_construction("x", "s", "c", "")
+    with pytest.raises(ValueError, match="basis"):
+        C.Claim("x", "s", "c", C.at_least(0), C.exact(1), "w", basis="agrees")

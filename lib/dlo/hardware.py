@@ -31,6 +31,32 @@ PEAKS: list[tuple[tuple[str, ...], str, tuple]] = [
 ]
 
 
+# Links of one GPU, in GB/s in each direction (what a GPU sends while it receives as much: the beta
+# of Day 4's alpha-beta model is 1 / this). NVLink's datasheet figure is both directions summed,
+# halved here: A100 SXM 600 GB/s (NVLink 3, 12 links), H100 and H200 SXM 900 GB/s (NVLink 4, 18
+# links), through NVSwitch to any GPU of the node. InfiniBand: one adapter per GPU in NVIDIA's DGX
+# systems, DGX A100 ConnectX-6 HDR 200 Gb/s (25 GB/s), DGX H100 and DGX H200 ConnectX-7 NDR 400 Gb/s
+# (50 GB/s). Sources: the NVIDIA A100, H100 and H200 Tensor Core GPU datasheets; the DGX A100, DGX
+# H100/H200 user guides (network ports). Keys are the labels of PEAKS.
+LINKS: dict[str, dict[str, float]] = {
+    "A100 80GB SXM": {"nvlink": 300.0, "infiniband": 25.0},
+    "A100 40GB": {"nvlink": 300.0, "infiniband": 25.0},  # the SXM4 40GB: the same NVLink and DGX network
+    "H100 SXM": {"nvlink": 450.0, "infiniband": 50.0},
+    "H200 SXM": {"nvlink": 450.0, "infiniband": 50.0},
+}
+
+
+def link_bytes_per_s(gpu: str, link: str) -> float:
+    """Bytes per second in each direction of `link` ("nvlink": inside a node, "infiniband": between
+    nodes) of `gpu`, a label of LINKS or any name `peak_for_name` matches ("NVIDIA H100 80GB HBM3")."""
+    label = gpu if gpu in LINKS else (peak_for_name(gpu) or {}).get("name")
+    if label not in LINKS:
+        raise ValueError(f"no link figures for {gpu!r}; known: {', '.join(LINKS)}")
+    if link not in LINKS[label]:
+        raise ValueError(f"{label} has no link {link!r}; one of {', '.join(LINKS[label])}")
+    return LINKS[label][link] * 1e9
+
+
 def device_name(device: torch.device | str | int | None = None) -> str:
     """The CUDA device's name (current device by default), or "cpu"."""
     if device is None:

@@ -228,7 +228,7 @@ def test_claims_on_compression_and_onebit_adam():
     assert _find(_verdicts(*_results(onebit_final=(0.45, 0.5, 0.48))), "converges like Adam") == DISAGREES
     assert _find(v, "3.3x higher throughput") == NOT_MEASURABLE and _find(v, "0/1 Adam") == NOT_MEASURABLE
     assert _find(v, "scales nearly linearly") == NOT_MEASURABLE  # CPU ranks share the cores
-    assert _find(v, "SyncBatchNorm beats") == AGREES
+    assert _find(v, "SyncBatchNorm beats") == NOT_MEASURABLE  # one seed on a shared test set (dlo.claims rule 2)
 
 
 def test_one_seed_has_no_interval_but_a_divergence_is_definite():

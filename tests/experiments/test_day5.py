@@ -119,3 +119,32 @@ def test_run_all_on_two_ranks(tmp_path):
     assert len(R["timing"]["ZeRO-3 (ours)"]) == SMALL.timing_steps and R["train"]["mfu"] is None
     assert len(R["train"]["losses"]) == SMALL.max_steps and R["train"]["tokens/s per rank"] > 0
     assert {p.name for p in tmp_path.iterdir()} >= {"zero3_ours", "fsdp2_fp32", "fsdp2_float32_ac-full"}
+
+
+def test_fsdp2_row_tests_the_predicted_count():
+    """The FSDP2 row holds only near 3 - Psi_kept/Psi: ZeRO-3's 3 Psi and ZeRO-1's 2 Psi both fail it."""
+    from dlo.models.llama import LlamaConfig
+
+    cfg = LlamaConfig.from_name("tiny")
+    k = report.fsdp2_sent_factor(cfg)
+    assert 2.5 < k < 2.65  # the tiny model: one of 2 blocks kept, untied head
+    n = E.n_params(cfg)
+    e = {"n_params": n, "world": 2, "total": memory_per_rank(n, 2, 3, param_dtype=torch.float32)["total"]}
+    verdicts = [report.engine_claims({"FSDP2 (torch)": {**e, "sent": f * 4 * n / 2}}, cfg)[0].verdict
+                for f in (k, 3.0, 2.0)]
+    assert verdicts == [AGREES, DISAGREES, DISAGREES]
+    with pytest.raises(ValueError, match="cfg"):
+        report.engine_claims({"FSDP2 (torch)": {**e, "sent": k * 4 * n / 2}})
+
+
+def test_mfu_rows_need_a_core_per_rank(monkeypatch):
+    """The MFU of 8 ranks timed beside the kernel on 2 cores is no evidence, whatever its interval."""
+    import dlo.claims as claims_module
+
+    monkeypatch.setattr(claims_module, "cpu_cores", lambda: 2)
+    train = {"mfu": 0.36, "times_s": [5.0, 1.0, 1.01, 0.99, 1.0]}
+    same = {"ZeRO-3 (ours)": [1.0], "FSDP2 (torch)": [1.0]}
+    crowded = report.training_claims(train, same, "cuda", ranks=8)[1:]
+    assert [c.verdict for c in crowded] == [NOT_MEASURABLE] * 2 and "kernel > 2 cores" in crowded[0].reason
+    monkeypatch.setattr(claims_module, "cpu_cores", lambda: 16)
+    assert report.training_claims(train, same, "cuda", ranks=8)[2].verdict == AGREES

@@ -7,8 +7,9 @@ import dataclasses
 import pytest
 import torch
 
+import dlo.claims as claims_module
 from dlo.accounting import optimizer_bytes
-from dlo.claims import AGREES, DISAGREES, NOT_MEASURABLE, VERDICTS
+from dlo.claims import AGREES, BY_CONSTRUCTION, DISAGREES, NOT_MEASURABLE, PLANNED, VERDICTS
 from dlo.distributed import launch
 from dlo.distributed.pipeline_schedules import bubble_formula
 from dlo.experiments import day6 as E
@@ -69,8 +70,8 @@ def test_run_all_on_two_ranks_and_its_report():
     assert report.split_rows(R)[0]["balanced by"] == "params" and report.stage_rows(R["splits"]["blocks"])
 
 
-def _results(p=2, ms=(2, 4), jitter=0.001, one=100, kept_alive=None) -> dict:
-    """run_all's results as plain data: two timed steps per row, the bubble at the formula +- jitter;
+def _results(p=2, ms=(2, 4), jitter=0.001, one=100, kept_alive=None, device="cuda:0") -> dict:
+    """run_all's results as plain data: three timed steps per row, the bubble at the formula +- jitter;
     CUDA peaks of a base plus the micro-batches alive (1F1B keeps `kept_alive` of them if given)."""
     rows = []
     for schedule in E.SCHEDULE_NAMES:
@@ -78,20 +79,23 @@ def _results(p=2, ms=(2, 4), jitter=0.001, one=100, kept_alive=None) -> dict:
         for m in ms:
             f = bubble_formula(p, m, v)
             alive = m if schedule == "gpipe" else min(kept_alive or p, m)
-            rows.append({"schedule": schedule, "p": p, "v": v, "m": m, "formula": f, "times_s": [0.1, 0.11],
-                         "bubbles": [f - jitter, f + jitter], "peak_bytes": [10_000 + alive * one + 3, 10_000]})
-    splits = {"params": {"times_s": [0.13, 0.131]}, "flops": {"times_s": [0.10, 0.101]}}
-    return {"world": p, "bubble": {"rows": rows, "one_microbatch": one, "memory_kind": "cuda max_memory_allocated"},
+            rows.append({"schedule": schedule, "p": p, "v": v, "m": m, "formula": f,
+                         "times_s": [0.1, 0.11, 0.105], "bubbles": [f - jitter, f + jitter, f + jitter],
+                         "peak_bytes": [10_000 + alive * one + 3, 10_000]})
+    splits = {"params": {"times_s": [0.13, 0.131, 0.1305]}, "flops": {"times_s": [0.10, 0.101, 0.1005]}}
+    return {"world": p, "device": device,
+            "bubble": {"rows": rows, "one_microbatch": one, "memory_kind": "cuda max_memory_allocated"},
             "splits": {"splits": splits}, "torch": {"gpipe": {"max_grad_diff": 0.0}}}
 
 
-def test_two_timed_steps_give_intervals_and_gpu_memory_can_fail():
+def test_three_timed_steps_give_intervals_and_gpu_memory_can_fail(monkeypatch):
+    monkeypatch.setattr(claims_module, "cpu_cores", lambda: 16)  # a GPU node: every rank has its core
     R = _results()
     plan_rows = [{"config": "1F1B, batch 16 = 8 x 2", "total": 1, "gpu": 2},
                  {"config": "DDP, batch 16 = 2 x 8", "world": 2, "total": 3, "gpu": 2}]
     claims = report.bubble_claims(R) + report.other_claims(R, True, plan_rows)
-    assert all(c.verdict == AGREES for c in claims), [c.row() for c in claims]
-    assert all(c.measured.lo < c.measured.hi for c in claims[:6])  # two steps: a t-interval, not a point
+    assert [c.verdict for c in claims if c.verdict != AGREES] == [PLANNED], [c.row() for c in claims]
+    assert all(c.measured.lo < c.measured.hi for c in claims[:6])  # three steps: a t-interval, not a point
     # noisy steps: the same mean, an interval wider than the tolerance
     assert {c.verdict for c in report.bubble_claims(_results(jitter=0.02))} == {"inconclusive at this scale"}
     # on a GPU, GPipe - 1F1B at the same m: the weights, inputs and workspace cancel
@@ -127,3 +131,25 @@ def test_stack_is_identical_blocks_on_every_call():
         assert torch.equal(x, y)
     xs, ys = E.stack_batch(SMALL, 3, "cpu")
     assert len(xs) == 3 and xs[0].shape == (2, 32, 4, 4) and a[0](xs[0]).shape == xs[0].shape
+
+
+def test_timings_on_shared_cores_and_rows_fixed_by_construction_are_no_evidence(monkeypatch):
+    """2 ranks + the kernel on 2 cores: every timing row is "not measurable here" with that reason;
+    the bubble at m = 1 is (p-1)/p whatever the durations: "by construction"; the plan's DDP row is
+    "planned", and no row judges 1F1B's memory with the min(p - r, m) it claims."""
+    monkeypatch.setattr(claims_module, "cpu_cores", lambda: 2)
+    R = _results(ms=(1, 2, 4), device="cpu")
+    plan_rows = [{"config": "1F1B, batch 16 = 8 x 2", "total": 1, "gpu": 2},
+                 {"config": "DDP, batch 16 = 2 x 8", "world": 2, "total": 3, "gpu": 2}]
+    bubble = [c for c in report.bubble_claims(R) if not c.claim.startswith("interleaved bubble, p=2, m=1")]
+    assert [c.verdict for c in bubble if c.claim.endswith("m=1")] == [BY_CONSTRUCTION] * 2  # GPipe, 1F1B
+    timed = [c for c in bubble if not c.claim.endswith("m=1")] + [
+        c for c in report.other_claims(R, False, plan_rows) if "bubble" in c.claim and "p = 4" not in c.claim
+        or "balancing" in c.claim]
+    assert len(timed) == 6 + 3 and all(c.verdict == NOT_MEASURABLE and "kernel > 2 cores" in c.reason for c in timed)
+    other = report.other_claims(R, False, plan_rows)
+    assert not any(c.claim.startswith("1F1B trains") for c in other)
+    assert [c.verdict for c in other if c.claim.startswith("DDP")] == [PLANNED]
+    # the same rows on 4 cores are judged
+    monkeypatch.setattr(claims_module, "cpu_cores", lambda: 4)
+    assert all(c.verdict == AGREES for c in report.bubble_claims(R) if not c.claim.endswith("m=1"))

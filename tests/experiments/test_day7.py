@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 import torch
 
+import dlo.claims as claims_module
 from dlo.claims import AGREES, INCONCLUSIVE, NOT_MEASURABLE
 from dlo.config import get_preset
 from dlo.distributed import launch
@@ -97,7 +98,7 @@ def test_bad_degrees_are_refused_before_any_process():
         ParallelDims(tp=3).validate(dataclasses.replace(cfg, n_heads=24, n_kv_heads=3, vocab_size=128257, dim=3072))
 
 
-def test_megatron_mfu_carries_the_interval_of_the_step_time():
+def test_megatron_mfu_carries_the_interval_of_the_step_time(monkeypatch):
     # t = 1: MFU 0.40 at a median of 1 s over [0.99, 1.01] s -> [0.396, 0.404], inside 0.41 +- 0.05
     steps = [{"t": 1, "mfu": 0.40, "step_s": [1.0, 1.01, 0.99]}, {"t": 2, "mfu": 0.45, "step_s": [1.0]}]
     by_t = {c.claim.split("t=")[-1]: c for c in report.megatron_claims(steps, "cuda")}
@@ -107,6 +108,10 @@ def test_megatron_mfu_carries_the_interval_of_the_step_time():
     assert by_t["4"].verdict == by_t["8"].verdict == NOT_MEASURABLE  # no such run on this node
     noisy = [{"t": 1, "mfu": 0.40, "step_s": [0.5, 1.0, 2.0]}]  # [0.2, 0.8]: the noise decides nothing
     assert report.megatron_claims(noisy, "cuda")[0].verdict == INCONCLUSIVE
+    # 8 ranks and the kernel on a 2-core host: the same timings are no evidence
+    monkeypatch.setattr(claims_module, "cpu_cores", lambda: 2)
+    crowded = report.megatron_claims(steps, "cuda", ranks=8)[0]
+    assert crowded.verdict == NOT_MEASURABLE and "kernel > 2 cores" in crowded.reason
 
 
 def test_run_all_measures_what_the_claims_say():

@@ -3,8 +3,12 @@
 Kept apart from the runners so that the notebook's cells stay short and the runners stay readable;
 `plan(P, gpus=, gpu_mem_gb=)` is the full profile on the meta device (`dlo plan day6_pipeline`).
 Every verdict goes through `dlo.claims`: a bubble fraction is the mean of the timed steps with its
-t-interval, a byte count is exact; one timed step has no interval, so what rests on it is "not
-measurable here" (raise reps). (About 300 lines: one table-and-claims pair per experiment of `day6`.)
+t-interval, a byte count is exact; fewer than 3 timed steps give no interval, and a timing taken where
+the ranks and the notebook's kernel share cores (`dlo.claims.timed`) is no evidence: what rests on
+either is "not measurable here". Rows that hold whatever the timing (the bubble at m = 1) are "by
+construction"; rows read off the plan are "planned", and a plan row computed with the very formula it
+would test is not a claim at all. (About 300 lines: one table-and-claims pair per experiment of
+`day6`.)
 """
 
 from __future__ import annotations
@@ -21,10 +25,13 @@ from dlo.claims import (
     at_least,
     at_most,
     between,
+    by_construction,
     exact,
     from_samples,
     median_interval,
     not_measurable,
+    planned,
+    timed,
 )
 from dlo.distributed.pipeline_schedules import bubble_fraction, simulate, split_stages
 from dlo.experiments.day6 import COSTS, meta_model, model_config, stack
@@ -36,17 +43,34 @@ COLORS = {"F": "tab:blue", "B": "tab:green", "W": "tab:orange"}
 
 
 ONE_STEP = "one timed step: no interval; raise reps"
+M1 = ("at m = 1 the stages run one after the other: the idle share is (p-1)/p whatever the durations "
+      "(messages only add to it)")
 
 
 def estimate(xs, how: str = "") -> Estimate | None:
-    """Mean with a t-interval over repeats; None for a single step (one timing says nothing about
-    its own noise: a claim built on None is "not measurable here", with ONE_STEP as the reason)."""
+    """Mean with a t-interval over repeats (`from_samples`: no interval below 3); None for a single
+    step (a claim built on None is "not measurable here", with ONE_STEP as the reason)."""
     return from_samples(xs, how) if len(xs) > 1 else None
 
 
 def median_estimate(times) -> Estimate | None:
     """Median step time with its interval (order statistics); None for a single step."""
     return median_interval(times) if len(times) > 1 else None
+
+
+def on_ranks(R: dict, est: Estimate | None) -> Estimate | None:
+    """A timing of `R`'s ranks, judged only where each rank and the notebook's kernel have a core
+    (`dlo.claims.timed`: otherwise no evidence, with the reason)."""
+    return None if est is None else timed(est, device=R["device"], ranks=R["world"], kernel=True)
+
+
+def median_text(times_s) -> str:
+    """Step times in ms as a table cell: the median [interval of the median] from 3 timings or more,
+    the median alone below that (rule 1 of `dlo.claims`: no interval from fewer than 3)."""
+    ms = [1e3 * t for t in times_s]
+    if len(ms) >= 3:
+        return str(median_interval(ms))
+    return f"{statistics.median(ms):.3g} ({len(ms)} step{'s' * (len(ms) > 1)}, no interval)"
 
 
 def bubble_rows(R: dict) -> list[dict]:
@@ -67,9 +91,12 @@ def bubble_claims(R: dict, tol: float = 0.05) -> list[Claim]:
     out = []
     for r in R["bubble"]["rows"]:
         src = HUANG if r["schedule"] == "gpipe" else NARAYANAN
-        out.append(Claim(f"{r['schedule']} bubble, p={r['p']}, m={r['m']}", src,
-                         f"(p-1)/({'v' if r['v'] > 1 else ''}m+p-1) = {r['formula']:.3f}",
-                         approx(r["formula"], abs_tol=tol), estimate(r["bubbles"]), ONE_STEP))
+        what = (f"{r['schedule']} bubble, p={r['p']}, m={r['m']}", src,
+                f"(p-1)/({'v' if r['v'] > 1 else ''}m+p-1) = {r['formula']:.3f}")
+        if r["m"] == 1 and r["v"] == 1:
+            out.append(by_construction(*what, M1, estimate(r["bubbles"])))
+        else:
+            out.append(Claim(*what, approx(r["formula"], abs_tol=tol), on_ranks(R, estimate(r["bubbles"])), ONE_STEP))
     return out
 
 
@@ -147,30 +174,31 @@ def other_claims(R: dict, on_gpu: bool, plan_rows: list[dict]) -> list[Claim]:
     f1, fi = estimate(rows[("1f1b", m)]["bubbles"]), estimate(rows[("interleaved", m)]["bubbles"])
     why = ONE_STEP if f1 is None or fi is None else "1F1B shows no bubble here: the ratio is undefined"
     out.append(Claim(f"interleaving (v=2) divides the bubble by v, m={m}", NARAYANAN, "PBS / v: ratio 0.5",
-                     approx(0.5, abs_tol=0.15), _pbs_ratio(fi, f1), why))
+                     approx(0.5, abs_tol=0.15), on_ranks(R, _pbs_ratio(fi, f1)), why))
     g, o = rows[("gpipe", m)], rows[("1f1b", m)]
     diff = estimate([a - b for a, b in zip(o["bubbles"], g["bubbles"])], "paired over steps")
-    out.append(Claim(f"1F1B has GPipe's bubble, m={m}", NARAYANAN, "same (p-1)/(m+p-1)", between(-0.05, 0.05), diff,
-                     ONE_STEP))
+    out.append(Claim(f"1F1B has GPipe's bubble, m={m}", NARAYANAN, "same (p-1)/(m+p-1)", between(-0.05, 0.05),
+                     on_ranks(R, diff), ONE_STEP))
     splits = R["splits"]["splits"]
     if "params" in splits and "flops" in splits:
         t_par, t_flop = (median_estimate(splits[k]["times_s"]) for k in ("params", "flops"))
         both = t_par is not None and t_flop is not None
         out.append(Claim("balancing FLOPs beats balancing parameters (1F1B step time ratio)",
                          "Narayanan et al. 2019 (PipeDream's partitioner)", "> 1 (the slowest stage sets the pace)",
-                         at_least(1.0), _interval(t_par.value / t_flop.value, t_par.lo / t_flop.hi,
-                                                  t_par.hi / t_flop.lo) if both else None, ONE_STEP))
+                         at_least(1.0), on_ranks(R, _interval(t_par.value / t_flop.value, t_par.lo / t_flop.hi,
+                                                              t_par.hi / t_flop.lo) if both else None), ONE_STEP))
     diff = max(v["max_grad_diff"] for v in R["torch"].values())
     out.append(Claim("torch.distributed.pipelining computes our gradients", "torch docs",
                      "identical up to float32 rounding", at_most(1e-5), exact(diff, "max |difference|")))
-    pipe = next(r for r in plan_rows if r["config"].startswith("1F1B, batch"))
+    # "1F1B trains the same batch" is not a claim here: the plan counts 1F1B's activations with the
+    # min(p - r, m) it would test (the memory rows above measure that count on real ranks)
     ddp = next(r for r in plan_rows if r["config"].startswith("DDP, batch"))
-    batch = pipe["config"].split(",")[1].strip()
-    how = "dlo plan: bytes per GPU / GPU memory"
-    out += [Claim(f"DDP cannot train the {batch} on {ddp['world']} GPUs", "seed 001 (DP splits only the activations)",
-                  "does not fit", at_least(1.0), exact(ddp["total"] / ddp["gpu"], how)),
-            Claim(f"1F1B trains the same {batch}", "seed 001 (PP splits the whole footprint); seed 003",
-                  "fits", at_most(1.0), exact(pipe["total"] / pipe["gpu"], how))]
+    batch = ddp["config"].split(",")[1].strip()
+    out.append(planned(f"DDP without gradient accumulation cannot train the {batch} on {ddp['world']} GPUs",
+                       "seed 001 (DP splits only the activations)", "does not fit", at_least(1.0),
+                       exact(ddp["total"] / ddp["gpu"], "dlo plan: bytes per GPU / GPU memory"),
+                       "the plan's arithmetic (meta device), not a run; accumulating gradients over micro-batches "
+                       "would fit"))
     if not on_gpu:
         why = "needs 4 GPUs (a 2-core CPU cannot run 4 stages at once)"
         out += [not_measurable("bubble vs m at p = 4", HUANG, "(p-1)/(m+p-1)", why),

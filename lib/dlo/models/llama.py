@@ -76,6 +76,11 @@ class LlamaConfig:
 PRESETS: dict[str, LlamaConfig] = {
     "llama3.2-3b": LlamaConfig(rope_scaling=dict(_LLAMA3_ROPE)),
     "llama3.2-1b": LlamaConfig(dim=2048, n_layers=16, n_heads=32, rope_scaling=dict(_LLAMA3_ROPE)),
+    # Llama 3.1 (Dubey et al. 2024, Table 3; Hugging Face configs): untied head, RoPE factor 8
+    "llama3.1-8b": LlamaConfig(dim=4096, n_layers=32, n_heads=32, ffn_dim=14336, tie_embeddings=False,
+                               rope_scaling={**_LLAMA3_ROPE, "factor": 8.0}),
+    "llama3.1-70b": LlamaConfig(dim=8192, n_layers=80, n_heads=64, ffn_dim=28672, tie_embeddings=False,
+                                rope_scaling={**_LLAMA3_ROPE, "factor": 8.0}),
     # CPU-sized, same architecture; an original context of 64 puts the scaled RoPE bands at short T
     "tiny": LlamaConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=176,
                         max_seq_len=256, rope_scaling={**_LLAMA3_ROPE, "original_max_position_embeddings": 64}),

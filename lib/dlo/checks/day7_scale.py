@@ -1,0 +1,180 @@
+"""Day 7's exercises 7 (compute against communication) and 8 (choosing a layout): no ranks needed,
+numbers only.
+
+`fsdp_min_tokens` is held to its definition rather than to one rounding: the returned T must let
+the layer's forward matmuls (2 P T / F) cover the ring all-gather, and T - 1 must not. `tp_comm_ratio`
+is compared with the reference (`dlo.comm_compute`, off limits while the student's code runs) to
+1e-9. Cases: Llama 3.2 3B's layer on the table's GPUs and links (`dlo.hardware`), then seeded
+random sizes, world sizes, latencies and dtypes. A mismatch names the usual slip when the ratio to
+the reference gives it away (an all-reduce's 2(N-1)/N for an all-gather's (N-1)/N, one all-reduce
+per layer instead of two, FLOPs not split t ways, alpha left out).
+
+`check_layout_search` runs the student's search of exercise 8 on Llama 3.1 8B on 8 H100 and 70B on
+64 H100 (the notebook's cases), then seeded models, GPU counts, GPUs and batches (`dlo.layout.Model`
+measured once per model and sequence length, a few seconds), and accepts any valid layout that fits
+(`dlo.layout.fits`) and is as fast (`dlo.layout.step_time`) as the reference `dlo.layout.search`'s,
+whose search and enumeration are off limits (the memory and time models are the student's tools).
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+
+from dlo.comm_compute import allgather_time, tp_comm_ratio
+from dlo.grading.api import check
+from dlo.grading.compare import assert_close, assert_number, fmt, ok
+from dlo.hardware import LINKS, link_bytes_per_s, peak_for_name
+
+REFERENCE = ("dlo.comm_compute.*",)
+LLAMA_3B_LAYER, LLAMA_3B_HIDDEN = 100_669_440, 3072
+
+# got / want -> the slip it usually is
+FSDP_SLIPS = {2.0: "an all-reduce's 2(N-1)/N in place of an all-gather's (N-1)/N, or 1 FLOP per parameter "
+                   "and token in place of 2",
+              0.5: "4 FLOPs per parameter and token (forward is 2: one multiply-add per weight)"}
+TP_SLIPS = {0.5: "one all-reduce per layer: forward has two (after the attention and after the MLP)",
+            2.0: "the all-reduce counted as 4(t-1)/t, or the matmuls' FLOPs per token as P in place of 2P"}
+
+
+def _cases(rng: random.Random, trials: int) -> list[dict]:
+    """Llama 3.2 3B's layer on every GPU and link of the table, then random ones."""
+    out = []
+    for gpu, links in LINKS.items():
+        for link in links:
+            out.append(dict(P=LLAMA_3B_LAYER, h=LLAMA_3B_HIDDEN, N=8, t=8, T=4096, alpha=0.0, b=2,
+                            F=peak_for_name(gpu)["bf16_tflops"] * 1e12, B=link_bytes_per_s(gpu, link),
+                            case=f"{gpu}, {link}"))
+    for _ in range(trials):
+        h = rng.choice([512, 1024, 2048, 3000, 5120])
+        out.append(dict(P=rng.choice([10, 12, 13]) * h * h + rng.randrange(h), h=h,
+                        N=rng.choice([1, 2, 3, 8, 64, 100]), t=rng.choice([1, 2, 3, 4, 8]),
+                        T=rng.choice([1, 7, 512, 4096, 30_000]), alpha=rng.choice([0.0, 2e-6, 1e-5]),
+                        b=rng.choice([1, 2, 4]), F=rng.uniform(50e12, 2000e12), B=rng.uniform(10e9, 900e9),
+                        case="random"))
+    return out
+
+
+def _slip(ratio: float, slips: dict) -> str:
+    for k, text in slips.items():
+        if abs(ratio / k - 1) < 1e-6:
+            return f" (x{k:g} the reference: {text}?)"
+    return ""
+
+
+def _check_fsdp(fn, c: dict, seed: int) -> None:
+    where = {k: c[k] for k in ("P", "N", "F", "B", "alpha", "b", "case")} | {"seed": seed}
+    got = fn(c["P"], c["N"], c["F"], c["B"], alpha=c["alpha"], param_bytes=c["b"])
+    if not isinstance(got, int) or isinstance(got, bool):
+        raise AssertionError(f"fsdp_min_tokens: return a whole number of tokens (an int), got {got!r} "
+                             f"({fmt(where)})")
+    gather = allgather_time(c["P"] * c["b"], c["N"], c["alpha"], 1.0 / c["B"])
+    per_token = 2 * c["P"] / c["F"]  # seconds of the layer's forward matmuls per token, at peak
+    if got * per_token < gather * (1 - 1e-9) or (got > 0 and (got - 1) * per_token >= gather * (1 + 1e-9)):
+        detail = ("too few: the all-gather still takes longer than the layer's forward"
+                  if got * per_token < gather else "not the fewest: one token less still hides the all-gather")
+        raise AssertionError(f"fsdp_min_tokens: {got} tokens is {detail}: the ring all-gather takes {gather:.4g} s, "
+                             f"{got} tokens compute in {got * per_token:.4g} s"
+                             f"{_slip(got * per_token / max(gather, 1e-30), FSDP_SLIPS)} ({fmt(where)})")
+
+
+def _check_tp(fn, c: dict, seed: int) -> None:
+    where = {k: c[k] for k in ("P", "h", "t", "T", "F", "B", "alpha", "b", "case")} | {"seed": seed}
+    args = (c["P"], c["h"], c["t"], c["T"], c["F"], c["B"])
+    got = assert_number("tp_comm_ratio", "the ratio", fn(*args, alpha=c["alpha"], act_bytes=c["b"]), where)
+    want = tp_comm_ratio(*args, alpha=c["alpha"], act_bytes=c["b"])
+    if want > 0 and abs(got / want - 1) > 1e-9:
+        raise AssertionError(f"tp_comm_ratio: got {got:.6g}, expected {want:.6g}{_slip(got / want, TP_SLIPS)} "
+                             f"({fmt(where)})")
+    assert_close("tp_comm_ratio", "the ratio", got, want, where)  # t = 1: exactly 0
+
+
+@check(forbid=REFERENCE)
+def check_comm_compute(fsdp_min_tokens_fn, tp_comm_ratio_fn, seed: int = 0, trials: int = 12) -> None:
+    """`fsdp_min_tokens_fn(layer_params, world, peak_flops, link_bytes_per_s, alpha=0.0, param_bytes=2)`
+    and `tp_comm_ratio_fn(layer_params, hidden, t, tokens, peak_flops, link_bytes_per_s, alpha=0.0,
+    act_bytes=2)` as in `dlo.comm_compute` (module docstring)."""
+    cases = _cases(random.Random(seed), trials)
+    for c in cases:
+        _check_fsdp(fsdp_min_tokens_fn, c, seed)
+        _check_tp(tp_comm_ratio_fn, c, seed)
+    ok("comm_compute", f"{len(cases)} cases: Llama 3.2 3B's layer on {len(LINKS)} GPUs' links and random ones, "
+                       f"seed={seed}")
+
+
+
+
+# ----------------------------------------------------------------------------- 8. choosing a layout
+
+LAYOUT_REFERENCE = ("dlo.layout.search", "dlo.layout.layouts")
+LAYOUT_MODELS = ("llama3.2-3b", "llama3.1-8b", "llama3.1-70b")
+
+
+@functools.lru_cache(maxsize=None)
+def _model(name: str, seq: int):
+    from dlo.layout import Model
+
+    return Model.measure(name, seq)
+
+
+def _layout_cases(rng: random.Random, trials: int) -> list[tuple]:
+    """(model name, seq, Cluster, batch): the notebook's cases, then seeded ones that fit somewhere."""
+    from dlo.layout import Cluster
+
+    out = [("llama3.1-8b", 8192, Cluster("H100 SXM", 8), 8), ("llama3.1-70b", 8192, Cluster("H100 SXM", 64), 64)]
+    for _ in range(trials):
+        name = rng.choice(LAYOUT_MODELS)
+        gpus = rng.choice([8, 16, 32, 64] if name != "llama3.1-70b" else [32, 64, 128])
+        gpu, mem = rng.choice([("A100 80GB SXM", 80.0), ("H100 SXM", 80.0), ("H200 SXM", 141.0)])
+        out.append((name, rng.choice([4096, 8192]), Cluster(gpu, gpus, mem), gpus * rng.choice([1, 2, 4])))
+    return out
+
+
+def _valid(lay, model, cluster, batch) -> str:
+    """What makes `lay` no layout of this problem ('' if it is one)."""
+    if lay.dp * lay.tp * lay.pp != cluster.gpus:
+        return f"dp x tp x pp = {lay.dp * lay.tp * lay.pp}, not the {cluster.gpus} GPUs"
+    if model.kv_heads % lay.tp:
+        return f"tp = {lay.tp} does not divide the {model.kv_heads} KV heads"
+    if model.layers % lay.pp:
+        return f"pp = {lay.pp} does not divide the {model.layers} layers"
+    if batch % (lay.dp * lay.m):
+        return f"the batch of {batch} does not split into dp x m = {lay.dp * lay.m} micro-batches of whole sequences"
+    if lay.pp > 1 and lay.m < lay.pp:
+        return f"m = {lay.m} < pp = {lay.pp}: 1F1B needs at least one micro-batch per stage"
+    if lay.fsdp and lay.dp == 1:
+        return "fsdp with dp = 1 shards over one rank"
+    return ""
+
+
+@check(forbid=LAYOUT_REFERENCE)
+def check_layout_search(search_fn, seed: int = 0, trials: int = 4) -> None:
+    """`search_fn(model, cluster, batch)`: the fastest `dlo.layout.Layout` by `dlo.layout.step_time`
+    among those that fit by `dlo.layout.fits` (module docstring of `dlo.layout`); compared with the
+    reference search's time on the notebook's two cases and seeded others (hidden: more)."""
+    from dlo.layout import Layout, fits, memory_bytes, search, step_time
+
+    cases = _layout_cases(random.Random(seed), trials)
+    for name, seq, cluster, batch in cases:
+        model = _model(name, seq)
+        where = dict(model=name, seq=seq, gpus=cluster.gpus, gpu=cluster.gpu, mem_gib=cluster.mem_gib, batch=batch,
+                     seed=seed)
+        got = search_fn(model, cluster, batch)
+        if not isinstance(got, Layout):
+            raise AssertionError(f"layout_search: return a dlo.layout.Layout, got {type(got).__name__} ({fmt(where)})")
+        bad = _valid(got, model, cluster, batch)
+        if bad:
+            raise AssertionError(f"layout_search: {got} is not a layout of this problem: {bad} ({fmt(where)})")
+        if not fits(model, got, cluster, batch):
+            need = memory_bytes(model, got, cluster, batch) / 2**30
+            raise AssertionError(f"layout_search: {got} does not fit: {need:.1f} GiB per GPU of {cluster.mem_gib} "
+                                 f"(activations included?) ({fmt(where)})")
+        want = search(model, cluster, batch)
+        t_got, t_want = step_time(model, got, cluster, batch), step_time(model, want, cluster, batch)
+        if t_got > t_want * (1 + 1e-9):
+            raise AssertionError(f"layout_search: {got} takes {t_got:.4g} s per step; a faster one fits "
+                                 f"({t_want:.4g} s) ({fmt(where)})")
+    ok("layout_search", f"{len(cases)} cases, seed={seed}")
+
+
+__all__ = ["check_comm_compute", "check_layout_search"]

@@ -1,0 +1,61 @@
+"""Compute against communication: when a parallelism's collectives hide behind the matmuls they
+overlap, from Day 4's alpha-beta model (a message of n bytes costs alpha + n beta; beta = 1 / the
+link's bytes per second in one direction) and a GPU's peak FLOP/s (`dlo.hardware`).
+
+- **FSDP / ZeRO-3** (Day 5). Layer i+1's parameters are all-gathered while layer i computes (prefetch).
+  A ring all-gather of P parameters of b bytes over N ranks takes (N-1) alpha + (N-1)/N P b beta
+  (each rank receives the N-1 shards it lacks); the layer's forward matmuls take 2 P FLOPs per token
+  (one multiply-add per weight) at F FLOP/s. The gather hides once the rank's tokens T satisfy
+      2 P T / F >= (N-1) alpha + (N-1)/N P b beta,
+  i.e. T >= F ((N-1) alpha + (N-1)/N P b beta) / (2 P). With alpha = 0 the layer's size cancels:
+  T >= (N-1)/N (b/2) F/B, the GPU's FLOP/s over its link's bytes/s, whatever the model.
+- **Tensor parallelism** (Day 7). A layer's forward ends its attention and its MLP with an all-reduce
+  of the activations, T h elements of b bytes, over the t ranks: 2 (2 (t-1) alpha + 2 (t-1)/t T h b
+  beta); the layer's matmuls, split t ways, take 2 P T / (t F). Their ratio, with alpha = 0,
+  2 (t-1) h b F / (P B), does not depend on T: more tokens cannot hide it. With P ~ 12 h^2 it is
+  (t-1) b F / (6 h B): it grows as t / h, hence tensor parallelism on the fast links of one node.
+
+Both count matmul FLOPs only (attention scores add 4 s h per token and layer, so more compute: the
+bounds are conservative) and assume the overlap is perfect (FSDP) or absent (TP: the next matmul
+needs the sum). Day 7's exercise 7 asks for these two functions; `dlo.checks.day7_scale` grades it.
+"""
+
+from __future__ import annotations
+
+import math
+
+
+def allgather_time(n_bytes: float, world: int, alpha: float, beta: float) -> float:
+    """Ring all-gather of a tensor of n_bytes in all over `world` ranks: (N-1) alpha + (N-1)/N n beta."""
+    if world < 1 or n_bytes < 0 or alpha < 0 or beta <= 0:
+        raise ValueError(f"allgather_time: need world >= 1, n_bytes >= 0, alpha >= 0, beta > 0; got "
+                         f"{world}, {n_bytes}, {alpha}, {beta}")
+    return (world - 1) * alpha + (world - 1) / world * n_bytes * beta
+
+
+def fsdp_min_tokens(layer_params: int, world: int, peak_flops: float, link_bytes_per_s: float,
+                    alpha: float = 0.0, param_bytes: int = 2) -> int:
+    """The fewest tokens per GPU for which one layer's forward all-gather (ring, `world` ranks,
+    `param_bytes` per parameter) takes no longer than the layer's forward matmuls (2 FLOPs per
+    parameter and token at `peak_flops`). 0 on one rank (nothing to gather)."""
+    if layer_params < 1 or peak_flops <= 0:
+        raise ValueError(f"fsdp_min_tokens: need layer_params >= 1 and peak_flops > 0, got {layer_params}, "
+                         f"{peak_flops}")
+    gather = allgather_time(layer_params * param_bytes, world, alpha, 1.0 / link_bytes_per_s)
+    return math.ceil(round(gather * peak_flops / (2 * layer_params), 6))  # round: float noise is not a token
+
+
+def tp_comm_ratio(layer_params: int, hidden: int, t: int, tokens: int, peak_flops: float,
+                  link_bytes_per_s: float, alpha: float = 0.0, act_bytes: int = 2) -> float:
+    """Time of a layer's two forward all-reduces of the (tokens x hidden) activations over t ranks
+    (ring: 2 (t-1) alpha + 2 (t-1)/t n beta each) over the time of its matmuls split t ways
+    (2 layer_params tokens / t FLOPs at `peak_flops`). 0 at t = 1."""
+    if min(layer_params, hidden, t, tokens) < 1 or peak_flops <= 0 or link_bytes_per_s <= 0 or alpha < 0:
+        raise ValueError(f"tp_comm_ratio: need positive sizes, t, tokens, peak and bandwidth, alpha >= 0; got "
+                         f"{layer_params}, {hidden}, {t}, {tokens}, {peak_flops}, {link_bytes_per_s}, {alpha}")
+    n = tokens * hidden * act_bytes
+    comm = 2 * (2 * (t - 1) * alpha + 2 * (t - 1) / t * n / link_bytes_per_s)
+    return comm / (2 * layer_params * tokens / t / peak_flops)
+
+
+__all__ = ["allgather_time", "fsdp_min_tokens", "tp_comm_ratio"]

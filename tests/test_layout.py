@@ -1,0 +1,35 @@
+"""dlo.layout: the memory model against a hand count, the enumeration's rules, and the search on
+torchtitan's Llama 3.1 70B recipe (64 H100: FSDP 8 x TP 8)."""
+
+import functools
+
+import pytest
+
+from dlo.layout import Cluster, Layout, Model, fits, layouts, memory_bytes, search, step_time
+
+
+@functools.lru_cache(maxsize=None)
+def model(name="llama3.1-70b", seq=8192) -> Model:
+    return Model.measure(name, seq)
+
+
+def test_memory_is_the_hand_count():
+    m, c = model(), Cluster("H100 SXM", 64)
+    lay = Layout(dp=8, tp=8, pp=1, fsdp=True, m=4, ac=True)
+    b = 64 / (8 * 4)
+    states = 16 * (m.layers * m.layer_params + 2 * m.embedding) / 64 + 2 * 2 * m.layer_params / 8
+    acts = m.layers * 2 * b * m.seq * m.hidden / 8 + b * m.act_layer / 8 + b * m.act_head / 8
+    assert memory_bytes(m, lay, c, 64) == pytest.approx(states + acts)
+    assert m.layers * m.layer_params + 2 * m.embedding == 70_553_706_496 - 8192  # all but the final norm
+
+
+def test_layouts_follow_the_rules_and_the_search_finds_torchtitans_70b_layout():
+    m, c = model(), Cluster("H100 SXM", 64)
+    every = list(layouts(m, c, 64))
+    assert all(x.dp * x.tp * x.pp == 64 and 8 % x.tp == 0 and 80 % x.pp == 0 and 64 % (x.dp * x.m) == 0
+               and (x.pp == 1 or x.m >= x.pp) and (x.dp > 1 or not x.fsdp) for x in every)
+    best = search(m, c, 64)
+    assert (best.dp, best.tp, best.pp, best.fsdp) == (8, 8, 1, True) and fits(m, best, c, 64)
+    assert all(step_time(m, x, c, 64) >= step_time(m, best, c, 64) for x in every if fits(m, x, c, 64))
+    with pytest.raises(ValueError, match="no layout"):
+        search(m, Cluster("H100 SXM", 8), 8)  # 70B's 1.1 TB of model state on one node: nothing fits
