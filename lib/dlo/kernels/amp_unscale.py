@@ -28,12 +28,11 @@ from torch import Tensor
 
 from dlo.kernels.aot import CompileCase
 from dlo.kernels.fused_adamw import LLAMA_3B_PARAMS, transformer_numels
-from dlo.kernels.runtime import interpreting, kernel_available, launch_tables, round_to_bf16, time_ms
+from dlo.kernels.runtime import FP32_MAX, interpreting, kernel_available, launch_tables, round_to_bf16, time_ms
 
 BLOCK_SIZE = 1024  # elements per program: 4 KiB of fp32 per program, 8 per thread with 4 warps
 MAX_TENSORS_PER_LAUNCH = 2048  # longer lists are split so the per-launch tables stay small
 GRAD_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
-FP32_MAX = tl.constexpr(3.4028234663852886e38)  # |x| <= FP32_MAX is false exactly for inf and nan
 
 
 @triton.jit
