@@ -48,7 +48,7 @@ GEMM_CONFIGS = (dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, SPLIT_K=1, num_warps=
 UNALIGNED_CONFIGS = (dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, SPLIT_K=1, num_warps=8, num_stages=3),
                      dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, SPLIT_K=1, num_warps=4, num_stages=3))
 CPU_DECODE = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, SPLIT_K=2)
-CPU_GEMM = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, SPLIT_K=1)
+CPU_GEMM = dict(BLOCK_M=32, BLOCK_N=16, BLOCK_K=16, SPLIT_K=1)  # BLOCK_M > 16: the W-first product of prefill
 MAX_SPLIT_K = max(c["SPLIT_K"] for c in DECODE_CONFIGS + GEMM_CONFIGS + UNALIGNED_CONFIGS + (CPU_DECODE,))
 
 
@@ -63,7 +63,15 @@ def _weight_only_matmul_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr,  # x (M, K)
     pid_k = tl.program_id(2)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # (BM,)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # Prefill tiles compute y^T = W x^T: the dequantized W tile, made in registers, is then the A operand,
+    # which Hopper's wgmma reads from registers. As the B operand (x @ W^T) it had to be stored to shared
+    # memory every K step behind a fence, and each wgmma was waited for at once (pendings = 0 in the
+    # sm_90 TTGIR): dequantization and tensor cores took turns (0.47x torch bf16 on the H100).
+    W_FIRST: tl.constexpr = BLOCK_M > 16
+    if W_FIRST:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_split = tl.cdiv(K, SPLIT_K * BLOCK_K) * BLOCK_K  # whole tiles per split: a tile never spans two
     k_end = tl.minimum(K, (pid_k + 1) * k_split)
     for k0 in range(pid_k * k_split, k_end, BLOCK_K):
@@ -76,20 +84,32 @@ def _weight_only_matmul_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr,  # x (M, K)
             rb = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # (BK/2,)
             byte = tl.load(w_ptr + rn[:, None].to(tl.int64) * (K // 2) + rb[None, :],
                            mask=(rn[:, None] < N) & (rb[None, :] < K // 2), other=0x88).to(tl.int32)
-            code = tl.reshape(tl.join((byte & 0xF) - 8, (byte >> 4) - 8), (BLOCK_N, BLOCK_K))  # (BN, BK)
+            biased = tl.reshape(tl.join(byte & 0xF, byte >> 4), (BLOCK_N, BLOCK_K))  # (BN, BK) code + 8
+            offset: tl.constexpr = 8388616.0  # 2^23 + 8
         else:
             code = tl.load(w_ptr + rn[:, None].to(tl.int64) * K + rk[None, :],
                            mask=(rn[:, None] < N) & (rk[None, :] < K), other=0)  # (BN, BK)
+            biased = code.to(tl.uint8, bitcast=True).to(tl.int32) ^ 0x80  # code + 128
+            offset: tl.constexpr = 8388736.0  # 2^23 + 128
+        # code as fp32 without an int-to-float conversion, which issues at a quarter of the rate of fp32
+        # arithmetic (CUDA Programming Guide, arithmetic instruction throughput, cc 8.x/9.0: 16 vs 64 per
+        # clock per SM) and would compete with the tensor cores for issue slots: 2^23 + b has the
+        # integer b < 2^23 exactly in its mantissa bits, so one integer OR and one exact subtraction do it.
+        code_f32 = (biased | 0x4B000000).to(tl.float32, bitcast=True) - offset
         if G % BLOCK_K == 0:  # the tile lies in one group: one scale per row
             s = tl.load(s_ptr + rn.to(tl.int64) * n_groups + k0 // G, mask=rn < N, other=0.0)[:, None]
         else:
             s = tl.load(s_ptr + rn[:, None].to(tl.int64) * n_groups + rk[None, :] // G,
                         mask=(rn[:, None] < N) & (rk[None, :] < K), other=0.0)
-        w = (code.to(tl.float32) * s).to(ACT)  # (BN, BK), dequantized in registers
+        w = (code_f32 * s).to(ACT)  # (BN, BK), dequantized in registers
         if UPCAST:  # the CPU interpreter multiplies bf16 tiles wrongly: same values, fp32 dot
-            acc = tl.dot(x.to(tl.float32), tl.trans(w).to(tl.float32), acc)
+            x, w = x.to(tl.float32), w.to(tl.float32)
+        if W_FIRST:
+            acc = tl.dot(w, tl.trans(x), acc)  # (BN, BM) fp32 accumulation on the tensor cores
         else:
-            acc = tl.dot(x, tl.trans(w), acc)  # (BM, BN) fp32 accumulation on the tensor cores
+            acc = tl.dot(x, tl.trans(w), acc)  # (BM, BN)
+    if W_FIRST:
+        acc = tl.trans(acc)
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     if SPLIT_K == 1:
         tl.store(y_ptr + rm[:, None].to(tl.int64) * N + rn[None, :], acc.to(ACT), mask=mask)
