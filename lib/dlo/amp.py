@@ -76,7 +76,7 @@ class DynamicLossScaler:
     def _unscale_grads(self, grads: list[Tensor], found_inf: Tensor, inv_scale: Tensor) -> None:
         use_kernel = self.use_kernel
         if use_kernel is None:
-            use_kernel = kernel_available(found_inf.device) and all(g.is_contiguous() for g in grads)
+            use_kernel = kernel_available(found_inf.device) and all(map(Tensor.is_contiguous, grads))
         (amp_unscale_ if use_kernel else amp_unscale_ref)(grads, found_inf.view(1), inv_scale.view(1))
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
@@ -93,8 +93,6 @@ class DynamicLossScaler:
         inv_scale = self._scale.double().reciprocal().float()  # 1/S rounded once, as GradScaler does
         found_inf = torch.zeros((), dtype=torch.float32, device=self._scale.device)
         grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        if any(g.device != found_inf.device for g in grads):
-            raise ValueError(f"all gradients must be on the scale's device {found_inf.device}")
         self._unscale_grads(grads, found_inf, inv_scale)
         self._found_inf[key] = found_inf
 

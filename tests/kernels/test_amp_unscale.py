@@ -84,3 +84,18 @@ def test_bad_inputs(device):
     with pytest.raises(ValueError, match="contiguous"):
         amp_unscale_([torch.ones(4, 3, device=device).t()], torch.zeros(1, device=device),
                      torch.ones(1, device=device))
+
+
+def test_a_changed_list_is_checked_again(device):
+    """The launch plan is cached per list; a list that differs only in a checked property (the same
+    address, size, dtype and device, but not contiguous; or another dtype) must still be refused."""
+    g = torch.ones(4, 3, device=device)
+    found, inv = torch.zeros(1, device=device), torch.full((1,), 0.5, device=device)
+    amp_unscale_([g], found, inv)
+    amp_unscale_([g], found, inv)  # the cached plan
+    assert torch.equal(g, torch.full((4, 3), 0.25, device=device))
+    with pytest.raises(ValueError, match="contiguous"):
+        amp_unscale_([g.t()], found, inv)
+    with pytest.raises(TypeError, match="dtype"):
+        amp_unscale_([g.view(torch.int32)], found, inv)
+    assert torch.equal(g, torch.full((4, 3), 0.25, device=device))

@@ -62,6 +62,17 @@ def test_bad_input(fn, device):
         fn(torch.randn(2, 4, device=device), 3, -1)
 
 
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
+@pytest.mark.parametrize("G", [8, -1])
+def test_non_finite_found_in_any_program(bad, G, device):
+    """The kernel finds inf / nan during its one read of W, in whichever program holds it: a group of
+    a multi-row tile (G = 8) or the last block of a row quantized in a loop (a 150-wide row)."""
+    w = torch.randn(5, 152, device=device)
+    w[3, 149] = bad
+    with pytest.raises(ValueError, match="inf or nan"):
+        quantize_weight(w, 8, G)
+
+
 def test_int4_pack_roundtrip():
     q = torch.randint(-8, 8, (5, 14), dtype=torch.int8, generator=torch.Generator().manual_seed(0))
     packed = pack_int4(q)

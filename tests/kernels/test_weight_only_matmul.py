@@ -14,7 +14,9 @@ ULPS = {torch.bfloat16: 2 * 2 ** -7, torch.float16: 2 * 2 ** -10}
 # (M, K, N, G): M, N not multiples of the 16-wide tiles. Groups of 8: several scales per 16-wide K tile
 # (each element gathers its scale); groups of 16 or 32: one scale per row of a tile. M <= 16 is the
 # decode path, whose K is split over two programs in the interpreter (three and a half tiles at K=56).
-SHAPES = [(1, 24, 5, 8), (19, 40, 23, 8), (33, 72, 17, 8), (1, 48, 5, 16), (3, 56, 17, 8), (20, 64, 9, 32)]
+# G = K: per channel, where the scale multiplies the accumulator once after the loop.
+SHAPES = [(1, 24, 5, 8), (19, 40, 23, 8), (33, 72, 17, 8), (1, 48, 5, 16), (3, 56, 17, 8), (20, 64, 9, 32),
+          (2, 40, 6, 40), (21, 48, 7, 48)]
 
 
 @pytest.mark.parametrize("bits", [8, 4])

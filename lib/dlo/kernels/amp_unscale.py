@@ -19,6 +19,7 @@ Order: kernel, launcher, `amp_unscale_ref` (torch), benchmarks.
 from __future__ import annotations
 
 import contextlib
+import operator
 
 import torch
 import triton
@@ -27,12 +28,11 @@ from torch import Tensor
 
 from dlo.kernels.aot import CompileCase
 from dlo.kernels.fused_adamw import LLAMA_3B_PARAMS, transformer_numels
-from dlo.kernels.runtime import interpreting, kernel_available, launch_tables, round_to_bf16, time_ms
+from dlo.kernels.runtime import FP32_MAX, interpreting, kernel_available, launch_tables, round_to_bf16, time_ms
 
 BLOCK_SIZE = 1024  # elements per program: 4 KiB of fp32 per program, 8 per thread with 4 warps
 MAX_TENSORS_PER_LAUNCH = 2048  # longer lists are split so the per-launch tables stay small
 GRAD_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
-FP32_MAX = tl.constexpr(3.4028234663852886e38)  # |x| <= FP32_MAX is false exactly for inf and nan
 
 
 @triton.jit
@@ -63,10 +63,14 @@ def _amp_unscale_kernel(g_addr_ptr,  # (T,) int64 data addresses of the gradient
     tl.store(g_ptr + offs, g.to(G_DTYPE), mask=mask)
 
 
-def _check_inputs(grads: list[Tensor], found_inf: Tensor, inv_scale: Tensor, need_contiguous: bool) -> None:
+def _check_scalars(found_inf: Tensor, inv_scale: Tensor) -> None:
     for name, t in (("found_inf", found_inf), ("inv_scale", inv_scale)):
         if t.dtype != torch.float32 or t.numel() != 1:
             raise TypeError(f"{name} must be a one-element fp32 tensor, got {t.dtype} with {t.numel()} elements")
+
+
+def _check_inputs(grads: list[Tensor], found_inf: Tensor, inv_scale: Tensor, need_contiguous: bool) -> None:
+    _check_scalars(found_inf, inv_scale)
     for i, g in enumerate(grads):
         if g.dtype not in GRAD_DTYPES:
             raise TypeError(f"grads[{i}] has dtype {g.dtype}; supported: {list(GRAD_DTYPES)}")
@@ -79,6 +83,51 @@ def _check_inputs(grads: list[Tensor], found_inf: Tensor, inv_scale: Tensor, nee
             raise ValueError(f"grads[{i}] must be contiguous for the kernel")
 
 
+_DTYPE = operator.attrgetter("dtype")
+_plans: dict[tuple, list[tuple]] = {}
+
+
+def launch_plan(grads: list[Tensor], found_inf: Tensor, inv_scale: Tensor) -> list[tuple]:
+    """The host side of `amp_unscale_` without the launches: the input checks, the dtype groups and
+    their tables, as [(G_DTYPE, n_programs, addrs, numels, block_tensor, block_start)], one per launch.
+
+    DynamicLossScaler calls it once per step on the same gradients, or on new ones at the same
+    addresses after zero_grad(set_to_none=True). So the plan is cached under everything the checks
+    and tables read -- each gradient's address, size, dtype, device and contiguity, five C-level passes
+    over the list -- and a list that differs in any of them is checked in full again: no list gets a
+    plan without having passed the checks. (The first H100 run: 0.109 ms vs torch's 0.076 ms at 147
+    tensors, host-bound, when every call checked and grouped tensor by tensor in Python.)"""
+    _check_scalars(found_inf, inv_scale)
+    try:
+        addrs = tuple(map(Tensor.data_ptr, grads))
+    except RuntimeError:  # a sparse gradient has no data pointer: the full check names it
+        _check_inputs(grads, found_inf, inv_scale, need_contiguous=True)
+        raise
+    key = (found_inf.device, inv_scale.device, addrs, tuple(map(Tensor.numel, grads)), tuple(map(_DTYPE, grads)),
+           tuple(map(Tensor.get_device, grads)), tuple(map(Tensor.is_contiguous, grads)))
+    plan = _plans.get(key)
+    if plan is None:
+        _check_inputs(grads, found_inf, inv_scale, need_contiguous=True)
+        if len(_plans) >= 64:
+            _plans.pop(next(iter(_plans)))
+        plan = _plans[key] = _build_plan(grads, found_inf.device)
+    return plan
+
+
+def _build_plan(grads: list[Tensor], device: torch.device) -> list[tuple]:
+    groups: dict[torch.dtype, list[Tensor]] = {}
+    for g in grads:
+        if g.numel() > 0:
+            groups.setdefault(g.dtype, []).append(g)
+    plan = []
+    for dtype, group in groups.items():
+        for c in range(0, len(group), MAX_TENSORS_PER_LAUNCH):
+            addrs, numels, block_tensor, block_start, _ = launch_tables([group[c:c + MAX_TENSORS_PER_LAUNCH]],
+                                                                        device, BLOCK_SIZE)
+            plan.append((GRAD_DTYPES[dtype], len(block_tensor), addrs[0], numels, block_tensor, block_start))
+    return plan
+
+
 @torch.no_grad()
 def amp_unscale_(grads: list[Tensor], found_inf: Tensor, inv_scale: Tensor) -> None:
     """grads *= inv_scale in place; found_inf = 1.0 if any input element is inf or nan (else unchanged).
@@ -86,22 +135,15 @@ def amp_unscale_(grads: list[Tensor], found_inf: Tensor, inv_scale: Tensor) -> N
     grads: fp32 / bf16 / fp16, contiguous, on one device with the one-element fp32 tensors found_inf
     and inv_scale. CUDA, or CPU under TRITON_INTERPRET=1. One launch per dtype group.
     """
-    _check_inputs(grads, found_inf, inv_scale, need_contiguous=True)
-    groups: dict[torch.dtype, list[Tensor]] = {}
-    for g in grads:
-        if g.numel() > 0:
-            groups.setdefault(g.dtype, []).append(g)
+    plan = launch_plan(grads, found_inf, inv_scale)
     device = found_inf.device
-    if groups and not kernel_available(device):
+    if plan and not kernel_available(device):
         raise RuntimeError(f"the Triton kernel cannot run on {device} here: it needs CUDA tensors, or CPU "
                            f"tensors with TRITON_INTERPRET=1 (use amp_unscale_ref otherwise)")
-    for dtype, group in groups.items():
-        for c in range(0, len(group), MAX_TENSORS_PER_LAUNCH):
-            addrs, numels, block_tensor, block_start, _ = launch_tables([group[c:c + MAX_TENSORS_PER_LAUNCH]],
-                                                                        device, BLOCK_SIZE)
-            with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-                _amp_unscale_kernel[(len(block_tensor),)](addrs[0], numels, block_tensor, block_start, found_inf,
-                                                          inv_scale, G_DTYPE=GRAD_DTYPES[dtype], BLOCK=BLOCK_SIZE)
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        for g_dtype, n_programs, addrs, numels, block_tensor, block_start in plan:
+            _amp_unscale_kernel[(n_programs,)](addrs, numels, block_tensor, block_start, found_inf, inv_scale,
+                                               G_DTYPE=g_dtype, BLOCK=BLOCK_SIZE)
 
 
 @torch.no_grad()

@@ -26,6 +26,9 @@ def kernel_available(device: torch.device | str) -> bool:
     return device.type == "cuda" if not interpreting() else device.type == "cpu"
 
 
+FP32_MAX = tl.constexpr(3.4028234663852886e38)  # |x| <= FP32_MAX is false exactly for inf and nan
+
+
 @triton.jit
 def round_to_bf16(x):
     """fp32 -> the nearest bf16 value (ties to even), still as fp32. Done by hand because the CPU

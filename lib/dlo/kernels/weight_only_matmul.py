@@ -1,14 +1,15 @@
 """Weight-only quantized matmul (W8A16 and W4A16) in Triton: y = x @ dequant(W)^T, dequantized on the fly.
 
-The weight stays in HBM as int8 (N, K) or packed int4 (N, K // 2) with one fp32 scale per group of
-G input features (see dlo.kernels.quantize). Each program loads a (BLOCK_N, BLOCK_K) tile of codes,
-multiplies by its scales in registers, casts to the activation dtype (bf16 / fp16) and feeds the
-tensor cores with fp32 accumulation. At small batch (LLM decoding) the matmul is bound by reading W,
-so 1 byte (or half a byte) per weight instead of 2 is up to a 2x (4x) speed-up; at large batch it is
-compute bound and the dequantization is extra work on top of the bf16 GEMM. Decoding therefore takes
-narrow tiles and may split K over several programs (split-K, as in GEMV kernels: more loads in
-flight for the same W), whose fp32 partial sums the launcher adds; prefill takes tensor-core GEMM
-tiles. Both are chosen per shape by triton.autotune among configurations made for that M, K and G.
+The weight stays in HBM as int8 (N, K) or packed int4 (N, K // 2) with one fp32 scale per group of G
+input features (see dlo.kernels.quantize). Each program loads a (BLOCK_N, BLOCK_K) tile of codes,
+multiplies by its scales in registers (per channel, G = K: the accumulator, once, after the K loop),
+casts to the activation dtype (bf16 / fp16) and feeds the tensor cores with fp32 accumulation. At
+small batch (LLM decoding) the matmul is bound by reading W, so 1 byte (or half a byte) per weight
+instead of 2 is up to a 2x (4x) speed-up; at large batch it is compute bound and the dequantization
+is extra work on top of the bf16 GEMM. Decoding therefore takes narrow tiles and may split K over
+several programs (split-K, as in GEMV kernels: more loads in flight for the same W), whose fp32
+partial sums the launcher adds; prefill takes tensor-core GEMM tiles. Both are chosen per shape by
+triton.autotune among configurations made for that M, K and G.
 
 Order: kernel, launcher, `weight_only_matmul_ref` (torch), benchmark.
 """
@@ -48,14 +49,15 @@ GEMM_CONFIGS = (dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, SPLIT_K=1, num_warps=
 UNALIGNED_CONFIGS = (dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, SPLIT_K=1, num_warps=8, num_stages=3),
                      dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, SPLIT_K=1, num_warps=4, num_stages=3))
 CPU_DECODE = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, SPLIT_K=2)
-CPU_GEMM = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, SPLIT_K=1)
+CPU_GEMM = dict(BLOCK_M=32, BLOCK_N=16, BLOCK_K=16, SPLIT_K=1)  # BLOCK_M > 16: the W-first product of prefill
 MAX_SPLIT_K = max(c["SPLIT_K"] for c in DECODE_CONFIGS + GEMM_CONFIGS + UNALIGNED_CONFIGS + (CPU_DECODE,))
 
 
 @triton.jit
 def _weight_only_matmul_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr,  # x (M, K), w (N, K) int8 or (N, K/2)
                                M, N, K, n_groups,  # uint8, s (N, K/G) fp32, y (M, N), part (SPLIT_K, M, N) fp32
-                               G: tl.constexpr, INT4: tl.constexpr, ACT: tl.constexpr, UPCAST: tl.constexpr,
+                               G: tl.constexpr, ONE_GROUP: tl.constexpr,  # G = K: one scale per output channel
+                               INT4: tl.constexpr, ACT: tl.constexpr, UPCAST: tl.constexpr,
                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                                SPLIT_K: tl.constexpr):
     pid_m = tl.program_id(0)
@@ -63,7 +65,15 @@ def _weight_only_matmul_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr,  # x (M, K)
     pid_k = tl.program_id(2)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # (BM,)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # Prefill tiles compute y^T = W x^T: the dequantized W tile, made in registers, is then the A operand,
+    # which Hopper's wgmma reads from registers. As the B operand (x @ W^T) it had to be stored to shared
+    # memory every K step behind a fence, and each wgmma was waited for at once (pendings = 0 in the
+    # sm_90 TTGIR): dequantization and tensor cores took turns (0.47x torch bf16 on the H100).
+    W_FIRST: tl.constexpr = BLOCK_M > 16
+    if W_FIRST:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_split = tl.cdiv(K, SPLIT_K * BLOCK_K) * BLOCK_K  # whole tiles per split: a tile never spans two
     k_end = tl.minimum(K, (pid_k + 1) * k_split)
     for k0 in range(pid_k * k_split, k_end, BLOCK_K):
@@ -76,20 +86,44 @@ def _weight_only_matmul_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr,  # x (M, K)
             rb = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # (BK/2,)
             byte = tl.load(w_ptr + rn[:, None].to(tl.int64) * (K // 2) + rb[None, :],
                            mask=(rn[:, None] < N) & (rb[None, :] < K // 2), other=0x88).to(tl.int32)
-            code = tl.reshape(tl.join((byte & 0xF) - 8, (byte >> 4) - 8), (BLOCK_N, BLOCK_K))  # (BN, BK)
+            biased = tl.reshape(tl.join(byte & 0xF, byte >> 4), (BLOCK_N, BLOCK_K))  # (BN, BK) code + 8
+            offset: tl.constexpr = 8388616.0  # 2^23 + 8
         else:
             code = tl.load(w_ptr + rn[:, None].to(tl.int64) * K + rk[None, :],
                            mask=(rn[:, None] < N) & (rk[None, :] < K), other=0)  # (BN, BK)
-        if G % BLOCK_K == 0:  # the tile lies in one group: one scale per row
-            s = tl.load(s_ptr + rn.to(tl.int64) * n_groups + k0 // G, mask=rn < N, other=0.0)[:, None]
+            biased = code.to(tl.uint8, bitcast=True).to(tl.int32) ^ 0x80  # code + 128
+            offset: tl.constexpr = 8388736.0  # 2^23 + 128
+        # code as fp32 without an int-to-float conversion, which issues at a quarter of the rate of fp32
+        # arithmetic (CUDA Programming Guide, arithmetic instruction throughput, cc 8.x/9.0: 16 vs 64 per
+        # clock per SM) and would compete with the tensor cores for issue slots: 2^23 + b has the
+        # integer b < 2^23 exactly in its mantissa bits, so one integer OR and one exact subtraction do it.
+        code_f32 = (biased | 0x4B000000).to(tl.float32, bitcast=True) - offset
+        if ONE_GROUP:  # per channel: exact codes (|code| <= 127) into the dot, the scale after the loop
+            w = code_f32.to(ACT)
         else:
-            s = tl.load(s_ptr + rn[:, None].to(tl.int64) * n_groups + rk[None, :] // G,
-                        mask=(rn[:, None] < N) & (rk[None, :] < K), other=0.0)
-        w = (code.to(tl.float32) * s).to(ACT)  # (BN, BK), dequantized in registers
+            if G % BLOCK_K == 0:  # the tile lies in one group: one scale per row
+                s = tl.load(s_ptr + rn.to(tl.int64) * n_groups + k0 // G, mask=rn < N, other=0.0)[:, None]
+            else:
+                s = tl.load(s_ptr + rn[:, None].to(tl.int64) * n_groups + rk[None, :] // G,
+                            mask=(rn[:, None] < N) & (rk[None, :] < K), other=0.0)
+            # (BN, BK), dequantized in registers. Scaling a per-group partial accumulator instead would
+            # cost as many multiplies (BN x BM per group against BN x BK per tile: equal at G = 2 BK,
+            # the benchmark's 128 / 64) and a second accumulator's registers.
+            w = (code_f32 * s).to(ACT)
         if UPCAST:  # the CPU interpreter multiplies bf16 tiles wrongly: same values, fp32 dot
-            acc = tl.dot(x.to(tl.float32), tl.trans(w).to(tl.float32), acc)
+            x, w = x.to(tl.float32), w.to(tl.float32)
+        if W_FIRST:
+            acc = tl.dot(w, tl.trans(x), acc)  # (BN, BM) fp32 accumulation on the tensor cores
         else:
-            acc = tl.dot(x, tl.trans(w), acc)  # (BM, BN) fp32 accumulation on the tensor cores
+            acc = tl.dot(x, tl.trans(w), acc)  # (BM, BN)
+    if ONE_GROUP:
+        s_out = tl.load(s_ptr + rn, mask=rn < N, other=0.0)
+        if W_FIRST:
+            acc = acc * s_out[:, None]
+        else:
+            acc = acc * s_out[None, :]
+    if W_FIRST:
+        acc = tl.trans(acc)
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     if SPLIT_K == 1:
         tl.store(y_ptr + rm[:, None].to(tl.int64) * N + rn[None, :], acc.to(ACT), mask=mask)
@@ -167,7 +201,8 @@ def weight_only_matmul(x: Tensor, w: Tensor, scale: Tensor, bits: int = 8) -> Te
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     # Decode may split K: room for the largest split's fp32 partial sums (M <= 16 rows: small).
     part = torch.empty((MAX_SPLIT_K, M, N) if M <= DECODE_MAX_M else (1,), dtype=torch.float32, device=x.device)
-    args = dict(G=K // scale.shape[1], INT4=bits == 4, ACT=ACT_DTYPES[x.dtype], UPCAST=x.device.type == "cpu")
+    args = dict(G=K // scale.shape[1], ONE_GROUP=scale.shape[1] == 1, INT4=bits == 4, ACT=ACT_DTYPES[x.dtype],
+                UPCAST=x.device.type == "cpu")
 
     def grid(meta):
         return triton.cdiv(M, meta["BLOCK_M"]), triton.cdiv(N, meta["BLOCK_N"]), meta["SPLIT_K"]
@@ -215,7 +250,7 @@ def compile_cases(K: int = 3072, N: int = 8192, group_size: int = 128, unaligned
                 for M in ((1, DECODE_MAX_M) if act == torch.bfloat16 else (DECODE_MAX_M,)) if decode else (4096,):
                     args = dict(x_ptr=act, w_ptr=torch.int8 if bits == 8 else torch.uint8, s_ptr=torch.float32,
                                 y_ptr=act, part_ptr=torch.float32, M=M, N=N, K=k, n_groups=k // G, G=G,
-                                INT4=bits == 4, ACT=tl_act, UPCAST=False, **blocks)
+                                ONE_GROUP=k == G, INT4=bits == 4, ACT=tl_act, UPCAST=False, **blocks)
                     moved = moved_bytes(M, k, N, bits, G, config["SPLIT_K"])
                     cases.append(CompileCase(_weight_only_matmul_kernel, args, num_warps=config["num_warps"],
                                              num_stages=config["num_stages"],
