@@ -69,7 +69,7 @@ def _weight_only_matmul_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr,  # x (M, K)
     # which Hopper's wgmma reads from registers. As the B operand (x @ W^T) it had to be stored to shared
     # memory every K step behind a fence, and each wgmma was waited for at once (pendings = 0 in the
     # sm_90 TTGIR): dequantization and tensor cores took turns (0.47x torch bf16 on the H100).
-    # Measured on an H100 (bench/results/2026-11-26T0100_* and the side-by-side run 2026-11-26T0102_*_weight-only-old-vs-new.txt): W-first
+    # Measured on an H100 (bench/results/2026-11-26T0102_*_weight-only-old-vs-new.txt, one process): W-first
     # helps W4A16 (4096x4096x11008, G=128: 1.67 -> 1.56 ms; G=K: 1.36 -> 0.88 ms) but slows W8A16's
     # group-wise tiles (1.09 -> 1.68 ms), whose int8 codes, read from shared memory in the register-operand
     # layout, come as 2-byte loads; so W8A16 keeps x-first.
