@@ -6,9 +6,10 @@ fewest steps, seeds and sweep points the experiments run with; the checks in the
 same whatever the profile), each day twice: the autograder executes the untouched student notebook
 (0 on every test cell, and still running every experiment to the end) and the instructors' solution
 (full marks, raising nowhere, and every claims table it prints passing `dlo.claims_audit`: the
-executed run's verdicts checked against their evidence). The solutions' grading is marked `solutions`: its own CI step (`pytest
--m solutions`), as it doubles the minutes of `make test`, which keeps the untouched half; the tiny
-profile at its real step counts is `make run` (papermill, then grading: full marks required).
+executed run's verdicts checked against their evidence). The solutions' grading is marked
+`solutions`: its own CI step (`pytest -m solutions`), as it doubles the minutes of `make test`,
+which keeps the untouched half; the tiny profile at its real step counts is `make run` (papermill,
+then grading: full marks required).
 
 Each day is a test class with its own grading runs, so that pytest-xdist (--dist loadscope: a class
 per worker at a time) grades several days at once; tests/conftest.py starts them first, as they are
