@@ -107,7 +107,8 @@ def compile_speedup(fn=gelu_residual, args=None, *, device="cpu", reps: int = 20
                               warmup=2, reps=reps)
     return {"compile_s": compile_s, "eager": timing["eager"], "compiled": timing["compiled"],
             "max_abs_diff": float((out - fn(*args)).abs().max()),
-            "eager_kernels": kernel_launches(fn, *args), "compiled_kernels": generated + kernel_launches(compiled, *args)}
+            "eager_kernels": kernel_launches(fn, *args),
+            "compiled_kernels": generated + kernel_launches(compiled, *args)}
 
 
 def kernel_launches(fn, *args) -> int:
