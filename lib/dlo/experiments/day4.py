@@ -174,10 +174,13 @@ def compression(P, device, log_dir=None) -> dict:
             hist = train(net, opt, batches(P, rank, device), steps=P.compress_steps - 1, device=device, step_fn=step,
                          progress=False, writer=tb.writer(log_dir, f"compression/{FOLDERS[name]}", dist.get_rank()))
             losses = hist["loss"]
+        before = state.compression_stats()[2] if state is not None else 0
         with CommCounter() as comm:
             loss = step(net, opt, batch(P, P.compress_steps - 1, rank, device))["loss"]
         out[name] = {"bytes/step": comm.bytes("all_reduce"), "sent/step": comm.sent("all_reduce"),
                      "final loss": loss.item(), "losses": [*losses, loss.item()]}
+        if state is not None:  # PowerSGD's own count of the elements it all-reduced in that step (P, Q, vectors)
+            out[name]["state bytes/step"] = 4 * (state.compression_stats()[2] - before)  # fp32 gradients
         if device.type == "cpu" and os.path.exists("/proc/net/dev"):  # PowerSGD's second all-reduce runs in
             b = batch(P, P.compress_steps, rank, device)  # a callback thread: only the wire sees all of it
             out[name]["wire sent/step"] = [loopback_sent(lambda: step(net, opt, b), 1)  # noqa: B023 - called now
