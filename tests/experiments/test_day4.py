@@ -146,6 +146,20 @@ def test_bandwidth_warm_up_bytes_on_the_wire_and_onebit_adam_on_two_ranks():
     assert len(ob["frozen variance, no BatchNorm"]["losses"]) == 1 and len(ob["1-bit Adam"]["losses"][0]) == 4
 
 
+def _ring_peers_worker():
+    import torch.distributed as dist
+
+    from dlo.experiments import day4_comm
+
+    return day4_comm.ring_peers(dist.get_world_size() * 8), dist.get_rank()
+
+
+def test_the_ring_sends_to_one_neighbour_at_three_ranks():
+    # per connection, not in total: each rank sends 2(N-1)/N n = 4/3 n, all of it to rank + 1
+    for peers, rank in launch(_ring_peers_worker, 3, timeout=120):
+        assert peers == {(rank + 1) % 3: pytest.approx(4 / 3)}
+
+
 def test_timeline_sorts_profiler_events_into_lanes():
     from types import SimpleNamespace as NS
 
@@ -214,6 +228,14 @@ def test_claims_measure_the_ring_instead_of_assuming_it():
     R, wire3 = _results(ring=4 / 3)
     R["world"] = 3
     assert _find(_verdicts(R, wire3), "the exercise's ring") == AGREES
+    # per connection: a ring at N = 3 puts 4/3 n on its one neighbour; a tree or reduce + broadcast moves the
+    # same total over two connections, n on each, and is caught; at N = 2 there is one connection only
+    R, wire3 = _results()
+    R["ring peers"], wire3["ring peers"] = {1: 1.0}, {1: 4 / 3}
+    v = _verdicts(R, wire3)
+    assert _find(v, "per connection, N=2") == BY_CONSTRUCTION and _find(v, "per connection, N=3") == AGREES
+    wire3["ring peers"] = {1: 1.0, 2: 1 / 3}  # reduce to rank 0 + broadcast, seen from rank 0
+    assert _find(_verdicts(R, wire3), "per connection, N=3") == DISAGREES
     assert not any("busbw" in k for k in v)  # busbw / algbw is 2(N-1)/N by definition: not a measurement
     # a backend sending everything to everyone (2n per rank at N = 3) is caught on the wire
     assert _find(_verdicts(*_results(wire3_ratio=2.0)), "on the wire (N=3") == DISAGREES

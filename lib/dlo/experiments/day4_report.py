@@ -151,6 +151,10 @@ def claims(R: dict, wire_more: dict | None = None, scale: dict | None = None) ->
     text = f"a ring all-reduce sends 2(N-1)/N of the data per rank (the exercise's ring, N={N})"
     out = [C.Claim(text, "Patarasuk & Yuan 2009", f"{f:.3f} n", C.approx(f, rel=1e-3), ring) if N > 2 else
            C.by_construction(text, "Patarasuk & Yuan 2009", f"{f:.3f} n", AT_TWO, ring, C.approx(f, rel=1e-3))]
+    for world, peers in ((N, R.get("ring peers")), *([(wire_more["world"], wire_more.get("ring peers"))]
+                                                     if wire_more else [])):
+        if peers is not None:
+            out.append(_ring_connection_claim(world, peers))
     for wire in (w for w in (R.get("wire"), wire_more) if w):
         fw = 2 * (wire["world"] - 1) / wire["world"]
         text = (f"gloo's all-reduce puts 2(N-1)/N of the data per rank on the wire (N={wire['world']}; a ring, a tree "
@@ -202,13 +206,30 @@ def claims(R: dict, wire_more: dict | None = None, scale: dict | None = None) ->
     return out
 
 
+def _ring_connection_claim(world: int, peers: dict) -> C.Claim:
+    """The exercise ring's bytes on its busiest connection: 2(N-1)/N n to one neighbour. A tree or
+    reduce + broadcast moves the same total over several connections, at most n on each; at N = 2
+    there is only one connection and every algorithm puts n on it (by construction)."""
+    f = 2 * (world - 1) / world
+    text = f"a ring rank sends all of its 2(N-1)/N n to one neighbour (per connection, N={world})"
+    busiest = max(peers.values(), default=0.0)
+    est = C.exact(busiest, f"CommCounter: busiest of {len(peers)} connection(s) / n")
+    args = (text, "Patarasuk & Yuan 2009", f"{f:.3f} n on 1 connection")
+    if world <= 2:
+        return C.by_construction(*args, "at N = 2 each rank has one peer: a ring, a tree and sending everything "
+                                        "all put n on that connection", est, C.approx(f, rel=1e-3))
+    return C.Claim(*args, C.approx(f, rel=1e-3), est if len(peers) == 1 else
+                   C.exact(busiest, f"CommCounter: {len(peers)} connections, the busiest / n (a ring has one)"))
+
+
 def _powersgd_claim(ps: dict) -> C.Claim:
     """PowerSGD's bytes per step against Vogels et al.'s formula: the elements the hook all-reduced in
     the counted step by its own count (PowerSGDState.compression_stats: P, Q and the uncompressed
     tensors, exact). `CommCounter` cannot see its second all-reduce (issued from a callback on the
     backend's thread), and the loopback counters mix in per-packet headers of a size that depends on
     the message: neither gives the exact count."""
-    text = "PowerSGD all-reduces (n + m) r values per n x m gradient (rank r; vectors uncompressed)"
+    text = ("PowerSGD all-reduces (n + m) r values per n x m gradient (rank r; vectors, and matrices too small "
+            "to gain, sent whole)")
     if "state bytes/step" not in ps:
         return C.not_measurable(text, "Vogels et al. 2019", "the formula's bytes", "no PowerSGD state counted")
     return C.Claim(text, "Vogels et al. 2019", "the formula's bytes", C.approx(1.0, rel=1e-3),
