@@ -7,7 +7,7 @@ import random
 
 import torch
 
-from dlo.claims import AGREES, BY_CONSTRUCTION, DISAGREES, INCONCLUSIVE, NOT_MEASURABLE
+from dlo.claims import AGREES, BY_CONSTRUCTION, DISAGREES, INCONCLUSIVE, NOT_MEASURABLE, PLANNED
 from dlo.experiments import day3 as E
 from dlo.experiments import day3_report as report
 from dlo.presets import Day3Preset
@@ -115,7 +115,7 @@ def test_one_measured_slow_down_is_one_claim_and_its_verdict_follows_the_interva
 def test_exact_rows_and_gpu_only_rows():
     c = _claims(1.3, 1.05)
     assert _one(c, "(every block, this run)").verdict == DISAGREES  # 1 - 4.6 / 30 = 0.85: exact, below 0.9
-    assert _one(c, "(every block, full profile)").verdict == AGREES  # 1 - 9 / 100
+    assert _one(c, "(every block, full profile)").verdict == PLANNED  # 1 - 9 / 100, from the plan: not a run
     assert _one(c, "sqrt(n) segments keep").verdict == AGREES
     assert _one(c, "4/3 of the step's FLOPs").verdict == AGREES  # 4 / 3, counted
     assert _one(c, "8 bytes per parameter").verdict == BY_CONSTRUCTION  # host and device: one RAM
