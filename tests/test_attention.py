@@ -33,3 +33,10 @@ def test_compile_failure_is_reported(monkeypatch):
         return call
     monkeypatch.setattr(torch, "compile", broken)
     assert compile_speedup(args=(torch.ones(4), torch.ones(4)))["error"] == "RuntimeError: no C compiler here"
+
+
+def test_kernel_launches_counts_top_level_operators():
+    from dlo.attention import gelu_residual, kernel_launches
+
+    # add, gelu, sigmoid, mul, add: one launch each on a GPU (gelu's own internals are not counted twice)
+    assert kernel_launches(gelu_residual, torch.randn(8, 8), torch.randn(8)) == 5

@@ -148,14 +148,19 @@ def test_rule2_per_example_pairing_mcnemar():
 
 def test_rule3_wall_clock_needs_the_hardware_it_claims():
     t = C.median_interval([1.0, 1.1, 0.9, 1.0, 1.05, 0.95])
-    assert C.timed(t, device="cuda", gpu_claim=True) is t
+    on_gpu = C.timed(t, device="cuda", gpu_claim=True, cores=8)
+    assert not on_gpu.reason and on_gpu.basis == "6 timings, 1 rank(s) x 1 thread(s) on 8 cores, cuda"
     assert C.timed(t, device="cpu", gpu_claim=True, cores=16).reason == "GPU claim timed on cpu"
-    assert C.timed(t, device="cpu", ranks=2, cores=2) is t                   # 2 ranks x 1 thread on 2 cores
+    assert not C.timed(t, device="cpu", ranks=2, cores=2).reason             # 2 ranks x 1 thread on 2 cores
     late = C.timed(t, device="cpu", ranks=2, kernel=True, cores=2)           # + the notebook's kernel
     assert late.reason == "2 rank(s) x 1 thread(s) + kernel > 2 cores" and late.value == t.value
     assert C.timed(t, device="cpu", threads=4, cores=2).reason.endswith("> 2 cores")
     row = C.Claim("compile: fewer kernel launches, faster", "s", "1.3x", C.at_least(1), late).row()
     assert row["verdict"].startswith("not measurable here (") and "no evidence" in row["measured [95% interval]"]
+    # a speed-up of two checked timings keeps the setup; an exact factor keeps the kind
+    fast = C.timed(C.median_interval([0.5, 0.55, 0.45]), device="cpu", cores=2)
+    slow = C.timed(C.median_interval([1.0, 1.1, 0.9]), device="cpu", cores=2)
+    assert C.ratio(slow.scaled(2), fast).basis == "3 timings, 1 rank(s) x 1 thread(s) on 2 cores, cpu"
 
 
 def test_control_that_meets_the_claim_too_gets_its_own_verdict():

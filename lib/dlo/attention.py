@@ -9,6 +9,8 @@ same algorithm, so the memory effect is measurable here; the speed claims (HBM t
 
 `compile_speedup` times a chain of pointwise ops eager and under torch.compile, which fuses the
 chain into one loop (one kernel on a GPU): one read and one write of memory instead of one per op.
+It also counts the kernels each launches per call (`kernel_launches`), the part of the claim a CPU
+can measure: the time saved is a GPU's (launch overhead, HBM traffic).
 """
 
 from __future__ import annotations
@@ -89,15 +91,35 @@ def compile_speedup(fn=gelu_residual, args=None, *, device="cpu", reps: int = 20
     if args is None:
         gen = torch.Generator().manual_seed(0)
         args = (torch.randn(1024, 1024, generator=gen).to(device), torch.randn(1024, generator=gen).to(device))
+    from torch._inductor import metrics
+
     compiled = torch.compile(fn)
     try:
+        metrics.reset()
         start = time.perf_counter()
         out = compiled(*args)
         compile_s = time.perf_counter() - start
+        generated = metrics.generated_kernel_count  # the fused loops inductor wrote for this graph
     except Exception as exc:  # noqa: BLE001 - any backend failure means "not measurable here", with its reason
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         return {"error": f"{type(exc).__name__}: {first[:200]}"}
     timing = time_interleaved({"eager": lambda: fn(*args), "compiled": lambda: compiled(*args)}, device=device,
                               warmup=2, reps=reps)
     return {"compile_s": compile_s, "eager": timing["eager"], "compiled": timing["compiled"],
-            "max_abs_diff": float((out - fn(*args)).abs().max())}
+            "max_abs_diff": float((out - fn(*args)).abs().max()),
+            "eager_kernels": kernel_launches(fn, *args),
+            "compiled_kernels": generated + kernel_launches(compiled, *args)}
+
+
+def kernel_launches(fn, *args) -> int:
+    """ATen operators one call of fn(*args) dispatches at the top level (each one kernel launch on a
+    GPU), counted by the profiler; a compiled call's own generated kernels are not ATen operators
+    (`compile_speedup` adds inductor's count of them)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from dlo.profiling import quiet_profiler
+
+    with quiet_profiler(), profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn(*args)
+    aten = [e for e in prof.events() if e.name.startswith("aten::")]
+    return sum(not (e.cpu_parent is not None and e.cpu_parent.name.startswith("aten::")) for e in aten)

@@ -91,6 +91,7 @@ class Estimate:
     how: str = ""  # "t over 3 seeds", "Wilson, n=512", "median of 20 timings", "exact"
     kind: str = ""
     reason: str = ""
+    setup: str = ""  # where a timing was taken, once `timed` has checked it ("1 rank x 2 threads on 2 cores")
 
     def __post_init__(self):
         if not self.lo <= self.value <= self.hi and not any(map(math.isnan, (self.value, self.lo, self.hi))):
@@ -104,6 +105,14 @@ class Estimate:
         """The same estimate in other units (x100 for percent, 1e3 for ms)."""
         lo, hi = sorted((self.lo * factor, self.hi * factor))
         return replace(self, value=self.value * factor, lo=lo, hi=hi)
+
+    @property
+    def basis(self) -> str:
+        """What the interval rests on, for the table's "evidence" column (read by dlo.claims_audit)."""
+        if self.kind == EXACT:
+            return "exact"
+        what = {REPEATS: "repeats", TEST_SET: "test examples", TIMINGS: "timings", PAIRED: "paired examples"}
+        return f"{self.n} {what.get(self.kind, 'samples')}" + (f", {self.setup}" if self.setup else "")
 
     def __str__(self) -> str:
         if self.reason or self.lo == self.hi:
@@ -195,13 +204,19 @@ def _reason(*ests: Estimate) -> str:
     return next((e.reason for e in ests if e.reason), "")
 
 
+def _combined(a: Estimate, b: Estimate) -> tuple[str, str, str]:
+    """kind, reason and setup of an estimate computed from a and b (an exact factor keeps the other's)."""
+    kinds = {a.kind, b.kind} - {EXACT}
+    kind = kinds.pop() if len(kinds) == 1 else (EXACT if not kinds else "")
+    return kind, _reason(a, b), a.setup if a.setup == b.setup or not b.setup else b.setup if not a.setup else ""
+
+
 def ratio(a: Estimate, b: Estimate, how: str = "") -> Estimate:
     """a / b, both positive, with the interval of the quotient of the two intervals (conservative)."""
     if b.lo <= 0 or a.lo < 0:
         raise ValueError("ratio: needs a >= 0 and b > 0 over their whole intervals")
-    kind = a.kind if a.kind == b.kind else ""
-    return Estimate(a.value / b.value, a.lo / b.hi, a.hi / b.lo, min(a.n, b.n), how or "ratio of intervals", kind,
-                    _reason(a, b))
+    return Estimate(a.value / b.value, a.lo / b.hi, a.hi / b.lo, min(a.n, b.n), how or "ratio of intervals",
+                    *_combined(a, b))
 
 
 def difference(a: Estimate, b: Estimate, how: str = "") -> Estimate:
@@ -210,8 +225,9 @@ def difference(a: Estimate, b: Estimate, how: str = "") -> Estimate:
     reason "one seed" (pair the runs by seed with `paired_difference`, or per example)."""
     half = math.hypot(a.half_width, b.half_width)
     d = a.value - b.value
-    reason = _reason(a, b) or ("one seed" if a.kind == b.kind == TEST_SET else "")
-    return Estimate(d, d - half, d + half, min(a.n, b.n), how or "difference, independent", "", reason)
+    kind, reason, setup = _combined(a, b)
+    reason = reason or ("one seed" if a.kind == b.kind == TEST_SET else "")
+    return Estimate(d, d - half, d + half, min(a.n, b.n), how or "difference, independent", kind, reason, setup)
 
 
 def paired_difference(xs, ys, how: str = "") -> Estimate:
@@ -246,16 +262,16 @@ def timed(est: Estimate, *, device: str, gpu_claim: bool = False, ranks: int = 1
           kernel: bool = False, cores: int | None = None) -> Estimate:
     """A wall-clock estimate, checked against where it was measured (rule 3): a GPU claim timed on
     a CPU, or ranks x threads (+1 for the notebook's kernel when it runs beside the ranks) above the
-    cores, makes it no evidence (`reason` says which). `device` is "cpu", "cuda", ..."""
+    cores, makes it no evidence (`reason` says which); else the estimate records its `setup`, which
+    the table's "evidence" column shows. `device` is "cpu", "cuda", ..."""
     cores = cores or cpu_cores()
     need = ranks * threads + int(kernel)
+    used = f"{ranks} rank(s) x {threads} thread(s){' + kernel' if kernel else ''}"
     if gpu_claim and not str(device).startswith("cuda"):
-        why = f"GPU claim timed on {device}"
-    elif need > cores:
-        why = f"{ranks} rank(s) x {threads} thread(s){' + kernel' if kernel else ''} > {cores} cores"
-    else:
-        return est
-    return replace(est, reason=est.reason or why)
+        return replace(est, reason=est.reason or f"GPU claim timed on {device}")
+    if need > cores:
+        return replace(est, reason=est.reason or f"{used} > {cores} cores")
+    return replace(est, setup=f"{used} on {cores} cores, {device}")
 
 
 # ----------------------------------------------------------------------------- claimed regions
@@ -348,7 +364,8 @@ class Claim:
         m = self.measured
         how = " ".join(filter(None, [m.how if m is not None else "", self.why if m is None or self.basis else ""]))
         out = {"claim": self.claim, "source": self.source, "claimed": self.claimed, "tested as": str(self.region),
-               "measured [95% interval]": str(m) if m is not None else "-", "how": how or "-"}
+               "measured [95% interval]": str(m) if m is not None else "-", "how": how or "-",
+               "evidence": m.basis if m is not None else "-"}
         if self.control is not None:
             out["control"] = str(self.control)
         short = m.reason if m is not None and self.verdict == NOT_MEASURABLE else ""

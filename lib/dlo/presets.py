@@ -21,7 +21,8 @@ PRESETS: dict[str, dict[str, object]] = {
         # 10 epochs of 50k images: 3910 steps at batch 128, 122 at batch 4096 (k = 32)
         "full": Day1Preset(n_train=50_000, n_test=10_000, image_size=32, width=64, small_batch=128,
                            large_batch=4096, max_steps=3910, warmup_steps=391, sgd_lr=0.1, adamw_lr=3e-3,
-                           lamb_lr=2e-2, lr_finder_steps=200, bench_numel=1 << 26, profile_steps=10),
+                           lamb_lr=2e-2, lr_finder_steps=200, bench_numel=1 << 26, profile_steps=10,
+                           bn_samples=8192),
     },
     "day2_mixed_precision": {
         "tiny": Day2Preset(),

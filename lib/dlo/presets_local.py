@@ -34,6 +34,7 @@ class Day1Preset:
     bench_numel: int = 1 << 20     # total parameters in the optimizer-step timing table
     profile_steps: int = 6         # profiled training steps per data pipeline
     jpeg_size: int = 512           # side of the JPEGs the slow pipeline decodes per sample
+    bn_samples: int = 512          # training images BatchNorm's statistics are recomputed on before a test
 
     def with_max_steps(self, n: int) -> Day1Preset:
         """n steps per small-batch run; warmup and the LR range test's length scale with it (warmup < n)."""

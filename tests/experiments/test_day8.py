@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from dlo import claims as C
-from dlo.claims import AGREES, DISAGREES, INCONCLUSIVE, NOT_MEASURABLE
+from dlo.claims import AGREES, CONTROL_TOO, DISAGREES, INCONCLUSIVE, NOT_MEASURABLE
 from dlo.data import cifar10
 from dlo.experiments import day8 as E
 from dlo.presets import Day8Preset
@@ -43,7 +43,8 @@ def test_claims_follow_the_controls_and_the_noise():
     assert _find(v, "group-wise scales") == AGREES  # judged at int2, where group-wise wins
     assert _find(v, "gradual pruning") == INCONCLUSIVE  # differences inside the noise
     assert _find(v, "beats the same student on labels only") == INCONCLUSIVE  # the control decides
-    assert _find(v, "keeps 97% of the teacher") == AGREES  # ... even though this one agrees
+    # the student keeps 97% of the teacher, but so does the labels-only control: no credit to distillation
+    assert _find(v, "keeps 97% of the teacher") == CONTROL_TOO
     assert _find(v, "QAT recovers") == AGREES and _find(v, "int8 per-channel") == AGREES
     assert [x for k, x in v.items() if "tensor cores" in k or "2:4" in k or "int4" in k] == [NOT_MEASURABLE] * 3
 
@@ -55,9 +56,12 @@ def test_a_clear_effect_agrees_and_a_reversed_one_disagrees():
     assert _find(v, "random re-init of the same mask") == AGREES
     v = _verdicts([_seed(k, **{"int2 group": 0.20}) for k in range(4)])
     assert _find(v, "group-wise scales") == DISAGREES
+    # a labels-only control well below the teacher: the 97% is then the distillation's
+    v = _verdicts([_seed(k, **{"labels only": 0.50 + 0.001 * k}) for k in range(4)])
+    assert _find(v, "keeps 97% of the teacher") == AGREES
 
 
-def test_one_seed_uses_the_test_images_noise_and_gpu_rows_get_verdicts():
+def test_one_seed_is_not_measurable_and_gpu_rows_get_verdicts():
     gpu = {"int8": [1.8, 1.82, 1.79], "sparse24": [1.3, 1.31, 1.28], "w4 decode": [0.9, 0.91, 0.89]}  # 3 runs
     v = _verdicts([_seed(0, gradual=0.58)], gpu=gpu)
     # one seed: two trainings on one test set are no evidence, however far apart (dlo.claims rule 2)

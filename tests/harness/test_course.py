@@ -5,9 +5,11 @@ Whole notebooks run here on the tiny profile's smoke version (DLO_SMOKE=1: the t
 fewest steps, seeds and sweep points the experiments run with; the checks in the test cells are the
 same whatever the profile), each day twice: the autograder executes the untouched student notebook
 (0 on every test cell, and still running every experiment to the end) and the instructors' solution
-(full marks, raising nowhere). The solutions' grading is marked `solutions`: its own CI step (`pytest
--m solutions`), as it doubles the minutes of `make test`, which keeps the untouched half; the tiny
-profile at its real step counts is `make run` (papermill, then grading: full marks required).
+(full marks, raising nowhere, and every claims table it prints passing `dlo.claims_audit`: the
+executed run's verdicts checked against their evidence). The solutions' grading is marked
+`solutions`: its own CI step (`pytest -m solutions`), as it doubles the minutes of `make test`,
+which keeps the untouched half; the tiny profile at its real step counts is `make run` (papermill,
+then grading: full marks required).
 
 Each day is a test class with its own grading runs, so that pytest-xdist (--dist loadscope: a class
 per worker at a time) grades several days at once; tests/conftest.py starts them first, as they are
@@ -21,6 +23,7 @@ import shutil
 
 import pytest
 
+from dlo.claims_audit import audit_notebook
 from dlo.registry import DAYS
 from tests.harness.conftest import REPO, dlo, read_csv
 
@@ -70,6 +73,9 @@ class _Day:
         nb = _autograded(graded, "solution", self.day)
         errors = [o for c in nb["cells"] for o in c.get("outputs", []) if o["output_type"] == "error"]
         assert not errors, f"{self.day}: {errors[0]['ename']}: {errors[0]['evalue']}"
+        # every claims table it printed: each verdict follows from the evidence it shows (dlo.claims_audit)
+        rows, problems = audit_notebook(nb)
+        assert rows and not problems, f"{self.day}: {rows} claims rows, problems: {problems}"
 
     def test_untouched_notebook_scores_zero_on_every_cell_and_runs_to_the_end(self, graded):
         cells = [r for r in read_csv(graded / "cells.csv") if r["student"] == "untouched"]

@@ -33,7 +33,7 @@ from dlo.distributed.ddp import DataParallelBucket, DataParallelNaive
 from dlo.distributed.launch import heartbeat, rank_device
 from dlo.distributed.onebit_adam import OneBitAdam
 from dlo.distributed.sync_bn import convert_sync_batchnorm
-from dlo.experiments.day4_comm import loopback_sent, powersgd_bytes, ring_sent, wire_bytes
+from dlo.experiments.day4_comm import loopback_sent, powersgd_bytes, ring_peers, ring_sent, wire_bytes
 from dlo.experiments.day4_data import batch, batches, feature_batch, mlp, model
 from dlo.experiments.day4_report import timeline
 from dlo.measure import CommCounter, time_interleaved
@@ -174,10 +174,13 @@ def compression(P, device, log_dir=None) -> dict:
             hist = train(net, opt, batches(P, rank, device), steps=P.compress_steps - 1, device=device, step_fn=step,
                          progress=False, writer=tb.writer(log_dir, f"compression/{FOLDERS[name]}", dist.get_rank()))
             losses = hist["loss"]
+        before = state.compression_stats()[2] if state is not None else 0
         with CommCounter() as comm:
             loss = step(net, opt, batch(P, P.compress_steps - 1, rank, device))["loss"]
         out[name] = {"bytes/step": comm.bytes("all_reduce"), "sent/step": comm.sent("all_reduce"),
                      "final loss": loss.item(), "losses": [*losses, loss.item()]}
+        if state is not None:  # PowerSGD's own count of the elements it all-reduced in that step (P, Q, vectors)
+            out[name]["state bytes/step"] = 4 * (state.compression_stats()[2] - before)  # fp32 gradients
         if device.type == "cpu" and os.path.exists("/proc/net/dev"):  # PowerSGD's second all-reduce runs in
             b = batch(P, P.compress_steps, rank, device)  # a callback thread: only the wire sees all of it
             out[name]["wire sent/step"] = [loopback_sent(lambda: step(net, opt, b), 1)  # noqa: B023 - called now
@@ -257,7 +260,7 @@ def run_all(P, log_dir) -> dict:
     out = {"world": dist.get_world_size(), "device": str(device), "backend": dist.get_backend(),
            "model": P.model, "params": count_parameters(model(P, device)), "bn_batch": P.bn_batch,
            "bandwidth": bus_bandwidth(P.msg_sizes, reps=P.bw_reps, trials=P.bw_trials, device=device),
-           "ring sent": ring_sent(dist.get_world_size() * 4096)}
+           "ring sent": ring_sent(dist.get_world_size() * 4096), "ring peers": ring_peers(dist.get_world_size() * 4096)}
     if dist.get_backend() == "gloo" and os.path.exists("/proc/net/dev"):
         heartbeat("bytes on the loopback interface")
         out["wire"] = wire_bytes(P.wire_bytes, P.wire_calls, P.wire_trials)
@@ -270,9 +273,10 @@ def run_all(P, log_dir) -> dict:
 
 
 def wire_only(P) -> dict:
-    """`wire_bytes` alone (a launch at another world size: a ring at N = 2 cannot be told from
-    sending everything, at N = 3 it can)."""
-    return wire_bytes(P.wire_bytes, P.wire_calls, P.wire_trials)
+    """`wire_bytes` and the exercise ring's bytes per connection ("ring peers") at another world size
+    (a ring at N = 2 cannot be told from sending everything, at N = 3 it can)."""
+    return {**wire_bytes(P.wire_bytes, P.wire_calls, P.wire_trials),
+            "ring peers": ring_peers(dist.get_world_size() * 4096)}
 
 
 def scaling(P) -> dict:

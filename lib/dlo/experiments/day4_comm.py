@@ -34,6 +34,15 @@ def ring_sent(n: int) -> float:
     return comm.sent("send") / (4 * n)
 
 
+def ring_peers(n: int) -> dict[int, float]:
+    """The same all-reduce's bytes per connection: {peer: bytes this rank sent it / 4 n}. A ring
+    sends 2(N-1)/N n to one neighbour; a tree or reduce + broadcast moves the same total over
+    several connections, n at most on each (they differ from N = 3 on)."""
+    with CommCounter() as comm:
+        ring_all_reduce(torch.ones(n))
+    return {peer: b / (4 * n) for peer, b in sorted(comm.sent_by_peer().items())}
+
+
 def loopback_tx() -> tuple[int, int]:
     """(bytes, packets) transmitted so far on the loopback interface, from /proc/net/dev (Linux)."""
     with open("/proc/net/dev") as f:
@@ -85,17 +94,18 @@ def wire_bytes(nbytes: int, calls: int, trials: int) -> dict:
             "overhead per packet": overhead}
 
 
-def powersgd_bytes(net: nn.Module, rank: int) -> int:
+def powersgd_bytes(net: nn.Module, rank: int, min_compression_rate: float = 2.0) -> int:
     """What PowerSGD all-reduces per step, from its definition (Vogels et al. 2019): P (n x r) and
     Q (m x r) for every gradient viewed as an n x m matrix (n = its first dimension), the vectors
-    (biases) uncompressed, in fp32."""
+    (biases) uncompressed, in fp32. A matrix whose n m is not more than min_compression_rate times
+    (n + m) r is sent whole, as torch's hook does (PowerSGDState's documented min_compression_rate,
+    default 2): compressing it would save too little."""
     total = 0
     for p in net.parameters():
-        if p.dim() <= 1:
-            total += 4 * p.numel()
-        else:
-            n, m = p.shape[0], p.numel() // p.shape[0]
-            total += 4 * (n + m) * min(rank, n, m)
+        n, m = (p.shape[0], p.numel() // p.shape[0]) if p.dim() > 1 else (p.numel(), 1)
+        r = min(rank, n, m)
+        small = (n + m) * r * min_compression_rate >= n * m
+        total += 4 * (p.numel() if p.dim() <= 1 or small else (n + m) * r)
     return total
 
 

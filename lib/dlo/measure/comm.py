@@ -47,6 +47,7 @@ class CommCall:
     world: int
     async_op: bool = False  # launched asynchronously (a Work handle to wait on; functional ones always are)
     phase: object = None
+    peer: int | None = None  # send / recv: the other rank (in the group), None for collectives
 
 
 def _tensors(x) -> list[Tensor]:
@@ -136,8 +137,9 @@ class CommCounter(TorchDispatchMode):
             nbytes = _payload(kind, op, args)
             if namespace == "_c10d_functional" and kind == "all_gather":
                 nbytes *= world
+            peer = args[2] if kind in ("send", "recv") and len(args) > 2 and isinstance(args[2], int) else None
             self.calls.append(CommCall(op, kind, nbytes, _sent(kind, nbytes, world), world,
-                                       _async_op(func, args, kwargs), self.phase))
+                                       _async_op(func, args, kwargs), self.phase, peer))
         return func(*args, **kwargs)
 
     def count(self, kind: str | None = None) -> int:
@@ -148,6 +150,15 @@ class CommCounter(TorchDispatchMode):
 
     def sent(self, kind: str | None = None) -> float:
         return sum(c.sent for c in self.calls if kind is None or c.kind == kind)
+
+    def sent_by_peer(self) -> dict[int, float]:
+        """{peer: bytes this rank sent it} over the recorded point-to-point sends (one entry per
+        connection: what tells a ring, where each rank talks to one neighbour, from a tree)."""
+        out: dict[int, float] = {}
+        for c in self.calls:
+            if c.kind == "send" and c.peer is not None:
+                out[c.peer] = out.get(c.peer, 0.0) + c.sent
+        return out
 
     def records(self) -> list[dict]:
         """Each call as plain data ({"kind", "bytes", "sent", "async", "phase"}): what a rank returns

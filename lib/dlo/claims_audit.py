@@ -1,0 +1,91 @@
+"""Read the claims tables an executed notebook printed and check each verdict against its evidence.
+
+`dlo.claims` enforces its rules when a row is built; this module checks the *printed* tables of a
+whole run, so a row assembled by hand, an `Estimate` built without its basis, or a timing that never
+went through `dlo.claims.timed` is caught where students see it. A row whose verdict counts as
+evidence (agrees, disagrees, inconclusive, the control meets it too) must show in its "evidence"
+column (`Estimate.basis`):
+
+- an exact value, or an interval from >= 3 repeats, timings or examples (no interval from fewer);
+- for timings, the setup `timed` checked, whose ranks x threads (+ kernel) fit its cores.
+
+Every verdict must be one of `dlo.claims.VERDICTS` (a "not measurable here" may carry its reason).
+The solutions CI step (tests/harness/test_course.py) runs `audit_notebook` on every day's executed
+solution notebook.
+"""
+
+from __future__ import annotations
+
+import re
+
+from dlo.claims import EVIDENCE, MIN_SAMPLES, NOT_MEASURABLE, VERDICTS
+
+HEADER = ("claim", "tested as", "evidence", "verdict")  # the columns that mark a claims table
+_SETUP = re.compile(r"(\d+) rank\(s\) x (\d+) thread\(s\)( \+ kernel)? on (\d+) cores")
+
+
+def parse_tables(text: str) -> list[list[dict]]:
+    """The claims tables (`dlo.claims.claims_table`'s format) in a printed text, as lists of rows."""
+    lines, tables, i = text.splitlines(), [], 0
+    while i < len(lines) - 1:
+        header, rule = lines[i], lines[i + 1]
+        if all(h in header for h in HEADER) and set(rule) <= {"-", " "} and "-" in rule:
+            spans = [(m.start(), m.end()) for m in re.finditer(r"-+", rule)]
+            names = [header[a:b].strip() for a, b in spans]
+            rows, i = [], i + 2
+            while i < len(lines) and lines[i].strip():
+                line = lines[i]
+                cells = [line[a:spans[k + 1][0]] if k + 1 < len(spans) else line[a:] for k, (a, _) in enumerate(spans)]
+                rows.append(dict(zip(names, (c.strip() for c in cells))))
+                i += 1
+            tables.append(rows)
+        else:
+            i += 1
+    return tables
+
+
+def audit_row(row: dict) -> list[str]:
+    """What is wrong with one parsed row ([] when its verdict follows from its evidence)."""
+    v, basis = row.get("verdict", ""), row.get("evidence", "")
+    name = row.get("claim", "?")
+    if v not in VERDICTS and not (v.startswith(NOT_MEASURABLE + " (") and v.endswith(")")):
+        return [f"{name!r}: unknown verdict {v!r}"]
+    if v not in EVIDENCE or basis == "exact":
+        return []
+    m = re.match(r"(\d+) (\w[\w ]*?)(?:,|$)", basis)
+    if not m:
+        return [f"{name!r}: {v} without a stated basis (evidence column {basis!r})"]
+    n, what = int(m.group(1)), m.group(2)
+    problems = [f"{name!r}: {v} from {n} {what} (< {MIN_SAMPLES})"] if n < MIN_SAMPLES else []
+    if what == "timings":
+        setup = _SETUP.search(basis)
+        if not setup:
+            problems.append(f"{name!r}: {v} on timings never checked against the hardware (dlo.claims.timed)")
+        else:
+            ranks, threads, kernel, cores = setup.groups()
+            if int(ranks) * int(threads) + bool(kernel) > int(cores):
+                problems.append(f"{name!r}: {v} on timings of {setup.group(0)}")
+    return problems
+
+
+def audit_text(text: str) -> list[str]:
+    """Problems of every claims table in a printed text."""
+    return [p for table in parse_tables(text) for row in table for p in audit_row(row)]
+
+
+def notebook_text(nb: dict) -> str:
+    """The printed text of an executed notebook, cell by cell (a cell's stream chunks joined as printed)."""
+    out = []
+    for cell in nb.get("cells", []):
+        parts = []
+        for o in cell.get("outputs", []):
+            text = o.get("text") if o.get("output_type") == "stream" else o.get("data", {}).get("text/plain")
+            parts.append("".join(text) if isinstance(text, list) else text or "")
+        out.append("".join(parts))
+    return "\n\n".join(out)  # a table ends with its cell
+
+
+def audit_notebook(nb: dict) -> tuple[int, list[str]]:
+    """(rows read, problems) of every claims table an executed notebook (nbformat JSON) printed."""
+    text = notebook_text(nb)
+    return sum(len(t) for t in parse_tables(text)), audit_text(text)

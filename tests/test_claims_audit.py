@@ -1,0 +1,49 @@
+"""dlo.claims_audit: the printed claims tables are read back and every verdict checked against its evidence."""
+
+from dlo import claims as C
+from dlo.claims_audit import audit_notebook, audit_row, audit_text, parse_tables
+
+
+def _table() -> list[C.Claim]:
+    times = C.timed(C.median_interval([1.0, 1.1, 0.9, 1.05]), device="cpu", cores=2)
+    return [
+        C.Claim("bf16 matches fp32", "slides", "same", C.between(-0.05, 0.05),
+                C.paired_difference([0, .01, -.01], [0] * 3)),
+        C.Claim("16 B/param", "ZeRO", "16", C.approx(16, abs_tol=0.5), C.exact(16)),
+        C.Claim("step under 2 s", "slides", "< 2 s", C.at_most(2.0), times),
+        C.Claim("LAMB beats AdamW", "You et al.", "> 0", C.at_least(0),
+                C.difference(C.accuracy(0.6, 512), C.accuracy(0.5, 512))),
+        C.by_construction(">= 1 skip", "Micikevicius et al.", ">= 1", "a 2^40 scale forces it", C.exact(2)),
+        C.not_measurable("H100 speed-up", "slides", "2x", "no GPU"),
+    ]
+
+
+def test_the_printed_table_reads_back_and_passes():
+    text = "some output\n" + C.claims_table(_table()) + "\n\n{'agrees': 2}\n"
+    (rows,) = parse_tables(text)
+    assert [r["verdict"] for r in rows] == ["agrees", "agrees", "agrees", "not measurable here (one seed)",
+                                            "by construction", "not measurable here"]
+    assert rows[0]["evidence"] == "3 repeats" and rows[2]["evidence"].startswith("4 timings, 1 rank(s)")
+    assert audit_text(text) == []
+
+
+def test_rows_without_their_evidence_are_caught():
+    ok = {"claim": "c", "verdict": "agrees", "evidence": "3 repeats"}
+    assert audit_row(ok) == []
+    assert audit_row({**ok, "evidence": "2 repeats"}) == ["'c': agrees from 2 repeats (< 3)"]
+    assert "without a stated basis" in audit_row({**ok, "evidence": "-"})[0]
+    assert "never checked" in audit_row({**ok, "verdict": "disagrees", "evidence": "8 timings"})[0]
+    crowded = {**ok, "evidence": "8 timings, 2 rank(s) x 1 thread(s) + kernel on 2 cores, cpu"}
+    assert "+ kernel on 2 cores" in audit_row(crowded)[0]
+    assert audit_row({**ok, "verdict": "yes"}) == ["'c': unknown verdict 'yes'"]
+    # verdicts that are no evidence need none
+    assert audit_row({**ok, "verdict": "not measurable here (2 seeds < 3)", "evidence": "2 repeats"}) == []
+
+
+def test_a_notebook_is_walked_cell_by_cell_with_split_stream_chunks():
+    table = C.claims_table(_table())
+    half = len(table) // 2
+    nb = {"cells": [{"outputs": [{"output_type": "stream", "text": table[:half]},
+                                 {"output_type": "stream", "text": [table[half:]]}]},
+                    {"outputs": [{"output_type": "execute_result", "data": {"text/plain": "42"}}]}]}
+    assert audit_notebook(nb) == (6, [])
