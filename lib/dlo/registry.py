@@ -51,23 +51,24 @@ class DaySpec:
             raise ValueError(f"{self.name}: {target} cannot be loaded: {exc}") from None
 
 
-def _day(number: int, name: str, preset_class: type, experiments: str = "", planner: str = "", **more) -> DaySpec:
+def _day(number: int, name: str, preset_class: type, presets: dict, experiments: str = "", planner: str = "",
+         **more) -> DaySpec:
     short = f"day{number}"
-    return DaySpec(name=name, number=number, preset_class=preset_class, presets=P.PRESETS[name],
+    return DaySpec(name=name, number=number, preset_class=preset_class, presets=presets,
                    experiments=experiments or f"dlo.experiments.{short}",
                    planner=planner or f"dlo.experiments.{short}:plan", checks=f"dlo.checks.{short}", **more)
 
 
 DAYS: dict[str, DaySpec] = {d.name: d for d in (
-    _day(1, "day1_optimizers", P.Day1Preset),
-    _day(2, "day2_mixed_precision", P.Day2Preset),
-    _day(3, "day3_checkpointing", P.Day3Preset),
-    _day(4, "day4_ddp", P.Day4Preset),
-    _day(5, "day5_fsdp", P.Day5Preset, planner="dlo.experiments.day5_report:plan",
+    _day(1, "day1_optimizers", P.Day1Preset, P.DAY1),
+    _day(2, "day2_mixed_precision", P.Day2Preset, P.DAY2),
+    _day(3, "day3_checkpointing", P.Day3Preset, P.DAY3),
+    _day(4, "day4_ddp", P.Day4Preset, P.DAY4),
+    _day(5, "day5_fsdp", P.Day5Preset, P.DAY5, planner="dlo.experiments.day5_report:plan",
          preflight="dlo.experiments.day5_report:preflight", parameters=("weights_dir",)),
-    _day(6, "day6_pipeline", P.Day6Preset, planner="dlo.experiments.day6_report:plan"),
-    _day(7, "day7_tensor_parallel", P.Day7Preset, planner="dlo.experiments.day7_report:plan"),
-    _day(8, "day8_quantization_pruning", P.Day8Preset),
+    _day(6, "day6_pipeline", P.Day6Preset, P.DAY6, planner="dlo.experiments.day6_report:plan"),
+    _day(7, "day7_tensor_parallel", P.Day7Preset, P.DAY7, planner="dlo.experiments.day7_report:plan"),
+    _day(8, "day8_quantization_pruning", P.Day8Preset, P.DAY8),
 )}
 
 

@@ -55,7 +55,7 @@ def test_presets_and_bad_config():
     assert (c.vocab_size, c.dim, c.n_layers, c.n_heads, c.n_kv_heads, c.ffn_dim, c.head_dim) == \
         (128256, 3072, 28, 24, 8, 8192, 128)
     assert c.rope_scaling["factor"] == 32 and c.rope_scaling["original_max_position_embeddings"] == 8192
-    assert set(PRESETS) == {"llama3.2-3b", "llama3.2-1b", "tiny"}
+    assert set(PRESETS) == {"llama3.2-3b", "llama3.2-1b", "llama3.1-8b", "llama3.1-70b", "tiny"}
     with pytest.raises(ValueError, match="unknown Llama preset 'llama9'"):
         LlamaConfig.from_name("llama9")
     with pytest.raises(ValueError, match="n_heads=4 is not a multiple of n_kv_heads=3"):
