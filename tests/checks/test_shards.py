@@ -204,3 +204,18 @@ def test_what_the_students_code_leaves_running_ends_with_its_check(tmp_path):
             sandbox.run(day6.check_split_stages, splits_and_leaves_a_copier(str(leak)))
         with pytest.raises(AssertionError, match="nothing leaked from the runner"):
             sandbox.run(day7.check_vocab_parallel_cross_entropy, cross_entropy_from_a_leak(str(leak)))
+
+
+def released_cross_entropy(logits, target, group=None):
+    raise NotImplementedError()
+
+
+def test_the_released_stub_is_told_apart_without_ranks_under_the_grader(tmp_path):
+    """The runner's stub probe (a grandchild loads the capture): the verdict without starting ranks,
+    whose own failure would read 'rank 0 raised NotImplementedError'."""
+    from dlo.grading.trusted import LocalSandbox
+
+    with LocalSandbox(tmp_path / "sb") as sandbox:
+        with pytest.raises(AssertionError, match="released_cross_entropy raised NotImplementedError on every rank: "
+                                                 "the exercise is not done yet"):
+            sandbox.run(day7.check_vocab_parallel_cross_entropy, released_cross_entropy)
