@@ -219,3 +219,21 @@ def test_the_released_stub_is_told_apart_without_ranks_under_the_grader(tmp_path
         with pytest.raises(AssertionError, match="released_cross_entropy raised NotImplementedError on every rank: "
                                                  "the exercise is not done yet"):
             sandbox.run(day7.check_vocab_parallel_cross_entropy, released_cross_entropy)
+
+
+def _one():
+    return 1
+
+
+def test_a_module_planted_in_the_working_directory_never_runs_on_a_rank(tmp_path, monkeypatch):
+    """The runner's working directory is writable by the student's code that runs there, and `python -m`
+    put it first on a rank's sys.path: a planted `dlo` package ran in each rank before the rank took
+    its shard (and could read every rank's). Ranks start with `python -P` now."""
+    from dlo.distributed.launch import launch
+
+    marker = tmp_path / "planted-code-ran"
+    (tmp_path / "dlo").mkdir()
+    (tmp_path / "dlo" / "__init__.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    monkeypatch.chdir(tmp_path)
+    assert launch(_one, 1, backend="gloo", timeout=120) == [1]
+    assert not marker.exists()
