@@ -113,7 +113,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _subreaper(on: bool) -> bool:
+def subreaper(on: bool) -> bool:
     """Make this process a child subreaper (or not); whether it was one. False where prctl is missing."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
@@ -142,10 +142,10 @@ def stopping() -> Iterator[list[int]]:
             raise KeyboardInterrupt(signal.Signals(signum).name)
 
     old = {s: signal.signal(s, handler) for s in SIGNALS}
-    was = _subreaper(True)
+    was = subreaper(True)
     try:
         yield received
     finally:
         for s, h in old.items():
             signal.signal(s, h)
-        _subreaper(was)
+        subreaper(was)

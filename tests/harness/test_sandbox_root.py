@@ -310,3 +310,19 @@ def test_no_sandbox_grades_unconfined_and_says_so(toy_root, tmp_path):
                env={jail.BWRAP_ENV: "/nonexistent/bwrap"})
     assert "grading without a sandbox" in proc.stderr and "grading without a sandbox" not in proc.stdout
     assert read_csv(tmp_path / "out" / "scores.csv")[0]["sandbox"] == "none (--no-sandbox)"
+
+
+def test_an_on_ranks_check_in_the_jail_loads_the_capture_on_the_ranks_only(spec):
+    """An on-ranks check under the grader's own jail: the ranks start inside it and load the student's
+    capture themselves (from the read-only capture folder); code run where the capture is loaded
+    finds no other rank's part to leave for the ranks (tests/checks/test_shards.py has the attack)."""
+    from dlo.checks import day7
+    from tests.checks.conftest import load_solution
+    from tests.checks.test_shards import cross_entropy_from_a_leak
+
+    honest = load_solution("day7_tensor_parallel").vocab_parallel_cross_entropy
+    with LocalSandbox(spec.capture_dir, prefix=spec.runner_prefix(), log=spec.runner_log) as sb:
+        sb.run(day7.check_vocab_parallel_cross_entropy, honest)
+        with pytest.raises(AssertionError, match="nothing leaked from the runner"):
+            sb.run(day7.check_vocab_parallel_cross_entropy, cross_entropy_from_a_leak(str(spec.runner_dir / "leak")))
+    assert not (spec.runner_dir / "leak").exists()

@@ -10,6 +10,9 @@ from pathlib import Path
 
 from dlo.harness import similarity as S
 from tests.harness.conftest import ADAMW, DAY, edit_cells, grade_id
+from tests.harness.similarity_snippets import COPIES, HONEST, disguised, padded
+
+REPO = Path(__file__).resolve().parents[2]
 
 ADAMW_OWN = ADAMW.replace("    ### BEGIN SOLUTION\n", "").replace("\n    ### END SOLUTION", "")
 RENAMES = {"param": "w", "grad": "g", "exp_avg_sq": "second", "exp_avg": "first", "step": "t", "lr": "eta",
@@ -123,3 +126,49 @@ def test_a_broken_report_never_fails_grading(tmp_path, capsys):
     assert S.write_report(tmp_path, [DAY], tmp_path / "nothing", tmp_path / "nothing", {}) is None
     assert "no similarity report" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())
+
+
+def _exercise(day: str, cell: str) -> tuple[frozenset, dict[str, S.Code], S.Code]:
+    """The released stub's k-grams, the library references of the cell's checks, the instructors' cell."""
+    notebook = REPO / "solutions" / day / f"{day}.ipynb"
+    boiler = frozenset(S.Code.of(S.cells_of(REPO / "course" / day / f"{day}.ipynb").get(cell, "")).all_grams)
+    refs = {name: S.Code.of(src, boiler) for name, src in S.library_references(S.exercises(notebook)[cell]).items()}
+    return boiler, refs, S.Code.of(S.cells_of(notebook)[cell], boiler)
+
+
+def _source(name: str) -> str:
+    import importlib
+
+    module, attr = name.rsplit(".", 1)
+    return inspect.getsource(getattr(importlib.import_module(module), attr))
+
+
+def _similarity(student: S.Code, other: S.Code, kind: str) -> float:
+    return S._row("d", "c", "student", "other", kind, student, other)["similarity"]  # noqa: SLF001 - the row's own rule
+
+
+def test_the_threshold_lets_independent_work_pass_and_flags_disguised_copies():
+    """Calibration (issue 26): cells written independently stay below THRESHOLD against every library
+    reference of their exercise and against the instructors' solution; the library's references copied
+    with every name changed and lines reordered reach it, also with a dead line after each line (where
+    lines are long enough) or with more code of the student's own around the copy."""
+    for (day, cell), source in HONEST.items():
+        boiler, refs, solution = _exercise(day, cell)
+        honest = S.Code.of(source, boiler)
+        assert len(honest.fingerprints) >= S.MIN_FINGERPRINTS  # compared, not left out
+        scores = {name: _similarity(honest, ref, "library") for name, ref in refs.items()}
+        scores["solution"] = _similarity(honest, solution, "solution")
+        assert max(scores.values()) < S.THRESHOLD - 0.1, (cell, scores)  # with a margin
+    student_only = []
+    for day, cell, name, caught_padded in COPIES:
+        boiler, refs, _ = _exercise(day, cell)
+        source = disguised(_source(name))
+        assert _similarity(S.Code.of(source, boiler), refs[name], "library") >= S.THRESHOLD + 0.2, cell
+        if caught_padded:
+            assert _similarity(S.Code.of(padded(source), boiler), refs[name], "library") >= S.THRESHOLD, cell
+        # diluted: the copy with more code of the student's own after it (here another exercise's):
+        # little of the cell is the library's, most of the library is in the cell
+        diluted = S.Code.of(source + "\n\n" + HONEST[("day6_pipeline", "one_f_one_b")], boiler)
+        assert _similarity(diluted, refs[name], "library") >= S.THRESHOLD, cell
+        student_only.append(S.share(diluted, refs[name]))
+    assert min(student_only) < S.THRESHOLD  # the student's share alone (the rule before) misses some

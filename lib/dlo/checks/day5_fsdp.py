@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dlo.checks.day5_zero import BYTES_TOL, STEP, batch, lm_loss, optimizer_for, train_on_full_batch
-from dlo.grading.api import check, on_ranks
+from dlo.grading.api import case_seed, check, on_ranks
 from dlo.grading.compare import DTYPE, assert_close, ok
 from dlo.measure import CommCounter, comm_bytes
 
@@ -77,12 +77,23 @@ def _counting(forward, calls: list):
     return counted
 
 
-def _fsdp_run(fn, cfg, c, seed, kind, steps, policy, ac_mode, compile_):
+def fsdp_parts(cfg, c: dict, seed: int, world: int, steps: int) -> list[dict]:
+    """What rank r is given, built here on the grader's side: the sizes and hyper-parameters, the
+    Llama's initial weights (every rank starts from the same model, as fully_shard expects) and its
+    own slice of each step's batch; never the global batch nor the seed."""
+    model, batches = llama(cfg, seed + 1), [batch(c, seed, s, world * c["per_rank"]) for s in range(steps)]
+    return [{"c": c, "model": model, "batches": [(x[r::world].clone(), y[r::world].clone()) for x, y in batches]}
+            for r in range(world)]
+
+
+def _fsdp_run(fn, mine, kind, steps, policy, ac_mode, compile_):
+    import copy
+
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule
 
-    r, n = dist.get_rank(), dist.get_world_size()
-    model = llama(cfg, seed + 1)
+    n, c = dist.get_world_size(), mine["c"]
+    model = copy.deepcopy(mine["model"])
     mesh = init_device_mesh("cpu", (n,))
     compiled, real = [], torch.compile
 
@@ -107,10 +118,10 @@ def _fsdp_run(fn, cfg, c, seed, kind, steps, policy, ac_mode, compile_):
     opt_cls, kw = optimizer_for(c, kind)
     opt = opt_cls(model.parameters(), **kw)
     for s in range(steps):
-        x, y = batch(c, seed, s, n * c["per_rank"])
+        x, y = mine["batches"][s]
         with CommCounter() as comm:  # every byte of the step, point-to-point included
             comm.phase = "forward"
-            loss = lm_loss(model, x[r::n], y[r::n])
+            loss = lm_loss(model, x, y)
             comm.phase = "backward"
             loss.backward()
             comm.phase = "step"
@@ -118,16 +129,25 @@ def _fsdp_run(fn, cfg, c, seed, kind, steps, policy, ac_mode, compile_):
             opt.zero_grad()
         if s == 0:
             out["comm"], out["ffn_calls"], out["dtypes"] = comm.records(), ffn_calls[0], sorted(set(dtypes))
+        out.setdefault("other", set()).update(other_comms(comm.records()))
     out["params"] = {_clean(k): p.full_tensor().detach().clone() for k, p in model.named_parameters()}
+    out["other"] = sorted(out["other"])
     return out
 
 
-def _fsdp_worker(fn, seed: int, steps: int):
-    cfg, c = llama_case(seed)
+def other_comms(calls: list) -> set:
+    """(kind, phase) of the messages FSDP2 does not send: anything but all-gathers and reduce-scatters
+    in forward and backward (point-to-point included)."""
+    return {(x["kind"], x["phase"]) for x in calls if x["kind"] not in ("all_gather", "reduce_scatter")
+            or x["phase"] == "step"}
+
+
+def _fsdp_worker(mine: dict, fn, steps: int):
+    """`mine`: this rank's part (`fsdp_parts`)."""
     full = (None, None)
-    return {"sgd": _fsdp_run(fn, cfg, c, seed, "sgd", 1, full, "full", True),
-            "adamw": _fsdp_run(fn, cfg, c, seed, "adamw", steps, full, "none", False),
-            "bf16": _fsdp_run(fn, cfg, c, seed, "sgd", 1, (torch.bfloat16, torch.float32), "none", False)}
+    return {"sgd": _fsdp_run(fn, mine, "sgd", 1, full, "full", True),
+            "adamw": _fsdp_run(fn, mine, "adamw", steps, full, "none", False),
+            "bf16": _fsdp_run(fn, mine, "sgd", 1, (torch.bfloat16, torch.float32), "none", False)}
 
 
 def _check_fsdp_structure(name: str, s: dict, n_layers: int, where: str) -> None:
@@ -160,16 +180,15 @@ def check_fsdp2(fn, seed: int = 0, world_size: int = 2, steps: int = 3) -> None:
     root with a MixedPrecisionPolicy. Checked: the structure and order, one all-gather per unit in
     forward, a recomputed forward per block in backward, bf16 all-gathers with fp32 reduce-scatters,
     and parameters equal to one process after one SGD step and k AdamW steps (float64)."""
-    name = "fsdp2"
-    cfg, c = llama_case(seed)
-    res = on_ranks(_fsdp_worker, world_size, fn, seed, steps)
+    name, secret = "fsdp2", case_seed(seed)  # the case's seed: secret when graded
+    cfg, c = llama_case(secret)
+    res = on_ranks(_fsdp_worker, world_size, fn, steps, per_rank=fsdp_parts(cfg, c, secret, world_size, steps))
     where = f"world_size={world_size}, n_layers={cfg.n_layers}, seed={seed}"
-    sgd, adamw = (llama_reference(cfg, c, seed, k, s, world_size) for k, s in (("sgd", 1), ("adamw", steps)))
+    sgd, adamw = (llama_reference(cfg, c, secret, k, s, world_size) for k, s in (("sgd", 1), ("adamw", steps)))
     for r, got in enumerate(res):
         _check_fsdp_structure(name, got["sgd"]["structure"], cfg.n_layers, f"{where}, rank {r}")
         calls = got["sgd"]["comm"]
-        other = sorted({(x["kind"], x["phase"]) for x in calls if x["kind"] not in ("all_gather", "reduce_scatter")
-                        or x["phase"] == "step"})
+        other = sorted({tuple(x) for run in ("sgd", "adamw", "bf16") for x in got[run]["other"]})
         if other:
             raise AssertionError(f"{name}: rank {r} also sent {other} (kind, phase): FSDP2 moves parameters by "
                                  f"all-gathers and gradients by reduce-scatters only; every byte a rank sends is "

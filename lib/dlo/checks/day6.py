@@ -4,10 +4,12 @@
    torch.distributed.pipelining's own (`get_schedule_ops`), replayed by the simulator (no deadlock),
    and the bubble fraction they imply;
 2. stage partition: contiguous, covering, non-empty, and as balanced as the best partition;
-3. and 4. GPipe and 1F1B training steps on `world_size` ranks (`on_ranks`): a trusted worker cuts
-   a float64 CoAtNet into stages at seeded places, hands each rank its `Stage` and runs the
-   student's step; the gradients come back and are compared here with one process on the whole
-   batch (micro-batches of unequal size: each must weigh by its share of the batch). 1F1B must
+3. and 4. GPipe and 1F1B training steps on `world_size` ranks (`on_ranks`): the check cuts a
+   float64 CoAtNet into stages at seeded places (a secret seed when graded: `case_seed`) and gives
+   each rank only its own `Stage`, the micro-batches to the first and the targets to the last (no
+   rank holds the model or the seed); a trusted worker runs the student's step there; the gradients
+   come back and are compared here with one process on the whole batch (micro-batches of unequal
+   size: each must weigh by its share of the batch). 1F1B must
    also keep at most p micro-batches of activations alive on the first stage: the worker counts
    the saved bytes there (`SavedTensorMeter`), the check measures one micro-batch's here;
 5. the same model through torch.distributed.pipelining (GPipe, 1F1B, interleaved 1F1B): losses
@@ -37,7 +39,7 @@ import torch.nn.functional as F
 from dlo.checks.day6_schedules import PIPE, check_schedules, check_split_stages
 from dlo.distributed.pipeline import build_stages, make_stage_modules
 from dlo.distributed.pipeline_comms import P2PWatch
-from dlo.grading.api import check, on_ranks
+from dlo.grading.api import case_seed, check, on_ranks
 from dlo.grading.compare import DTYPE, assert_close, ok
 from dlo.measure import SavedTensorMeter
 from dlo.models.coatnet import coatnet
@@ -82,18 +84,29 @@ def _reference(c: dict) -> tuple[float, list[list[torch.Tensor]]]:
     return loss.item(), [[q.grad.detach().clone() for q in s.parameters()] for s in stages]
 
 
-def _step_worker(fn, label: str, seed: int, equal: bool):
+def _step_parts(c: dict, p: int) -> list[dict]:
+    """What each rank is given, built here on the grader's side: its own `Stage` (its blocks only, not
+    the model), the micro-batches on the first stage and the targets on the last; never the seed."""
+    mods = make_stage_modules(list(c["model"].blocks), c["bounds"])
+    sizes = [len(t) for t in c["ys"]]
+    parts = []
+    for r in range(p):
+        stage = build_stages(mods, p, sizes, (3, IMAGE, IMAGE), dtype=DTYPE, rank=r)[0]
+        parts.append({"stage": stage, "m": c["m"], "xs": c["xs"] if stage.is_first else None,
+                      "ys": c["ys"] if stage.is_last else None})
+    return parts
+
+
+def _step_worker(mine: dict, fn, label: str):
+    """`mine`: this rank's part (`_step_parts`). The step's sends and receives are watched, the bytes
+    saved for backward counted."""
     import sys
 
-    r, p = dist.get_rank(), dist.get_world_size()
-    c = _case(seed, p, equal)
-    mods = make_stage_modules(list(c["model"].blocks), c["bounds"])
-    stage = build_stages(mods, p, [len(t) for t in c["ys"]], (3, IMAGE, IMAGE), dtype=DTYPE)[0]
+    r, p, stage = dist.get_rank(), dist.get_world_size(), mine["stage"]
     held = [*stage.module.parameters(), *stage.module.buffers()]
-    xs, ys = (c["xs"] if stage.is_first else None), (c["ys"] if stage.is_last else None)
-    with P2PWatch(f"rank {r}, your {label} step (p={p}, m={c['m']})") as watch, \
+    with P2PWatch(f"rank {r}, your {label} step (p={p}, m={mine['m']})") as watch, \
             SavedTensorMeter(exclude=held) as meter:
-        loss = fn(stage, xs, ys, F.cross_entropy)
+        loss = fn(stage, mine["xs"], mine["ys"], F.cross_entropy)
     if any(name.startswith(TORCH_PP.rstrip(".")) for name in sys.modules):
         raise AssertionError(f"{label} step: your step imported torch.distributed.pipelining; this exercise asks for "
                              f"your own schedule from point-to-point messages (exercise 5 is torch's)")
@@ -103,8 +116,9 @@ def _step_worker(fn, label: str, seed: int, equal: bool):
 
 
 def _check_step(name: str, fn, label: str, seed: int, world_size: int, equal: bool, timeout: float) -> tuple:
-    got = on_ranks(_step_worker, world_size, fn, label, seed, equal, timeout=timeout)
-    c = _case(seed, world_size, equal)
+    c = _case(case_seed(seed), world_size, equal)  # a secret seed when graded
+    c["where"]["seed"] = seed
+    got = on_ranks(_step_worker, world_size, fn, label, timeout=timeout, per_rank=_step_parts(c, world_size))
     loss, grads = _reference(c)
     where = c["where"]
     last = got[-1]["loss"]
@@ -155,10 +169,23 @@ def check_one_f_one_b_step(fn, seed: int = 0, world_size: int = 2, timeout: floa
              f"{world_size} ranks, seed={seed}")
 
 
-def _torch_worker(fn, seed: int, schedules: tuple):
+def _torch_parts(cases: dict, p: int) -> list[dict]:
+    """Rank r's part of each schedule's case, built here: the stage modules it holds (stages r, r + p,
+    ...), the batch if it holds the first stage, the targets if it holds the last."""
+    parts = [{} for _ in range(p)]
+    for name, c in cases.items():
+        mods = make_stage_modules(list(c["model"].blocks), c["bounds"])
+        for r in range(p):
+            mine = list(range(r, len(mods), p))
+            parts[r][name] = {"ids": mine, "mods": [mods[s] for s in mine], "n_stages": len(mods), "m": c["m"],
+                              "x": c["x"] if 0 in mine else None, "y": c["y"] if len(mods) - 1 in mine else None}
+    return parts
+
+
+def _torch_worker(mine: dict, fn):
     from torch.distributed.pipelining import stage as pp_stage
 
-    r, p = dist.get_rank(), dist.get_world_size()
+    r = dist.get_rank()
     calls, original = [0], pp_stage._PipelineStageBase.forward_one_chunk
 
     def counted(self, *args, **kwargs):
@@ -168,19 +195,16 @@ def _torch_worker(fn, seed: int, schedules: tuple):
     pp_stage._PipelineStageBase.forward_one_chunk = counted
     out = {}
     try:
-        for name in schedules:
-            v = 2 if name == "Interleaved1F1B" else 1
-            c = _case(seed, p, True, v * p)
-            mods = make_stage_modules(list(c["model"].blocks), c["bounds"])
-            mine = list(range(r, v * p, p))
-            first, last = 0 in mine, v * p - 1 in mine
+        for name, part in mine.items():
+            last = part["y"] is not None
             calls[0] = 0
             with P2PWatch(f"rank {r}, your torch.distributed.pipelining {name} step"):
-                losses = fn([mods[s] for s in mine], mine, v * p, c["x"] if first else None,
-                            c["y"] if last else None, F.cross_entropy, c["m"], name)
+                losses = fn(part["mods"], part["ids"], part["n_stages"], part["x"], part["y"], F.cross_entropy,
+                            part["m"], name)
             out[name] = {"losses": [float(torch.as_tensor(x).detach()) for x in losses] if last and losses is not None
                          else None,
-                         "last": last, "grads": {s: [q.grad for q in mods[s].parameters()] for s in mine},
+                         "last": last, "grads": {s: [q.grad for q in m.parameters()]
+                                                 for s, m in zip(part["ids"], part["mods"])},
                          "chunks": calls[0]}
     finally:
         pp_stage._PipelineStageBase.forward_one_chunk = original
@@ -195,13 +219,14 @@ def check_torch_pipeline(fn, seed: int = 0, world_size: int = 2,
     `schedule` ("GPipe", "1F1B", "Interleaved1F1B"); return the list of micro-batch losses on the
     rank with the last stage. Losses and gradients against one process (hence against your GPipe and
     1F1B, which equal it too); torch's stages must have run every micro-batch."""
-    name = "torch_pipeline"
-    got = on_ranks(_torch_worker, world_size, fn, seed, tuple(schedules), timeout=timeout)
-    for sched in schedules:
+    name, secret = "torch_pipeline", case_seed(seed)  # a secret seed when graded
+    cases = {sched: _case(secret, world_size, True, (2 if sched == "Interleaved1F1B" else 1) * world_size)
+             for sched in schedules}
+    got = on_ranks(_torch_worker, world_size, fn, timeout=timeout, per_rank=_torch_parts(cases, world_size))
+    for sched, c in cases.items():
         v = 2 if sched == "Interleaved1F1B" else 1
-        c = _case(seed, world_size, True, v * world_size)
         loss, grads = _reference(c)
-        where = {**c["where"], "schedule": sched}
+        where = {**c["where"], "seed": seed, "schedule": sched}
         for r, rank_out in enumerate(got):
             res = rank_out[sched]
             if res["chunks"] != c["m"] * v:

@@ -1,10 +1,15 @@
 """Autograder checks for Day 7 (tensor parallelism).
 
-Every check runs the student's code on `world_size` ranks through `on_ranks` (a trusted worker below
-builds the full layers from the seed, shards them with the student's code, runs forward and backward
-and returns outputs, gradients and the collectives it counted with `dlo.measure.CommCounter`) and
-compares with one process built from the same weights, computed here, outside the worker (the
-torchtitan test pattern). Everything is float64: a correct split differs from one process only by
+Every check draws its case here, on the grader's side (from a secret seed when `dlo grade` runs it:
+`case_seed`), and runs the student's code on `world_size` ranks through `on_ranks`: each rank is
+given only its part (`per_rank`: the layer the exercise splits, and of the inputs and output
+gradients its own block where the layer is split, so that what the other ranks hold must come
+through a collective); a trusted worker shards the layer with the student's code, runs forward and
+backward and returns outputs, gradients, the collectives it counted with `dlo.measure.CommCounter`
+and, where a rank holds the whole layer, its FLOPs (1/t of one process's: a rank that computes the
+whole layer and issues collectives for show fails). The comparison with one process built from the
+same weights is computed here, outside the ranks (the torchtitan test pattern). Everything is
+float64: a correct split differs from one process only by
 summation order (~1e-15), so the default tolerance of `assert_close` (1e-9) catches a missing sum,
 a wrong slice or a forgotten gradient all-reduce. Sizes are odd wherever the exercise allows it
 (batch, sequence of the unsplit layers, input features); the split dimensions are t times an odd

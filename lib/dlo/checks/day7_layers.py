@@ -5,14 +5,16 @@ forward/backward with its collectives counted. Re-exported by `dlo.checks.day7`.
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import random
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
 
-from dlo.grading.api import check, on_ranks
+from dlo.grading.api import case_seed, check, on_ranks
 from dlo.grading.compare import DTYPE, assert_close, ok
 from dlo.measure import CommCounter
 
@@ -53,16 +55,22 @@ class SwiGLU(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
-def fwd_bwd(fn, x, up):
-    """fn(x) with x a fresh leaf, then backward of <fn(x), up>: output, x.grad, comm counts fwd/bwd."""
+def fwd_bwd(fn, x, up, flops: bool = False):
+    """fn(x) with x a fresh leaf, then backward of <fn(x), up>: output, x.grad, comm counts fwd/bwd,
+    and with `flops` the FLOPs of both (FlopCounterMode: the matmuls and attention this rank ran)."""
     x = x.detach().clone().requires_grad_(True)
-    with CommCounter() as fwd:
-        y = fn(x)
-    if not isinstance(y, torch.Tensor):
-        raise AssertionError(f"the forward returned a {type(y).__name__}, expected a tensor")
-    with CommCounter() as bwd:
-        (y * up).sum().backward()
-    return {"y": y.detach(), "dx": x.grad, "fwd": fwd.by_kind("calls"), "bwd": bwd.by_kind("calls")}
+    counter = FlopCounterMode(display=False) if flops else contextlib.nullcontext()
+    with counter:
+        with CommCounter() as fwd:
+            y = fn(x)
+        if not isinstance(y, torch.Tensor):
+            raise AssertionError(f"the forward returned a {type(y).__name__}, expected a tensor")
+        with CommCounter() as bwd:
+            (y * up).sum().backward()
+    out = {"y": y.detach(), "dx": x.grad, "fwd": fwd.by_kind("calls"), "bwd": bwd.by_kind("calls")}
+    if flops:
+        out["flops"] = counter.get_total_flops()
+    return out
 
 
 def reference(fn, x, up):
@@ -70,6 +78,23 @@ def reference(fn, x, up):
     y = fn(x)
     (y * up).sum().backward()
     return y.detach(), x.grad
+
+
+def reference_flops(fn, x, up) -> int:
+    """The FLOPs of one process's forward and backward (on copies: the module's grads are kept)."""
+    fn = copy.deepcopy(fn)
+    with FlopCounterMode(display=False) as counter:
+        reference(fn, x, up)
+    return counter.get_total_flops()
+
+
+def expect_split_work(name: str, got: int, whole: int, t: int, where) -> None:
+    """A rank's FLOPs against one process's: a split layer does 1/t of them; the whole layer computed
+    on a rank (with collectives for show) does them all. Allowed: halfway between the two."""
+    if t > 1 and got > whole * (1 + 1 / t) / 2:
+        raise AssertionError(f"{name}: a rank ran {got:,} FLOPs in forward and backward, one process on the whole "
+                             f"layer runs {whole:,}; each rank should compute its 1/{t} of the heads or hidden "
+                             f"units ({whole // t:,}), not the whole layer ({where})")
 
 
 def param_grad(module, name: str, what: str):
@@ -100,23 +125,31 @@ def _linears_case(seed: int, t: int) -> dict:
             "up_in": torch.randn(B, T, n_in, generator=gen, dtype=DTYPE),
             "per_rank": [torch.randn(B, T, n_in, generator=gen, dtype=DTYPE) for _ in range(t)],
             "per_rank_up": [torch.randn(B, T, n_in, generator=gen, dtype=DTYPE) for _ in range(t)],
+            # the output gradient of the split column layer: each rank gets its block only
+            "up_split": torch.randn(B, T, n_out, generator=gen, dtype=DTYPE),
             "where": dict(B=B, T=T, in_features=n_in, out_features=n_out, world_size=t, seed=seed)}
 
 
-def _linears_worker(f, g, col_cls, row_cls, seed):
-    t, r = dist.get_world_size(), dist.get_rank()
-    c = _linears_case(seed, t)
-    out = {"f": fwd_bwd(lambda x: f(x), c["per_rank"][r], c["per_rank_up"][r]),
-           "g": fwd_bwd(lambda x: g(x), c["per_rank"][r], c["per_rank_up"][r])}
+def _linears_parts(c: dict, t: int) -> list[dict]:
+    """Rank r's part, drawn here: its own input and output gradient for f and g, the layers to split
+    and the replicated input, its own block of the split layers' output gradient and of the row
+    layer's input; what the other ranks hold has to come through a collective."""
+    return [{"x_r": c["per_rank"][r], "up_r": c["per_rank_up"][r], "col": c["col"], "row": c["row"], "x": c["x"],
+             "up_out": c["up_out"], "up_split": c["up_split"].chunk(t, -1)[r].clone(),
+             "h": c["h"].chunk(t, -1)[r].clone(), "up_in": c["up_in"]} for r in range(t)]
+
+
+def _linears_worker(mine, f, g, col_cls, row_cls):
+    out = {"f": fwd_bwd(lambda x: f(x), mine["x_r"], mine["up_r"]),
+           "g": fwd_bwd(lambda x: g(x), mine["x_r"], mine["up_r"])}
     for gather in (False, True):
-        layer = col_cls(c["col"], None, gather_output=gather)
-        up = c["up_out"] if gather else c["up_out"].chunk(t, -1)[r]
-        res = fwd_bwd(layer, c["x"], up)
+        layer = col_cls(mine["col"], None, gather_output=gather)
+        res = fwd_bwd(layer, mine["x"], mine["up_out"] if gather else mine["up_split"])
         res["dw"], res["db"] = param_grad(layer, "weight", "ColumnParallelLinear"), \
             param_grad(layer, "bias", "ColumnParallelLinear")
         out[f"col_gather={gather}"] = res
-    layer = row_cls(c["row"], None, input_is_parallel=True)
-    res = fwd_bwd(layer, c["h"].chunk(t, -1)[r], c["up_in"])
+    layer = row_cls(mine["row"], None, input_is_parallel=True)
+    res = fwd_bwd(layer, mine["h"], mine["up_in"])
     res["dw"], res["db"] = (param_grad(layer, w, "RowParallelLinear") for w in ("weight", "bias"))
     out["row"] = res
     return out
@@ -129,10 +162,10 @@ def check_tp_linears(f, g, column_cls, row_cls, seed: int = 0, world_size: int =
     `RowParallelLinear(linear, group=None, input_is_parallel=True)`: rank r keeps the r-th contiguous
     block of the output (column) or input (row) features. Outputs, input and weight gradients and
     the collectives of forward and backward, against nn.Linear on one process."""
-    name = "tp_linears"
-    got = on_ranks(_linears_worker, world_size, f, g, column_cls, row_cls, seed)
-    c, t = _linears_case(seed, world_size), world_size
-    where = c["where"]
+    name, t = "tp_linears", world_size
+    c = _linears_case(case_seed(seed), t)  # a secret seed when graded
+    where = {**c["where"], "seed": seed}
+    got = on_ranks(_linears_worker, world_size, f, g, column_cls, row_cls, per_rank=_linears_parts(c, t))
     sum_x, sum_up = sum(c["per_rank"]), sum(c["per_rank_up"])
     for r, res in enumerate(got):
         fr, gr = res["f"], res["g"]
@@ -149,7 +182,7 @@ def check_tp_linears(f, g, column_cls, row_cls, seed: int = 0, world_size: int =
         lin = c["col"]
         for gather in (False, True):
             lin.zero_grad()
-            y, dx = reference(lin, c["x"], c["up_out"])
+            y, dx = reference(lin, c["x"], c["up_out"] if gather else c["up_split"])
             res, here = got[r][f"col_gather={gather}"], {**where, "rank": r, "gather_output": gather}
             assert_close("ColumnParallelLinear", "output" + ("" if gather else " (this rank's block of features)"),
                          res["y"], y if gather else y.chunk(t, -1)[r], here)
@@ -189,10 +222,11 @@ def _mlp_case(seed: int, t: int) -> dict:
             "where": dict(B=B, T=T, dim=dim, hidden=hidden, world_size=t, seed=seed)}
 
 
-def _mlp_worker(cls, seed):
-    c = _mlp_case(seed, dist.get_world_size())
-    mlp = cls(c["ffn"], None)
-    res = fwd_bwd(mlp, c["x"], c["up"])
+def _mlp_worker(mine, cls):
+    """`mine`: the layer to split and its input and output gradient (the same on every rank), drawn
+    on the grader's side from its seed."""
+    mlp = cls(mine["ffn"], None)
+    res = fwd_bwd(mlp, mine["x"], mine["up"], flops=True)
     res.update({w: param_grad(mlp, f"{w}.weight", "the tensor-parallel MLP") for w in ("w1", "w2", "w3")})
     return res
 
@@ -202,12 +236,14 @@ def check_tp_swiglu(cls, seed: int = 0, world_size: int = 2) -> None:
     """`cls(ffn, group=None)` splits a SwiGLU feed-forward (w1, w3 by output features, w2 by input
     features) and computes w2(silu(w1 x) * w3 x) with exactly one all-reduce in forward and one in
     backward; outputs, input gradient and w1/w2/w3 gradients against one process."""
-    name = "tp_swiglu"
-    got = on_ranks(_mlp_worker, world_size, cls, seed)
-    c, t = _mlp_case(seed, world_size), world_size
+    name, t = "tp_swiglu", world_size
+    c = _mlp_case(case_seed(seed), t)  # a secret seed when graded
+    part = {k: c[k] for k in ("ffn", "x", "up")}
+    got = on_ranks(_mlp_worker, world_size, cls, per_rank=[part] * t)
+    whole = reference_flops(c["ffn"], c["x"], c["up"])
     y, dx = reference(c["ffn"], c["x"], c["up"])
     for r, res in enumerate(got):
-        here = {**c["where"], "rank": r}
+        here = {**c["where"], "seed": seed, "rank": r}
         expect_comms(name, "forward", res["fwd"], {"all_reduce": 1},
                      "w1 and w3 keep their outputs split, only w2's partial sums are all-reduced (g)", here)
         expect_comms(name, "backward", res["bwd"], {"all_reduce": 1},
@@ -219,4 +255,5 @@ def check_tp_swiglu(cls, seed: int = 0, world_size: int = 2) -> None:
         assert_close(name, "w3 gradient (this rank's rows)", res["w3"], c["ffn"].w3.weight.grad.chunk(t, 0)[r], here)
         assert_close(name, "w2 gradient (this rank's columns)", res["w2"], c["ffn"].w2.weight.grad.chunk(t, 1)[r],
                      here)
+        expect_split_work(name, res["flops"], whole, t, here)
     ok(name, f"one all-reduce each way on {world_size} ranks, seed={seed}")

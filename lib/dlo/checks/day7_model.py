@@ -4,6 +4,7 @@ the DTensor plan of a Llama block), re-exported by `dlo.checks.day7`.
 
 from __future__ import annotations
 
+import copy
 import math
 import random
 
@@ -15,12 +16,14 @@ from dlo.checks.day7_layers import (
     F_G,
     LAYERS,
     expect_comms,
+    expect_split_work,
     fwd_bwd,
     param_grad,
     reference,
+    reference_flops,
     seeded_gen,
 )
-from dlo.grading.api import check, on_ranks
+from dlo.grading.api import case_seed, check, on_ranks
 from dlo.grading.compare import DTYPE, assert_close, ok
 
 # ----------------------------------------------------------------------------- 3. attention split by heads
@@ -55,11 +58,12 @@ def _attention_case(seed: int, t: int) -> dict:
                           seed=seed)}
 
 
-def _attention_worker(cls, seed):
-    t = dist.get_world_size()
-    c = _attention_case(seed, t)
+def _attention_worker(mine, cls):
+    """`mine`: the attention to split, RoPE's tables, the input and output gradient (the same on every
+    rank) and an attention whose KV heads do not split, drawn on the grader's side from its seed."""
+    t, c = dist.get_world_size(), mine
     layer = cls(c["attn"], None)
-    res = fwd_bwd(lambda x: layer(x, c["cos"], c["sin"]), c["x"], c["up"])
+    res = fwd_bwd(lambda x: layer(x, c["cos"], c["sin"]), c["x"], c["up"], flops=True)
     res.update({w: param_grad(layer, f"{w}.weight", "the tensor-parallel attention")
                 for w in ("wq", "wk", "wv", "wo")})
     res["bad"] = None
@@ -77,13 +81,15 @@ def check_tp_attention(cls, seed: int = 0, world_size: int = 2) -> None:
     rank r keeps query heads [r H/t, (r+1) H/t) and KV heads [r Hkv/t, (r+1) Hkv/t); wo by input
     features) and runs `layer(x, cos, sin)` with one all-reduce forward and one backward; a degree
     that does not divide the KV heads raises ValueError naming n_kv_heads."""
-    name = "tp_attention"
-    got = on_ranks(_attention_worker, world_size, cls, seed)
-    c, t = _attention_case(seed, world_size), world_size
+    name, t = "tp_attention", world_size
+    c = _attention_case(case_seed(seed), t)  # a secret seed when graded
+    part = {k: c[k] for k in ("attn", "bad", "cos", "sin", "x", "up")}
+    got = on_ranks(_attention_worker, world_size, cls, per_rank=[part] * t)
     attn = c["attn"]
+    whole = reference_flops(lambda x: copy.deepcopy(attn)(x, c["cos"], c["sin"]), c["x"], c["up"])
     y, dx = reference(lambda x: attn(x, c["cos"], c["sin"]), c["x"], c["up"])
     for r, res in enumerate(got):
-        here = {**c["where"], "rank": r}
+        here = {**c["where"], "seed": seed, "rank": r}
         expect_comms(name, "forward", res["fwd"], {"all_reduce": 1}, "q, k, v and the attention are local; only "
                      "wo's partial sums are all-reduced", here)
         expect_comms(name, "backward", res["bwd"], {"all_reduce": 1}, "apply f once to x, before wq, wk and wv",
@@ -95,6 +101,7 @@ def check_tp_attention(cls, seed: int = 0, world_size: int = 2) -> None:
                          getattr(attn, w).weight.grad.chunk(t, 0)[r], here)
         assert_close(name, "wo gradient (the columns of this rank's heads)", res["wo"],
                      attn.wo.weight.grad.chunk(t, 1)[r], here)
+        expect_split_work(name, res["flops"], whole, t, here)
         if t > 1 and (res["bad"] is None or "n_kv_heads" not in res["bad"]):
             raise AssertionError(f"{name}: an attention with 1 KV head on {t} ranks must raise ValueError naming "
                                  f"n_kv_heads (a rank needs whole KV heads), got "
@@ -122,7 +129,9 @@ def _llama(cfg, seed: int):
     return model
 
 
-def _dtensor_worker(fn, seed):
+def _dtensor_worker(mine, fn):
+    """`mine`: the Llama to parallelize, the tokens and targets (the same on every rank), drawn on the
+    grader's side from its seed."""
     import warnings
 
     from torch.distributed.device_mesh import init_device_mesh
@@ -130,8 +139,7 @@ def _dtensor_worker(fn, seed):
     from torch.distributed.tensor.debug import CommDebugMode
     from torch.distributed.tensor.parallel import loss_parallel
 
-    c = _dtensor_case(seed, dist.get_world_size())
-    model = _llama(c["cfg"], seed)
+    c, model = mine, mine["model"]
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     fn(model, mesh)
     full = lambda z: z.full_tensor() if isinstance(z, DTensor) else z  # noqa: E731
@@ -160,10 +168,12 @@ def check_dtensor_plan(fn, seed: int = 0, world_size: int = 2) -> None:
     CommDebugMode against torchtitan's plan: per block one all-gather and one reduce-scatter around
     the attention and around the MLP, one more of each for the embedding and the output, and the
     three all-reduces of the vocabulary-parallel loss."""
-    name = "dtensor_plan"
-    got = on_ranks(_dtensor_worker, world_size, fn, seed)
-    c = _dtensor_case(seed, world_size)
-    model = _llama(c["cfg"], seed)
+    name, secret = "dtensor_plan", case_seed(seed)  # a secret seed when graded
+    c = _dtensor_case(secret, world_size)
+    part = {"model": _llama(c["cfg"], secret), "tokens": c["tokens"], "targets": c["targets"]}
+    got = on_ranks(_dtensor_worker, world_size, fn, per_rank=[part] * world_size)
+    c["where"]["seed"] = seed
+    model = _llama(c["cfg"], secret)
     loss = F.cross_entropy(model(c["tokens"]).flatten(0, 1), c["targets"].flatten())
     loss.backward()
     L = c["cfg"].n_layers

@@ -202,7 +202,9 @@ def spawn(fn, world_size, backend, timeout, args, kwargs) -> list:
     last_output: dict[int, float] = {}
     try:
         for r in range(world_size):
-            p = subprocess.Popen([sys.executable, "-m", "dlo.distributed._worker", workdir],
+            # -P: the working directory is not put on sys.path, so a module planted there (by code run
+            # earlier in that folder, e.g. a graded student's) cannot run before the worker takes its shard
+            p = subprocess.Popen([sys.executable, "-P", "-m", "dlo.distributed._worker", workdir],
                                  env=_worker_env(r, world_size, port, workdir), stdin=subprocess.DEVNULL,
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
             procs.append(p)

@@ -117,8 +117,7 @@ class DirectSession:
 
         stub = next((obj for obj in (*args, *kwargs.values()) if is_stub(obj)), None)
         if stub is not None:  # its first call raises on every rank: say so without starting them
-            raise AssertionError(f"{self.name}: {getattr(stub, '__name__', 'the answer')} raised NotImplementedError "
-                                 f"on every rank: the exercise is not done yet")
+            raise AssertionError(stub_message(self.name, getattr(stub, "__name__", "the answer")))
         shards = write_shards(per_rank, world_size)
         try:
             results = launch(run_on_rank, world_size, worker_ref(worker), self.forbid, self.name, self.hint,
@@ -152,6 +151,10 @@ def is_stub(obj) -> bool:
     ops = [(i.opname, i.argval) for i in dis.get_instructions(code) if i.opname not in _STUB_OPS]
     return (len(ops) in (2, 3) and ops[0] == ("LOAD_GLOBAL", "NotImplementedError")
             and ops[-1][0] == "RAISE_VARARGS" and (len(ops) == 2 or ops[1] == ("CALL", 0)))
+
+
+def stub_message(exercise: str, label: str) -> str:
+    return f"{exercise}: {label} raised NotImplementedError on every rank: the exercise is not done yet"
 
 
 def deadlock_message(name: str, err: Exception) -> str:
@@ -227,8 +230,30 @@ def run_on_rank(worker, forbid, name, hint, payload: bytes, shards: str | None =
             worker = getattr(worker, part)
     mine = (take_shard(shards),) if shards is not None else ()
     with forbidden(forbid, name, hint), sealed() as sealing, no_threads(name):
-        args, kwargs = sealing.loads(payload)
+        args, kwargs = load_captures(sealing.loads(payload))
         return worker(*mine, *args, **kwargs)
+
+
+def load_captures(obj, loaded: dict | None = None, depth: int = 0):
+    """`obj` with each captured student object (`wire_request.Ref("cap", path)`, as the sandboxed runner
+    forwards them) unpickled here, on the rank, under the seal: the runner's process never loads
+    them for an on-ranks check, since unpickling may run the student's code (`__reduce__`) and that
+    process has seen every rank's part of the case."""
+    from dlo.grading.wire_request import Ref  # OPEN: importable while sealed
+
+    loaded = {} if loaded is None else loaded
+    if isinstance(obj, Ref) and obj.kind == "cap":
+        if obj.key not in loaded:
+            import pickle
+
+            with open(obj.key, "rb") as f:
+                loaded[obj.key] = pickle.load(f)  # plain unpickling: the grader's names meet the seal
+        return loaded[obj.key]
+    if depth < 64 and type(obj) in (list, tuple):
+        return type(obj)(load_captures(x, loaded, depth + 1) for x in obj)
+    if depth < 64 and type(obj) is dict:
+        return {k: load_captures(v, loaded, depth + 1) for k, v in obj.items()}
+    return obj
 
 
 _state = threading.local()

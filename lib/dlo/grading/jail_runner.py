@@ -13,8 +13,17 @@ serves requests until the check closes the session:
 - `getattr`: an attribute of a student object (the same reply);
 - `run`: a trusted worker (a module-level function of dlo.checks) with the student's objects among its
   arguments; plain data only comes back;
+- `stub`: whether a student object is the release's untouched stub (`api.is_stub`), answered by
+  a grandchild that loads the objects and exits, its descendants killed before the reply;
 - `ranks`: the same worker on N ranks (`dlo.distributed.launch`: the ranks are this child's children,
-  inside the sandbox too).
+  inside the sandbox too). The child holds every rank's part of the case, so it runs no student code
+  for this request: the captured objects travel to the ranks unloaded and each rank loads them
+  after taking its own part and sealing (`api.load_captures`); a session whose child has already
+  run the student's code cannot start ranks.
+
+Processes the student's code leaves behind end with the session: the runner and each session's
+child are subreapers (orphans stay their descendants), and the runner kills whatever is left below
+it once the session's child has exited.
 
 Trusted callables among the inputs (`Callback`) are called back over the channel. The parent
 never runs student code: it forwards frames between the trusted side and the child, and reports the
@@ -35,6 +44,7 @@ import traceback
 
 import cloudpickle
 
+from dlo import reaper
 from dlo.grading import api, forbid, frames, wire
 from dlo.grading.seal import seal
 from dlo.grading.wire_request import Callback, OneShot, Ref
@@ -48,6 +58,7 @@ def main(argv: list[str]) -> int:
 
     import dlo.checks  # noqa: F401
 
+    reaper.subreaper(True)  # what a session's code leaves running stays findable, and ends with it (serve)
     wire.write_frame(proto_out, wire.encode({"kind": "ready", "pid": os.getpid()}))
     while True:
         try:
@@ -88,6 +99,8 @@ def serve(req: dict, proto_in: int, proto_out: int) -> None:
     finally:
         os.close(pidfd)
         parent_sock.close()
+        reaper.kill_tree(os.getpid(), include_root=False)  # daemons of the session's code: none may wait for
+        # the next check's shards
 
 
 def _forward(proto_in: int, proto_out: int, sock: int, pidfd: int, pid: int) -> None:
@@ -145,6 +158,7 @@ class Session:
         self.hint = req.get("hint", "")
         self.objects: dict[int, object] = {}
         self.captured: dict[str, object] = {}
+        self.ran_student = False  # whether the student's code has run in this process (loaded or called)
 
     def send(self, msg: dict, handles: bool = True) -> None:
         try:
@@ -172,6 +186,7 @@ class Session:
             self.send(_error(exc))
             return
         Callback.call_back = self.call_back
+        reaper.subreaper(True)  # the stub probe's orphans stay below this process (`probe_stub`)
         self.send({"kind": "opened"})
         while True:
             req = self.next_request()
@@ -199,6 +214,11 @@ class Session:
 
     def answer(self, req: dict) -> dict:
         op = req["op"]
+        if op == "ranks":
+            return {"kind": "result", "value": self.ranks(req), "after": None}
+        if op == "stub":
+            return {"kind": "result", "value": self.probe_stub(req), "after": None}
+        self.ran_student = True  # loading the captures below may run the student's code (__reduce__)
         args, kwargs = self.resolve(req.get("args", ())), self.resolve(req.get("kwargs", {}))
         if op == "call":
             value = self.resolve(req["target"])(*args, **kwargs)
@@ -208,12 +228,40 @@ class Session:
         if op == "run":
             value = api.safe_data(req["worker"](*args, **kwargs), f"{self.name}: the worker's result")
             return {"kind": "result", "value": value, "after": None}
-        if op == "ranks":
-            ranks = api.DirectSession(self.name, self.forbid, self.hint)  # each rank blocks and seals itself
-            value = ranks.on_ranks(req["worker"], req["world_size"], args, kwargs, req["timeout"], req["backend"],
-                                   per_rank=req.get("per_rank"))
-            return {"kind": "result", "value": value, "after": None}
         raise ValueError(f"unknown request {op!r}")
+
+    def ranks(self, req: dict):
+        """The worker on the ranks, with the captured objects unloaded (each rank loads them)."""
+        args, kwargs = req.get("args", ()), req.get("kwargs", {})
+        if self.ran_student or _refs(args, "obj") or _refs(kwargs, "obj"):
+            raise RuntimeError(f"grader: {self.name} starts ranks after the student's code ran in the check's "
+                               f"process; the ranks' shards must reach no process that ran it (call on_ranks "
+                               f"first, or in a check of its own)")
+        ranks = api.DirectSession(self.name, self.forbid, self.hint)  # each rank blocks, seals and loads
+        return ranks.on_ranks(req["worker"], req["world_size"], args, kwargs, req["timeout"], req["backend"],
+                              per_rank=req.get("per_rank"))
+
+    def probe_stub(self, req: dict) -> str | None:
+        """The name of the first captured object that is the release's stub, else None; loaded and
+        inspected in a grandchild (its code may run while it loads), which exits before the reply,
+        with everything it started."""
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(read)
+            try:
+                objs = [self.resolve(x) for x in (*req.get("args", ()), *req.get("kwargs", {}).values())]
+                stub = next((o for o in objs if api.is_stub(o)), None)
+                os.write(write, b"-" if stub is None else b"+" + str(getattr(stub, "__name__", "the answer"))
+                         .encode()[:200])
+            finally:
+                os._exit(0)
+        os.close(write)
+        with os.fdopen(read, "rb") as f:
+            answer = f.read(201)
+        os.waitpid(pid, 0)
+        reaper.kill_tree(os.getpid(), include_root=False)
+        return answer[1:].decode(errors="replace") if answer[:1] == b"+" else None
 
     def resolve(self, obj, depth: int = 0):
         """The request with every Ref replaced by the student's object it names."""
@@ -246,6 +294,17 @@ class Session:
             if req.get("op") == "close":
                 os._exit(0)
             self.reply(req)
+
+
+def _refs(obj, kind: str, depth: int = 0) -> bool:
+    """Whether `obj` holds a `Ref` of this kind (through lists, tuples and dicts)."""
+    if isinstance(obj, Ref):
+        return obj.kind == kind
+    if depth < wire.MAX_DEPTH and type(obj) in (list, tuple):
+        return any(_refs(x, kind, depth + 1) for x in obj)
+    if depth < wire.MAX_DEPTH and type(obj) is dict:
+        return any(_refs(x, kind, depth + 1) for x in obj.values())
+    return False
 
 
 def state(obj, depth: int = 0):

@@ -28,6 +28,7 @@ import sys
 import time
 from pathlib import Path
 
+from dlo.grading.api import stub_message
 from dlo.grading.remote import CheckTimeout, Remote, Runner, RunnerDied, apply_after, materialise, rebuild_error
 from dlo.grading.wire_request import Callback, Ref, dump_request
 
@@ -66,6 +67,9 @@ class Session:
         return self.request({"op": "run", "worker": worker, "args": args, "kwargs": kwargs})
 
     def on_ranks(self, worker, world_size, args, kwargs, timeout, backend, per_rank=None):
+        stub = self.request({"op": "stub", "args": args, "kwargs": kwargs})
+        if stub is not None:  # an untouched exercise: its verdict without starting ranks
+            raise AssertionError(stub_message(self.name, str(stub)))
         return self.request({"op": "ranks", "worker": worker, "world_size": world_size, "args": args,
                              "kwargs": kwargs, "timeout": timeout, "backend": backend, "per_rank": per_rank})
 
