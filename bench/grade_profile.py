@@ -8,8 +8,9 @@ Each day's notebook (the instructors' solution, or the blank release) is graded 
 for every process of the grading tree, its last CPU seconds (user + system) and what it is: the `dlo grade`
 process, the course build (nbgrader generate_assignment), the per-submission nbgrader process (autograde
 and feedback: nbgrader, its database, the trusted checks), the student's Jupyter kernel (the notebook's
-own cells), the sandboxed checks' runner and its per-check forks, the ranks (under the kernel: the
-notebook's experiments; under the runner: the checks'), bubblewrap and the sandbox probe. The total is
+own cells), the sandboxed checks runner (dlo.grading.jail_runner) and its per-check forks, the ranks
+(under the kernel: the notebook's experiments; under the runner: the checks'; a launch's zygote counts
+as one of them), bubblewrap and the sandbox probe. The total is
 the sum of the sampled processes (a lower bound: a process loses what it spent in its last 0.1 s, and
 one shorter than that is not seen); getrusage(RUSAGE_CHILDREN) is recorded beside it but undercounts:
 the kernel and the runner run under bubblewrap as another user, and their CPU never reaches this process
@@ -37,7 +38,7 @@ TICK = os.sysconf("SC_CLK_TCK")
 # (category, words that all appear in the command line), first match wins
 KINDS = [
     ("ranks", ("dlo.distributed._worker",)),
-    ("checks runner", ("dlo.checks.runner",)),
+    ("checks runner", ("jail_runner",)),
     ("kernel", ("ipykernel",)),
     ("course build (generate_assignment)", ("nbgrader_cli", "generate")),
     ("nbgrader (autograde, feedback, checks)", ("nbgrader_cli",)),
