@@ -199,6 +199,10 @@ def _error(outcome, tails, pids, port, timeout, workdir=None, last_output=None):
 
 
 RANK_START_ENV = "DLO_RANK_START"
+# What the ranks would import after unpickling their function (the checks' workers pull in every day's
+# checks, DTensor and with it torch._dynamo: ~2 CPU seconds a rank): imported by the zygote instead, once,
+# when the launching process has imported them itself (a sealed kernel's placeholder for dlo.checks is not).
+PRELOAD = ("torch.distributed.tensor", "torch._dynamo", "dlo.checks")
 
 
 class _Zygote:
@@ -206,8 +210,9 @@ class _Zygote:
 
     def __init__(self, world_size, port, workdir):
         envs = [_worker_env(r, world_size, port, workdir) for r in range(world_size)]
+        preload = [m for m in PRELOAD if getattr(sys.modules.get(m), "__file__", None)]
         with open(os.path.join(workdir, "ranks.pkl"), "wb") as f:
-            pickle.dump(envs, f)
+            pickle.dump((envs, preload), f)
         pipes = [os.pipe() for _ in range(2 * world_size)]
         writes = [w for _, w in pipes]
         self.reads, self.world_size, self.handed = [r for r, _ in pipes], world_size, False

@@ -6,11 +6,13 @@ payload.pkl (in), ready-<rank> (written once the process group is up), result-<r
 
 `python -m dlo.distributed._worker --zygote WORKDIR FD ...` (`zygote`) starts all the ranks of a launch
 at once: one fresh interpreter imports torch and dlo (1 to 2 CPU seconds, what every rank paid on its
-own), then forks the ranks, each with its environment from WORKDIR/ranks.pkl and its stdout and stderr
-on the pipes the launcher passed (FD: two per rank). Forking is safe here as it is not from a notebook:
+own), and the heavy modules the launcher has imported (`_spawn.PRELOAD`), then forks the ranks, each
+with its environment from WORKDIR/ranks.pkl and its stdout and stderr on the pipes the launcher passed
+(FD: two per rank). Forking is safe here as it is not from a notebook:
 this process has run no torch operation (no thread pool started) and never touched CUDA.
 """
 
+import importlib
 import os
 import pickle
 import random
@@ -67,7 +69,12 @@ def zygote(workdir, fds):
     import dlo.distributed.launch  # noqa: F401
 
     with open(os.path.join(workdir, "ranks.pkl"), "rb") as f:
-        envs = pickle.load(f)
+        envs, preload = pickle.load(f)
+    for name in preload:  # what the launcher has imported and the ranks would import again
+        try:
+            importlib.import_module(name)
+        except Exception:  # noqa: BLE001 - a rank that needs it imports it itself, and reports what fails
+            pass
     ranks = {}
     for r, env in enumerate(envs):
         pid = os.fork()
