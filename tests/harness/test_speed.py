@@ -59,6 +59,9 @@ def test_longest_expected_first_from_the_last_run_else_the_estimates(tmp_path, m
     assert schedule.order(todo, schedule.expected(todo, [], "tiny/graded"))[:2] == [("a", "day1_optimizers"),
                                                                                  ("b", "day1_optimizers")]
     assert schedule.expected(todo, [], "tiny/full")[("a", "day1_optimizers")] == schedule.ESTIMATES["day1_optimizers"]
+    schedule.history_path().write_text('{"tiny/graded": {"day1_optimizers": "x"}, "tiny/full": [1]}')  # not ours
+    assert schedule.expected(todo, [], "tiny/graded")[("a", "day1_optimizers")] == schedule.ESTIMATES["day1_optimizers"]
+    assert schedule.expected(todo, [], "tiny/full")[("a", "day1_optimizers")] == schedule.ESTIMATES["day1_optimizers"]
     # the records a resumed run keeps come first
     kept = [{"student": "z", "day": "mine", "status": "graded", "seconds": 1000.0}]
     assert schedule.order(todo, schedule.expected(todo, kept, "tiny/graded"))[0] == ("a", "mine")

@@ -60,7 +60,8 @@ def expected(keys, earlier_records, key_mode: str) -> dict:
     from dlo.harness.results import read_json  # nbgrader's: not for `dlo run`, which needs only `order`
 
     earlier = day_medians(earlier_records)
-    cached = (read_json(history_path()) or {}).get(key_mode) or {}
+    cached = (read_json(history_path()) or {}).get(key_mode)
+    cached = {d: float(v) for d, v in cached.items() if isinstance(v, (int, float))} if isinstance(cached, dict) else {}
     return {k: earlier.get(k[1]) or cached.get(k[1]) or ESTIMATES.get(k[1], UNKNOWN) for k in keys}
 
 
