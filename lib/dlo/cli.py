@@ -1,11 +1,12 @@
 """The `dlo` command: run, release, check, grade and bench the course.
 
     dlo run [DAY ...|--all] [--profile tiny|full|auto] [-p NAME VALUE ...] [--notebooks solutions|course] [--out DIR]
-            [--smoke]
+            [--smoke] [--jobs N]
     dlo plan DAY [--gpus N] [--gpu-mem GB]
     dlo release [--force]
     dlo check
     dlo grade SUBMITTED_DIR [--out DIR] [--jobs N] [--shard K/N] [--regrade] [--cell-timeout S] [--require-full]
+              [--full-notebook]
     dlo grade --merge DIR
     dlo setup student|instructor [--user|--config-dir DIR] [--exchange DIR] [--course-id ID] [--cell-timeout S]
     dlo doctor [DAY ...] [--data-dir DIR]
@@ -68,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--cell-timeout", type=positive(float), default=1800.0, help="seconds per cell (default 1800)")
     run.add_argument("--smoke", action="store_true",
                      help="the profile's model sizes, step counts, data and sweeps cut to the minimum (DLO_SMOKE=1)")
+    run.add_argument("--jobs", type=positive(int), default=None,
+                     help="notebooks run at once, each with its share of the cores (default: 2 with 4 cores or "
+                          "more, else 1)")
 
     plan = sub.add_parser("plan", help="memory per rank of a day's full profile, worked out on the meta device")
     plan.add_argument("day", metavar="DAY")
@@ -101,6 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
     grade.add_argument("--notebook-timeout", type=positive(float), default=7200.0,
                        help="seconds for one student's notebook (default 7200)")
     grade.add_argument("--require-full", action="store_true", help="exit 1 unless every score is full marks")
+    grade.add_argument("--full-notebook", action="store_true",
+                       help="run every cell, the experiments after the last graded cell too (default: they are left "
+                            "out, with a note in the feedback: they cannot change a score)")
     grade.add_argument("--no-sandbox", action="store_true",
                        help="grade even where bubblewrap cannot run, unconfined (the `sandbox` column says so)")
 
@@ -163,7 +170,8 @@ def dispatch(args: argparse.Namespace) -> int:
     if args.command == "run":
         from dlo.harness import run
         return run.main(root, args.days, args.all, args.profile, [tuple(p) for p in args.parameter],
-                        args.notebooks, args.out, args.timeout, args.cell_timeout, smoke=args.smoke)
+                        args.notebooks, args.out, args.timeout, args.cell_timeout, smoke=args.smoke,
+                        jobs=args.jobs)
     if args.command == "plan":
         from dlo import registry
         return registry.plan_main(args.day, args.gpus, args.gpu_mem)
@@ -183,7 +191,8 @@ def dispatch(args: argparse.Namespace) -> int:
             raise BadInput("SUBMITTED_DIR is required (or --merge DIR)")
         return grade.main(root, args.submitted, args.out, args.profile, args.cell_timeout,
                           args.notebook_timeout, args.require_full, jobs=args.jobs, shard=args.shard,
-                          regrade=args.regrade, no_sandbox=args.no_sandbox)
+                          regrade=args.regrade, no_sandbox=args.no_sandbox,
+                          full_notebook=args.full_notebook)
     if args.command == "setup":
         from dlo.harness.setup import setup
         return setup(args.role, user=args.user, cfg_dir=args.config_dir, exchange=args.exchange,

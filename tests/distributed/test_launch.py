@@ -1,7 +1,8 @@
 """Tests for dlo.distributed.launch: results, __main__ functions, failures, timeouts, torchrun.
 
-Every launch starts fresh interpreters that import torch (about 1-2 s each on 2 cores), so the
-file keeps to eight launches (plus one torchrun). Wall-clock bounds below are hang guards, not speed checks.
+Every launch starts a fresh interpreter that imports torch (about 1-2 s on 2 cores) and forks the
+ranks (one interpreter per rank with DLO_RANK_START=exec), so the file keeps to ten launches (plus one
+torchrun). Wall-clock bounds below are hang guards, not speed checks.
 """
 
 import _thread
@@ -349,3 +350,24 @@ def test_a_killed_rank_is_blamed_even_when_its_peers_error_lands_first(tmp_path)
     (tmp_path / "result-1.pkl").write_bytes(dumps(("error", "Connection closed by peer", time.time())))
     outcome = _watch([_DiesLater(-9, alive_polls=1), _FakeRank(1)], str(tmp_path), timeout=5)
     assert outcome[:4] == ("failed", 0, 0, -9)
+
+
+def _whoami():
+    import random
+
+    return os.getpid(), os.getppid(), os.getsid(0), random.random(), torch.get_num_threads(), os.environ["RANK"]
+
+
+def test_ranks_forked_by_the_zygote_are_like_fresh_interpreters(monkeypatch):
+    """One interpreter imports torch for all the ranks and forks them (issue 25); each rank still leads its
+    own session (killpg reaches what it starts), has its own random seed and its share of the threads.
+    DLO_RANK_START=exec starts each rank as its own interpreter, the launcher's child."""
+    monkeypatch.delenv("DLO_RANK_START", raising=False)
+    threads = int(os.environ.get("OMP_NUM_THREADS") or max(1, (os.cpu_count() or 1) // 2))
+    forked = launch(_whoami, 2)
+    assert [r[5] for r in forked] == ["0", "1"] and forked[0][1] == forked[1][1] != os.getpid()
+    assert all(pid == sid for pid, _, sid, *_ in forked) and forked[0][3] != forked[1][3]
+    assert [r[4] for r in forked] == [threads, threads]
+    monkeypatch.setenv("DLO_RANK_START", "exec")
+    fresh = launch(_whoami, 2)
+    assert [r[5] for r in fresh] == ["0", "1"] and {r[1] for r in fresh} == {os.getpid()}

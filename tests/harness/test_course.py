@@ -4,12 +4,14 @@ grades honestly.
 Whole notebooks run here on the tiny profile's smoke version (DLO_SMOKE=1: the tiny sizes with the
 fewest steps, seeds and sweep points the experiments run with; the checks in the test cells are the
 same whatever the profile), each day twice: the autograder executes the untouched student notebook
-(0 on every test cell, and still running every experiment to the end) and the instructors' solution
-(full marks, raising nowhere, and every claims table it prints passing `dlo.claims_audit`: the
-executed run's verdicts checked against their evidence). The solutions' grading is marked
-`solutions`: its own CI step (`pytest -m solutions`), as it doubles the minutes of `make test`,
-which keeps the untouched half; the tiny profile at its real step counts is `make run` (papermill,
-then grading: full marks required).
+as `dlo grade` does by default (0 on every test cell, every cell up to the last graded one run, the
+experiments after it left out with a note) and the instructors' solution with --full-notebook (full
+marks, raising nowhere, the experiments included, and every claims table it prints passing
+`dlo.claims_audit`: the executed run's verdicts checked against their evidence). For two days, the
+default and --full-notebook gradings of the solution, the release and a half-solved notebook give
+the same CSVs (`-m solutions`). The solutions' grading is marked `solutions`: its own CI step
+(`pytest -m solutions`), as it doubles the minutes of `make test`, which keeps the untouched half;
+the tiny profile at its real step counts is `make run` (papermill, then grading: full marks required).
 
 Each day is a test class with its own grading runs, so that pytest-xdist (--dist loadscope: a class
 per worker at a time) grades several days at once; tests/conftest.py starts them first, as they are
@@ -21,9 +23,11 @@ from __future__ import annotations
 import json
 import shutil
 
+import nbformat
 import pytest
 
 from dlo.claims_audit import audit_notebook
+from dlo.harness import graded as graded_cells
 from dlo.registry import DAYS
 from tests.harness.conftest import REPO, dlo, read_csv
 
@@ -38,17 +42,48 @@ def test_dlo_check_passes():
     assert "ok" in dlo("check", root=REPO).stdout
 
 
-def grade_day(tmp, day: str, student: str):
+def grade_day(tmp, day: str, student: str, *options: str):
     """One grading run of a day: the untouched student notebook ("untouched") or the instructors'
     solution ("solution"), as a class's only submission."""
     folder = "solutions" if student == "solution" else "course"
     dest = tmp / "submitted" / student / day
     dest.mkdir(parents=True)
     shutil.copyfile(REPO / folder / day / f"{day}.ipynb", dest / f"{day}.ipynb")
-    out = tmp / "grading"
-    dlo("grade", str(tmp / "submitted"), "--out", str(out), "--profile", "tiny", root=REPO, timeout=800,
+    return grade(tmp / "submitted", tmp / "grading", *options)
+
+
+def grade(submitted, out, *options: str):
+    dlo("grade", str(submitted), "--out", str(out), "--profile", "tiny", *options, root=REPO, timeout=800,
         env={"DLO_SMOKE": "1"})
     return out
+
+
+def half_solved(day: str, dest) -> None:
+    """The release with the first half of its exercises solved (the solutions' cells, by grade_id)."""
+    nb = nbformat.read(REPO / "course" / day / f"{day}.ipynb", as_version=4)
+    source = nbformat.read(REPO / "solutions" / day / f"{day}.ipynb", as_version=4)
+    solved = {c.metadata["nbgrader"]["grade_id"]: c.source for c in source.cells
+              if c.metadata.get("nbgrader", {}).get("solution")}
+    for gid in list(solved)[:(len(solved) + 1) // 2]:
+        cell = next(c for c in nb.cells if c.metadata.get("nbgrader", {}).get("grade_id") == gid)
+        cell.source = solved[gid]
+    dest.parent.mkdir(parents=True)
+    nbformat.write(nb, dest)
+
+
+@pytest.mark.solutions
+@pytest.mark.parametrize("day", ["day3_checkpointing", "day7_tensor_parallel"])
+def test_grading_what_is_graded_gives_the_scores_of_the_full_run(tmp_path, day):
+    sub = tmp_path / "submitted"
+    for student, folder in (("solution", "solutions"), ("release", "course")):
+        (sub / student / day).mkdir(parents=True)
+        shutil.copyfile(REPO / folder / day / f"{day}.ipynb", sub / student / day / f"{day}.ipynb")
+    half_solved(day, sub / "half" / day / f"{day}.ipynb")
+    fast, full = grade(sub, tmp_path / "graded"), grade(sub, tmp_path / "full", "--full-notebook")
+    for name in ("scores.csv", "cells.csv"):
+        assert (fast / name).read_bytes() == (full / name).read_bytes(), name
+    scores = {r["student"]: float(r["score"]) for r in read_csv(fast / "scores.csv")}
+    assert scores["release"] == 0 < scores["half"] < scores["solution"]
 
 
 def _autograded(graded, student, day):
@@ -66,7 +101,7 @@ class _Day:
 
     @pytest.mark.solutions
     def test_solution_scores_full_marks_and_runs_without_error(self, tmp_path):
-        graded = grade_day(tmp_path, self.day, "solution")
+        graded = grade_day(tmp_path, self.day, "solution", "--full-notebook")
         row = next(r for r in read_csv(graded / "scores.csv") if r["student"] == "solution")
         assert row["status"] == "graded" and float(row["max_score"]) > 0
         assert float(row["score"]) == float(row["max_score"])
@@ -81,11 +116,13 @@ class _Day:
         cells = [r for r in read_csv(graded / "cells.csv") if r["student"] == "untouched"]
         assert cells and all(float(r["score"]) == 0 for r in cells), cells
         nb = _autograded(graded, "untouched", self.day)
-        code = [c for c in nb["cells"] if c["cell_type"] == "code"]
-        assert code[-1].get("execution_count"), "the grader did not reach the last cell"
+        last = graded_cells.last_graded_index(nb)
+        plain = [(i, c) for i, c in enumerate(nb["cells"])
+                 if c["cell_type"] == "code" and c["source"].strip() and not c["metadata"].get("nbgrader")]
+        assert all(c.get("execution_count") for i, c in plain if i < last), "the grader skipped a cell it grades after"
+        assert all("Not run by the grader" in str(c["outputs"]) for i, c in plain if i > last)
         # Only the exercises and their tests may fail: experiments use dlo's implementations.
-        failing = [c["source"][:80] for c in code if any(o["output_type"] == "error" for o in c.get("outputs", []))
-                   and not c["metadata"].get("nbgrader")]
+        failing = [c["source"][:80] for _, c in plain if any(o["output_type"] == "error" for o in c.get("outputs", []))]
         assert not failing, f"cells outside the exercises fail without a solution: {failing}"
 
 

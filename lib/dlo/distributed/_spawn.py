@@ -1,10 +1,17 @@
 """The local half of `dlo.distributed.launch`: start N fresh worker interpreters, watch them, and
 leave nothing behind (see launch.py for the design). Nothing here is public API.
+
+The ranks of a launch are forked by one fresh interpreter that has imported torch and dlo once
+(`_worker.zygote`), rather than each importing them again: a rank's start costs a fork instead of 1 to
+2 CPU seconds. The zygote has run no torch operation and never touched CUDA, so forking it is safe on GPU
+nodes too; DLO_RANK_START=exec starts each rank as its own interpreter, as before (and is what happens
+when the zygote cannot start the ranks).
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import math
 import os
 import pickle
@@ -191,23 +198,130 @@ def _error(outcome, tails, pids, port, timeout, workdir=None, last_output=None):
     return RankError(msg, r, exitcode=code, remote_traceback=remote_tb or "", pids=pids, port=port)
 
 
+RANK_START_ENV = "DLO_RANK_START"
+# What the ranks would import after unpickling their function (the checks' workers pull in every day's
+# checks, DTensor and with it torch._dynamo: ~2 CPU seconds a rank): imported by the zygote instead, once,
+# when the launching process has imported them itself (a sealed kernel's placeholder for dlo.checks is not).
+PRELOAD = ("torch.distributed.tensor", "torch._dynamo", "dlo.checks")
+
+
+class _Zygote:
+    """The process that forks a launch's ranks (`_worker.zygote`), and what it reports of them."""
+
+    def __init__(self, world_size, port, workdir):
+        envs = [_worker_env(r, world_size, port, workdir) for r in range(world_size)]
+        preload = [m for m in PRELOAD if getattr(sys.modules.get(m), "__file__", None)]
+        with open(os.path.join(workdir, "ranks.pkl"), "wb") as f:
+            pickle.dump((envs, preload), f)
+        pipes = [os.pipe() for _ in range(2 * world_size)]
+        writes = [w for _, w in pipes]
+        self.reads, self.world_size, self.handed = [r for r, _ in pipes], world_size, False
+        try:
+            # -P (here and for each rank below): the working directory is not put on sys.path, so a module
+            # planted there (by code run earlier in that folder, e.g. a graded student's) cannot run before
+            # the worker takes its shard
+            self.proc = subprocess.Popen([sys.executable, "-P", "-m", "dlo.distributed._worker", "--zygote", workdir,
+                                          *map(str, writes)], env=envs[0], stdin=subprocess.DEVNULL,
+                                         stdout=subprocess.PIPE, pass_fds=writes, start_new_session=True)
+        except BaseException:
+            for fd in self.reads:
+                os.close(fd)
+            raise
+        finally:
+            for fd in writes:
+                os.close(fd)
+        self.pids, self.codes, self.started, self.ended = {}, {}, threading.Event(), threading.Event()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            what, r, value = line.split()
+            (self.pids if what == b"start" else self.codes)[int(r)] = int(value)
+            if len(self.pids) == self.world_size:
+                self.started.set()
+        self.ended.set()
+        self.started.set()
+
+    def ranks(self) -> list | None:
+        """The ranks as Popen-like objects, or None when the zygote did not start them all in time."""
+        self.started.wait(JOIN_TIMEOUT)
+        if len(self.pids) < self.world_size:
+            return None
+        self.handed = True  # the pipes' read ends now belong to the ranks' objects
+        return [_Forked(self, r, self.pids[r], self.reads[2 * r], self.reads[2 * r + 1])
+                for r in range(self.world_size)]
+
+    def code(self, r):
+        """Rank r's exit code (as Popen's returncode), None while it runs; the zygote gone, -SIGKILL."""
+        if r in self.codes or not self.ended.is_set():
+            return self.codes.get(r)
+        return -signal.SIGKILL
+
+    def kill(self):
+        """The zygote; when it did not hand its ranks over, those it started and their pipes too."""
+        if not self.handed:
+            for pid in self.pids.values():
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(pid, signal.SIGKILL)
+            for fd in self.reads:
+                os.close(fd)
+        _kill([self.proc])
+
+
+class _Forked:
+    """A rank forked by the zygote: what `spawn` uses of a Popen (pid, poll, wait, stdout, stderr)."""
+
+    def __init__(self, zygote, r, pid, out, err):
+        self.zygote, self.r, self.pid, self.returncode = zygote, r, pid, None
+        self.stdout, self.stderr = os.fdopen(out, "rb"), os.fdopen(err, "rb")
+
+    def poll(self):
+        if self.returncode is None:
+            self.returncode = self.zygote.code(self.r)
+        return self.returncode
+
+    def wait(self):
+        while self.poll() is None:
+            time.sleep(0.01)
+        return self.returncode
+
+
+def _start(world_size, port, workdir) -> tuple[list, _Zygote | None]:
+    """The ranks, forked by a zygote (and the zygote), else each a fresh interpreter (and None)."""
+    if os.environ.get(RANK_START_ENV) != "exec":
+        zygote = _Zygote(world_size, port, workdir)
+        try:
+            ranks = zygote.ranks()
+        except BaseException:
+            zygote.kill()
+            raise
+        if ranks is not None:
+            return ranks, zygote
+        zygote.kill()
+    procs = []
+    try:
+        for r in range(world_size):
+            procs.append(subprocess.Popen([sys.executable, "-P", "-m", "dlo.distributed._worker", workdir],
+                                          env=_worker_env(r, world_size, port, workdir), stdin=subprocess.DEVNULL,
+                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True))
+    except BaseException:
+        _kill(procs)
+        raise
+    return procs, None
+
+
 def spawn(fn, world_size, backend, timeout, args, kwargs) -> list:
     """Run fn on world_size fresh `dlo.distributed._worker` processes; their results by rank."""
     workdir = tempfile.mkdtemp(prefix="dlo-launch-")
     with open(os.path.join(workdir, "payload.pkl"), "wb") as f:
         # sys.path travels as plain pickle: the worker needs it before it can unpickle fn
         pickle.dump((list(sys.path), backend, pickling.dumps((fn, args, kwargs))), f)
-    port, procs, readers, lock = _free_port(), [], [], threading.Lock()
+    port, procs, zygote, readers, lock = _free_port(), [], None, [], threading.Lock()
     tails = [collections.deque(maxlen=20) for _ in range(world_size)]
     last_output: dict[int, float] = {}
     try:
-        for r in range(world_size):
-            # -P: the working directory is not put on sys.path, so a module planted there (by code run
-            # earlier in that folder, e.g. a graded student's) cannot run before the worker takes its shard
-            p = subprocess.Popen([sys.executable, "-P", "-m", "dlo.distributed._worker", workdir],
-                                 env=_worker_env(r, world_size, port, workdir), stdin=subprocess.DEVNULL,
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
-            procs.append(p)
+        procs, zygote = _start(world_size, port, workdir)
+        for r, p in enumerate(procs):
             for pipe in (p.stdout, p.stderr):
                 t = threading.Thread(target=_pump, args=(pipe, f"[rank {r}] ", tails[r], lock, last_output, r),
                                      daemon=True)
@@ -219,6 +333,8 @@ def spawn(fn, world_size, backend, timeout, args, kwargs) -> list:
                                                         workdir, last_output)
     finally:  # success, failure, timeout or KeyboardInterrupt: leave no rank behind
         _kill(procs)
+        if zygote is not None:
+            zygote.kill()
         for t in readers:
             t.join(timeout=5.0)
         shutil.rmtree(workdir, ignore_errors=True)

@@ -2,12 +2,14 @@
 
 Design. A notebook is one long-lived process that has already imported torch, started its thread
 pools and maybe touched CUDA, so forking it is unsafe (a forked CUDA context is dead, forked
-thread pools can deadlock). Each rank is therefore a fresh interpreter
-(`python -m dlo.distributed._worker`). A fresh interpreter cannot import a function that lives in
-the notebook's `__main__`, which is why the usual `multiprocessing.spawn` route fails for
-notebook-defined functions; cloudpickle instead serialises such functions (and closures, lambdas,
-classes from `__main__`) by value. The payload goes through a temp file, together with the
-parent's `sys.path`, so functions from the student's own modules resolve in the workers too.
+thread pools can deadlock). Each rank is therefore forked from a fresh interpreter that has only
+imported torch and dlo (`python -m dlo.distributed._worker --zygote`: the import paid once per launch,
+not per rank), or is one itself with DLO_RANK_START=exec (`python -m dlo.distributed._worker`). A
+fresh interpreter cannot import a function that lives in the notebook's `__main__`, which is why the
+usual `multiprocessing.spawn` route fails for notebook-defined functions; cloudpickle instead
+serialises such functions (and closures, lambdas, classes from `__main__`) by value. The payload
+goes through a temp file, together with the parent's `sys.path`, so functions from the student's own
+modules resolve in the workers too.
 
 Rendezvous is PyTorch's env:// method on 127.0.0.1 with a port the parent finds free by binding
 port 0. Every rank writes a result file (its pickled return value, or its traceback text) and the

@@ -16,6 +16,9 @@ what the grader makes for it (capture folders, the files beside the notebook) is
 it: the cell gets an error, a fresh kernel starts, the cells before it are replayed silently (except
 test cells, which the kernel never runs, and earlier cells that killed or hung a kernel), and grading
 goes on. A cell that hangs but obeys SIGINT is interrupted by nbclient as before.
+
+**The code cells after the last graded cell are not run** unless `full_notebook` (`dlo grade
+--full-notebook`): they cannot change a score (`dlo.harness.graded`), and each gets a note saying so.
 """
 
 from __future__ import annotations
@@ -33,10 +36,12 @@ from nbclient.util import run_sync
 from nbformat.notebooknode import NotebookNode
 from nbgrader.api import Gradebook, MissingEntry
 from nbgrader.preprocessors import Execute
+from traitlets import Bool
 
 from dlo.grading import files, testcells
 from dlo.grading.jail import make_spec, probe, spec_from_env
 from dlo.grading.jail_kernel import SandboxedKernelManager
+from dlo.harness import graded
 
 # the grading kernel's first code (silent, no history)
 SEAL = "import dlo.grading.seal\ndlo.grading.seal.seal()\ndel dlo"
@@ -44,6 +49,8 @@ SEAL = "import dlo.grading.seal\ndlo.grading.seal.seal()\ndel dlo"
 
 class ResilientExecute(Execute):
     max_kernel_deaths = 3  # a notebook that keeps killing kernels is not worth more replays
+    full_notebook = Bool(True, help="run every cell; False: the code cells after the last graded cell are "
+                                    "left out, each with a note (they cannot change a score)").tag(config=True)
 
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("kernel_manager_class", SandboxedKernelManager)
@@ -61,6 +68,7 @@ class ResilientExecute(Execute):
         _copy_extra_files(resources, spec.kernel_dir)
         spec.hand_over(spec.kernel_dir, tree=True)  # before the kernel starts
         self._tests = trusted_test_cells(resources)
+        self._last = len(nb.cells) if self.full_notebook else graded.last_graded_index(nb, self._tests)
         self._backend = None
         # torch, the checks and the runner start while the kernel runs the first cells (both mostly wait)
         self._warming = threading.Thread(target=self._warm, daemon=True)
@@ -113,6 +121,9 @@ class ResilientExecute(Execute):
         gid = cell.metadata.get("nbgrader", {}).get("grade_id")
         if cell.cell_type == "code" and gid in self._tests:
             self._grade(cell, index, self._tests[gid])
+            return cell, self.resources
+        if graded.skipped(cell, index, self._last):
+            cell.outputs, cell.execution_count = [graded.skipped_output()], None
             return cell, self.resources
         try:
             return super().preprocess_cell(cell, resources, index)

@@ -20,6 +20,9 @@ time. The test cells' verdict comes from checks run outside the student's kernel
 where no bwrap can run, `dlo grade` refuses to start (exit 2, the cause and its fix on stderr) unless
 given --no-sandbox.
 
+Only what can change a score runs: every cell up to the last graded one (`graded`); the experiments
+after it are left out, each with a note in the feedback, unless --full-notebook.
+
 Started again with the same --out, a run resumes: submissions with a record (and unchanged input)
 are kept, the rest graded; an output graded with another course version is refused (--regrade).
 `--shard K/N` grades every N-th student into DIR/part-K-of-N (one SLURM array task each), and
@@ -42,7 +45,7 @@ import nbformat
 from dlo.errors import BadInput, warn
 from dlo.grading import files
 from dlo.grading.jail import probe
-from dlo.harness import exchange, pool, similarity
+from dlo.harness import exchange, pool, schedule, similarity
 from dlo.harness.days import list_days, repo_root
 from dlo.harness.merge import is_part, merge  # noqa: F401 - merge: `dlo grade --merge`
 from dlo.harness.nbgrader_cli import NOT_SUBMITTED, generate_assignments
@@ -73,6 +76,7 @@ c.Autograde.autograde_preprocessors = [
     ResilientExecute if p is Execute else p
     for p in Autograde.class_traits()["autograde_preprocessors"].default()]
 c.Execute.timeout = {cell_timeout}
+c.ResilientExecute.full_notebook = {full_notebook}  # False: the experiments after the last graded cell are left out
 c.Execute.interrupt_on_timeout = True
 c.OverwriteCells.add_missing_cells = True  # a deleted test cell comes back, and is graded
 # Feedback shows results and messages, never the hidden tests' source.
@@ -180,7 +184,7 @@ def course_version(root: Path, days: list[str]) -> str:
 
 def main(root: Path, submitted: str, out: str | None, profile: str, cell_timeout: float,
          notebook_timeout: float, require_full: bool, jobs: int | None = None, shard: str | None = None,
-         regrade: bool = False, no_sandbox: bool = False) -> int:
+         regrade: bool = False, no_sandbox: bool = False, full_notebook: bool = False) -> int:
     days = list_days(root)
     if not days:
         raise BadInput(f"no day notebooks under {root / 'solutions'}")
@@ -193,6 +197,7 @@ def main(root: Path, submitted: str, out: str | None, profile: str, cell_timeout
     check_paths(submitted_dir, top)
     manifest = {"course_version": course_version(root, graded_days), "days": graded_days, "students": students,
                 "profile": profile, "cell_timeout": cell_timeout, "shard": list(part) if part else None,
+                "full_notebook": full_notebook,
                 "submitted": str(submitted_dir)}
     if part:  # a part of DIR, which may hold the other parts (written at the same time) and a merge
         OwnedDir(top, keep=is_part).check()
@@ -247,8 +252,9 @@ def _resumable(out_dir: Path, manifest: dict) -> bool:
     earlier = read_json(out_dir / "grading.json")
     if earlier is None:
         return False  # a run that failed before it began grading: start again
-    differ = [k for k in ("course_version", "days", "profile", "cell_timeout", "shard", "students")
-              if earlier.get(k) != manifest[k]]
+    # an output from before --full-notebook existed ran every cell
+    differ = [k for k in ("course_version", "days", "profile", "cell_timeout", "shard", "students", "full_notebook")
+              if earlier.get(k, True if k == "full_notebook" else None) != manifest[k]]
     if differ:
         raise BadInput(f"--out {out_dir} holds a grading with other {', '.join(differ)} "
                          f"(course version {earlier.get('course_version')}, now {manifest['course_version']}): "
@@ -263,7 +269,8 @@ def _run(root, submitted_dir, top, out_dir, owned, graded_days, status, manifest
     if not resume or not (course / "template.db").is_file():
         shutil.rmtree(course, ignore_errors=True)
         course.mkdir()
-        config = CONFIG.format(cell_timeout=int(cell_timeout)) + exchange.config_block(exchange.class_exchange())
+        config = (CONFIG.format(cell_timeout=int(cell_timeout), full_notebook=manifest["full_notebook"])
+                  + exchange.config_block(exchange.class_exchange()))
         _load_config(config)  # nbgrader only logs a broken config file and goes on without it
         (course / "nbgrader_config.py").write_text(config)
         generate_assignments(root / "solutions", graded_days, course, db=course / "template.db")
@@ -280,11 +287,14 @@ def _run(root, submitted_dir, top, out_dir, owned, graded_days, status, manifest
         print(f"resuming in {out_dir}: {len(records)} submission(s) already graded, {len(todo)} to go", flush=True)
     grading = pool.Run(out=out_dir, submitted=submitted_dir, profile=profile, notebook_timeout=notebook_timeout,
                        sandbox=sandbox, hidden=[root, repo_root(), submitted_dir, top, Path.home()], inputs=inputs)
+    key_mode = schedule.mode(profile, manifest["full_notebook"])
+    seconds = schedule.expected(todo, records.values(), key_mode)
     start = time.monotonic()
     try:
-        records.update(pool.run(grading, todo, min(jobs, max(1, len(todo))), len(inputs), len(records)))
+        records.update(pool.run(grading, todo, min(jobs, max(1, len(todo))), len(inputs), len(records), seconds))
     finally:
         owned.record()
+    schedule.remember(records.values(), key_mode)
     print(pool.summary(records, time.monotonic() - start, jobs), flush=True)
     rows, cells = tables(status, records, templates(course / "template.db", graded_days), sandbox)
     write_csv(out_dir / "scores.csv", rows, SCORE_COLUMNS)

@@ -7,8 +7,9 @@ file written by two processes. Only when it is finished are its autograded noteb
 gradebook moved into OUT/course, and its record (`results`) written last: the record is the proof
 that a submission is done, which is what a resumed run trusts.
 
-`run` drives `jobs` such workers from threads (each waits on its child process), prints a progress
-bar over submissions (done/total, failures, time left) and a summary at the end. A worker whose
+`run` drives `jobs` such workers from threads (each waits on its child process), longest expected
+first, with a progress line from the start (`schedule`: queued, running, done, the slowest running,
+time left) and a summary at the end. A worker whose
 process is killed (the out-of-memory killer, an administrator) is retried once; killed again, the
 submission is marked and the run goes on. Ctrl-C or SIGTERM (a job's time limit) kills the children
 and stops; the records already written let the same command resume.
@@ -31,6 +32,7 @@ from dlo.grading import files
 from dlo.grading.jail import SPEC_ENV, make_spec
 from dlo.harness.nbgrader_cli import NOT_SUBMITTED, autograde_and_feedback, kill_children
 from dlo.harness.results import copy_feedback, graded, record_path, write_json
+from dlo.harness.schedule import Progress, cores, fmt_time, order
 
 MEM_PER_JOB_GIB = 3.0  # a grading process, the student's kernel and the checks' runner, each with torch
 TIMEOUT_ERRORS = ("CellTimeoutError", "CheckTimeout", "KeyboardInterrupt")
@@ -58,13 +60,6 @@ class Run:
 
 
 # ----------------------------------------------------------------------------- resources
-
-def cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))  # a SLURM allocation's CPUs, not the node's
-    except AttributeError:
-        return os.cpu_count() or 1
-
 
 def memory_gib() -> float:
     try:
@@ -220,10 +215,12 @@ def _signal_name(num: int) -> str:
 
 # ----------------------------------------------------------------------------- many submissions
 
-def run(grading: Run, todo: list[tuple[str, str]], jobs: int, total: int, done: int) -> dict:
-    """Grade `todo` with `jobs` workers; {(student, day): record}. `total`/`done` count the whole run
-    (a resumed run starts with done > 0). KeyboardInterrupt (Ctrl-C, SIGTERM) stops every worker."""
-    bar = Progress(total, done)
+def run(grading: Run, todo: list[tuple[str, str]], jobs: int, total: int, done: int, seconds: dict) -> dict:
+    """Grade `todo` with `jobs` workers, the longest expected (`seconds`) first; {(student, day): record}.
+    `total`/`done` count the whole run (a resumed run starts with done > 0). KeyboardInterrupt (Ctrl-C,
+    SIGTERM) stops every worker."""
+    todo = order(todo, seconds)
+    bar = Progress(todo, seconds, jobs, total, done)
     slots: queue.Queue[int] = queue.Queue()
     for s in range(jobs):
         slots.put(s)
@@ -232,6 +229,7 @@ def run(grading: Run, todo: list[tuple[str, str]], jobs: int, total: int, done: 
 
     def work(key):
         slot = slots.get()
+        bar.started(key)
         try:
             for attempt in (1, 2):
                 try:
@@ -248,6 +246,7 @@ def run(grading: Run, todo: list[tuple[str, str]], jobs: int, total: int, done: 
     records = {}
     old = signal.signal(signal.SIGTERM, _interrupt) if threading.current_thread() is threading.main_thread() else None
     pool = ThreadPoolExecutor(max_workers=jobs)
+    bar.begin()
     try:
         pending = {pool.submit(work, key): key for key in todo}
         while pending:
@@ -265,6 +264,7 @@ def run(grading: Run, todo: list[tuple[str, str]], jobs: int, total: int, done: 
         pool.shutdown(wait=True)
         raise
     finally:
+        bar.end()
         if old is not None:
             signal.signal(signal.SIGTERM, old)
     pool.shutdown()
@@ -273,35 +273,6 @@ def run(grading: Run, todo: list[tuple[str, str]], jobs: int, total: int, done: 
 
 def _interrupt(signum, frame):
     raise KeyboardInterrupt(f"signal {signum}")
-
-
-class Progress:
-    """One line per finished submission: a bar, done/total, failures so far, time left."""
-
-    def __init__(self, total: int, done: int, width: int = 24):
-        self.total, self.done, self.width = total, done, width
-        self.start, self.new, self.failed = time.monotonic(), 0, 0
-        self.lock = threading.Lock()
-
-    def update(self, rec: dict) -> None:
-        with self.lock:
-            self.done, self.new = self.done + 1, self.new + 1
-            self.failed += rec["status"] != "graded"
-            left = (time.monotonic() - self.start) / self.new * (self.total - self.done)
-            fill = round(self.width * self.done / max(self.total, 1))
-            print(f"[{'#' * fill}{'.' * (self.width - fill)}] {self.done}/{self.total}, {self.failed} failed, "
-                  f"{fmt_time(left)} left | {rec['student']}/{rec['day']}: {rec['status']} {rec['score']:g} "
-                  f"in {rec['seconds']:.1f} s", flush=True)
-
-    def say(self, text: str) -> None:
-        with self.lock:
-            print(text, flush=True)
-
-
-def fmt_time(seconds: float) -> str:
-    seconds = int(round(seconds))
-    h, m, s = seconds // 3600, seconds // 60 % 60, seconds % 60
-    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s" if m else f"{s}s"
 
 
 def summary(records: dict, wall: float, jobs: int, slowest: int = 5) -> str:

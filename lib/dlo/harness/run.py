@@ -18,6 +18,11 @@ died (papermill then marks no cell failed). papermill's own progress bar is draw
 `dlo.progress.bars_wanted()` (stderr a terminal, or DLO_PROGRESS=1). A timeout or a stop kills
 papermill with its kernel and everything they started (`reaper.kill_tree`: the kernel runs in a
 session of its own).
+
+`--jobs N` runs N notebooks at once, the longest expected first (`schedule.ESTIMATES`), each with its
+share of the cores (OMP_NUM_THREADS, unless set); the default is two where there are 4 cores or more
+(a tiny-profile day is made for 2 cores: its ranks share them), else one. The table keeps the days'
+order.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import os
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 from pathlib import Path
 
@@ -35,6 +41,7 @@ import papermill
 
 from dlo.errors import BadInput
 from dlo.harness.days import notebook_path, select_days
+from dlo.harness.schedule import ESTIMATES, cores, order
 from dlo.progress import bars_wanted
 from dlo.reaper import kill_tree
 from dlo.tables import format_table
@@ -154,14 +161,14 @@ def failure(dest: Path) -> str:
 
 
 def run_notebook(src: Path, dest: Path, params: dict, timeout: float, cell_timeout: float,
-                 smoke: bool = False) -> tuple[str, float]:
+                 smoke: bool = False, env: dict | None = None) -> tuple[str, float]:
     """Execute one notebook; returns (status, seconds). Status: ok, failed (rc, cell) or timeout."""
     dest.parent.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "papermill", str(src), str(dest), "-y", json.dumps(params),
            "--cwd", str(dest.parent), "--execution-timeout", str(int(cell_timeout)),
            "--progress-bar" if bars_wanted() else "--no-progress-bar", "--log-level", "WARNING"]
     # DLO_HEADLESS: dlo.progress draws text bars, whose last state is what the saved notebook shows
-    env = {**os.environ, "DLO_HEADLESS": "1", **({"DLO_SMOKE": "1"} if smoke else {})}
+    env = {**os.environ, "DLO_HEADLESS": "1", **({"DLO_SMOKE": "1"} if smoke else {}), **(env or {})}
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, start_new_session=True, env=env)
     try:
@@ -176,13 +183,21 @@ def run_notebook(src: Path, dest: Path, params: dict, timeout: float, cell_timeo
     return ("ok" if rc == 0 else f"failed (rc={rc}): {failure(dest)}"), secs
 
 
+def default_jobs() -> int:
+    """Two notebooks at once where there are 4 cores or more, else one."""
+    return 2 if cores() >= 4 else 1
+
+
 def main(root: Path, days: list[str], all_days: bool, profile: str, pairs: list[tuple[str, str]],
-         notebooks: str, out: str | None, timeout: float, cell_timeout: float, smoke: bool = False) -> int:
+         notebooks: str, out: str | None, timeout: float, cell_timeout: float, smoke: bool = False,
+         jobs: int | None = None) -> int:
     if bool(days) == all_days:
         raise BadInput("name the days to run (dlo run DAY ...) or pass --all for every day, not both"
                        if days else "name the days to run (dlo run DAY ...) or pass --all for every day")
     days = select_days(root, days, all_days, notebooks)
-    jobs = []
+    if jobs is not None and jobs < 1:
+        raise BadInput(f"--jobs {jobs}: expected a positive number")
+    todo = {}
     for day in days:  # every day's parameters are checked before the first notebook starts
         src = notebook_path(root, day, notebooks)
         try:
@@ -190,14 +205,30 @@ def main(root: Path, days: list[str], all_days: bool, profile: str, pairs: list[
             check_day(day, src, params, smoke)
         except BadParameter as exc:
             raise BadParameter(f"{day}: {exc}") from None
-        jobs.append((day, src, params))
+        todo[day] = (src, params)
     out_dir = Path(out or Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S")).resolve()
-    rows = []
-    for day, src, params in jobs:
+    n = min(jobs or default_jobs(), len(todo))
+    env = {} if n == 1 or "OMP_NUM_THREADS" in os.environ else {"OMP_NUM_THREADS": str(max(1, cores() // n))}
+
+    def one(day: str) -> dict:
+        src, params = todo[day]
         dest = out_dir / day / f"{day}.ipynb"
         print(f"== {day} ({notebooks}, profile={profile}{', smoke' if smoke else ''}) -> {dest}", flush=True)
-        status, secs = run_notebook(src, dest, params, timeout, cell_timeout, smoke)
-        rows.append({"day": day, "status": status, "wall time (s)": round(secs, 1), "output": str(dest)})
+        status, secs = run_notebook(src, dest, params, timeout, cell_timeout, smoke, env)
+        if n > 1:
+            print(f"== {day}: {status} in {secs:.1f} s", flush=True)
+        return {"day": day, "status": status, "wall time (s)": round(secs, 1), "output": str(dest)}
+
+    if n == 1:
+        rows = [one(day) for day in days]
+    else:  # not `with`: on Ctrl-C its exit would wait for the notebooks (`dlo.cli` kills them instead)
+        pool = ThreadPoolExecutor(max_workers=n)
+        try:
+            first = order(days, {d: ESTIMATES.get(d, 0.0) for d in days})
+            done = dict(zip(first, pool.map(one, first)))
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
+        rows = [done[day] for day in days]
     print()
     print(format_table(rows))
     return 0 if all(r["status"] == "ok" for r in rows) else 1

@@ -1,0 +1,92 @@
+"""CPU seconds of each code cell of a day's notebook, as its kernel spends them (itself and the ranks
+or other children it waits for), at the tiny profile.
+
+    .venv/bin/python bench/cell_cpu.py [--day day2_mixed_precision ...] [--notebooks solutions|course]
+
+After every cell the kernel is asked, silently, for getrusage(SELF) + getrusage(CHILDREN); the
+difference is the cell's. Cells are labelled as the grader sees them (`dlo.harness.graded`): graded
+(solution or test), before the last graded cell, or after it (what `dlo grade` skips unless
+--full-notebook). The result goes to bench/results/cell-cpu-<date>.json and is printed; not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from datetime import datetime, timezone
+from pathlib import Path
+
+import nbformat
+from nbclient import NotebookClient
+
+from dlo.harness.graded import last_graded_index
+
+REPO = Path(__file__).resolve().parents[1]
+PROBE = ("import resource as _r\n_a, _b = _r.getrusage(_r.RUSAGE_SELF), _r.getrusage(_r.RUSAGE_CHILDREN)\n"
+         "print(_a.ru_utime + _a.ru_stime + _b.ru_utime + _b.ru_stime)\ndel _r, _a, _b")
+
+
+class Probing(NotebookClient):
+    """Runs each cell, then the probe; keeps the kernel's CPU seconds after each cell."""
+
+    def __init__(self, nb, **kw):
+        super().__init__(nb, **kw)
+        self.cpu = []
+
+    async def async_execute_cell(self, cell, cell_index, execution_count=None, store_history=True):
+        out = await super().async_execute_cell(cell, cell_index, execution_count, store_history)
+        if cell.cell_type == "code":
+            probe = nbformat.v4.new_code_cell(PROBE)
+            await super().async_execute_cell(probe, cell_index, store_history=False)
+            text = "".join(o.get("text", "") for o in probe.outputs if o.get("output_type") == "stream")
+            self.cpu.append((cell_index, float(text.split()[-1])))
+        return out
+
+
+def profile(day: str, notebooks: str) -> dict:
+    nb = nbformat.read(REPO / notebooks / day / f"{day}.ipynb", as_version=4)
+    last = last_graded_index(nb)
+    with tempfile.TemporaryDirectory(prefix="dlo-cell-cpu-") as tmp:
+        os.environ.update(DLO_PROFILE="tiny", DLO_HEADLESS="1")
+        client = Probing(nb, timeout=1800, kernel_name="python3", allow_errors=True,
+                         resources={"metadata": {"path": tmp}})
+        client.execute()
+    cells, prev = [], 0.0
+    for index, cpu in client.cpu:
+        cell = nb.cells[index]
+        meta = cell.metadata.get("nbgrader", {})
+        where = ("graded" if meta.get("solution") or meta.get("grade") else
+                 "after the last graded cell" if index > last else "before the last graded cell")
+        cells.append({"index": index, "where": where, "cpu_s": round(cpu - prev, 2),
+                      "first_line": cell.source.strip().splitlines()[0][:60] if cell.source.strip() else ""})
+        prev = cpu
+    sums = {}
+    for c in cells:
+        sums[c["where"]] = round(sums.get(c["where"], 0) + c["cpu_s"], 1)
+    return {"day": day, "notebooks": notebooks, "kernel_cpu_s": round(prev, 1), "by_place": sums, "cells": cells}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--day", nargs="+", default=["day3_checkpointing"])
+    ap.add_argument("--notebooks", default="solutions", choices=["solutions", "course"])
+    ap.add_argument("--out", default=str(REPO / "bench" / "results"))
+    args = ap.parse_args()
+    results = []
+    for day in args.day:
+        res = profile(day, args.notebooks)
+        print(json.dumps({k: v for k, v in res.items() if k != "cells"}), flush=True)
+        results.append(res)
+    dest = Path(args.out) / f"cell-cpu-{datetime.now():%Y%m%d-%H%M}.json"
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    dest.write_text(json.dumps({"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                                "results": results}, indent=1))
+    print(dest)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,120 @@
+"""Grading a class fast with the same scores (issue 25): the cells after the last graded one are left out,
+with a note, and no score changes; the order of a class's grading and its progress line; `dlo run --jobs`.
+
+The rule is checked on notebooks here (cheap); the toy course is graded in both modes (solution, blank
+release, half solved) and must give the same CSV bytes. The real days are compared the same way in
+tests/harness/test_course.py (`-m solutions`).
+"""
+
+from __future__ import annotations
+
+import json
+
+import nbformat
+import pytest
+from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
+
+from dlo.harness import graded, schedule
+from tests.harness.conftest import DAY, dlo, grade_id, toy_notebook
+from tests.harness.test_toy_course import ADD, _replace, _student
+
+
+def _meta(**flags):
+    return {"nbgrader": {"grade_id": "x", **flags}}
+
+
+def test_the_last_graded_cell_is_the_last_test_solution_or_task():
+    nb = toy_notebook()
+    last = graded.last_graded_index(nb)
+    assert grade_id(nb.cells[last]) == "adamw_test" and last == len(nb.cells) - 2
+    assert [i for i, c in enumerate(nb.cells) if graded.skipped(c, i, last)] == [len(nb.cells) - 1]
+    # a task or a solution counts; a markdown cell after the last one is never "skipped" (it does not run)
+    cells = [new_code_cell("a = 1"), new_code_cell("b", metadata=_meta(task=True)), new_code_cell("c"),
+             new_code_cell("d", metadata=_meta(solution=True)), new_markdown_cell("e"), new_code_cell("f")]
+    nb2 = new_notebook(cells=cells)
+    assert graded.last_graded_index(nb2) == 3
+    assert [i for i, c in enumerate(cells) if graded.skipped(c, i, 3)] == [5]
+    # a test cell whose metadata a student stripped still counts: its grade_id is one of the instructors'
+    stripped = new_notebook(cells=[new_code_cell("x"), new_code_cell("t", metadata={"nbgrader": {"grade_id": "t1"}})])
+    assert graded.last_graded_index(stripped) == -1 and graded.last_graded_index(stripped, {"t1": "src"}) == 1
+    out = graded.skipped_output()
+    assert "Not run by the grader" in out["data"]["text/markdown"] and "--full-notebook" in out["data"]["text/plain"]
+
+
+def test_longest_expected_first_from_the_last_run_else_the_estimates(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    todo = [("a", "day1_optimizers"), ("b", "day7_tensor_parallel"), ("a", "mine"), ("b", "day1_optimizers")]
+    seconds = schedule.expected(todo, [], "tiny/graded")
+    assert seconds[("b", "day7_tensor_parallel")] == schedule.ESTIMATES["day7_tensor_parallel"]
+    assert seconds[("a", "mine")] == schedule.UNKNOWN
+    first = schedule.order(todo, seconds)
+    assert first[0] == ("b", "day7_tensor_parallel") and first.index(("a", "day1_optimizers")) + 1 == \
+        first.index(("b", "day1_optimizers"))  # equal expectations: by student
+    # a finished run's per-day medians are remembered (per profile and mode) and take precedence
+    done = [{"student": s, "day": "day1_optimizers", "status": "graded", "seconds": t} for s, t in
+            (("a", 300.0), ("b", 100.0), ("c", 200.0))]
+    done.append({"student": "d", "day": "mine", "status": "error: autograde failed", "seconds": 900.0})
+    schedule.remember(done, "tiny/graded")
+    assert json.loads(schedule.history_path().read_text()) == {"tiny/graded": {"day1_optimizers": 200.0}}
+    assert schedule.order(todo, schedule.expected(todo, [], "tiny/graded"))[:2] == [("a", "day1_optimizers"),
+                                                                                 ("b", "day1_optimizers")]
+    assert schedule.expected(todo, [], "tiny/full")[("a", "day1_optimizers")] == schedule.ESTIMATES["day1_optimizers"]
+    schedule.history_path().write_text('{"tiny/graded": {"day1_optimizers": "x"}, "tiny/full": [1]}')  # not ours
+    assert schedule.expected(todo, [], "tiny/graded")[("a", "day1_optimizers")] == schedule.ESTIMATES["day1_optimizers"]
+    assert schedule.expected(todo, [], "tiny/full")[("a", "day1_optimizers")] == schedule.ESTIMATES["day1_optimizers"]
+    # the records a resumed run keeps come first
+    kept = [{"student": "z", "day": "mine", "status": "graded", "seconds": 1000.0}]
+    assert schedule.order(todo, schedule.expected(todo, kept, "tiny/graded"))[0] == ("a", "mine")
+
+
+def test_the_progress_line_from_the_start(monkeypatch):
+    lines = []
+    todo = [("a", "d1"), ("b", "d1"), ("c", "d2")]
+    seconds = {("a", "d1"): 10.0, ("b", "d1"): 10.0, ("c", "d2"): 40.0}
+    bar = schedule.Progress(todo, seconds, 2, total=4, done=1, out=lambda text, flush: lines.append(text))
+    bar.begin()
+    assert "1/4 done, 0 failed, 0 running, 3 queued, ~30s left" in lines[0] and "2 at a time" in lines[0]
+    bar.started(("c", "d2"))
+    bar.started(("a", "d1"))
+    bar.update({"student": "a", "day": "d1", "status": "graded", "score": 3.0, "seconds": 20.0})  # twice as long
+    assert "2/4 done, 0 failed, 1 running, 1 queued (slowest c/d2: 0s)" in lines[1]
+    assert lines[1].endswith("~50s left | a/d1: graded 3 in 20.0 s")  # (10 + 40) * 2 / 2 jobs
+    bar.end()
+
+
+@pytest.mark.slow
+def test_both_modes_give_the_same_scores_on_the_toy_course(toy_root, tmp_path):
+    sub = tmp_path / "sub"
+    _student(toy_root, sub, "solution", lambda c: None)
+    _student(toy_root, sub, "blank", lambda c: None)
+    _student(toy_root, sub, "half", _replace("add", ADD))
+    fast, full = tmp_path / "graded", tmp_path / "full"
+    log = dlo("grade", str(sub), "--out", str(fast), "--jobs", "1", root=toy_root).stdout
+    assert "0/3 done, 0 failed, 0 running, 3 queued" in log.splitlines()[0]
+    dlo("grade", str(sub), "--out", str(full), "--jobs", "1", "--full-notebook", root=toy_root)
+    for name in ("scores.csv", "cells.csv"):
+        assert (fast / name).read_bytes() == (full / name).read_bytes(), name
+    for student in ("solution", "blank", "half"):
+        nbs = [nbformat.read(out / "course" / "autograded" / student / DAY / f"{DAY}.ipynb", as_version=4)
+               for out in (fast, full)]
+        last = [c for c in nbs[0].cells if c.cell_type == "code"][-1]
+        assert last.execution_count is None and "Not run by the grader" in str(last.outputs)
+        assert "experiment 45" in str([c for c in nbs[1].cells if c.cell_type == "code"][-1].outputs)
+        assert "Not run by the grader" in (fast / "feedback" / student / f"{DAY}.html").read_text()
+    refused = dlo("grade", str(sub), "--out", str(full), root=toy_root, check=False)  # resume in the other mode
+    assert refused.returncode == 2 and "full_notebook" in refused.stderr
+
+
+@pytest.mark.slow
+def test_run_two_notebooks_at_a_time(toy_root, tmp_path):
+    """`dlo run --jobs 2`: both days run (each with half the cores), the table in the days' order."""
+    twin = toy_root / "solutions" / "toy2"
+    twin.mkdir()
+    (twin / "toy2.ipynb").write_bytes((toy_root / "solutions" / DAY / f"{DAY}.ipynb").read_bytes())
+    proc = dlo("run", "--all", "--jobs", "2", "--profile", "tiny", "--out", str(tmp_path / "o"), root=toy_root)
+    table = proc.stdout[proc.stdout.rindex("day"):]
+    assert table.index(DAY) < table.index("toy2") and table.count(" ok ") == 2, proc.stdout
+    for day in (DAY, "toy2"):
+        assert "experiment 45" in (tmp_path / "o" / day / f"{day}.ipynb").read_text()
+    bad = dlo("run", "--all", "--jobs", "0", root=toy_root, check=False)
+    assert bad.returncode == 2 and "--jobs" in bad.stderr
