@@ -1,20 +1,23 @@
-"""Autograder checks for Day 4 (data parallelism: ring all-reduce, naive and bucketed DDP,
-accumulation with no_sync, sharding sampler, metric sync).
+"""Autograder checks for Day 4 (data parallelism: ring all-reduce, naive and bucketed DDP, accumulation with
+no_sync, sharding sampler, metric sync).
 
-The student's functions run on `world_size` fresh ranks (`dlo.grading.api.on_ranks`, gloo) in
-workers that only run the student's code and return what they observed: outputs, parameters after k
-steps, gradients, and the collectives counted by `dlo.measure.CommCounter`. The references are
-computed here, out of the student's reach: the sum of the ranks' inputs for the ring; for training,
-one process on the full batch with the same optimizer (that torch's DistributedDataParallel computes
-the same is pinned by tests/distributed/test_ddp.py, so no check pays for launching its ranks). Everything runs in
-float64, where a correct implementation differs from the references only by summation order
-(~1e-15); the tolerance (1e-10) leaves room for that and still catches a missing average or a
-dropped micro-batch. While the student's code runs, the references
-that would solve the exercise are off limits (every collective in the ring, DDP in the DDP exercises).
+The student's functions run on `world_size` fresh ranks (`dlo.grading.api.on_ranks`, gloo) in workers that
+only run the student's code and return what they observed: outputs, parameters after k steps, gradients, and
+the collectives counted by `dlo.measure.CommCounter`. The case is drawn here (from a secret seed when
+graded: `case_seed`) and each rank is given only its own part (`per_rank`): its own inputs, its own starting
+weights, its own slice of each step's batch; never the seed nor the other ranks' parts. The references are
+computed here, out of the student's reach: the sum of the ranks' inputs for the ring; for training, one
+process on the full batch with the same optimizer (that torch's DistributedDataParallel computes the same is
+pinned by tests/distributed/test_ddp.py, so no check pays for launching its ranks). Everything runs in
+float64, where a correct implementation differs from the references only by summation order (~1e-15); the
+tolerance (1e-10) leaves room for that and still catches a missing average or a dropped micro-batch. While
+the student's code runs, the references that would solve the exercise are off limits (every collective in
+the ring, DDP in the DDP exercises).
 """
 
 from __future__ import annotations
 
+import copy
 import random
 
 import torch
@@ -22,7 +25,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from dlo.grading.api import check, on_ranks
+from dlo.grading.api import case_seed, check, on_ranks
 from dlo.grading.compare import DTYPE, assert_close, ok
 from dlo.measure import CommCounter
 
@@ -56,11 +59,11 @@ def _ring_case(seed: int, trials: int, w: int):
     return [(shape, [torch.randn(shape, generator=g, dtype=DTYPE) for g in gens]) for shape in shapes]
 
 
-def _ring_worker(fn, seed, trials):
-    r, w = dist.get_rank(), dist.get_world_size()
+def _ring_worker(mine: list, fn):
+    """`mine`: this rank's own input of each trial."""
     out = []
-    for _, inputs in _ring_case(seed, trials, w):
-        got = inputs[r].clone()
+    for t in mine:
+        got = t.clone()
         res = fn(got)
         out.append(res if isinstance(res, torch.Tensor) else got)
     return out
@@ -72,8 +75,10 @@ def check_ring_all_reduce(fn, seed: int = 0, world_size: int = 2, trials: int = 
     messages only; compared with the sum of the ranks' inputs on random float64 tensors of odd sizes,
     some smaller than the world size."""
     trials = max(trials, 5)
-    got = on_ranks(_ring_worker, world_size, fn, seed, trials)
-    for t, (shape, inputs) in enumerate(_ring_case(seed, trials, world_size)):
+    case = _ring_case(case_seed(seed), trials, world_size)  # a secret seed when graded
+    got = on_ranks(_ring_worker, world_size, fn, per_rank=[[inputs[r] for _, inputs in case]
+                                                          for r in range(world_size)])
+    for t, (shape, inputs) in enumerate(case):
         want = torch.stack(inputs).sum(0)
         for r in range(world_size):
             _close("ring_all_reduce", f"the result on rank {r}", got[r][t], want,
@@ -93,8 +98,12 @@ def _batch(seed: int, step: int, n: int):
     return torch.randn(n, 7, generator=g, dtype=DTYPE), torch.randint(0, 3, (n,), generator=g)
 
 
-def _optimizer(model, seed):
-    return torch.optim.SGD(model.parameters(), lr=0.2 + 0.05 * (seed % 3), momentum=0.9)
+def _lr(seed: int) -> float:
+    return 0.2 + 0.05 * (seed % 3)
+
+
+def _optimizer(model, lr: float):
+    return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
 
 
 def _params(model) -> list[torch.Tensor]:
@@ -104,7 +113,7 @@ def _params(model) -> list[torch.Tensor]:
 def _single_process(seed, steps, n):
     """The target: one process, the whole global batch, mean loss, same optimizer, rank 0's start."""
     net = _net(seed + 1)
-    opt = _optimizer(net, seed)
+    opt = _optimizer(net, _lr(seed))
     for s in range(steps):
         x, y = _batch(seed, s, n)
         F.cross_entropy(net(x), y).backward()
@@ -125,18 +134,25 @@ def _per_rank(seed: int) -> int:
     return random.Random(seed).choice([3, 5, 7])
 
 
+def ddp_parts(seed: int, steps: int, per_rank: int, w: int) -> list[dict]:
+    """What rank r is given, built here on the grader's side: its own random starting weights (the
+    broadcast must replace them with rank 0's), the learning rate and its own slice of each step's
+    global batch; never the global batch nor the seed."""
+    batches = [_batch(seed, s, per_rank * w) for s in range(steps)]
+    return [{"net": _net(seed + 1 + r), "lr": _lr(seed),
+             "batches": [(x[r::w].clone(), y[r::w].clone()) for x, y in batches]} for r in range(w)]
+
+
 # ----------------------------------------------------------------------------- 2. naive DDP
 
-def _naive_worker(broadcast_parameters, all_reduce_gradients, seed, steps):
-    r, w = dist.get_rank(), dist.get_world_size()
-    n = _per_rank(seed) * w
-    net = _net(seed + 1 + r)  # each rank starts from its own random weights
+def _naive_worker(mine: dict, broadcast_parameters, all_reduce_gradients):
+    """`mine`: this rank's part (`ddp_parts`)."""
+    net = mine["net"]  # each rank starts from its own random weights
     broadcast_parameters(net)
     start, grads = _params(net), None
-    opt = _optimizer(net, seed)
-    for s in range(steps):
-        x, y = _batch(seed, s, n)
-        F.cross_entropy(net(x[r::w]), y[r::w]).backward()
+    opt = _optimizer(net, mine["lr"])
+    for s, (x, y) in enumerate(mine["batches"]):
+        F.cross_entropy(net(x), y).backward()
         all_reduce_gradients(net)
         if s == 0:
             grads = [None if p.grad is None else p.grad.clone() for p in net.parameters()]
@@ -151,14 +167,16 @@ def check_naive_ddp(broadcast_parameters, all_reduce_gradients, seed: int = 0, w
     """`broadcast_parameters(module)` (rank 0's weights everywhere) and `all_reduce_gradients(module)`
     (every .grad becomes the mean over ranks): trained on shards of a batch, the parameters must equal
     one process on the whole batch."""
-    got = on_ranks(_naive_worker, world_size, broadcast_parameters, all_reduce_gradients, seed, steps)
-    per_rank = _per_rank(seed)
+    secret = case_seed(seed)  # a secret seed when graded
+    per_rank = _per_rank(secret)
     n, where = per_rank * world_size, f"world_size={world_size}, {per_rank} samples per rank"
-    start = _params(_net(seed + 1))
-    first = _net(seed + 1)  # the gradient of step 1 on the whole batch
-    x, y = _batch(seed, 0, n)
+    got = on_ranks(_naive_worker, world_size, broadcast_parameters, all_reduce_gradients,
+                   per_rank=ddp_parts(secret, steps, per_rank, world_size))
+    start = _params(_net(secret + 1))
+    first = _net(secret + 1)  # the gradient of step 1 on the whole batch
+    x, y = _batch(secret, 0, n)
     F.cross_entropy(first(x), y).backward()
-    ref = _single_process(seed, steps, n)
+    ref = _single_process(secret, steps, n)
     for r, g in enumerate(got):
         for i, (p, want) in enumerate(zip(g["start"], start)):
             _close("broadcast_parameters", f"parameter {i} on rank {r} (must equal rank 0's)", p, want, where)
@@ -174,18 +192,16 @@ def check_naive_ddp(broadcast_parameters, all_reduce_gradients, seed: int = 0, w
 SMALL_CAP = 50 * 8 / 2 ** 20  # 50 doubles, in MB
 
 
-def _bucket_worker(cls, seed, steps):
-    """Per bucket cap: the all-reduces of each step as (async, during backward), and the parameters."""
-    r, w = dist.get_rank(), dist.get_world_size()
-    n = _per_rank(seed) * w
+def _bucket_worker(mine: dict, cls):
+    """`mine`: this rank's part (`ddp_parts`). Per bucket cap: the all-reduces of each step as (async,
+    during backward), and the parameters."""
     out = []
     for cap_mb in (SMALL_CAP, 25.0):
-        model = cls(_net(seed + 1 + r), bucket_cap_mb=cap_mb)
-        opt = _optimizer(model, seed)
+        model = cls(copy.deepcopy(mine["net"]), bucket_cap_mb=cap_mb)
+        opt = _optimizer(model, mine["lr"])
         calls = []
-        for s in range(steps):
-            x, y = _batch(seed, s, n)
-            loss = F.cross_entropy(model(x[r::w]), y[r::w])
+        for x, y in mine["batches"]:
+            loss = F.cross_entropy(model(x), y)
             with CommCounter() as rec:
                 rec.phase = "backward"
                 loss.backward()
@@ -203,11 +219,12 @@ def check_bucket_ddp(cls, seed: int = 0, world_size: int = 2, steps: int = 3) ->
     """`cls(module, bucket_cap_mb)` with `finish_gradient_synchronization()`: several buckets at a tiny
     cap and one at 25 MB, each launched async during backward; parameters must equal one process on
     the whole batch."""
-    got = on_ranks(_bucket_worker, world_size, cls, seed, steps)
-    per_rank = _per_rank(seed)
+    secret = case_seed(seed)  # a secret seed when graded
+    per_rank = _per_rank(secret)
     n, where = per_rank * world_size, f"world_size={world_size}, {per_rank} samples per rank"
+    got = on_ranks(_bucket_worker, world_size, cls, per_rank=ddp_parts(secret, steps, per_rank, world_size))
     n_params = len(list(_net(0).parameters()))
-    ref = _single_process(seed, steps, n)  # the same for both caps
+    ref = _single_process(secret, steps, n)  # the same for both caps
     for rank_runs in got:
         for run in rank_runs:
             cap_mb = run["cap_mb"]
@@ -234,19 +251,16 @@ def _accum_case(seed: int):
     return random.Random(seed).choice([(7, 2), (9, 4), (11, 3), (7, 3), (9, 2)])  # never divisible: unequal chunks
 
 
-def _accum_worker(fn, seed, steps):
-    """Per step: all-reduces issued, buckets, largest |grad| left after the step; then the parameters."""
+def _accum_worker(mine: dict, fn, micro: int):
+    """`mine`: this rank's part (`ddp_parts`). Per step: all-reduces issued, buckets, largest |grad|
+    left after the step; then the parameters."""
     from dlo.distributed.ddp import DataParallelBucket
 
-    r, w = dist.get_rank(), dist.get_world_size()
-    per_rank, micro = _accum_case(seed)
-    n = per_rank * w
-    model = DataParallelBucket(_net(seed + 1 + r), bucket_cap_mb=SMALL_CAP)  # 2 buckets
-    opt = _optimizer(model, seed)
+    model = DataParallelBucket(mine["net"], bucket_cap_mb=SMALL_CAP)  # 2 buckets
+    opt = _optimizer(model, mine["lr"])
     steps_seen = []
-    for s in range(steps):
-        x, y = _batch(seed, s, n)
-        xs, ys = list(x[r::w].tensor_split(micro)), list(y[r::w].tensor_split(micro))  # unequal sizes
+    for x, y in mine["batches"]:
+        xs, ys = list(x.tensor_split(micro)), list(y.tensor_split(micro))  # unequal sizes
         with CommCounter() as rec:
             fn(model, opt, F.cross_entropy, xs, ys)
         left = max((float(p.grad.abs().max()) for p in model.parameters() if p.grad is not None), default=0.0)
@@ -259,10 +273,11 @@ def check_accumulation_step(fn, seed: int = 0, world_size: int = 2, steps: int =
     """`fn(model, optimizer, loss_fn, xs, ys)`: one optimizer step of a DataParallelBucket model over
     micro-batches of unequal size; one all-reduce round only, parameters equal to one process on the
     whole batch."""
-    got = on_ranks(_accum_worker, world_size, fn, seed, steps)
-    per_rank, micro = _accum_case(seed)
+    secret = case_seed(seed)  # a secret seed when graded
+    per_rank, micro = _accum_case(secret)
     n, where = per_rank * world_size, f"world_size={world_size}, {per_rank} samples per rank in {micro} micro-batches"
-    ref = _single_process(seed, steps, n)
+    got = on_ranks(_accum_worker, world_size, fn, micro, per_rank=ddp_parts(secret, steps, per_rank, world_size))
+    ref = _single_process(secret, steps, n)
     for g in got:
         for st in g["steps"]:
             if st["all_reduces"] != st["buckets"]:
@@ -322,10 +337,9 @@ def _metrics_case(seed: int, w: int):
     return counts, losses, corrects
 
 
-def _metrics_worker(fn, seed):
-    r, w = dist.get_rank(), dist.get_world_size()
-    counts, losses, corrects = _metrics_case(seed, w)
-    got = fn(losses[r], corrects[r], counts[r])
+def _metrics_worker(mine: tuple, fn):
+    """`mine`: this rank's own (loss_sum, correct, count)."""
+    got = fn(*mine)
     if not isinstance(got, (tuple, list)) or len(got) != 2:
         return {"bad": repr(got)[:200]}
     return {"got": [float(g) for g in got]}
@@ -334,8 +348,8 @@ def _metrics_worker(fn, seed):
 @check(forbid=("dlo.distributed.data.all_reduce_metrics",))
 def check_all_reduce_metrics(fn, seed: int = 0, world_size: int = 2) -> None:
     """`fn(loss_sum, correct, count) -> (mean_loss, accuracy)` over all ranks, with unequal shard sizes."""
-    got = on_ranks(_metrics_worker, world_size, fn, seed)
-    counts, losses, corrects = _metrics_case(seed, world_size)
+    counts, losses, corrects = _metrics_case(case_seed(seed), world_size)  # a secret seed when graded
+    got = on_ranks(_metrics_worker, world_size, fn, per_rank=list(zip(losses, corrects, counts)))
     want = (sum(losses) / sum(counts), sum(corrects) / sum(counts))
     for r, res in enumerate(got):
         where = f"world_size={world_size}, counts={counts}, rank {r}"
