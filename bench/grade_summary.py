@@ -1,6 +1,6 @@
 """CPU seconds per graded notebook, every day before and after, and what 100 students x 8 days would take.
 
-    .venv/bin/python bench/grade_summary.py [--before 'grade-profile-*-before.json'] [--after '...-after.json']
+    .venv/bin/python bench/grade_summary.py [--before PATTERN ...] [--after PATTERN ...]
 
 Reads the profiles `bench/grade_profile.py` wrote (the newest result of each day wins), prints a table
 and writes bench/results/grade-summary-<date>.json. The extrapolation: 100 x 8 notebooks on one node of
@@ -23,10 +23,10 @@ REPO = Path(__file__).resolve().parents[1]
 PER_RUN = ("dlo grade", "course build (generate_assignment)")  # paid once per `dlo grade`, not per notebook
 
 
-def per_day(pattern: str) -> dict:
-    """{day: result} from the profiles matching `pattern`, the newest result of each day."""
+def per_day(patterns: list[str]) -> dict:
+    """{day: result} from the profiles matching `patterns`: a later pattern's (then a newer file's) wins."""
     out = {}
-    for path in sorted(glob.glob(str(REPO / "bench" / "results" / pattern))):
+    for path in [p for pattern in patterns for p in sorted(glob.glob(str(REPO / "bench" / "results" / pattern)))]:
         for r in json.loads(Path(path).read_text())["results"]:
             parts = r["by_process"]
             total = sum(v["cpu_s"] for k, v in parts.items() if not k.startswith("unseen"))
@@ -46,8 +46,8 @@ def _full(result: dict) -> bool:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--before", default="grade-profile-*-before.json")
-    ap.add_argument("--after", default="grade-profile-*-after.json")
+    ap.add_argument("--before", nargs="+", default=["grade-profile-*-before.json"])
+    ap.add_argument("--after", nargs="+", default=["grade-profile-*-after.json", "grade-profile-*-after-*.json"])
     ap.add_argument("--cores", type=int, default=16)
     ap.add_argument("--efficiency", type=float, nargs="+", default=[1.0, 0.74])
     args = ap.parse_args()
