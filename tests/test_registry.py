@@ -2,6 +2,9 @@
 
 import ast
 import importlib
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -57,3 +60,17 @@ def test_an_unknown_day_is_one_line():
         plan_day("day9")
     with pytest.raises(ValueError, match=r"^day1_optimizers: dlo.experiments.nope cannot be loaded"):
         DAYS["day1_optimizers"].load("dlo.experiments.nope")
+
+
+def test_every_check_a_notebook_calls_is_reachable_from_dlo_checks_alone():
+    """The grader imports `dlo.checks` (each day's one checks module, from the registry) and runs the test
+    cells with it: a cell calling `dlo.checks.<module>.<check>` of a module no day's checks module imports
+    scores 0 under the grader while it passes in the notebook, where the imports cell imported it."""
+    calls = sorted({m for nb in REPO.glob("solutions/*/*.ipynb")
+                    for m in re.findall(r"dlo\.checks\.(\w+)\.(check_\w+)", nb.read_text())})
+    assert calls
+    probe = ("import dlo.checks, sys\n"
+             f"missing = [f'{{m}}.{{f}}' for m, f in {calls!r} if not hasattr(getattr(dlo.checks, m, None), f)]\n"
+             "print(missing); sys.exit(bool(missing))")
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    assert proc.returncode == 0, f"not reachable from `import dlo.checks`: {proc.stdout}{proc.stderr[-500:]}"

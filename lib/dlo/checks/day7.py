@@ -15,15 +15,18 @@ a wrong slice or a forgotten gradient all-reduce. Sizes are odd wherever the exe
 (batch, sequence of the unsplit layers, input features); the split dimensions are t times an odd
 number, since Megatron's layers need equal shards.
 
-The checks live in three modules along the exercises' seams and are re-exported here, where the
+The checks live in four modules along the exercises' seams and are re-exported here, where the
 notebook's test cells call them: `dlo.checks.day7_layers` (1, 2 and the shared helpers),
 `dlo.checks.day7_model` (3, 6: the Llama's attention and its DTensor plan) and
-`dlo.checks.day7_sequence` (4, 5).
+`dlo.checks.day7_sequence` (4, 5) and `dlo.checks.day7_scale` (7, 8: compute against communication,
+the layout search). The test cells call them through this module, the day's one checks module
+(`dlo.registry`), which the grader imports.
 """
 
 from dlo.checks.day7_layers import check_tp_linears, check_tp_swiglu
 from dlo.checks.day7_model import check_dtensor_plan, check_tp_attention
+from dlo.checks.day7_scale import check_comm_compute, check_layout_search
 from dlo.checks.day7_sequence import check_sequence_parallel, check_vocab_parallel_cross_entropy
 
-__all__ = ["check_dtensor_plan", "check_sequence_parallel", "check_tp_attention", "check_tp_linears",
-           "check_tp_swiglu", "check_vocab_parallel_cross_entropy"]
+__all__ = ["check_comm_compute", "check_dtensor_plan", "check_layout_search", "check_sequence_parallel",
+           "check_tp_attention", "check_tp_linears", "check_tp_swiglu", "check_vocab_parallel_cross_entropy"]
