@@ -147,3 +147,23 @@ def test_layout_search_rejects_a_stub_and_the_mistakes(sol):
 
     with pytest.raises(AssertionError, match="off limits"):
         day7_scale.check_layout_search(lambda *a: layout.search(*a))
+
+
+def test_both_checks_pass_under_the_grader(sandbox, sol, capsys):
+    """Under the grader the student's functions run in the sandbox and only plain values come back: the
+    layout a search returns arrives as a handle to the student's object, read field by field (the
+    check once refused it as "not a Layout", and the solution scored 0)."""
+    sandbox.run(day7_scale.check_layout_search, sol.search_layout, seed=1, trials=1)
+    sandbox.run(day7_scale.check_comm_compute, sol.fsdp_min_tokens, sol.tp_comm_ratio, seed=1, trials=3)
+    assert capsys.readouterr().out.count(": ok (") == 2
+
+
+def test_a_layout_with_a_wrong_field_type_is_refused(sol):
+    from dlo.layout import Layout
+
+    def bool_degree(model, cluster, batch):
+        lay = sol.search_layout(model, cluster, batch)
+        return Layout(True, lay.tp, lay.pp, lay.fsdp, lay.m, lay.ac)  # True == 1, but no degree
+
+    with pytest.raises(AssertionError, match="its dp a int"):
+        day7_scale.check_layout_search(bool_degree, trials=1)

@@ -18,6 +18,7 @@ whose search and enumeration are off limits (the memory and time models are the 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import random
 
@@ -147,21 +148,36 @@ def _valid(lay, model, cluster, batch) -> str:
     return ""
 
 
+def _as_layout(obj, where: dict):
+    """The answer as the grader's own `Layout`, read field by field: under the grader the student's object
+    stays in the sandbox and only plain values come back (a dataclass arrives as a handle), and the
+    grader must not trust methods of an object it did not make."""
+    from dlo.layout import Layout
+
+    values = {}
+    for f in dataclasses.fields(Layout):
+        value = getattr(obj, f.name, None)
+        want = bool if f.type in (bool, "bool") else int
+        if type(value) is not want:  # exactly: a bool is no degree, a numpy int no bool
+            raise AssertionError(f"layout_search: return a dlo.layout.Layout (its {f.name} a {want.__name__}), "
+                                 f"got {obj!r} ({fmt(where)})")
+        values[f.name] = value
+    return Layout(**values)
+
+
 @check(forbid=LAYOUT_REFERENCE)
 def check_layout_search(search_fn, seed: int = 0, trials: int = 4) -> None:
     """`search_fn(model, cluster, batch)`: the fastest `dlo.layout.Layout` by `dlo.layout.step_time`
     among those that fit by `dlo.layout.fits` (module docstring of `dlo.layout`); compared with the
     reference search's time on the notebook's two cases and seeded others (hidden: more)."""
-    from dlo.layout import Layout, fits, memory_bytes, search, step_time
+    from dlo.layout import fits, memory_bytes, search, step_time
 
     cases = _layout_cases(random.Random(seed), trials)
     for name, seq, cluster, batch in cases:
         model = _model(name, seq)
         where = dict(model=name, seq=seq, gpus=cluster.gpus, gpu=cluster.gpu, mem_gib=cluster.mem_gib, batch=batch,
                      seed=seed)
-        got = search_fn(model, cluster, batch)
-        if not isinstance(got, Layout):
-            raise AssertionError(f"layout_search: return a dlo.layout.Layout, got {type(got).__name__} ({fmt(where)})")
+        got = _as_layout(search_fn(model, cluster, batch), where)
         bad = _valid(got, model, cluster, batch)
         if bad:
             raise AssertionError(f"layout_search: {got} is not a layout of this problem: {bad} ({fmt(where)})")
