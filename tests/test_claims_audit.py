@@ -47,3 +47,12 @@ def test_a_notebook_is_walked_cell_by_cell_with_split_stream_chunks():
                                  {"output_type": "stream", "text": [table[half:]]}]},
                     {"outputs": [{"output_type": "execute_result", "data": {"text/plain": "42"}}]}]}
     assert audit_notebook(nb) == (6, [])
+
+
+def test_a_figure_after_a_table_is_not_read_as_a_row():
+    # Day 7's solution prints its claims table and then shows a figure in the same cell: the figure's
+    # text/plain ("<Figure size ...>") once read as a row with no verdict
+    nb = {"cells": [{"outputs": [{"output_type": "stream", "text": C.claims_table(_table()) + "\n"},
+                                 {"output_type": "display_data",
+                                  "data": {"image/png": "iVBOR", "text/plain": "<Figure size 800x350 with 1 Axes>"}}]}]}
+    assert audit_notebook(nb) == (6, [])

@@ -79,6 +79,8 @@ def notebook_text(nb: dict) -> str:
     for cell in nb.get("cells", []):
         parts = []
         for o in cell.get("outputs", []):
+            if any(mime.startswith("image/") for mime in o.get("data", {})):
+                continue  # a figure: its text/plain is "<Figure size ...>", which would read as a table's row
             text = o.get("text") if o.get("output_type") == "stream" else o.get("data", {}).get("text/plain")
             parts.append("".join(text) if isinstance(text, list) else text or "")
         out.append("".join(parts))
