@@ -56,3 +56,9 @@ def test_a_figure_after_a_table_is_not_read_as_a_row():
                                  {"output_type": "display_data",
                                   "data": {"image/png": "iVBOR", "text/plain": "<Figure size 800x350 with 1 Axes>"}}]}]}
     assert audit_notebook(nb) == (6, [])
+
+
+def test_a_line_printed_right_after_a_table_ends_it():
+    text = C.claims_table(_table()) + "\nTensorBoard: tensorboard --logdir runs/day6 (the day's 6 claims: 2 agree)\n"
+    (rows,) = parse_tables(text)
+    assert len(rows) == 6 and audit_text(text) == []

@@ -33,7 +33,9 @@ def parse_tables(text: str) -> list[list[dict]]:
             spans = [(m.start(), m.end()) for m in re.finditer(r"-+", rule)]
             names = [header[a:b].strip() for a, b in spans]
             rows, i = [], i + 2
-            while i < len(lines) and lines[i].strip():
+            # a row has the table's column gaps (format_table pads every cell): the first line without them,
+            # or a blank one, ends the table (a count or a log line printed right after it is no row)
+            while i < len(lines) and lines[i].strip() and all(lines[i][a - 1:a] in (" ", "") for a, _ in spans[1:]):
                 line = lines[i]
                 cells = [line[a:spans[k + 1][0]] if k + 1 < len(spans) else line[a:] for k, (a, _) in enumerate(spans)]
                 rows.append(dict(zip(names, (c.strip() for c in cells))))
