@@ -220,7 +220,7 @@ class _Zygote:
             # -P (here and for each rank below): the working directory is not put on sys.path, so a module
             # planted there (by code run earlier in that folder, e.g. a graded student's) cannot run before
             # the worker takes its shard
-            self.proc = subprocess.Popen([sys.executable, "-P", "-m", "dlo.distributed._worker", "--zygote", workdir,
+            self.proc = subprocess.Popen([*worker_command(), "--zygote", workdir,
                                           *map(str, writes)], env=envs[0], stdin=subprocess.DEVNULL,
                                          stdout=subprocess.PIPE, pass_fds=writes, start_new_session=True)
         except BaseException:
@@ -286,6 +286,11 @@ class _Forked:
         return self.returncode
 
 
+def worker_command() -> list[str]:
+    """The worker's interpreter line, the zygote's and each rank's alike (-P: see the zygote's start)."""
+    return [sys.executable, "-P", "-m", "dlo.distributed._worker"]
+
+
 def _start(world_size, port, workdir) -> tuple[list, _Zygote | None]:
     """The ranks, forked by a zygote (and the zygote), else each a fresh interpreter (and None)."""
     if os.environ.get(RANK_START_ENV) != "exec":
@@ -301,7 +306,7 @@ def _start(world_size, port, workdir) -> tuple[list, _Zygote | None]:
     procs = []
     try:
         for r in range(world_size):
-            procs.append(subprocess.Popen([sys.executable, "-P", "-m", "dlo.distributed._worker", workdir],
+            procs.append(subprocess.Popen([*worker_command(), workdir],
                                           env=_worker_env(r, world_size, port, workdir), stdin=subprocess.DEVNULL,
                                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True))
     except BaseException:
