@@ -20,7 +20,7 @@ class Day4Preset:
     msg_sizes: tuple = tuple(1 << k for k in range(10, 23, 2))  # bytes of the bus-bandwidth sweep, 1 KB..4 MB
     bw_reps: int = 5               # all-reduces back to back per timing
     bw_trials: int = 7             # timed rounds over all sizes, after one untimed warm-up round
-    wire_bytes: int = 1 << 22      # all-reduce size whose bytes on the loopback interface are counted (gloo)
+    wire_bytes: int = 1 << 22      # all-reduce size whose bytes on the rank's TCP sockets are counted (gloo)
     wire_calls: int = 6            # all-reduces per counted trial (and compression steps read on the wire)
     wire_trials: int = 5           # counted trials (mean with a t-interval)
     model: str = "mlp"             # model of the DDP comparisons: "mlp" or "resnet18" (synthetic images)

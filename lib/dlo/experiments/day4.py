@@ -3,7 +3,7 @@
 All measure side by side in one process group: the all-reduce time per message size (sizes
 interleaved round by round after an untimed warm-up round, so the first call's set-up cost is not
 fitted) and the bytes a rank really sends (the ring exercise's messages counted by
-`dlo.measure.CommCounter`; gloo's own all-reduce on the loopback interface's byte counters);
+`dlo.measure.CommCounter`; gloo's own all-reduce on the rank's TCP socket counters);
 naive vs bucketed vs torch DDP step time (interleaved step by step, paired rounds); one bucketed
 step profiled, its events kept for a timeline (all-reduces beside backward, Li et al. 2020,
 Fig. 2); the bytes torch's DDP communication hooks send (fp16/bf16, PowerSGD of Vogels et al. 2019)
@@ -19,7 +19,6 @@ each a short function, and the planner that sizes exactly those.)
 from __future__ import annotations
 
 import contextlib
-import os
 from pathlib import Path
 
 import torch
@@ -33,7 +32,7 @@ from dlo.distributed.ddp import DataParallelBucket, DataParallelNaive
 from dlo.distributed.launch import heartbeat, rank_device
 from dlo.distributed.onebit_adam import OneBitAdam
 from dlo.distributed.sync_bn import convert_sync_batchnorm
-from dlo.experiments.day4_comm import loopback_sent, powersgd_bytes, ring_peers, ring_sent, wire_bytes
+from dlo.experiments.day4_comm import powersgd_bytes, ring_peers, ring_sent, tcp_available, tcp_sent, wire_bytes
 from dlo.experiments.day4_data import batch, batches, feature_batch, mlp, model
 from dlo.experiments.day4_report import timeline
 from dlo.measure import CommCounter, time_interleaved
@@ -181,10 +180,10 @@ def compression(P, device, log_dir=None) -> dict:
                      "final loss": loss.item(), "losses": [*losses, loss.item()]}
         if state is not None:  # PowerSGD's own count of the elements it all-reduced in that step (P, Q, vectors)
             out[name]["state bytes/step"] = 4 * (state.compression_stats()[2] - before)  # fp32 gradients
-        if device.type == "cpu" and os.path.exists("/proc/net/dev"):  # PowerSGD's second all-reduce runs in
-            b = batch(P, P.compress_steps, rank, device)  # a callback thread: only the wire sees all of it
-            out[name]["wire sent/step"] = [loopback_sent(lambda: step(net, opt, b), 1)  # noqa: B023 - called now
-                                           for _ in range(P.wire_calls)]  # (bytes, packets) per step
+        if device.type == "cpu" and tcp_available():  # PowerSGD's second all-reduce runs in a callback
+            b = batch(P, P.compress_steps, rank, device)  # thread: only the sockets see all of it
+            out[name]["wire sent/step"] = [tcp_sent(lambda: step(net, opt, b), 1)  # noqa: B023 - called now
+                                           for _ in range(P.wire_calls)]  # (bytes, segments) per step
     out["PowerSGD"]["formula bytes"] = powersgd_bytes(model(P, "meta"), P.powersgd_rank)
     return out
 
@@ -261,8 +260,8 @@ def run_all(P, log_dir) -> dict:
            "model": P.model, "params": count_parameters(model(P, device)), "bn_batch": P.bn_batch,
            "bandwidth": bus_bandwidth(P.msg_sizes, reps=P.bw_reps, trials=P.bw_trials, device=device),
            "ring sent": ring_sent(dist.get_world_size() * 4096), "ring peers": ring_peers(dist.get_world_size() * 4096)}
-    if dist.get_backend() == "gloo" and os.path.exists("/proc/net/dev"):
-        heartbeat("bytes on the loopback interface")
+    if dist.get_backend() == "gloo" and tcp_available():
+        heartbeat("bytes on this rank's sockets")
         out["wire"] = wire_bytes(P.wire_bytes, P.wire_calls, P.wire_trials)
     out["throughput"] = step_times(P, device, wrappers(P, device), log_dir=log_dir)
     out["overlap"] = overlap(P, device, log_dir)

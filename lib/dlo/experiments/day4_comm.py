@@ -5,9 +5,10 @@
   buffers, not part of alpha, so not fitted);
 - `ring_sent`: the bytes the ring all-reduce's messages carry, counted by `dlo.measure.CommCounter`
   on the exercise's algorithm (`dlo.distributed.collectives.ring_all_reduce`);
-- `wire_bytes` (`loopback_sent`): the bytes gloo's own all-reduce puts on the loopback interface,
-  from the kernel's counters: the algorithm the backend really runs, measured from outside it (also
-  what a DDP hook sends from the backend's callback threads, which `CommCounter` does not see);
+- `wire_bytes` (`tcp_sent`): the bytes gloo's own all-reduce hands to this rank's TCP sockets, from
+  the kernel's per-socket counters (TCP_INFO): the algorithm the backend really runs, measured from
+  outside it (also what a DDP hook sends from the backend's callback threads, which `CommCounter`
+  does not see), and only this process's sockets, so other jobs on a shared node do not count;
 - `powersgd_bytes`: PowerSGD's message from its definition, to check the hook's count against.
 
 All run on every rank inside `dlo.distributed.launch`.
@@ -16,7 +17,8 @@ All run on every rank inside `dlo.distributed.launch`.
 from __future__ import annotations
 
 import os
-import time
+import socket
+import struct
 
 import torch
 import torch.distributed as dist
@@ -43,55 +45,68 @@ def ring_peers(n: int) -> dict[int, float]:
     return {peer: b / (4 * n) for peer, b in sorted(comm.sent_by_peer().items())}
 
 
-def loopback_tx() -> tuple[int, int]:
-    """(bytes, packets) transmitted so far on the loopback interface, from /proc/net/dev (Linux)."""
-    with open("/proc/net/dev") as f:
-        for line in f:
-            name, _, rest = line.partition(":")
-            if name.strip() == "lo":
-                fields = rest.split()
-                return int(fields[8]), int(fields[9])
-    raise RuntimeError("no loopback interface in /proc/net/dev")
+def tcp_available() -> bool:
+    """Whether `tcp_tx` can read this process's sockets (Linux: TCP_INFO and /proc/self/fd)."""
+    return hasattr(socket, "TCP_INFO") and os.path.isdir("/proc/self/fd")
 
 
-def loopback_sent(fn, calls: int) -> tuple[float, int]:
-    """(bytes, packets) this host's ranks put on the loopback interface per call of `fn` (called
-    `calls` times on every rank between barriers), per rank. A control window of the same length
-    (barriers and sleep only) measures the background (other processes, the barriers), subtracted.
-    Ranks on one host talk over TCP on loopback, whose counters see every byte of every backend
-    thread, also those a dispatch mode on the calling thread cannot see."""
-    world = dist.get_world_size()
+def tcp_tx() -> tuple[int, int]:
+    """(payload bytes, data segments) sent so far by this process's TCP sockets, from the kernel's
+    per-socket counters (struct tcp_info, linux/tcp.h: tcpi_data_segs_out at byte 156, tcpi_bytes_sent
+    at byte 200, Linux >= 4.19). Every thread's sockets count (gloo sends from its own threads); the
+    payload is what TCP carries: the backend's messages with its own headers, not TCP/IP's."""
+    sent = segs = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if not os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
+                continue
+            with socket.fromfd(int(fd), socket.AF_INET, socket.SOCK_STREAM) as dup:  # a dup: closing it is safe
+                info = dup.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 232)
+        except OSError:  # not TCP (a Unix socket), or closed since the listing
+            continue
+        if len(info) < 208:
+            raise RuntimeError("tcp_tx needs Linux >= 4.19 (tcpi_bytes_sent)")
+        segs += struct.unpack_from("I", info, 156)[0]
+        sent += struct.unpack_from("Q", info, 200)[0]
+    return sent, segs
+
+
+def tcp_sent(fn, calls: int) -> tuple[float, int]:
+    """(bytes, data segments) this rank's TCP sockets send per call of `fn` (called `calls` times on
+    every rank between barriers). A control window (the barriers only) is subtracted. The counters are
+    this process's own: exact, whatever else runs on the machine (an earlier version read the loopback
+    interface, which every process on the host shares: a loaded node moved the result)."""
     dist.barrier()
-    (b0, p0), t0 = loopback_tx(), time.perf_counter()
+    b0, s0 = tcp_tx()
     for _ in range(calls):
         fn()
     dist.barrier()
-    (b1, p1), dt = loopback_tx(), time.perf_counter() - t0
+    b1, s1 = tcp_tx()
     dist.barrier()
-    c0, q0 = loopback_tx()
-    time.sleep(dt)
+    c0, q0 = tcp_tx()
     dist.barrier()
-    c1, q1 = loopback_tx()
-    return ((b1 - b0) - (c1 - c0)) / world / calls, ((p1 - p0) - (q1 - q0)) // world // calls
+    c1, q1 = tcp_tx()
+    return ((b1 - b0) - (c1 - c0)) / calls, ((s1 - s0) - (q1 - q0)) // calls
 
 
 def wire_bytes(nbytes: int, calls: int, trials: int) -> dict:
-    """What gloo's own all-reduce of `nbytes` puts on the wire per rank (`loopback_sent`), over
-    nbytes ("ratio", one per trial of `calls` all-reduces), and the packets: each carries ~52-66
-    bytes of IP + TCP headers, and gloo a small header per message, the overhead over the model."""
-    if not os.path.exists("/proc/net/dev"):
-        raise RuntimeError("wire_bytes reads /proc/net/dev (Linux only)")
+    """What gloo's own all-reduce of `nbytes` hands to this rank's TCP sockets (`tcp_sent`), over
+    nbytes ("ratio", one per trial of `calls` all-reduces), the TCP segments it took ("segments"),
+    and the bytes over the algorithm's 2(N-1)/N n ("excess per call": gloo's message headers). On a
+    real wire each segment also carries ~52-66 bytes of TCP/IP (and Ethernet) headers."""
+    if not tcp_available():
+        raise RuntimeError("wire_bytes reads this process's TCP sockets (Linux only)")
     world, x = dist.get_world_size(), torch.ones(nbytes // 4)
     for _ in range(3):
         dist.all_reduce(x)  # connections up, buffers allocated
-    ratios, packets, overhead = [], [], []
+    ratios, segments, excess = [], [], []
     for _ in range(trials):
-        sent, pk = loopback_sent(lambda: dist.all_reduce(x), calls)
+        sent, segs = tcp_sent(lambda: dist.all_reduce(x), calls)
         ratios.append(sent / (4 * x.numel()))
-        packets.append(pk)
-        overhead.append((sent - 2 * (world - 1) / world * 4 * x.numel()) / max(1, pk))
-    return {"world": world, "bytes": 4 * x.numel(), "calls": calls, "ratio": ratios, "packets": packets,
-            "overhead per packet": overhead}
+        segments.append(segs)
+        excess.append(sent - 2 * (world - 1) / world * 4 * x.numel())
+    return {"world": world, "bytes": 4 * x.numel(), "calls": calls, "ratio": ratios, "segments": segments,
+            "excess per call": excess}
 
 
 def powersgd_bytes(net: nn.Module, rank: int, min_compression_rate: float = 2.0) -> int:

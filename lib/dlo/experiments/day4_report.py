@@ -1,8 +1,8 @@
 """Day 4's tables, claims and pictures from `dlo.experiments.day4.run_all`'s results (plain data),
 and the profiler helper the run uses inside a rank (`timeline`).
 
-Every verdict goes through `dlo.claims`: counted bytes are exact; bytes read from the loopback
-interface are a mean over trials with its t-interval; step times are paired round by round (the
+Every verdict goes through `dlo.claims`: counted bytes are exact; bytes read from the rank's TCP
+sockets are a mean over trials with its t-interval; step times are paired round by round (the
 versions run in turn, so a slow phase of the machine hits all of them) and summarised by the median
 ratio with its order-statistics interval; accuracies are Wilson intervals on the test samples.
 """
@@ -74,7 +74,7 @@ def bandwidth_rows(bw: list[dict]) -> list[dict]:
 
 def compression_rows(comp: dict, world: int) -> list[dict]:
     """Per DDP hook: the bytes CommCounter saw handed to the all-reduces of a step, the bytes each rank
-    put on the wire (loopback, mean of the measured steps; gloo only), the hook's definition (fp32: the
+    handed to its TCP sockets (mean of the measured steps; gloo only), the hook's definition (fp32: the
     gradients; fp16: half; PowerSGD: the formula) as ring bytes per rank, the rate against fp32, and
     the final training loss."""
     f = 2 * (world - 1) / world
@@ -84,7 +84,7 @@ def compression_rows(comp: dict, world: int) -> list[dict]:
         want = v.get("formula bytes", v["bytes/step"])  # PowerSGD: CommCounter sees only its first all-reduce
         wire = v.get("wire sent/step")
         rows.append({"scheme": name, "counted bytes/step": v["bytes/step"],
-                     "on the wire/step": round(sum(b for b, _ in wire) / len(wire)) if wire else "-",
+                     "TCP sent/step": round(sum(b for b, _ in wire) / len(wire)) if wire else "-",
                      "definition: sent/step": round(f * want), "rate": fp32 / want, "final loss": v["final loss"]})
     return rows
 
@@ -160,13 +160,13 @@ def claims(R: dict, wire_more: dict | None = None, scale: dict | None = None) ->
         text = (f"gloo's all-reduce puts 2(N-1)/N of the data per rank on the wire (N={wire['world']}; a ring, a tree "
                 f"and reduce + broadcast all do: this total does not tell them apart)")
         args = (text, "Patarasuk & Yuan 2009; NCCL/gloo ring", f"{fw:.3f} n")
-        region = C.approx(fw, rel=0.01, text=f"{fw:.3f} +- 1% (TCP/IP headers)")
-        est = C.from_samples(wire["ratio"], f"loopback byte counters, {len(wire['ratio'])} trials")
+        region = C.approx(fw, rel=0.01, text=f"{fw:.3f} +- 1% (gloo's message headers)")
+        est = C.from_samples(wire["ratio"], f"TCP socket counters (TCP_INFO), {len(wire['ratio'])} trials")
         out.append(C.Claim(*args, region, est) if wire["world"] > 2 else C.by_construction(*args, AT_TWO, est, region))
     if not R.get("wire"):
         out.append(C.not_measurable("the backend's all-reduce sends 2(N-1)/N of the data per rank on the wire",
                                     "Patarasuk & Yuan 2009", f"{f:.3f} n",
-                                    "NCCL's traffic does not cross the loopback interface (NVLink, InfiniBand)"))
+                                    "NCCL's traffic does not go through TCP sockets (NVLink, InfiniBand)"))
     comp = R["compression"]
     fp32 = comp["fp32 (no compression)"]["bytes/step"]
     out += [C.by_construction("fp16 compression halves the bytes (rate 2x)", META_AWS, "2x", CAST,
@@ -226,8 +226,8 @@ def _powersgd_claim(ps: dict) -> C.Claim:
     """PowerSGD's bytes per step against Vogels et al.'s formula: the elements the hook all-reduced in
     the counted step by its own count (PowerSGDState.compression_stats: P, Q and the uncompressed
     tensors, exact). `CommCounter` cannot see its second all-reduce (issued from a callback on the
-    backend's thread), and the loopback counters mix in per-packet headers of a size that depends on
-    the message: neither gives the exact count."""
+    backend's thread), and the socket counters add gloo's message headers: neither gives the exact
+    count."""
     text = ("PowerSGD all-reduces (n + m) r values per n x m gradient (rank r; vectors, and matrices too small "
             "to gain, sent whole)")
     if "state bytes/step" not in ps:
