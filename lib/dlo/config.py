@@ -159,10 +159,6 @@ def get_preset(day: str, profile: str, max_steps: int = 0, smoke: bool | None = 
     return preset
 
 
-# the parameters-cell names every day has and `resolve` takes (`dlo run` passes these, and the day's own)
-PARAMETERS = ("profile", "device", "seed", "max_steps", "world_size", "data_dir", "log_dir")
-
-
 def resolve(day: str, profile: str = "auto", device: str = "auto", seed: int = 0, max_steps: int = 0,
             world_size: int = 0, data_dir: str = "", log_dir: str = "", smoke: bool | None = None, **more: Any) -> Run:
     """A notebook's parameters cell as a `Run`, without doing any work (no folder made, no RNG seeded):

@@ -20,6 +20,10 @@ from typing import Any
 
 from dlo import presets as P
 
+# What every day's parameters cell declares (papermill's flat scalars), resolved by `dlo.config.resolve`;
+# here, beside the days' own ones (`DaySpec.parameters`), so that `dlo release` reads it without torch.
+PARAMETERS = ("profile", "device", "seed", "max_steps", "world_size", "data_dir", "log_dir")
+
 
 @dataclass(frozen=True)
 class DaySpec:

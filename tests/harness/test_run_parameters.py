@@ -12,9 +12,9 @@ import pytest
 from nbformat.v4 import new_code_cell, new_notebook
 
 import dlo
-from dlo.config import PARAMETERS, resolve
+from dlo.config import resolve
 from dlo.harness.run import BadParameter, build_parameters, typed_value
-from dlo.registry import DAYS
+from dlo.registry import DAYS, PARAMETERS
 
 REPO = Path(__file__).resolve().parents[2]
 PARAMS = 'profile: str = "auto"\nmax_steps: int = 0\nlr: float = 0.1\nverbose: bool = False\nname: str = "x"\n'

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import nbformat
 
-from dlo.config import PARAMETERS  # what every parameters cell declares: what dlo.setup resolves
 from dlo.harness.days import list_days, notebook_path
 from dlo.harness.nbgrader_cli import generate_assignments
 from dlo.harness.setup import comparable_metadata
+from dlo.registry import PARAMETERS  # what every parameters cell declares: what dlo.setup resolves
 
 
 def release(root: Path, force: bool = False) -> int:

@@ -109,8 +109,8 @@ def check_day(day: str, nb: Path, params: dict, smoke: bool = False) -> None:
     """The parameters the kernel will see (defaults of the parameters cell, then the overrides)
     resolved as `dlo.setup` will resolve them (`dlo.config.resolve`: the preset, the ranks, the data
     folder, the day's preflight): BadParameter (one line) when that fails."""
-    from dlo.config import PARAMETERS, resolve
-    from dlo.registry import DAYS
+    from dlo.config import resolve
+    from dlo.registry import DAYS, PARAMETERS
 
     if day not in DAYS:
         return  # a course day without presets (the harness tests' toy day)
