@@ -2,7 +2,7 @@
 
 `reshard_prefetch(P, world)` shards a small Llama (the comparison config cut to `BLOCKS` blocks) with
 torch's `fully_shard` inside a fake process group of `world` ranks (`dlo.plan.fake_world`: one
-process, every collective returns at once), once per `VARIANTS` entry, and runs two forward and
+process, every collective returns at once), once per entry of `variants(world)`, and runs two forward and
 backward passes (the second is counted: the first also initialises FSDP2). It counts, exactly:
 
 - every all-gather and reduce-scatter of the step and its bytes, by phase (`dlo.measure.CommCounter`);
@@ -12,10 +12,10 @@ backward passes (the second is counted: the first also initialises FSDP2). It co
 
 Which units are gathered is read from FSDP2 itself (each unit's registered parameters: plain tensors
 when unsharded, DTensors sharded over k ranks and replicated across the others when resharded to k),
-and one private attribute of torch
-2.13's `FSDPParamGroup`, `_all_gather_result`: a prefetched all-gather started but not yet copied
-out, which no public API shows. Not counted: FSDP2's flat all-gather buffer during the copy-out and
-the gradients (a transient of about one unit each).
+and one private attribute of torch 2.13's `FSDPParamGroup`, `_all_gather_result`: a prefetched
+all-gather started but not yet copied out, which no public API shows. Not counted: FSDP2's flat
+all-gather buffer during the copy-out and the gradients (a transient of about one unit each), and
+the padding FSDP2 adds to rows not divisible by N (none in the course's Llamas at 8 ranks).
 
 `reshard_claims(rows)` puts each count beside the formula in units of the root R (tied embedding
 and final norm), a block B and Psi = R + L B. Nothing here is timed: whether prefetching hides the
