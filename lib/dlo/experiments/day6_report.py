@@ -18,22 +18,9 @@ import statistics
 import torch
 from torch import nn
 
-from dlo.claims import (
-    Claim,
-    Estimate,
-    approx,
-    at_least,
-    at_most,
-    between,
-    by_construction,
-    exact,
-    from_samples,
-    median_interval,
-    not_measurable,
-    planned,
-    timed,
-)
+from dlo.claims import Claim, approx, at_least, at_most, between, by_construction, not_measurable, planned, timed
 from dlo.distributed.pipeline_schedules import bubble_fraction, simulate, split_stages
+from dlo.estimates import Estimate, exact, from_samples, median_interval
 from dlo.experiments.day6 import COSTS, meta_model, model_config, stack
 from dlo.models.coatnet import block_costs
 
@@ -66,7 +53,7 @@ def on_ranks(R: dict, est: Estimate | None) -> Estimate | None:
 
 def median_text(times_s) -> str:
     """Step times in ms as a table cell: the median [interval of the median] from 3 timings or more,
-    the median alone below that (rule 1 of `dlo.claims`: no interval from fewer than 3)."""
+    the median alone below that (rule 1 of `dlo.estimates`: no interval from fewer than 3)."""
     ms = [1e3 * t for t in times_s]
     if len(ms) >= 3:
         return str(median_interval(ms))
