@@ -163,7 +163,8 @@ def folder_hash(folder: Path) -> str:
 
 def course_version(root: Path, days: list[str]) -> str:
     """What a score depends on: the instructors' notebooks of the graded days, the checks modules
-    they call (dlo.checks.<name>) and the grading runtime they run on (dlo.grading)."""
+    they call (dlo.checks.<name>, with the siblings <name>_*.py it re-exports) and the grading runtime
+    they run on (dlo.grading)."""
     import dlo.checks
     import dlo.grading
 
@@ -172,9 +173,8 @@ def course_version(root: Path, days: list[str]) -> str:
     for day in days:
         h.update(day.encode() + folder_hash(root / "solutions" / day).encode())
         used.update(re.findall(r"dlo\.checks\.(\w+)", (root / "solutions" / day / f"{day}.ipynb").read_text()))
-    for name in sorted(used):
-        if (checks / f"{name}.py").is_file():
-            h.update(name.encode() + (checks / f"{name}.py").read_bytes())
+    for path in sorted({p for name in used for p in [*checks.glob(f"{name}.py"), *checks.glob(f"{name}_*.py")]}):
+        h.update(path.stem.encode() + path.read_bytes())
     for path in sorted(Path(dlo.grading.__file__).parent.glob("*.py")):
         h.update(f"grading/{path.name}".encode() + path.read_bytes())
     return h.hexdigest()[:12]
