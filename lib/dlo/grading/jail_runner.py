@@ -19,7 +19,7 @@ serves requests until the check closes the session:
 - `ranks`: the same worker on N ranks (`dlo.distributed.launch`: the ranks are this child's children,
   inside the sandbox too). The child holds every rank's part of the case, so it runs no student code
   for this request: the captured objects travel to the ranks unloaded and each rank loads them
-  after taking its own part and sealing (`api.load_captures`); a session whose child has already
+  after taking its own part and sealing (`ranks.load_captures`); a session whose child has already
   run the student's code cannot start ranks.
 
 Processes the student's code leaves behind end with the session: the runner and each session's
