@@ -3,7 +3,8 @@ the fp16 underflow demo with their claims, and the day's plan.
 
 `TinyLM` is GPT-2's shape at the full profile (12 layers, d_model 768, a 50257-token vocabulary,
 1024 positions: ~160M parameters with its untied head, near the 155M model of the course's float32
-vs bfloat16 case study) and a toy at the tiny one.
+vs bfloat16 case study) and a toy at the tiny one. (Over 300 lines: each runner beside the claims
+it feeds, so that a claim's numbers are read where they are made.)
 """
 
 from __future__ import annotations
