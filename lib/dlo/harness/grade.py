@@ -162,19 +162,25 @@ def folder_hash(folder: Path) -> str:
     return h.hexdigest()[:16]
 
 
-def course_version(root: Path, days: list[str]) -> str:
-    """What a score depends on: the instructors' notebooks of the graded days, the checks modules
-    they call (dlo.checks.<name>, with the siblings <name>_*.py it re-exports) and the grading runtime
-    they run on (dlo.grading)."""
+def checks_modules(names) -> list[Path]:
+    """The files of the checks modules `dlo.checks.<name>` that test cells call, each with the siblings
+    `<name>_*.py` it re-exports (`checks/day7.py` holds none of Day 7's checks itself)."""
     import dlo.checks
-    import dlo.grading
 
     checks = Path(dlo.checks.__file__).parent
+    return sorted({p for name in names for p in [*checks.glob(f"{name}.py"), *checks.glob(f"{name}_*.py")]})
+
+
+def course_version(root: Path, days: list[str]) -> str:
+    """What a score depends on: the instructors' notebooks of the graded days, the checks modules
+    they call (`checks_modules`) and the grading runtime they run on (dlo.grading)."""
+    import dlo.grading
+
     h, used = hashlib.sha256(), {"__init__"}
     for day in days:
         h.update(day.encode() + folder_hash(root / "solutions" / day).encode())
         used.update(re.findall(r"dlo\.checks\.(\w+)", (root / "solutions" / day / f"{day}.ipynb").read_text()))
-    for path in sorted({p for name in used for p in [*checks.glob(f"{name}.py"), *checks.glob(f"{name}_*.py")]}):
+    for path in checks_modules(used):
         h.update(path.stem.encode() + path.read_bytes())
     for path in sorted(Path(dlo.grading.__file__).parent.glob("*.py")):
         h.update(f"grading/{path.name}".encode() + path.read_bytes())
