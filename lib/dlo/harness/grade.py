@@ -27,7 +27,7 @@ Started again with the same --out, a run resumes: submissions with a record (and
 are kept, the rest graded; an output graded with another course version is refused (--regrade).
 `--shard K/N` grades every N-th student into DIR/part-K-of-N (one SLURM array task each), and
 `--merge DIR` joins the parts, refusing when one is missing, unfinished or of another version.
-(About 320 lines: the command and the checks of its input, read in order from the CLI to the manifest.)
+(About 325 lines: the command and the checks of its input, read in order from the CLI to the manifest.)
 """
 
 from __future__ import annotations
