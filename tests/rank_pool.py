@@ -4,7 +4,7 @@ A check calls `on_ranks(worker, n, ...)`; in a notebook that is one `dlo.distrib
 fresh interpreters (seconds of start-up on a small CPU). The tests of the parallel days call dozens
 of checks, so there `RankPool` keeps n ranks alive and hands them one job after another: the same
 trusted worker, the same forbidden names blocked and modules sealed around it
-(`dlo.grading.api.run_on_rank`), the same plain-data results (`safe_data`) and the same
+(`dlo.grading.ranks.run_on_rank`), the same plain-data results (`safe_data`) and the same
 comparisons in the check. What differs is transport only, and the real path stays tested: a job
 that fails on a rank ends the pool (a peer may be stuck in a collective), its ranks are killed by
 pid and the next job starts a fresh launch; the accept tests of every check still meet the real
@@ -31,16 +31,9 @@ import pytest
 import torch
 
 from dlo.distributed.launch import dumps, launch
-from dlo.grading.api import (
-    DirectSession,
-    deadlock_message,
-    rank_payload,
-    run_on_rank,
-    safe_data,
-    worker_ref,
-    write_shards,
-)
+from dlo.grading.api import DirectSession, deadlock_message, safe_data
 from dlo.grading.frames import fold_traceback_text
+from dlo.grading.ranks import rank_payload, run_on_rank, worker_ref, write_shards
 
 
 @pytest.fixture(scope="module")

@@ -5,73 +5,74 @@ import math
 import pytest
 
 from dlo import claims as C
+from dlo import estimates as E
 
 
 def test_verdict_has_four_outcomes_decided_by_the_whole_interval():
     region = C.approx(2.0, rel=0.05)                       # [1.9, 2.1]
-    assert C.verdict(C.Estimate(2.0, 1.95, 2.05), region) == C.AGREES
-    assert C.verdict(C.Estimate(3.0, 2.5, 3.5), region) == C.DISAGREES
+    assert C.verdict(E.Estimate(2.0, 1.95, 2.05), region) == C.AGREES
+    assert C.verdict(E.Estimate(3.0, 2.5, 3.5), region) == C.DISAGREES
     # the point estimate inside, the interval straddling an edge: the noise decides nothing
-    assert C.verdict(C.Estimate(2.0, 1.5, 2.5), region) == C.INCONCLUSIVE
-    assert C.verdict(C.Estimate(2.5, 2.05, 2.95), region) == C.INCONCLUSIVE
+    assert C.verdict(E.Estimate(2.0, 1.5, 2.5), region) == C.INCONCLUSIVE
+    assert C.verdict(E.Estimate(2.5, 2.05, 2.95), region) == C.INCONCLUSIVE
     assert C.verdict(None, region) == C.NOT_MEASURABLE
-    assert C.verdict(C.Estimate(math.nan, math.nan, math.nan), region) == C.NOT_MEASURABLE
+    assert C.verdict(E.Estimate(math.nan, math.nan, math.nan), region) == C.NOT_MEASURABLE
 
 
 def test_a_spread_wider_than_the_tolerance_is_not_an_agreement():
     # Day 2's old bug: a 7-point spread passed a 5-point equivalence tolerance.
-    diff = C.from_samples([0.06, -0.01, 0.02])             # accuracy differences over three seeds
+    diff = E.from_samples([0.06, -0.01, 0.02])             # accuracy differences over three seeds
     assert diff.hi - diff.lo > 0.10
     assert C.verdict(diff, C.between(-0.05, 0.05)) == C.INCONCLUSIVE
 
 
 def test_exact_values_agree_or_disagree_never_inconclusive():
-    assert C.verdict(C.exact(16), C.approx(16, abs_tol=0.5)) == C.AGREES
-    assert C.verdict(C.exact(18), C.approx(16, abs_tol=0.5)) == C.DISAGREES
+    assert C.verdict(E.exact(16), C.approx(16, abs_tol=0.5)) == C.AGREES
+    assert C.verdict(E.exact(18), C.approx(16, abs_tol=0.5)) == C.DISAGREES
 
 
 def test_from_samples_is_a_t_interval_and_gives_none_from_fewer_than_three():
-    est = C.from_samples([1.0, 2.0, 3.0])
+    est = E.from_samples([1.0, 2.0, 3.0])
     half = 4.303 * 1.0 / math.sqrt(3)                      # t(2) * sd / sqrt(n)
     assert est.value == 2.0 and est.lo == pytest.approx(2 - half) and est.hi == pytest.approx(2 + half)
     assert not est.reason
     for xs in ([1.0], [1.0, 2.0]):                         # rule 1: no interval from 1 or 2 samples
-        few = C.from_samples(xs)
+        few = E.from_samples(xs)
         assert few.reason == f"{len(xs)} samples < 3" and few.lo == few.hi == few.value
         assert C.verdict(few, C.at_least(-100)) == C.NOT_MEASURABLE
     with pytest.raises(ValueError, match="no values"):
-        C.from_samples([])
+        E.from_samples([])
 
 
 def test_binomial_is_wilson_and_stays_in_0_1():
-    est = C.binomial(0, 10)
+    est = E.binomial(0, 10)
     assert est.lo == 0.0 and 0.2 < est.hi < 0.35             # Wilson's upper bound for 0/10 is ~0.28
-    full = C.binomial(50, 50)
+    full = E.binomial(50, 50)
     assert full.hi == 1.0 and full.lo < 1.0
-    assert C.accuracy(0.5, 100).value == 0.5
+    assert E.accuracy(0.5, 100).value == 0.5
     with pytest.raises(ValueError):
-        C.binomial(11, 10)
+        E.binomial(11, 10)
 
 
 def test_median_interval_uses_order_statistics():
     times = list(range(1, 101))                            # 1..100
-    est = C.median_interval(times)
+    est = E.median_interval(times)
     assert est.value == 50.5 and est.lo < 50.5 < est.hi and est.hi - est.lo < 30
-    assert C.median_interval([3.0, 1.0, 2.0]) == C.Estimate(2.0, 1.0, 3.0, 3, "median of 3", C.TIMINGS)
+    assert E.median_interval([3.0, 1.0, 2.0]) == E.Estimate(2.0, 1.0, 3.0, 3, "median of 3", E.TIMINGS)
 
 
 def test_ratio_difference_and_paired_difference():
-    r = C.ratio(C.Estimate(4, 3, 5), C.Estimate(2, 1, 4))
+    r = E.ratio(E.Estimate(4, 3, 5), E.Estimate(2, 1, 4))
     assert (r.value, r.lo, r.hi) == (2.0, 0.75, 5.0)
     with pytest.raises(ValueError):
-        C.ratio(C.exact(1), C.Estimate(0, -1, 1))
-    d = C.difference(C.Estimate(5, 4, 6), C.Estimate(2, 1, 3))
+        E.ratio(E.exact(1), E.Estimate(0, -1, 1))
+    d = E.difference(E.Estimate(5, 4, 6), E.Estimate(2, 1, 3))
     assert d.value == 3 and d.half_width == pytest.approx(math.sqrt(2))
     # a shared per-seed offset cancels in the paired difference, not in the independent one
     xs, ys = [10.0, 20.0, 30.0], [9.0, 19.1, 28.9]
-    assert C.paired_difference(xs, ys).half_width < 0.5
+    assert E.paired_difference(xs, ys).half_width < 0.5
     with pytest.raises(ValueError, match="pair them"):
-        C.paired_difference([1, 2], [1])
+        E.paired_difference([1, 2], [1])
 
 
 def test_regions_say_their_tolerance_and_refuse_nonsense():
@@ -82,11 +83,11 @@ def test_regions_say_their_tolerance_and_refuse_nonsense():
     with pytest.raises(ValueError):
         C.between(2, 1)
     with pytest.raises(ValueError):
-        C.Estimate(1.0, 2.0, 3.0)
+        E.Estimate(1.0, 2.0, 3.0)
 
 
 def test_claims_table_keeps_not_measurable_rows_and_summary_counts_all_verdicts():
-    rows = [C.Claim("bf16 matches fp32", "slides", "same accuracy", C.between(-0.01, 0.01), C.exact(0.0)),
+    rows = [C.Claim("bf16 matches fp32", "slides", "same accuracy", C.between(-0.01, 0.01), E.exact(0.0)),
             C.not_measurable("H100 bf16 speed-up", "slides", "2x", "no GPU in this run")]
     text = C.claims_table(rows)
     assert "not measurable here" in text and "no GPU in this run" in text and "agrees" in text
@@ -98,56 +99,56 @@ def test_claims_table_keeps_not_measurable_rows_and_summary_counts_all_verdicts(
 
 def test_a_rate_at_the_median_time_takes_the_interval_of_the_time():
     # MFU 0.36 measured at the median of 1.0 s; the median's interval [0.99, 1.01] maps through 1/t
-    est = C.per_median_time(0.36, [1.0, 1.01, 0.99])
+    est = E.per_median_time(0.36, [1.0, 1.01, 0.99])
     assert est.value == pytest.approx(0.36) and (est.lo, est.hi) == pytest.approx((0.36 / 1.01, 0.36 / 0.99))
-    assert C.per_median_time(0.36, [1.0]) is None  # one timing: no interval, "not measurable here"
-    assert C.verdict(C.per_median_time(0.36, [1.0]), C.between(0.33, 0.39)) == C.NOT_MEASURABLE
+    assert E.per_median_time(0.36, [1.0]) is None  # one timing: no interval, "not measurable here"
+    assert C.verdict(E.per_median_time(0.36, [1.0]), C.between(0.33, 0.39)) == C.NOT_MEASURABLE
 
 
 # ----------------------------------------------------------------------------- the rules, with fixed numbers
 
 def test_rule1_no_interval_from_fewer_than_three_samples():
-    assert C.median_interval([1.0, 2.0]).reason == "2 timings < 3"
-    assert C.median_interval([1.0, 2.0, 3.0]) == C.Estimate(2.0, 1.0, 3.0, 3, "median of 3", C.TIMINGS)
-    rate = C.per_median_time(0.36, [1.0, 1.1])               # two timings: a value, no interval
+    assert E.median_interval([1.0, 2.0]).reason == "2 timings < 3"
+    assert E.median_interval([1.0, 2.0, 3.0]) == E.Estimate(2.0, 1.0, 3.0, 3, "median of 3", E.TIMINGS)
+    rate = E.per_median_time(0.36, [1.0, 1.1])               # two timings: a value, no interval
     assert rate.reason and C.verdict(rate, C.at_least(0)) == C.NOT_MEASURABLE
     # the reason travels through ratio, difference and scaling
-    assert C.ratio(C.exact(1), C.from_samples([1.0, 2.0])).reason == "2 samples < 3"
-    assert C.difference(C.from_samples([1.0]), C.exact(0)).scaled(100).reason == "1 samples < 3"
+    assert E.ratio(E.exact(1), E.from_samples([1.0, 2.0])).reason == "2 samples < 3"
+    assert E.difference(E.from_samples([1.0]), E.exact(0)).scaled(100).reason == "1 samples < 3"
 
 
 def test_rule2_one_seed_on_a_shared_test_set_is_not_evidence():
     # Day 1's old LAMB row: four accuracies on one test set of 2048 images, one seed, Wilson intervals
     # added in quadrature as if independent -> now "not measurable here (one seed)"
-    a, b = C.accuracy(0.60, 2048), C.accuracy(0.70, 2048)
-    d = C.difference(a, b)
+    a, b = E.accuracy(0.60, 2048), E.accuracy(0.70, 2048)
+    d = E.difference(a, b)
     assert d.reason == "one seed" and C.Claim("x", "s", "c", C.at_most(0), d).verdict == C.NOT_MEASURABLE
     row = C.Claim("x", "s", "c", C.at_most(0), d).row()
     assert row["verdict"] == "not measurable here (one seed)"
     # paired over one or two seeds: no interval; over three: a t-interval of the per-seed differences
-    assert C.paired_difference([0.6], [0.7]).reason == "one seed"
-    assert C.paired_difference([0.6, 0.61], [0.7, 0.7]).reason == "2 seeds < 3"
-    three = C.paired_difference([0.60, 0.61, 0.62], [0.70, 0.70, 0.71])   # differences -0.10, -0.09, -0.09
+    assert E.paired_difference([0.6], [0.7]).reason == "one seed"
+    assert E.paired_difference([0.6, 0.61], [0.7, 0.7]).reason == "2 seeds < 3"
+    three = E.paired_difference([0.60, 0.61, 0.62], [0.70, 0.70, 0.71])   # differences -0.10, -0.09, -0.09
     assert not three.reason and three.value == pytest.approx(-0.28 / 3) and three.hi < 0
     # independent estimates of other kinds (timings of two programs) still subtract
-    assert not C.difference(C.median_interval([1, 2, 3]), C.median_interval([1, 2, 3])).reason
+    assert not E.difference(E.median_interval([1, 2, 3]), E.median_interval([1, 2, 3])).reason
 
 
 def test_rule2_per_example_pairing_mcnemar():
     # 100 examples: 80 both right, 6 only a right, 2 only b right, 12 both wrong
     a = [1] * 80 + [1] * 6 + [0] * 2 + [0] * 12
     b = [1] * 80 + [0] * 6 + [1] * 2 + [0] * 12
-    d = C.paired_examples(a, b)
+    d = E.paired_examples(a, b)
     half = 1.959964 * math.sqrt(8 - 100 * 0.04 ** 2) / 100       # sqrt(n10 + n01 - n d^2) / n
-    assert d.value == pytest.approx(0.04) and d.half_width == pytest.approx(half) and d.kind == C.PAIRED
+    assert d.value == pytest.approx(0.04) and d.half_width == pytest.approx(half) and d.kind == E.PAIRED
     # much narrower than two independent Wilson intervals of 0.86 and 0.82 on the same 100 examples
-    assert d.half_width < 0.6 * C.difference(C.accuracy(0.86, 100), C.accuracy(0.82, 100)).half_width
+    assert d.half_width < 0.6 * E.difference(E.accuracy(0.86, 100), E.accuracy(0.82, 100)).half_width
     with pytest.raises(ValueError, match="same examples"):
-        C.paired_examples([1, 0], [1])
+        E.paired_examples([1, 0], [1])
 
 
 def test_rule3_wall_clock_needs_the_hardware_it_claims():
-    t = C.median_interval([1.0, 1.1, 0.9, 1.0, 1.05, 0.95])
+    t = E.median_interval([1.0, 1.1, 0.9, 1.0, 1.05, 0.95])
     on_gpu = C.timed(t, device="cuda", gpu_claim=True, cores=8)
     assert not on_gpu.reason and on_gpu.basis == "6 timings, 1 rank(s) x 1 thread(s) on 8 cores, cuda"
     assert C.timed(t, device="cpu", gpu_claim=True, cores=16).reason == "GPU claim timed on cpu"
@@ -158,27 +159,27 @@ def test_rule3_wall_clock_needs_the_hardware_it_claims():
     row = C.Claim("compile: fewer kernel launches, faster", "s", "1.3x", C.at_least(1), late).row()
     assert row["verdict"].startswith("not measurable here (") and "no evidence" in row["measured [95% interval]"]
     # a speed-up of two checked timings keeps the setup; an exact factor keeps the kind
-    fast = C.timed(C.median_interval([0.5, 0.55, 0.45]), device="cpu", cores=2)
-    slow = C.timed(C.median_interval([1.0, 1.1, 0.9]), device="cpu", cores=2)
-    assert C.ratio(slow.scaled(2), fast).basis == "3 timings, 1 rank(s) x 1 thread(s) on 2 cores, cpu"
+    fast = C.timed(E.median_interval([0.5, 0.55, 0.45]), device="cpu", cores=2)
+    slow = C.timed(E.median_interval([1.0, 1.1, 0.9]), device="cpu", cores=2)
+    assert E.ratio(slow.scaled(2), fast).basis == "3 timings, 1 rank(s) x 1 thread(s) on 2 cores, cpu"
 
 
 def test_control_that_meets_the_claim_too_gets_its_own_verdict():
     # Day 8's distillation: the student keeps 97% of the teacher, the labels-only control 98%
-    keeps = C.Estimate(0.97, 0.96, 0.98, 5, kind=C.REPEATS)
-    control = C.Estimate(0.98, 0.97, 0.99, 5, kind=C.REPEATS)
+    keeps = E.Estimate(0.97, 0.96, 0.98, 5, kind=E.REPEATS)
+    control = E.Estimate(0.98, 0.97, 0.99, 5, kind=E.REPEATS)
     region = C.at_least(0.95)
     c = C.Claim("distilled student keeps >= 95%", "Hinton et al.", "97%", region, keeps, control=control)
     assert c.verdict == C.CONTROL_TOO and c in C.evidence([c]) and c.row()["control"] == "0.98 [0.97, 0.99]"
-    below = C.Estimate(0.90, 0.88, 0.92, 5, kind=C.REPEATS)
+    below = E.Estimate(0.90, 0.88, 0.92, 5, kind=E.REPEATS)
     assert C.Claim("x", "s", "c", region, keeps, control=below).verdict == C.AGREES
     assert C.Claim("x", "s", "c", region, below, control=control).verdict == C.DISAGREES
 
 
 def test_by_construction_and_planned_rows_are_shown_but_not_evidence():
     forced = C.by_construction("GradScaler skips >= 1 step", "Micikevicius et al.", ">= 1 skip",
-                               "a 2^40 starting scale overflows the first step", C.exact(3))
-    plan = C.planned("AdamW state 16 B/param", "ZeRO", "16 B", C.approx(16, abs_tol=0.5), C.exact(16))
+                               "a 2^40 starting scale overflows the first step", E.exact(3))
+    plan = C.planned("AdamW state 16 B/param", "ZeRO", "16 B", C.approx(16, abs_tol=0.5), E.exact(16))
     rows = [forced, plan]
     assert forced.verdict == C.BY_CONSTRUCTION and plan.verdict == C.PLANNED and C.evidence(rows) == []
     assert C.summary(rows)[C.BY_CONSTRUCTION] == 1 and C.summary(rows)[C.PLANNED] == 1
@@ -187,4 +188,4 @@ def test_by_construction_and_planned_rows_are_shown_but_not_evidence():
     with pytest.raises(ValueError, match="say why"):
         C.by_construction("x", "s", "c", "")
     with pytest.raises(ValueError, match="basis"):
-        C.Claim("x", "s", "c", C.at_least(0), C.exact(1), "w", basis="agrees")
+        C.Claim("x", "s", "c", C.at_least(0), E.exact(1), "w", basis="agrees")

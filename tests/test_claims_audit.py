@@ -1,19 +1,20 @@
 """dlo.claims_audit: the printed claims tables are read back and every verdict checked against its evidence."""
 
 from dlo import claims as C
+from dlo import estimates as E
 from dlo.claims_audit import audit_notebook, audit_row, audit_text, parse_tables
 
 
 def _table() -> list[C.Claim]:
-    times = C.timed(C.median_interval([1.0, 1.1, 0.9, 1.05]), device="cpu", cores=2)
+    times = C.timed(E.median_interval([1.0, 1.1, 0.9, 1.05]), device="cpu", cores=2)
     return [
         C.Claim("bf16 matches fp32", "slides", "same", C.between(-0.05, 0.05),
-                C.paired_difference([0, .01, -.01], [0] * 3)),
-        C.Claim("16 B/param", "ZeRO", "16", C.approx(16, abs_tol=0.5), C.exact(16)),
+                E.paired_difference([0, .01, -.01], [0] * 3)),
+        C.Claim("16 B/param", "ZeRO", "16", C.approx(16, abs_tol=0.5), E.exact(16)),
         C.Claim("step under 2 s", "slides", "< 2 s", C.at_most(2.0), times),
         C.Claim("LAMB beats AdamW", "You et al.", "> 0", C.at_least(0),
-                C.difference(C.accuracy(0.6, 512), C.accuracy(0.5, 512))),
-        C.by_construction(">= 1 skip", "Micikevicius et al.", ">= 1", "a 2^40 scale forces it", C.exact(2)),
+                E.difference(E.accuracy(0.6, 512), E.accuracy(0.5, 512))),
+        C.by_construction(">= 1 skip", "Micikevicius et al.", ">= 1", "a 2^40 scale forces it", E.exact(2)),
         C.not_measurable("H100 speed-up", "slides", "2x", "no GPU"),
     ]
 

@@ -1,6 +1,6 @@
 """Read the claims tables an executed notebook printed and check each verdict against its evidence.
 
-`dlo.claims` enforces its rules when a row is built; this module checks the *printed* tables of a
+`dlo.claims` and `dlo.estimates` enforce their rules when a row is built; this module checks the *printed* tables of a
 whole run, so a row assembled by hand, an `Estimate` built without its basis, or a timing that never
 went through `dlo.claims.timed` is caught where students see it. A row whose verdict counts as
 evidence (agrees, disagrees, inconclusive, the control meets it too) must show in its "evidence"
@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import re
 
-from dlo.claims import EVIDENCE, MIN_SAMPLES, NOT_MEASURABLE, VERDICTS
+from dlo.claims import EVIDENCE, NOT_MEASURABLE, VERDICTS
+from dlo.estimates import MIN_SAMPLES
 
 HEADER = ("claim", "tested as", "evidence", "verdict")  # the columns that mark a claims table
 _SETUP = re.compile(r"(\d+) rank\(s\) x (\d+) thread\(s\)( \+ kernel)? on (\d+) cores")

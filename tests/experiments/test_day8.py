@@ -7,9 +7,9 @@ import dataclasses
 
 import pytest
 
-from dlo import claims as C
 from dlo.claims import AGREES, CONTROL_TOO, DISAGREES, INCONCLUSIVE, NOT_MEASURABLE
 from dlo.data import cifar10
+from dlo.estimates import exact
 from dlo.experiments import day8 as E
 from dlo.presets import Day8Preset
 
@@ -64,7 +64,7 @@ def test_a_clear_effect_agrees_and_a_reversed_one_disagrees():
 def test_one_seed_is_not_measurable_and_gpu_rows_get_verdicts():
     gpu = {"int8": [1.8, 1.82, 1.79], "sparse24": [1.3, 1.31, 1.28], "w4 decode": [0.9, 0.91, 0.89]}  # 3 runs
     v = _verdicts([_seed(0, gradual=0.58)], gpu=gpu)
-    # one seed: two trainings on one test set are no evidence, however far apart (dlo.claims rule 2)
+    # one seed: two trainings on one test set are no evidence, however far apart (dlo.estimates rule 2)
     assert _find(v, "gradual pruning") == NOT_MEASURABLE
     assert _find(v, "random re-init of the same mask") == NOT_MEASURABLE
     assert _find(v, "INT8 tensor cores") == AGREES and _find(v, "2:4") == AGREES
@@ -80,7 +80,7 @@ def test_gpu_speedups_need_repeats_for_a_verdict():
     # repeats straddling the claimed edge: the noise decides nothing; an Estimate is taken as given
     est = E.speedup_estimate([1.4, 1.6, 1.5])
     assert (est.value, est.lo, est.hi) == (1.5, 1.4, 1.6)
-    v = _verdicts([_seed(0)], gpu={"int8": [1.4, 1.6, 1.5], "sparse24": C.exact(3.0), "w4 decode": None})
+    v = _verdicts([_seed(0)], gpu={"int8": [1.4, 1.6, 1.5], "sparse24": exact(3.0), "w4 decode": None})
     assert _find(v, "INT8 tensor cores") == INCONCLUSIVE and _find(v, "2:4") == DISAGREES
     assert _find(v, "memory-bound decoding") == NOT_MEASURABLE
 

@@ -9,6 +9,7 @@ import re
 from pathlib import Path
 
 from dlo.harness import similarity as S
+from dlo.harness.winnowing import Code, normalized_tokens, share
 from tests.harness.conftest import ADAMW, DAY, edit_cells, grade_id
 from tests.harness.similarity_snippets import COPIES, HONEST, disguised, padded
 
@@ -93,12 +94,12 @@ def test_renamed_copies_score_high_independent_code_low_stubs_never(toy_template
 
     # independent code is low against each of the others, not just under the threshold
     cells = {s: S.cells_of(p)["adamw"] for (s, _), p in submissions.items()}
-    stub = frozenset(S.Code.of(S.cells_of(release / DAY / f"{DAY}.ipynb")["adamw"]).all_grams)
-    eve = S.Code.of(cells["eve"], stub)
+    stub = frozenset(Code.of(S.cells_of(release / DAY / f"{DAY}.ipynb")["adamw"]).all_grams)
+    eve = Code.of(cells["eve"], stub)
     for other in ("ann", "dan", "lib"):
-        code = S.Code.of(cells[other], stub)
-        assert max(S.share(eve, code), S.share(code, eve)) < 0.3, other
-    assert S.Code.of(cells["bob"], stub).fingerprints == set()  # the stub is all boilerplate
+        code = Code.of(cells[other], stub)
+        assert max(share(eve, code), share(code, eve)) < 0.3, other
+    assert Code.of(cells["bob"], stub).fingerprints == set()  # the stub is all boilerplate
 
     # the CSV holds the same rows, most similar first; the page escapes the students' code
     with (out / "similarity.csv").open() as f:
@@ -113,13 +114,13 @@ def test_renamed_copies_score_high_independent_code_low_stubs_never(toy_template
 
 
 def test_tokens_ignore_names_comments_and_layout():
-    a = S.normalized_tokens("def f(x, y):\n    # add them\n    return x.add(y)  # done\n")
-    b = S.normalized_tokens("def g(p,q):\n\n    return p.add(q)\n")
+    a = normalized_tokens("def f(x, y):\n    # add them\n    return x.add(y)  # done\n")
+    b = normalized_tokens("def g(p,q):\n\n    return p.add(q)\n")
     assert [t[0] for t in a] == [t[0] for t in b] == ["def", "V", "(", "V", ",", "V", ")", ":", "return", "V", ".",
                                                       "add", "(", "V", ")"]
-    assert S.normalized_tokens("x = (1,\n") != []  # unfinished code counts as far as it goes
+    assert normalized_tokens("x = (1,\n") != []  # unfinished code counts as far as it goes
     src = "value = 'text'\n"
-    assert [(t, src[s:e]) for t, s, e in S.normalized_tokens(src)] == [("V", "value"), ("=", "="), ("S", "'text'")]
+    assert [(t, src[s:e]) for t, s, e in normalized_tokens(src)] == [("V", "value"), ("=", "="), ("S", "'text'")]
 
 
 def test_a_broken_report_never_fails_grading(tmp_path, capsys):
@@ -128,12 +129,12 @@ def test_a_broken_report_never_fails_grading(tmp_path, capsys):
     assert not list(tmp_path.iterdir())
 
 
-def _exercise(day: str, cell: str) -> tuple[frozenset, dict[str, S.Code], S.Code]:
+def _exercise(day: str, cell: str) -> tuple[frozenset, dict[str, Code], Code]:
     """The released stub's k-grams, the library references of the cell's checks, the instructors' cell."""
     notebook = REPO / "solutions" / day / f"{day}.ipynb"
-    boiler = frozenset(S.Code.of(S.cells_of(REPO / "course" / day / f"{day}.ipynb").get(cell, "")).all_grams)
-    refs = {name: S.Code.of(src, boiler) for name, src in S.library_references(S.exercises(notebook)[cell]).items()}
-    return boiler, refs, S.Code.of(S.cells_of(notebook)[cell], boiler)
+    boiler = frozenset(Code.of(S.cells_of(REPO / "course" / day / f"{day}.ipynb").get(cell, "")).all_grams)
+    refs = {name: Code.of(src, boiler) for name, src in S.library_references(S.exercises(notebook)[cell]).items()}
+    return boiler, refs, Code.of(S.cells_of(notebook)[cell], boiler)
 
 
 def _source(name: str) -> str:
@@ -143,7 +144,7 @@ def _source(name: str) -> str:
     return inspect.getsource(getattr(importlib.import_module(module), attr))
 
 
-def _similarity(student: S.Code, other: S.Code, kind: str) -> float:
+def _similarity(student: Code, other: Code, kind: str) -> float:
     return S._row("d", "c", "student", "other", kind, student, other)["similarity"]  # noqa: SLF001 - the row's own rule
 
 
@@ -154,7 +155,7 @@ def test_the_threshold_lets_independent_work_pass_and_flags_disguised_copies():
     lines are long enough) or with more code of the student's own around the copy."""
     for (day, cell), source in HONEST.items():
         boiler, refs, solution = _exercise(day, cell)
-        honest = S.Code.of(source, boiler)
+        honest = Code.of(source, boiler)
         assert len(honest.fingerprints) >= S.MIN_FINGERPRINTS  # compared, not left out
         scores = {name: _similarity(honest, ref, "library") for name, ref in refs.items()}
         scores["solution"] = _similarity(honest, solution, "solution")
@@ -163,12 +164,12 @@ def test_the_threshold_lets_independent_work_pass_and_flags_disguised_copies():
     for day, cell, name, caught_padded in COPIES:
         boiler, refs, _ = _exercise(day, cell)
         source = disguised(_source(name))
-        assert _similarity(S.Code.of(source, boiler), refs[name], "library") >= S.THRESHOLD + 0.2, cell
+        assert _similarity(Code.of(source, boiler), refs[name], "library") >= S.THRESHOLD + 0.2, cell
         if caught_padded:
-            assert _similarity(S.Code.of(padded(source), boiler), refs[name], "library") >= S.THRESHOLD, cell
+            assert _similarity(Code.of(padded(source), boiler), refs[name], "library") >= S.THRESHOLD, cell
         # diluted: the copy with more code of the student's own after it (here another exercise's):
         # little of the cell is the library's, most of the library is in the cell
-        diluted = S.Code.of(source + "\n\n" + HONEST[("day6_pipeline", "one_f_one_b")], boiler)
+        diluted = Code.of(source + "\n\n" + HONEST[("day6_pipeline", "one_f_one_b")], boiler)
         assert _similarity(diluted, refs[name], "library") >= S.THRESHOLD, cell
-        student_only.append(S.share(diluted, refs[name]))
+        student_only.append(share(diluted, refs[name]))
     assert min(student_only) < S.THRESHOLD  # the student's share alone (the rule before) misses some

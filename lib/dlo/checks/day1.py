@@ -12,20 +12,28 @@ Everything runs in float64 so that any correct formula agrees to ~1e-15 and the 
 The checks follow `dlo.grading.api`: the student's function is called on inputs made here (in-place
 updates come back), the schedules and the accumulation run in workers that only record what the
 student's code did, and while it runs the references that would solve the exercise are off limits.
+
+Here: the optimizer steps (SGD with momentum, AdamW, LAMB); the training loop around them
+(schedules, LR range test, clipping, accumulation) is `dlo.checks.day1_training`, re-exported here,
+the day's one checks module (`dlo.registry`) whose names the test cells call.
 """
 
 from __future__ import annotations
 
-import math
 import random
 from numbers import Real
 
 import torch
-import torch.nn.functional as F
 
-from dlo.grading.api import check, run_student
-from dlo.grading.compare import DTYPE, assert_close, fmt, odd_shape, ok, rand
-from dlo.schedules import torch_scheduler_lrs
+from dlo.checks.day1_training import (
+    check_accumulate_gradients,
+    check_clip_grad_norm,
+    check_lr_range_test,
+    check_one_cycle,
+    check_warmup_cosine,
+)
+from dlo.grading.api import check
+from dlo.grading.compare import assert_close, fmt, odd_shape, ok, rand
 
 ADAM = ("torch.optim.AdamW", "torch.optim.Adam", "torch.optim.adamw.adamw", "torch.optim.adam.adam",
         "torch.optim.adam._single_tensor_adam", "torch.optim.adam._multi_tensor_adam", "torch.optim.adam._fused_adam",
@@ -35,10 +43,6 @@ SGD = ("torch.optim.SGD", "torch.optim.sgd.sgd", "torch.optim.sgd._single_tensor
        "torch.optim.sgd._multi_tensor_sgd", "torch.optim.sgd._fused_sgd", "torch._fused_sgd_",
        "dlo.optim.reference.sgd_momentum_step")
 LAMB = ("dlo.optim.reference.lamb_step", "dlo.optim.LAMB")
-SCHEDULES = ("torch.optim.lr_scheduler.*", "dlo.schedules.*", "dlo.schedules._cos_anneal")
-CLIPPING = ("torch.nn.utils.clip_grad_norm_", "torch.nn.utils.clip_grad_norm", "torch.nn.utils.get_total_norm",
-            "torch.nn.utils.clip_grads_with_norm_", "dlo.optim.utils.clip_grad_norm", "dlo.optim.utils.grad_norm",
-            "dlo.optim.utils._total_norm")
 
 
 def _stepped_in_place(name: str, what: str, before: torch.Tensor, after: torch.Tensor, hp: dict) -> None:
@@ -157,232 +161,5 @@ def check_lamb_step(fn, seed: int = 0, trials: int = 5, steps: int = 3) -> None:
     ok(name, f"{trials} trials, seed={seed}")
 
 
-# ----------------------------------------------------------------------------- LR schedules
-
-SCHEDULE_RTOL = 1e-6  # torch's recursive schedulers drift ~1e-15 from the closed forms
-
-
-def _schedule_worker(fn, kw: dict, n: int) -> list:
-    """The student's lr at steps 0..n-1 (a value that is not a number or tensor comes back as its type name)."""
-    out = []
-    for step in range(n):
-        got = fn(step, **kw)
-        out.append(got if isinstance(got, (Real, torch.Tensor)) and not isinstance(got, bool)
-                   else ("type", type(got).__name__))
-    return out
-
-
-def _check_schedule(name: str, fn, kw: dict, want: list[float]) -> None:
-    """Every step, boundaries included, to SCHEDULE_RTOL."""
-    for step, (got, w) in enumerate(zip(run_student(_schedule_worker, fn, kw, len(want)), want)):
-        if isinstance(got, torch.Tensor) and got.numel() == 1:
-            got = got.item()
-        if not isinstance(got, Real):
-            kind = got[1] if isinstance(got, tuple) else type(got).__name__
-            raise AssertionError(f"{name}: must return a float, got {kind} at step {step} ({fmt(kw)})")
-        if not abs(got - w) <= 1e-12 + SCHEDULE_RTOL * abs(w):
-            raise AssertionError(f"{name}: wrong lr at step {step} ({fmt(kw)}): expected {w:.10g}, got {got:.10g} "
-                                 f"(abs error {abs(got - w):.3g}); step is 0-based")
-
-
-@check(forbid=SCHEDULES)
-def check_warmup_cosine(fn, seed: int = 0, trials: int = 6) -> None:
-    """`fn(step, *, base_lr, warmup_steps, total_steps, min_lr, start_factor)` vs torch
-    SequentialLR(LinearLR, CosineAnnealingLR) at every step 0..total_steps. Trial 1 has no warmup."""
-    sch = torch.optim.lr_scheduler
-    name, rng = "warmup_cosine", random.Random(seed)
-    for t in range(trials):
-        total = rng.randint(9, 61)
-        kw = dict(base_lr=10 ** rng.uniform(-4, 0), warmup_steps=0 if t == 1 else rng.randint(1, total // 2),
-                  total_steps=total, start_factor=rng.choice([0.01, 0.1, 0.25]))
-        kw["min_lr"] = rng.choice([0.0, kw["base_lr"] * 0.05])
-        warm = kw["warmup_steps"]
-
-        def make(opt, kw=kw, warm=warm, total=total):
-            return sch.SequentialLR(opt, [sch.LinearLR(opt, kw["start_factor"], 1.0, total_iters=warm),
-                                          sch.CosineAnnealingLR(opt, T_max=total - warm, eta_min=kw["min_lr"])],
-                                    milestones=[warm])
-        _check_schedule(name, fn, kw, torch_scheduler_lrs(make, kw["base_lr"], total + 1))
-    ok(name, f"{trials} trials, seed={seed}")
-
-
-@check(forbid=SCHEDULES)
-def check_one_cycle(fn, seed: int = 0, trials: int = 6) -> None:
-    """`fn(step, *, max_lr, total_steps, pct_start, div_factor, final_div_factor)` vs torch OneCycleLR
-    (anneal_strategy="cos", three_phase=False) at every step 0..total_steps-1."""
-    name, rng = "one_cycle", random.Random(seed)
-    for _ in range(trials):
-        kw = dict(max_lr=10 ** rng.uniform(-3, 0), total_steps=rng.randint(11, 97),
-                  pct_start=rng.choice([0.1, 0.25, 0.3, 0.45]), div_factor=rng.choice([10.0, 25.0]),
-                  final_div_factor=rng.choice([1e2, 1e4]))
-
-        def make(opt, kw=kw):
-            return torch.optim.lr_scheduler.OneCycleLR(opt, anneal_strategy="cos", three_phase=False,
-                                                       cycle_momentum=False, **kw)
-        _check_schedule(name, fn, kw, torch_scheduler_lrs(make, kw["max_lr"], kw["total_steps"]))
-    ok(name, f"{trials} trials, seed={seed}")
-
-
-# ----------------------------------------------------------------------------- LR range test
-
-def _regression_step_fn(seed: int):
-    """One SGD step of a noisy least-squares problem: loss falls, then explodes past lr = 2/L (~0.05)."""
-    gen = torch.Generator().manual_seed(seed)
-    a, w_true = 4 * torch.randn(64, 9, generator=gen, dtype=DTYPE), torch.randn(9, generator=gen, dtype=DTYPE)
-    b = a @ w_true + 0.1 * torch.randn(64, generator=gen, dtype=DTYPE)
-    w = torch.zeros(9, dtype=DTYPE)
-
-    def step_fn(lr: float) -> float:
-        idx = torch.randint(0, 64, (16,), generator=gen)
-        r = a[idx] @ w - b[idx]  # (16,)
-        loss = 0.5 * float((r * r).mean())
-        w.sub_(lr * (a[idx].T @ r) / 16)
-        return loss
-    return step_fn
-
-
-def _curve_step_fn(seed: int, bad_at: int, bad: float):
-    """A noisy U-shaped loss(lr) that returns `bad` (nan or inf) at call `bad_at` (-1: never)."""
-    rng, calls = random.Random(seed), [0]
-
-    def step_fn(lr: float) -> float:
-        calls[0] += 1
-        if calls[0] - 1 == bad_at:
-            return bad
-        return (2.0 / (1.0 + 300 * lr) + (lr / 0.3) ** 2) * (1 + 0.05 * rng.uniform(-1, 1))
-    return step_fn
-
-
-def _recording(step_fn, log: list):
-    def wrapped(lr):
-        log.append(float(lr))
-        return step_fn(lr)
-    return wrapped
-
-
-@check(forbid=("dlo.lr_finder.lr_range_test", "dlo.lr_finder.suggest_lrs"))
-def check_lr_range_test(fn, seed: int = 0, trials: int = 4) -> None:
-    """`fn(step_fn, *, min_lr, max_lr, num_steps, beta, diverge) -> LRFinderResult` vs dlo.lr_finder.
-    Even trials train a least-squares model until it diverges; trials 1, 5, ... inject nan/inf into a
-    U-shaped curve, trials 3, 7, ... let that curve blow up (the smoothed-loss stop). The student's
-    function calls `step_fn`, which stays with the grader (each call comes back to it)."""
-    from dlo.lr_finder import lr_range_test
-
-    name, rng = "lr_range_test", random.Random(seed)
-    for t in range(trials):
-        kw = dict(min_lr=10 ** rng.uniform(-6, -4), max_lr=rng.choice([1.0, 3.0, 10.0]),
-                  num_steps=rng.choice([41, 57, 83]), beta=rng.choice([0.9, 0.98]), diverge=rng.choice([3.0, 4.0]))
-        sub = rng.randrange(10 ** 6)
-        if t % 2 == 0:
-            make = lambda sub=sub: _regression_step_fn(sub)  # noqa: E731
-        else:
-            bad_at = rng.randint(kw["num_steps"] // 3, kw["num_steps"] // 2) if t % 4 == 1 else -1
-            bad = rng.choice([math.nan, math.inf])
-            make = lambda sub=sub, bad_at=bad_at, bad=bad: _curve_step_fn(sub, bad_at, bad)  # noqa: E731
-        calls_ref, calls = [], []
-        want = lr_range_test(_recording(make(), calls_ref), **kw)
-        got = fn(_recording(make(), calls), **kw)
-        where = dict(kw, trial=t)
-        if len(calls) != len(calls_ref):
-            raise AssertionError(f"{name}: step_fn was called {len(calls)} times, expected {len(calls_ref)} "
-                                 f"(stop when the loss is not finite or smoothed > diverge * best) ({fmt(where)})")
-        assert_close(name, "lrs passed to step_fn (geometric from min_lr to max_lr)", calls, calls_ref, where)
-        for field in ("lrs", "losses", "smoothed"):
-            if not hasattr(got, field):
-                raise AssertionError(f"{name}: the result has no field {field!r}; return dlo.lr_finder.LRFinderResult")
-            assert_close(name, f"result.{field} (the diverging point is not kept)", list(getattr(got, field)),
-                         list(getattr(want, field)), where)
-        assert_close(name, "result.lr_max (lr at min smoothed loss / 10)", got.lr_max, want.lr_max, where)
-        assert_close(name, "result.lr_min (steepest descent of smoothed vs log10 lr)", got.lr_min, want.lr_min,
-                     where)
-    ok(name, f"{trials} trials, seed={seed}")
-
-
-# ----------------------------------------------------------------------------- clipping, accumulation
-
-@check(forbid=CLIPPING)
-def check_clip_grad_norm(fn, seed: int = 0, trials: int = 6) -> None:
-    """`fn(parameters, max_norm, norm_type=2.0) -> total_norm` vs torch.nn.utils.clip_grad_norm_. Odd trials
-    pass a generator (like model.parameters()); some params have no grad; total norms are small so
-    that a missing 1e-6 in max_norm / (total + 1e-6) shows."""
-    name, rng, gen = "clip_grad_norm", random.Random(seed), torch.Generator().manual_seed(seed)
-    for t in range(trials):
-        norm_type = [2.0, 2.0, math.inf, 1.0, 2.0, 3.0][t % 6]
-        params = [torch.nn.Parameter(rand(odd_shape(rng), gen)) for _ in range(rng.randint(2, 5))]
-        for i, p in enumerate(params):
-            p.grad = None if i == 1 else rand(p.shape, gen, 10 ** rng.uniform(-4, -2))
-        refs = [torch.nn.Parameter(p.detach().clone()) for p in params]
-        for r, p in zip(refs, params):
-            r.grad = None if p.grad is None else p.grad.clone()
-        total = float(torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None], norm_type))
-        max_norm = total * rng.choice([0.3, 0.7]) if t != 2 else total * 2.0  # trial 2: no clipping needed
-        hp = dict(max_norm=max_norm, norm_type=norm_type, trial=t)
-        want = torch.nn.utils.clip_grad_norm_(refs, max_norm, norm_type=norm_type)
-        got = fn((p for p in params) if t % 2 else params, max_norm, norm_type=norm_type)
-        if not isinstance(got, torch.Tensor):
-            raise AssertionError(f"{name}: must return the total norm as a tensor, got {type(got).__name__}")
-        assert_close(name, "returned total norm (before clipping)", got, want, hp)
-        for i, (p, r) in enumerate(zip(params, refs)):
-            if r.grad is None:
-                if p.grad is not None:
-                    raise AssertionError(f"{name}: a parameter without grad got one; skip grad=None ({fmt(hp)})")
-                continue
-            assert_close(name, f"grad of parameter {i} after clipping (in place, coef = max_norm/(total+1e-6) "
-                               f"clamped at 1)", p.grad, r.grad, hp)
-    ok(name, f"{trials} trials, seed={seed}")
-
-
-def _tiny_mlp(gen: torch.Generator, d_in: int, n_cls: int) -> torch.nn.Module:
-    model = torch.nn.Sequential(torch.nn.Linear(d_in, 13), torch.nn.Tanh(), torch.nn.Linear(13, n_cls)).to(DTYPE)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen, dtype=DTYPE) * 0.5)
-    return model
-
-
-def _accumulate_worker(fn, model, x, y, k) -> dict:
-    """Run the student's accumulation on `model` (stale grads included); record the micro-batch sizes
-    the model saw, the returned loss and the gradients."""
-    seen = []
-    hook = model.register_forward_hook(lambda mod, inp, out: seen.append(inp[0].shape[0]))
-    try:
-        got = fn(model, F.cross_entropy, x, y, k)
-    finally:
-        hook.remove()
-    return {"seen": seen, "loss": got if isinstance(got, torch.Tensor) else None,
-            "grads": [[n, p.grad] for n, p in model.named_parameters()]}
-
-
-@check(forbid=("dlo.optim.utils.accumulate_gradients",))
-def check_accumulate_gradients(fn, seed: int = 0, trials: int = 5) -> None:
-    """`fn(model, loss_fn, x, y, micro_batches) -> loss` vs one backward on the whole batch's mean
-    cross-entropy. Batch sizes are odd (unequal chunks); stale grads are pre-filled to test zeroing; a
-    forward hook checks that the model really saw micro-batches that add up to the batch."""
-    name, rng, gen = "accumulate_gradients", random.Random(seed), torch.Generator().manual_seed(seed)
-    for t in range(trials):
-        batch, k = rng.choice([13, 21, 29, 31]), [4, 3, 1, 5, 2][t % 5]
-        d_in, n_cls = rng.choice([5, 7]), rng.choice([3, 4])
-        model = _tiny_mlp(gen, d_in, n_cls)
-        x, y = rand((batch, d_in), gen), torch.randint(0, n_cls, (batch,), generator=gen)
-        ref = _tiny_mlp(gen, d_in, n_cls)
-        ref.load_state_dict(model.state_dict())
-        want = F.cross_entropy(ref(x), y)
-        want.backward()
-        for p in model.parameters():
-            p.grad = torch.randn(p.shape, generator=gen, dtype=DTYPE)  # stale grads from a previous step
-        res = run_student(_accumulate_worker, fn, model, x, y, k)
-        seen, got = res["seen"], res["loss"]
-        hp = dict(batch=batch, micro_batches=k)
-        if k > 1 and (len(seen) < 2 or max(seen) > math.ceil(batch / k) or sum(seen) != batch):
-            raise AssertionError(f"{name}: expected about {k} forward passes on micro-batches of <= "
-                                 f"{math.ceil(batch / k)} samples covering the batch once, saw sizes {seen} "
-                                 f"({fmt(hp)})")
-        if not isinstance(got, torch.Tensor) or got.requires_grad:
-            raise AssertionError(f"{name}: must return the whole-batch mean loss as a detached tensor ({fmt(hp)})")
-        # rtol 1e-6: the loss is only logged, so a float32 running sum is acceptable here.
-        assert_close(name, "returned loss (mean over the whole batch)", got, want.detach(), hp, rtol=1e-6)
-        for (pname, grad), r in zip(res["grads"], ref.parameters()):
-            assert_close(name, f"{pname}.grad (weight each micro-batch mean loss by its share of samples)",
-                         grad, r.grad, hp)
-    ok(name, f"{trials} trials, seed={seed}")
-
+__all__ = ["check_accumulate_gradients", "check_adamw_step", "check_clip_grad_norm", "check_lamb_step",
+           "check_lr_range_test", "check_one_cycle", "check_sgd_momentum_step", "check_warmup_cosine"]

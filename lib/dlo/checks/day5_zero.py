@@ -7,7 +7,8 @@ What the worker records: the parameters the modules hold during a forward, the c
 phase (`dlo.measure.CommCounter`: calls, payload bytes, async, forward/backward/step), and the bytes
 of model state the engine holds (`dlo.measure.held_bytes`) after the step and during backward or
 forward. The worker is a module-level function of a checks module (the sandboxed grader loads it by
-reference) and returns plain data only.
+reference) and returns plain data only. (Over 300 lines: the model, the worker and the
+comparisons share one case dict and are read together by every ZeRO check of `dlo.checks.day5`.)
 """
 
 from __future__ import annotations

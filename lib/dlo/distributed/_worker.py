@@ -6,7 +6,7 @@ payload.pkl (in), ready-<rank> (written once the process group is up), result-<r
 
 `python -m dlo.distributed._worker --zygote WORKDIR FD ...` (`zygote`) starts all the ranks of a launch
 at once: one fresh interpreter imports torch and dlo (1 to 2 CPU seconds, what every rank paid on its
-own), and the heavy modules the launcher has imported (`_spawn.PRELOAD`), then forks the ranks, each
+own), and the heavy modules the launcher has imported (`_ranks.PRELOAD`), then forks the ranks, each
 with its environment from WORKDIR/ranks.pkl and its stdout and stderr on the pipes the launcher passed
 (FD: two per rank). Forking is safe here as it is not from a notebook:
 this process has run no torch operation (no thread pool started) and never touched CUDA.

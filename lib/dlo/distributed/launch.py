@@ -170,7 +170,7 @@ def _destroy():
         dist.destroy_process_group()
 
 
-# ------------------------------------------------------------------- the entry point (spawning: _spawn.py)
+# ------------------------------------------------------------------- the entry point (spawning: _spawn.py, _ranks.py)
 
 def launch(fn, world_size, *args, backend=None, timeout=300.0, **kwargs) -> list:
     """Run `fn(*args, **kwargs)` on `world_size` ranks with torch.distributed ready; return the

@@ -20,7 +20,8 @@ Llama (torchtitan's `apply_tp`): rowwise embedding, sequence-parallel norms, col
 rowwise wo/w2, colwise output with the logits left sharded for `loss_parallel`.
 
 `check_tp_degree(cfg, t)` refuses a degree that does not divide the heads, the KV heads, the hidden,
-MLP or vocabulary sizes, in one line naming the dimension, before any process starts.
+MLP or vocabulary sizes, in one line naming the dimension, before any process starts. (About 300 lines:
+the layers by hand and the same split with DTensor, side by side as the day teaches them.)
 """
 
 from __future__ import annotations

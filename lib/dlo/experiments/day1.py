@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile, record_function, schedule, tensorboard_trace_handler
 
 from dlo import claims as C
+from dlo import estimates as E
 from dlo.accounting import optimizer_bytes
 from dlo.models.small import SmallCNN
 from dlo.plan import activation_bytes, param_bytes, row
@@ -69,7 +70,7 @@ def make_optimizer(P, name: str, params, lr: float) -> torch.optim.Optimizer:
 
 def grid(P) -> list[tuple[Config, int]]:
     """(config, seed) pairs: the SGD linear-scaling runs, their control, AdamW and LAMB at both batches
-    over P.seeds seeds (every compared pair is paired by seed: dlo.claims rule 2); LAMB without
+    over P.seeds seeds (every compared pair is paired by seed: dlo.estimates rule 2); LAMB without
     warmup with seed 0 (a curve to look at, no claim)."""
     S, L = P.small_batch, P.large_batch
     sgd = [Config("sgd", S), Config("sgd", L), Config("sgd", L, scale_lr=False), Config("sgd", L, warmup=False)]
@@ -149,20 +150,20 @@ def _paired(a: list[dict], b: list[dict], key: str) -> dict[int, tuple[float, fl
     return {r["seed"]: (r[key], by_seed[r["seed"]]) for r in a if r["seed"] in by_seed}
 
 
-def gap(a: list[dict], b: list[dict], n_test: int, key: str = "acc") -> C.Estimate:
+def gap(a: list[dict], b: list[dict], n_test: int, key: str = "acc") -> E.Estimate:
     """a - b of `key`, paired by seed (the t-interval holds the training noise and the test images'
-    noise of each seed); fewer than 3 seeds give no interval ("not measurable here", dlo.claims rule 2).
+    noise of each seed); fewer than 3 seeds give no interval ("not measurable here", dlo.estimates rule 2).
     `n_test` is named in how the estimate was obtained."""
     pairs = list(_paired(a, b, key).values())
-    return C.paired_difference(*zip(*pairs), how=f"paired over {len(pairs)} seeds, {n_test} test images")
+    return E.paired_difference(*zip(*pairs), how=f"paired over {len(pairs)} seeds, {n_test} test images")
 
 
-def gap_of_gaps(a: tuple[list[dict], list[dict]], b: tuple[list[dict], list[dict]], n_test: int) -> C.Estimate:
+def gap_of_gaps(a: tuple[list[dict], list[dict]], b: tuple[list[dict], list[dict]], n_test: int) -> E.Estimate:
     """(a[0] - a[1]) - (b[0] - b[1]) of the accuracy, paired by seed: how much more a loses than b
     going from one batch to the other (LAMB vs AdamW, b256 vs b32)."""
     da, db = ({s: x - y for s, (x, y) in _paired(*arm, "acc").items()} for arm in (a, b))
     seeds = sorted(set(da) & set(db))
-    return C.paired_difference([da[s] for s in seeds], [db[s] for s in seeds],
+    return E.paired_difference([da[s] for s in seeds], [db[s] for s in seeds],
                                how=f"paired over {len(seeds)} seeds, {n_test} test images")
 
 
@@ -194,7 +195,7 @@ def grid_claims(results: list[dict], P, n_test: int, times: dict | None = None, 
         t_small, t_large = times[S].estimate(1e3), times[L].estimate(1e3)
         rows.append(C.Claim(f"one b{L} step costs less than {k} b{S} steps", goyal,
                             "large batches use the hardware better", C.at_least(1.0, "ratio > 1"),
-                            C.timed(C.ratio(t_small.scaled(k), t_large, how=f"medians of {t_small.n} interleaved "
+                            C.timed(E.ratio(t_small.scaled(k), t_large, how=f"medians of {t_small.n} interleaved "
                                             "steps"), device=str(device), threads=torch.get_num_threads())))
     rows.append(C.not_measurable("linear scaling up to batch 8k on ImageNet (ResNet-50, 8 to 256 GPUs)", goyal,
                                  "23.74% vs 23.60% top-1 error", "needs ImageNet and 256 GPUs: the full profile "
@@ -241,8 +242,8 @@ def profiling_claims(before: dict, after: dict, on_gpu: bool = False) -> list[C.
 
     fidle, lippe = "FIDLE seq. 16 (PyTorch profiler)", "Lippe 2024 (profiling)"
     where = dict(device="cuda" if on_gpu else "cpu", threads=torch.get_num_threads())  # one process, its threads
-    share_b, share_a = (C.timed(C.median_interval(p["share"]), **where) for p in (before, after))
-    speedup = C.timed(C.ratio(C.median_interval(before["step_ms"]), C.median_interval(after["step_ms"]),
+    share_b, share_a = (C.timed(E.median_interval(p["share"]), **where) for p in (before, after))
+    speedup = C.timed(E.ratio(E.median_interval(before["step_ms"]), E.median_interval(after["step_ms"]),
                               how="ratio of median profiled steps"), **where)
     amdahl = 1 / (1 - share_b.value)
     rows = [
@@ -254,7 +255,7 @@ def profiling_claims(before: dict, after: dict, on_gpu: bool = False) -> list[C.
                 C.approx(amdahl, rel=0.25), speedup),
     ]
     if on_gpu:
-        busy = C.timed(C.median_interval(lane_shares(before["spans"], before["steps"], DEVICE_LANE),
+        busy = C.timed(E.median_interval(lane_shares(before["spans"], before["steps"], DEVICE_LANE),
                                          how="median share of the step with a GPU kernel running"), **where)
         rows.append(C.Claim("GPU idle while the CPU loads data", fidle, "GPU 0 has low utilization",
                             C.at_most(0.5, "kernels <= 50% of the step"), busy))

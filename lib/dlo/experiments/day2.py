@@ -3,7 +3,8 @@ the fp16 underflow demo with their claims, and the day's plan.
 
 `TinyLM` is GPT-2's shape at the full profile (12 layers, d_model 768, a 50257-token vocabulary,
 1024 positions: ~160M parameters with its untied head, near the 155M model of the course's float32
-vs bfloat16 case study) and a toy at the tiny one.
+vs bfloat16 case study) and a toy at the tiny one. (Over 300 lines: each runner beside the claims
+it feeds, so that a claim's numbers are read where they are made.)
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dlo import claims as C
+from dlo import estimates as E
 from dlo.accounting import optimizer_bytes
 from dlo.models.small import MLP, SmallCNN
 from dlo.plan import activation_bytes, fake_cpu, param_bytes, row
@@ -113,12 +115,12 @@ def fp16_step_times(P, batch, device, reps: int = 3) -> dict:
 
 # ----------------------------------------------------------------------------- claims
 
-def accuracy_gap(a: list[float], b: list[float], n_test: int) -> C.Estimate:
+def accuracy_gap(a: list[float], b: list[float], n_test: int) -> E.Estimate:
     """Accuracy a - b on the same n_test images, paired by seed (training noise included); fewer than
-    3 seeds give no interval (dlo.claims rule 2)."""
+    3 seeds give no interval (dlo.estimates rule 2)."""
     if len(a) != len(b):
         raise ValueError(f"pair the runs by seed: {len(a)} vs {len(b)} accuracies")
-    return C.paired_difference(a, b, f"paired over {len(a)} seeds, {n_test} test images")
+    return E.paired_difference(a, b, f"paired over {len(a)} seeds, {n_test} test images")
 
 
 def precision_claims(act_ratio: dict, accs: dict, n_test: int, demo: dict | None = None, speed: dict | None = None,
@@ -129,7 +131,7 @@ def precision_claims(act_ratio: dict, accs: dict, n_test: int, demo: dict | None
     {"fp32", "bf16"} -> {"timing": Timing, "peak_bytes"} of the TinyLM step. `tol`: accuracy points."""
     within = C.between(-tol, tol, f"gap within +-{tol:.0%}")
     rows = [C.Claim(f"activations 50% smaller in bf16 ({m})", LIPPE, "50% smaller", C.approx(0.5, abs_tol=0.05),
-                    C.exact(act_ratio[m], "saved bytes bf16 / fp32, counted")) for m in ("TinyLM", "SmallCNN")]
+                    E.exact(act_ratio[m], "saved bytes bf16 / fp32, counted")) for m in ("TinyLM", "SmallCNN")]
     rows.append(C.Claim("equivalent accuracy, bf16 vs fp32 (SmallCNN)", LIPPE, "equivalent performance", within,
                         accuracy_gap(accs["bf16"], accs["fp32"], n_test)))
     if demo is not None:
@@ -143,15 +145,15 @@ def precision_claims(act_ratio: dict, accs: dict, n_test: int, demo: dict | None
             C.by_construction("dynamic scaling skips overflowing steps and backs off", MICIK, "skip, S x 0.5",
                               "the demo's scaler starts at 2^40 on purpose: its first fp16 gradients overflow "
                               "whatever the model (the skips shown, fewest over seeds)",
-                              C.exact(min(demo["skipped"]), "skipped steps"), C.at_least(1.0, ">= 1 skip")),
+                              E.exact(min(demo["skipped"]), "skipped steps"), C.at_least(1.0, ">= 1 skip")),
         ]
     if speed is not None:
         f32, b16 = speed["fp32"], speed["bf16"]
         rows += [
             C.Claim("30% memory reduction (20.6 -> 14.6 GB)", LIPPE, "30% less", C.approx(0.30, abs_tol=0.1),
-                    C.exact(1 - b16["peak_bytes"] / f32["peak_bytes"], "1 - peak bf16 / peak fp32 (CUDA allocator)")),
+                    E.exact(1 - b16["peak_bytes"] / f32["peak_bytes"], "1 - peak bf16 / peak fp32 (CUDA allocator)")),
             C.Claim("2x speed-up (2.1 -> 1.1 s/step)", LIPPE, "2x", C.approx(2.0, rel=0.25),
-                    C.timed(C.ratio(f32["timing"].estimate(), b16["timing"].estimate(), how="ratio of median steps"),
+                    C.timed(E.ratio(f32["timing"].estimate(), b16["timing"].estimate(), how="ratio of median steps"),
                             device="cuda", gpu_claim=True)),
         ]
     else:
@@ -247,13 +249,13 @@ def kernel_claims(attn_rows: list[dict], compiled: dict, on_gpu: bool) -> list[C
     by = {impl: [r for r in attn_rows if r["impl"] == impl] for impl in ("naive", "sdpa")}
     slope = {impl: loglog_slope([r["T"] for r in rs], [r["saved_bytes"] for r in rs]) for impl, rs in by.items()}
     rows = [C.Claim("fused attention saves memory linear in T", dao, "O(T), not O(T^2)", C.approx(1.0, abs_tol=0.1),
-                    C.exact(slope["sdpa"], "exponent of saved bytes vs T, last two lengths")),
+                    E.exact(slope["sdpa"], "exponent of saved bytes vs T, last two lengths")),
             C.Claim("naive attention keeps the T x T scores", dao, "O(T^2)", C.approx(2.0, abs_tol=0.1),
-                    C.exact(slope["naive"], "exponent of saved bytes vs T, last two lengths"))]
+                    E.exact(slope["naive"], "exponent of saved bytes vs T, last two lengths"))]
     if on_gpu:
         naive, fused = by["naive"][-1]["timing"].estimate(), by["sdpa"][-1]["timing"].estimate()
         rows.append(C.Claim(f"fused attention ~3x faster (T={by['sdpa'][-1]['T']})", LIPPE, "3x over eager",
-                            C.approx(3.0, rel=0.5), C.timed(C.ratio(naive, fused, how="ratio of median fwd+bwd"),
+                            C.approx(3.0, rel=0.5), C.timed(E.ratio(naive, fused, how="ratio of median fwd+bwd"),
                                                             device="cuda", gpu_claim=True)))
     else:
         rows.append(C.not_measurable("fused attention ~3x faster", LIPPE, "3x over eager", "a GPU claim (HBM traffic "
@@ -262,7 +264,7 @@ def kernel_claims(attn_rows: list[dict], compiled: dict, on_gpu: bool) -> list[C
         rows.append(C.not_measurable("compiling fuses pointwise ops: faster", LIPPE, "fewer kernel calls",
                                      f"torch.compile failed here: {compiled['error']}"))
         return rows
-    speedup = C.ratio(compiled["eager"].estimate(), compiled["compiled"].estimate(),
+    speedup = E.ratio(compiled["eager"].estimate(), compiled["compiled"].estimate(),
                       how=f"eager / compiled, medians of {compiled['eager'].n} interleaved calls")
     rows.append(C.Claim("compiling fuses pointwise ops: faster", LIPPE, "fewer kernel calls", C.at_least(1.0, "> 1x"),
                         C.timed(speedup, device="cuda" if on_gpu else "cpu", gpu_claim=True,
@@ -270,19 +272,19 @@ def kernel_claims(attn_rows: list[dict], compiled: dict, on_gpu: bool) -> list[C
     if "eager_kernels" in compiled:  # the CPU-measurable part: launches per call, counted
         e, c = compiled["eager_kernels"], compiled["compiled_kernels"]
         rows.append(C.Claim("compiling fuses pointwise ops: fewer kernel launches", LIPPE, "fewer kernel calls",
-                            C.at_most(0.5, "<= half"), C.exact(c / e, f"{c} compiled / {e} eager launches per call, "
+                            C.at_most(0.5, "<= half"), E.exact(c / e, f"{c} compiled / {e} eager launches per call, "
                                                                        "counted")))
     return rows
 
 
 def flops_claims(counted: float, formula: float, bytes_per_param: float, mfu=None) -> list[C.Claim]:
     """FLOPs per token counted by FlopCounterMode vs 6N + 12 l h s, measured model-state bytes per
-    parameter vs 16, and MFU (a C.Estimate on a GPU with a known peak, else None)."""
+    parameter vs 16, and MFU (a E.Estimate on a GPU with a known peak, else None)."""
     rows = [C.Claim("training FLOPs per token = 6N + 12 l h s", "Kaplan et al. 2020; PaLM app. B", "6N + 12 l h s",
-                    C.approx(1.0, rel=0.02), C.exact(counted / formula, "FlopCounterMode count / formula")),
+                    C.approx(1.0, rel=0.02), E.exact(counted / formula, "FlopCounterMode count / formula")),
             C.Claim("16 bytes per parameter (mixed-precision Adam)", "Lippe 2024; ZeRO (Rajbhandari et al. 2020)",
                     "16 B", C.approx(16.0, rel=0.02),
-                    C.exact(bytes_per_param, "bf16 weights + grads, fp32 master + AdamW state held after a "
+                    E.exact(bytes_per_param, "bf16 weights + grads, fp32 master + AdamW state held after a "
                             "step, / parameters"))]
     megatron = "Megatron-LM / Nemotron (seeds)"
     if mfu is None:

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dlo import claims as C
+from dlo import estimates as E
 from dlo.accounting import optimizer_bytes
 from dlo.activation_ckpt import cpu_offload, every_kth
 from dlo.measure import count_flops, optimizer_state_bytes, peak_memory, saved_bytes, tensor_bytes, time_interleaved
@@ -113,8 +113,8 @@ def add_times(rows: list[dict], times: dict[str, list[float]]) -> None:
     for r in rows:
         t = list(times[r["policy"]])
         ratios = [a / b for a, b in zip(t, times[base["policy"]])]
-        r.update(times_s=t, time_s=C.median_interval(t).value, ratios=ratios,
-                 time_vs_none=C.median_interval(ratios, f"paired ratio, median of {len(t)} rounds"),
+        r.update(times_s=t, time_s=E.median_interval(t).value, ratios=ratios,
+                 time_vs_none=E.median_interval(ratios, f"paired ratio, median of {len(t)} rounds"),
                  saved_vs_none=r["peak_saved_bytes"] / base["peak_saved_bytes"])
 
 

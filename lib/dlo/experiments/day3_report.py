@@ -13,6 +13,7 @@ import math
 import torch
 
 from dlo import claims as C
+from dlo import estimates as E
 from dlo.experiments.day3 import OFFLOAD, segments
 
 LIPPE = "Lippe 2024 case study (seed 004)"
@@ -33,15 +34,15 @@ def table(rows: list[dict], cuda: bool) -> list[dict]:
     return out
 
 
-def compare_times(p: dict, q: dict) -> C.Estimate:
+def compare_times(p: dict, q: dict) -> E.Estimate:
     """q's step time over p's, paired round by round (both rows from the same `policy_rows` call)."""
-    return C.median_interval([tq / tp for tp, tq in zip(p["times_s"], q["times_s"])],
+    return E.median_interval([tq / tp for tp, tq in zip(p["times_s"], q["times_s"])],
                              f"paired ratio, median of {len(p['times_s'])} rounds")
 
 
-def compare_flops(p: dict, q: dict) -> C.Estimate:
+def compare_flops(p: dict, q: dict) -> E.Estimate:
     """q's counted FLOPs over p's: exact."""
-    return C.exact(q["flops"] / p["flops"], "counted FLOPs")
+    return E.exact(q["flops"] / p["flops"], "counted FLOPs")
 
 
 TIME_TIE = 0.05  # a measured time ratio within 5% counts as "as fast" (an equivalence margin, stated)
@@ -120,7 +121,7 @@ def claims(rows: list[dict], n_layers: int, plan_rows: list[dict], offload: dict
     out = []
     if cuda:
         out.append(C.Claim("checkpointing every block: 55% less memory (whole step)", LIPPE, "55% less",
-                           C.approx(0.55, abs_tol=0.10), C.exact(1 - full["peak_bytes"] / none["peak_bytes"],
+                           C.approx(0.55, abs_tol=0.10), E.exact(1 - full["peak_bytes"] / none["peak_bytes"],
                                                                    "CUDA max_memory_allocated")))
     else:
         out.append(C.not_measurable("checkpointing every block: 55% less memory (whole step)", LIPPE, "55% less",
@@ -130,10 +131,10 @@ def claims(rows: list[dict], n_layers: int, plan_rows: list[dict], offload: dict
     full_cut = 1 - plan["policy: every 1"]["activations"] / plan["policy: none"]["activations"]
     out += [
         C.Claim("often 90% of the activation memory can go (every block, this run)", LIPPE, ">= 90%",
-                C.at_least(0.9, ">= 0.9"), C.exact(1 - full["peak_saved_bytes"] / none["peak_saved_bytes"],
+                C.at_least(0.9, ">= 0.9"), E.exact(1 - full["peak_saved_bytes"] / none["peak_saved_bytes"],
                                                    "saved-tensor bytes, exact")),
         C.planned("often 90% of the activation memory can go (every block, full profile)", LIPPE, ">= 90%",
-                  C.at_least(0.9, ">= 0.9"), C.exact(full_cut, "dlo plan: counted on the meta device"),
+                  C.at_least(0.9, ">= 0.9"), E.exact(full_cut, "dlo plan: counted on the meta device"),
                   "the full profile's plan, not run here"),
         C.Claim("checkpointing every block recomputes one forward: 4/3 of the step's FLOPs (backward = 2 forwards)",
                 "Chen et al. 2016 (one extra forward)", "4/3", C.approx(4 / 3, rel=0.05),
@@ -144,15 +145,15 @@ def claims(rows: list[dict], n_layers: int, plan_rows: list[dict], offload: dict
         C.Claim(f"sqrt(n) segments keep at most (s + n/s)/n of the activations (s={segments(n_layers)}, n={n_layers})",
                 "Chen et al. 2016", f"<= {(segments(n_layers) + n_layers / segments(n_layers)) / n_layers:.2f}",
                 C.at_most((segments(n_layers) + n_layers / segments(n_layers)) / n_layers),
-                C.exact(seg["saved_vs_none"], "saved-tensor bytes, exact")),
+                E.exact(seg["saved_vs_none"], "saved-tensor bytes, exact")),
         C.Claim("selective recomputation costs a small part of full recomputation's overhead (2.7% vs 36%): "
                 "recomputed FLOPs", "Korthikanti et al. 2022, Table 4", "overhead ratio 0.075",
                 C.at_most(0.25, "<= 0.25"),
-                C.exact((sel["flops"] - none["flops"]) / (full["flops"] - none["flops"]),
+                E.exact((sel["flops"] - none["flops"]) / (full["flops"] - none["flops"]),
                         "(sel - none) / (full - none), counted FLOPs")),
         C.Claim("... the same overhead ratio in step time (this device)", "Korthikanti et al. 2022, Table 4",
                 "overhead ratio 0.075", C.at_most(0.25, "<= 0.25"),
-                C.timed(C.median_interval([(s - 1) / (f - 1) if f > 1 else math.inf
+                C.timed(E.median_interval([(s - 1) / (f - 1) if f > 1 else math.inf
                                            for s, f in zip(sel["ratios"], full["ratios"])],
                                           "(sel - none) / (full - none), paired rounds"), **where)),
     ]
@@ -167,7 +168,7 @@ def claims(rows: list[dict], n_layers: int, plan_rows: list[dict], offload: dict
     saved = (offload["plain_state_bytes"] - offload["offload_bytes"]["device"]) / offload["n_params"]
     text = ("optimizer-state offload frees AdamW's 8 bytes per parameter on the device (fp32; 12 with mixed "
             "precision's master copy)")
-    freed = C.exact(saved, "state bytes on the device side, by accounting (dlo.measure)")
+    freed = E.exact(saved, "state bytes on the device side, by accounting (dlo.measure)")
     if cuda:
         out.append(C.Claim(text, ZERO_OFFLOAD, "8 bytes / parameter", C.approx(8.0, rel=0.02), freed))
     else:  # the "device" and "host" lists are the same RAM: the count restates where the optimizer put them
@@ -176,7 +177,7 @@ def claims(rows: list[dict], n_layers: int, plan_rows: list[dict], offload: dict
     text = "an offloaded step keeps most of the GPU's speed (CPU-Adam overlapped with the transfers)"
     if cuda:
         out.append(C.Claim(text, ZERO_OFFLOAD, "close to GPU-only", C.at_most(1.5, "<= 1.5x AdamW on the GPU"),
-                           C.timed(C.median_interval(offload["ratios"], "offload / plain step time, paired steps"),
+                           C.timed(E.median_interval(offload["ratios"], "offload / plain step time, paired steps"),
                                    **where)))
     else:
         out.append(C.not_measurable(text, ZERO_OFFLOAD, "close to GPU-only", why_transfer))

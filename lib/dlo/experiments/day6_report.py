@@ -7,8 +7,8 @@ t-interval, a byte count is exact; fewer than 3 timed steps give no interval, an
 the ranks and the notebook's kernel share cores (`dlo.claims.timed`) is no evidence: what rests on
 either is "not measurable here". Rows that hold whatever the timing (the bubble at m = 1) are "by
 construction"; rows read off the plan are "planned", and a plan row computed with the very formula it
-would test is not a claim at all. (About 300 lines: one table-and-claims pair per experiment of
-`day6`.)
+would test is not a claim at all. (Over 300 lines: one table-and-claims pair per experiment of
+`day6`, and `plan`, whose rows the planned claims read.)
 """
 
 from __future__ import annotations
@@ -18,22 +18,9 @@ import statistics
 import torch
 from torch import nn
 
-from dlo.claims import (
-    Claim,
-    Estimate,
-    approx,
-    at_least,
-    at_most,
-    between,
-    by_construction,
-    exact,
-    from_samples,
-    median_interval,
-    not_measurable,
-    planned,
-    timed,
-)
+from dlo.claims import Claim, approx, at_least, at_most, between, by_construction, not_measurable, planned, timed
 from dlo.distributed.pipeline_schedules import bubble_fraction, simulate, split_stages
+from dlo.estimates import REPEATS, Estimate, exact, from_samples, median_interval, ratio
 from dlo.experiments.day6 import COSTS, meta_model, model_config, stack
 from dlo.models.coatnet import block_costs
 
@@ -66,7 +53,7 @@ def on_ranks(R: dict, est: Estimate | None) -> Estimate | None:
 
 def median_text(times_s) -> str:
     """Step times in ms as a table cell: the median [interval of the median] from 3 timings or more,
-    the median alone below that (rule 1 of `dlo.claims`: no interval from fewer than 3)."""
+    the median alone below that (rule 1 of `dlo.estimates`: no interval from fewer than 3)."""
     ms = [1e3 * t for t in times_s]
     if len(ms) >= 3:
         return str(median_interval(ms))
@@ -185,8 +172,7 @@ def other_claims(R: dict, on_gpu: bool, plan_rows: list[dict]) -> list[Claim]:
         both = t_par is not None and t_flop is not None
         out.append(Claim("balancing FLOPs beats balancing parameters (1F1B step time ratio)",
                          "Narayanan et al. 2019 (PipeDream's partitioner)", "> 1 (the slowest stage sets the pace)",
-                         at_least(1.0), on_ranks(R, _interval(t_par.value / t_flop.value, t_par.lo / t_flop.hi,
-                                                              t_par.hi / t_flop.lo) if both else None), ONE_STEP))
+                         at_least(1.0), on_ranks(R, ratio(t_par, t_flop) if both else None), ONE_STEP))
     diff = max(v["max_grad_diff"] for v in R["torch"].values())
     out.append(Claim("torch.distributed.pipelining computes our gradients", "torch docs",
                      "identical up to float32 rounding", at_most(1e-5), exact(diff, "max |difference|")))
@@ -208,10 +194,6 @@ def other_claims(R: dict, on_gpu: bool, plan_rows: list[dict]) -> list[Claim]:
     return out
 
 
-def _interval(value, lo, hi):
-    return Estimate(value, min(lo, value), max(hi, value), 2, "ratio of intervals")
-
-
 def _pbs(f: float) -> float:
     """Bubble over ideal time from the idle share f; f kept in [0, 1) (a t-interval may leave it)."""
     f = min(max(f, 0.0), 0.999)
@@ -223,8 +205,10 @@ def _pbs_ratio(fi: Estimate | None, f1: Estimate | None) -> Estimate | None:
     intervals; None where either has no interval (one timed step) or 1F1B shows no bubble."""
     if fi is None or f1 is None or f1.value <= 0:
         return None
-    return _interval(_pbs(fi.value) / _pbs(f1.value), _pbs(fi.lo) / max(_pbs(f1.hi), 1e-9),
-                     _pbs(fi.hi) / max(_pbs(f1.lo), 1e-9))
+    value = _pbs(fi.value) / _pbs(f1.value)
+    lo, hi = _pbs(fi.lo) / max(_pbs(f1.hi), 1e-9), _pbs(fi.hi) / max(_pbs(f1.lo), 1e-9)
+    return Estimate(value, min(lo, value), max(hi, value), min(fi.n, f1.n), "ratio of intervals", REPEATS,
+                    fi.reason or f1.reason)
 
 
 def zero_bubble_claims(p: int = 4, m: int = 8) -> list[Claim]:

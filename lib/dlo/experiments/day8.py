@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from dlo import claims as C
+from dlo import estimates as E
 from dlo.accounting import optimizer_bytes
 from dlo.distill import train_distill
 from dlo.models.small import MLP
@@ -178,15 +179,15 @@ def replicate(P, train_ds, test_ds, device, seed: int, *, log=None, progress: bo
 
 # ----------------------------------------------------------------------------- claims
 
-def diff(results: list[dict], a: str, b: str, n_test: int) -> C.Estimate:
+def diff(results: list[dict], a: str, b: str, n_test: int) -> E.Estimate:
     """a - b in accuracy on the same n_test images, paired over seeds (each seed's noise cancels);
-    fewer than 3 seeds give no interval (dlo.claims rule 2: not two Wilson intervals of one test set)."""
-    return C.paired_difference([r[a] for r in results], [r[b] for r in results],
+    fewer than 3 seeds give no interval (dlo.estimates rule 2: not two Wilson intervals of one test set)."""
+    return E.paired_difference([r[a] for r in results], [r[b] for r in results],
                                f"paired over {len(results)} seeds, {n_test} test images")
 
 
-def _mean_ratio(results: list[dict], a: str, b: str, n_test: int) -> C.Estimate:
-    return C.from_samples([r[a] / r[b] for r in results], f"t over {len(results)} seeds, {n_test} test images",
+def _mean_ratio(results: list[dict], a: str, b: str, n_test: int) -> E.Estimate:
+    return E.from_samples([r[a] / r[b] for r in results], f"t over {len(results)} seeds, {n_test} test images",
                           "seeds")
 
 
@@ -224,15 +225,15 @@ def claims(results: list[dict], n_test: int, gpu: dict | None = None) -> list[C.
     return rows
 
 
-def speedup_estimate(v) -> C.Estimate | None:
+def speedup_estimate(v) -> E.Estimate | None:
     """A measured speed-up with its interval: an Estimate as given; repeated speed-ups (one per
     do_bench run of the same shape) as their median with its order-statistics interval; None for
     a single number. One do_bench median already averages many calls, but the run-to-run spread
     (clocks, other tenants, L2 state) is what decides a x1.5 claim, and one run does not show it."""
-    if isinstance(v, C.Estimate):
+    if isinstance(v, E.Estimate):
         return v
     if isinstance(v, (list, tuple)) and len(v) > 1:
-        return C.median_interval(v, f"median of {len(v)} do_bench runs")
+        return E.median_interval(v, f"median of {len(v)} do_bench runs")
     return None
 
 

@@ -7,7 +7,8 @@ that name and under every other module attribute of the same package bound to th
 (re-exports such as `dlo.optim.adamw_step`, the defining module such as `torch.optim.adamw.AdamW`),
 and the private helpers only the forbidden objects use (`private_targets`). `no_threads` refuses new
 Python threads on a check's ranks. This runs where the student's code runs (the kernel of a direct
-check, the sandboxed runner, the ranks), so the seal leaves it open (`dlo.grading.seal.OPEN`).
+check, the sandboxed runner, the ranks), so the seal leaves it open (`dlo.grading.seal.OPEN`). (Just over 300
+lines: what a forbidden name stands for and how it is blocked are read together.)
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ def grader_files() -> set[str]:
     here = os.path.dirname(os.path.abspath(__file__))
     dist_dir = os.path.dirname(os.path.abspath(dlo.distributed.__file__))
     return {here, os.path.join(os.path.dirname(here), "checks")} | {
-        os.path.join(dist_dir, f) for f in ("launch.py", "_worker.py", "_spawn.py")}
+        os.path.join(dist_dir, f) for f in ("launch.py", "_worker.py", "_spawn.py", "_ranks.py")}
 
 
 def is_grader_frame(filename: str, extra: tuple[str, ...] = ()) -> bool:

@@ -37,7 +37,8 @@ wheel (so `pip install` is enough, no root). `find_bwrap()` decides: it tries th
 the grader's own flags and a Python start, and takes the first that runs. Where none can (user
 namespaces blocked by AppArmor or sysctl, a container that forbids namespaces), `probe()` says why and
 what fixes it, and `dlo grade` refuses to grade unless told `--no-sandbox` (then the CSV's `sandbox`
-column says so).
+column says so). (Over 300 lines: the jail's layout, `Spec`, and the choice of bwrap are one idea: a
+bwrap is chosen by starting that very layout, and the layout names the bwrap.)
 """
 
 from __future__ import annotations

@@ -16,7 +16,9 @@ student's reach.
 
 One child per check (a fork of the warm runner: milliseconds), so a check that crashes, exits or
 leaves threads behind affects only itself. A check that runs past the deadline kills the runner and
-everything it started (ranks included); the next check starts a fresh runner.
+everything it started (ranks included); the next check starts a fresh runner. (About 325 lines: one
+backend, its check sessions and the runner they share; the runner's process and the handles are
+`dlo.grading.remote`.)
 """
 
 from __future__ import annotations

@@ -27,6 +27,7 @@ Started again with the same --out, a run resumes: submissions with a record (and
 are kept, the rest graded; an output graded with another course version is refused (--regrade).
 `--shard K/N` grades every N-th student into DIR/part-K-of-N (one SLURM array task each), and
 `--merge DIR` joins the parts, refusing when one is missing, unfinished or of another version.
+(About 325 lines: the command and the checks of its input, read in order from the CLI to the manifest.)
 """
 
 from __future__ import annotations
@@ -161,21 +162,29 @@ def folder_hash(folder: Path) -> str:
     return h.hexdigest()[:16]
 
 
+LIB = Path(__file__).resolve().parents[1]  # lib/dlo: its modules are read as files, never imported here
+
+
+def checks_modules(names) -> list[Path]:
+    """The files of the checks modules `dlo.checks.<name>` that test cells call, each with the siblings
+    `<name>_*.py` it re-exports (`checks/day7.py` holds none of Day 7's checks itself)."""
+    checks = LIB / "checks"
+    return sorted({p for name in names for p in [*checks.glob(f"{name}.py"), *checks.glob(f"{name}_*.py")]})
+
+
 def course_version(root: Path, days: list[str]) -> str:
     """What a score depends on: the instructors' notebooks of the graded days, the checks modules
-    they call (dlo.checks.<name>) and the grading runtime they run on (dlo.grading). Read as files:
-    importing dlo.checks would import every day's checks and torch, seconds of CPU for a hash."""
-    lib = Path(__file__).resolve().parents[1]  # lib/dlo
-    checks = lib / "checks"
+    they call (`checks_modules`), the grading runtime they run on (dlo.grading) and the engines their
+    ranks run on (dlo.distributed). Read as files: importing dlo.checks would import every day's
+    checks and torch, seconds of CPU for a hash."""
     h, used = hashlib.sha256(), {"__init__"}
     for day in days:
         h.update(day.encode() + folder_hash(root / "solutions" / day).encode())
         used.update(re.findall(r"dlo\.checks\.(\w+)", (root / "solutions" / day / f"{day}.ipynb").read_text()))
-    for name in sorted(used):
-        if (checks / f"{name}.py").is_file():
-            h.update(name.encode() + (checks / f"{name}.py").read_bytes())
-    for path in sorted((lib / "grading").glob("*.py")):
-        h.update(f"grading/{path.name}".encode() + path.read_bytes())
+    for path in checks_modules(used):
+        h.update(path.stem.encode() + path.read_bytes())
+    for path in [*sorted((LIB / "grading").glob("*.py")), *sorted((LIB / "distributed").glob("*.py"))]:
+        h.update(f"{path.parent.name}/{path.name}".encode() + path.read_bytes())
     return h.hexdigest()[:12]
 
 

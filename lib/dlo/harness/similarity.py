@@ -8,11 +8,9 @@ cells that follow it), since the library the students install holds them. An exe
 name no `dlo` reference (plain asserts) is compared with the students and the solution only, and the
 report says so.
 
-The comparison is MOSS's winnowing (Schleimer, Wilkerson and Aiken, SIGMOD 2003) over Python tokens:
-names become one symbol (renaming every variable changes nothing), attribute names after a dot stay
-(the API a solution calls is its substance), strings become one symbol, comments and layout are
-dropped; k-grams of K tokens are hashed (a stable hash: the same bytes every run) and winnowed with
-a window of W, which keeps every match of K + W - 1 tokens or more. Every k-gram of the released stub
+The comparison is MOSS's winnowing over Python tokens (`dlo.harness.winnowing`): names become one
+symbol (renaming every variable changes nothing), attribute names after a dot stay (the API a solution
+calls is its substance), every match of K + W - 1 tokens or more is seen. Every k-gram of the released stub
 (the function signature, `raise NotImplementedError()`) is boilerplate and never counts, so
 untouched notebooks never look copied from each other. The share of A's fingerprints found anywhere
 in B is "A in B"; a pair's similarity is the larger of the two shares (with the library too: a copy
@@ -37,23 +35,17 @@ matching code marked. The report never changes a score, and a failure in it neve
 
 from __future__ import annotations
 
-import hashlib
 import html
 import importlib
 import inspect
-import io
 import json
-import keyword
 import re
-import tokenize
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from dlo.errors import warn
 from dlo.harness.results import write_csv
+from dlo.harness.winnowing import Code, K, W, share
 
-K = 6  # tokens per k-gram: shorter matches are noise
-W = 4  # winnowing window: every match of K + W - 1 = 9 tokens or more is seen
 THRESHOLD = 0.5  # between independent work (<= 0.39) and a disguised copy (>= 0.5; see above)
 MIN_FINGERPRINTS = 4
 MAX_SHOWN = 200
@@ -61,82 +53,6 @@ MAX_SNIPPET = 20000  # characters of a snippet shown (a pasted megabyte stays in
 COLUMNS = ["similarity", "day", "cell", "student", "other", "kind", "student_in_other", "other_in_student",
            "fingerprints"]
 CHECK_CALL = re.compile(r"\bdlo\.checks\.(\w+)\.(check_\w+)")
-_SKIP = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.ENDMARKER,
-         tokenize.ENCODING} | {getattr(tokenize, n) for n in ("FSTRING_MIDDLE", "FSTRING_END") if hasattr(tokenize, n)}
-_STRINGS = {tokenize.STRING} | {getattr(tokenize, n) for n in ("FSTRING_START",) if hasattr(tokenize, n)}
-
-
-# ----------------------------------------------------------------------------- fingerprints
-
-def normalized_tokens(source: str) -> list[tuple[str, int, int]]:
-    """(token as compared, start, end) for the code of `source`; as far as it tokenizes."""
-    starts, pos = [0], 0
-    for line in source.splitlines(keepends=True):
-        pos += len(line)
-        starts.append(pos)
-    out: list[tuple[str, int, int]] = []
-    try:
-        for tok in tokenize.generate_tokens(io.StringIO(source).readline):
-            if tok.type in _SKIP:
-                continue
-            if tok.type == tokenize.NAME:
-                text = tok.string if keyword.iskeyword(tok.string) or (out and out[-1][0] == ".") else "V"
-            elif tok.type in _STRINGS:
-                text = "S"
-            else:
-                text = tok.string
-            start = starts[tok.start[0] - 1] + tok.start[1]
-            end = starts[min(tok.end[0], len(starts)) - 1] + tok.end[1]
-            out.append((text, start, end))
-    except (tokenize.TokenError, SyntaxError):
-        pass  # unfinished code: what came before counts
-    return out
-
-
-def _hash(gram: list[str]) -> int:
-    return int.from_bytes(hashlib.blake2b("\x1f".join(gram).encode(), digest_size=8).digest(), "big")
-
-
-@dataclass
-class Code:
-    """One snippet: its source, tokens, every k-gram hash (by position) and its winnowed fingerprints."""
-
-    source: str
-    tokens: list = field(default_factory=list)
-    grams: list = field(default_factory=list)  # hash of the k-gram starting at each token
-    fingerprints: set = field(default_factory=set)  # winnowed, boilerplate removed
-    own: set = field(default_factory=set)  # every k-gram hash but the boilerplate's (what the page marks)
-
-    @classmethod
-    def of(cls, source: str, boilerplate: frozenset = frozenset()) -> Code:
-        tokens = normalized_tokens(source)
-        words = [t[0] for t in tokens]
-        grams = [_hash(words[i:i + K]) for i in range(len(words) - K + 1)]
-        return cls(source, tokens, grams, winnow(grams) - boilerplate, set(grams) - boilerplate)
-
-    @property
-    def all_grams(self) -> set:
-        return set(self.grams)
-
-
-def winnow(grams: list[int], window: int = W) -> set[int]:
-    """The robust winnowing of Schleimer et al.: in each window of `window` consecutive hashes, the
-    smallest (the rightmost of equals)."""
-    chosen, last = set(), -1
-    for i in range(max(1, len(grams) - window + 1)):
-        span = range(i, min(i + window, len(grams)))
-        if not span:
-            break
-        j = min(span, key=lambda j: (grams[j], -j))
-        if j != last:
-            chosen.add(grams[j])
-            last = j
-    return chosen
-
-
-def share(a: Code, b: Code) -> float:
-    """The share of a's fingerprints that occur in b."""
-    return len(a.fingerprints & b.all_grams) / len(a.fingerprints) if a.fingerprints else 0.0
 
 
 # ----------------------------------------------------------------------------- what is compared

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dlo.claims import Estimate, median_interval
+from dlo.estimates import Estimate, median_interval
 
 # ----------------------------------------------------------------------------- time
 

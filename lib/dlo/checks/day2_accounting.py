@@ -1,0 +1,155 @@
+"""Autograder checks for Day 2's accounting exercise: matmul parameters, FLOPs per token, MFU and bytes
+of model state per parameter (`check_flops_accounting`, re-exported by `dlo.checks.day2`, whose name
+the test cell calls).
+
+Every expected number is counted here, never restated from a formula: FLOPs by FlopCounterMode on
+the check's own decoder (`_GPT`, tied and untied heads, with and without position embeddings and
+biases), bytes by the tensors an optimizer really holds after one step. The student's
+`matmul_params` runs in a worker (`dlo.grading.api.run_student`) on a model built there from the
+seed; the plain-number functions are called here.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dlo.grading.api import check, run_student
+from dlo.grading.compare import assert_close, fmt, ok
+
+# ----------------------------------------------------------------------------- FLOPs, MFU and bytes per parameter
+
+class _GPT(nn.Module):
+    """The check's own decoder (trusted): token (+ position) embeddings, pre-norm blocks whose
+    attention is written as matmuls (FlopCounterMode counts them) with a raw (3d, d) projection
+    parameter as nn.MultiheadAttention's in_proj_weight, a head tied to the token table or not."""
+
+    def __init__(self, vocab: int, d: int, layers: int, heads: int, ffn: int, tied: bool, bias: bool, pos: int):
+        super().__init__()
+        self.heads = heads
+        self.tok = nn.Embedding(vocab, d)
+        self.pos = nn.Embedding(pos, d) if pos else None
+        self.blocks = nn.ModuleList(nn.ModuleDict({
+            "ln1": nn.LayerNorm(d), "out": nn.Linear(d, d, bias=bias),
+            "ln2": nn.LayerNorm(d), "up": nn.Linear(d, ffn * d, bias=bias), "down": nn.Linear(ffn * d, d, bias=bias),
+        }) for _ in range(layers))
+        self.qkv = nn.ParameterList(nn.Parameter(torch.randn(3 * d, d) / math.sqrt(d)) for _ in range(layers))
+        self.norm, self.head = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
+        if tied:
+            self.head.weight = self.tok.weight
+
+    def forward(self, idx):  # (B, T) -> (B, T, vocab)
+        b, t = idx.shape
+        h = self.tok(idx) + (self.pos(torch.arange(t)) if self.pos is not None else 0)  # (B, T, C)
+        for blk, w_qkv in zip(self.blocks, self.qkv):
+            qkv = F.linear(blk["ln1"](h), w_qkv)  # (B, T, 3C)
+            q, k, v = qkv.view(b, t, 3, self.heads, -1).permute(2, 0, 3, 1, 4)  # 3 x (B, H, T, C / H)
+            att = torch.softmax((q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1]), dim=-1)  # (B, H, T, T)
+            h = h + blk["out"]((att @ v).transpose(1, 2).reshape(b, t, -1))
+            h = h + blk["down"](F.gelu(blk["up"](blk["ln2"](h))))
+        return self.head(self.norm(h))
+
+
+def _gpt(cfg: dict) -> _GPT:
+    torch.manual_seed(cfg["seed"])
+    return _GPT(cfg["vocab"], cfg["d"], cfg["layers"], cfg["heads"], cfg["ffn"], cfg["tied"], cfg["bias"], cfg["pos"])
+
+
+def _matmul_params_worker(fn, cfg: dict):
+    """Call the student's matmul_params on the check's model built from cfg; return what it gave."""
+    got = fn(_gpt(cfg))
+    return got.item() if isinstance(got, torch.Tensor) and got.numel() == 1 else got
+
+
+def _hand_count(cfg: dict) -> tuple[float, float]:
+    """(forward, forward + backward) FLOPs per token of the check's model, counted by FlopCounterMode."""
+    from dlo.measure import count_flops
+
+    model, tokens = _gpt(cfg), torch.randint(0, cfg["vocab"], (2, cfg["seq"]))
+    with torch.no_grad():
+        fwd = count_flops(lambda: model(tokens))
+    train = count_flops(lambda: model(tokens).float().pow(2).mean().backward())
+    return fwd / tokens.numel(), train / tokens.numel()
+
+
+def _state_bytes_per_param(precision: str, optimizer: str) -> float:
+    """Bytes of weights, gradients, master copy and optimizer state per parameter, measured on real
+    tensors of a small model after one optimizer step (the step counters left out)."""
+    from dlo.measure import tensor_bytes
+
+    torch.manual_seed(0)
+    fp32 = [p.detach() for p in nn.Sequential(nn.Linear(7, 5), nn.Linear(5, 3)).parameters()]
+    low = precision in ("mixed", "bf16")
+    weights = [p.to(torch.bfloat16) if low else p.clone() for p in fp32]
+    grads = [torch.ones_like(w) for w in weights]
+    master = [p.clone().requires_grad_() for p in fp32] if precision == "mixed" else []
+    stepped = master or [w.requires_grad_() for w in weights]  # what the optimizer updates
+    for p, g in zip(stepped, grads):
+        p.grad = g.to(p.dtype)
+    opt = {"sgd": lambda ps: torch.optim.SGD(ps, lr=0.1),
+           "sgd_momentum": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+           "adamw": lambda ps: torch.optim.AdamW(ps, lr=0.1)}[optimizer](stepped)
+    opt.step()
+    state = sum(tensor_bytes(t for t in s.values() if isinstance(t, torch.Tensor) and t.numel() == p.numel())
+                for p, s in ((p, opt.state[p]) for p in stepped))
+    return (tensor_bytes(weights) + tensor_bytes(grads) + tensor_bytes(master) + state) / sum(p.numel() for p in fp32)
+
+
+@check(forbid=("dlo.measure.transformer_flops_per_token", "dlo.measure.mfu", "dlo.accounting.matmul_params",
+               "dlo.accounting.training_bytes_per_param", "dlo.accounting.model_state_bytes"))
+def check_flops_accounting(matmul_params, transformer_flops_per_token, mfu, training_bytes_per_param,
+                           seed: int = 0, trials: int = 3) -> None:
+    """Four small functions, compared on random configurations with counts made here: `matmul_params(model)`
+    with FlopCounterMode's count of the check's transformer (tied and untied heads); `transformer_flops_per_token`
+    with that count of forward + backward and with dlo.measure; `mfu(flops, seconds, peak)`;
+    `training_bytes_per_param(precision, optimizer)` with the bytes of real tensors after an optimizer step."""
+    from dlo.grading.compare import assert_number
+    from dlo.measure import transformer_flops_per_token as reference
+
+    name, rng = "flops_accounting", random.Random(seed)
+    for t in range(trials):
+        heads = rng.choice([1, 2, 3])
+        cfg = dict(seed=rng.randrange(10 ** 6), vocab=rng.choice([37, 50, 61]), d=heads * rng.choice([4, 6]),
+                   layers=rng.choice([1, 2, 3]), heads=heads, ffn=rng.choice([2, 4]), tied=t % 2 == 0,
+                   bias=rng.random() < 0.5, pos=rng.choice([0, 16]), seq=rng.choice([5, 9, 16]))
+        layers, d, s = cfg["layers"], cfg["d"], cfg["seq"]
+        fwd, train = _hand_count(cfg)
+        n = round((fwd - 4 * layers * d * s) / 2)  # forward: 2 FLOPs per weight, 4 s d per layer of attention
+        got = assert_number(name, "matmul_params(model)", run_student(_matmul_params_worker, matmul_params, cfg), cfg)
+        if got != n:
+            tok, pos = cfg["vocab"] * d, cfg["pos"] * d
+            looked_up = "a looked-up embedding table counted? (a lookup does no FLOPs)"
+            hint = {pos: looked_up, tok + pos: looked_up, (0 if cfg["tied"] else tok): looked_up,
+                    -tok: "the head tied to the embedding counted zero times? it is a matmul weight"}
+            if cfg["tied"]:
+                hint[tok] = hint[tok + pos] = "the tied embedding counted twice, or a looked-up table counted?"
+            hint.pop(0, None)
+            extra = hint.get(round(got) - n, "count each weight with >= 2 dims once, embedding tables only as the head")
+            raise AssertionError(f"{name}: matmul_params = {got:g}, expected {n} for {fmt(cfg)}: {extra}")
+        want = reference(n, layers, d, s)
+        if abs(want - train) > 1e-9 * want:  # the grader's formula against its own count: not the student's doing
+            raise RuntimeError(f"grader: dlo.measure.transformer_flops_per_token({n}, {layers}, {d}, {s}) = {want:g} "
+                               f"but FlopCounterMode counts {train:g} per token on the check's model ({fmt(cfg)})")
+        got = assert_number(name, "transformer_flops_per_token", transformer_flops_per_token(n, layers, d, s), cfg)
+        if abs(got - want) > 1e-9 * want:
+            hint = ("forward only? backward costs twice the forward" if abs(got - want / 3) < 1e-9 * want else
+                    "6 N for the weights plus 12 l h s for attention (QK^T and AV, forward and backward)")
+            raise AssertionError(f"{name}: transformer_flops_per_token({n}, {layers}, {d}, {s}) = {got:g}, expected "
+                                 f"{want:g} (FlopCounterMode counts {train:g} per token): {hint}")
+        flops, seconds, peak = 10 ** rng.uniform(9, 15), rng.uniform(0.01, 5), 10 ** rng.uniform(12, 15)
+        got = assert_number(name, "mfu", mfu(flops, seconds, peak))
+        assert_close(name, "mfu(flops_per_step, step_seconds, peak_flops)", got, flops / seconds / peak,
+                     dict(flops=flops, seconds=seconds, peak=peak), rtol=1e-9)
+    for precision in ("fp32", "mixed", "bf16"):
+        for optimizer in ("sgd", "sgd_momentum", "adamw"):  # dlo.accounting.OPTIMIZER_STATES' names
+            want = _state_bytes_per_param(precision, optimizer)
+            got = assert_number(name, "training_bytes_per_param", training_bytes_per_param(precision, optimizer))
+            if got != want:
+                hint = " (the fp32 master copy, 4 bytes, missing?)" if precision == "mixed" and want - got == 4 else ""
+                raise AssertionError(f"{name}: training_bytes_per_param({precision!r}, {optimizer!r}) = {got:g}, "
+                                     f"expected {want:g}: weights + gradients + master copy + optimizer state{hint}")
+    ok(name, f"{trials} transformers, 9 precision/optimizer pairs, seed={seed}")

@@ -1,0 +1,105 @@
+"""A check's worker on N ranks (`api.on_ranks`), from both ends: what the checking process sends
+(`worker_ref`: the worker by name; `rank_payload`: its arguments pickled apart; `write_shards`: each
+rank's own part of the case in a file of its own) and what each rank does with it (`run_on_rank`:
+take its shard, block the forbidden names, seal the grader's modules, refuse new threads, and only
+then unpickle the student's objects, `load_captures`, and run the worker).
+
+Used by the direct backend (`api.DirectSession.on_ranks`), the sandboxed runner's session (through
+it) and the tests' rank pool alike; it runs where student code runs, so the seal leaves it open.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+import tempfile
+
+from dlo.grading.forbid import forbidden, no_threads
+from dlo.grading.seal import sealed
+
+
+def worker_ref(worker):
+    """A module-level worker as (module, qualname), resolved on the rank (where the grader's modules are
+    sealed by the time anything could look them up); any other callable as itself."""
+    module, qualname = getattr(worker, "__module__", None), getattr(worker, "__qualname__", "<>")
+    importable = module not in (None, "__main__") and "<" not in qualname and module in sys.modules
+    return (module, qualname) if importable else worker
+
+
+def rank_payload(args, kwargs) -> bytes:
+    """The worker's arguments (the student's objects among them), pickled apart from the worker: a rank
+    unpickles them only once it has blocked the forbidden names and sealed the grader's modules, since
+    unpickling a student's object may run the student's code (`__reduce__`, `__init_subclass__`)."""
+    from dlo.pickling import dumps
+
+    return dumps((args, kwargs))  # the student's functions keep their cells' names and lines
+
+
+def write_shards(per_rank, world_size: int) -> str | None:
+    """Each rank's own part of a check's case (`on_ranks(..., per_rank=[...])`) in a file of its own,
+    in a new private folder (None when there is no per-rank part)."""
+    if per_rank is None:
+        return None
+    import cloudpickle
+
+    if len(per_rank) != world_size:
+        raise ValueError(f"per_rank has {len(per_rank)} parts for {world_size} ranks")
+    folder = tempfile.mkdtemp(prefix="dlo-shards-")
+    for r, part in enumerate(per_rank):
+        with open(os.path.join(folder, f"rank-{r}.pkl"), "wb") as f:
+            f.write(cloudpickle.dumps(part))
+    return folder
+
+
+def take_shard(folder: str):
+    """On a rank: its own part, read and deleted, then a barrier - every rank has taken its part (and
+    deleted it) before any student code runs, so no rank's code can read another's."""
+    import pickle
+
+    import torch.distributed as dist
+
+    path = os.path.join(folder, f"rank-{dist.get_rank()}.pkl")
+    with open(path, "rb") as f:
+        data = f.read()
+    os.unlink(path)
+    dist.barrier()
+    return pickle.loads(data)
+
+
+def run_on_rank(worker, forbid, name, hint, payload: bytes, shards: str | None = None):
+    """On each rank of `on_ranks` (and of the tests' rank pool): the worker resolved and this rank's
+    own part of the case taken (`per_rank`: the worker's first argument), then the check's forbidden
+    names blocked, the grader's modules sealed and new threads refused, then the student's objects
+    unpickled and the worker run with them."""
+    if isinstance(worker, tuple):
+        module, qualname = worker
+        worker = importlib.import_module(module)
+        for part in qualname.split("."):
+            worker = getattr(worker, part)
+    mine = (take_shard(shards),) if shards is not None else ()
+    with forbidden(forbid, name, hint), sealed() as sealing, no_threads(name):
+        args, kwargs = load_captures(sealing.loads(payload))
+        return worker(*mine, *args, **kwargs)
+
+
+def load_captures(obj, loaded: dict | None = None, depth: int = 0):
+    """`obj` with each captured student object (`wire_request.Ref("cap", path)`, as the sandboxed runner
+    forwards them) unpickled here, on the rank, under the seal: the runner's process never loads
+    them for an on-ranks check, since unpickling may run the student's code (`__reduce__`) and that
+    process has seen every rank's part of the case."""
+    from dlo.grading.wire_request import Ref  # OPEN: importable while sealed
+
+    loaded = {} if loaded is None else loaded
+    if isinstance(obj, Ref) and obj.kind == "cap":
+        if obj.key not in loaded:
+            import pickle
+
+            with open(obj.key, "rb") as f:
+                loaded[obj.key] = pickle.load(f)  # plain unpickling: the grader's names meet the seal
+        return loaded[obj.key]
+    if depth < 64 and type(obj) in (list, tuple):
+        return type(obj)(load_captures(x, loaded, depth + 1) for x in obj)
+    if depth < 64 and type(obj) is dict:
+        return {k: load_captures(v, loaded, depth + 1) for k, v in obj.items()}
+    return obj
