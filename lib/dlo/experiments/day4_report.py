@@ -4,7 +4,9 @@ the overlap's own (timeline, exposed time, bucket sweep) are in `day4_overlap`.
 Every verdict goes through `dlo.claims`: counted bytes are exact; bytes read from the rank's TCP
 sockets are a mean over trials with its t-interval; step times are paired round by round (the
 versions run in turn, so a slow phase of the machine hits all of them) and summarised by the median
-ratio with its order-statistics interval; accuracies are Wilson intervals on the test samples.
+ratio with its order-statistics interval; two trainings scored on one test set (BatchNorm variants,
+the losses of the 1-bit Adam runs) are paired by seed, a t-interval over >= 3 seeds (McNemar's
+interval per seed in the BatchNorm table).
 """
 
 from __future__ import annotations
