@@ -36,8 +36,9 @@ class Day4Preset:
     powersgd_rank: int = 2         # matrix rank of PowerSGD's low-rank approximation
     compress_steps: int = 40       # training steps per gradient-compression variant
     bn_batch: int = 2              # per-rank batch of the SyncBatchNorm experiment (small: noisy stats)
-    bn_steps: int = 200            # training steps per BatchNorm variant
+    bn_steps: int = 100            # training steps per BatchNorm variant and seed
     bn_lr: float = 0.01            # SGD with momentum 0.9 (batch-2 statistics diverge at 0.05)
+    bn_seeds: int = 3              # paired seeds (weights and data) of local vs synchronized BatchNorm
     onebit_steps: int = 40         # steps of fp32 Adam and of 1-bit Adam (MLP), per seed
     onebit_warmup: int = 8         # 1-bit Adam's full-precision warm-up steps (then the variance is frozen)
     onebit_lr: float = 1e-3
@@ -57,6 +58,8 @@ class Day4Preset:
             raise ValueError(f"need 1 <= onebit_warmup < onebit_steps (a warm-up, then compressed steps) and "
                              f"onebit_chunk a multiple of 8, got {self.onebit_warmup}, {self.onebit_steps}, "
                              f"{self.onebit_chunk}")
+        if self.bn_seeds < 1:
+            raise ValueError(f"bn_seeds must be >= 1 (3 give a paired interval), got {self.bn_seeds}")
 
     def smoke(self) -> Day4Preset:
         """The same model and ranks; 2 samples per rank (BatchNorm needs more than one), the fewest steps
@@ -64,7 +67,8 @@ class Day4Preset:
         2 counted wire calls, the fewest that give an interval)."""
         return replace(self, msg_sizes=self.msg_sizes[:2], bw_reps=1, bw_trials=1, batch_per_rank=2, max_steps=1,
                        compress_steps=3, bn_steps=2, wire_bytes=1 << 16, wire_calls=2, wire_trials=2,
-                       onebit_steps=3, onebit_warmup=1, onebit_seeds=1, launch_timeout_s=self.launch_timeout_s)
+                       onebit_steps=3, onebit_warmup=1, onebit_seeds=1, bn_seeds=1,
+                       launch_timeout_s=self.launch_timeout_s)
 
 
 @dataclass(frozen=True)

@@ -89,6 +89,17 @@ def _worker():
             got, in_no_sync = _train(model, rec, micro, set_to_none=name != "bucket_kept")
         out[name] = (max((g - w).abs().max().item() for g, w in zip(got, want)), in_no_sync, rec.count("all_reduce"))
     out["n_buckets"] = len(DataParallelBucket(_net(0), bucket_cap_mb=10 * 8 / 2 ** 20).buckets)
+    # overlap=False (Day 4's no-overlap baseline): the same buckets, every all-reduce after backward
+    after = DataParallelBucket(_net(r), bucket_cap_mb=10 * 8 / 2 ** 20, overlap=False)
+    with CommCounter() as rec:
+        got, _ = _train(after, rec)
+    x, y = _data(STEPS)
+    with CommCounter() as in_backward:
+        F.cross_entropy(after(x[r::2]), y[r::2]).backward()
+    with CommCounter() as in_finish:
+        after.finish_gradient_synchronization()
+    out["after"] = (max((g - w).abs().max().item() for g, w in zip(got, want)), in_backward.count("all_reduce"),
+                    in_finish.count("all_reduce"))
     # the unused layer shares the float64 bucket: finish_gradient_synchronization must send zeros for
     # it (every rank launches every bucket), while the used parameters get the mean
     mixed = DataParallelBucket(_Mixed(r))  # the default 25 MB cap: the buckets split by dtype only
@@ -116,6 +127,8 @@ def test_ddp_versions_match_single_process_and_torch_ddp():
         # the bucketed version sends one message per bucket, the naive one per parameter (6 tensors)
         assert out["bucket"][2] == STEPS * out["n_buckets"] and out["naive"][2] == STEPS * 6
         assert out["bucket_accum"][2] == out["bucket_kept"][2] == STEPS * out["n_buckets"]
+        err, in_backward, in_finish = out["after"]
+        assert err < 1e-12 and in_backward == 0 and in_finish == out["n_buckets"]
         # torch's reducer issues its all-reduces from C++: CommCounter sees them at the dispatcher
         assert out["torch"][2] >= STEPS
         assert out["metrics"] == pytest.approx((10.0 / 7, 6 / 7))

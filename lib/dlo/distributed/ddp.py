@@ -14,7 +14,8 @@ averaged by all-reduce before the (identical) optimizer step, so the replicas ne
   overlaps the rest of backward (Sec. 3.2.3, Fig. 2). `finish_gradient_synchronization()` waits
   for the outstanding handles before the optimizer step. Afterwards every .grad is a view of its
   bucket (torch's gradient_as_bucket_view), which saves the copy back and, with
-  zero_grad(set_to_none=False), the copy in as well.
+  zero_grad(set_to_none=False), the copy in as well. `overlap=False` keeps the buckets but launches
+  them all after backward: the baseline that measures what the overlap hides (Day 4's exposed time).
 
 Both offer `no_sync()` (Sec. 3.2.4): inside it backward only accumulates local gradients, and the
 first backward outside it all-reduces the sum, so k micro-batches cost one all-reduce.
@@ -97,8 +98,9 @@ class _Bucket:
 class DataParallelBucket(_DataParallel):
     """Bucketed gradients with async all-reduce overlapping backward (Li et al. 2020, Sec. 3.2.3)."""
 
-    def __init__(self, module: nn.Module, bucket_cap_mb: float = 25.0):
+    def __init__(self, module: nn.Module, bucket_cap_mb: float = 25.0, overlap: bool = True):
         super().__init__(module)
+        self.overlap = overlap  # False: the same buckets, all launched after backward (the no-overlap baseline)
         if bucket_cap_mb <= 0:
             raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
         self.world = dist.get_world_size()
@@ -129,7 +131,7 @@ class DataParallelBucket(_DataParallel):
         if p.grad.data_ptr() != view.data_ptr():  # after the first step .grad already is the view
             view.copy_(p.grad)
         bucket.ready.add(p)
-        if len(bucket.ready) == len(bucket.params):
+        if self.overlap and len(bucket.ready) == len(bucket.params):
             self._launch(bucket)
 
     def _launch(self, bucket: _Bucket) -> None:
@@ -140,7 +142,7 @@ class DataParallelBucket(_DataParallel):
         """Wait for every bucket's all-reduce and write the averaged gradients back to .grad."""
         if not self.require_backward_grad_sync:
             return
-        for bucket in self.buckets:
+        for bucket in self.buckets:  # overlap=False: every bucket starts here, after backward
             if bucket.handle is None:  # some parameter got no gradient: send zeros for it, in order
                 for p in bucket.params:
                     if p not in bucket.ready:

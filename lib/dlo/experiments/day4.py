@@ -5,21 +5,19 @@ interleaved round by round after an untimed warm-up round, so the first call's s
 fitted) and the bytes a rank really sends (the ring exercise's messages counted by
 `dlo.measure.CommCounter`; gloo's own all-reduce on the rank's TCP socket counters);
 naive vs bucketed vs torch DDP step time (interleaved step by step, paired rounds); one bucketed
-step profiled, its events kept for a timeline (all-reduces beside backward, Li et al. 2020,
-Fig. 2); the bytes torch's DDP communication hooks send (fp16/bf16, PowerSGD of Vogels et al. 2019)
-and 1-bit Adam's (`dlo.distributed.onebit_adam`, Tang et al. 2021) against fp32 Adam, with the
-losses; local vs synchronized BatchNorm at a small per-rank batch. Training curves go to TensorBoard
-(rank 0, one run folder per configuration under `log_dir`). Every phase reports
+step profiled and the communication its overlap hides (`day4_overlap`); the bytes torch's DDP
+communication hooks send (fp16/bf16, PowerSGD of Vogels et al. 2019) and 1-bit Adam's
+(`dlo.distributed.onebit_adam`, Tang et al. 2021) against fp32 Adam, with the losses over paired
+seeds; local vs synchronized BatchNorm at a small per-rank batch, over paired seeds. Training curves
+go to TensorBoard (rank 0, one run folder per configuration under `log_dir`). Every phase reports
 `dlo.distributed.heartbeat`, so a slow run reads as progress, not as a deadlock. The preset `P` is a
-`dlo.presets.Day4Preset`; `plan` sizes its full profile. Tables and claims: `day4_report`; models and
-batches: `day4_data`; byte counters: `day4_comm`. (About 310 lines: every experiment of the one launch,
-each a short function, and the planner that sizes exactly those.)
+`dlo.presets.Day4Preset`; `plan` sizes its full profile. Tables and claims: `day4_report`; models,
+batches and the training step: `day4_data`; byte counters: `day4_comm`.
 """
 
 from __future__ import annotations
 
 import contextlib
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -33,32 +31,11 @@ from dlo.distributed.launch import heartbeat, rank_device
 from dlo.distributed.onebit_adam import OneBitAdam
 from dlo.distributed.sync_bn import convert_sync_batchnorm
 from dlo.experiments.day4_comm import powersgd_bytes, ring_peers, ring_sent, tcp_available, tcp_sent, wire_bytes
-from dlo.experiments.day4_data import batch, batches, feature_batch, mlp, model
-from dlo.experiments.day4_report import timeline
+from dlo.experiments.day4_data import batch, batches, ddp_step, feature_batch, mlp, model
+from dlo.experiments.day4_overlap import exposed_comm, overlap
 from dlo.measure import CommCounter, time_interleaved
 from dlo.models import count_parameters
-from dlo.profiling import quiet_profiler
 from dlo.train import evaluate, train
-
-
-def ddp_step(label: str = ""):
-    """A `dlo.train.train` step for any of the data-parallel wrappers: cross-entropy, backward, our
-    wrappers' explicit synchronization (torch DDP syncs inside backward), SGD step. Says `label`
-    and the step count through the launcher's heartbeat."""
-    count = [0]
-
-    def step(net, opt, b) -> dict:
-        if count[0] % 10 == 0:  # a file write: rare enough to leave a median step time alone
-            heartbeat(f"{label}: step {count[0]}")
-        count[0] += 1
-        loss = F.cross_entropy(net(b[0]), b[1])
-        loss.backward()
-        if hasattr(net, "finish_gradient_synchronization"):  # ours; torch DDP syncs inside backward
-            net.finish_gradient_synchronization()
-        opt.step()
-        opt.zero_grad()
-        return {"loss": loss}
-    return step
 
 
 def wrappers(P, device) -> dict:
@@ -99,42 +76,14 @@ def step_times(P, device, versions: dict, warmup: int = 2, log_dir=None) -> dict
                    "samples/s": world * P.batch_per_rank / t.median_s} for name, t in timings.items()}
 
 
-def overlap(P, device, log_dir, steps: int = 3) -> dict:
-    """Profile `steps` bucketed steps (after one warm-up step) and keep the fastest (on a shared
-    machine a step can lose the CPU for tens of ms): count its all-reduces that start before
-    backward's last op ends; keep its events for a timeline figure (`timeline`)."""
-    from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
-
-    heartbeat("overlap: profiling bucketed steps")
-    net = DataParallelBucket(model(P, device), bucket_cap_mb=P.bucket_cap_mb)
-    opt = torch.optim.SGD(net.parameters(), lr=P.lr)
-    step = ddp_step("overlap")
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    handler = tensorboard_trace_handler(str(Path(log_dir) / "profile"), worker_name=f"rank{dist.get_rank()}")
-    with quiet_profiler(), profile(activities=acts, schedule=schedule(wait=0, warmup=1, active=steps, repeat=1),
-                                   on_trace_ready=handler) as prof:
-        for s in range(1 + steps):
-            step(net, opt, batch(P, s, dist.get_rank(), device))
-            prof.step()
-    events = prof.events()
-    fastest = min((e for e in events if e.name.startswith("ProfilerStep")),
-                  key=lambda e: e.time_range.end - e.time_range.start)
-    events = [e for e in events if fastest.time_range.start <= e.time_range.start <= fastest.time_range.end]
-    backward_end = max(e.time_range.end for e in events if e.name.startswith("autograd::engine::evaluate_function"))
-    # c10d::allreduce_ is the launch from the hook (one per bucket); the backend's own event
-    # (gloo:all_reduce, nccl:all_reduce) is the transfer it queues, so counting both would double
-    starts = [e.time_range.start for e in events if e.name == "c10d::allreduce_"]
-    return {"all-reduces": len(starts), "during backward": sum(t < backward_end for t in starts),
-            "buckets": len(net.buckets), "timeline": timeline(events)}
-
-
 # ----------------------------------------------------------------------------- compression
 
 FOLDERS = {"naive (ours)": "naive_ours", "bucketed (ours)": "bucketed_ours", "torch DDP": "torch_ddp",
            "fp32 (no compression)": "fp32", "fp16 compress": "fp16", "PowerSGD": "powersgd",
            "bf16 compress": "bf16", "local BatchNorm": "local", "SyncBatchNorm (ours)": "sync_ours",
            "torch SyncBatchNorm": "sync_torch", "Adam (fp32 all-reduce)": "adam_fp32", "1-bit Adam": "onebit_adam",
-           "frozen variance, fp32 momentum": "frozen_v_fp32", "frozen variance, no BatchNorm": "frozen_v_no_bn"}
+           "frozen variance, fp32 momentum": "frozen_v_fp32", "Adam, no BatchNorm": "adam_no_bn",
+           "frozen variance, no BatchNorm": "frozen_v_no_bn"}
 
 
 def compression_hooks(device) -> dict:
@@ -192,23 +141,23 @@ ONEBIT_RUNS = {  # name: (compressed after the warm-up?, BatchNorm MLP?, warm-up
     "Adam (fp32 all-reduce)": (False, True, "never"),
     "1-bit Adam": (True, True, None),
     "frozen variance, fp32 momentum": (False, True, None),  # the control: the freeze without the compression
-    "frozen variance, no BatchNorm": (False, False, None),  # the premise broken (seed 0 only)
+    "Adam, no BatchNorm": (False, False, "never"),  # the control's own baseline: the same MLP, Adam throughout
+    "frozen variance, no BatchNorm": (False, False, None),  # the freeze where its premise fails (no normalisation)
 }
 
 
 def onebit_adam(P, device, log_dir=None) -> dict:
     """Data-parallel Adam against 1-bit Adam on the MLP with BatchNorm (the same engine,
-    `dlo.distributed.onebit_adam`, without and with its compression stage), and two controls:
-    the variance frozen after the warm-up but the momentum averaged in fp32 (what the freeze alone
-    costs), and the same without BatchNorm (seed 0 only: a premise that fails). `P.onebit_seeds`
-    seeds (initial weights and data). Per run: the bytes this rank sends per step (CommCounter,
-    ring model) and the training losses."""
+    `dlo.distributed.onebit_adam`, without and with its compression stage), and controls: the
+    variance frozen after the warm-up but the momentum averaged in fp32 (what the freeze alone
+    costs), and the same freeze on the MLP without BatchNorm against Adam on that MLP (where the
+    variance is not yet stable at the freeze). `P.onebit_seeds` seeds (initial weights and data),
+    the same for every run (paired by seed). Per run: the bytes this rank sends per step
+    (CommCounter, ring model) and the training losses."""
     r = dist.get_rank()
     out = {name: {"sent": [], "losses": []} for name in ONEBIT_RUNS}
     for seed in range(P.onebit_seeds):
         for name, (compress, norm, warm) in ONEBIT_RUNS.items():
-            if name == "frozen variance, no BatchNorm" and seed > 0:
-                continue
             heartbeat(f"1-bit Adam: {name}, seed {seed}")
             net = mlp(P, device, norm=norm, seed=seed)
             warmup = P.onebit_steps + 1 if warm == "never" else P.onebit_warmup
@@ -232,23 +181,32 @@ def onebit_adam(P, device, log_dir=None) -> dict:
 
 
 def batchnorm(P, device, log_dir=None) -> dict:
-    """Local vs synchronized BatchNorm at P.bn_batch samples per rank: held-out loss and accuracy
-    (on n = 512 samples), and the training losses."""
+    """Local vs synchronized BatchNorm at P.bn_batch samples per rank, over P.bn_seeds seeds (the
+    initial weights and the training data; both variants get the same ones: paired by seed), all
+    evaluated on one held-out set of 512 samples. Per variant, one entry per seed: "test loss", "test
+    acc", "correct" (per example, 0/1: McNemar's paired test within a seed) and the training "losses"
+    (TensorBoard: seed 0)."""
     r = dist.get_rank()
     variants = {"local BatchNorm": lambda m: m, "SyncBatchNorm (ours)": convert_sync_batchnorm}
     if device.type == "cuda":  # torch's SyncBatchNorm supports CUDA (NCCL) only
         variants["torch SyncBatchNorm"] = nn.SyncBatchNorm.convert_sync_batchnorm
     x_test, y_test = feature_batch(P, 10 ** 6, 0, device, n=512)
-    out = {}
-    for name, convert in variants.items():
-        net = DataParallelBucket(convert(mlp(P, device, norm=True)), bucket_cap_mb=P.bucket_cap_mb)
-        opt = torch.optim.SGD(net.parameters(), lr=P.bn_lr, momentum=0.9)
-        hist = train(net, opt, batches(P, r, device, n=P.bn_batch, features=True), steps=P.bn_steps, device=device,
-                     step_fn=ddp_step(f"batchnorm, {name}"), progress=False,
-                     writer=tb.writer(log_dir, f"batchnorm/{FOLDERS[name]}", dist.get_rank()))
-        # eval mode: running statistics, rank 0's own for local BN, the global ones when synced
-        loss, acc = evaluate(net, (x_test, y_test), device)
-        out[name] = {"test loss": loss, "test acc": acc, "n": len(y_test), "losses": hist["loss"]}
+    out = {name: {"test loss": [], "test acc": [], "correct": [], "losses": [], "n": len(y_test)} for name in variants}
+    for seed in range(P.bn_seeds):
+        for name, convert in variants.items():
+            net = DataParallelBucket(convert(mlp(P, device, norm=True, seed=seed)), bucket_cap_mb=P.bucket_cap_mb)
+            opt = torch.optim.SGD(net.parameters(), lr=P.bn_lr, momentum=0.9)
+            data = batches(P, r, device, n=P.bn_batch, features=True, first=100_000 * seed)
+            hist = train(net, opt, data, steps=P.bn_steps, device=device, progress=False,
+                         step_fn=ddp_step(f"batchnorm, {name}, seed {seed}"),
+                         writer=tb.writer(log_dir, f"batchnorm/{FOLDERS[name]}", r) if seed == 0 else None)
+            # eval mode: running statistics, rank 0's own for local BN, the global ones when synced
+            loss, acc = evaluate(net, (x_test, y_test), device)
+            net.eval()
+            with torch.no_grad():
+                correct = (net(x_test).argmax(dim=1) == y_test).int().tolist()
+            for key, value in (("test loss", loss), ("test acc", acc), ("correct", correct), ("losses", hist["loss"])):
+                out[name][key].append(value)
     return out
 
 
@@ -265,6 +223,7 @@ def run_all(P, log_dir) -> dict:
         out["wire"] = wire_bytes(P.wire_bytes, P.wire_calls, P.wire_trials)
     out["throughput"] = step_times(P, device, wrappers(P, device), log_dir=log_dir)
     out["overlap"] = overlap(P, device, log_dir)
+    out["exposed"] = exposed_comm(P, device)
     out["compression"] = compression(P, device, log_dir)
     out["onebit"] = onebit_adam(P, device, log_dir)
     out["batchnorm"] = batchnorm(P, device, log_dir)
@@ -309,6 +268,9 @@ def plan(P, *, gpus: int, gpu_mem_gb: float) -> list[dict]:
     rows = [row("throughput: naive + bucketed + torch DDP", gpus, params=3 * n, grads=3 * n,
                 optimizer=3 * momentum + bucket + n, activations=acts, gpu_mem_gb=gpu_mem_gb, main=True,
                 note=f"{what}; three replicas alive together, buckets of ours and of torch DDP in optimizer"),
+            row("exposed communication: 3 x bucketed", gpus, params=3 * n, grads=3 * n,
+                optimizer=3 * (momentum + bucket), activations=acts, gpu_mem_gb=gpu_mem_gb,
+                note=f"{what}; overlapped, after backward, no all-reduce, alive together"),
             row("scaling: bucketed + torch DDP", gpus, params=2 * n, grads=2 * n,
                 optimizer=2 * momentum + bucket + n, activations=acts, gpu_mem_gb=gpu_mem_gb, note=what),
             row("compression: torch DDP + hook", gpus, params=n, grads=n, optimizer=momentum + n,

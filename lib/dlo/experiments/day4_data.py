@@ -1,13 +1,16 @@
 """Day 4's models and synthetic batches (the MLP of the comparisons and the BatchNorm experiment,
 ResNet-18 on images at full scale): every rank draws its own batch of each step from (step, rank),
-so a run needs no data loader and no data files. `dlo.experiments.day4` trains on them.
+so a run needs no data loader and no data files; and the training step of every data-parallel
+wrapper (`ddp_step`). `dlo.experiments.day4` trains on them.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from dlo.distributed.launch import heartbeat
 from dlo.models.resnet import resnet18
 from dlo.models.small import MLP
 
@@ -54,9 +57,30 @@ def batch(P, step: int, rank: int, device):
     return (image_batch if P.model == "resnet18" else feature_batch)(P, step, rank, device)
 
 
-def batches(P, rank: int, device, n: int | None = None, features: bool = False):
-    """The endless stream of batches 0, 1, 2, ... of this rank (for `dlo.train.train`)."""
-    step = 0
+def batches(P, rank: int, device, n: int | None = None, features: bool = False, first: int = 0):
+    """The endless stream of batches first, first + 1, ... of this rank (for `dlo.train.train`; another
+    `first` for another seed's data)."""
+    step = first
     while True:
         yield feature_batch(P, step, rank, device, n) if features else batch(P, step, rank, device)
         step += 1
+
+
+def ddp_step(label: str = ""):
+    """A `dlo.train.train` step for any of the data-parallel wrappers: cross-entropy, backward, our
+    wrappers' explicit synchronization (torch DDP syncs inside backward), SGD step. Says `label`
+    and the step count through the launcher's heartbeat."""
+    count = [0]
+
+    def step(net, opt, b) -> dict:
+        if count[0] % 10 == 0:  # a file write: rare enough to leave a median step time alone
+            heartbeat(f"{label}: step {count[0]}")
+        count[0] += 1
+        loss = F.cross_entropy(net(b[0]), b[1])
+        loss.backward()
+        if hasattr(net, "finish_gradient_synchronization"):  # ours; torch DDP syncs inside backward
+            net.finish_gradient_synchronization()
+        opt.step()
+        opt.zero_grad()
+        return {"loss": loss}
+    return step
