@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from dlo import claims as C
+from dlo import estimates as E
 from dlo.distributed.ddp import DataParallelBucket
 from dlo.distributed.launch import heartbeat
 from dlo.experiments.day4_data import batch, ddp_step, model
@@ -140,15 +141,15 @@ def exposed_comm(P, device) -> dict:
     return {name: t.times_s for name, t in time_interleaved(fns, device=device, reps=P.max_steps).items()}
 
 
-def paired(times: dict, a: str, b: str, how: str) -> C.Estimate:
+def paired(times: dict, a: str, b: str, how: str) -> E.Estimate:
     """Median over paired rounds of times[a] - times[b] in ms, with its order-statistics interval."""
-    return C.median_interval([1e3 * (x - y) for x, y in zip(times[a], times[b])], how)
+    return E.median_interval([1e3 * (x - y) for x, y in zip(times[a], times[b])], how)
 
 
 def exposed_rows(times: dict) -> list[dict]:
     """The step time of each version, and the three paired differences (ms, medians of the rounds)."""
     n = len(times["overlapped"])
-    rows = [{"quantity": f"step, {v}", "ms [95%]": str(C.median_interval([1e3 * t for t in times[v]]))}
+    rows = [{"quantity": f"step, {v}", "ms [95%]": str(E.median_interval([1e3 * t for t in times[v]]))}
             for v in VERSIONS]
     rows += [{"quantity": q, "ms [95%]": str(paired(times, a, b, f"paired, {n} rounds"))}
              for q, a, b in (("exposed communication: overlapped - no all-reduce", "overlapped", "no all-reduce"),
@@ -178,7 +179,7 @@ def overlap_claims(R: dict) -> list[C.Claim]:
                           "the gradient hooks fire during backward and the buckets follow the reverse parameter "
                           "order, so every bucket but the first layer's starts with backward left to run; a launch "
                           "is not a hidden transfer (that is the row above)",
-                          C.exact(share, f"profiler + CommCounter: {ov['with backward left']} of {ov['all-reduces']} "
+                          E.exact(share, f"profiler + CommCounter: {ov['with backward left']} of {ov['all-reduces']} "
                                          f"all-reduces, {ov['bytes with backward left']:,} of {ov['bytes']:,} B "
                                          f"launched before backward's last gradient node; "
                                          f"{ov['during backward']} before backward ends"))]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 
 from dlo import claims as C
+from dlo import estimates as E
 from dlo.experiments.day4_overlap import overlap_claims
 
 LI = "Li et al. 2020 (PyTorch DDP); seed 003"
@@ -25,7 +26,7 @@ TANG = "Tang et al. 2021 (1-bit Adam); seed 003"
 
 def bandwidth_rows(bw: list[dict]) -> list[dict]:
     """The sweep with each size's median time and its 95% interval."""
-    return [{"bytes": r["bytes"], "time us [95%]": str(C.median_interval(r["times_s"]).scaled(1e6)),
+    return [{"bytes": r["bytes"], "time us [95%]": str(E.median_interval(r["times_s"]).scaled(1e6)),
              "algbw GB/s": r["algbw GB/s"], "busbw GB/s": r["busbw GB/s"]} for r in bw]
 
 
@@ -46,9 +47,9 @@ def compression_rows(comp: dict, world: int) -> list[dict]:
     return rows
 
 
-def throughput_ratio(tp: dict, ours: str = "bucketed (ours)", ref: str = "torch DDP") -> C.Estimate:
+def throughput_ratio(tp: dict, ours: str = "bucketed (ours)", ref: str = "torch DDP") -> E.Estimate:
     """Throughput of `ours` over `ref`: the reference's step time over ours, paired round by round."""
-    return C.median_interval([b / a for a, b in zip(tp[ours]["times_s"], tp[ref]["times_s"])],
+    return E.median_interval([b / a for a, b in zip(tp[ours]["times_s"], tp[ref]["times_s"])],
                              f"paired rounds, median of {len(tp[ours]['times_s'])}")
 
 
@@ -104,7 +105,7 @@ def claims(R: dict, wire_more: dict | None = None, scale: dict | None = None) ->
     (`wire_more`) and the scaling launches ({world: `scaling` result})."""
     N, gpu = R["world"], R["device"].startswith("cuda")
     f = 2 * (N - 1) / N
-    ring = C.exact(R["ring sent"], "CommCounter: bytes of its sends / n")
+    ring = E.exact(R["ring sent"], "CommCounter: bytes of its sends / n")
     text = f"a ring all-reduce sends 2(N-1)/N of the data per rank (the exercise's ring, N={N})"
     out = [C.Claim(text, "Patarasuk & Yuan 2009", f"{f:.3f} n", C.approx(f, rel=1e-3), ring) if N > 2 else
            C.by_construction(text, "Patarasuk & Yuan 2009", f"{f:.3f} n", AT_TWO, ring, C.approx(f, rel=1e-3))]
@@ -118,7 +119,7 @@ def claims(R: dict, wire_more: dict | None = None, scale: dict | None = None) ->
                 f"and reduce + broadcast all do: this total does not tell them apart)")
         args = (text, "Patarasuk & Yuan 2009; NCCL/gloo ring", f"{fw:.3f} n")
         region = C.approx(fw, rel=0.01, text=f"{fw:.3f} +- 1% (gloo's message headers)")
-        est = C.from_samples(wire["ratio"], f"TCP socket counters (TCP_INFO), {len(wire['ratio'])} trials")
+        est = E.from_samples(wire["ratio"], f"TCP socket counters (TCP_INFO), {len(wire['ratio'])} trials")
         out.append(C.Claim(*args, region, est) if wire["world"] > 2 else C.by_construction(*args, AT_TWO, est, region))
     if not R.get("wire"):
         out.append(C.not_measurable("the backend's all-reduce sends 2(N-1)/N of the data per rank on the wire",
@@ -127,7 +128,7 @@ def claims(R: dict, wire_more: dict | None = None, scale: dict | None = None) ->
     comp = R["compression"]
     fp32 = comp["fp32 (no compression)"]["bytes/step"]
     out += [C.by_construction("fp16 compression halves the bytes (rate 2x)", META_AWS, "2x", CAST,
-                              C.exact(fp32 / comp["fp16 compress"]["bytes/step"], "CommCounter, bytes per step"),
+                              E.exact(fp32 / comp["fp16 compress"]["bytes/step"], "CommCounter, bytes per step"),
                               C.approx(2.0, rel=1e-3)),
             _powersgd_claim(comp["PowerSGD"]),
             C.not_measurable("FP16 + PowerSGD compress 1,969x", META_AWS, "1,969x",
@@ -137,7 +138,7 @@ def claims(R: dict, wire_more: dict | None = None, scale: dict | None = None) ->
                              "needs a bandwidth-bound multi-node GPU job")]
     if "bf16 compress" in comp:
         out.append(C.by_construction("bf16 compression halves the bytes", META_AWS, "2x", CAST,
-                                     C.exact(fp32 / comp["bf16 compress"]["bytes/step"], "CommCounter, bytes per step"),
+                                     E.exact(fp32 / comp["bf16 compress"]["bytes/step"], "CommCounter, bytes per step"),
                                      C.approx(2.0, rel=1e-3)))
     else:
         out.append(C.not_measurable("bf16 compression halves the bytes", META_AWS, "2x",
@@ -160,7 +161,7 @@ def batchnorm_claim(bn: dict, per_rank: int) -> C.Claim:
     k = len(syn["test acc"])
     return C.Claim(f"SyncBatchNorm beats local BatchNorm at {per_rank} samples per rank",
                    "Peng et al. 2018; Wu & He 2018", "sync > local", C.at_least(0.0, "> 0"),
-                   C.paired_difference(syn["test acc"], loc["test acc"],
+                   E.paired_difference(syn["test acc"], loc["test acc"],
                                        f"test accuracy, sync - local, paired over {k} seed(s), n={syn['n']} shared"))
 
 
@@ -171,7 +172,7 @@ def batchnorm_rows(bn: dict) -> list[dict]:
     rows = []
     for seed, (a, b) in enumerate(zip(syn["correct"], loc["correct"])):
         rows.append({"seed": seed, **{f"{name} acc": v["test acc"][seed] for name, v in bn.items()},
-                     "sync - local [95%, McNemar]": str(C.paired_examples(a, b))})
+                     "sync - local [95%, McNemar]": str(E.paired_examples(a, b))})
     return rows
 
 
@@ -182,13 +183,13 @@ def _ring_connection_claim(world: int, peers: dict) -> C.Claim:
     f = 2 * (world - 1) / world
     text = f"a ring rank sends all of its 2(N-1)/N n to one neighbour (per connection, N={world})"
     busiest = max(peers.values(), default=0.0)
-    est = C.exact(busiest, f"CommCounter: busiest of {len(peers)} connection(s) / n")
+    est = E.exact(busiest, f"CommCounter: busiest of {len(peers)} connection(s) / n")
     args = (text, "Patarasuk & Yuan 2009", f"{f:.3f} n on 1 connection")
     if world <= 2:
         return C.by_construction(*args, "at N = 2 each rank has one peer: a ring, a tree and sending everything "
                                         "all put n on that connection", est, C.approx(f, rel=1e-3))
     return C.Claim(*args, C.approx(f, rel=1e-3), est if len(peers) == 1 else
-                   C.exact(busiest, f"CommCounter: {len(peers)} connections, the busiest / n (a ring has one)"))
+                   E.exact(busiest, f"CommCounter: {len(peers)} connections, the busiest / n (a ring has one)"))
 
 
 def _powersgd_claim(ps: dict) -> C.Claim:
@@ -202,7 +203,7 @@ def _powersgd_claim(ps: dict) -> C.Claim:
     if "state bytes/step" not in ps:
         return C.not_measurable(text, "Vogels et al. 2019", "the formula's bytes", "no PowerSGD state counted")
     return C.Claim(text, "Vogels et al. 2019", "the formula's bytes", C.approx(1.0, rel=1e-3),
-                   C.exact(ps["state bytes/step"] / ps["formula bytes"],
+                   E.exact(ps["state bytes/step"] / ps["formula bytes"],
                            f"PowerSGDState: {ps['state bytes/step']:,} B all-reduced / {ps['formula bytes']:,} B"))
 
 
@@ -212,9 +213,9 @@ def _scaling_claim(scale: dict | None, gpu: bool) -> C.Claim:
         return C.not_measurable(text, LI + " (256 GPUs)", "near-linear",
                                 "the ranks share one CPU's cores: their compute itself does not scale")
     lo, hi = min(scale), max(scale)
-    t1, tn = (C.median_interval(scale[w]["torch DDP"]["times_s"]) for w in (lo, hi))
+    t1, tn = (E.median_interval(scale[w]["torch DDP"]["times_s"]) for w in (lo, hi))
     return C.Claim(f"{text}, {lo} -> {hi} GPUs", LI + " (256 GPUs)", "near-linear", C.at_least(0.9, ">= 0.9"),
-                   C.timed(C.ratio(t1, tn, "median step times, two launches"), device="cuda", ranks=hi, kernel=True))
+                   C.timed(E.ratio(t1, tn, "median step times, two launches"), device="cuda", ranks=hi, kernel=True))
 
 
 NO_NORM = "this notebook's control (why the runs use BatchNorm); not a claim of Tang et al."
@@ -226,16 +227,16 @@ CAST = "the hook casts the gradients to a 2-byte type before the all-reduce: hal
 FORMULA = "restates the engine's own compression (1 bit per value + an fp32 scale per chunk): a count of its format"
 
 
-def _loss_ratio(final: dict, name: str, baseline: str = "Adam (fp32 all-reduce)") -> C.Estimate:
+def _loss_ratio(final: dict, name: str, baseline: str = "Adam (fp32 all-reduce)") -> E.Estimate:
     """The final training loss of `name` over `baseline`'s, paired by seed: a t-interval over seeds (no
     interval under 3: "one seed", "2 seeds < 3"). A diverged run (inf) is a definite disagreement
     whatever the seeds (a divergence is not noise); a diverged baseline leaves nothing to compare."""
     if not all(math.isfinite(b) for b in final[baseline]):
-        return C.Estimate(math.nan, math.nan, math.nan, reason=f"{baseline} diverged")
+        return E.Estimate(math.nan, math.nan, math.nan, reason=f"{baseline} diverged")
     ratios = [a / b for a, b in zip(final[name], final[baseline])]
     if not all(math.isfinite(x) for x in ratios):
-        return C.exact(math.inf, "diverged")
-    return C.from_samples(ratios, f"final training loss / {baseline}'s, paired over {len(ratios)} seed(s)", "seeds")
+        return E.exact(math.inf, "diverged")
+    return E.from_samples(ratios, f"final training loss / {baseline}'s, paired over {len(ratios)} seed(s)", "seeds")
 
 
 def _onebit_claims(R: dict) -> list[C.Claim]:
@@ -247,14 +248,14 @@ def _onebit_claims(R: dict) -> list[C.Claim]:
     same = C.approx(1.0, rel=0.1, text="ratio 1 +- 0.1")
     return [
         C.by_construction("1-bit Adam: 97% less communication than fp32 (a compressed step)", TANG, "97% less",
-                          FORMULA, C.exact(1 - s["1-bit compressed step"] / s["fp32 step"],
+                          FORMULA, E.exact(1 - s["1-bit compressed step"] / s["fp32 step"],
                                            "CommCounter, bytes sent per step"), C.approx(0.97, abs_tol=0.01)),
         C.by_construction("1-bit Adam: 94% less communication than fp16 (a compressed step)", TANG, "94% less",
-                          FORMULA, C.exact(1 - s["1-bit compressed step"] / fp16_sent,
+                          FORMULA, E.exact(1 - s["1-bit compressed step"] / fp16_sent,
                                            "CommCounter, against the fp16 hook"), C.approx(0.94, abs_tol=0.01)),
         C.by_construction(f"over a run, the full-precision warm-up ({w:.0%} of the steps here) bounds the saving: "
                           f"1 / (w + 0.03 (1 - w))", "Tang et al. 2021: 'up to 5x less' overall", f"{want_run:.2f}x",
-                          FORMULA, C.exact(s["fp32 run"] / s["1-bit run"], "CommCounter, whole run"),
+                          FORMULA, E.exact(s["fp32 run"] / s["1-bit run"], "CommCounter, whole run"),
                           C.approx(want_run, rel=0.02)),
         C.Claim("Adam's variance is stable after the warm-up: freezing it costs nothing (MLP with BatchNorm)", TANG,
                 "same loss", same, _loss_ratio(s["final"], "frozen variance, fp32 momentum")),
