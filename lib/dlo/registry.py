@@ -2,9 +2,10 @@
 
 Everything that needs the list of days reads it here: `dlo.config` (a day's presets, its own
 parameters and preflight checks, for `dlo.setup` and `dlo run` alike), `dlo plan` and `dlo doctor` (its
-planner: `plan_day`, `plan_main`), `dlo.checks` (its checks module) and the tests. The harness finds notebooks on disk
-(`dlo.harness.days`: a course root may be a test's toy course); `tests/test_registry.py` holds the two
-equal for this course.
+planner: `plan_day`, `plan_main`), `dlo.checks` (its checks module), the tests, and the harness
+(`dlo release`, `check`, `run`, `grade`: `names`, checked against the folders on disk by `dlo.harness.days`).
+A course of one's own (the harness tests' toy course) names its days in $DLO_DAYS instead: days with a
+notebook and no spec, run and graded like the others (no presets, planner or preflight).
 
 A spec names its modules (experiments, planner, checks, preflight) as strings, imported when first
 used: the registry sits on a low floor (`dlo.config` reads it for every notebook) and the day modules
@@ -15,6 +16,7 @@ never this registry, so there is no cycle, visible or by string.
 from __future__ import annotations
 
 import importlib
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,6 +72,13 @@ DAYS: dict[str, DaySpec] = {d.name: d for d in (
     _day(7, "day7_tensor_parallel", P.Day7Preset, P.DAY7, planner="dlo.experiments.day7_report:plan"),
     _day(8, "day8_quantization_pruning", P.Day8Preset, P.DAY8),
 )}
+
+
+def names() -> list[str]:
+    """The days' names, in order: DAYS's, or those $DLO_DAYS lists (space-separated, when set) for a
+    course of one's own."""
+    own = os.environ.get("DLO_DAYS")
+    return own.split() if own is not None else list(DAYS)
 
 
 def plan_day(day: str, gpus: int | None = None, gpu_mem_gb: float = 80.0) -> list[dict]:
