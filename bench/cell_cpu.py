@@ -23,6 +23,7 @@ import nbformat
 from nbclient import NotebookClient
 
 from dlo.harness.graded import last_graded_index
+from dlo.registry import names
 
 REPO = Path(__file__).resolve().parents[1]
 PROBE = ("import resource as _r\n_a, _b = _r.getrusage(_r.RUSAGE_SELF), _r.getrusage(_r.RUSAGE_CHILDREN)\n"
@@ -71,7 +72,7 @@ def profile(day: str, notebooks: str) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--day", nargs="+", default=["day3_checkpointing"])
+    ap.add_argument("--day", nargs="+", default=["day3_checkpointing"], choices=names())
     ap.add_argument("--notebooks", default="solutions", choices=["solutions", "course"])
     ap.add_argument("--out", default=str(REPO / "bench" / "results"))
     args = ap.parse_args()

@@ -66,8 +66,8 @@ def test_every_check_a_notebook_calls_is_reachable_from_dlo_checks_alone():
     """The grader imports `dlo.checks` (each day's one checks module, from the registry) and runs the test
     cells with it: a cell calling `dlo.checks.<module>.<check>` of a module no day's checks module imports
     scores 0 under the grader while it passes in the notebook, where the imports cell imported it."""
-    calls = sorted({m for nb in REPO.glob("solutions/*/*.ipynb")
-                    for m in re.findall(r"dlo\.checks\.(\w+)\.(check_\w+)", nb.read_text())})
+    calls = sorted({m for day in DAYS
+                    for m in re.findall(r"dlo\.checks\.(\w+)\.(check_\w+)", notebook_path(REPO, day).read_text())})
     assert calls
     probe = ("import dlo.checks, sys\n"
              f"missing = [f'{{m}}.{{f}}' for m, f in {calls!r} if not hasattr(getattr(dlo.checks, m, None), f)]\n"

@@ -2,9 +2,10 @@
 
 Everything that needs the list of days reads it here: `dlo.config` (a day's presets, its own
 parameters and preflight checks, for `dlo.setup` and `dlo run` alike), `dlo plan` and `dlo doctor` (its
-planner: `plan_day`, `plan_main`), `dlo.checks` (its checks module) and the tests. The harness finds notebooks on disk
-(`dlo.harness.days`: a course root may be a test's toy course); `tests/test_registry.py` holds the two
-equal for this course.
+planner: `plan_day`, `plan_main`), `dlo.checks` (its checks module), the tests, and the harness
+(`dlo release`, `check`, `run`, `grade`: `names`, checked against the folders on disk by `dlo.harness.days`).
+A course of one's own (the harness tests' toy course) names its days in $DLO_DAYS instead: days with a
+notebook and no spec, run and graded like the others (no presets, planner or preflight).
 
 A spec names its modules (experiments, planner, checks, preflight) as strings, imported when first
 used: the registry sits on a low floor (`dlo.config` reads it for every notebook) and the day modules
@@ -15,6 +16,7 @@ never this registry, so there is no cycle, visible or by string.
 from __future__ import annotations
 
 import importlib
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +41,10 @@ class DaySpec:
     checks: str                    # the autograder's checks its test cells call: `dlo.checks.dayN`
     preflight: str = ""            # `preflight(run)`: ValueError (one line) before any work; "" for none
     parameters: tuple[str, ...] = field(default=())  # the day's own parameters-cell names, beside the common ones
+    # CPU seconds to grade its solution at the tiny profile (cells up to the last graded one) on a loaded
+    # 2-core machine (bench/grade_class.py: bench/results/grade-profile-*-after*.json); `dlo grade` and
+    # `dlo run --jobs` start the longest first (`dlo.harness.schedule`): only the order matters
+    grade_cpu_s: float = 30.0
 
     @property
     def short(self) -> str:
@@ -64,16 +70,24 @@ def _day(number: int, name: str, preset_class: type, presets: dict, experiments:
 
 
 DAYS: dict[str, DaySpec] = {d.name: d for d in (
-    _day(1, "day1_optimizers", P.Day1Preset, P.DAY1),
-    _day(2, "day2_mixed_precision", P.Day2Preset, P.DAY2),
-    _day(3, "day3_checkpointing", P.Day3Preset, P.DAY3),
-    _day(4, "day4_ddp", P.Day4Preset, P.DAY4),
+    _day(1, "day1_optimizers", P.Day1Preset, P.DAY1, grade_cpu_s=22.0),
+    _day(2, "day2_mixed_precision", P.Day2Preset, P.DAY2, grade_cpu_s=30.0),
+    _day(3, "day3_checkpointing", P.Day3Preset, P.DAY3, grade_cpu_s=36.0),
+    _day(4, "day4_ddp", P.Day4Preset, P.DAY4, grade_cpu_s=63.0),
     _day(5, "day5_fsdp", P.Day5Preset, P.DAY5, planner="dlo.experiments.day5_report:plan",
-         preflight="dlo.experiments.day5_report:preflight", parameters=("weights_dir",)),
-    _day(6, "day6_pipeline", P.Day6Preset, P.DAY6, planner="dlo.experiments.day6_report:plan"),
-    _day(7, "day7_tensor_parallel", P.Day7Preset, P.DAY7, planner="dlo.experiments.day7_report:plan"),
-    _day(8, "day8_quantization_pruning", P.Day8Preset, P.DAY8),
+         preflight="dlo.experiments.day5_report:preflight", parameters=("weights_dir",), grade_cpu_s=58.0),
+    _day(6, "day6_pipeline", P.Day6Preset, P.DAY6, planner="dlo.experiments.day6_report:plan", grade_cpu_s=218.0),
+    _day(7, "day7_tensor_parallel", P.Day7Preset, P.DAY7, planner="dlo.experiments.day7_report:plan",
+         grade_cpu_s=60.0),
+    _day(8, "day8_quantization_pruning", P.Day8Preset, P.DAY8, grade_cpu_s=30.0),
 )}
+
+
+def names() -> list[str]:
+    """The days' names, in order: DAYS's, or those $DLO_DAYS lists (space-separated, when set) for a
+    course of one's own."""
+    own = os.environ.get("DLO_DAYS")
+    return own.split() if own is not None else list(DAYS)
 
 
 def plan_day(day: str, gpus: int | None = None, gpu_mem_gb: float = 80.0) -> list[dict]:

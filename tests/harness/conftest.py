@@ -78,15 +78,22 @@ def toy_notebook():
 def dlo(*args: str, root: Path, check: bool = True, timeout: float = 600, cwd: Path | None = None,
         env: dict | None = None) -> subprocess.CompletedProcess:
     """Run the `dlo` command as a user would (a child process), in `cwd` (default: the course root),
-    with `env` added to the environment. `dlo grade` gets --no-sandbox where bubblewrap cannot run here."""
+    with `env` added to the environment. `dlo grade` gets --no-sandbox where bubblewrap cannot run here.
+    A root other than this checkout is a toy course: its day is named in $DLO_DAYS (`dlo.registry.names`)."""
     if args[:1] == ("grade",) and "--merge" not in args:
         args = (*args, *sandbox_flags())
     proc = subprocess.run([sys.executable, "-m", "dlo.cli", "--root", str(root), *args], capture_output=True,
-                          text=True, timeout=timeout, env={**os.environ, "DLO_PROFILE": "tiny", **(env or {})},
+                          text=True, timeout=timeout,
+                          env={**os.environ, "DLO_PROFILE": "tiny", **toy_days(root), **(env or {})},
                           cwd=cwd or root)
     if check and proc.returncode != 0:
         raise AssertionError(f"dlo {' '.join(args)} -> rc {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
     return proc
+
+
+def toy_days(root: Path, *days: str) -> dict[str, str]:
+    """The environment naming a toy course's days (`DAY` unless given) for `dlo` at `root`; {} for this checkout."""
+    return {} if Path(root).resolve() == REPO else {"DLO_DAYS": " ".join(days or (DAY,))}
 
 
 def sandbox_flags() -> list[str]:

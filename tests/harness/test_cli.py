@@ -37,8 +37,9 @@ def assert_one_line(rc: int, out: str, err: str, status: int, start: str) -> Non
 
 
 @pytest.fixture
-def empty_course(tmp_path) -> Path:
+def empty_course(tmp_path, monkeypatch) -> Path:
     (tmp_path / "solutions").mkdir()
+    monkeypatch.setenv("DLO_DAYS", "")  # a course of one's own, without a day yet
     return tmp_path
 
 
@@ -61,6 +62,22 @@ def test_bad_usage_is_one_line_on_stderr_and_exit_2(capsys, empty_course, args, 
     assert_one_line(*cli(capsys, "--root", str(empty_course), *args), 2, start)
 
 
+@pytest.mark.parametrize("args", [["release"], ["check"], ["run", "--all", "--out", "out"],
+                                  ["grade", "sub", "--out", "out"]])
+def test_the_folders_on_disk_must_be_the_registrys_days(capsys, tmp_path, args):
+    """A folder of solutions/ that `dlo.registry` does not name, or a registry day without its notebook:
+    one line naming it, exit 2, before anything is written."""
+    (tmp_path / "solutions" / "day9_new").mkdir(parents=True)
+    (tmp_path / "sub" / "ann").mkdir(parents=True)
+    assert_one_line(*cli(capsys, "--root", str(tmp_path), *args), 2,
+                    f"dlo {args[0]}: solutions/day9_new is not a day of dlo.registry (add a DaySpec there")
+    (tmp_path / "solutions" / "day9_new").rmdir()
+    assert_one_line(*cli(capsys, "--root", str(tmp_path), *args), 2,
+                    f"dlo {args[0]}: solutions/ under {tmp_path} lacks the notebook of day1_optimizers, "
+                    "day2_mixed_precision")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["solutions", "sub"]  # no course/, no out/
+
+
 def test_the_installed_command_exits_2_with_the_prefix():
     proc = subprocess.run([sys.executable, "-m", "dlo.cli", "--root", str(REPO), "run", "day9_nope"],
                           capture_output=True, text=True, timeout=120)
@@ -68,11 +85,12 @@ def test_the_installed_command_exits_2_with_the_prefix():
                                                                    "day1_optimizers")
 
 
-def test_a_failed_run_exits_1(capsys, tmp_path):
+def test_a_failed_run_exits_1(capsys, tmp_path, monkeypatch):
     # a course whose notebook has no parameters cell: a broken course, not a bad command line
     nb = tmp_path / "solutions" / "bare" / "bare.ipynb"
     nb.parent.mkdir(parents=True)
     nbformat.write(new_notebook(cells=[new_code_cell("x = 1")]), nb)
+    monkeypatch.setenv("DLO_DAYS", "bare")
     rc, out, err = cli(capsys, "--root", str(tmp_path), "run", "bare")
     assert_one_line(rc, out, err, 1, f"dlo run: {nb}: no cell tagged 'parameters'")
 
@@ -156,13 +174,14 @@ def stop_and_check(cmd: list[str], signum: int, ready: str, timeout: float = 300
 
 @pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT])
-def test_a_stopped_run_leaves_no_process(tmp_path, signum):
+def test_a_stopped_run_leaves_no_process(tmp_path, signum, monkeypatch):
     nb = tmp_path / "solutions" / "sleepy" / "sleepy.ipynb"
     nb.parent.mkdir(parents=True)
     nbformat.write(new_notebook(cells=[new_code_cell('profile: str = "auto"', metadata={"tags": ["parameters"]}),
                                        new_code_cell(SLEEPER)],
                                 metadata={"kernelspec": {"name": "python3", "display_name": "Python 3",
                                                          "language": "python"}}), nb)
+    monkeypatch.setenv("DLO_DAYS", "sleepy")
     proc = stop_and_check([sys.executable, "-m", "dlo.cli", "--root", str(tmp_path), "run", "sleepy", "--out",
                            str(tmp_path / "out")], signum, ready="sleep 301")
     assert proc.returncode == 128 + signum

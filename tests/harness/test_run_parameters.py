@@ -20,9 +20,11 @@ REPO = Path(__file__).resolve().parents[2]
 PARAMS = 'profile: str = "auto"\nmax_steps: int = 0\nlr: float = 0.1\nverbose: bool = False\nname: str = "x"\n'
 
 
-def dlo_cli(*args, root=REPO):
+def dlo_cli(*args, root=REPO, days=()):
+    """`dlo ARGS` at `root`, a course whose days are `days` ($DLO_DAYS) when given, else the registry's."""
     return subprocess.run([sys.executable, "-m", "dlo.cli", "--root", str(root), *args], capture_output=True,
-                          text=True, timeout=300, env={**os.environ, "DLO_PROFILE": "tiny"})
+                          text=True, timeout=300, env={**os.environ, "DLO_PROFILE": "tiny",
+                                                       **({"DLO_DAYS": " ".join(days)} if days else {})})
 
 
 @pytest.fixture
@@ -128,7 +130,7 @@ def test_a_dead_kernel_is_a_failure_with_its_cell_named(tmp_path):
              new_code_cell("print('never')")]
     nbformat.write(new_notebook(cells=cells, metadata={"kernelspec": {
         "name": "python3", "display_name": "Python 3", "language": "python"}}), path)
-    proc = dlo_cli("run", "crash", "--out", str(tmp_path / "out"), root=root)
+    proc = dlo_cli("run", "crash", "--out", str(tmp_path / "out"), root=root, days=("crash",))
     assert proc.returncode == 1
     assert "kernel died in cell 3 `os.kill(os.getpid(), signal.SIGKILL)  # out of memory`" in proc.stdout
     executed = json.loads((tmp_path / "out" / "crash" / "crash.ipynb").read_text())

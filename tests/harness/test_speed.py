@@ -15,7 +15,7 @@ import pytest
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
 from dlo.harness import graded, schedule
-from tests.harness.conftest import DAY, dlo, grade_id, read_csv, toy_notebook
+from tests.harness.conftest import DAY, dlo, grade_id, read_csv, toy_days, toy_notebook
 from tests.harness.test_toy_course import ADD, TOTAL, _replace, _student
 
 
@@ -113,10 +113,11 @@ def test_run_two_notebooks_at_a_time(toy_root, tmp_path):
     twin = toy_root / "solutions" / "toy2"
     twin.mkdir()
     (twin / "toy2.ipynb").write_bytes((toy_root / "solutions" / DAY / f"{DAY}.ipynb").read_bytes())
-    proc = dlo("run", "--all", "--jobs", "2", "--profile", "tiny", "--out", str(tmp_path / "o"), root=toy_root)
+    proc = dlo("run", "--all", "--jobs", "2", "--profile", "tiny", "--out", str(tmp_path / "o"), root=toy_root,
+               env=toy_days(toy_root, DAY, "toy2"))
     table = proc.stdout[proc.stdout.rindex("day"):]
     assert table.index(DAY) < table.index("toy2") and table.count(" ok ") == 2, proc.stdout
     for day in (DAY, "toy2"):
         assert "experiment 45" in (tmp_path / "o" / day / f"{day}.ipynb").read_text()
-    bad = dlo("run", "--all", "--jobs", "0", root=toy_root, check=False)
+    bad = dlo("run", "--all", "--jobs", "0", root=toy_root, check=False, env=toy_days(toy_root, DAY, "toy2"))
     assert bad.returncode == 2 and "--jobs" in bad.stderr

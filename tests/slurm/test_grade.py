@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness.conftest import DAY, dlo, edit_cells
+from tests.harness.conftest import DAY, dlo, edit_cells, toy_days
 
 pytestmark = pytest.mark.slurm
 
@@ -24,7 +24,7 @@ def _files(folder: Path) -> dict:
 def test_array_of_two_then_merge_gives_the_bytes_of_one_local_grade(slurm, toy_template, tmp_path):
     sub, parts, one = tmp_path / "sub", tmp_path / "parts", tmp_path / "one"
     _class(toy_template, sub)
-    env = {"DLO_ROOT": str(toy_template), "DLO_PROFILE": "tiny"}
+    env = {"DLO_ROOT": str(toy_template), "DLO_PROFILE": "tiny", **toy_days(toy_template)}
     small = ("--cpus-per-task=1", "--mem=1G")  # the template's 16 cores and 64G are a real node's
     array = slurm.sbatch("--array=1-2", *small, f"--output={tmp_path}/grade-%a.out", "slurm/grade.sbatch",
                          str(sub), str(parts), "--jobs", "1", env=env)

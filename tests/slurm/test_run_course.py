@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness.conftest import DAY, dlo
+from tests.harness.conftest import DAY, dlo, toy_days
 
 pytestmark = pytest.mark.slurm
 
@@ -21,7 +21,7 @@ def _outputs(notebook: Path) -> list:
 def test_one_day_at_tiny_comes_out_as_from_make_run(slurm, toy_template, tmp_path):
     job_out, here = tmp_path / "job", tmp_path / "here"
     log = tmp_path / "course.out"
-    env = {"DLO_ROOT": str(toy_template), "PROFILE": "tiny", "OUT": str(job_out)}
+    env = {"DLO_ROOT": str(toy_template), "PROFILE": "tiny", "OUT": str(job_out), **toy_days(toy_template)}
     job = slurm.sbatch(f"--output={log}", "slurm/run_course.sbatch", DAY, env=env)
     # what `make run` does, at tiny and for this day only
     dlo("run", DAY, "--profile", "tiny", "--out", str(here / "submitted" / "reference"), root=toy_template)

@@ -85,18 +85,26 @@ def apply_fsdp(model: nn.Module, mesh, *, param_dtype: torch.dtype | None = torc
     kw = {"mesh": mesh, "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)}
     if cpu_offload:
         kw["offload_policy"] = CPUOffloadPolicy()
-    tied = getattr(model, "output", None) is not None and getattr(model, "tok_embeddings", None) is not None \
-        and model.output.weight is model.tok_embeddings.weight
-    if not tied and getattr(model, "tok_embeddings", None) is not None:
-        fully_shard(model.tok_embeddings, reshard_after_forward=reshard_after_forward, **kw)
-    blocks = list(_blocks(model).values())
-    for i, block in enumerate(blocks):
-        # the last block's backward comes right after its forward: resharding it would only gather it again
-        fully_shard(block, reshard_after_forward=reshard_after_forward and i < len(blocks) - 1, **kw)
-    if not tied and getattr(model, "output", None) is not None:
-        fully_shard([model.norm, model.output], reshard_after_forward=False, **kw)  # backward starts here
-    fully_shard(model, reshard_after_forward=reshard_after_forward, **kw)  # the root: what is left (tied head)
+    for unit, reshard in fsdp_units(model, reshard_after_forward):
+        fully_shard(unit, reshard_after_forward=reshard, **kw)
     return model
 
 
-__all__ = ["AC_MODES", "apply_ac", "apply_compile", "apply_fsdp"]
+def fsdp_units(model: nn.Module, reshard_after_forward: bool = True) -> list[tuple[nn.Module | list, bool]]:
+    """The units `apply_fsdp` wraps, inner first (the root last), each with its reshard_after_forward:
+    the one place that decides which units stay gathered after forward (Day 5's report counts the bytes
+    sent from it). An untied embedding and every block but the last follow `reshard_after_forward`; the
+    last block stays gathered (its backward comes right after its forward: resharding would only gather
+    it again), and so do the final norm with an untied output head (backward starts there); the root
+    holds what is left (a tied embedding and head) and follows `reshard_after_forward`."""
+    embed, output = getattr(model, "tok_embeddings", None), getattr(model, "output", None)
+    tied = embed is not None and output is not None and output.weight is embed.weight
+    blocks = list(_blocks(model).values())
+    units = [(embed, reshard_after_forward)] if embed is not None and not tied else []
+    units += [(block, reshard_after_forward and i < len(blocks) - 1) for i, block in enumerate(blocks)]
+    if output is not None and not tied:
+        units.append(([model.norm, output], False))
+    return units + [(model, reshard_after_forward)]
+
+
+__all__ = ["AC_MODES", "apply_ac", "apply_compile", "apply_fsdp", "fsdp_units"]

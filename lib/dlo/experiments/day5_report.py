@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from dlo.distributed import fsdp
 from dlo.distributed.fsdp import apply_fsdp
 from dlo.distributed.zero import memory_per_rank
 from dlo.experiments.day5 import STAGE, llama_config, lm_loss
@@ -24,17 +25,20 @@ COMM_FACTOR = {0: 2, 1: 2, 2: 2, 3: 3}
 def fsdp2_sent_factor(cfg) -> float:
     """What `apply_fsdp` sends per step, in units of (N-1)/N Psi, predicted from its units: every
     parameter is all-gathered for forward and its gradient reduce-scattered (2), and all-gathered
-    again for backward unless its unit stays gathered after forward: the last block, and the final
-    norm with the output head when they are not tied to the embedding (torchtitan's choice).
-    3 - Psi_kept / Psi, counted on the meta device."""
-    from dlo.models.llama import Llama, count_parameters
+    again for backward unless its unit stays gathered after forward (`fsdp.fsdp_units`, the policy
+    `apply_fsdp` wraps with: the last block, and the final norm with an untied output head).
+    3 - Psi_kept / Psi, counted on the meta device; a unit's parameters are those no inner unit took."""
+    from dlo.models.llama import Llama
 
     with torch.device("meta"):
         model = Llama(cfg)
-    kept = count_parameters(list(model.layers.values())[-1])
-    if model.output.weight is not model.tok_embeddings.weight:
-        kept += count_parameters(model.norm) + count_parameters(model.output)
-    return 3 - kept / count_parameters(model)
+    seen, kept = {}, 0  # id -> numel (a tied weight counts once)
+    for unit, reshard in fsdp.fsdp_units(model):
+        own = {id(p): p.numel() for m in (unit if isinstance(unit, list) else [unit]) for p in m.parameters()
+               if id(p) not in seen}
+        seen.update(own)
+        kept += 0 if reshard else sum(own.values())
+    return 3 - kept / sum(seen.values())
 
 
 def engine_claims(engines: dict, cfg=None) -> list:

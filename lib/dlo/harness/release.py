@@ -19,7 +19,7 @@ from pathlib import Path
 
 import nbformat
 
-from dlo.harness.days import list_days, notebook_path
+from dlo.harness.days import list_days, notebook_path, strays
 from dlo.harness.nbgrader_cli import generate_assignments
 from dlo.harness.setup import comparable_metadata
 from dlo.registry import PARAMETERS  # what every parameters cell declares: what dlo.setup resolves
@@ -117,7 +117,8 @@ def check(root: Path) -> int:
         problems.append(f"no day notebooks under {root / 'solutions'}")
     for day in days:
         problems += lint_solution(notebook_path(root, day))
-    for nb_path in sorted((root / "course").glob("*/*.ipynb")) + sorted((root / "solutions").glob("*/*.ipynb")):
+    for nb_path in [nb for folder in ("course", "solutions") for day in days
+                    for nb in sorted((root / folder / day).glob("*.ipynb"))]:
         problems += check_no_outputs(nb_path)
     problems += check_release_up_to_date(root, days)
     for p in problems:
@@ -143,8 +144,7 @@ def check_release_up_to_date(root: Path, days: list[str]) -> list[str]:
                 problems.append(f"{have} is missing: run `dlo release`")
             elif _comparable(want) != _comparable(have):
                 problems.append(f"{have} differs from what `dlo release` generates from solutions/: run `dlo release`")
-    extra = sorted(set(list_days(root, "course")) - set(days))
-    problems += [f"course/{d} has no solutions/{d}: remove it or add the source" for d in extra]
+    problems += [f"course/{d} is not a day of dlo.registry: remove it" for d in strays(root, "course")]
     return problems
 
 

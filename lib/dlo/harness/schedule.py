@@ -20,11 +20,10 @@ import threading
 import time
 from pathlib import Path
 
-# CPU seconds to grade a day's solution at the tiny profile (cells up to the last graded one), measured
-# on a loaded 2-core machine: bench/results/grade-profile-*-after*.json. Only their order matters.
-ESTIMATES = {"day1_optimizers": 22.0, "day2_mixed_precision": 30.0, "day3_checkpointing": 36.0,
-             "day4_ddp": 63.0, "day5_fsdp": 58.0, "day6_pipeline": 218.0, "day7_tensor_parallel": 60.0,
-             "day8_quantization_pruning": 30.0}
+from dlo.registry import DAYS
+
+# CPU seconds to grade each day's solution (`dlo.registry.DaySpec.grade_cpu_s`). Only their order matters.
+ESTIMATES = {spec.name: spec.grade_cpu_s for spec in DAYS.values()}
 UNKNOWN = 30.0  # a day with no estimate (a course of one's own)
 HEARTBEAT = 20.0
 

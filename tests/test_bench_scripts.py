@@ -1,0 +1,17 @@
+"""The grading-speed scripts of bench/ start and say how to run them (`--help`); what they measure takes minutes."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+
+@pytest.mark.parametrize("script", ["grade_class.py", "cell_cpu.py"])
+def test_help_runs(script):
+    proc = subprocess.run([sys.executable, str(BENCH / script), "--help"], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0 and "--day" in proc.stdout and "day1_optimizers" in proc.stdout, proc.stderr
+
