@@ -229,5 +229,5 @@ def run_all(P) -> dict:
     return out
 
 
-__all__ = ["MODES", "batch", "build_llama", "gpt_stack", "llama_config",
+__all__ = ["batch", "build_llama", "gpt_stack", "llama_config",
            "local_bytes", "measure_layers", "run_all", "step_metrics", "train_steps"]
