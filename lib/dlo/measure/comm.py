@@ -114,11 +114,11 @@ class CommCounter(TorchDispatchMode):
         super().__init__()
         self.calls: list[CommCall] = []
         self.phase = None
-        self._world = world_size
+        self._world_size = world_size
 
-    def _default_world(self) -> int:
-        if self._world is not None:
-            return self._world
+    def _default_world_size(self) -> int:
+        if self._world_size is not None:
+            return self._world_size
         import torch.distributed as dist
         return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
@@ -128,7 +128,7 @@ class CommCounter(TorchDispatchMode):
         if kind is not None:
             namespace, name = func.namespace, func._schema.name.split("::")[-1]
             op = f"{namespace}.{name}"
-            world_size = _group_size(args, self._default_world())
+            world_size = _group_size(args, self._default_world_size())
             if namespace == "_c10d_functional":  # group sizes are plain ints in these schemas
                 if kind == "all_gather" and len(args) > 1 and isinstance(args[1], int):
                     world_size = args[1]  # (input, group_size, group_name)
