@@ -80,7 +80,7 @@ class RankPool:
     """Ranks kept alive across checks, one world size at a time (2 cores: never two pools)."""
 
     def __init__(self):
-        self.world, self.jobdir, self.thread, self.k = None, None, None, 0
+        self.world_size, self.jobdir, self.thread, self.k = None, None, None, 0
 
     def __enter__(self):
         return self
@@ -88,37 +88,37 @@ class RankPool:
     def __exit__(self, *exc):
         self.stop()
 
-    def start(self, world: int) -> None:
+    def start(self, world_size: int) -> None:
         self.stop()
-        self.world, self.k = world, 0
+        self.world_size, self.k = world_size, 0
         self.jobdir = tempfile.mkdtemp(prefix="dlo-rank-pool-")
-        self.thread = threading.Thread(target=self._run, args=(self.jobdir, world), daemon=True)
+        self.thread = threading.Thread(target=self._run, args=(self.jobdir, world_size), daemon=True)
         self.thread.start()
 
     @staticmethod
-    def _run(jobdir: str, world: int) -> None:
+    def _run(jobdir: str, world_size: int) -> None:
         with contextlib.suppress(Exception):  # a failed job's ranks: reported by `run`
-            launch(serve, world, jobdir, backend="gloo", timeout=3600)
+            launch(serve, world_size, jobdir, backend="gloo", timeout=3600)
 
     def stop(self, kill: bool = False) -> None:
         if self.thread is None:
             return
         if kill:
-            for r in range(self.world):
+            for r in range(self.world_size):
                 with contextlib.suppress(OSError, ValueError):
                     with open(os.path.join(self.jobdir, f"pid-{r}")) as f:
                         os.kill(int(f.read()), signal.SIGKILL)
         open(os.path.join(self.jobdir, "stop"), "w").close()
         self.thread.join(timeout=30)
         shutil.rmtree(self.jobdir, ignore_errors=True)
-        self.world, self.jobdir, self.thread = None, None, None
+        self.world_size, self.jobdir, self.thread = None, None, None
 
-    def run(self, session: DirectSession, worker, world: int, args, kwargs, timeout: float, per_rank=None) -> list:
+    def run(self, session: DirectSession, worker, world_size: int, args, kwargs, timeout: float, per_rank=None) -> list:
         """What DirectSession.on_ranks returns for this job, or its AssertionError."""
-        if self.world != world or not self.thread.is_alive():
-            self.start(world)
+        if self.world_size != world_size or not self.thread.is_alive():
+            self.start(world_size)
         k, self.k = self.k, self.k + 1
-        shards = write_shards(per_rank, world)
+        shards = write_shards(per_rank, world_size)
         if shards is not None:  # inside the job folder: gone with the pool
             shards = shutil.move(shards, os.path.join(self.jobdir, f"shards-{k}"))
         job = cloudpickle.dumps((worker_ref(worker), session.forbid, session.name, session.hint,
@@ -127,9 +127,9 @@ class RankPool:
         with open(tmp, "wb") as f:
             f.write(job)
         os.replace(tmp, os.path.join(self.jobdir, f"job-{k}.pkl"))
-        results, start = [None] * world, None
+        results, start = [None] * world_size, None
         while True:
-            for r in range(world):
+            for r in range(world_size):
                 path = os.path.join(self.jobdir, f"result-{k}-{r}.pkl")
                 if results[r] is None and os.path.exists(path):
                     with open(path, "rb") as f:
@@ -141,7 +141,7 @@ class RankPool:
             if all(x is not None for x in results):
                 return [safe_data(pickle.loads(x[1]), f"{session.name}: rank {r}'s result")
                         for r, x in enumerate(results)]
-            if start is None and all(os.path.exists(os.path.join(self.jobdir, f"pid-{r}")) for r in range(world)):
+            if start is None and all(os.path.exists(os.path.join(self.jobdir, f"pid-{r}")) for r in range(world_size)):
                 start = time.monotonic()  # the clock starts once the ranks are up, as launch's
             if not self.thread.is_alive() or (start is not None and time.monotonic() - start > timeout):
                 self.stop(kill=True)

@@ -57,6 +57,6 @@ def test_one_accountant_for_plans_zero_and_the_exercise():
         whole = model_state_bytes(10, opt)  # fp32
         assert whole["optimizer"] == optimizer_bytes(opt, whole["params"])
         assert whole["total"] == 10 * training_bytes_per_param("fp32", opt)
-    zero3 = model_state_bytes(10, "adamw", precision_of(torch.bfloat16), world=4, stage=3)
+    zero3 = model_state_bytes(10, "adamw", precision_of(torch.bfloat16), world_size=4, stage=3)
     assert zero3 == {"params": 2 * 3, "grads": 2 * 3, "optimizer": 12 * 3, "total": 16 * 3}
     assert precision_of(torch.float64) == (8, 8, 0, 8) and precision_of(torch.float16) == PRECISIONS["mixed"]

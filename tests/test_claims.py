@@ -152,8 +152,8 @@ def test_rule3_wall_clock_needs_the_hardware_it_claims():
     on_gpu = C.timed(t, device="cuda", gpu_claim=True, cores=8)
     assert not on_gpu.reason and on_gpu.basis == "6 timings, 1 rank(s) x 1 thread(s) on 8 cores, cuda"
     assert C.timed(t, device="cpu", gpu_claim=True, cores=16).reason == "GPU claim timed on cpu"
-    assert not C.timed(t, device="cpu", ranks=2, cores=2).reason             # 2 ranks x 1 thread on 2 cores
-    late = C.timed(t, device="cpu", ranks=2, kernel=True, cores=2)           # + the notebook's kernel
+    assert not C.timed(t, device="cpu", world_size=2, cores=2).reason             # 2 ranks x 1 thread on 2 cores
+    late = C.timed(t, device="cpu", world_size=2, kernel=True, cores=2)           # + the notebook's kernel
     assert late.reason == "2 rank(s) x 1 thread(s) + kernel > 2 cores" and late.value == t.value
     assert C.timed(t, device="cpu", threads=4, cores=2).reason.endswith("> 2 cores")
     row = C.Claim("compile: fewer kernel launches, faster", "s", "1.3x", C.at_least(1), late).row()

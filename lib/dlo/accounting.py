@@ -44,11 +44,11 @@ def matmul_params(model: nn.Module) -> int:
                if p.dim() >= 2 and (id(p) not in embeddings or id(p) in linears))
 
 
-def shard_numel(numel: int, world: int) -> int:
-    """Elements per rank of a flat partition: ceil(numel / world) (the last ranks hold padding)."""
-    if world < 1:
-        raise ValueError(f"world size must be >= 1, got {world}")
-    return math.ceil(numel / world)
+def shard_numel(numel: int, world_size: int) -> int:
+    """Elements per rank of a flat partition: ceil(numel / world_size) (the last ranks hold padding)."""
+    if world_size < 1:
+        raise ValueError(f"world size must be >= 1, got {world_size}")
+    return math.ceil(numel / world_size)
 
 
 def precision_of(param_dtype: torch.dtype) -> tuple[int, int, int, int]:
@@ -72,19 +72,19 @@ def optimizer_bytes(optimizer: str, param_bytes: int) -> int:
 
 
 def model_state_bytes(n_params: int, optimizer: str, widths: tuple[int, int, int, int] = PRECISIONS["fp32"], *,
-                      world: int = 1, stage: int = 0) -> dict:
+                      world_size: int = 1, stage: int = 0) -> dict:
     """Bytes of model state per rank: {"params", "grads", "optimizer", "total"} (ZeRO, Sec. 3.1 and 5).
     `widths`: (weight, gradient, master copy, state value) bytes, a `PRECISIONS` entry or
-    `precision_of(dtype)`. Stage 0 replicates everything (DDP); stages 1/2/3 partition over `world`
+    `precision_of(dtype)`. Stage 0 replicates everything (DDP); stages 1/2/3 partition over `world_size`
     ranks the optimizer state (the master copy with it), then the gradients, then the parameters, each
-    partition `shard_numel(n_params, world)` elements."""
+    partition `shard_numel(n_params, world_size)` elements."""
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"stage must be 0 (DDP), 1, 2 or 3, got {stage}")
     weight, grad, master, state = widths
     k = master + _state_values(optimizer) * state  # ZeRO's K: optimizer-side bytes per parameter
     if n_params < 0:
         raise ValueError(f"n_params must be >= 0, got {n_params}")
-    s = shard_numel(n_params, world)
+    s = shard_numel(n_params, world_size)
     params = weight * (s if stage >= 3 else n_params)
     grads = grad * (s if stage >= 2 else n_params)
     opt = k * (s if stage >= 1 else n_params)

@@ -66,15 +66,15 @@ def cpu_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def timed(est: Estimate, *, device: str, gpu_claim: bool = False, ranks: int = 1, threads: int = 1,
+def timed(est: Estimate, *, device: str, gpu_claim: bool = False, world_size: int = 1, threads: int = 1,
           kernel: bool = False, cores: int | None = None) -> Estimate:
     """A wall-clock estimate, checked against where it was measured (rule 3): a GPU claim timed on
     a CPU, or ranks x threads (+1 for the notebook's kernel when it runs beside the ranks) above the
     cores, makes it no evidence (`reason` says which); else the estimate records its `setup`, which
     the table's "evidence" column shows. `device` is "cpu", "cuda", ..."""
     cores = cores or cpu_cores()
-    need = ranks * threads + int(kernel)
-    used = f"{ranks} rank(s) x {threads} thread(s){' + kernel' if kernel else ''}"
+    need = world_size * threads + int(kernel)
+    used = f"{world_size} rank(s) x {threads} thread(s){' + kernel' if kernel else ''}"
     if gpu_claim and not str(device).startswith("cuda"):
         return replace(est, reason=est.reason or f"GPU claim timed on {device}")
     if need > cores:

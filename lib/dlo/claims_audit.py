@@ -65,8 +65,8 @@ def audit_row(row: dict) -> list[str]:
         if not setup:
             problems.append(f"{name!r}: {v} on timings never checked against the hardware (dlo.claims.timed)")
         else:
-            ranks, threads, kernel, cores = setup.groups()
-            if int(ranks) * int(threads) + bool(kernel) > int(cores):
+            world_size, threads, kernel, cores = setup.groups()
+            if int(world_size) * int(threads) + bool(kernel) > int(cores):
                 problems.append(f"{name!r}: {v} on timings of {setup.group(0)}")
     return problems
 

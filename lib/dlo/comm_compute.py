@@ -25,23 +25,23 @@ from __future__ import annotations
 import math
 
 
-def allgather_time(n_bytes: float, world: int, alpha: float, beta: float) -> float:
-    """Ring all-gather of a tensor of n_bytes in all over `world` ranks: (N-1) alpha + (N-1)/N n beta."""
-    if world < 1 or n_bytes < 0 or alpha < 0 or beta <= 0:
-        raise ValueError(f"allgather_time: need world >= 1, n_bytes >= 0, alpha >= 0, beta > 0; got "
-                         f"{world}, {n_bytes}, {alpha}, {beta}")
-    return (world - 1) * alpha + (world - 1) / world * n_bytes * beta
+def allgather_time(n_bytes: float, world_size: int, alpha: float, beta: float) -> float:
+    """Ring all-gather of a tensor of n_bytes in all over `world_size` ranks: (N-1) alpha + (N-1)/N n beta."""
+    if world_size < 1 or n_bytes < 0 or alpha < 0 or beta <= 0:
+        raise ValueError(f"allgather_time: need world_size >= 1, n_bytes >= 0, alpha >= 0, beta > 0; got "
+                         f"{world_size}, {n_bytes}, {alpha}, {beta}")
+    return (world_size - 1) * alpha + (world_size - 1) / world_size * n_bytes * beta
 
 
-def fsdp_min_tokens(layer_params: int, world: int, peak_flops: float, link_bytes_per_s: float,
+def fsdp_min_tokens(layer_params: int, world_size: int, peak_flops: float, link_bytes_per_s: float,
                     alpha: float = 0.0, param_bytes: int = 2) -> int:
-    """The fewest tokens per GPU for which one layer's forward all-gather (ring, `world` ranks,
+    """The fewest tokens per GPU for which one layer's forward all-gather (ring, `world_size` ranks,
     `param_bytes` per parameter) takes no longer than the layer's forward matmuls (2 FLOPs per
     parameter and token at `peak_flops`). 0 on one rank (nothing to gather)."""
     if layer_params < 1 or peak_flops <= 0:
         raise ValueError(f"fsdp_min_tokens: need layer_params >= 1 and peak_flops > 0, got {layer_params}, "
                          f"{peak_flops}")
-    gather = allgather_time(layer_params * param_bytes, world, alpha, 1.0 / link_bytes_per_s)
+    gather = allgather_time(layer_params * param_bytes, world_size, alpha, 1.0 / link_bytes_per_s)
     return math.ceil(round(gather * peak_flops / (2 * layer_params), 6))  # round: float noise is not a token
 
 

@@ -64,14 +64,14 @@ def pick_backend(world_size: int, backend: str | None = None) -> str:
 def resolve_world(world_size: int, preset: Any, device: torch.device) -> tuple[int, str]:
     """(world_size, backend) of a day's experiments, the same rule on every day.
 
-    world_size > 0 is taken as asked; 0 means the preset's `ranks` (1 on single-process days). On a
+    world_size > 0 is taken as asked; 0 means the preset's `world_size` (1 on single-process days). On a
     GPU device every rank needs its own GPU (NCCL): with fewer GPUs than asked for, a 0 request
     shrinks to the GPU count and an explicit one is refused (`pick_backend`). On the CPU the ranks
     use gloo.
     """
     if world_size < 0:
         raise ValueError(f"world_size must be >= 0 (0: the preset's), got {world_size}")
-    wanted = world_size or int(getattr(preset, "ranks", 1))
+    wanted = world_size or int(getattr(preset, "world_size", 1))
     if device.type == "cuda" and not world_size:
         wanted = min(wanted, torch.cuda.device_count())
     return wanted, pick_backend(wanted, "nccl" if device.type == "cuda" else "gloo")
@@ -176,8 +176,8 @@ def resolve(day: str, profile: str = "auto", device: str = "auto", seed: int = 0
     own = DAYS[day].parameters if day in DAYS else ()
     params = {k: more.pop(k) for k in own if k in more}
     preset = get_preset(day, profile, max_steps, smoke=smoke, **more)
-    ranks, backend = resolve_world(world_size, preset, dev)
-    run = Run(day=day, profile=profile, device=dev, seed=seed, world_size=ranks,
+    world_size, backend = resolve_world(world_size, preset, dev)  # 0 (the preset's) resolved, as asked else
+    run = Run(day=day, profile=profile, device=dev, seed=seed, world_size=world_size,
               data_dir=Path(data_dir) if data_dir else None,
               log_dir=Path(log_dir or "runs"),  # beside the notebook: <day>/runs/<configuration>, no day twice
               preset=preset, backend=backend, params=params)

@@ -42,13 +42,13 @@ class DoesNotFit(ValueError):
     """A planned configuration needs more memory per rank than the GPU has."""
 
 
-def row(config: str, world: int, *, params: int, grads: int, optimizer: int, activations: int,
+def row(config: str, world_size: int, *, params: int, grads: int, optimizer: int, activations: int,
         gpu_mem_gb: float, note: str = "", main: bool = False) -> dict:
     """One planner row; `total` and `fits` are derived here so every day computes them alike. `main`
     marks a configuration the day cannot do without (`dlo plan` fails when it does not fit)."""
     total = params + grads + optimizer + activations
     gpu = int(gpu_mem_gb * GIB)
-    out = {"config": config, "world": world, "params": params, "grads": grads, "optimizer": optimizer,
+    out = {"config": config, "world": world_size, "params": params, "grads": grads, "optimizer": optimizer,
            "activations": activations, "total": total, "gpu": gpu, "fits": total <= gpu, "note": note}
     if main:
         out["main"] = True
@@ -61,14 +61,14 @@ def main_configs(rows: list[dict]) -> list[str]:
     return marked or [r["config"] for r in rows[:1]]
 
 
-def split_evenly(what: str, sizes: dict[str, int], ranks: int) -> None:
-    """ValueError (one line) unless every size in `sizes` ({name: size}) divides by `ranks`: a planner
+def split_evenly(what: str, sizes: dict[str, int], world_size: int) -> None:
+    """ValueError (one line) unless every size in `sizes` ({name: size}) divides by `world_size`: a planner
     does not plan for a batch that a data-parallel world cannot share out evenly."""
-    bad = {name: n for name, n in sizes.items() if n % ranks}
+    bad = {name: n for name, n in sizes.items() if n % world_size}
     if bad:
         counts = [g for g in range(1, max(sizes.values()) + 1) if all(n % g == 0 for n in sizes.values())]
         raise ValueError(f"{', '.join(f'{name} of {n}' for name, n in bad.items())} cannot be split evenly over "
-                         f"{ranks} GPUs ({what}); plan for {', '.join(map(str, counts[:8]))}"
+                         f"{world_size} GPUs ({what}); plan for {', '.join(map(str, counts[:8]))}"
                          f"{' ...' if len(counts) > 8 else ''} GPUs")
 
 

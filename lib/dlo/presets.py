@@ -5,6 +5,11 @@ Notebooks never hold these numbers: they call `dlo.setup(day, profile=...)`. `DA
 to Day n's preset; `dlo.registry` (the one list of days) names it for its day. The classes (their
 fields, `validate` and `smoke`) live in `presets_local` (one-process days) and `presets_distributed`
 (days that launch ranks).
+
+`dlo.presets` is the one public import path of the preset classes (`from dlo.presets import
+Day4Preset`): the tests and the library (`dlo.registry`) import them from here, never from the two
+modules that define them (they import dlo only inside `validate`: this re-export makes no cycle). Notebooks
+name no preset class: they get their day's instance as `run.preset` from `dlo.setup`.
 """
 
 from __future__ import annotations
@@ -50,7 +55,7 @@ DAY4: dict[str, Day4Preset] = {  # day4_ddp
     "tiny": Day4Preset(),
     # 4 GPUs over NCCL, messages up to 256 MB, ResNet-18 on 224x224 images (the DDP paper's benchmark
     # family); the compression runs use it too, the BatchNorm experiment a wide MLP
-    "full": Day4Preset(ranks=4, scaling_ranks=(1, 2, 4), msg_sizes=tuple(1 << k for k in range(10, 29, 2)),
+    "full": Day4Preset(world_size=4, scaling_world_sizes=(1, 2, 4), msg_sizes=tuple(1 << k for k in range(10, 29, 2)),
                        bw_reps=10, bw_trials=10, model="resnet18", image_size=224, width=64, d_in=1024, hidden=1024,
                        layers=4, batch_per_rank=64, max_steps=30,
                        bucket_cap_mb=25.0, powersgd_rank=4, compress_steps=200, bn_batch=4, bn_steps=500,
@@ -62,9 +67,9 @@ DAY5: dict[str, Day5Preset] = {  # day5_fsdp
     "tiny": Day5Preset(),
     # Llama 3.2 3B with FSDP2 + bf16 + activation checkpointing + compile on 8 GPUs, one 8192-token
     # sequence per GPU (torchtitan's Llama recipe); the engine comparison on the 1B in fp32
-    "full": Day5Preset(ranks=8, model="llama3.2-3b", compare_model="llama3.2-1b", seq_len=8192, batch_per_rank=1,
+    "full": Day5Preset(world_size=8, model="llama3.2-3b", compare_model="llama3.2-1b", seq_len=8192, batch_per_rank=1,
                        max_steps=50, lr=3e-4, param_dtype="bfloat16", reduce_dtype="float32", ac_mode="full",
-                       compile=True, bucket_cap_mb=25.0, timing_steps=10, memory_worlds=(1, 2, 4, 8),
+                       compile=True, bucket_cap_mb=25.0, timing_steps=10, memory_world_sizes=(1, 2, 4, 8),
                        launch_timeout_s=3600.0),
 }
 
@@ -73,7 +78,7 @@ DAY6: dict[str, Day6Preset] = {  # day6_pipeline
     "tiny": Day6Preset(),
     # 4 GPUs: CoAtNet-3 at 224 x 224 (168M parameters) on 4 stages; the bubble sweep on 16 blocks
     # of its S3 stage (768 channels, 14 x 14 tokens)
-    "full": Day6Preset(ranks=4, model="coatnet-3", image_size=224, micro_batch=8, m_values=(4, 8, 16, 32),
+    "full": Day6Preset(world_size=4, model="coatnet-3", image_size=224, micro_batch=8, m_values=(4, 8, 16, 32),
                        gantt_m=8, split_m=16, reps=5, warmup=2, stack_blocks=16, stack_width=768, stack_grid=14,
                        head_dim=32, plan_batch=640, launch_timeout_s=3600.0),
 }
@@ -83,7 +88,7 @@ DAY7: dict[str, Day7Preset] = {  # day7_tensor_parallel
     "tiny": Day7Preset(),
     # one 8-GPU node: Llama 3.2 3B at t = 2, 4, 8 (its 8 KV heads bound t), Korthikanti et al.'s
     # GPT layer at h = 2048, a = 16, s = 2048; FSDP 2 x TP 4 for the 2D run
-    "full": Day7Preset(ranks=8, degrees=(2, 4, 8), model="llama3.2-3b", model_overrides=(), batch=2,
+    "full": Day7Preset(world_size=8, degrees=(2, 4, 8), model="llama3.2-3b", model_overrides=(), batch=2,
                        seq_len=2048, max_steps=10, lr=0.01, gpt_dim=2048, gpt_heads=16, gpt_layers=2,
                        gpt_seq=2048, gpt_batch=1, fsdp_tp=(2, 4), launch_timeout_s=3600.0),
 }

@@ -1,9 +1,9 @@
 """Presets of the days that launch several ranks (4: DDP, 5: ZeRO and FSDP2, 6: pipeline, 7: tensor
 parallelism): one frozen dataclass per day, its defaults the `tiny` scale (gloo ranks on a CPU).
 
-Apart from the one-process days because these carry what a launch needs (ranks, world sizes,
-launch timeouts) and validate against the distributed engines. `dlo.presets` holds their instances
-per profile; import the classes from there.
+Apart from the one-process days because these carry what a launch needs (`world_size`, the world
+sizes of sweeps, launch timeouts) and validate against the distributed engines. `dlo.presets` holds
+their instances per profile and is the one public path of the classes: import them from there.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from dataclasses import dataclass, replace
 class Day4Preset:
     """Day 4 (data parallelism). Defaults are the `tiny` scale: 2 gloo ranks on a CPU, a small MLP."""
 
-    ranks: int = 2                 # world size of the experiments (the checks pick their own)
-    scaling_ranks: tuple = (1, 2)  # world sizes of the scaling table (one launch each)
+    world_size: int = 2            # ranks of the experiments (the checks pick their own)
+    scaling_world_sizes: tuple = (1, 2)  # world sizes of the scaling table (one launch each)
     msg_sizes: tuple = tuple(1 << k for k in range(10, 23, 2))  # bytes of the bus-bandwidth sweep, 1 KB..4 MB
     bw_reps: int = 5               # all-reduces back to back per timing
     bw_trials: int = 7             # timed rounds over all sizes, after one untimed warm-up round
@@ -47,9 +47,10 @@ class Day4Preset:
     launch_timeout_s: float = 300.0  # limit of one launch of the experiments (ranks still talking: progress)
 
     def validate(self) -> None:
-        if self.ranks < 1 or not self.scaling_ranks or min(self.scaling_ranks) < 1 or len(self.msg_sizes) < 2:
-            raise ValueError(f"need ranks >= 1, scaling_ranks >= 1 and >= 2 message sizes (the alpha-beta fit), got "
-                             f"{self.ranks}, {self.scaling_ranks}, {len(self.msg_sizes)} sizes")
+        if (self.world_size < 1 or not self.scaling_world_sizes or min(self.scaling_world_sizes) < 1
+                or len(self.msg_sizes) < 2):
+            raise ValueError(f"need world_size >= 1, scaling_world_sizes >= 1 and >= 2 message sizes (the alpha-beta "
+                             f"fit), got {self.world_size}, {self.scaling_world_sizes}, {len(self.msg_sizes)} sizes")
         if min(self.max_steps, self.compress_steps, self.bn_steps, self.bw_reps, self.bw_trials, self.wire_calls,
                self.onebit_seeds) < 1 or self.wire_trials < 2:
             raise ValueError("max_steps, compress_steps, bn_steps, bw_reps, bw_trials, wire_calls and onebit_seeds "
@@ -75,7 +76,7 @@ class Day4Preset:
 class Day7Preset:
     """Day 7 (tensor parallelism). Defaults are the `tiny` scale: 4 gloo ranks, a tiny GQA Llama."""
 
-    ranks: int = 4                 # ranks of the experiment launch: the largest TP degree (or dp x tp)
+    world_size: int = 4            # ranks of the experiment launch: the largest TP degree (or dp x tp)
     degrees: tuple = (1, 2, 4)     # TP degrees t of the sweeps (degree t runs on ranks 0..t-1)
     model: str = "tiny"            # dlo.models.llama config name
     model_overrides: tuple = (("n_heads", 8), ("n_kv_heads", 4))  # 4 KV heads: t = 4 possible, still GQA
@@ -89,7 +90,7 @@ class Day7Preset:
     gpt_seq: int = 32              # s
     gpt_batch: int = 2             # b
     dropout: float = 0.1           # dropout masks are part of Korthikanti et al.'s count
-    fsdp_tp: tuple = (2, 2)        # (dp, tp) of the 2D FSDP x TP run; dp * tp must equal ranks
+    fsdp_tp: tuple = (2, 2)        # (dp, tp) of the 2D FSDP x TP run; dp * tp must equal world_size
     plan_gpus: int = 64            # the 2D plan of Llama 3.2 3B without GPUs (fake process group)
     plan_tp: tuple = (1, 2, 4, 8)  # TP degrees of the plan (FSDP over the rest)
     plan_batch: int = 1            # micro-batch and sequence of the plan's activation estimate
@@ -107,11 +108,12 @@ class Day7Preset:
             for name, size in (("seq_len", self.seq_len), ("gpt_heads", self.gpt_heads), ("gpt_seq", self.gpt_seq)):
                 if size % t:
                     raise ValueError(f"tensor-parallel degree {t} does not divide {name}={size}")
-        if max(self.degrees) > self.ranks:
+        if max(self.degrees) > self.world_size:
             raise ValueError(f"degrees {self.degrees} need {max(self.degrees)} ranks, the preset has "
-                             f"ranks={self.ranks}")
-        if self.fsdp_tp[0] * self.fsdp_tp[1] not in (0, self.ranks):
-            raise ValueError(f"fsdp_tp={self.fsdp_tp}: dp x tp must equal ranks={self.ranks} (or (0, 0): no 2D run)")
+                             f"world_size={self.world_size}")
+        if self.fsdp_tp[0] * self.fsdp_tp[1] not in (0, self.world_size):
+            raise ValueError(f"fsdp_tp={self.fsdp_tp}: dp x tp must equal "
+                             f"world_size={self.world_size} (or (0, 0): no 2D run)")
         if self.batch % max(self.fsdp_tp[0], 1):
             raise ValueError(f"batch={self.batch} must split evenly over dp={self.fsdp_tp[0]}")
         if self.max_steps < 1:
@@ -120,15 +122,15 @@ class Day7Preset:
     def smoke(self) -> Day7Preset:
         """The same models on 2 ranks (degrees <= 2), one timed step, short sequences, no 2D run. The
         3B model does not fit a CPU box at t = 2 (19 GB per rank): `dlo plan` is its test there."""
-        return replace(self, ranks=2, degrees=tuple(t for t in self.degrees if t <= 2), max_steps=1, seq_len=64,
-                       gpt_seq=64, gpt_layers=1, fsdp_tp=(0, 0))
+        return replace(self, world_size=2, degrees=tuple(t for t in self.degrees if t <= 2), max_steps=1,
+                       seq_len=64, gpt_seq=64, gpt_layers=1, fsdp_tp=(0, 0))
 
 
 @dataclass(frozen=True)
 class Day6Preset:
     """Day 6 (pipeline parallelism). Defaults are the `tiny` scale: 2 gloo ranks, CoAtNet "tiny" at 64 x 64."""
 
-    ranks: int = 2                 # pipeline ranks p of the experiment launch
+    world_size: int = 2            # pipeline ranks p of the experiment launch
     model: str = "tiny"            # dlo.models.coatnet preset of the split and DDP experiments
     image_size: int = 64
     micro_batch: int = 4           # samples per micro-batch b (images, or token grids of the stack)
@@ -150,17 +152,18 @@ class Day6Preset:
         return replace(self, reps=n)
 
     def validate(self) -> None:
-        if self.ranks < 1 or self.stack_blocks < 2 * self.ranks:
-            raise ValueError(f"need ranks >= 1 and stack_blocks >= 2 x ranks (interleaving puts 2 chunks on each "
-                             f"rank), got ranks={self.ranks}, stack_blocks={self.stack_blocks}")
+        if self.world_size < 1 or self.stack_blocks < 2 * self.world_size:
+            raise ValueError(f"need world_size >= 1 and stack_blocks >= 2 x world_size (interleaving puts 2 chunks "
+                             f"on each rank), got world_size={self.world_size}, stack_blocks={self.stack_blocks}")
         if not self.m_values or min(self.m_values) < 1 or self.reps < 1 or self.warmup < 0 or self.micro_batch < 1:
             raise ValueError(f"need m_values >= 1, reps >= 1, warmup >= 0, micro_batch >= 1; got {self.m_values}, "
                              f"{self.reps}, {self.warmup}, {self.micro_batch}")
-        if self.gantt_m % self.ranks or self.gantt_m not in self.m_values:
+        if self.gantt_m % self.world_size or self.gantt_m not in self.m_values:
             raise ValueError(f"gantt_m={self.gantt_m} must be one of m_values {self.m_values} and a multiple of "
-                             f"ranks={self.ranks} (the interleaved schedule needs m a multiple of p)")
-        if self.split_m < self.ranks:
-            raise ValueError(f"split_m={self.split_m}: torch's 1F1B needs at least p={self.ranks} micro-batches")
+                             f"world_size={self.world_size} (the interleaved schedule needs m a multiple of p)")
+        if self.split_m < self.world_size:
+            raise ValueError(f"split_m={self.split_m}: torch's 1F1B needs at least p=world_size={self.world_size} "
+                             "micro-batches")
         unknown = set(self.split_costs) - {"params", "flops", "saved_bytes", "time"}
         if unknown or not self.split_costs:
             raise ValueError(f"split_costs {self.split_costs}: choose among params, flops, saved_bytes, time")
@@ -168,15 +171,16 @@ class Day6Preset:
     def smoke(self) -> Day6Preset:
         """The same CoAtNet and block sizes; one micro-batch size of 1, one m (the smallest the
         interleaved schedule takes), one cut, one timed step without warm-up."""
-        return replace(self, micro_batch=1, m_values=(self.ranks,), gantt_m=self.ranks, split_m=self.ranks,
-                       split_costs=("flops",), reps=1, warmup=0, stack_blocks=2 * self.ranks)
+        p = self.world_size
+        return replace(self, micro_batch=1, m_values=(p,), gantt_m=p, split_m=p,
+                       split_costs=("flops",), reps=1, warmup=0, stack_blocks=2 * p)
 
 
 @dataclass(frozen=True)
 class Day5Preset:
     """Day 5 (ZeRO and FSDP2). Defaults are the `tiny` scale: 2 gloo ranks on a CPU, CPU-sized Llamas."""
 
-    ranks: int = 2                 # world size of the experiments (the checks pick their own)
+    world_size: int = 2            # ranks of the experiments (the checks pick their own)
     model: str = "tiny"            # dlo.models.llama config trained with FSDP2 ("llama3.2-3b" on GPUs)
     compare_model: str = "tiny"    # config of DDP vs ZeRO-1/2/3 (ours) vs FSDP2 in fp32: memory, bytes, time
     model_overrides: tuple = ()    # (field, value) pairs applied to both configs (smoke runs cut them)
@@ -191,30 +195,30 @@ class Day5Preset:
     cpu_offload: bool = False      # FSDP2 CPUOffloadPolicy
     bucket_cap_mb: float = 0.05    # ZeRO-2 buckets (several on the tiny model)
     timing_steps: int = 12         # timed steps of ZeRO-3 (ours) vs FSDP2, interleaved (after 2 warm-up)
-    memory_worlds: tuple = (1, 2, 4, 8)  # world sizes of the memory table (fake process group)
+    memory_world_sizes: tuple = (1, 2, 4, 8)  # world sizes of the memory table (fake process group)
     plan_gpus: int = 8             # the planned Llama 3.2 3B run (`dlo plan day5_fsdp`)
     launch_timeout_s: float = 900.0  # limit of the experiments' launch (ranks still talking: progress)
 
     def validate(self) -> None:
         from dlo.distributed.fsdp import AC_MODES
 
-        if self.ranks < 1 or self.max_steps < 2 or self.timing_steps < 1 or self.batch_per_rank < 1:
-            raise ValueError(f"need ranks >= 1, max_steps >= 2 (a loss curve), timing_steps >= 1 and "
-                             f"batch_per_rank >= 1; got {self.ranks}, {self.max_steps}, {self.timing_steps}, "
+        if self.world_size < 1 or self.max_steps < 2 or self.timing_steps < 1 or self.batch_per_rank < 1:
+            raise ValueError(f"need world_size >= 1, max_steps >= 2 (a loss curve), timing_steps >= 1 and "
+                             f"batch_per_rank >= 1; got {self.world_size}, {self.max_steps}, {self.timing_steps}, "
                              f"{self.batch_per_rank}")
         if self.ac_mode not in AC_MODES:
             raise ValueError(f"ac_mode={self.ac_mode!r}: choose one of {', '.join(AC_MODES)}")
         for name in ("param_dtype", "reduce_dtype"):
             if getattr(self, name) not in ("float32", "bfloat16", "float16"):
                 raise ValueError(f"{name}={getattr(self, name)!r}: choose float32, bfloat16 or float16")
-        if not self.memory_worlds or min(self.memory_worlds) < 1:
-            raise ValueError(f"memory_worlds={self.memory_worlds}: world sizes >= 1")
+        if not self.memory_world_sizes or min(self.memory_world_sizes) < 1:
+            raise ValueError(f"memory_world_sizes={self.memory_world_sizes}: world sizes >= 1")
 
     def smoke(self) -> Day5Preset:
         """The real widths (Llama 3.2 3B's block: dim 3072, 24 heads, MLP 8192; the 1B's for the
         comparison) cut to one block and a 4096-token vocabulary (113M and 68M parameters), 2 gloo
         ranks, 2 steps of one 32-token sequence, the memory table at 2 ranks. The whole 3B needs 51 GB
         of model state: `dlo plan` is its test on a CPU."""
-        return replace(self, ranks=2, model_overrides=(("n_layers", 1), ("vocab_size", 4096)), seq_len=32,
-                       batch_per_rank=1, max_steps=2, timing_steps=1, memory_worlds=(2,), compile=False,
+        return replace(self, world_size=2, model_overrides=(("n_layers", 1), ("vocab_size", 4096)), seq_len=32,
+                       batch_per_rank=1, max_steps=2, timing_steps=1, memory_world_sizes=(2,), compile=False,
                        param_dtype="float32", reduce_dtype="float32")

@@ -100,7 +100,7 @@ def plan_day(day: str, gpus: int | None = None, gpu_mem_gb: float = 80.0) -> lis
         raise ValueError(f"need gpus >= 1 and gpu_mem_gb > 0, got gpus={gpus}, gpu_mem_gb={gpu_mem_gb}")
     day_spec = DAYS[day]
     preset = day_spec.presets["full"]
-    return day_spec.load(day_spec.planner)(preset, gpus=gpus or int(getattr(preset, "ranks", 1)),
+    return day_spec.load(day_spec.planner)(preset, gpus=gpus or int(getattr(preset, "world_size", 1)),
                                            gpu_mem_gb=gpu_mem_gb)
 
 

@@ -89,9 +89,9 @@ def ring_drops_remainder(t):
         ring_ok(t.view(-1)[:n])
 
 
-@pytest.mark.parametrize("world", [3])
-def test_ring_accepts_correct(world):
-    day4.check_ring_all_reduce(ring_ok, seed=1, world_size=world)
+@pytest.mark.parametrize("world_size", [3])
+def test_ring_accepts_correct(world_size):
+    day4.check_ring_all_reduce(ring_ok, seed=1, world_size=world_size)
 
 
 @pytest.mark.parametrize("fn,match", [(stub, "NotImplementedError"),
@@ -147,7 +147,7 @@ class BucketOk(torch.nn.Module):
 
     def __init__(self, module, bucket_cap_mb=25.0):
         super().__init__()
-        self.module, self.world = module, dist.get_world_size()
+        self.module, self.world_size = module, dist.get_world_size()
         broadcast_ok(module)
         cap, self.buckets, current, size = bucket_cap_mb * 2 ** 20, [], [], 0
         for p in reversed(list(module.parameters())):
@@ -179,7 +179,7 @@ class BucketOk(torch.nn.Module):
         b["buffer"][offset:offset + p.numel()].copy_(p.grad.reshape(-1))
         b["ready"] += 1
         if b["ready"] == len(b["params"]):
-            b["buffer"].div_(self.world)
+            b["buffer"].div_(self.world_size)
             b["handle"] = dist.all_reduce(b["buffer"], async_op=True)
 
     def finish_gradient_synchronization(self):

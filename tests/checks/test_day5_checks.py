@@ -34,10 +34,10 @@ def test_accountant_accepts(sol):
 
 
 def test_accountant_rejects_a_forgotten_master_copy():
-    def no_master(n_params, world, stage, *, param_dtype=torch.bfloat16, optimizer="adamw"):
+    def no_master(n_params, world_size, stage, *, param_dtype=torch.bfloat16, optimizer="adamw"):
         b = torch.empty((), dtype=param_dtype).element_size()
         k = {"adamw": 2, "sgd_momentum": 1, "sgd": 0}[optimizer] * (4 if b < 4 else b)  # no fp32 master copy
-        s = -(-n_params // world)
+        s = -(-n_params // world_size)
         p, g, o = (b * (s if stage >= 3 else n_params), b * (s if stage >= 2 else n_params),
                    k * (s if stage >= 1 else n_params))
         return {"params": p, "grads": g, "optimizer": o, "total": p + g + o}
@@ -46,11 +46,11 @@ def test_accountant_rejects_a_forgotten_master_copy():
 
 
 def test_accountant_rejects_floor_division():
-    def floor(n_params, world, stage, *, param_dtype=torch.bfloat16, optimizer="adamw"):
+    def floor(n_params, world_size, stage, *, param_dtype=torch.bfloat16, optimizer="adamw"):
         b = torch.empty((), dtype=param_dtype).element_size()
         m = {"adamw": 2, "sgd_momentum": 1, "sgd": 0}[optimizer]
         k = 4 + 4 * m if b < 4 else b * m
-        s = n_params // world  # the padding forgotten: the last elements belong to nobody
+        s = n_params // world_size  # the padding forgotten: the last elements belong to nobody
         p, g, o = (b * (s if stage >= 3 else n_params), b * (s if stage >= 2 else n_params),
                    k * (s if stage >= 1 else n_params))
         return {"params": p, "grads": g, "optimizer": o, "total": p + g + o}
@@ -64,9 +64,9 @@ def test_accountant_rejects_the_library():
     with pytest.raises(AssertionError, match="off limits"):
         day5.check_memory_accountant(borrowed)
 
-    def via_the_accountant(n, world, stage, *, param_dtype, optimizer):
+    def via_the_accountant(n, world_size, stage, *, param_dtype, optimizer):
         from dlo.accounting import model_state_bytes, precision_of
-        return model_state_bytes(n, optimizer, precision_of(param_dtype), world=world, stage=stage)
+        return model_state_bytes(n, optimizer, precision_of(param_dtype), world_size=world_size, stage=stage)
     with pytest.raises(AssertionError, match="off limits"):
         day5.check_memory_accountant(via_the_accountant)
 
@@ -81,7 +81,7 @@ def test_zero1_rejects_all_reduce(sol, ranks):
     class AllReduce(sol.ZeRO1):
         def step(self):  # right parameters, but 2 Psi for the gradients and Psi more for the weights
             dist.all_reduce(self.grads.data)
-            self.shard.grad = self.grads.shard(self.rank).div_(self.world)
+            self.shard.grad = self.grads.shard(self.rank).div_(self.world_size)
             self.optimizer.step()
             all_gather(self.flat.data, self.shard.detach().clone())
     with pytest.raises(AssertionError, match="all-reduces the gradients"):
@@ -98,9 +98,9 @@ def test_zero1_rejects_gradients_moved_point_to_point(sol, ranks):
                    dist.P2POp(dist.irecv, peer, 1 - self.rank)]
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
-            mean = (self.grads.data + peer) / self.world
+            mean = (self.grads.data + peer) / self.world_size
             sol.reduce_scatter(torch.empty_like(self.shard), self.grads.data)  # for the byte count only
-            self.shard.grad = mean.chunk(self.world)[self.rank][:self.shard.numel()].clone()
+            self.shard.grad = mean.chunk(self.world_size)[self.rank][:self.shard.numel()].clone()
             self.optimizer.step()
             all_gather(self.flat.data, self.shard.detach().clone())
     with pytest.raises(AssertionError, match=r"rank 0 sent more than ZeRO-1 needs: recv 1\.\d\d Psi in the "
@@ -129,7 +129,7 @@ def test_zero2_rejects_reducing_after_backward(sol, ranks):
         def _grad_ready(self, p):  # keeps every full gradient until the step: ZeRO-1's memory
             b = self.bucket_of[p]
             if b["grads"] is None:
-                b["grads"] = sol.FlatBuffer(b["params"], self.world, bind=False)
+                b["grads"] = sol.FlatBuffer(b["params"], self.world_size, bind=False)
             b["grads"].view(b["slot"][p]).copy_(p.grad)
             p.grad = None
 
@@ -137,7 +137,7 @@ def test_zero2_rejects_reducing_after_backward(sol, ranks):
             for b in self.buckets:
                 out = torch.empty(b["flat"].shard_numel, dtype=b["grads"].data.dtype)
                 sol.reduce_scatter(out, b["grads"].data)
-                b["shard"].grad, b["grads"] = out.div_(self.world), None
+                b["shard"].grad, b["grads"] = out.div_(self.world_size), None
             self.optimizer.step()
             for b in self.buckets:
                 all_gather(b["flat"].data, b["shard"].detach().clone())

@@ -54,10 +54,10 @@ def test_ring_all_reduce_matches_torch_on_three_ranks():
 
 
 def test_fit_alpha_beta_recovers_the_model():
-    alpha, beta, world = 20e-6, 1 / 5e9, 4
+    alpha, beta, world_size = 20e-6, 1 / 5e9, 4
     sizes = [2 ** k for k in range(8, 28, 2)]
-    times = [allreduce_time(n, world, alpha, beta) for n in sizes]
-    fit = fit_alpha_beta(sizes, times, world)
+    times = [allreduce_time(n, world_size, alpha, beta) for n in sizes]
+    fit = fit_alpha_beta(sizes, times, world_size)
     assert fit["alpha"] == pytest.approx(alpha, rel=1e-6)
     assert fit["beta"] == pytest.approx(beta, rel=1e-6)
     assert fit["GB/s"] == pytest.approx(5.0, rel=1e-6)

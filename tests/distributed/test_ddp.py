@@ -138,13 +138,13 @@ def test_ddp_versions_match_single_process_and_torch_ddp():
         assert unused_grad == 0.0
 
 
-@pytest.mark.parametrize("n,world", [(10, 3), (7, 4), (2, 3), (100, 1)])
-def test_shards_cover_without_overlap(n, world):
-    shards = [shard_indices(n, r, world, seed=5, epoch=1) for r in range(world)]
+@pytest.mark.parametrize("n,world_size", [(10, 3), (7, 4), (2, 3), (100, 1)])
+def test_shards_cover_without_overlap(n, world_size):
+    shards = [shard_indices(n, r, world_size, seed=5, epoch=1) for r in range(world_size)]
     flat = sorted(i for s in shards for i in s)
     assert flat == list(range(n))
     assert max(map(len, shards)) - min(map(len, shards)) <= 1
-    assert [len(ShardSampler(n, r, world)) for r in range(world)] == list(map(len, shards))
+    assert [len(ShardSampler(n, r, world_size)) for r in range(world_size)] == list(map(len, shards))
 
 
 def test_sampler_reshuffles_per_epoch_and_validates_rank():

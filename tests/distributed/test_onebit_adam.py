@@ -40,20 +40,20 @@ def _batch(step: int, rank: int):
 
 
 def _worker(steps: int, warmup: int):
-    r, world = dist.get_rank(), dist.get_world_size()
+    r, world_size = dist.get_rank(), dist.get_world_size()
     out = {}
     # the compressed all-reduce: exact on values it can represent (one magnitude per chunk, the same signs)
-    n = 2 * world * CHUNK
+    n = 2 * world_size * CHUNK
     signs = torch.where(torch.arange(n) % 3 == 0, -1.0, 1.0)
     scale = torch.arange(n // CHUNK, dtype=torch.float32).repeat_interleave(CHUNK) + 1
     x = signs * scale * (r + 1)
-    e_w, e_s = torch.zeros(n), torch.zeros(n // world)
+    e_w, e_s = torch.zeros(n), torch.zeros(n // world_size)
     with CommCounter() as comm:
         out["exact"] = ob.compressed_allreduce(x, e_w, e_s, CHUNK)
     out["sent"], out["kinds"] = comm.sent(), sorted(comm.by_kind())
     # error feedback: the same random input every step; the running mean of the outputs converges
     x = torch.randn(n, generator=torch.Generator().manual_seed(r))
-    e_w, e_s = torch.zeros(n), torch.zeros(n // world)
+    e_w, e_s = torch.zeros(n), torch.zeros(n // world_size)
     outs = [ob.compressed_allreduce(x, e_w, e_s, CHUNK) for _ in range(40)]
     out["x"], out["first"], out["mean40"] = x, outs[0], torch.stack(outs).mean(0)
     # the optimizer: warm-up steps, then compressed ones
@@ -75,13 +75,13 @@ def _worker(steps: int, warmup: int):
     return out
 
 
-def _adamw_reference(steps: int, world: int):
+def _adamw_reference(steps: int, world_size: int):
     """One process, the whole batch (the ranks' equal halves together): torch's AdamW."""
     model = _model()
     opt = torch.optim.AdamW(model.parameters(), lr=0.05, betas=(0.8, 0.9), weight_decay=0.1, eps=1e-8)
     params = []
     for step in range(steps):
-        xs, ys = zip(*(_batch(step, r) for r in range(world)))
+        xs, ys = zip(*(_batch(step, r) for r in range(world_size)))
         opt.zero_grad()
         nn.functional.mse_loss(model(torch.cat(xs)), torch.cat(ys)).backward()
         opt.step()
@@ -90,8 +90,8 @@ def _adamw_reference(steps: int, world: int):
 
 
 def test_compressed_allreduce_and_optimizer_on_three_ranks():
-    world, steps, warmup = 3, 6, 3
-    res = launch(_worker, world, steps, warmup, timeout=120)
+    world_size, steps, warmup = 3, 6, 3
+    res = launch(_worker, world_size, steps, warmup, timeout=120)
     xs = torch.stack([r["x"] for r in res])
     n = xs.shape[1]
     for r in res:
@@ -105,8 +105,8 @@ def test_compressed_allreduce_and_optimizer_on_three_ranks():
         assert err40 < 0.2 * err1, (err1, err40)
         # bytes: all-to-all and all-gather of n/8 sign bytes and n/CHUNK fp32 scales, (N-1)/N each way
         assert r["kinds"] == ["all_gather", "all_to_all"]
-        assert r["sent"] == pytest.approx(2 * (world - 1) / world * (n / 8 + 4 * n / CHUNK))
-    want = _adamw_reference(steps, world)
+        assert r["sent"] == pytest.approx(2 * (world_size - 1) / world_size * (n / 8 + 4 * n / CHUNK))
+    want = _adamw_reference(steps, world_size)
     for k in range(warmup):  # warm-up: data-parallel AdamW; float32 sums in another order, hence the tolerance
         for got, ref in zip(res[0]["params"][k], want[k]):
             torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)

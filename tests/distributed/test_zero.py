@@ -23,13 +23,13 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 def test_flat_buffer_pads_binds_and_frees():
     a, b = torch.nn.Parameter(torch.arange(6.0).view(2, 3)), torch.nn.Parameter(torch.tensor([7.0, 8.0]))
-    flat = FlatBuffer([a, b], world=3)
+    flat = FlatBuffer([a, b], world_size=3)
     assert (flat.numel, flat.shard_numel, flat.data.numel()) == (8, 3, 9)
     assert flat.shard(2).tolist() == [7.0, 8.0, 0.0] and flat.shard(0).tolist() == [0.0, 1.0, 2.0]  # padding last
     with torch.no_grad():
         flat.data.add_(1)
     assert b.tolist() == [8.0, 9.0] and a.data_ptr() == flat.data.data_ptr()  # the parameters are views
-    grads = FlatBuffer([a, b], world=3, bind=False)
+    grads = FlatBuffer([a, b], world_size=3, bind=False)
     assert grads.view(1).shape == b.shape and grads.data.abs().sum() == 0 and b.tolist() == [8.0, 9.0]
     flat.free()
     assert not flat.allocated and held_bytes(a, b) == 0
@@ -37,7 +37,7 @@ def test_flat_buffer_pads_binds_and_frees():
     assert flat.allocated and held_bytes(a) == 9 * 4
     assert [shard_numel(n, w) for n, w in ((7, 2), (8, 2), (1, 4))] == [4, 4, 1]
     with pytest.raises(ValueError, match="no tensors"):
-        FlatBuffer([], world=2)
+        FlatBuffer([], world_size=2)
 
 
 def test_accountant_gives_the_papers_numbers():
@@ -63,19 +63,19 @@ def _engine(stage, model, opt=torch.optim.AdamW, lr=1e-2, **kw):
     return ZeRO3(model, opt, units=list(model.blocks), lr=lr, **kw)
 
 
-@pytest.mark.parametrize("world", [1, 2, 5])
-def test_engines_hold_what_the_accountant_says(world):
+@pytest.mark.parametrize("world_size", [1, 2, 5])
+def test_engines_hold_what_the_accountant_says(world_size):
     c = case(4)
     psi, tensors = sum(p.numel() for p in tied_lm(c, 0).parameters()), len(list(tied_lm(c, 0).parameters()))
-    with fake_world(world):
+    with fake_world(world_size):
         for stage in (1, 2, 3):
             engine = _engine(stage, tied_lm(c, 0))
             lm_loss(engine, *batch(c, 0, 0, 2)).backward()
             engine.step()
-            want = memory_per_rank(psi, world, stage, param_dtype=torch.float64)["total"]
+            want = memory_per_rank(psi, world_size, stage, param_dtype=torch.float64)["total"]
             # beyond the formula: N-1 padding elements per flat buffer (parameters, gradients, two
             # moments; one buffer per tensor at most) and AdamW's 4-byte step counter per shard
-            assert want <= held_bytes(engine) <= want + 8 * 4 * (world - 1) * tensors + 4 * tensors, stage
+            assert want <= held_bytes(engine) <= want + 8 * 4 * (world_size - 1) * tensors + 4 * tensors, stage
 
 
 def test_engines_refuse_bad_input():

@@ -76,7 +76,7 @@ def test_plan_of_llama_3b_on_8_gpus():
 
 
 def test_memory_table_matches_the_formulas():
-    rows = E.memory_vs_world(SMALL, worlds=(2, 3))
+    rows = E.memory_vs_world(SMALL, world_sizes=(2, 3))
     for r in rows:
         want = memory_per_rank(r["n_params"], r["world"], E.STAGE[r["engine"]], param_dtype=torch.float32)["total"]
         # FSDP2 pads every parameter's rows to a multiple of N (ours pads each flat buffer once)
@@ -144,7 +144,7 @@ def test_mfu_rows_need_a_core_per_rank(monkeypatch):
     monkeypatch.setattr(claims_module, "cpu_cores", lambda: 2)
     train = {"mfu": 0.36, "times_s": [5.0, 1.0, 1.01, 0.99, 1.0]}
     same = {"ZeRO-3 (ours)": [1.0], "FSDP2 (torch)": [1.0]}
-    crowded = report.training_claims(train, same, "cuda", ranks=8)[1:]
+    crowded = report.training_claims(train, same, "cuda", world_size=8)[1:]
     assert [c.verdict for c in crowded] == [NOT_MEASURABLE] * 2 and "kernel > 2 cores" in crowded[0].reason
     monkeypatch.setattr(claims_module, "cpu_cores", lambda: 16)
-    assert report.training_claims(train, same, "cuda", ranks=8)[2].verdict == AGREES
+    assert report.training_claims(train, same, "cuda", world_size=8)[2].verdict == AGREES

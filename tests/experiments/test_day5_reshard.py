@@ -56,7 +56,7 @@ def test_claims_agree_and_a_wrong_count_disagrees(rows):
 
 
 def test_bad_world_refused_in_one_line():
-    with pytest.raises(ValueError, match="even world of at least 4"):
+    with pytest.raises(ValueError, match="even world size of at least 4"):
         R.reshard_prefetch(TINY, 2)
     with pytest.raises(ValueError, match="world_size=64"):
         R.reshard_prefetch(TINY, 64)

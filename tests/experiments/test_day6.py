@@ -35,9 +35,9 @@ def test_presets_validate_and_smoke_keeps_the_model():
                (P.model, P.image_size, P.stack_width, P.stack_grid)
         assert smoke.reps == 1 and len(smoke.m_values) == 1 and smoke.micro_batch == 1
     assert DAYS["day6_pipeline"].presets["full"].with_max_steps(7).reps == 7
-    with pytest.raises(ValueError, match="multiple of ranks"):
+    with pytest.raises(ValueError, match="multiple of world_size"):
         dataclasses.replace(SMALL, gantt_m=3, m_values=(3,)).validate()
-    with pytest.raises(ValueError, match="stack_blocks >= 2 x ranks"):
+    with pytest.raises(ValueError, match="stack_blocks >= 2 x world_size"):
         dataclasses.replace(SMALL, stack_blocks=3).validate()
 
 

@@ -82,16 +82,16 @@ def test_placements_of_the_2d_plan():
 
 def test_bad_degrees_are_refused_before_any_process():
     with pytest.raises(ValueError, match="does not divide n_kv_heads=4"):
-        get_preset("day7_tensor_parallel", "tiny", degrees=(1, 3), ranks=4)
+        get_preset("day7_tensor_parallel", "tiny", degrees=(1, 3), world_size=4)
     with pytest.raises(ValueError, match="does not divide seq_len=30"):
         get_preset("day7_tensor_parallel", "tiny", seq_len=30)
-    with pytest.raises(ValueError, match="dp x tp must equal ranks=4"):
+    with pytest.raises(ValueError, match="dp x tp must equal world_size=4"):
         get_preset("day7_tensor_parallel", "tiny", fsdp_tp=(2, 4))
     cfg = LlamaConfig.from_name("llama3.2-3b")
     with pytest.raises(ValueError, match="does not divide n_kv_heads=8"):
         ParallelDims(dp=4, tp=16).validate(cfg)
     with pytest.raises(ValueError, match="but the world has 32"):
-        ParallelDims(dp=2, tp=8).validate(cfg, world=32)
+        ParallelDims(dp=2, tp=8).validate(cfg, world_size=32)
     with pytest.raises(ValueError, match="unsynchronised replicas"):
         ParallelDims(dp=2, fsdp=False).validate(cfg)
     with pytest.raises(ValueError, match="does not divide ffn_dim=8192"):
@@ -110,7 +110,7 @@ def test_megatron_mfu_carries_the_interval_of_the_step_time(monkeypatch):
     assert report.megatron_claims(noisy, "cuda")[0].verdict == INCONCLUSIVE
     # 8 ranks and the kernel on a 2-core host: the same timings are no evidence
     monkeypatch.setattr(claims_module, "cpu_cores", lambda: 2)
-    crowded = report.megatron_claims(steps, "cuda", ranks=8)[0]
+    crowded = report.megatron_claims(steps, "cuda", world_size=8)[0]
     assert crowded.verdict == NOT_MEASURABLE and "kernel > 2 cores" in crowded.reason
 
 

@@ -33,7 +33,7 @@ NOT_HERE = {
 @pytest.mark.parametrize("day", [d for d, spec in DAYS.items() if spec.planner == f"{spec.experiments}:plan"])
 def test_the_smoke_preset_fits_a_cpu_box(day):
     full = DAYS[day].presets["full"]
-    rows = DAYS[day].load(DAYS[day].planner)(full.smoke(), gpus=int(getattr(full, "ranks", 1)), gpu_mem_gb=24.0)
+    rows = DAYS[day].load(DAYS[day].planner)(full.smoke(), gpus=int(getattr(full, "world_size", 1)), gpu_mem_gb=24.0)
     check_fits(rows)  # every configuration of the cut run fits 24 GB
     assert all(r["total"] < 8 * 2**30 for r in rows), "a smoke run should leave room for the notebook itself"
 

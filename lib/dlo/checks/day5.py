@@ -67,7 +67,7 @@ LLAMA_3B = 3_212_749_824
 
 @check(forbid=(Z + "memory_per_rank", "dlo.accounting.model_state_bytes", "dlo.plan.row"))
 def check_memory_accountant(fn, seed: int = 0, trials: int = 40) -> None:
-    """`fn(n_params, world, stage, *, param_dtype, optimizer) -> {"params", "grads", "optimizer",
+    """`fn(n_params, world_size, stage, *, param_dtype, optimizer) -> {"params", "grads", "optimizer",
     "total"}`: bytes per rank, stage 0 (DDP) to 3, against the ZeRO paper's formulas (exact ints)
     on random sizes, dtypes and optimizers and on Llama 3.2 3B; then against what the library's
     ZeRO engines hold on a fake process group of 2 and 3 ranks."""
@@ -75,17 +75,17 @@ def check_memory_accountant(fn, seed: int = 0, trials: int = 40) -> None:
     cases = [(LLAMA_3B, 8, s, torch.bfloat16, "adamw") for s in range(4)]
     cases += [(rng.choice([1, 7, 1001, 10 ** 6 + 3, LLAMA_3B]), rng.choice([1, 2, 3, 8, 64]), rng.randrange(4),
                rng.choice(DTYPES), rng.choice(["adamw", "sgd", "sgd_momentum"])) for _ in range(trials)]
-    for n_params, world, stage, dtype, opt in cases:
-        where = dict(n_params=n_params, world=world, stage=stage, param_dtype=str(dtype), optimizer=opt)
-        got = fn(n_params, world, stage, param_dtype=dtype, optimizer=opt)
-        want = memory_per_rank(n_params, world, stage, param_dtype=dtype, optimizer=opt)
+    for n_params, world_size, stage, dtype, opt in cases:
+        where = dict(n_params=n_params, world_size=world_size, stage=stage, param_dtype=str(dtype), optimizer=opt)
+        got = fn(n_params, world_size, stage, param_dtype=dtype, optimizer=opt)
+        want = memory_per_rank(n_params, world_size, stage, param_dtype=dtype, optimizer=opt)
         if not isinstance(got, dict) or set(want) - set(got):
             raise AssertionError(f"{name}: return a dict with keys {sorted(want)}, got {got!r}")
         for key, w in want.items():
             g = assert_number(name, key, got[key], where)
             if g != w:
                 sharded = stage >= {"params": 3, "grads": 2, "optimizer": 1}.get(key, 1)
-                hint = (" (a shard is ceil(n_params / world) elements)" if sharded and n_params % world else
+                hint = (" (a shard is ceil(n_params / world_size) elements)" if sharded and n_params % world_size else
                         " (16-bit parameters mean mixed precision: an fp32 master copy and fp32 moments)"
                         if dtype in DTYPES[:2] and key in ("optimizer", "total") else "")
                 raise AssertionError(f"{name}: {key} = {g:,.0f} bytes, expected {w:,}{hint} ({fmt_where(where)})")
@@ -101,8 +101,8 @@ def _engines_hold(name: str, fn, seed: int) -> None:
     if dist.is_initialized():  # under torchrun: no fake group in this process
         return
     c = case(seed)
-    for world in (2, 3):
-        with fake_world(world):
+    for world_size in (2, 3):
+        with fake_world(world_size):
             for stage, cls in ((1, ZeRO1), (2, ZeRO2), (3, ZeRO3)):
                 model = tied_lm(c, 0)
                 extra = {"bucket_cap_mb": 1e-3} if stage == 2 else {}
@@ -110,10 +110,10 @@ def _engines_hold(name: str, fn, seed: int) -> None:
                 lm_loss(engine, *batch(c, seed, 0, 2)).backward()
                 engine.step()
                 held = held_bytes(engine)
-                got = fn(count_psi(c), world, stage, param_dtype=DTYPE, optimizer="adamw")["total"]
-                if abs(held - got) > memory_slack(c, world, stage):
-                    raise AssertionError(f"{name}: ZeRO-{stage} at {world} ranks holds {held:,} bytes after an AdamW "
-                                         f"step in float64, your accountant says {got:,}")
+                got = fn(count_psi(c), world_size, stage, param_dtype=DTYPE, optimizer="adamw")["total"]
+                if abs(held - got) > memory_slack(c, world_size, stage):
+                    raise AssertionError(f"{name}: ZeRO-{stage} at {world_size} ranks holds {held:,} bytes after an "
+                                         f"AdamW step in float64, your accountant says {got:,}")
 
 
 # ----------------------------------------------------------------------------- 2-4. ZeRO-1, -2, -3

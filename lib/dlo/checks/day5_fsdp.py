@@ -52,8 +52,8 @@ def _clean(name: str) -> str:
     return name
 
 
-def llama_reference(cfg, c: dict, seed: int, kind: str, steps: int, world: int) -> dict:
-    model = train_on_full_batch(llama(cfg, seed + 1), c, seed, kind, steps, world)
+def llama_reference(cfg, c: dict, seed: int, kind: str, steps: int, world_size: int) -> dict:
+    model = train_on_full_batch(llama(cfg, seed + 1), c, seed, kind, steps, world_size)
     return {k: p.detach().clone() for k, p in model.named_parameters()}
 
 
@@ -77,13 +77,14 @@ def _counting(forward, calls: list):
     return counted
 
 
-def fsdp_parts(cfg, c: dict, seed: int, world: int, steps: int) -> list[dict]:
+def fsdp_parts(cfg, c: dict, seed: int, world_size: int, steps: int) -> list[dict]:
     """What rank r is given, built here on the grader's side: the sizes and hyper-parameters, the
     Llama's initial weights (every rank starts from the same model, as fully_shard expects) and its
     own slice of each step's batch; never the global batch nor the seed."""
-    model, batches = llama(cfg, seed + 1), [batch(c, seed, s, world * c["per_rank"]) for s in range(steps)]
-    return [{"c": c, "model": model, "batches": [(x[r::world].clone(), y[r::world].clone()) for x, y in batches]}
-            for r in range(world)]
+    model, batches = llama(cfg, seed + 1), [batch(c, seed, s, world_size * c["per_rank"]) for s in range(steps)]
+    n = world_size
+    return [{"c": c, "model": model, "batches": [(x[r::n].clone(), y[r::n].clone()) for x, y in batches]}
+            for r in range(n)]
 
 
 def _fsdp_run(fn, mine, kind, steps, policy, ac_mode, compile_):

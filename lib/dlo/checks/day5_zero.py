@@ -94,21 +94,21 @@ def named_leaves(model: nn.Module) -> dict:
             for pn, p in m.named_parameters(recurse=False)}
 
 
-def train_on_full_batch(model: nn.Module, c: dict, seed: int, kind: str, steps: int, world: int) -> nn.Module:
-    """`steps` optimizer steps in one process on the whole global batch (world x per_rank sequences):
+def train_on_full_batch(model: nn.Module, c: dict, seed: int, kind: str, steps: int, world_size: int) -> nn.Module:
+    """`steps` optimizer steps in one process on the whole global batch (world_size x per_rank sequences):
     what the sharded engines must reproduce."""
     opt_cls, kw = optimizer_for(c, kind)
     opt = opt_cls(model.parameters(), **kw)
     for s in range(steps):
-        lm_loss(model, *batch(c, seed, s, world * c["per_rank"])).backward()
+        lm_loss(model, *batch(c, seed, s, world_size * c["per_rank"])).backward()
         opt.step()
         opt.zero_grad()
     return model
 
 
-def reference(c: dict, seed: int, kind: str, steps: int, world: int) -> dict:
+def reference(c: dict, seed: int, kind: str, steps: int, world_size: int) -> dict:
     """One process, the whole global batch, rank 0's initial weights."""
-    model = train_on_full_batch(tied_lm(c, seed + 1), c, seed, kind, steps, world)
+    model = train_on_full_batch(tied_lm(c, seed + 1), c, seed, kind, steps, world_size)
     return {k: p.detach().clone() for k, p in named_leaves(model).items()}
 
 

@@ -92,7 +92,7 @@ def _check_tp(fn, c: dict, seed: int) -> None:
 
 @check(forbid=REFERENCE)
 def check_comm_compute(fsdp_min_tokens_fn, tp_comm_ratio_fn, seed: int = 0, trials: int = 12) -> None:
-    """`fsdp_min_tokens_fn(layer_params, world, peak_flops, link_bytes_per_s, alpha=0.0, param_bytes=2)`
+    """`fsdp_min_tokens_fn(layer_params, world_size, peak_flops, link_bytes_per_s, alpha=0.0, param_bytes=2)`
     and `tp_comm_ratio_fn(layer_params, hidden, t, tokens, peak_flops, link_bytes_per_s, alpha=0.0,
     act_bytes=2)` as in `dlo.comm_compute` (module docstring)."""
     cases = _cases(random.Random(seed), trials)

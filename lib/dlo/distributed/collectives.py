@@ -38,23 +38,23 @@ def ring_all_reduce(tensor: torch.Tensor) -> torch.Tensor:
     Any shape, any size (sizes smaller than the world size included): the flat tensor is padded to
     a multiple of N so that every chunk has the same length. Returns `tensor`.
     """
-    n_ranks, r = dist.get_world_size(), dist.get_rank()
-    if n_ranks == 1:
+    world_size, r = dist.get_world_size(), dist.get_rank()
+    if world_size == 1:
         return tensor
     flat = tensor.detach().reshape(-1).clone()
-    pad = (-flat.numel()) % n_ranks
+    pad = (-flat.numel()) % world_size
     buf = torch.cat([flat, flat.new_zeros(pad)]) if pad else flat  # (N * chunk,)
-    chunks = buf.view(n_ranks, -1)  # (N, chunk): chunk i travels around the ring
-    right, left = (r + 1) % n_ranks, (r - 1) % n_ranks
+    chunks = buf.view(world_size, -1)  # (N, chunk): chunk i travels around the ring
+    right, left = (r + 1) % world_size, (r - 1) % world_size
     incoming = torch.empty_like(chunks[0])
     # reduce-scatter: at step s rank r sends chunk (r - s) and adds the chunk (r - s - 1) from the left
-    for s in range(n_ranks - 1):
-        _exchange(chunks[(r - s) % n_ranks], incoming, right, left)
-        chunks[(r - s - 1) % n_ranks] += incoming
+    for s in range(world_size - 1):
+        _exchange(chunks[(r - s) % world_size], incoming, right, left)
+        chunks[(r - s - 1) % world_size] += incoming
     # all-gather: rank r now owns the sum of chunk (r + 1); pass finished chunks on
-    for s in range(n_ranks - 1):
-        _exchange(chunks[(r + 1 - s) % n_ranks], incoming, right, left)
-        chunks[(r - s) % n_ranks].copy_(incoming)
+    for s in range(world_size - 1):
+        _exchange(chunks[(r + 1 - s) % world_size], incoming, right, left)
+        chunks[(r - s) % world_size].copy_(incoming)
     tensor.copy_(buf[:flat.numel()].view_as(tensor))
     return tensor
 
@@ -90,7 +90,7 @@ def bus_bandwidth(sizes_bytes, reps: int = 5, warmup: int = 1, device=None, dtyp
     if not dist.is_initialized():
         raise RuntimeError("bus_bandwidth: no process group; run it inside dlo.distributed.launch")
     device = torch.device(device or "cpu")
-    world, sizes = dist.get_world_size(), list(sizes_bytes)
+    world_size, sizes = dist.get_world_size(), list(sizes_bytes)
     elem = torch.empty((), dtype=dtype).element_size()
     xs = {n: torch.ones(max(1, int(n) // elem), dtype=dtype, device=device) for n in sizes}
     times: dict = {n: [] for n in sizes}
@@ -105,7 +105,7 @@ def bus_bandwidth(sizes_bytes, reps: int = 5, warmup: int = 1, device=None, dtyp
     for n, ts in times.items():
         med, nbytes = statistics.median(ts), xs[n].numel() * elem
         rows.append({"bytes": nbytes, "times_s": ts, "s": med, "algbw GB/s": nbytes / med / 1e9,
-                     "busbw GB/s": nbytes / med / 1e9 * bus_factor(world)})
+                     "busbw GB/s": nbytes / med / 1e9 * bus_factor(world_size)})
     return rows
 
 

@@ -41,11 +41,11 @@ def broadcast_parameters(module: nn.Module, src: int = 0) -> None:
 
 def all_reduce_gradients(module: nn.Module) -> None:
     """Replace every .grad by its mean over the ranks: one blocking all-reduce per tensor."""
-    world = dist.get_world_size()
+    world_size = dist.get_world_size()
     for p in module.parameters():
         if p.grad is not None:
             dist.all_reduce(p.grad)
-            p.grad.div_(world)
+            p.grad.div_(world_size)
 
 
 class _DataParallel(nn.Module):
@@ -103,7 +103,7 @@ class DataParallelBucket(_DataParallel):
         self.overlap = overlap  # False: the same buckets, all launched after backward (the no-overlap baseline)
         if bucket_cap_mb <= 0:
             raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
-        self.world = dist.get_world_size()
+        self.world_size = dist.get_world_size()
         cap = bucket_cap_mb * 2 ** 20
         params = [p for p in module.parameters() if p.requires_grad]
         self.buckets, current, size = [], [], 0
@@ -135,7 +135,7 @@ class DataParallelBucket(_DataParallel):
             self._launch(bucket)
 
     def _launch(self, bucket: _Bucket) -> None:
-        bucket.buffer.div_(self.world)  # average = sum of (g / N): pre-divide, as torch DDP does
+        bucket.buffer.div_(self.world_size)  # average = sum of (g / N): pre-divide, as torch DDP does
         bucket.handle = dist.all_reduce(bucket.buffer, async_op=True)
 
     def finish_gradient_synchronization(self) -> None:

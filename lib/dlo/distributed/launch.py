@@ -136,7 +136,7 @@ def init_from_env(backend=None) -> torch.device:
         raise RuntimeError("init_from_env: neither RANK/WORLD_SIZE (torchrun) nor SLURM_PROCID/SLURM_NTASKS "
                            "(srun) is set; start the script with torchrun or srun, or call launch(fn, n) "
                            "to spawn n local ranks")
-    rank_, world, local = found
+    rank_, world_size, local = found
     missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
     if missing:
         raise RuntimeError(f"init_from_env: {' and '.join(missing)} not set. Under srun the sbatch script must "
@@ -149,16 +149,16 @@ def init_from_env(backend=None) -> torch.device:
             raise ValueError(f"backend {backend!r} on local rank {local} needs GPU {local}, "
                              f"but this node shows {_cuda_count()} CUDA device(s)")
         torch.cuda.set_device(local)  # before init: NCCL binds each rank to its own GPU
-    dist.init_process_group(backend, init_method="env://", rank=rank_, world_size=world)
+    dist.init_process_group(backend, init_method="env://", rank=rank_, world_size=world_size)
     return rank_device()  # cuda:local under NCCL (set_device above), else the CPU
 
 
-def _run_here(fn, world, backend, args, kwargs):
+def _run_here(fn, world_size, backend, args, kwargs):
     """fn on this rank of a torchrun/srun job; every rank returns the gathered results."""
     owned = not dist.is_initialized()
     init_from_env(backend)
     blob = dumps(fn(*args, **kwargs))
-    gathered = [None] * world
+    gathered = [None] * world_size
     dist.all_gather_object(gathered, blob)  # bytes: the CPU move already happened in dumps
     if owned:  # keep the group for the rest of the script (is_main() etc.), but close it at exit:
         atexit.register(_destroy)  # one left open can abort the interpreter ("terminate called...")

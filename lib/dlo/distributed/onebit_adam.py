@@ -58,9 +58,9 @@ def decompress(packed: Tensor, scales: Tensor, chunk: int) -> Tensor:
     return (unpack_signs(packed).view(-1, chunk) * scales.unsqueeze(1)).flatten()
 
 
-def padded_size(n: int, world: int, chunk: int) -> int:
+def padded_size(n: int, world_size: int, chunk: int) -> int:
     """n rounded up so that every rank's part is a whole number of chunks."""
-    return math.ceil(n / (world * chunk)) * world * chunk
+    return math.ceil(n / (world_size * chunk)) * world_size * chunk
 
 
 def _message(bits: Tensor, scales: Tensor, parts: int) -> Tensor:
@@ -83,26 +83,26 @@ def compressed_allreduce(x: Tensor, worker_error: Tensor, server_error: Tensor, 
     3. server: rank r averages the N decompressed parts, adds e_s, compresses again, keeps the residual;
     4. all-gather of the compressed parts: every rank decompresses the same averaged vector.
     The error buffers are updated in place; the result is a new (n,) tensor, equal on every rank."""
-    world = dist.get_world_size(group)
+    world_size = dist.get_world_size(group)
     n = x.numel()
-    if n % (world * chunk) or chunk % 8 or server_error.numel() * world != n:
-        raise ValueError(f"compressed_allreduce: {n} values do not split into {world} parts of whole {chunk}-value "
-                         f"chunks (chunk a multiple of 8, server_error of n / world values)")
-    part_bits = n // world // 8
+    if n % (world_size * chunk) or chunk % 8 or server_error.numel() * world_size != n:
+        raise ValueError(f"compressed_allreduce: {n} values do not split into {world_size} parts of whole "
+                         f"{chunk}-value chunks (chunk a multiple of 8, server_error of n / world_size values)")
+    part_bits = n // world_size // 8
     v = x + worker_error
     bits, scales = compress(v, chunk)
     worker_error.copy_(v - decompress(bits, scales, chunk))
-    msg = _message(bits, scales, world)  # (N, part bytes): row r goes to rank r
+    msg = _message(bits, scales, world_size)  # (N, part bytes): row r goes to rank r
     received = torch.empty_like(msg)
     dist.all_to_all_single(received, msg, group=group)
-    r_bits, r_scales = _split(received, world, part_bits)  # every rank's part r
-    part = decompress(r_bits, r_scales, chunk).view(world, -1).mean(0) + server_error  # (n / N,)
+    r_bits, r_scales = _split(received, world_size, part_bits)  # every rank's part r
+    part = decompress(r_bits, r_scales, chunk).view(world_size, -1).mean(0) + server_error  # (n / N,)
     s_bits, s_scales = compress(part, chunk)
     server_error.copy_(part - decompress(s_bits, s_scales, chunk))
     mine = _message(s_bits, s_scales, 1).flatten()
-    gathered = torch.empty(world * mine.numel(), dtype=mine.dtype, device=x.device)
+    gathered = torch.empty(world_size * mine.numel(), dtype=mine.dtype, device=x.device)
     all_gather_single(gathered, mine, group=group)
-    g_bits, g_scales = _split(gathered, world, part_bits)
+    g_bits, g_scales = _split(gathered, world_size, part_bits)
     return decompress(g_bits, g_scales, chunk)
 
 
@@ -130,16 +130,16 @@ class OneBitAdam:
         self.params = [p for p in params if p.requires_grad]
         self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
         self.warmup_steps, self.chunk, self.compression, self.group = warmup_steps, chunk, compression, group
-        self.world = dist.get_world_size(group)
+        self.world_size = dist.get_world_size(group)
         with torch.no_grad():
             for p in self.params:
                 dist.broadcast(p, dist.get_global_rank(group, 0) if group is not None else 0, group=group)
         self.numel = sum(p.numel() for p in self.params)
-        n = padded_size(self.numel, self.world, chunk)
+        n = padded_size(self.numel, self.world_size, chunk)
         ref = self.params[0]
         self.m, self.v = ref.new_zeros(n, dtype=torch.float32), ref.new_zeros(n, dtype=torch.float32)
         self.worker_error = ref.new_zeros(n, dtype=torch.float32)
-        self.server_error = ref.new_zeros(n // self.world, dtype=torch.float32)
+        self.server_error = ref.new_zeros(n // self.world_size, dtype=torch.float32)
         self.t, self.mask = 0, None
 
     @property
@@ -168,7 +168,7 @@ class OneBitAdam:
         self.t += 1
         if not compressing:  # warm-up: Adam on the averaged gradient
             dist.all_reduce(g, group=self.group)
-            g /= self.world
+            g /= self.world_size
             self.m.mul_(b1).add_(g, alpha=1 - b1)
             self.v.mul_(b2).addcmul_(g, g, value=1 - b2)
         else:  # compression: local momentum, averaged with 1 bit per value; v frozen
@@ -179,7 +179,7 @@ class OneBitAdam:
                 m = compressed_allreduce(local, self.worker_error, self.server_error, self.chunk, self.group)
             else:  # the control: frozen variance, momentum averaged in full precision
                 dist.all_reduce(local, group=self.group)
-                m = local / self.world
+                m = local / self.world_size
             self.m.copy_(m * self.mask)
         # torch's AdamW, in its order of operations: decay, then p -= lr / bc1 * m / (sqrt(v) / sqrt(bc2) + eps)
         bc1, bc2 = 1 - b1 ** self.t, 1 - b2 ** min(self.t, self.warmup_steps)  # v stopped at the warm-up

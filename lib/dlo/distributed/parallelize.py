@@ -45,18 +45,18 @@ class ParallelDims:
                                    # (Day 5's recipe: its MixedPrecisionPolicy whatever the world size)
 
     @property
-    def world(self) -> int:
+    def world_size(self) -> int:
         return self.dp * self.tp
 
-    def validate(self, cfg, world: int | None = None) -> None:
+    def validate(self, cfg, world_size: int | None = None) -> None:
         """ValueError (one line) before any process starts: degrees that do not divide the model or the world."""
         if self.dp < 1 or self.tp < 1:
             raise ValueError(f"dp and tp must be >= 1, got dp={self.dp}, tp={self.tp}")
         check_tp_degree(cfg, self.tp)
         if self.fsdp is False and self.dp > 1:
             raise ValueError(f"dp={self.dp} without FSDP would train {self.dp} unsynchronised replicas")
-        if world is not None and world != self.world:
-            raise ValueError(f"dp={self.dp} x tp={self.tp} = {self.world} ranks, but the world has {world}")
+        if world_size is not None and world_size != self.world_size:
+            raise ValueError(f"dp={self.dp} x tp={self.tp} = {self.world_size} ranks, but the world has {world_size}")
 
     def build_mesh(self, device_type: str = "cpu"):
         """The ("dp", "tp") DeviceMesh over every rank of the process group (tp innermost)."""

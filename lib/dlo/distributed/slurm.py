@@ -86,10 +86,10 @@ def _load(path: Path):
         return cloudpickle.load(f)
 
 
-def _results(folder: Path, job: str, world: int) -> list:
+def _results(folder: Path, job: str, world_size: int) -> list:
     """Every rank's value; else the first rank that raised (its peers were then killed by srun and
     left no result: they are not the cause), else the first without a result."""
-    records = [_load(folder / f"result-{r}.pkl") for r in range(world)]
+    records = [_load(folder / f"result-{r}.pkl") for r in range(world_size)]
     for r, record in enumerate(records):
         if record is not None and record[0] == "error":
             raise RankError(f"rank {r} of job {job} raised:\n{record[1]}", r, remote_traceback=record[1])

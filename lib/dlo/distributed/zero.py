@@ -41,18 +41,18 @@ from dlo.distributed.zero_comms import FlatBuffer, all_gather, reduce_scatter
 
 # ----------------------------------------------------------------------------- the memory accountant
 
-def memory_per_rank(n_params: int, world: int, stage: int, *, param_dtype: torch.dtype = torch.bfloat16,
+def memory_per_rank(n_params: int, world_size: int, stage: int, *, param_dtype: torch.dtype = torch.bfloat16,
                     optimizer: str = "adamw") -> dict:
     """Bytes of model state per rank: {"params", "grads", "optimizer", "total"} (Sec. 3.1 and 5).
 
     stage 0 is DDP (everything replicated); stages 1/2/3 partition the optimizer state, then the
-    gradients, then the parameters, each partition being S = ceil(n_params / world) elements.
+    gradients, then the parameters, each partition being S = ceil(n_params / world_size) elements.
     Parameters and gradients are stored in `param_dtype`. A 16-bit `param_dtype` means mixed
     precision: the optimizer also keeps an fp32 master copy, and its moments are fp32 (K = 4 + 4 m
     bytes, 12 for Adam); in 32- or 64-bit training there is no master copy and the moments have the
     parameters' dtype (K = m x its size). `dlo.accounting.model_state_bytes` at `precision_of(param_dtype)`.
     """
-    return model_state_bytes(n_params, optimizer, precision_of(param_dtype), world=world, stage=stage)
+    return model_state_bytes(n_params, optimizer, precision_of(param_dtype), world_size=world_size, stage=stage)
 
 
 # ----------------------------------------------------------------------------- shared machinery
@@ -61,10 +61,10 @@ class _Group:
     """Parameters partitioned together (ZeRO-1: all, ZeRO-2: a bucket, ZeRO-3: a unit): their flat
     buffer, this rank's shard of it as the optimizer's parameter, and the gradients arriving."""
 
-    def __init__(self, params: list, rank: int, world: int, keep_full: bool = True):
+    def __init__(self, params: list, rank: int, world_size: int, keep_full: bool = True):
         self.params = params
         self.slot = {p: i for i, p in enumerate(params)}  # tensors hash by identity
-        self.flat = FlatBuffer(params, world)  # the parameters are views of flat.data from now on
+        self.flat = FlatBuffer(params, world_size)  # the parameters are views of flat.data from now on
         if keep_full:  # ZeRO-1/2: the optimizer steps a view of the replicated buffer, in place
             self.shard = nn.Parameter(self.flat.shard(rank))
         else:  # ZeRO-3: the shard is the only lasting copy; the flat buffer is freed until needed
@@ -84,7 +84,7 @@ class _Sharded(nn.Module):
         if not dist.is_initialized():
             raise RuntimeError(f"{type(self).__name__}: no process group; run inside dlo.distributed.launch")
         self.module = module
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.params = [p for p in module.parameters() if p.requires_grad]  # a tied weight once
         if not self.params:
             raise ValueError(f"{type(self).__name__}: the module has no trainable parameters")
@@ -109,7 +109,7 @@ class _Sharded(nn.Module):
         """p.grad is final for this backward: copy it into its group's flat gradient and drop it."""
         group = self.group_of[p]
         if group.grads is None:
-            group.grads = FlatBuffer(group.params, self.world, bind=False)
+            group.grads = FlatBuffer(group.params, self.world_size, bind=False)
         group.grads.view(group.slot[p]).add_(p.grad)
         p.grad = None
         group.ready.add(p)
@@ -126,7 +126,7 @@ class _Sharded(nn.Module):
             return
         group, out, handle = self.pending
         handle.wait()
-        out.div_(self.world)  # the mean over ranks: one process on the whole batch
+        out.div_(self.world_size)  # the mean over ranks: one process on the whole batch
         group.shard.grad = out if group.shard.grad is None else group.shard.grad.add_(out)
         group.grads, group.ready, self.pending = None, set(), None
         self._after_reduce(group)
@@ -150,9 +150,9 @@ class ZeRO1(_Sharded):
 
     def __init__(self, module: nn.Module, optimizer_cls=torch.optim.AdamW, **optimizer_kwargs):
         super().__init__(module)
-        group = _Group(self.params, self.rank, self.world)
+        group = _Group(self.params, self.rank, self.world_size)
         self.groups = [group]
-        self.grads = FlatBuffer(self.params, self.world, bind=False)  # (N*S,) full gradients
+        self.grads = FlatBuffer(self.params, self.world_size, bind=False)  # (N*S,) full gradients
         for i, p in enumerate(self.params):
             p.grad = self.grads.view(i)  # backward accumulates in place into the flat buffer
         self.optimizer = optimizer_cls([group.shard], **optimizer_kwargs)
@@ -162,7 +162,7 @@ class ZeRO1(_Sharded):
         out = torch.empty_like(group.shard)
         reduce_scatter(out, self.grads.data)  # Psi in, the summed slice r out
         own = self.grads.shard(self.rank)
-        own.copy_(out.div_(self.world))  # the mean, kept in this rank's slice of the gradient buffer
+        own.copy_(out.div_(self.world_size))  # the mean, kept in this rank's slice of the gradient buffer
         group.shard.grad = own
         self.optimizer.step()
         all_gather(group.flat.data, group.shard.detach().clone())  # Psi: every rank the new weights
@@ -189,10 +189,10 @@ class ZeRO2(_Sharded):
             current.append(p)
             size += p.numel() * p.element_size()
             if size >= cap:  # torch DDP's rule: a bucket is full once it reaches the cap
-                self.groups.append(_Group(current, self.rank, self.world))
+                self.groups.append(_Group(current, self.rank, self.world_size))
                 current, size = [], 0
         if current:
-            self.groups.append(_Group(current, self.rank, self.world))
+            self.groups.append(_Group(current, self.rank, self.world_size))
         self.group_of = {p: g for g in self.groups for p in g.params}
         self._hook_gradients()
         self.optimizer = optimizer_cls([g.shard for g in self.groups], **optimizer_kwargs)
@@ -224,9 +224,9 @@ class ZeRO3(_Sharded):
                 seen.setdefault(p, []).append(u)
         owned = {u: [p for p in self.params if seen.get(p) == [u]] for u in units}
         rest = [p for p in self.params if len(seen.get(p, [])) != 1]  # outside units, or shared
-        self.units = [(u, _Group(owned[u], self.rank, self.world, keep_full=False)) for u in units if owned[u]]
+        self.units = [(u, _Group(owned[u], self.rank, self.world_size, keep_full=False)) for u in units if owned[u]]
         if rest:
-            self.units.insert(0, (module, _Group(rest, self.rank, self.world, keep_full=False)))
+            self.units.insert(0, (module, _Group(rest, self.rank, self.world_size, keep_full=False)))
         self.groups = [g for _, g in self.units]
         self.group_of = {p: g for g in self.groups for p in g.params}
         self.order: list[_Group] = []  # units in forward order, learnt in the first forward (prefetch)

@@ -46,15 +46,16 @@ class FlatBuffer:
     gathered back.
     """
 
-    def __init__(self, tensors, world: int, *, bind: bool = True, dtype=None):
+    def __init__(self, tensors, world_size: int, *, bind: bool = True, dtype=None):
         tensors = list(tensors)
         if not tensors:
             raise ValueError("FlatBuffer: no tensors")
-        self.tensors, self.world = tensors, world
+        self.tensors, self.world_size = tensors, world_size
         self.numel = sum(t.numel() for t in tensors)
-        self.shard_numel = shard_numel(self.numel, world)
+        self.shard_numel = shard_numel(self.numel, world_size)
         first = tensors[0]
-        self.data = torch.zeros(world * self.shard_numel, dtype=dtype or first.dtype, device=first.device)  # (N*S,)
+        self.data = torch.zeros(world_size * self.shard_numel, dtype=dtype or first.dtype,
+                                device=first.device)  # (N*S,)
         self.offsets, offset = [], 0
         for t in tensors:
             self.offsets.append(offset)

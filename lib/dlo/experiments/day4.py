@@ -69,11 +69,11 @@ def step_times(P, device, versions: dict, warmup: int = 2, log_dir=None) -> dict
         step = ddp_step(f"throughput, {name}")
         fns[name] = lambda net=net, opt=opt, step=step: step(net, opt, b)
     timings = time_interleaved(fns, device=device, warmup=warmup, reps=P.max_steps)
-    world = dist.get_world_size()
+    world_size = dist.get_world_size()
     for name, t in timings.items():
         log_curve(log_dir, f"throughput/{FOLDERS[name]}", [1e3 * x for x in t.times_s], "step_ms")
     return {name: {"time_s": t.median_s, "times_s": t.times_s, "spread": t.spread,
-                   "samples/s": world * P.batch_per_rank / t.median_s} for name, t in timings.items()}
+                   "samples/s": world_size * P.batch_per_rank / t.median_s} for name, t in timings.items()}
 
 
 # ----------------------------------------------------------------------------- compression

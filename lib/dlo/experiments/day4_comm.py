@@ -96,7 +96,7 @@ def wire_bytes(nbytes: int, calls: int, trials: int) -> dict:
     real wire each segment also carries ~52-66 bytes of TCP/IP (and Ethernet) headers."""
     if not tcp_available():
         raise RuntimeError("wire_bytes reads this process's TCP sockets (Linux only)")
-    world, x = dist.get_world_size(), torch.ones(nbytes // 4)
+    world_size, x = dist.get_world_size(), torch.ones(nbytes // 4)
     for _ in range(3):
         dist.all_reduce(x)  # connections up, buffers allocated
     ratios, segments, excess = [], [], []
@@ -104,8 +104,8 @@ def wire_bytes(nbytes: int, calls: int, trials: int) -> dict:
         sent, segs = tcp_sent(lambda: dist.all_reduce(x), calls)
         ratios.append(sent / (4 * x.numel()))
         segments.append(segs)
-        excess.append(sent - 2 * (world - 1) / world * 4 * x.numel())
-    return {"world": world, "bytes": 4 * x.numel(), "calls": calls, "ratio": ratios, "segments": segments,
+        excess.append(sent - 2 * (world_size - 1) / world_size * 4 * x.numel())
+    return {"world": world_size, "bytes": 4 * x.numel(), "calls": calls, "ratio": ratios, "segments": segments,
             "excess per call": excess}
 
 

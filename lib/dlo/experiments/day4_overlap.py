@@ -173,7 +173,7 @@ def overlap_claims(R: dict) -> list[C.Claim]:
     return [
         C.Claim("launching the bucket all-reduces during backward hides communication: the step is faster than "
                 "with the same all-reduces after backward", LI_OVERLAP, "T_overlapped < T_after",
-                C.at_least(0.0, "> 0 ms"), C.timed(hidden, device=dev, ranks=N, threads=threads, kernel=True)),
+                C.at_least(0.0, "> 0 ms"), C.timed(hidden, device=dev, world_size=N, threads=threads, kernel=True)),
         C.by_construction("the proxy for overlap: the bucket all-reduces start while backward still runs", LI_OVERLAP,
                           "all buckets but the last",
                           "the gradient hooks fire during backward and the buckets follow the reverse parameter "
@@ -185,9 +185,9 @@ def overlap_claims(R: dict) -> list[C.Claim]:
                                          f"{ov['during backward']} before backward ends"))]
 
 
-def bucket_sweep(P, world: int, alpha: float, beta: float, caps_mb=(0.01, 0.05, 0.25, 1.0, 25.0)) -> list[dict]:
+def bucket_sweep(P, world_size: int, alpha: float, beta: float, caps_mb=(0.01, 0.05, 0.25, 1.0, 25.0)) -> list[dict]:
     """Per bucket cap: the buckets of `DataParallelBucket` on the day's model (meta device, a fake
-    process group of `world` ranks), the all-reduces per step (one per bucket), the alpha-beta time
+    process group of `world_size` ranks), the all-reduces per step (one per bucket), the alpha-beta time
     of all of them (ring) and of the last one, which starts when backward ends and cannot overlap."""
     from dlo.distributed.collectives import allreduce_time
     from dlo.plan import fake_world
@@ -195,13 +195,13 @@ def bucket_sweep(P, world: int, alpha: float, beta: float, caps_mb=(0.01, 0.05, 
     if not caps_mb or min(caps_mb) <= 0:
         raise ValueError(f"bucket_sweep: need bucket caps > 0 MB, got {caps_mb}")
     rows = []
-    with fake_world(world):
+    with fake_world(world_size):
         for cap in caps_mb:
             sizes = [bk.buffer.numel() * bk.buffer.element_size()
                      for bk in DataParallelBucket(model(P, "meta"), bucket_cap_mb=cap).buckets]
             rows.append({"bucket_cap_mb": cap, "all-reduces/step": len(sizes), "largest bucket B": max(sizes),
-                         "predicted comm ms": 1e3 * sum(allreduce_time(s, world, alpha, beta) for s in sizes),
-                         "last bucket ms (cannot overlap)": 1e3 * allreduce_time(sizes[-1], world, alpha, beta)})
+                         "predicted comm ms": 1e3 * sum(allreduce_time(s, world_size, alpha, beta) for s in sizes),
+                         "last bucket ms (cannot overlap)": 1e3 * allreduce_time(sizes[-1], world_size, alpha, beta)})
     return rows
 
 

@@ -30,12 +30,12 @@ def bandwidth_rows(bw: list[dict]) -> list[dict]:
              "algbw GB/s": r["algbw GB/s"], "busbw GB/s": r["busbw GB/s"]} for r in bw]
 
 
-def compression_rows(comp: dict, world: int) -> list[dict]:
+def compression_rows(comp: dict, world_size: int) -> list[dict]:
     """Per DDP hook: the bytes CommCounter saw handed to the all-reduces of a step, the bytes each rank
     handed to its TCP sockets (mean of the measured steps; gloo only), the hook's definition (fp32: the
     gradients; fp16: half; PowerSGD: the formula) as ring bytes per rank, the rate against fp32, and
     the final training loss."""
-    f = 2 * (world - 1) / world
+    f = 2 * (world_size - 1) / world_size
     fp32 = comp["fp32 (no compression)"]["bytes/step"]
     rows = []
     for name, v in comp.items():
@@ -109,10 +109,10 @@ def claims(R: dict, wire_more: dict | None = None, scale: dict | None = None) ->
     text = f"a ring all-reduce sends 2(N-1)/N of the data per rank (the exercise's ring, N={N})"
     out = [C.Claim(text, "Patarasuk & Yuan 2009", f"{f:.3f} n", C.approx(f, rel=1e-3), ring) if N > 2 else
            C.by_construction(text, "Patarasuk & Yuan 2009", f"{f:.3f} n", AT_TWO, ring, C.approx(f, rel=1e-3))]
-    for world, peers in ((N, R.get("ring peers")), *([(wire_more["world"], wire_more.get("ring peers"))]
+    for world_size, peers in ((N, R.get("ring peers")), *([(wire_more["world"], wire_more.get("ring peers"))]
                                                      if wire_more else [])):
         if peers is not None:
-            out.append(_ring_connection_claim(world, peers))
+            out.append(_ring_connection_claim(world_size, peers))
     for wire in (w for w in (R.get("wire"), wire_more) if w):
         fw = 2 * (wire["world"] - 1) / wire["world"]
         text = (f"gloo's all-reduce puts 2(N-1)/N of the data per rank on the wire (N={wire['world']}; a ring, a tree "
@@ -144,9 +144,9 @@ def claims(R: dict, wire_more: dict | None = None, scale: dict | None = None) ->
         out.append(C.not_measurable("bf16 compression halves the bytes", META_AWS, "2x",
                                     "gloo has no bf16 sum (torch's bf16 hook needs NCCL >= 2.10)"))
     # N rank processes (one thread each) beside the notebook's kernel: on a small CPU they share its cores
-    ranks = dict(device=R["device"].split(":")[0], ranks=N, kernel=True)
+    setup = dict(device=R["device"].split(":")[0], world_size=N, kernel=True)
     out.append(C.Claim("bucketed DDP reaches 0.9x torch DDP's throughput (the course's bar, on GPUs)", LI, ">= 0.9x",
-                       C.at_least(0.9, ">= 0.9"), C.timed(throughput_ratio(R["throughput"]), gpu_claim=True, **ranks)))
+                       C.at_least(0.9, ">= 0.9"), C.timed(throughput_ratio(R["throughput"]), gpu_claim=True, **setup)))
     out += overlap_claims(R)
     out.append(_scaling_claim(scale, gpu))
     out += _onebit_claims(R)
@@ -176,16 +176,16 @@ def batchnorm_rows(bn: dict) -> list[dict]:
     return rows
 
 
-def _ring_connection_claim(world: int, peers: dict) -> C.Claim:
+def _ring_connection_claim(world_size: int, peers: dict) -> C.Claim:
     """The exercise ring's bytes on its busiest connection: 2(N-1)/N n to one neighbour. A tree or
     reduce + broadcast moves the same total over several connections, at most n on each; at N = 2
     there is only one connection and every algorithm puts n on it (by construction)."""
-    f = 2 * (world - 1) / world
-    text = f"a ring rank sends all of its 2(N-1)/N n to one neighbour (per connection, N={world})"
+    f = 2 * (world_size - 1) / world_size
+    text = f"a ring rank sends all of its 2(N-1)/N n to one neighbour (per connection, N={world_size})"
     busiest = max(peers.values(), default=0.0)
     est = E.exact(busiest, f"CommCounter: busiest of {len(peers)} connection(s) / n")
     args = (text, "Patarasuk & Yuan 2009", f"{f:.3f} n on 1 connection")
-    if world <= 2:
+    if world_size <= 2:
         return C.by_construction(*args, "at N = 2 each rank has one peer: a ring, a tree and sending everything "
                                         "all put n on that connection", est, C.approx(f, rel=1e-3))
     return C.Claim(*args, C.approx(f, rel=1e-3), est if len(peers) == 1 else
@@ -214,8 +214,9 @@ def _scaling_claim(scale: dict | None, gpu: bool) -> C.Claim:
                                 "the ranks share one CPU's cores: their compute itself does not scale")
     lo, hi = min(scale), max(scale)
     t1, tn = (E.median_interval(scale[w]["torch DDP"]["times_s"]) for w in (lo, hi))
+    est = E.ratio(t1, tn, "median step times, two launches")
     return C.Claim(f"{text}, {lo} -> {hi} GPUs", LI + " (256 GPUs)", "near-linear", C.at_least(0.9, ">= 0.9"),
-                   C.timed(E.ratio(t1, tn, "median step times, two launches"), device="cuda", ranks=hi, kernel=True))
+                   C.timed(est, device="cuda", world_size=hi, kernel=True))
 
 
 NO_NORM = "this notebook's control (why the runs use BatchNorm); not a claim of Tang et al."

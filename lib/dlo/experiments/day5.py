@@ -13,7 +13,7 @@
   peak memory and MFU on GPUs.
 
 `memory_vs_world(P)` runs in the notebook's process: the same engines at every world size of
-`P.memory_worlds` on a fake process group (bytes do not depend on the data). `plan(P, gpus=,
+`P.memory_world_sizes` on a fake process group (bytes do not depend on the data). `plan(P, gpus=,
 gpu_mem_gb=)` is the full profile without a GPU (`dlo plan day5_fsdp`): Llama 3.2 3B on the meta
 device, sharded by FSDP2 at `gpus` ranks inside a fake process group, beside the accountant.
 The models, data and input checks are in `dlo.experiments.day5_data` (re-exported here); the claims
@@ -121,7 +121,7 @@ def measure_engine(name: str, P, cfg, device, x, y, fake: bool = False) -> dict:
             "n_params": n_params(cfg)}
 
 
-def memory_vs_world(P, worlds=None) -> list[dict]:
+def memory_vs_world(P, world_sizes=None) -> list[dict]:
     """`measure_engine` for every engine at every world size, as rank 0 of a fake process group in
     this process (collectives return at once, the data is garbage, the bytes are exact)."""
     from dlo.plan import fake_world
@@ -133,8 +133,8 @@ def memory_vs_world(P, worlds=None) -> list[dict]:
     if cfg.dim <= 256:  # CPU-sized tensors gain nothing from threads, and a busy CPU makes OpenMP spin
         torch.set_num_threads(1)
     try:
-        for world in tqdm(list(worlds or P.memory_worlds), desc="world sizes (fake process group)"):
-            with fake_world(world):
+        for world_size in tqdm(list(world_sizes or P.memory_world_sizes), desc="world sizes (fake process group)"):
+            with fake_world(world_size):
                 for name in ENGINES:
                     rows.append({"engine": name, **measure_engine(name, P, cfg, torch.device("cpu"), x, y,
                                                                   fake=True)})

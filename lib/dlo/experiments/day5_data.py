@@ -73,15 +73,16 @@ def lm_loss(model, x, y):
     return F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
 
 
-def check_world(P, world: int) -> None:
+def check_world(P, world_size: int) -> None:
     """ValueError (one line, before any process starts) when the world is larger than a weight can
     be split into: FSDP2 cuts every weight along its rows, so each rank must get at least one row."""
     for which in ("model", "compare_model"):
         cfg = llama_config(P, which)
         rows = min(cfg.n_kv_heads * cfg.head_dim, cfg.dim, cfg.ffn_dim, cfg.vocab_size)
-        if world > rows:
-            raise ValueError(f"world_size={world} is larger than the {rows} rows of {getattr(P, which)}'s smallest "
-                             f"weight (k/v projections): some ranks would hold nothing of it; use <= {rows} ranks")
+        if world_size > rows:
+            raise ValueError(f"world_size={world_size} is larger than the {rows} rows of {getattr(P, which)}'s "
+                             f"smallest weight (k/v projections): some ranks would hold nothing of it; use "
+                             f"world_size <= {rows}")
 
 
 def check_weights(P, weights_dir: str) -> None:

@@ -49,9 +49,9 @@ def engine_claims(engines: dict, cfg=None) -> list:
 
     claims = []
     for name, e in engines.items():
-        n, world, stage = e["n_params"], e["world"], STAGE[name]
-        unit = 4 * n * (world - 1) / world
-        if world > 1:
+        n, world_size, stage = e["n_params"], e["world"], STAGE[name]
+        unit = 4 * n * (world_size - 1) / world_size
+        if world_size > 1:
             k, claimed, rel = COMM_FACTOR[stage], f"{COMM_FACTOR[stage]} Psi", 0.03
             if name.startswith("FSDP2"):  # a predicted count, not a range: anything in [2, 3] is any ZeRO
                 if cfg is None:
@@ -60,8 +60,8 @@ def engine_claims(engines: dict, cfg=None) -> list:
                 claimed = f"3 - Psi_kept/Psi = {k:.3f} Psi (last block kept gathered)"
             claims.append(Claim(f"{name}: bytes sent per step", ZERO_PAPER, claimed, approx(k, rel=rel),
                                 exact(e["sent"] / unit, "counted (CommCounter), in (N-1)/N Psi")))
-        want = memory_per_rank(n, world, stage, param_dtype=torch.float32)["total"]
-        claims.append(Claim(f"{name}: model-state bytes per rank", ZERO_PAPER, f"{want:,} (fp32 AdamW, N={world})",
+        want = memory_per_rank(n, world_size, stage, param_dtype=torch.float32)["total"]
+        claims.append(Claim(f"{name}: model-state bytes per rank", ZERO_PAPER, f"{want:,} (fp32 AdamW, N={world_size})",
                             approx(want, rel=0.03, text=f"{want:,} +- 3%"),
                             exact(e["total"], "counted (held_bytes) after a step")))
     return claims
@@ -77,9 +77,9 @@ def mfu_estimate(train: dict):
     return per_median_time(train["mfu"], train.get("times_s", [])[1:], "6N + 12 l h s FLOPs / peak / median step")
 
 
-def training_claims(train: dict, same: dict, device_type: str, ranks: int = 1) -> list:
+def training_claims(train: dict, same: dict, device_type: str, world_size: int = 1) -> list:
     """FSDP2 and our ZeRO-3 give the same losses; the MFU anchors (GPU only, and only where the
-    `ranks` and the notebook's kernel have a core each: `dlo.claims.timed`)."""
+    `world_size` ranks and the notebook's kernel have a core each: `dlo.claims.timed`)."""
     from dlo.claims import Claim, at_most, between, exact, timed
 
     a, b = same["ZeRO-3 (ours)"], same["FSDP2 (torch)"]
@@ -88,7 +88,7 @@ def training_claims(train: dict, same: dict, device_type: str, ranks: int = 1) -
                     "0 (fp32 rounding)", at_most(1e-4, "<= 1e-4"), exact(diff, f"{len(a)} steps, same weights"))]
     est = mfu_estimate(train)
     if est is not None:
-        est = timed(est, device=device_type, gpu_claim=True, ranks=ranks, kernel=True)
+        est = timed(est, device=device_type, gpu_claim=True, world_size=world_size, kernel=True)
     why = (f"no GPU peak here ({device_type})" if train["mfu"] is None
            else "one timed step: no interval; raise max_steps")
     for claim, source, claimed, region in (("MFU of FSDP training", MEGATRON, "41-49% (1.7B-462B, 3D parallel)",
@@ -100,18 +100,19 @@ def training_claims(train: dict, same: dict, device_type: str, ranks: int = 1) -
 
 # ----------------------------------------------------------------------------- the full profile without GPUs
 
-def fsdp2_shards(cfg, world: int) -> dict:
-    """FSDP2 on the meta Llama at `world` ranks (fake process group): elements this rank holds,
+def fsdp2_shards(cfg, world_size: int) -> dict:
+    """FSDP2 on the meta Llama at `world_size` ranks (fake process group): elements this rank holds,
     and the sizes of a block and of the root (tied embedding + norm)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from dlo.models.llama import Llama
     from dlo.plan import fake_world
 
-    with fake_world(world):
+    with fake_world(world_size):
         with torch.device("meta"):
             model = Llama(cfg)
-        apply_fsdp(model, init_device_mesh("cpu", (world,)), param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        mesh = init_device_mesh("cpu", (world_size,))
+        apply_fsdp(model, mesh, param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         local = sum(p.to_local().numel() for p in model.parameters())
         block = sum(p.numel() for p in model.layers["0"].parameters())
         total = sum(p.numel() for p in model.parameters())

@@ -1,8 +1,8 @@
 """Day 5: FSDP2's `reshard_after_forward` and prefetching, counted at the full profile's world size.
 
-`reshard_prefetch(P, world)` shards a small Llama (the comparison config cut to `BLOCKS` blocks) with
-torch's `fully_shard` inside a fake process group of `world` ranks (`dlo.plan.fake_world`: one
-process, every collective returns at once), once per entry of `variants(world)`, and runs two forward and
+`reshard_prefetch(P, world_size)` shards a small Llama (the comparison config cut to `BLOCKS` blocks) with
+torch's `fully_shard` inside a fake process group of `world_size` ranks (`dlo.plan.fake_world`: one
+process, every collective returns at once), once per entry of `variants(world_size)`, and runs two forward and
 backward passes (the second is counted: the first also initialises FSDP2). It counts, exactly:
 
 - every all-gather and reduce-scatter of the step and its bytes, by phase (`dlo.measure.CommCounter`);
@@ -35,10 +35,10 @@ TOKENS = 16  # per pass: the counts do not depend on the data, only the compute 
 FSDP2_DOCS = "torch fully_shard docs"
 
 
-def variants(world: int) -> list[tuple]:
-    """(reshard_after_forward, prefetch) pairs: True / False / world // 2 (e.g. the ranks of one node
+def variants(world_size: int) -> list[tuple]:
+    """(reshard_after_forward, prefetch) pairs: True / False / world_size // 2 (e.g. the ranks of one node
     of two), each without and with explicit prefetching of the next block."""
-    return [(raf, d) for raf in (True, False, world // 2) for d in (0, 1)]
+    return [(raf, d) for raf in (True, False, world_size // 2) for d in (0, 1)]
 
 
 def _units(model) -> dict:
@@ -103,8 +103,8 @@ class _HeldCounter(CommCounter):
         return out
 
 
-def measure_variant(cfg, world: int, reshard, prefetch: int, x, y) -> dict:
-    """One `fully_shard` configuration at `world` ranks: collectives and gathered-bytes peaks of its
+def measure_variant(cfg, world_size: int, reshard, prefetch: int, x, y) -> dict:
+    """One `fully_shard` configuration at `world_size` ranks: collectives and gathered-bytes peaks of its
     second forward and backward (fp32)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -113,10 +113,10 @@ def measure_variant(cfg, world: int, reshard, prefetch: int, x, y) -> dict:
     from dlo.models.llama import Llama
     from dlo.plan import fake_world
 
-    with fake_world(world):
+    with fake_world(world_size):
         with torch.device("meta"):
             model = Llama(cfg)
-        mesh = init_device_mesh("cpu", (world,))
+        mesh = init_device_mesh("cpu", (world_size,))
         blocks = list(model.layers.values())
         for b in blocks:
             fully_shard(b, mesh=mesh, reshard_after_forward=reshard)
@@ -139,20 +139,20 @@ def measure_variant(cfg, world: int, reshard, prefetch: int, x, y) -> dict:
             c.sample()  # what forward left gathered is backward's first state (no collective shows it)
             loss.backward()
     comm = {f"{k} ({p})": row for (k, p), row in tally(c.records()).items()}
-    return {"reshard_after_forward": reshard, "prefetch": prefetch, "world": world, "comm": comm,
+    return {"reshard_after_forward": reshard, "prefetch": prefetch, "world": world_size, "comm": comm,
             "peak": dict(c.peak), "root": full["root"], "block": full["layers.0"], "blocks": len(blocks),
             "psi": sum(full.values())}
 
 
-def reshard_prefetch(P, world: int) -> list[dict]:
-    """`measure_variant` for every entry of `variants(world)` on P.compare_model cut to `BLOCKS`
+def reshard_prefetch(P, world_size: int) -> list[dict]:
+    """`measure_variant` for every entry of `variants(world_size)` on P.compare_model cut to `BLOCKS`
     blocks, one batch of `TOKENS` tokens (in this process; CPU seconds on the tiny model)."""
     from dlo.experiments.day5_data import check_world, llama_config, token_batches
 
-    if world < 4 or world % 2:
-        raise ValueError(f"world={world}: need an even world of at least 4 ranks (reshard_after_forward=world // 2 "
-                         f"must be a divisor other than 1 and the world)")
-    check_world(P, world)
+    if world_size < 4 or world_size % 2:
+        raise ValueError(f"world_size={world_size}: need an even world size of at least 4 ranks "
+                         f"(reshard_after_forward=world_size // 2 must be a divisor other than 1 and the world size)")
+    check_world(P, world_size)
     cfg = replace(llama_config(P, "compare_model"), n_layers=BLOCKS)
     x, y = token_batches(P, cfg, 0, "cpu", n=1)[0]
     x, y = x[:1, :TOKENS], y[:1, :TOKENS]
@@ -160,7 +160,7 @@ def reshard_prefetch(P, world: int) -> list[dict]:
     if cfg.dim <= 256:  # CPU-sized tensors gain nothing from threads (as in memory_vs_world)
         torch.set_num_threads(1)
     try:
-        return [measure_variant(cfg, world, raf, d, x, y) for raf, d in variants(world)]
+        return [measure_variant(cfg, world_size, raf, d, x, y) for raf, d in variants(world_size)]
     finally:
         torch.set_num_threads(threads)
 

@@ -1,6 +1,6 @@
 """Day 6 experiments: the bubble measured, the memory counted, CoAtNet's stages balanced, torch's
 pipelining and data parallelism beside ours. `run_all(P, log_dir)` runs inside
-`dlo.distributed.launch` on `P.ranks` ranks (one launch for everything); rank 0's dict is read.
+`dlo.distributed.launch` on `P.world_size` ranks (one launch for everything); rank 0's dict is read.
 
 - `bubble`: per schedule (GPipe, 1F1B, interleaved 1F1B with v = 2) and number of micro-batches m,
   the step time and the idle share measured from each rank's recorded timeline (`Timeline`),

@@ -48,7 +48,7 @@ def median_estimate(times) -> Estimate | None:
 def on_ranks(R: dict, est: Estimate | None) -> Estimate | None:
     """A timing of `R`'s ranks, judged only where each rank and the notebook's kernel have a core
     (`dlo.claims.timed`: otherwise no evidence, with the reason)."""
-    return None if est is None else timed(est, device=R["device"], ranks=R["world"], kernel=True)
+    return None if est is None else timed(est, device=R["device"], world_size=R["world"], kernel=True)
 
 
 def median_text(times_s) -> str:

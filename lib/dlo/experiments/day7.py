@@ -1,6 +1,6 @@
 """Day 7 experiments: what tensor parallelism communicates, what it saves, what it costs.
 
-`run_all(P)` runs inside `dlo.distributed.launch` on `P.ranks` ranks (the largest degree)
+`run_all(P)` runs inside `dlo.distributed.launch` on `P.world_size` ranks (the largest degree)
 and measures every degree t of `P.degrees` on the first t ranks (subgroups), so the whole sweep is
 one launch; rank 0's dict is what the notebook reads:
 
@@ -147,7 +147,7 @@ def train_steps(P, model, dims, device, steps: int, label: str) -> dict:
         loss = (loss.full_tensor() if hasattr(loss, "full_tensor") else loss).detach()
         if dims.dp > 1:  # the mean over the "dp" shares (every TP rank of a share holds the same value)
             dist.all_reduce(loss)
-            loss /= dims.world
+            loss /= dims.world_size
         return float(loss)
 
     losses, times = [], []
@@ -196,10 +196,10 @@ def run_all(P) -> dict:
     from dlo.distributed.launch import rank_device
     from dlo.distributed.parallelize import ParallelDims
 
-    rank, world, device = dist.get_rank(), dist.get_world_size(), rank_device()
-    degrees = [t for t in P.degrees if t <= world]
+    rank, world_size, device = dist.get_rank(), dist.get_world_size(), rank_device()
+    degrees = [t for t in P.degrees if t <= world_size]
     cfg = llama_config(P)
-    out = {"world": world, "device": str(device), "degrees": degrees, "layers": [], "steps": [], "history": {},
+    out = {"world": world_size, "device": str(device), "degrees": degrees, "layers": [], "steps": [], "history": {},
            "fsdp_tp": None}
     for t in sorted(set(degrees) | {1}):  # the unsplit GPT layer is the activation table's baseline
         group = dist.new_group(list(range(t)))  # collective: every rank creates every group
@@ -219,15 +219,15 @@ def run_all(P) -> dict:
             heartbeat(f"waiting while ranks 0..{t - 1} run t={t}")
         dist.barrier()
     dp, tp = P.fsdp_tp
-    if dp * tp == world:
+    if dp * tp == world_size:
         dims = ParallelDims(dp=dp, tp=tp)
         model = build_llama(P, dims, dims.build_mesh(device.type), device)
         res = train_steps(P, model, dims, device, P.max_steps, f"FSDP {dp} x TP {tp}")
-        out["fsdp_tp"] = {"dp": dp, "tp": tp, **step_metrics(P, cfg, dims.world, res, device),
+        out["fsdp_tp"] = {"dp": dp, "tp": tp, **step_metrics(P, cfg, dims.world_size, res, device),
                           "loss": res["loss"], "step_s": res["step_s"]}
     dist.barrier()
     return out
 
 
-__all__ = ["MODES", "batch", "build_llama", "gpt_stack", "llama_config",
+__all__ = ["batch", "build_llama", "gpt_stack", "llama_config",
            "local_bytes", "measure_layers", "run_all", "step_metrics", "train_steps"]

@@ -114,9 +114,9 @@ MEGATRON_TABLE = [("1.7B", 1, 1, 48, 0.41), ("7.1B", 2, 1, 96, 0.47), ("16B", 4,
                   ("177B", 8, 6, 2304, 0.44), ("314B", 8, 8, 3072, 0.48), ("462B", 8, 16, 6144, 0.47)]
 
 
-def megatron_claims(steps: list[dict], device_type: str, ranks: int = 1) -> list[Claim]:
+def megatron_claims(steps: list[dict], device_type: str, world_size: int = 1) -> list[Claim]:
     """The seeds' Megatron-LM MFU (41-49% with TP up to 8) beside what this run's Llama reaches, judged
-    only where the launch's `ranks` and the notebook's kernel have a core each (`dlo.claims.timed`)."""
+    only where the launch's `world_size` ranks and the notebook's kernel have a core each (`dlo.claims.timed`)."""
     from dlo.claims import timed
 
     out = []
@@ -131,7 +131,8 @@ def megatron_claims(steps: list[dict], device_type: str, ranks: int = 1) -> list
             out.append(not_measurable(claim, "Megatron-LM README (IDRIS slides, seed 000)", f"{mfu:.0%}", why))
         else:  # MFU = FLOPs / peak / t: the interval of the median step maps through 1/t
             est = per_median_time(row["mfu"], row.get("step_s", []), "one node, bf16, median step")
-            est = est if est is None else timed(est, device=device_type, gpu_claim=True, ranks=ranks, kernel=True)
+            if est is not None:
+                est = timed(est, device=device_type, gpu_claim=True, world_size=world_size, kernel=True)
             out.append(Claim(claim, "Megatron-LM README (IDRIS slides, seed 000)", f"{mfu:.0%}",
                              approx(mfu, abs_tol=0.05), est, "one timed step: no interval; raise max_steps"))
     return out
@@ -159,8 +160,8 @@ def ring_attention_schedule(n: int, causal: bool = True, zigzag: bool = False) -
 
 # ----------------------------------------------------------------------------- the full profile without GPUs
 
-def _sharded(P, dims, world: int):
-    """The Llama on the meta device split by `dims` inside a fake process group of `world` ranks."""
+def _sharded(P, dims, world_size: int):
+    """The Llama on the meta device split by `dims` inside a fake process group of `world_size` ranks."""
     from dlo.distributed.parallelize import parallelize_llama
     from dlo.models.llama import Llama
 
@@ -235,10 +236,10 @@ def plan(P, *, gpus: int, gpu_mem_gb: float) -> list[dict]:
                  False) for t in P.plan_tp if gpus % t == 0 and cfg.n_kv_heads % t == 0]
     rows = []
     for name, dims, opt, b, s, main in tqdm(configs, desc="plan: splitting the meta model", leave=False):
-        with fake_world(dims.world):
-            model = _sharded(P, dims, dims.world)
+        with fake_world(dims.world_size):
+            model = _sharded(P, dims, dims.world_size)
             n = local_bytes(model.parameters())
-        rows.append(row(name, dims.world, params=n, grads=n, optimizer=optimizer_bytes(opt, n),
+        rows.append(row(name, dims.world_size, params=n, grads=n, optimizer=optimizer_bytes(opt, n),
                         activations=activations(dims.tp, b, s), gpu_mem_gb=gpu_mem_gb, main=main,
                         note=f"{'SGD momentum' if opt != 'adamw' else 'AdamW'}, b={b}, s={s}, fp32 shards"))
     return rows

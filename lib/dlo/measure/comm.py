@@ -44,7 +44,7 @@ class CommCall:
     kind: str        # all_reduce, all_gather, reduce_scatter, broadcast, all_to_all, send, recv
     nbytes: int      # the whole collective's tensor: all_gather's output, reduce_scatter's input
     sent: float      # bytes this rank sends under the ring model (send: all of it; recv: 0)
-    world: int
+    world_size: int
     async_op: bool = False  # launched asynchronously (a Work handle to wait on; functional ones always are)
     phase: object = None
     peer: int | None = None  # send / recv: the other rank (in the group), None for collectives
@@ -91,10 +91,10 @@ def _async_op(func, args, kwargs) -> bool:
     return bool(args[i]) if i < len(args) else bool(kwargs.get("async_op", True))
 
 
-def _sent(kind: str, nbytes: int, world: int) -> float:
-    if world <= 1:
+def _sent(kind: str, nbytes: int, world_size: int) -> float:
+    if world_size <= 1:
         return 0.0
-    share = (world - 1) / world
+    share = (world_size - 1) / world_size
     return {"all_reduce": 2 * share * nbytes, "all_gather": share * nbytes, "reduce_scatter": share * nbytes,
             "all_to_all": share * nbytes, "broadcast": float(nbytes), "send": float(nbytes),
             "recv": 0.0}[kind]
@@ -114,11 +114,11 @@ class CommCounter(TorchDispatchMode):
         super().__init__()
         self.calls: list[CommCall] = []
         self.phase = None
-        self._world = world_size
+        self._world_size = world_size
 
-    def _default_world(self) -> int:
-        if self._world is not None:
-            return self._world
+    def _default_world_size(self) -> int:
+        if self._world_size is not None:
+            return self._world_size
         import torch.distributed as dist
         return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
@@ -128,17 +128,17 @@ class CommCounter(TorchDispatchMode):
         if kind is not None:
             namespace, name = func.namespace, func._schema.name.split("::")[-1]
             op = f"{namespace}.{name}"
-            world = _group_size(args, self._default_world())
+            world_size = _group_size(args, self._default_world_size())
             if namespace == "_c10d_functional":  # group sizes are plain ints in these schemas
                 if kind == "all_gather" and len(args) > 1 and isinstance(args[1], int):
-                    world = args[1]  # (input, group_size, group_name)
+                    world_size = args[1]  # (input, group_size, group_name)
                 elif kind == "reduce_scatter" and len(args) > 2 and isinstance(args[2], int):
-                    world = args[2]  # (input, reduce_op, group_size, group_name)
+                    world_size = args[2]  # (input, reduce_op, group_size, group_name)
             nbytes = _payload(kind, op, args)
             if namespace == "_c10d_functional" and kind == "all_gather":
-                nbytes *= world
+                nbytes *= world_size
             peer = args[2] if kind in ("send", "recv") and len(args) > 2 and isinstance(args[2], int) else None
-            self.calls.append(CommCall(op, kind, nbytes, _sent(kind, nbytes, world), world,
+            self.calls.append(CommCall(op, kind, nbytes, _sent(kind, nbytes, world_size), world_size,
                                        _async_op(func, args, kwargs), self.phase, peer))
         return func(*args, **kwargs)
 
