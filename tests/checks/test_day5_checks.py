@@ -149,6 +149,13 @@ def test_zero3_accepts(sol, ranks):
     day5.check_zero3(sol.ZeRO3, seed=2)
 
 
+def test_zero3_accepts_the_padding_of_three_ranks(sol, ranks):
+    """Seed 115 draws sizes where N = 3 pads every tensor: the seven all-gathers of the AdamW steps carried
+    7.05 Psi, and a correct engine lost the exercise's points when the tolerance did not grow with them."""
+    assert day5_zero.padding_bytes(day5_zero.case(115), 3) > 0
+    day5.check_zero3(sol.ZeRO3, seed=115, world_size=3)
+
+
 def test_zero3_rejects_keeping_parameters_until_backward(sol, ranks):
     class NoReshard(sol.ZeRO3):
         def _after_forward(self, unit, out):  # no free: the gathered weights live until backward

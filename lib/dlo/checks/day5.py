@@ -36,6 +36,7 @@ from dlo.checks.day5_zero import (
     lm_loss,
     memory_slack,
     optimizer_for,
+    padding_bytes,
     rank_part,
     tied_lm,
     verify_every_byte,
@@ -140,7 +141,7 @@ def check_zero1(cls, seed: int = 0, world_size: int = 2, steps: int = 3) -> None
                      "reduce-scatter the whole flat gradient once per step", where)
         expect_bytes(name, "all-gather of the updated parameters", comm_bytes(calls, "all_gather", STEP), psi_b, 1,
                      "all-gather the whole flat parameter buffer once per step", where)
-    verify_every_byte(name, res, 1, psi_b, steps, where)
+    verify_every_byte(name, res, 1, psi_b, steps, where, padding_bytes(c, world_size))
     m = verify_memory(name, res, c, 1, world_size, where)
     ok(name, f"{steps} steps on {world_size} ranks, 2 Psi = {2 * psi_b:,} bytes per step, {res[0]['held']:,} bytes "
              f"held (formula {m['want']:,}), seed={seed}")
@@ -179,7 +180,7 @@ def check_zero2(cls, seed: int = 0, world_size: int = 2, steps: int = 3) -> None
         if comm_bytes(calls, "all_reduce", STEP):
             raise AssertionError(f"{name}: an all-reduce of the gradients leaves every rank the full gradient; "
                                  f"reduce-scatter ({where})")
-    verify_every_byte(name, res, 2, psi_b, steps, where)
+    verify_every_byte(name, res, 2, psi_b, steps, where, padding_bytes(c, world_size))
     m = verify_memory(name, res, c, 2, world_size, where)
     biggest = max(p.numel() for p in tied_lm(c, 0).parameters())
     peak_allowed = m["want"] + m["slack"] + 8 * 2 * (60 + biggest)
@@ -221,7 +222,7 @@ def check_zero3(cls, seed: int = 0, world_size: int = 2, steps: int = 3) -> None
         if len(gathers) < c["n_blocks"]:
             raise AssertionError(f"{name}: {len(gathers)} all-gathers in forward for {c['n_blocks']} units: gather "
                                  f"each unit just before it runs, not the whole model at once ({where})")
-    verify_every_byte(name, res, 3, psi_b, steps, where)
+    verify_every_byte(name, res, 3, psi_b, steps, where, padding_bytes(c, world_size))
     m = verify_memory(name, res, c, 3, world_size, where)
     model = tied_lm(c, 0)
     unit = count_parameters(model.blocks[0])
