@@ -170,7 +170,8 @@ def moved_bytes(B: int, H: int, T: int, D: int, itemsize: int, naive: bool = Fal
 def compile_cases(B: int = 1, H: int = 24, T: int = 4096) -> list[CompileCase]:
     """What a GPU launch compiles (see dlo.kernels.aot), four cases for the compile test's budget:
     bf16 and fp16 at D = 64 causal (GPT-2's heads), bf16 at D = 128 causal and not (Llama 3.2 3B's 24
-    query heads); the work at B x H heads of T tokens, against naive attention's in the same dtype."""
+    query heads); the work at B x H heads of T tokens, against naive attention's in the same dtype
+    (which writes and reads the T x T scores and P, and computes all of them even when causal)."""
     cases = []
     for dtype, D, causal in ((torch.bfloat16, 64, True), (torch.float16, 64, True),
                              (torch.bfloat16, 128, True), (torch.bfloat16, 128, False)):
@@ -184,7 +185,8 @@ def compile_cases(B: int = 1, H: int = 24, T: int = 4096) -> list[CompileCase]:
                                  num_warps=config["num_warps"], num_stages=config["num_stages"],
                                  shape=f"B={B} H={H} T={T}", flops=flops, peak="bf16_tflops",
                                  bytes=moved_bytes(B, H, T, D, dtype.itemsize),
-                                 torch=(moved_bytes(B, H, T, D, dtype.itemsize, naive=True), flops, "bf16_tflops")))
+                                 torch=(moved_bytes(B, H, T, D, dtype.itemsize, naive=True),  # all T x T scores
+                                        attention_flops(B, H, T, D, causal=False), "bf16_tflops")))
     return cases
 
 
@@ -213,7 +215,8 @@ def bench(lengths: tuple[int, ...] = (1024, 4096), B: int = 4, H: int = 16, D: i
             pk = figures.get("bf16_tflops")
             rows.append({"op": "flash_attention", "size": f"B={B} H={H} T={T} D={D}", "dtype": "bfloat16",
                          "impl": impl, "ms": ms, "TFLOP/s": tflops, "% peak": 100 * tflops / pk if pk else None,
-                         "work": (moved_bytes(B, H, T, D, 2, naive=naive), flops, "bf16_tflops")})
+                         "work": (moved_bytes(B, H, T, D, 2, naive=naive),  # naive computes every score
+                                  attention_flops(B, H, T, D, causal and not naive), "bf16_tflops")})
         q = k = v = None
         torch.cuda.empty_cache()
     return add_roofline(rows, figures.get("name"))
