@@ -1,9 +1,19 @@
 """dlo.attention: naive and fused attention agree, the naive one saves the T x T scores, the fused one
-does not (counted bytes, not times), and compile_speedup reports a failure instead of raising."""
+does not (counted bytes, not times), naive attention's forward allocates O(T^2) bytes and the tiled
+kernel's exactly O and L, and compile_speedup reports a failure instead of raising."""
 
 import torch
 
-from dlo.attention import attention_costs, compile_speedup, loglog_slope, naive_attention, qkv, sdpa_attention
+from dlo.attention import (
+    attention_costs,
+    attention_memory,
+    compile_speedup,
+    loglog_slope,
+    naive_attention,
+    qkv,
+    sdpa_attention,
+)
+from dlo.measure import allocated_peak
 
 
 def test_naive_and_fused_attention_agree_forward_and_backward():
@@ -24,6 +34,27 @@ def test_saved_bytes_grow_as_t_squared_for_naive_and_t_for_fused():
     assert abs(loglog_slope((64, 128), by["naive"]) - 2) < 0.15
     assert abs(loglog_slope((64, 128), by["sdpa"]) - 1) < 0.15
     assert all(r["timing"].n == 1 for r in rows)
+
+
+def test_forward_bytes_naive_quadratic_tiled_exactly_o_and_lse():
+    """Under the interpreter (tests/conftest.py) the Triton kernel runs on the CPU, so both columns are measured."""
+    lengths = (32, 64)
+    rows = attention_memory(lengths, heads=2, head_dim=16)
+    for r in rows:
+        assert r["tiled_bytes"] == r["o_lse_bytes"]  # O (fp32) and L: nothing of size T x T
+        assert r["naive_bytes"] >= 2 * r["scores_bytes"]  # softmax writes P while S is alive
+    assert abs(loglog_slope(lengths, [r["naive_bytes"] for r in rows]) - 2) < 0.15
+    assert loglog_slope(lengths, [r["tiled_bytes"] for r in rows]) == 1
+
+
+def test_allocated_peak_counts_temporaries_not_inputs():
+    x = torch.ones(1000)
+    def fn():
+        y = x * 2  # 4000 B, freed before z is made
+        del y
+        return (x + 1).sum()  # 4000 B, then 4 B for the sum
+    assert allocated_peak(fn) == 4004
+    assert allocated_peak(lambda: x.view(10, 100).t()) == 0  # views of an input allocate nothing
 
 
 def test_compile_failure_is_reported(monkeypatch):

@@ -6,6 +6,8 @@ autograd keeps them for backward, O(T^2) memory per head. `sdpa_attention` calls
 are computed block by block in on-chip memory, never written out, and recomputed in backward; only
 the output and the softmax's log-sum-exp per row are kept, O(T). The CPU has a fused kernel of the
 same algorithm, so the memory effect is measurable here; the speed claims (HBM traffic) are not.
+`attention_memory` counts the bytes one forward allocates, naive against the course's own tiled
+kernel (dlo.kernels.flash_attention, FlashAttention-2's forward in Triton), beside the formulas.
 
 `compile_speedup` times a chain of pointwise ops eager and under torch.compile, which fuses the
 chain into one loop (one kernel on a GPU): one read and one write of memory instead of one per op.
@@ -17,22 +19,29 @@ from __future__ import annotations
 
 import math
 import time
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from dlo.measure import saved_bytes, time_interleaved
+from dlo.measure import allocated_peak, saved_bytes, time_interleaved
 
 
-def naive_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True) -> Tensor:
-    """softmax(q k^T / sqrt(d) + causal mask) v on (B, H, T, d) tensors, the (T, T) scores written out."""
+def attention_scores(q: Tensor, k: Tensor, causal: bool = True) -> Tensor:
+    """S = q k^T / sqrt(d) on (B, H, T, d) tensors, -inf where a query would see a later key (causal):
+    the (B, H, T, T) matrix naive attention writes out."""
     scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # (B, H, T, T)
     if causal:
         t = q.shape[-2]
         future = torch.ones(t, t, dtype=torch.bool, device=q.device).triu(1)
         scores = scores.masked_fill(future, float("-inf"))
-    return torch.softmax(scores, dim=-1) @ v  # (B, H, T, d)
+    return scores
+
+
+def naive_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True) -> Tensor:
+    """softmax(q k^T / sqrt(d) + causal mask) v on (B, H, T, d) tensors, the (T, T) scores written out."""
+    return torch.softmax(attention_scores(q, k, causal), dim=-1) @ v  # (B, H, T, d)
 
 
 def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True) -> Tensor:
@@ -68,6 +77,27 @@ def attention_costs(lengths, *, batch: int = 1, heads: int = 4, head_dim: int = 
         timing = time_interleaved(fns, device=device, warmup=2, reps=reps)
         for name in IMPLS:
             rows.append({"T": t, "impl": name, "saved_bytes": saved[name], "timing": timing[name]})
+    return rows
+
+
+def attention_memory(lengths, *, batch: int = 1, heads: int = 2, head_dim: int = 16, causal: bool = True,
+                     device="cpu", dtype=torch.float32) -> list[dict]:
+    """Per sequence length T: the peak bytes torch allocates in one forward (no autograd) of naive
+    attention and of the tiled kernel (dlo.kernels.flash_attention; None where it cannot run here),
+    counted by dlo.measure.allocated_peak, beside the formulas: naive writes the scores S, B H T^2
+    elements, then P = softmax(S) beside them; the tiled kernel writes only O (B H T d) and its fp32
+    log-sum-exp L (B H T); its blocks of S live in on-chip memory, a size that does not grow with T."""
+    from dlo.kernels.flash_attention import flash_attention  # the kernels import this module
+    from dlo.kernels.runtime import kernel_available
+
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    rows = []
+    for t in lengths:
+        q, k, v = (x.detach() for x in qkv(batch, heads, t, head_dim, device=device, dtype=dtype))
+        tiled = allocated_peak(partial(flash_attention, q, k, v, causal)) if kernel_available(device) else None
+        rows.append({"T": t, "naive_bytes": allocated_peak(partial(naive_attention, q, k, v, causal)),
+                     "tiled_bytes": tiled, "scores_bytes": batch * heads * t * t * itemsize,
+                     "o_lse_bytes": batch * heads * t * (head_dim * itemsize + 4)})
     return rows
 
 

@@ -9,7 +9,8 @@ same thing on every day:
 - memory (bytes, one unit everywhere): `SavedTensorMeter` counts exactly what autograd keeps for
   backward (device independent, the CPU's measure); `peak_memory()` gives `max_memory_allocated` on
   CUDA and the saved-tensor peak elsewhere, and says which one it is (`kind`); `saved_bytes(forward)`
-  and `measure_step(step)` are the two measurements every day's tables are made of.
+  and `measure_step(step)` are the two measurements every day's tables are made of; `allocated_peak(fn)`
+  (`AllocationMeter`) counts the bytes torch operators allocate, a forward's working memory on any device.
 - communication: `CommCounter` is a dispatch mode that sees every collective that reaches the
   dispatcher (`dist.all_reduce` and friends, torch's functional collectives used by DTensor/FSDP2,
   point-to-point sends): calls, payload bytes and the bytes this rank sends under the ring model;
@@ -21,8 +22,10 @@ same thing on every day:
 from dlo.measure.comm import CommCall, CommCounter, collective_kind, comm_bytes, tally
 from dlo.measure.compute import count_flops, fmt_bytes, mfu, transformer_flops_per_token
 from dlo.measure.memory import (
+    AllocationMeter,
     PeakMemory,
     SavedTensorMeter,
+    allocated_peak,
     held_bytes,
     measure_step,
     optimizer_state_bytes,
@@ -32,7 +35,7 @@ from dlo.measure.memory import (
 )
 from dlo.measure.timing import Timing, sync, time_fn, time_interleaved
 
-__all__ = ["sync", "Timing", "time_fn", "time_interleaved", "SavedTensorMeter", "PeakMemory", "peak_memory",
-           "saved_bytes", "measure_step", "tensor_bytes", "optimizer_state_bytes", "held_bytes", "CommCall",
-           "CommCounter", "tally", "comm_bytes", "collective_kind", "count_flops", "transformer_flops_per_token",
-           "mfu", "fmt_bytes"]
+__all__ = ["sync", "Timing", "time_fn", "time_interleaved", "SavedTensorMeter", "AllocationMeter", "allocated_peak",
+           "PeakMemory", "peak_memory", "saved_bytes", "measure_step", "tensor_bytes", "optimizer_state_bytes",
+           "held_bytes", "CommCall", "CommCounter", "tally", "comm_bytes", "collective_kind", "count_flops",
+           "transformer_flops_per_token", "mfu", "fmt_bytes"]

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from dlo.measure.timing import sync, time_fn
 
@@ -87,6 +89,57 @@ class SavedTensorMeter:
 
     def __exit__(self, *exc):
         return self._hooks.__exit__(*exc)
+
+
+class AllocationMeter(TorchDispatchMode):
+    """Counts the bytes of the tensors torch operators allocate while the context is active: `bytes`
+    held now, `peak` their maximum. The CPU's measure of a forward's working memory (the CUDA
+    allocator's counters have no CPU counterpart), autograd or not, on any device.
+
+    Every operator's outputs pass through the mode; a storage is counted when first seen as an
+    output and released when the last tensor seen holding it dies (views share their base's
+    storage). A storage first seen as an operator's input existed before the block (the inputs, the
+    parameters) and is not counted. Memory that no torch operator allocates (a Triton kernel's
+    on-chip tiles, the interpreter's numpy arrays, a library's scratch space) is not seen.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.before: set[int] = set()
+        self.refs: dict[int, int] = {}
+        self.sizes: dict[int, int] = {}
+        self.bytes = self.peak = 0
+
+    def _release(self, key: int) -> None:
+        self.refs[key] -= 1
+        if self.refs[key] == 0:
+            self.bytes -= self.sizes.pop(key)
+            del self.refs[key]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        for t in tree_flatten((args, kwargs))[0]:
+            if isinstance(t, Tensor) and _storage_key(t) not in self.refs:
+                self.before.add(_storage_key(t))
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if not isinstance(t, Tensor) or _storage_key(t) in self.before:
+                continue
+            key = _storage_key(t)
+            if key not in self.refs:
+                self.refs[key], self.sizes[key] = 0, t.untyped_storage().nbytes()
+                self.bytes += self.sizes[key]
+                self.peak = max(self.peak, self.bytes)
+            self.refs[key] += 1
+            weakref.finalize(t, self._release, key)
+        return out
+
+
+def allocated_peak(fn: Callable[[], object]) -> int:
+    """Peak bytes of the tensors torch operators allocate during one call of `fn()` (beyond what
+    existed before), its result included while it is held: `AllocationMeter`."""
+    with AllocationMeter() as meter:
+        fn()
+    return meter.peak
 
 
 @dataclass
