@@ -52,16 +52,18 @@ def test_grad_sq_norms_are_the_chunks_and_their_mean_and_touch_nothing():
     x, y = torch.randn(12, 5), torch.randint(0, 3, (12,))
     loss_fn = nn.functional.cross_entropy
     before = [t.clone() for t in model.buffers()]
-    small, big = grad_sq_norms(model, loss_fn, x, y, 4)
+    m = grad_sq_norms(model, loss_fn, x, y, 4)
     assert all(p.grad is None for p in model.parameters())
     assert all(torch.equal(a, b) for a, b in zip(before, model.buffers()))
-    grads = []
+    grads, losses = [], []
     for i in range(3):
         model.zero_grad()
-        loss_fn(model(x[4 * i: 4 * i + 4]), y[4 * i: 4 * i + 4]).backward()
+        losses.append(loss_fn(model(x[4 * i: 4 * i + 4]), y[4 * i: 4 * i + 4]))
+        losses[-1].backward()
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
-    assert small == pytest.approx([float(g.pow(2).sum()) for g in grads], rel=1e-5)
-    assert big == pytest.approx(float(torch.stack(grads).mean(0).pow(2).sum()), rel=1e-5)
+    assert m.small == pytest.approx([float(g.pow(2).sum()) for g in grads], rel=1e-5)
+    assert m.big == pytest.approx(float(torch.stack(grads).mean(0).pow(2).sum()), rel=1e-5)
+    assert m.loss == pytest.approx(float(sum(losses) / 3), rel=1e-6)
     with pytest.raises(ValueError, match="chunks"):
         grad_sq_norms(model, loss_fn, x, y, 5)
 

@@ -20,7 +20,7 @@ noisy estimates is biased and may be negative).
 
 - `noise_scale(small_sq, big_sq, b_small, b_big)`: the estimator, from lists of squared norms.
 - `grad_sq_norms(model, loss_fn, x, y, b_small)`: the squared norms of one big batch and of its
-  b_small-sized chunks (the data-parallel setting of A.1: each worker's gradient and their mean),
+  b_small-sized chunks, and their mean loss (the data-parallel setting of A.1: each worker's gradient and their mean),
   with autograd.grad, leaving .grad and the buffers (BatchNorm statistics) as they were.
 - `steps_ratio`, `samples_ratio`: what the model predicts for going from one batch to another.
 """
@@ -63,8 +63,18 @@ def _sq_norm(grads) -> float:
     return float(sum(g.double().pow(2).sum() for g in grads))
 
 
-def grad_sq_norms(model: nn.Module, loss_fn, x: Tensor, y: Tensor, b_small: int) -> tuple[list[float], float]:
-    """([|G_small|^2 of each b_small chunk of (x, y)], |G_big|^2 of their mean), G the gradient of
+@dataclass(frozen=True)
+class GradNorms:
+    """What `grad_sq_norms` measured on one big batch: `small` (|G_small|^2 per chunk), `big`
+    (|G_big|^2 of their mean) and `loss` (the mean of the chunks' losses)."""
+
+    small: list[float]
+    big: float
+    loss: float
+
+
+def grad_sq_norms(model: nn.Module, loss_fn, x: Tensor, y: Tensor, b_small: int) -> GradNorms:
+    """Squared gradient norms of each b_small chunk of (x, y) and of their mean, G the gradient of
     `loss_fn(model(x_chunk), y_chunk)` (a mean over the chunk) with respect to the trainable
     parameters. The big batch is len(x) = k * b_small samples seen as k workers of b_small each
     (BatchNorm normalises per chunk, as in data parallelism without SyncBatchNorm). The model's
@@ -73,15 +83,17 @@ def grad_sq_norms(model: nn.Module, loss_fn, x: Tensor, y: Tensor, b_small: int)
         raise ValueError(f"grad_sq_norms: {len(x)} samples must be k >= 2 chunks of b_small={b_small}")
     params = [p for p in model.parameters() if p.requires_grad]
     buffers = [t.clone() for t in model.buffers()]
-    small, total = [], None
+    small, losses, total = [], [], None
     for xc, yc in zip(x.split(b_small), y.split(b_small)):
-        grads = torch.autograd.grad(loss_fn(model(xc), yc), params)
+        loss = loss_fn(model(xc), yc)
+        grads = torch.autograd.grad(loss, params)
         small.append(_sq_norm(grads))
+        losses.append(loss.detach().item())
         total = list(grads) if total is None else [t + g for t, g in zip(total, grads)]
     with torch.no_grad():
         for t, saved in zip(model.buffers(), buffers):
             t.copy_(saved)  # the measurement's forwards must not move BatchNorm's running statistics
-    return small, _sq_norm(t / len(small) for t in total)
+    return GradNorms(small, _sq_norm(t / len(small) for t in total), statistics.fmean(losses))
 
 
 def steps_ratio(b_noise: float, b_from: int, b_to: int) -> float:

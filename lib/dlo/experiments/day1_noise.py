@@ -32,7 +32,7 @@ class NoiseProbe:
     """probe(step, model): at the steps of `probe_steps(P)`, `reps` gradient-norm measurements at
     B_small = P.small_batch and B_big = P.large_batch on fresh training images (a generator seeded by
     `seed` and the step: the run's own data order and RNG are untouched). `small[step]`, `big[step]`:
-    the squared norms; `loss[step]`: the mean loss of the measured batches."""
+    the squared norms; `loss[step]`: the mean training loss of the measured chunks (batch statistics)."""
 
     def __init__(self, P, train_ds, seed: int, device, reps: int = 2):
         self.P, self.ds, self.seed, self.device, self.reps = P, train_ds, seed, torch.device(device), reps
@@ -50,12 +50,10 @@ class NoiseProbe:
         self.small[step], self.big[step], losses = [], [], []
         for rows in idx:
             x, y = x_all[rows].to(self.device), y_all[rows].to(self.device)
-            small, big = grad_sq_norms(model, F.cross_entropy, x, y, self.P.small_batch)
-            self.small[step] += small
-            self.big[step].append(big)
-            with torch.no_grad():
-                losses.append(float(F.cross_entropy(model.eval()(x), y)))
-            model.train()
+            m = grad_sq_norms(model, F.cross_entropy, x, y, self.P.small_batch)
+            self.small[step] += m.small
+            self.big[step].append(m.big)
+            losses.append(m.loss)
         self.loss[step] = sum(losses) / len(losses)
 
 
