@@ -3,6 +3,7 @@ a run. The case once printed as "yes": linear scaling judged at equal *steps* (t
 times the data). Here every comparison is at equal samples, and its verdict follows the noise."""
 
 import dataclasses
+import math
 
 import pytest
 
@@ -128,3 +129,27 @@ def test_validate_and_smoke():
     smoke = P.smoke()
     smoke.validate()
     assert E.steps_for(smoke, smoke.large_batch) >= 1
+
+
+def test_noise_probe_measures_without_changing_the_run(one_thread):
+    """The probe reads gradient norms at its steps and leaves the run bit-identical (its own RNG, no
+    .grad, BatchNorm statistics restored); noise_rows gives one row per measured step over the seeds."""
+    import dlo.data
+    from dlo.experiments import day1_noise
+
+    Q = P.smoke()
+    train_ds, test_ds = dlo.data.cifar10(None, n_train=Q.n_train, n_test=Q.n_test, seed=0, image_size=Q.image_size)
+    cfg, probes = E.Config("sgd", Q.small_batch), {}
+    plain = E.train_config(Q, cfg, 0, train_ds, test_ds, "cpu", progress=False)
+    for s in range(3):
+        probes[s] = day1_noise.NoiseProbe(Q, train_ds, s, "cpu", reps=1)
+        probed = E.train_config(Q, cfg, s, train_ds, test_ds, "cpu", progress=False, probe=probes[s])
+        if s == 0:
+            assert probed["hist"]["loss"] == plain["hist"]["loss"] and probed["stale_acc"] == plain["stale_acc"]
+    rows = day1_noise.noise_rows(probes, Q)
+    assert [r["step"] for r in rows] == day1_noise.probe_steps(Q) == [0, Q.max_steps // 2, Q.max_steps]
+    assert all(len(p.small[0]) == Q.large_batch // Q.small_batch for p in probes.values())
+    for r in rows:  # a seed whose |G|^2 estimate is <= 0 (nan B_simple) is left out of the interval
+        assert len(r["b_simple_per_seed"]) == 3
+        assert r["estimate"].n == sum(not math.isnan(b) for b in r["b_simple_per_seed"])
+    assert len(day1_noise.noise_claims(rows, Q)) == 2

@@ -140,3 +140,19 @@ def test_block_sizes_and_offload_comparison_on_a_small_stack(one_thread):
     rows = {r["config"]: r for r in E.plan(P, gpus=1, gpu_mem_gb=80)}
     assert rows["AdamW state offloaded (ZeRO-Offload)"]["optimizer"] == 0
     assert rows["resume run (AdamW, GradScaler)"]["optimizer"] == 8 * n
+
+
+def test_korthikanti_rows_match_the_meter(one_thread):
+    """The paper's accounting applied to the notebook's block agrees with the meter at every point
+    (within the stated tolerance; exactly once the small buffers are added); a block that saved one
+    extra tensor would be off by its bytes."""
+    from dlo.experiments import day3_memory as M
+
+    P = dataclasses.replace(Day3Preset(), d_model=16, n_heads=2, seq_len=16, batch_size=4)
+    rows = M.memory_model_rows(P, "cpu")
+    assert [(r["s"], r["b"], r["policy"]) for r in rows] == [(16, 4, "none"), (8, 4, "none"), (16, 2, "none"),
+                                                             (16, 4, "selective")]
+    assert all(r["counted"] == r["ours_small"] for r in rows)
+    assert {c.verdict for c in M.memory_model_claims(rows)} == {AGREES}
+    off = [dict(r, counted=r["counted"] + 4 * r["s"] * r["b"] * P.d_model) for r in rows]  # one more (b, s, h) fp32
+    assert {c.verdict for c in M.memory_model_claims(off)} == {DISAGREES}

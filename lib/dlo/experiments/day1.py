@@ -78,14 +78,17 @@ def grid(P) -> list[tuple[Config, int]]:
     return [(c, s) for s in range(P.seeds) for c in sgd + adaptive] + [(Config("lamb", L, warmup=False), 0)]
 
 
-def train_config(P, cfg: Config, seed: int, train_ds, test_ds, device, writer=None, progress: bool = True) -> dict:
+def train_config(P, cfg: Config, seed: int, train_ds, test_ds, device, writer=None, progress: bool = True,
+                 probe=None) -> dict:
     """Train a fresh SmallCNN (initial weights from `seed`) with cfg at equal samples; warmup + cosine
     schedule (warmup: P.warmup_steps small-batch steps' worth of samples), global-norm clipping.
     BatchNorm's running statistics are recomputed on training images before the test (see
     `recalibrate_batchnorm`). Returns the run's record: accuracy and loss on test_ds (and before the
-    recalibration), the mean training loss of the last steps, the early loss peak, time, history."""
+    recalibration), the mean training loss of the last steps, the early loss peak, time, history.
+    `probe(step, model)` (e.g. `day1_noise.NoiseProbe`) is called before every optimizer step and
+    once after the last (step = steps), before the recalibration."""
     from dlo.schedules import warmup_cosine
-    from dlo.train import evaluate, make_loader, train
+    from dlo.train import cross_entropy_step, evaluate, make_loader, train
 
     steps = steps_for(P, cfg.batch)
     # the same warmup in samples at every batch (Goyal et al. warm up over epochs), at least 1 step
@@ -96,9 +99,12 @@ def train_config(P, cfg: Config, seed: int, train_ds, test_ds, device, writer=No
     model = SmallCNN(width=P.width).to(device)
     opt = make_optimizer(P, cfg.opt, model.parameters(), lr)
     loader = make_loader(train_ds, cfg.batch, seed=seed)
-    hist = train(model, opt, loader, steps=steps, device=device, clip=P.clip, writer=writer, eval_data=test_ds,
-                 lr_fn=lambda s: warmup_cosine(s, base_lr=lr, warmup_steps=warm, total_steps=steps),
-                 tag=f"{cfg.name} seed {seed}", progress=progress)
+    step_fn = None if probe is None else _probed(cross_entropy_step(P.clip), probe)
+    hist = train(model, opt, loader, steps=steps, device=device, clip=None if probe else P.clip, step_fn=step_fn,
+                 writer=writer, eval_data=test_ds, tag=f"{cfg.name} seed {seed}", progress=progress,
+                 lr_fn=lambda s: warmup_cosine(s, base_lr=lr, warmup_steps=warm, total_steps=steps))
+    if probe is not None:
+        probe(steps, model)
     stale_acc = hist["eval_acc"]
     recalibrate_batchnorm(model, train_ds, device, P.bn_samples)
     hist["eval_loss"], hist["eval_acc"] = evaluate(model, test_ds, device)
@@ -109,6 +115,16 @@ def train_config(P, cfg: Config, seed: int, train_ds, test_ds, device, writer=No
             "samples": steps * cfg.batch, "acc": hist["eval_acc"], "loss": hist["eval_loss"],
             "stale_acc": stale_acc, "train_loss": sum(tail) / len(tail),
             "early_peak": max(early), "time_s": hist["time_s"], "hist": hist}
+
+
+def _probed(step_fn, probe):
+    """step_fn with probe(i, model) called before its i-th call (0-based)."""
+    calls = iter(range(1 << 62))
+
+    def step(model, optimizer, batch):
+        probe(next(calls), model)
+        return step_fn(model, optimizer, batch)
+    return step
 
 
 def recalibrate_batchnorm(model, train_ds, device, n: int) -> None:
