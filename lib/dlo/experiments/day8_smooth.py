@@ -81,11 +81,11 @@ def variants(model, calib) -> dict[str, torch.nn.Module]:
     return out
 
 
-def run(seed: int, device) -> dict:
-    """The whole experiment for one seed: the trained model, the outlier tables (as trained and with
-    injected outliers), and per-batch scores of every variant on both, plus the float models."""
+def run(seed: int, device, steps: int = 0) -> dict:
+    """The whole experiment for one seed: the trained model (`steps`, default LM["steps"]), the outlier
+    tables (as trained and with injected outliers), and per-batch scores of every variant on both."""
     d = data(seed, device)
-    model = train_lm(d["train"], device, seed)
+    model = train_lm(d["train"], device, seed, steps)
     injected = copy.deepcopy(model)
     sq.inject_outliers_(injected, list(OUTLIER_CHANNELS), OUTLIER_FACTOR)
     res = {"seed": seed, "model": model, "outliers": outlier_table(model, d["calib"]),
