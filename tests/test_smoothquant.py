@@ -69,17 +69,18 @@ def test_smoothing_and_injection_leave_the_float_model_unchanged(alpha):
     assert sq.outlier_stats(stats)["> 6x median"] == 2  # the two injected channels, nothing else
 
 
-def test_w8a8_linear_runs_the_int8_gemm_and_matches_its_reference(monkeypatch):
+@pytest.mark.parametrize("act", ["tensor", "token"])
+def test_w8a8_linear_runs_the_int8_gemm_and_matches_its_reference(monkeypatch, device, act):
     torch.manual_seed(0)
-    lin = nn.Linear(24, 20)
-    x = torch.randn(3, 5, 24)
-    layer = sq.W8A8Linear(lin, x.abs().reshape(-1, 24).amax(0))
+    lin = nn.Linear(24, 20).to(device)
+    x = torch.randn(3, 5, 24, device=device)
+    layer = sq.W8A8Linear(lin, x.abs().reshape(-1, 24).amax(0), act, kernel=True)
     calls = []
     real = int8_gemm.int8_gemm
     monkeypatch.setattr(int8_gemm, "int8_gemm", lambda *a, **k: calls.append(1) or real(*a, **k))
     with torch.no_grad():
         y = layer(x)
-        monkeypatch.setattr(sq, "kernel_available", lambda device: False)
+        layer.kernel = False
         y_ref = layer(x)
         assert rel(y, lin(x)) < 0.02
     assert calls and y.shape == (3, 5, 20)
@@ -111,7 +112,6 @@ def test_quantize_llama_modes_and_bad_input():
 
 
 def test_experiment_tables_and_claims_on_a_cut_down_run(monkeypatch):
-    monkeypatch.setattr(sq, "kernel_available", lambda device: False)  # the kernel is tested above; seconds here
     monkeypatch.setitem(S.LM, "batch", 2)
     monkeypatch.setitem(S.LM, "seq_len", 8)
     for k, v in (("steps", 2), ("train", 2), ("calib", 1), ("eval", 3)):

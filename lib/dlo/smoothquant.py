@@ -14,8 +14,8 @@ into whatever produces X: the weight of the RMSNorm before wq/wk/wv and w1/w3, t
 w2 (w2 reads silu(w1 x) * w3 x). The float model is unchanged; only its quantization is.
 
 Order: calibration (`act_absmax`), the factors and the folding, W8A8 on `dlo.kernels.int8_gemm`
-(its Triton kernel where it can run: CUDA, or CPU under TRITON_INTERPRET=1; else its exact torch
-reference), and the Llama-specific wiring (`smooth_llama_`, `quantize_llama`).
+(its Triton kernel on CUDA; on a CPU its exact torch reference, or the kernel in the interpreter when
+asked: `W8A8Linear(kernel=True)` under TRITON_INTERPRET=1), and the Llama-specific wiring (`smooth_llama_`, `quantize_llama`).
 """
 
 from __future__ import annotations
@@ -110,14 +110,17 @@ def fold_(producer: nn.Module, linears: list[nn.Linear], s: Tensor) -> None:
 
 class W8A8Linear(nn.Module):
     """int8 weights per output channel, int8 activations per tensor (a static, calibrated scale) or
-    per token (dynamic); y = int8_gemm(q_x, q_w, s_x, s_w) + bias, summed exactly in int32."""
+    per token (dynamic); y = int8_gemm(q_x, q_w, s_x, s_w) + bias, summed exactly in int32.
+    `kernel`: None runs the Triton kernel on CUDA and its exact torch reference elsewhere (the
+    interpreter would take minutes per model on a CPU); True forces the kernel (on a CPU it needs
+    TRITON_INTERPRET=1: the tests), False the reference."""
 
-    def __init__(self, linear: nn.Linear, act_absmax: Tensor, act: str = "tensor"):
+    def __init__(self, linear: nn.Linear, act_absmax: Tensor, act: str = "tensor", kernel: bool | None = None):
         super().__init__()
         if act not in ACT_GRANULARITIES:
             raise ValueError(f"act must be one of {ACT_GRANULARITIES}, got {act!r}")
         q, s, _ = quant.quantize(linear.weight.detach(), 8, "channel", symmetric=True)
-        self.act = act
+        self.act, self.kernel = act, kernel
         self.register_buffer("qweight", q)  # (out, in) int8
         self.register_buffer("w_scale", s[:, 0].contiguous())  # (out,)
         self.register_buffer("x_scale", act_absmax.max().float().reshape(()) / 127.0)  # per tensor, static
@@ -130,7 +133,8 @@ class W8A8Linear(nn.Module):
         else:
             sx = self.x_scale.expand(x2.shape[0]).contiguous()
             qx = quant.quantize_affine(x2, self.x_scale, torch.zeros(()), 8).to(torch.int8)
-        mm = gemm.int8_gemm if kernel_available(x.device) else gemm.int8_gemm_ref
+        use = x.device.type == "cuda" and kernel_available(x.device) if self.kernel is None else self.kernel
+        mm = gemm.int8_gemm if use else gemm.int8_gemm_ref
         y = mm(qx, self.qweight, sx, self.w_scale, out_dtype=torch.float32).to(x.dtype)
         y = y if self.bias is None else y + self.bias
         return y.reshape(*x.shape[:-1], -1)
