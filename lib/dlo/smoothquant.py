@@ -15,7 +15,8 @@ w2 (w2 reads silu(w1 x) * w3 x). The float model is unchanged; only its quantiza
 
 Order: calibration (`act_absmax`), the factors and the folding, W8A8 on `dlo.kernels.int8_gemm`
 (its Triton kernel on CUDA; on a CPU its exact torch reference, or the kernel in the interpreter when
-asked: `W8A8Linear(kernel=True)` under TRITON_INTERPRET=1), and the Llama-specific wiring (`smooth_llama_`, `quantize_llama`).
+asked: `W8A8Linear(kernel=True)` under TRITON_INTERPRET=1), and the Llama-specific wiring
+(`smooth_llama`, `quantize_llama`, `inject_outliers_`).
 """
 
 from __future__ import annotations
