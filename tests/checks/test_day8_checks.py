@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dlo import distill, prune, quant
+from dlo import distill, prune, quant, smoothquant
 from dlo.checks import day8
 from dlo.grading.forbid import ForbiddenCall
 
@@ -275,6 +275,24 @@ def distill_sum_reduction(s, t, y, temperature, lam):
     return distill_ok(s, t, y, temperature, lam) * s.shape[0]
 
 
+def smooth_ok(a, w, alpha):
+    s = a ** alpha / w ** (1 - alpha)
+    return torch.where((a > 0) & (w > 0), s, torch.ones_like(s))
+
+
+def smooth_swapped(a, w, alpha):  # the exponents the wrong way round
+    return smooth_ok(w, a, alpha)
+
+
+def smooth_no_zero_rule(a, w, alpha):  # 0^alpha / w, or a / 0: an all-zero channel gets 0 or inf
+    return a ** alpha / w ** (1 - alpha)
+
+
+def smooth_product(a, w, alpha):
+    s = a ** alpha * w ** (1 - alpha)
+    return torch.where((a > 0) & (w > 0), s, torch.ones_like(s))
+
+
 # ----------------------------------------------------------------------------- tests
 
 CASES = [
@@ -294,10 +312,13 @@ CASES = [
       (mask24_ok, valid_exactly_two), (mask24_ok, valid_at_most_three), (mask24_ok, valid_always)]),
     (day8.check_distillation_loss, (distill_ok,),
      [(stub,), (distill_no_t2,), (distill_reversed_kl,), (distill_teacher_grad,), (distill_sum_reduction,)]),
+    (day8.check_smoothing_factors, (smooth_ok,),
+     [(stub,), (smooth_swapped,), (smooth_no_zero_rule,), (smooth_product,)]),
 ]
 LIBRARY = [(quant.quantize, quant.dequantize), (calibrate_with_observers,), (quant.fake_quant,),
            (prune.magnitude_masks,), (prune.gradual_sparsity,), (prune.prune_linear_pair,),
-           (prune.mask_2to4, prune.is_2to4), (distill.distillation_loss,)]
+           (prune.mask_2to4, prune.is_2to4), (distill.distillation_loss,),
+           (smoothquant.smoothing_factors,)]
 
 
 @pytest.mark.parametrize("check,good", [(c, g) for c, g, _ in CASES], ids=lambda v: getattr(v, "__name__", ""))

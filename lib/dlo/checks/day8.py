@@ -10,6 +10,7 @@ Functions returning tensors are called directly (`dlo.grading.api`: inputs made 
 back); the ones whose result must be differentiated or is a module (fake quantization, the
 distillation loss, the pruned layer pair) run in workers that record outputs and gradients.
 While the student's code runs, the library references of each exercise are off limits.
+The SmoothQuant exercise's check lives in `dlo.checks.day8_smooth` and is re-exported here.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 from torch import nn
 
 from dlo import distill, prune, quant
+from dlo.checks.day8_smooth import check_smoothing_factors  # noqa: F401 (the notebook calls it from here)
 from dlo.grading.api import check, run_student
 from dlo.grading.compare import assert_close, fmt, ok
 

@@ -1,0 +1,33 @@
+"""Autograder check for Day 8's SmoothQuant exercise (re-exported by `dlo.checks.day8`, the day's one
+checks module): the smoothing factors of Xiao et al. 2023, Eq. 4, against `dlo.smoothquant`."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from dlo import smoothquant
+from dlo.grading.api import check
+from dlo.grading.compare import assert_close, ok
+
+SMOOTH = ("dlo.smoothquant.smoothing_factors", "dlo.smoothquant.smooth_llama", "dlo.smoothquant.fold_")
+
+
+@check(forbid=SMOOTH)
+def check_smoothing_factors(fn, seed: int = 0, trials: int = 6) -> None:
+    """`fn(act_absmax, weight_absmax, alpha) -> s` (C,): s_j = max|X_j|^alpha / max|W_j|^(1-alpha), and
+    s_j = 1 where either max is 0. Odd channel counts, a few outlier channels 20-100x larger in X,
+    one all-zero channel of X or of W, alpha at the ends and inside."""
+    name, rng, gen = "smoothing_factors", random.Random(seed), torch.Generator().manual_seed(seed)
+    for t in range(trials):
+        C = rng.choice([3, 5, 7, 11, 13, 17])
+        alpha = (0.0, 0.5, 1.0, rng.choice([0.25, 0.65, 0.8]))[t % 4]
+        act = torch.rand(C, generator=gen) * 3 + 0.05
+        act[torch.randperm(C, generator=gen)[:max(1, C // 5)]] *= rng.choice([20.0, 60.0, 100.0])
+        w = torch.rand(C, generator=gen) * rng.choice([0.02, 1.0]) + 1e-3
+        (act if t % 2 else w)[rng.randrange(C)] = 0.0  # nothing to balance in that channel
+        hp = dict(channels=C, alpha=alpha, zero_in="act" if t % 2 else "weight")
+        s = fn(act.clone(), w.clone(), alpha)
+        assert_close(name, "s", s, smoothquant.smoothing_factors(act, w, alpha), hp, rtol=1e-4, atol=1e-6)
+    ok(name, f"{trials} trials, seed={seed}")
