@@ -189,7 +189,9 @@ def test_a_stopped_run_leaves_no_process(tmp_path, signum, monkeypatch):
 
 
 @pytest.mark.slow
-def test_a_stopped_grade_leaves_no_process(toy_root, tmp_path):
+def test_a_stopped_grade_leaves_no_process(toy_root, tmp_path, monkeypatch):
+    monkeypatch.setenv("DLO_DAYS", DAY)  # the toy course's one day (dlo.registry.names)
+
     def sleep_in_add(cell):
         if grade_id(cell) == "add":
             cell["source"] = SLEEPER

@@ -26,7 +26,18 @@ from dlo.grading import files
 from dlo.harness import exchange
 from dlo.harness.nbgrader_cli import NOT_SUBMITTED
 from dlo.harness.setup import setup
-from tests.harness.conftest import ADAMW, DAY, POINTS, REPO, dlo, edit_cells, grade_id, read_csv, unreachable_by_others
+from tests.harness.conftest import (
+    ADAMW,
+    DAY,
+    POINTS,
+    REPO,
+    dlo,
+    edit_cells,
+    grade_id,
+    read_csv,
+    toy_days,
+    unreachable_by_others,
+)
 
 TOTAL = sum(POINTS.values())
 ADD = "def add(a, b):\n    return a + b"
@@ -322,7 +333,7 @@ def _round_trip(toy_template: Path, base: Path, users: Users, tag: str) -> None:
     out = desk / "grading"
     graded = users.run(inst, sys.executable, "-m", "dlo.cli", "--root", str(course), "grade",
                        str(course / "submitted"), "--out", str(out), "--cell-timeout", "30", cwd=course,
-                       env=settings[inst], timeout=900)
+                       env={**settings[inst], **toy_days(course)}, timeout=900)
     scores = {r["student"]: float(r["score"]) for r in read_csv(out / "scores.csv")}
     assert scores == {ann: TOTAL, bob: POINTS["add_test"]}, graded.stdout + graded.stderr
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness.conftest import DAY, POINTS, dlo, read_csv, sandbox_flags
+from tests.harness.conftest import DAY, POINTS, dlo, read_csv, sandbox_flags, toy_days
 from tests.harness.test_toy_course import ADD, _replace, _student
 
 TOTAL = sum(POINTS.values())
@@ -116,7 +116,8 @@ class Killer(threading.Thread):
 def _grade(toy_root, sub, out, *extra) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "dlo.cli", "--root", str(toy_root), "grade", str(sub), "--out",
                              str(out), "--jobs", "1", *extra, *sandbox_flags()], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env={**os.environ, "DLO_PROFILE": "tiny"})
+                            stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "DLO_PROFILE": "tiny", **toy_days(toy_root)})
 
 
 def test_killed_workers_and_interrupts_cost_only_their_submission(toy_root, tmp_path):

