@@ -177,8 +177,8 @@ def _compile_indexed(job: tuple[int, int]) -> dict:
     return {"case": case.name, "arch": arch, **compile_case(case, arch)}
 
 
-def _main(archs: list[int], jobs: int, out: str) -> None:
-    todo = [(i, arch) for i in range(len(all_cases())) for arch in archs]
+def _main(archs: list[int], jobs: int, out: str, only: list[str] | None = None) -> None:
+    todo = [(i, arch) for i, case in enumerate(all_cases()) if not only or case.name in only for arch in archs]
     # Many small processes: Triton's compiler holds the GIL, ptxas is the only part that runs outside it.
     with ProcessPoolExecutor(max_workers=jobs) as pool:
         results = list(pool.map(_compile_indexed, todo))
@@ -187,9 +187,9 @@ def _main(archs: list[int], jobs: int, out: str) -> None:
 
 
 def compile_all(archs: tuple[int, ...] = tuple(TARGETS), cache_dir: str | None = None,
-                jobs: int | None = None) -> dict[tuple[str, int], dict]:
-    """Compile every case for every arch in a child process with the interpreter off:
-    {(case name, arch): resources or {"error": ...}}. `cache_dir`: Triton's cache for this run."""
+                jobs: int | None = None, only: list[str] | None = None) -> dict[tuple[str, int], dict]:
+    """Compile every case (or the cases named in `only`) for every arch in a child process with the
+    interpreter off: {(case name, arch): resources or {"error": ...}}. `cache_dir`: Triton's cache."""
     if unknown := sorted(set(archs) - set(TARGETS)):
         raise ValueError(f"no target sm_{unknown[0]}; known: {', '.join(f'sm_{a}' for a in TARGETS)}")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -198,7 +198,7 @@ def compile_all(archs: tuple[int, ...] = tuple(TARGETS), cache_dir: str | None =
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "results.json")
         cmd = [sys.executable, "-m", "dlo.kernels.aot", "--jobs", str(jobs or os.cpu_count() or 1), "--out", out,
-               *(str(a) for a in archs)]
+               *(["--only", "\n".join(only)] if only else []), *(str(a) for a in archs)]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if proc.returncode:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
@@ -212,5 +212,6 @@ if __name__ == "__main__":
     parser.add_argument("archs", nargs="*", type=int, default=list(TARGETS))
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--out", required=True, help="file for the JSON results")
+    parser.add_argument("--only", default="", help="the case names to compile, one per line (default: all)")
     args = parser.parse_args()
-    _main(args.archs, args.jobs, args.out)
+    _main(args.archs, args.jobs, args.out, [n for n in args.only.split("\n") if n] or None)
