@@ -24,6 +24,9 @@ from dlo import presets as P
 
 # What every day's parameters cell declares (papermill's flat scalars), resolved by `dlo.config.resolve`;
 # here, beside the days' own ones (`DaySpec.parameters`), so that `dlo release` reads it without torch.
+# CPU seconds to grade a day nobody estimated (a course of one's own): only the order of the estimates matters
+UNKNOWN_GRADE_CPU_S = 30.0
+
 PARAMETERS = ("profile", "device", "seed", "max_steps", "world_size", "data_dir", "log_dir")
 
 
@@ -44,7 +47,7 @@ class DaySpec:
     # CPU seconds to grade its solution at the tiny profile (cells up to the last graded one) on a loaded
     # 2-core machine (bench/grade_class.py: bench/results/grade-profile-*-after*.json); `dlo grade` and
     # `dlo run --jobs` start the longest first (`dlo.harness.schedule`): only the order matters
-    grade_cpu_s: float = 30.0
+    grade_cpu_s: float = UNKNOWN_GRADE_CPU_S
 
     @property
     def short(self) -> str:

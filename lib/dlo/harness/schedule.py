@@ -20,11 +20,11 @@ import threading
 import time
 from pathlib import Path
 
-from dlo.registry import DAYS
+from dlo.registry import DAYS, UNKNOWN_GRADE_CPU_S
 
 # CPU seconds to grade each day's solution (`dlo.registry.DaySpec.grade_cpu_s`). Only their order matters.
 ESTIMATES = {spec.name: spec.grade_cpu_s for spec in DAYS.values()}
-UNKNOWN = 30.0  # a day with no estimate (a course of one's own)
+UNKNOWN = UNKNOWN_GRADE_CPU_S  # a day with no estimate (a course of one's own)
 HEARTBEAT = 20.0
 
 
