@@ -36,10 +36,11 @@ def test_saved_bytes_grow_as_t_squared_for_naive_and_t_for_fused():
     assert all(r["timing"].n == 1 for r in rows)
 
 
-def test_forward_bytes_naive_quadratic_tiled_exactly_o_and_lse():
-    """Under the interpreter (tests/conftest.py) the Triton kernel runs on the CPU, so both columns are measured."""
+def test_forward_bytes_naive_quadratic_tiled_exactly_o_and_lse(device):
+    """Where the kernel runs (the GPU, or the CPU under the interpreter: tests/conftest.py), so both columns
+    are measured."""
     lengths = (32, 64)
-    rows = attention_memory(lengths, heads=2, head_dim=16)
+    rows = attention_memory(lengths, heads=2, head_dim=16, device=device)
     for r in rows:
         assert r["tiled_bytes"] == r["o_lse_bytes"]  # O (fp32) and L: nothing of size T x T
         assert r["naive_bytes"] >= 2 * r["scores_bytes"]  # softmax writes P while S is alive

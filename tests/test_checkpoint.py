@@ -217,3 +217,16 @@ def test_failed_save_leaves_no_temp_file_and_keeps_the_old_one(tmp_path):
         ck.save_atomic({"lock": threading.Lock()}, path)  # a lock cannot be pickled
     assert sorted(p.name for p in tmp_path.iterdir()) == ["state.pt"]
     assert torch.load(path)["step"] == 1
+
+
+def test_rng_state_restores_from_a_checkpoint_mapped_to_the_device(tmp_path, device):
+    """map_location moves the saved RNG byte tensors to the device; restoring must still work (on a GPU
+    it raised "RNG state must be a torch.ByteTensor") and give the same draws."""
+    seed_everything(3)
+    torch.save({"rng": ck.rng_state()}, tmp_path / "rng.pt")
+    want = (random.random(), np.random.rand(), torch.rand(3))
+    state = torch.load(tmp_path / "rng.pt", map_location=device, weights_only=False)
+    assert state["rng"]["torch"].device.type == device.type
+    ck.set_rng_state(state["rng"])
+    got = (random.random(), np.random.rand(), torch.rand(3))
+    assert got[:2] == want[:2] and torch.equal(got[2], want[2])

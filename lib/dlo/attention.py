@@ -114,15 +114,18 @@ def gelu_residual(x: Tensor, bias: Tensor) -> Tensor:
     return x + y * torch.sigmoid(y)
 
 
-def compile_speedup(fn=gelu_residual, args=None, *, device="cpu", reps: int = 20) -> dict:
+def compile_speedup(fn=gelu_residual, args=None, *, device="cpu", reps: int = 20, n: int = 1024) -> dict:
     """Compile `fn` with torch.compile, report the first call's time (tracing + code generation +
     C++/Triton compilation) and interleaved timings eager vs compiled, with the largest difference of
-    the outputs. If compilation fails (no C compiler, unsupported platform) returns {"error": why}."""
+    the outputs. Default arguments: an (n, n) tensor and an (n,) bias. Each call compiles from scratch
+    (dynamo's caches reset), so a second size is not a recompilation with dynamic shapes. If
+    compilation fails (no C compiler, unsupported platform) returns {"error": why}."""
     if args is None:
         gen = torch.Generator().manual_seed(0)
-        args = (torch.randn(1024, 1024, generator=gen).to(device), torch.randn(1024, generator=gen).to(device))
+        args = (torch.randn(n, n, generator=gen).to(device), torch.randn(n, generator=gen).to(device))
     from torch._inductor import metrics
 
+    torch._dynamo.reset()
     compiled = torch.compile(fn)
     try:
         metrics.reset()
@@ -135,7 +138,7 @@ def compile_speedup(fn=gelu_residual, args=None, *, device="cpu", reps: int = 20
         return {"error": f"{type(exc).__name__}: {first[:200]}"}
     timing = time_interleaved({"eager": lambda: fn(*args), "compiled": lambda: compiled(*args)}, device=device,
                               warmup=2, reps=reps)
-    return {"compile_s": compile_s, "eager": timing["eager"], "compiled": timing["compiled"],
+    return {"compile_s": compile_s, "eager": timing["eager"], "compiled": timing["compiled"], "shape": args[0].shape,
             "max_abs_diff": float((out - fn(*args)).abs().max()),
             "eager_kernels": kernel_launches(fn, *args),
             "compiled_kernels": generated + kernel_launches(compiled, *args)}

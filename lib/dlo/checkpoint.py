@@ -36,11 +36,14 @@ def rng_state() -> dict:
 
 
 def set_rng_state(state: dict) -> None:
+    """Restore what `rng_state` saved. torch's setters take CPU byte tensors only, and a checkpoint
+    loaded with map_location="cuda" has moved them to the GPU (seen on an H200: "RNG state must be a
+    torch.ByteTensor"), so they come back to the CPU first."""
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
+    torch.set_rng_state(state["torch"].cpu())
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
 
 
 class ResumableBatches:

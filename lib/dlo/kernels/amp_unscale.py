@@ -103,8 +103,8 @@ def launch_plan(grads: list[Tensor], found_inf: Tensor, inv_scale: Tensor) -> li
     except RuntimeError:  # a sparse gradient has no data pointer: the full check names it
         _check_inputs(grads, found_inf, inv_scale, need_contiguous=True)
         raise
-    key = (found_inf.device, inv_scale.device, addrs, tuple(map(Tensor.numel, grads)), tuple(map(_DTYPE, grads)),
-           tuple(map(Tensor.get_device, grads)), tuple(map(Tensor.is_contiguous, grads)))
+    key = (BLOCK_SIZE, found_inf.device, inv_scale.device, addrs, tuple(map(Tensor.numel, grads)),
+           tuple(map(_DTYPE, grads)), tuple(map(Tensor.get_device, grads)), tuple(map(Tensor.is_contiguous, grads)))
     plan = _plans.get(key)
     if plan is None:
         _check_inputs(grads, found_inf, inv_scale, need_contiguous=True)

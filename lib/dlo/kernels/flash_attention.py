@@ -37,16 +37,17 @@ from dlo.kernels.runtime import kernel_available, round_to_bf16, time_ms
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 HEAD_DIMS = (16, 32, 64, 128)  # tl.arange needs a power of two; tensor-core tiles need >= 16
 MAX_PROGRAMS_Y = 65535  # a CUDA grid's second axis: one program row per (batch, head)
-# GPU tiles, from the compile report (dlo.kernels.aot; no GPU timed them yet): 128 x 64 on 4 warps, the
-# tile of Dao 2023 Sec. 3.3 and Triton's tutorial, spilled 12 B per thread on sm_80 at d = 64 (255
-# registers: the scores, P and the accumulator of 128 rows over 128 threads, and the masks); 64 x 64 on
-# 4 warps uses 168 / 128 / 127 registers on sm_80 / 90 / 100. At d = 128, 128 x 64 on 8 warps used 255
-# registers on sm_80 (causal), 128 x 32 on 8 warps 204. Only d = 64 and d = 128 have compile cases (the
-# compile test's budget); d = 16 and 32 take d = 64's tile, with smaller K, V tiles and accumulator.
+# GPU tiles, from the compile report (dlo.kernels.aot) and timed on an H200 (bench/block_sweep.py,
+# bench/results/2026-11-26T0548_nvidia-h200_block-sweep.json; causal bf16, B=4, H=16, T=4096).
+# d = 64: 64 x 64 on 4 warps, 0.572 ms (240 TFLOP/s), the fastest of six tiles; 128 x 64 on 4 warps,
+# the tile of Dao 2023 Sec. 3.3 and Triton's tutorial, took 0.835 ms and spilled 12 B per thread on
+# sm_80 (255 registers: the scores, P and the accumulator of 128 rows over 128 threads, and the masks).
+# d = 128: 64 x 64 on 4 warps, 0.792 ms (347 TFLOP/s), against 1.33 ms for the 128 x 32 on 8 warps
+# chosen before any GPU timed it. Only d = 64 and d = 128 have compile cases (the compile test's
+# budget); d = 16 and 32 take d = 64's tile, with smaller K, V tiles and accumulator.
 # The interpreter takes small blocks, BLOCK_M = 2 BLOCK_N, so T = 17 and 67 cross several blocks, pad
 # the last one and cut the diagonal block of a causal query block in two.
-GPU_BLOCKS = {d: dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3) for d in HEAD_DIMS[:3]}
-GPU_BLOCKS[128] = dict(BLOCK_M=128, BLOCK_N=32, num_warps=8, num_stages=3)
+GPU_BLOCKS = {d: dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3) for d in HEAD_DIMS}
 CPU_BLOCKS = dict(BLOCK_M=32, BLOCK_N=16)
 
 
