@@ -1,5 +1,6 @@
 """The grading-speed scripts of bench/ start and say how to run them (`--help`); what they measure takes minutes."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,3 +16,10 @@ def test_help_runs(script):
                           timeout=120)
     assert proc.returncode == 0 and "--day" in proc.stdout and "day1_optimizers" in proc.stdout, proc.stderr
 
+
+
+def test_block_sweep_says_it_needs_a_gpu():
+    """bench/block_sweep.py times kernels on a GPU only; without one it stops in one line, before any work."""
+    proc = subprocess.run([sys.executable, str(BENCH / "block_sweep.py")], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert proc.returncode != 0 and proc.stderr.strip().splitlines()[-1] == "block_sweep: needs a CUDA GPU"
