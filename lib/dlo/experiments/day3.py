@@ -165,7 +165,8 @@ def offload_comparison(P, inputs: Tensor, targets: Tensor, device, *, steps: int
             with contextlib.closing(log(f"optimizer/{name}")) as w:
                 for i, v in enumerate(ls):
                     w.add_scalar("loss", v, i)
-    pairs = [(a.detach(), b.detach()) for a, b in zip(models["adamw"].parameters(), models["adamw_offload"].parameters())]
+    pairs = [(a.detach(), b.detach())
+             for a, b in zip(models["adamw"].parameters(), models["adamw_offload"].parameters())]
     equal = all(torch.equal(a, b) for a, b in pairs)
     # on a GPU not bit-equal: torch's CUDA AdamW (foreach) and the host's loop round in another order
     max_abs_diff = max(float((a - b).abs().max()) for a, b in pairs) if pairs else 0.0

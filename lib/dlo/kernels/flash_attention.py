@@ -43,8 +43,10 @@ MAX_PROGRAMS_Y = 65535  # a CUDA grid's second axis: one program row per (batch,
 # the tile of Dao 2023 Sec. 3.3 and Triton's tutorial, took 0.835 ms and spilled 12 B per thread on
 # sm_80 (255 registers: the scores, P and the accumulator of 128 rows over 128 threads, and the masks).
 # d = 128: 64 x 64 on 4 warps, 0.792 ms (347 TFLOP/s), against 1.33 ms for the 128 x 32 on 8 warps
-# chosen before any GPU timed it. Only d = 64 and d = 128 have compile cases (the compile test's
-# budget); d = 16 and 32 take d = 64's tile, with smaller K, V tiles and accumulator.
+# chosen before any GPU timed it; on sm_80 it takes 255 registers (no spill, half the occupancy of
+# 128 x 32: docs/kernels-compile-report.txt), untimed on an A100. Only d = 64 and d = 128 have compile
+# cases (the compile test's budget); d = 16 and 32 take d = 64's tile, with smaller K, V tiles and
+# accumulator.
 # The interpreter takes small blocks, BLOCK_M = 2 BLOCK_N, so T = 17 and 67 cross several blocks, pad
 # the last one and cut the diagonal block of a causal query block in two.
 GPU_BLOCKS = {d: dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3) for d in HEAD_DIMS}
