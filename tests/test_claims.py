@@ -189,3 +189,11 @@ def test_by_construction_and_planned_rows_are_shown_but_not_evidence():
         C.by_construction("x", "s", "c", "")
     with pytest.raises(ValueError, match="basis"):
         C.Claim("x", "s", "c", C.at_least(0), E.exact(1), "w", basis="agrees")
+
+
+def test_not_tested_is_its_own_kind_never_evidence_and_needs_a_reason():
+    row = C.not_tested("0/1 Adam saves 87% of the data", "Lu et al. 2022", "87%", "not implemented in this course")
+    assert row.verdict == C.NOT_TESTED and row not in C.evidence([row])
+    assert C.summary([row])[C.NOT_TESTED] == 1 and "not implemented" in row.row()["how"]
+    with pytest.raises(ValueError):
+        C.not_tested("x", "s", "c", "")

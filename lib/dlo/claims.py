@@ -14,7 +14,10 @@ The verdict compares the two, the way an equivalence test does:
   the run cannot credit the claim's cause;
 - **by construction**: the row holds whatever happens (a forced event, a formula restated);
   shown, never counted as evidence (`by_construction`);
-- **planned**: a number from the plan (`dlo.plan`), not a measurement (`planned`).
+- **planned**: a number from the plan (`dlo.plan`), not a measurement (`planned`);
+- **not tested here**: the course does not implement what the claim is about, so nothing was
+  tried, although this machine could (`not_tested`; unlike "not measurable here", no limit of the
+  machine is implied).
 
 The rules are enforced where the numbers are made, not left to each day: rules 1 (no interval from
 fewer than 3 samples) and 2 (trainings compared on one test set are paired by seed) in
@@ -57,7 +60,8 @@ NOT_MEASURABLE = "not measurable here"
 CONTROL_TOO = "the control meets it too"
 BY_CONSTRUCTION = "by construction"
 PLANNED = "planned"
-VERDICTS = (AGREES, DISAGREES, INCONCLUSIVE, NOT_MEASURABLE, CONTROL_TOO, BY_CONSTRUCTION, PLANNED)
+NOT_TESTED = "not tested here"
+VERDICTS = (AGREES, DISAGREES, INCONCLUSIVE, NOT_MEASURABLE, CONTROL_TOO, BY_CONSTRUCTION, PLANNED, NOT_TESTED)
 EVIDENCE = (AGREES, DISAGREES, INCONCLUSIVE, CONTROL_TOO)  # the verdicts a measurement decided
 
 
@@ -141,8 +145,8 @@ class Claim:
     `claimed` is the source's wording of the value; `region` its testable form with the tolerance
     stated; `measured` None (with `why`) when it cannot be measured on this hardware. `control`: the
     same quantity for the control arm (the verdict is CONTROL_TOO when it meets the region too).
-    `basis`: BY_CONSTRUCTION or PLANNED for rows that are no measurement (`why` says what makes
-    them hold); use `by_construction` and `planned`."""
+    `basis`: BY_CONSTRUCTION, PLANNED or NOT_TESTED for rows that are no measurement (`why` says
+    what makes them hold, or what was not built); use `by_construction`, `planned`, `not_tested`."""
 
     claim: str
     source: str
@@ -155,8 +159,9 @@ class Claim:
     verdict: str = field(init=False)
 
     def __post_init__(self):
-        if self.basis not in ("", BY_CONSTRUCTION, PLANNED):
-            raise ValueError(f"claim {self.claim!r}: basis is {BY_CONSTRUCTION!r} or {PLANNED!r}, not {self.basis!r}")
+        if self.basis not in ("", BY_CONSTRUCTION, PLANNED, NOT_TESTED):
+            raise ValueError(f"claim {self.claim!r}: basis is {BY_CONSTRUCTION!r}, {PLANNED!r} or {NOT_TESTED!r}, "
+                             f"not {self.basis!r}")
         self.verdict = self.basis or verdict(self.measured, self.region)
         if self.verdict == AGREES and self.control is not None and verdict(self.control, self.region) == AGREES:
             self.verdict = CONTROL_TOO
@@ -197,6 +202,12 @@ def planned(claim: str, source: str, claimed: str, region: Region, value: Estima
             why: str = "from the plan") -> Claim:
     """A row whose number comes from the plan (`dlo.plan`), not from a measurement."""
     return Claim(claim, source, claimed, region, value, why, basis=PLANNED)
+
+
+def not_tested(claim: str, source: str, claimed: str, why: str) -> Claim:
+    """A claim about something the course does not implement (`why` names it): shown, never counted,
+    and not blamed on the machine as "not measurable here" would be."""
+    return Claim(claim, source, claimed, Region(text="-"), None, why, basis=NOT_TESTED)
 
 
 def claims_table(claims: list[Claim]) -> str:
