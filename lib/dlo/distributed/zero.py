@@ -108,6 +108,10 @@ class _Sharded(nn.Module):
     def _grad_ready(self, p: nn.Parameter) -> None:
         """p.grad is final for this backward: copy it into its group's flat gradient and drop it."""
         group = self.group_of[p]
+        if self.pending is not None and self.pending[0] is group:
+            # the previous backward's reduce-scatter of this group is still in flight (gradient
+            # accumulation: a second backward before step): land it before a new gradient arrives
+            self._finish()
         if group.grads is None:
             group.grads = FlatBuffer(group.params, self.world_size, bind=False)
         group.grads.view(group.slot[p]).add_(p.grad)
@@ -134,6 +138,29 @@ class _Sharded(nn.Module):
     def _after_reduce(self, group: _Group) -> None:
         """What a stage does once a group's gradient shard is ready (ZeRO-3 frees the parameters)."""
 
+    def reduce_gradients(self) -> None:
+        """Every group's gradient shard final (the mean over ranks) before `step`; `step` calls it."""
+        self._flush()
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Scale the gradients so that the norm of the *whole* gradient is at most `max_norm`, as
+        torch.nn.utils.clip_grad_norm_ does in one process; returns that norm. No rank holds the whole
+        gradient, so each sums the squares of its own shards and one all-reduce of a scalar adds them
+        (the padding of the flat buffers is zero). Clipping each shard by its own norm would scale each
+        rank's slice by a different factor: a different update from one process on the whole batch."""
+        if max_norm <= 0:
+            raise ValueError(f"max_norm must be > 0, got {max_norm}")
+        self.reduce_gradients()
+        shards = [g.shard.grad for g in self.groups if g.shard.grad is not None]
+        sq = sum((s.double().pow(2).sum() for s in shards), torch.zeros((), dtype=torch.float64))
+        dist.all_reduce(sq)  # one scalar: 8 bytes per rank, whatever the model's size
+        norm = sq.sqrt()
+        coef = min(1.0, max_norm / (float(norm) + 1e-6))  # torch's rule, eps included
+        for s in shards:
+            s.mul_(coef)
+        return norm
+
     def _flush(self) -> None:
         """Before the step: reduce groups that only some parameters reached (unused ones: zeros)."""
         for group in self.groups:
@@ -157,13 +184,19 @@ class ZeRO1(_Sharded):
             p.grad = self.grads.view(i)  # backward accumulates in place into the flat buffer
         self.optimizer = optimizer_cls([group.shard], **optimizer_kwargs)
 
-    def step(self) -> None:
+    def reduce_gradients(self) -> None:
         group = self.groups[0]
+        if group.shard.grad is not None:  # already reduced this step (clip_grad_norm_ before step)
+            return
         out = torch.empty_like(group.shard)
         reduce_scatter(out, self.grads.data)  # Psi in, the summed slice r out
         own = self.grads.shard(self.rank)
         own.copy_(out.div_(self.world_size))  # the mean, kept in this rank's slice of the gradient buffer
         group.shard.grad = own
+
+    def step(self) -> None:
+        group = self.groups[0]
+        self.reduce_gradients()
         self.optimizer.step()
         all_gather(group.flat.data, group.shard.detach().clone())  # Psi: every rank the new weights
 
@@ -198,7 +231,7 @@ class ZeRO2(_Sharded):
         self.optimizer = optimizer_cls([g.shard for g in self.groups], **optimizer_kwargs)
 
     def step(self) -> None:
-        self._flush()
+        self.reduce_gradients()
         self.optimizer.step()
         handles = [all_gather(g.flat.data, g.shard.detach().clone(), async_op=True) for g in self.groups]
         for h in handles:
@@ -286,7 +319,7 @@ class ZeRO3(_Sharded):
         group.flat.free()  # its gradients are reduced: backward needs these parameters no more
 
     def step(self) -> None:
-        self._flush()
+        self.reduce_gradients()
         self.optimizer.step()  # on the shards only: the next forward gathers the new values
 
 
