@@ -11,10 +11,9 @@ from dlo.experiments import day5_accum as accum
 from dlo.plan import fake_world
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_accumulated_clipped_sharded_gradients_match_one_process(world_size):
-    micro = 3
-    res = accum.accumulate_and_clip(world_size=world_size, micro=micro)
+def test_accumulated_clipped_sharded_gradients_match_one_process():
+    micro = 3  # N = 3 pads every flat buffer (the notebook runs N = 2)
+    res = accum.accumulate_and_clip(world_size=3, micro=micro)
     by = {r["engine"]: r for r in res["rows"]}
     assert res["clipped"]  # the norm exceeds max_norm: the clipping acts
     for name in ("ZeRO-1", "ZeRO-2", "ZeRO-3"):
