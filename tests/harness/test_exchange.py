@@ -14,6 +14,7 @@ import json
 import os
 import pwd
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -125,6 +126,47 @@ def test_setup_writes_the_course_id(tmp_path):
     with pytest.raises(SystemExit, match="course-id"):
         S.setup("instructor", cfg_dir=tmp_path / "cfg2", course_id="a/b")
     assert not (tmp_path / "cfg2").exists()
+
+
+def modes(root: Path, course_id: str) -> dict[str, str]:
+    return {sub: oct(stat.S_IMODE((root / course_id / sub).stat().st_mode)) for sub in exchange.COURSE_MODES}
+
+
+def test_prepare_makes_nbgraders_folders_and_fixes_only_its_own(tmp_path):
+    ex = tmp_path / "ex"
+    lines = exchange.prepare(ex, "dlo-test")
+    assert [line.split()[0] for line in lines] == ["created"] * 5, lines
+    assert stat.S_IMODE(ex.stat().st_mode) == 0o1777
+    assert modes(ex, "dlo-test") == {".": "0o755", "outbound": "0o755", "inbound": "0o3733", "feedback": "0o711"}
+    assert [line.split()[0] for line in exchange.prepare(ex, "dlo-test")] == ["exists"] * 5  # again: nothing
+
+    # inbound as an older dlo left it (nbgrader's release made it: 2733, no sticky bit, no marker): a warning
+    (ex / "dlo-test" / "inbound" / exchange.CREATED).unlink()
+    os.chmod(ex / "dlo-test" / "inbound", 0o2733)
+    os.chmod(ex / "dlo-test" / "outbound", 0o777)  # dlo's (marked): fixed
+    lines = exchange.prepare(ex, "dlo-test")
+    assert sum(line.startswith("warning:") for line in lines) == 1 and "chmod 3733" in lines[3], lines
+    assert modes(ex, "dlo-test")["inbound"] == "0o2733"  # never changed: dlo did not make it
+    assert lines[2].startswith("fixed") and modes(ex, "dlo-test")["outbound"] == "0o755"
+
+    # a marker is trusted only from the folder's owner, who must be this user
+    (ex / "dlo-test" / "inbound" / exchange.CREATED).touch()
+    assert exchange.created_by_dlo(ex / "dlo-test" / "inbound")
+    if os.geteuid() == 0:
+        os.chown(ex / "dlo-test" / "inbound" / exchange.CREATED, 65534, 65534)
+        assert not exchange.created_by_dlo(ex / "dlo-test" / "inbound")
+
+
+def test_setup_makes_the_course_folders_only_for_an_instructor_not_root(tmp_path, capsys, monkeypatch):
+    from dlo.harness import setup as S
+
+    S.setup("student", cfg_dir=tmp_path / "s", exchange=tmp_path / "ex", course_id="dlo-2026")
+    assert stat.S_IMODE((tmp_path / "ex").stat().st_mode) == 0o1777 and not (tmp_path / "ex" / "dlo-2026").exists()
+    config = (tmp_path / "s" / "nbgrader_config.py").read_text()
+    assert 'c.ExchangeFactory.submit = "dlo.harness.exchange.Submit"' in config
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    S.setup("instructor", cfg_dir=tmp_path / "i", exchange=tmp_path / "ex", course_id="dlo-2026")
+    assert not (tmp_path / "ex" / "dlo-2026").exists() and "as the instructor" in capsys.readouterr().out
 
 
 # ----------------------------------------------------------------------------- nbgrader's tools on OUT/course
@@ -250,6 +292,23 @@ def _can_switch_users() -> str | None:
     return None
 
 
+PEEK = textwrap.dedent('''
+    import os, shutil, sys
+    inbound, home, sub, day = sys.argv[1:5]
+    def attempt(act):
+        try:
+            act()
+            return "done"
+        except PermissionError:
+            return "refused"
+    for act in (lambda: os.listdir(inbound), lambda: os.listdir(home), lambda: os.listdir(sub),
+                lambda: open(os.path.join(sub, day + ".ipynb")).read(), lambda: os.rename(sub, sub + "x"),
+                lambda: os.unlink(os.path.join(sub, "timestamp.txt")), lambda: shutil.rmtree(sub),
+                lambda: open(os.path.join(sub, "timestamp.txt"), "a").write("1")):
+        print(attempt(act))
+''')
+
+
 def _nbgrader(*args: str) -> list[str]:
     return [str(Path(sys.executable).parent / "nbgrader"), *args]
 
@@ -297,11 +356,19 @@ def _round_trip(toy_template: Path, base: Path, users: Users, tag: str) -> None:
     subprocess.run(["chown", "-R", f"{inst}:{inst}", str(desk)], check=True)
 
     # The Jupyter settings `dlo setup` writes (the exchange, the course id): the instructor's, the students'.
+    # The instructor's setup makes the course's folders (nbgrader's release wants them the instructor's own).
     settings = {}
     for role, who in (("instructor", [inst]), ("student", [ann, bob])):
         cfg = base / "jupyter" / role
-        assert setup(role, cfg_dir=cfg, exchange=ex, course_id=course_id) == 0
+        if role == "instructor":
+            cfg.mkdir(parents=True)
+            shutil.chown(cfg, inst, inst)
+            users.run(inst, sys.executable, "-m", "dlo.cli", "setup", role, "--config-dir", str(cfg), "--exchange",
+                      str(ex), "--course-id", course_id, cwd=base)
+        else:
+            assert setup(role, cfg_dir=cfg, exchange=ex, course_id=course_id) == 0
         settings.update({user: {"JUPYTER_CONFIG_PATH": str(cfg)} for user in who})  # read-only, as an environment's
+    assert modes(ex, course_id) == {".": "0o755", "outbound": "0o755", "inbound": "0o3733", "feedback": "0o711"}
 
     # The instructor releases the day; each student fetches it, answers, submits.
     users.run(inst, *_nbgrader("release_assignment", DAY), cwd=course, env=settings[inst])
@@ -314,14 +381,16 @@ def _round_trip(toy_template: Path, base: Path, users: Users, tag: str) -> None:
         users.run(student, *_nbgrader("submit", DAY), cwd=home, env=settings[student])
 
     # A student cannot see another's submission: the inbound folder cannot be listed and its entries are
-    # named with a random part; the submitting student's own cache is in a home no one else reads.
+    # named with a random part; the submitting student's own cache is in a home no one else reads. Even
+    # with its name, bob can neither read, list, empty, rename nor remove ann's submission (sticky inbound,
+    # the submission the instructor's group's only: `exchange.Submit`).
     inbound = ex / course_id / "inbound"
-    peek = ("import glob, os, sys\ntry:\n    os.listdir(sys.argv[1])\n    print('listed')\nexcept PermissionError:\n"
-            "    print('refused')\nprint(len(glob.glob(os.path.join(sys.argv[1], sys.argv[2] + '+*'))))\n"
-            "try:\n    os.listdir(sys.argv[3])\n    print('listed')\nexcept PermissionError:\n    print('refused')")
-    seen = users.run(bob, sys.executable, "-c", peek, str(inbound), ann, str(users.home(ann)), cwd=base).stdout.split()
-    assert seen == ["refused", "0", "refused"], seen
-    assert len(list(inbound.glob(f"{ann}+{DAY}+*"))) == 1  # it is there (root sees it)
+    (mine,) = inbound.glob(f"{ann}+{DAY}+*")  # it is there (root sees it)
+    assert stat.S_IMODE(mine.stat().st_mode) == 0o770 and mine.stat().st_gid == inbound.stat().st_gid
+    seen = users.run(bob, sys.executable, "-c", PEEK, str(inbound), str(users.home(ann)), str(mine), DAY,
+                     cwd=base).stdout.split()
+    assert seen == ["refused"] * 8, seen
+    assert sorted(p.name for p in mine.iterdir()) == sorted([f"{DAY}.ipynb", "submission_secret.txt", "timestamp.txt"])
 
     # The instructor collects into the course's submitted/, the layout `dlo grade` reads, and grades.
     users.run(inst, *_nbgrader("collect", DAY), cwd=course, env=settings[inst])
@@ -353,6 +422,7 @@ def _round_trip(toy_template: Path, base: Path, users: Users, tag: str) -> None:
         assert len(fetched) == 1, fetched
         assert fetched[0].read_bytes() == (out / "feedback" / student / f"{DAY}.html").read_bytes()
         assert "add(-1, 1)" not in fetched[0].read_text()  # the hidden tests stay hidden
+    assert modes(ex, course_id) == {".": "0o755", "outbound": "0o755", "inbound": "0o3733", "feedback": "0o711"}
 
 
 @pytest.mark.slow

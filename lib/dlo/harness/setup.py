@@ -10,15 +10,17 @@ folder unless `--user` is given):
   disable/enable --level=sys_prefix` writes it;
 - `jupyter_server_config.d/<extension>.json`: the server extensions, as `jupyter server extension
   disable/enable --sys-prefix` writes them;
-- `nbgrader_config.py`: the cell timeout, the exchange folder and (`--course-id`) the course's name
-  in it, which release_assignment, fetch_assignment, submit, collect and the feedback need. nbgrader
-  reads the nbgrader_config.py of every Jupyter config folder, then the one of its working directory;
-  so the course's timeout (nbgrader's default is 30 s) holds wherever a student opens a day folder, a
+- `nbgrader_config.py`: the cell timeout, the exchange folder, dlo's submit (`exchange.Submit`: the
+  submission closed to other students) and (`--course-id`) the course's name in it, which
+  release_assignment, fetch_assignment, submit, collect and the feedback need. nbgrader reads the
+  nbgrader_config.py of every Jupyter config folder, then the one of its working directory; so the
+  course's timeout (nbgrader's default is 30 s) holds wherever a student opens a day folder, a
   copy outside the checkout included. Only role-neutral settings go here. `dlo release` and `dlo
   grade` run nbgrader in course roots of their own, with those roots' settings only; `dlo grade`
   copies the course id and exchange into its output's course root (`exchange`), so that
   `nbgrader release_feedback` works there.
 
+The exchange's folders are made as `exchange.prepare` says (the course's by an instructor's setup).
 Running it again changes nothing; switching role rewrites the same keys. JSON files are updated key by
 key (other settings in them are kept); nothing is deleted; an nbgrader_config.py that `dlo setup` did
 not write is left alone (one-line error saying what to add to it, before anything is written).
@@ -62,6 +64,8 @@ c = get_config()  # noqa: F821 (provided by traitlets)
 c.Execute.timeout = {int(cell_timeout)}
 # The folder assignments are released to and collected from (nbgrader's default one usually does not exist).
 c.Exchange.root = {str(exchange)!r}
+# nbgrader's submit, then the submission readable by the instructor's group only (nbgrader leaves it 0777).
+c.ExchangeFactory.submit = "dlo.harness.exchange.Submit"
 ''' + course
 
 
@@ -167,11 +171,7 @@ def setup(role: str, *, user: bool = False, cfg_dir: str | Path | None = None, e
     print(f"dlo setup {role}: Jupyter settings in {cfg} ({where})")
     for path, content in files.items():
         print(f"  {write(path, content):9s} {path.relative_to(cfg)}")
-    if not ex.is_dir():
-        ex.mkdir(parents=True)
-        print(f"  created   exchange folder {ex}")
-    else:
-        print(f"  exists    exchange folder {ex}")
+    prepare_exchange(role, ex, course_id)
     print(next_steps(role, root))
     if cfg_dir:  # a folder Jupyter does not read by itself
         print(f"note: Jupyter reads {cfg} only when told: start JupyterLab with JUPYTER_CONFIG_DIR={cfg} "
@@ -182,6 +182,22 @@ def setup(role: str, *, user: bool = False, cfg_dir: str | Path | None = None, e
             print("note: Jupyter reads this environment's settings before your home's; start JupyterLab with "
                   "JUPYTER_PREFER_ENV_PATH=0 so that these come first")
     return 0
+
+
+def prepare_exchange(role: str, ex: Path, course_id: str | None) -> None:
+    """The exchange's folders (`exchange.prepare`): the course's only for an instructor who is not root,
+    as nbgrader's release refuses course folders its user does not own."""
+    from dlo.harness import exchange
+
+    own = role == "instructor" and course_id and os.geteuid() != 0
+    for line in exchange.prepare(ex, course_id if own else None):
+        if line.startswith("warning:"):
+            print(f"dlo setup: {line}", file=sys.stderr)
+        else:
+            print(f"  {line}")
+    if role == "instructor" and course_id and not own:
+        print(f"note: run `dlo setup instructor` as the instructor to make the course's folders in {ex} "
+              f"(nbgrader's release refuses folders its user does not own)")
 
 
 def next_steps(role: str, root: Path | None) -> str:

@@ -18,17 +18,24 @@ padded with dead lines lowers the student's share, not the reference's share fou
 with fewer than MIN_FINGERPRINTS of its own is left out (one line of code is the same in every
 correct answer).
 
-THRESHOLD, calibrated (tests/harness/similarity_snippets.py, test_similarity.py): exercise cells
+Thresholds, calibrated (tests/harness/similarity_snippets.py, test_similarity.py). Exercise cells
 written independently of the library and the solution (six exercises) score at most 0.39 against every
-library reference of their exercise and the solution (AdamW: 0.07); the references copied with
-comments and docstrings dropped and independent lines reordered score 0.81-1.0 (0.92-1.0 for the
-four in the test), 0.63-0.87 with a dead line after each line. Short lines resist less: the library's
-former 1F1B loop (lines of 5-9 tokens) padded so scored 0.40, below any threshold above the honest
-scores. The instructors' solutions score 0.5-0.86 against the references because they were written
-from them (Day 6's 1F1B was the library's function with three names changed): they are flagged, as a
-student's copy of them would be.
+library reference of their exercise and the solution (AdamW: 0.07). The library's references copied
+with comments and docstrings dropped, every name changed and independent lines reordered score
+0.925-1.0 (1.0 verbatim), 0.63-0.87 with a dead line after each line. The instructors' solution cells
+score up to 0.875 against their references (46 cells with a reference: 26 at 0.5 or more, Day 3's
+training_state 0.875), because they were written from them: a student whose correct answer resembles
+the library as much as the solution does is no copier. So a match is judged by what it is with:
 
-OUT/similarity.csv lists every comparison at or above THRESHOLD, most similar first;
+- a classmate or the instructors' solution: flagged at THRESHOLD (0.5), between independent work
+  (<= 0.39) and a disguised copy (a student's copy of the solution is caught here, by the solution);
+- a library reference: flagged at LIBRARY_COPIED (0.9, "likely copied from dlo": above every solution
+  cell, 0.875, below every disguised copy, 0.925); from LIBRARY_LISTED (0.5) up, listed without a flag
+  ("resembles the reference"): the padded copies (0.63-0.87) are there, beside the solutions' own
+  scores, for the instructor to read.
+
+OUT/similarity.csv lists every comparison listed (flagged ones first, then most similar first) with its
+`match` (`MATCHES`) and `flagged`;
 OUT/similarity.html shows the first MAX_SHOWN of them with the two snippets side by side and the
 matching code marked. The report never changes a score, and a failure in it never fails the grading.
 """
@@ -46,12 +53,17 @@ from dlo.errors import warn
 from dlo.harness.results import write_csv
 from dlo.harness.winnowing import Code, K, W, share
 
-THRESHOLD = 0.5  # between independent work (<= 0.39) and a disguised copy (>= 0.5; see above)
+THRESHOLD = 0.5  # with a classmate or the solution: between independent work (<= 0.39) and a disguised copy
+LIBRARY_COPIED = 0.9  # with a library reference: above the solutions' 0.875, below disguised copies' 0.925
+LIBRARY_LISTED = 0.5  # with a library reference: listed, not flagged (the solutions score 0.5-0.875)
+MATCHES = {"student": "similar to a classmate", "solution": "similar to the instructors' solution",
+           "library": "likely copied from dlo"}
+RESEMBLES = "resembles the reference"  # a library match under LIBRARY_COPIED: no flag
 MIN_FINGERPRINTS = 4
 MAX_SHOWN = 200
 MAX_SNIPPET = 20000  # characters of a snippet shown (a pasted megabyte stays in the CSV only)
-COLUMNS = ["similarity", "day", "cell", "student", "other", "kind", "student_in_other", "other_in_student",
-           "fingerprints"]
+COLUMNS = ["similarity", "day", "cell", "student", "other", "kind", "match", "flagged", "student_in_other",
+           "other_in_student", "fingerprints"]
 CHECK_CALL = re.compile(r"\bdlo\.checks\.(\w+)\.(check_\w+)")
 
 
@@ -123,7 +135,7 @@ def library_references(checks: list[str]) -> dict[str, str]:
 
 def compare(days: list[str], instructors: Path, release: Path, submissions: dict[tuple[str, str], Path]
             ) -> tuple[list[dict], dict, dict]:
-    """(rows at or above THRESHOLD, most similar first; {(day, cell): Code by owner} for the page;
+    """(rows listed (`listed`), flagged first, then most similar first; {(day, cell): Code by owner} for the page;
     {(day, cell): [library names], [] when none is mapped, None when no cell needed them})."""
     rows, snippets, mapped = [], {}, {}
     for day in days:
@@ -146,17 +158,27 @@ def compare(days: list[str], instructors: Path, release: Path, submissions: dict
                 for other, (kind, code) in others.items():
                     if code.fingerprints or kind == "library":
                         rows.append(_row(day, cell, a, other, kind, codes[a], code))
-    rows = [r for r in rows if r["similarity"] >= THRESHOLD]
-    rows.sort(key=lambda r: (-r["similarity"], r["day"], r["cell"], r["student"], r["other"]))
+    rows = [r for r in rows if r["match"]]
+    rows.sort(key=lambda r: (-r["flagged"], -r["similarity"], r["day"], r["cell"], r["student"], r["other"]))
     return rows, snippets, mapped
+
+
+def match(kind: str, similarity: float) -> tuple[str, int]:
+    """(what a comparison of `kind` at `similarity` is, 1 if flagged); ("", 0) when it is not listed."""
+    if kind != "library":
+        return (MATCHES[kind], 1) if similarity >= THRESHOLD else ("", 0)
+    if similarity >= LIBRARY_COPIED:
+        return MATCHES[kind], 1
+    return (RESEMBLES, 0) if similarity >= LIBRARY_LISTED else ("", 0)
 
 
 def _row(day, cell, a, b, kind, code_a: Code, code_b: Code) -> dict:
     a_in_b, b_in_a = share(code_a, code_b), share(code_b, code_a)
-    similarity = max(a_in_b, b_in_a)
-    return {"similarity": round(similarity, 3), "day": day, "cell": cell, "student": a, "other": b, "kind": kind,
-            "student_in_other": round(a_in_b, 3), "other_in_student": round(b_in_a, 3),
-            "fingerprints": len(code_a.fingerprints & code_b.all_grams)}
+    similarity = round(max(a_in_b, b_in_a), 3)
+    what, flagged = match(kind, similarity)
+    return {"similarity": similarity, "day": day, "cell": cell, "student": a, "other": b, "kind": kind,
+            "match": what, "flagged": flagged, "student_in_other": round(a_in_b, 3),
+            "other_in_student": round(b_in_a, 3), "fingerprints": len(code_a.fingerprints & code_b.all_grams)}
 
 
 def write_report(out: Path, days: list[str], instructors: Path, release: Path,
@@ -202,7 +224,8 @@ def _marked(code: Code, other: Code) -> str:
 
 STYLE = """body{font-family:sans-serif;margin:1.5em}table{border-collapse:collapse}td,th{padding:2px 8px;
 border-bottom:1px solid #ddd;text-align:left}.pair{display:flex;gap:1em}.pair>div{flex:1;min-width:0}
-pre{background:#f6f6f6;padding:.5em;overflow-x:auto;font-size:85%}mark{background:#ffd54f}h3{margin-top:2em}"""
+pre{background:#f6f6f6;padding:.5em;overflow-x:auto;font-size:85%}mark{background:#ffd54f}h3{margin-top:2em}
+.flag{color:#b00020}.plain{color:#555}"""
 
 
 def _references(names: list[str] | None) -> str:
@@ -219,7 +242,10 @@ def page(rows: list[dict], snippets: dict, mapped: dict, submissions: int) -> st
             f"</head><body><h1>Similarity of the exercise cells</h1><p>{submissions} submission(s) compared: each "
             f"exercise cell with the same cell of every other student, the instructors' solution and the library "
             f"references of its checks; winnowed fingerprints of {K} tokens (window {W}); names count as one "
-            f"symbol, the released stub never counts. Listed: similarity &ge; {THRESHOLD} ({len(rows)}), most "
+            f"symbol, the released stub never counts. Flagged: similarity &ge; {THRESHOLD} with a classmate or "
+            f"the solution, &ge; {LIBRARY_COPIED} with a library reference ({sum(r['flagged'] for r in rows)}); "
+            f"listed without a flag: {LIBRARY_LISTED} to {LIBRARY_COPIED} with a library reference ({e(RESEMBLES)}: "
+            f"the instructors' own solutions score that high). {len(rows)} listed, flagged first, then most "
             f"similar first{f', the first {MAX_SHOWN} shown (all in similarity.csv)' if len(rows) > MAX_SHOWN else ''}."
             f" A high score is a reason to read the two cells, not a verdict; it never changes a score.</p>")
     refs = "".join(f"<tr><td>{e(d)}</td><td>{e(c)}</td><td>{_references(n)}</td></tr>"
@@ -227,12 +253,13 @@ def page(rows: list[dict], snippets: dict, mapped: dict, submissions: int) -> st
     body = [head, "<h2>Exercises and their library references</h2><table><tr><th>day</th><th>cell</th>"
             f"<th>library reference</th></tr>{refs}</table>", "<h2>Pairs</h2>"]
     if not rows:
-        body.append("<p>No pair at or above the threshold.</p>")
+        body.append("<p>No pair listed.</p>")
     for r in rows[:MAX_SHOWN]:
         a, b = snippets[(r["day"], r["cell"])][r["student"]], snippets[(r["day"], r["cell"])][r["other"]]
         other = {"student": r["other"], "solution": "the instructors' solution"}.get(r["kind"], f"library {r['other']}")
         body.append(
-            f"<h3>{r['similarity']:.2f} &middot; {e(r['day'])} / {e(r['cell'])}: {e(r['student'])} and {e(other)}</h3>"
+            f"<h3 class='{'flag' if r['flagged'] else 'plain'}'>{r['similarity']:.2f} &middot; {e(r['match'])} "
+            f"&middot; {e(r['day'])} / {e(r['cell'])}: {e(r['student'])} and {e(other)}</h3>"
             f"<p>{r['student_in_other']:.0%} of {e(r['student'])}'s fingerprints are in the other, "
             f"{r['other_in_student']:.0%} the other way ({r['fingerprints']} shared).</p><div class='pair'>"
             f"<div><b>{e(r['student'])}</b><pre>{_marked(a, b)}</pre></div>"
