@@ -161,10 +161,11 @@ class CommCounter(TorchDispatchMode):
         return out
 
     def records(self) -> list[dict]:
-        """Each call as plain data ({"kind", "bytes", "sent", "async", "phase"}): what a rank returns
-        across a process boundary or the grader's wire, and what `tally` and `comm_bytes` read."""
-        return [{"kind": c.kind, "bytes": c.nbytes, "sent": c.sent, "async": c.async_op, "phase": c.phase}
-                for c in self.calls]
+        """Each call as plain data ({"kind", "bytes", "sent", "async", "phase", "group"}; group: the
+        ranks of its process group): what a rank returns across a process boundary or the grader's
+        wire, and what `tally` and `comm_bytes` read."""
+        return [{"kind": c.kind, "bytes": c.nbytes, "sent": c.sent, "async": c.async_op, "phase": c.phase,
+                 "group": c.world_size} for c in self.calls]
 
     def by_kind(self, field: str | None = None) -> dict:
         """{kind: {"calls", "bytes", "sent"}} over everything recorded; {kind: that number} given a field."""
