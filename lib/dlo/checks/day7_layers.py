@@ -243,8 +243,8 @@ def check_tp_linears(f, g, column_cls, row_cls, seed: int = 0, world_size: int =
         assert_block_close(row, "weight gradient (columns of this rank's block)", res["dw"],
                            lin.weight.grad.chunk(t, 1)[r], here)
         assert_block_close(row, "bias gradient (replicated bias: the whole gradient)", res["db"], lin.bias.grad, here)
-        expect_comms("RowParallelLinear", "forward", res["fwd"], {"all_reduce": 1}, "g after the matmul", here)
-        expect_comms("RowParallelLinear", "backward", res["bwd"], {}, "g is the identity backward", here)
+        expect_comms(row, "forward", res["fwd"], {"all_reduce": 1}, "g after the matmul", here)
+        expect_comms(row, "backward", res["bwd"], {}, "g is the identity backward", here)
     ok(name, f"f, g, column (both gather_output) and row layers on {world_size} ranks, seed={seed}")
 
 
