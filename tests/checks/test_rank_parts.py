@@ -2,14 +2,16 @@
 result from what its rank was given, or from what it finds in its callers' frames, and issues a
 dummy collective or message so that the counts match. The checks used to give every rank the seed
 and the whole problem (the model, the global batch, the full sequence), and each of these got full
-marks; now the case is drawn on the grader's side and each rank holds only its part, and where the
-exercise itself hands every rank the whole layer, a rank that computes all of it fails on its FLOPs.
+marks; now the case is drawn on the grader's side and each rank holds only its part (of a layer it
+splits, its own blocks: the other ranks' are NaN there), and a rank that gathers the whole layer
+through collectives in its constructor (uncounted) and computes all of it fails on its FLOPs.
 
 The honest submissions (the solution notebook's) pass the same checks in test_day5/6/7_checks.py.
 """
 
 from __future__ import annotations
 
+import copy
 import inspect
 
 import pytest
@@ -59,34 +61,58 @@ def dummy_all_reduce():
 
 # ----------------------------------------------------------------------------- Day 7
 
-def test_swiglu_computed_whole_on_each_rank_fails_on_its_flops(tp, ranks):
-    class WholeLayer(torch.nn.Module):
-        """The right numbers with no split at all: the whole SwiGLU on each rank, the shards' gradients
-        taken from it, and the two all-reduces issued for show."""
+def whole_weight(linear, dim):
+    """The whole weight of a layer split along `dim`, rebuilt by an all-gather of every rank's block
+    (in a constructor: no check counts its collectives)."""
+    t, r = dist.get_world_size(), dist.get_rank()
+    mine = linear.weight.detach().chunk(t, dim)[r].contiguous()
+    parts = [torch.empty_like(mine) for _ in range(t)]
+    dist.all_gather(parts, mine)
+    return torch.cat(parts, dim)
 
-        def __init__(self, ffn, group=None):
-            super().__init__()
-            t, r = dist.get_world_size(), dist.get_rank()
-            self.ffn = ffn
-            for name, dim in (("w1", 0), ("w3", 0), ("w2", 1)):
-                shard = getattr(ffn, name).weight.detach().chunk(t, dim)[r].clone()
-                setattr(self, name, torch.nn.Linear(1, 1, bias=False))
-                getattr(self, name).weight = torch.nn.Parameter(shard)
-            self.t, self.r = t, r
 
-        def forward(self, x):
-            full = []
-            for name, dim in (("w1", 0), ("w3", 0), ("w2", 1)):
-                parts = list(getattr(self.ffn, name).weight.detach().chunk(self.t, dim))
-                parts[self.r] = getattr(self, name).weight  # this rank's shard gets the gradient
-                full.append(torch.cat(parts, dim))
-            w1, w3, w2 = full
-            dummy_all_reduce()
-            y = F.linear(F.silu(F.linear(x, w1)) * F.linear(x, w3), w2)
-            return _AllReduceForShow.apply(y)
+class WholeSwiGLU(torch.nn.Module):
+    """The right numbers with no split at all: the whole SwiGLU on each rank, the shards' gradients
+    taken from it, and the two all-reduces issued for show; the whole weights read from the layer
+    it is given, or (`gather`) all-gathered in the constructor."""
 
+    gather = False
+
+    def __init__(self, ffn, group=None):
+        super().__init__()
+        t, r = dist.get_world_size(), dist.get_rank()
+        self.whole = {}
+        for name, dim in (("w1", 0), ("w3", 0), ("w2", 1)):
+            lin = getattr(ffn, name)
+            self.whole[name] = whole_weight(lin, dim) if self.gather else lin.weight.detach()
+            setattr(self, name, torch.nn.Linear(1, 1, bias=False))
+            getattr(self, name).weight = torch.nn.Parameter(self.whole[name].chunk(t, dim)[r].clone())
+        self.t, self.r = t, r
+
+    def forward(self, x):
+        full = []
+        for name, dim in (("w1", 0), ("w3", 0), ("w2", 1)):
+            parts = list(self.whole[name].chunk(self.t, dim))
+            parts[self.r] = getattr(self, name).weight  # this rank's shard gets the gradient
+            full.append(torch.cat(parts, dim))
+        w1, w3, w2 = full
+        dummy_all_reduce()
+        y = F.linear(F.silu(F.linear(x, w1)) * F.linear(x, w3), w2)
+        return _AllReduceForShow.apply(y)
+
+
+class GatheredSwiGLU(WholeSwiGLU):
+    gather = True
+
+
+def test_swiglu_finds_only_its_own_blocks_on_its_rank(ranks):
+    with pytest.raises(AssertionError, match="not finite; each rank is given only its own block"):
+        day7.check_tp_swiglu(WholeSwiGLU)
+
+
+def test_swiglu_gathered_whole_on_each_rank_fails_on_its_flops(ranks):
     with pytest.raises(AssertionError, match="FLOPs in forward and backward"):
-        day7.check_tp_swiglu(WholeLayer)
+        day7.check_tp_swiglu(GatheredSwiGLU)
 
 
 class _AllReduceForShow(torch.autograd.Function):
@@ -102,21 +128,35 @@ class _AllReduceForShow(torch.autograd.Function):
         return g
 
 
-def test_attention_computed_whole_on_each_rank_fails_on_its_flops(tp, ranks):
+def whole_attention(tp, gather: bool):
     class WholeAttention(tp.TensorParallelAttention):
         """The honest layer (its shards, names and all-reduces) beside the whole attention computed on
-        each rank, as a submission that takes its output from the whole layer does."""
+        each rank, as a submission that takes its output from the whole layer does: the layer it is
+        given, or (`gather`) one whose weights it all-gathered in the constructor."""
 
         def __init__(self, attention, group=None):
             super().__init__(attention, group)
-            self.whole = attention
+            self.whole = copy.deepcopy(attention)
+            if gather:
+                with torch.no_grad():
+                    for name, dim in (("wq", 0), ("wk", 0), ("wv", 0), ("wo", 1)):
+                        lin = getattr(self.whole, name)
+                        lin.weight.copy_(whole_weight(lin, dim))
 
         def forward(self, x, cos, sin):
             mine = super().forward(x, cos, sin)  # the shards' gradients, and the all-reduces
             return mine + 0 * self.whole(x, cos, sin)
+    return WholeAttention
 
+
+def test_attention_finds_only_its_own_heads_on_its_rank(tp, ranks):
+    with pytest.raises(AssertionError, match="not finite; each rank is given only its own block"):
+        day7.check_tp_attention(whole_attention(tp, gather=False))
+
+
+def test_attention_gathered_whole_on_each_rank_fails_on_its_flops(tp, ranks):
     with pytest.raises(AssertionError, match="FLOPs in forward and backward"):
-        day7.check_tp_attention(WholeAttention)
+        day7.check_tp_attention(whole_attention(tp, gather=True))
 
 
 def test_row_layer_finds_no_full_input_on_its_rank(tp, ranks):

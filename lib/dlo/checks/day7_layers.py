@@ -1,6 +1,8 @@
 """Day 7's exercises 1 and 2 (f and g, the column- and row-parallel linears, the tensor-parallel
 SwiGLU) and what every Day 7 check shares: the forbidden references, seeded float64 layers, one
-forward/backward with its collectives counted. Re-exported by `dlo.checks.day7`.
+forward/backward with its collectives counted, and what a rank is given of a layer it splits
+(`only_blocks`: its own block of each weight, the other ranks' NaN; issue 26). Re-exported by
+`dlo.checks.day7`.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from dlo.grading.api import case_seed, check, on_ranks
-from dlo.grading.compare import DTYPE, assert_close, ok
+from dlo.grading.compare import DTYPE, assert_close, fmt, ok
 from dlo.measure import CommCounter
 
 TP = "dlo.distributed.tensor_parallel."
@@ -53,6 +55,39 @@ class SwiGLU(nn.Module):
 
     def forward(self, x):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+SWIGLU_SPLIT = {"w1": 0, "w3": 0, "w2": 1}  # w1, w3 by output features (columns), w2 by input features (rows)
+
+
+def only_blocks(module: nn.Module, t: int, r: int, splits: dict[str, int]) -> nn.Module:
+    """What rank r is given of a module whose linears it splits (`splits`: submodule name -> 0 for a
+    split by output features, 1 by input features; "" for the module itself): a copy of the same
+    shapes in which only its own r-th contiguous block of each weight (and of a bias split with the
+    output features) is real and the other ranks' blocks are NaN. The exercise's constructor keeps
+    its block; nothing on the rank holds the whole layer, so the whole output cannot be computed
+    there. NaN rather than zeros: a layer that computes with another rank's block shows it."""
+    out = copy.deepcopy(module)
+    with torch.no_grad():
+        for name, dim in splits.items():
+            lin = out.get_submodule(name)
+            for p, d in ((lin.weight, dim), (lin.bias if dim == 0 else None, 0)):
+                if p is not None:
+                    mine = p.chunk(t, d)[r].clone()
+                    p.fill_(float("nan"))
+                    p.chunk(t, d)[r].copy_(mine)
+    return out
+
+
+def assert_block_close(name: str, what: str, got, want, where) -> None:
+    """`assert_close`, with the likely cause named when a rank's result is not finite and the
+    reference is: it computed with the other ranks' blocks of a weight, NaN on its rank."""
+    if isinstance(got, torch.Tensor) and isinstance(want, torch.Tensor) and got.shape == want.shape \
+            and not bool(got.isfinite().all()) and bool(want.isfinite().all()):
+        raise AssertionError(f"{name}: {what} differs from the reference: it is not finite; each rank is given only "
+                             f"its own block of the weights (the other ranks' blocks are NaN there): keep this "
+                             f"rank's contiguous block, chunk(t, dim)[rank], and compute with it alone ({fmt(where)})")
+    assert_close(name, what, got, want, where)
 
 
 def fwd_bwd(fn, x, up, flops: bool = False):
@@ -131,10 +166,12 @@ def _linears_case(seed: int, t: int) -> dict:
 
 
 def _linears_parts(c: dict, t: int) -> list[dict]:
-    """Rank r's part, drawn here: its own input and output gradient for f and g, the layers to split
-    and the replicated input, its own block of the split layers' output gradient and of the row
-    layer's input; what the other ranks hold has to come through a collective."""
-    return [{"x_r": c["per_rank"][r], "up_r": c["per_rank_up"][r], "col": c["col"], "row": c["row"], "x": c["x"],
+    """Rank r's part, drawn here: its own input and output gradient for f and g, its own rows of the
+    column layer and columns of the row layer (`only_blocks`), the column layer's replicated input
+    and output gradient, its own block of the split output's gradient and of the row layer's input;
+    what the other ranks hold has to come through a collective."""
+    return [{"x_r": c["per_rank"][r], "up_r": c["per_rank_up"][r], "col": only_blocks(c["col"], t, r, {"": 0}),
+             "row": only_blocks(c["row"], t, r, {"": 1}), "x": c["x"],
              "up_out": c["up_out"], "up_split": c["up_split"].chunk(t, -1)[r].clone(),
              "h": c["h"].chunk(t, -1)[r].clone(), "up_in": c["up_in"]} for r in range(t)]
 
@@ -160,8 +197,9 @@ def check_tp_linears(f, g, column_cls, row_cls, seed: int = 0, world_size: int =
     """`f(x, group=None)` (identity forward, all-reduce backward), `g(x, group=None)` (all-reduce
     forward, identity backward), `ColumnParallelLinear(linear, group=None, gather_output=False)` and
     `RowParallelLinear(linear, group=None, input_is_parallel=True)`: rank r keeps the r-th contiguous
-    block of the output (column) or input (row) features. Outputs, input and weight gradients and
-    the collectives of forward and backward, against nn.Linear on one process."""
+    block of the output (column) or input (row) features (the only block it is given: the others are
+    NaN on its rank). Outputs, input and weight gradients and the collectives of forward and
+    backward, against nn.Linear on one process."""
     name, t = "tp_linears", world_size
     c = _linears_case(case_seed(seed), t)  # a secret seed when graded
     where = {**c["where"], "seed": seed}
@@ -179,36 +217,34 @@ def check_tp_linears(f, g, column_cls, row_cls, seed: int = 0, world_size: int =
                      where)
         expect_comms("g", "forward", gr["fwd"], {"all_reduce": 1}, "one all-reduce of the output", where)
         expect_comms("g", "backward", gr["bwd"], {}, "g does not communicate in backward", where)
-        lin = c["col"]
+        lin, col = c["col"], "ColumnParallelLinear"
         for gather in (False, True):
             lin.zero_grad()
             y, dx = reference(lin, c["x"], c["up_out"] if gather else c["up_split"])
             res, here = got[r][f"col_gather={gather}"], {**where, "rank": r, "gather_output": gather}
-            assert_close("ColumnParallelLinear", "output" + ("" if gather else " (this rank's block of features)"),
-                         res["y"], y if gather else y.chunk(t, -1)[r], here)
-            assert_close("ColumnParallelLinear", "input gradient (the input is replicated: f must sum the ranks' "
-                         "partial gradients)", res["dx"], dx, here)
-            assert_close("ColumnParallelLinear", "weight gradient (rows of this rank's block)", res["dw"],
-                         lin.weight.grad.chunk(t, 0)[r], here)
-            assert_close("ColumnParallelLinear", "bias gradient", res["db"], lin.bias.grad.chunk(t, 0)[r], here)
-            expect_comms("ColumnParallelLinear", "backward", res["bwd"], {"all_reduce": 1},
+            assert_block_close(col, "output" + ("" if gather else " (this rank's block of features)"),
+                               res["y"], y if gather else y.chunk(t, -1)[r], here)
+            assert_block_close(col, "input gradient (the input is replicated: f must sum the ranks' partial "
+                               "gradients)", res["dx"], dx, here)
+            assert_block_close(col, "weight gradient (rows of this rank's block)", res["dw"],
+                               lin.weight.grad.chunk(t, 0)[r], here)
+            assert_block_close(col, "bias gradient", res["db"], lin.bias.grad.chunk(t, 0)[r], here)
+            expect_comms(col, "backward", res["bwd"], {"all_reduce": 1},
                          "f before the matmul all-reduces the input gradient once", here)
-            expect_comms("ColumnParallelLinear", "forward", res["fwd"], {"all_gather": 1} if gather else {},
+            expect_comms(col, "forward", res["fwd"], {"all_gather": 1} if gather else {},
                          "no communication, or one all-gather with gather_output=True", here)
-        lin = c["row"]
+        lin, row = c["row"], "RowParallelLinear"
         lin.zero_grad()
         y, dx = reference(lin, c["h"], c["up_in"])
         res, here = got[r]["row"], {**where, "rank": r}
-        assert_close("RowParallelLinear", "output (g sums the partial products, the bias is added once)", res["y"],
-                     y, here)
-        assert_close("RowParallelLinear", "input gradient (this rank's block of input features)", res["dx"],
-                     dx.chunk(t, -1)[r], here)
-        assert_close("RowParallelLinear", "weight gradient (columns of this rank's block)", res["dw"],
-                     lin.weight.grad.chunk(t, 1)[r], here)
-        assert_close("RowParallelLinear", "bias gradient (replicated bias: the whole gradient)", res["db"],
-                     lin.bias.grad, here)
-        expect_comms("RowParallelLinear", "forward", res["fwd"], {"all_reduce": 1}, "g after the matmul", here)
-        expect_comms("RowParallelLinear", "backward", res["bwd"], {}, "g is the identity backward", here)
+        assert_block_close(row, "output (g sums the partial products, the bias is added once)", res["y"], y, here)
+        assert_block_close(row, "input gradient (this rank's block of input features)", res["dx"],
+                           dx.chunk(t, -1)[r], here)
+        assert_block_close(row, "weight gradient (columns of this rank's block)", res["dw"],
+                           lin.weight.grad.chunk(t, 1)[r], here)
+        assert_block_close(row, "bias gradient (replicated bias: the whole gradient)", res["db"], lin.bias.grad, here)
+        expect_comms(row, "forward", res["fwd"], {"all_reduce": 1}, "g after the matmul", here)
+        expect_comms(row, "backward", res["bwd"], {}, "g is the identity backward", here)
     ok(name, f"f, g, column (both gather_output) and row layers on {world_size} ranks, seed={seed}")
 
 
@@ -223,8 +259,8 @@ def _mlp_case(seed: int, t: int) -> dict:
 
 
 def _mlp_worker(mine, cls):
-    """`mine`: the layer to split and its input and output gradient (the same on every rank), drawn
-    on the grader's side from its seed."""
+    """`mine`: this rank's blocks of the layer (`only_blocks`) and its input and output gradient (the
+    same on every rank), drawn on the grader's side."""
     mlp = cls(mine["ffn"], None)
     res = fwd_bwd(mlp, mine["x"], mine["up"], flops=True)
     res.update({w: param_grad(mlp, f"{w}.weight", "the tensor-parallel MLP") for w in ("w1", "w2", "w3")})
@@ -235,11 +271,12 @@ def _mlp_worker(mine, cls):
 def check_tp_swiglu(cls, seed: int = 0, world_size: int = 2) -> None:
     """`cls(ffn, group=None)` splits a SwiGLU feed-forward (w1, w3 by output features, w2 by input
     features) and computes w2(silu(w1 x) * w3 x) with exactly one all-reduce in forward and one in
-    backward; outputs, input gradient and w1/w2/w3 gradients against one process."""
+    backward (each rank is given only its blocks: the others are NaN on its rank); outputs, input
+    gradient and w1/w2/w3 gradients against one process."""
     name, t = "tp_swiglu", world_size
     c = _mlp_case(case_seed(seed), t)  # a secret seed when graded
-    part = {k: c[k] for k in ("ffn", "x", "up")}
-    got = on_ranks(_mlp_worker, world_size, cls, per_rank=[part] * t)
+    parts = [{"ffn": only_blocks(c["ffn"], t, r, SWIGLU_SPLIT), "x": c["x"], "up": c["up"]} for r in range(t)]
+    got = on_ranks(_mlp_worker, world_size, cls, per_rank=parts)
     whole = reference_flops(c["ffn"], c["x"], c["up"])
     y, dx = reference(c["ffn"], c["x"], c["up"])
     for r, res in enumerate(got):
@@ -249,11 +286,10 @@ def check_tp_swiglu(cls, seed: int = 0, world_size: int = 2) -> None:
         expect_comms(name, "backward", res["bwd"], {"all_reduce": 1},
                      "two all-reduces mean w1 and w3 each applied f to the same input: apply f once to x and "
                      "feed both local matmuls", here)
-        assert_close(name, "output", res["y"], y, here)
-        assert_close(name, "input gradient", res["dx"], dx, here)
-        assert_close(name, "w1 gradient (this rank's rows)", res["w1"], c["ffn"].w1.weight.grad.chunk(t, 0)[r], here)
-        assert_close(name, "w3 gradient (this rank's rows)", res["w3"], c["ffn"].w3.weight.grad.chunk(t, 0)[r], here)
-        assert_close(name, "w2 gradient (this rank's columns)", res["w2"], c["ffn"].w2.weight.grad.chunk(t, 1)[r],
-                     here)
+        assert_block_close(name, "output", res["y"], y, here)
+        assert_block_close(name, "input gradient", res["dx"], dx, here)
+        for w, dim, which in (("w1", 0, "rows"), ("w3", 0, "rows"), ("w2", 1, "columns")):
+            assert_block_close(name, f"{w} gradient (this rank's {which})", res[w],
+                               getattr(c["ffn"], w).weight.grad.chunk(t, dim)[r], here)
         expect_split_work(name, res["flops"], whole, t, here)
     ok(name, f"one all-reduce each way on {world_size} ranks, seed={seed}")

@@ -15,9 +15,11 @@ import torch.nn.functional as F
 from dlo.checks.day7_layers import (
     F_G,
     LAYERS,
+    assert_block_close,
     expect_comms,
     expect_split_work,
     fwd_bwd,
+    only_blocks,
     param_grad,
     reference,
     reference_flops,
@@ -59,8 +61,9 @@ def _attention_case(seed: int, t: int) -> dict:
 
 
 def _attention_worker(mine, cls):
-    """`mine`: the attention to split, RoPE's tables, the input and output gradient (the same on every
-    rank) and an attention whose KV heads do not split, drawn on the grader's side from its seed."""
+    """`mine`: this rank's heads of the attention (`only_blocks`: the rows of its heads in wq, wk, wv,
+    their columns in wo), RoPE's tables, the input and output gradient (the same on every rank) and an
+    attention whose KV heads do not split, drawn on the grader's side."""
     t, c = dist.get_world_size(), mine
     layer = cls(c["attn"], None)
     res = fwd_bwd(lambda x: layer(x, c["cos"], c["sin"]), c["x"], c["up"], flops=True)
@@ -79,12 +82,15 @@ def _attention_worker(mine, cls):
 def check_tp_attention(cls, seed: int = 0, world_size: int = 2) -> None:
     """`cls(attention, group=None)` splits a Llama `Attention` by heads (wq, wk, wv by output features:
     rank r keeps query heads [r H/t, (r+1) H/t) and KV heads [r Hkv/t, (r+1) Hkv/t); wo by input
-    features) and runs `layer(x, cos, sin)` with one all-reduce forward and one backward; a degree
-    that does not divide the KV heads raises ValueError naming n_kv_heads."""
+    features; the other heads' weights are NaN on its rank) and runs `layer(x, cos, sin)` with one
+    all-reduce forward and one backward; a degree that does not divide the KV heads raises ValueError
+    naming n_kv_heads."""
     name, t = "tp_attention", world_size
     c = _attention_case(case_seed(seed), t)  # a secret seed when graded
-    part = {k: c[k] for k in ("attn", "bad", "cos", "sin", "x", "up")}
-    got = on_ranks(_attention_worker, world_size, cls, per_rank=[part] * t)
+    heads = {"wq": 0, "wk": 0, "wv": 0, "wo": 1}  # heads are contiguous rows of wq, wk, wv, columns of wo
+    parts = [{"attn": only_blocks(c["attn"], t, r, heads), **{k: c[k] for k in ("bad", "cos", "sin", "x", "up")}}
+             for r in range(t)]
+    got = on_ranks(_attention_worker, world_size, cls, per_rank=parts)
     attn = c["attn"]
     whole = reference_flops(lambda x: copy.deepcopy(attn)(x, c["cos"], c["sin"]), c["x"], c["up"])
     y, dx = reference(lambda x: attn(x, c["cos"], c["sin"]), c["x"], c["up"])
@@ -94,12 +100,12 @@ def check_tp_attention(cls, seed: int = 0, world_size: int = 2) -> None:
                      "wo's partial sums are all-reduced", here)
         expect_comms(name, "backward", res["bwd"], {"all_reduce": 1}, "apply f once to x, before wq, wk and wv",
                      here)
-        assert_close(name, "output", res["y"], y, here)
-        assert_close(name, "input gradient", res["dx"], dx, here)
+        assert_block_close(name, "output", res["y"], y, here)
+        assert_block_close(name, "input gradient", res["dx"], dx, here)
         for w in ("wq", "wk", "wv"):
-            assert_close(name, f"{w} gradient (the rows of this rank's heads)", res[w],
+            assert_block_close(name, f"{w} gradient (the rows of this rank's heads)", res[w],
                          getattr(attn, w).weight.grad.chunk(t, 0)[r], here)
-        assert_close(name, "wo gradient (the columns of this rank's heads)", res["wo"],
+        assert_block_close(name, "wo gradient (the columns of this rank's heads)", res["wo"],
                      attn.wo.weight.grad.chunk(t, 1)[r], here)
         expect_split_work(name, res["flops"], whole, t, here)
         if t > 1 and (res["bad"] is None or "n_kv_heads" not in res["bad"]):
@@ -170,6 +176,10 @@ def check_dtensor_plan(fn, seed: int = 0, world_size: int = 2) -> None:
     three all-reduces of the vocabulary-parallel loss."""
     name, secret = "dtensor_plan", case_seed(seed)  # a secret seed when graded
     c = _dtensor_case(secret, world_size)
+    # The model is whole on every rank, unlike the other exercises' layers: parallelize_module
+    # distributes each parameter from the module it is given (scattered from rank 0 by default, each
+    # rank's own chunk with src_data_rank=None), and the replicated ones (norms) whole, so no rank
+    # can be given its shard alone. What stays here is the seed, and with it the case's drawing.
     part = {"model": _llama(c["cfg"], secret), "tokens": c["tokens"], "targets": c["targets"]}
     got = on_ranks(_dtensor_worker, world_size, fn, per_rank=[part] * world_size)
     c["where"]["seed"] = seed

@@ -14,9 +14,12 @@ from dlo.checks.day7_layers import (
     COMMS,
     F_G,
     LAYERS,
+    SWIGLU_SPLIT,
     SwiGLU,
+    assert_block_close,
     expect_comms,
     fwd_bwd,
+    only_blocks,
     param_grad,
     reference,
     seeded_gen,
@@ -50,10 +53,12 @@ def _sp_case(seed: int, t: int) -> dict:
 
 def _sp_parts(c: dict, t: int) -> list[dict]:
     """Rank r's part, drawn here: its block of the sequence and of the output gradient, its own
-    full-length tensors for gather_fn's backward and scatter_fn's forward, the norm and MLP to split;
-    what the other ranks hold has to come through a collective."""
+    full-length tensors for gather_fn's backward and scatter_fn's forward, the norm (replicated) and
+    its own blocks of the MLP (`only_blocks`); what the other ranks hold has to come through a
+    collective."""
     return [{"x": c["x"].chunk(t, 1)[r].clone(), "up": c["up"].chunk(t, 1)[r].clone(), "g_up": c["g_up"][r],
-             "s_in": c["s_in"][r], "norm": c["norm"], "ffn": c["ffn"]} for r in range(t)]
+             "s_in": c["s_in"][r], "norm": c["norm"], "ffn": only_blocks(c["ffn"], t, r, SWIGLU_SPLIT)}
+            for r in range(t)]
 
 
 def _sp_worker(mine, gather_fn, scatter_fn, cls):
@@ -84,8 +89,9 @@ def check_sequence_parallel(gather_fn, scatter_fn, cls, seed: int = 0, world_siz
     """`gather_fn(x, group=None)`: all-gather along the sequence (dim 1) forward, reduce-scatter
     backward; `scatter_fn(x, group=None)`: reduce-scatter along dim 1 forward, all-gather backward;
     `cls(norm, ffn, group=None)`: x + ffn(norm(x)) on a (B, T/t, C) sequence shard, the norm on the
-    shard, the MLP tensor-parallel between an all-gather and a reduce-scatter, the norm's weight
-    gradient whole on every rank. Values, gradients, collectives, and the bytes saved for backward."""
+    shard, the MLP tensor-parallel between an all-gather and a reduce-scatter (each rank is given only
+    its blocks of it: the others are NaN on its rank), the norm's weight gradient whole on every rank.
+    Values, gradients, collectives, and the bytes saved for backward."""
     name, t = "sequence_parallel", world_size
     c = _sp_case(case_seed(seed), t)  # a secret seed when graded
     where = {**c["where"], "seed": seed}
@@ -105,12 +111,12 @@ def check_sequence_parallel(gather_fn, scatter_fn, cls, seed: int = 0, world_siz
                      s_in_sum.chunk(t, 1)[r], here)
         assert_close(name, "scatter_fn input gradient (all-gather of the shards' gradients)", s_res["dx"], c["up"],
                      here)
-        assert_close(name, "block output (this rank's block of the sequence)", b_res["y"], y.chunk(t, 1)[r], here)
-        assert_close(name, "block input gradient", b_res["dx"], dx.chunk(t, 1)[r], here)
-        assert_close(name, "w1 gradient", b_res["w1"], c["ffn"].w1.weight.grad.chunk(t, 0)[r], here)
-        assert_close(name, "w2 gradient", b_res["w2"], c["ffn"].w2.weight.grad.chunk(t, 1)[r], here)
-        assert_close(name, "norm weight gradient (each rank's norm saw 1/t of the tokens: all-reduce it, e.g. in "
-                     "a post-accumulate-grad hook)", b_res["norm"], c["norm"].weight.grad, here)
+        assert_block_close(name, "block output (this rank's block of the sequence)", b_res["y"], y.chunk(t, 1)[r], here)
+        assert_block_close(name, "block input gradient", b_res["dx"], dx.chunk(t, 1)[r], here)
+        assert_block_close(name, "w1 gradient", b_res["w1"], c["ffn"].w1.weight.grad.chunk(t, 0)[r], here)
+        assert_block_close(name, "w2 gradient", b_res["w2"], c["ffn"].w2.weight.grad.chunk(t, 1)[r], here)
+        assert_block_close(name, "norm weight gradient (each rank's norm saw 1/t of the tokens: all-reduce it, e.g. in "
+                           "a post-accumulate-grad hook)", b_res["norm"], c["norm"].weight.grad, here)
         fwd = b_res["fwd"]
         if fwd.get("all_reduce") or fwd.get("all_gather") != 1 or fwd.get("reduce_scatter") != 1:
             raise AssertionError(f"{name}: the block's forward issued {fwd}: expected one all-gather of the normed "
