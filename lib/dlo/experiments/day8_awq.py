@@ -42,9 +42,11 @@ def run_seed(seed: int, device, steps: int = 0, n_grid: int = awq.N_GRID, tokens
     x = d["eval"][0][0]
     with torch.no_grad():
         z = model(x)
+        # the float model's logits, once: ds.scores would recompute them for each of the 6 variants
+        logits = {id(xe): model(xe) for xe, _ in d["eval"]}
         for case, m in zip(CASES, (model, injected)):
             variants, out["search"][case], scaled = quantized(m, d["calib"], n_grid, tokens)
-            out["scores"][case] = {k: ds.scores(v, model, d["eval"]) for k, v in variants.items()}
+            out["scores"][case] = {k: ds.scores(v, lambda xe: logits[id(xe)], d["eval"]) for k, v in variants.items()}
             # the scaled float model against the trained one: only float rounding may differ
             out["fold error"] = max(out["fold error"], ((scaled(x) - z).norm() / z.norm()).item())
     return out
