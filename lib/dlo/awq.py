@@ -52,27 +52,13 @@ def rtn(w: Tensor) -> Tensor:
 
 # ----------------------------------------------------------------------------- calibration
 
-@torch.no_grad()
 def layer_inputs(model: nn.Module, batches, names: list[str], max_tokens: int = 0) -> dict[str, Tensor]:
     """The inputs of each named nn.Linear over `batches`, as (tokens, in) float rows; at most
     `max_tokens` (0: all) - the search's cost is linear in tokens and a few hundred suffice."""
-    mods = dict(model.named_modules())
-    missing = [n for n in names if not isinstance(mods.get(n), nn.Linear)]
-    if missing or max_tokens < 0:
-        raise ValueError(f"not nn.Linear modules of the model: {missing}" if missing
-                         else f"max_tokens must be >= 0, got {max_tokens}")
+    if max_tokens < 0:
+        raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
     seen: dict[str, list[Tensor]] = {n: [] for n in names}
-    handles = [mods[n].register_forward_pre_hook(
-        lambda _m, args, n=n: seen[n].append(args[0].detach().reshape(-1, args[0].shape[-1]).float()))
-        for n in names]
-    try:
-        for batch in batches:
-            model(batch[0] if isinstance(batch, (tuple, list)) else batch)
-    finally:
-        for h in handles:
-            h.remove()
-    if any(not v for v in seen.values()):
-        raise ValueError("calibration saw no batch: pass at least one")
+    sq.watch_inputs(model, batches, names, lambda n, x: seen[n].append(x.float()))
     return {n: torch.cat(v)[:max_tokens or None] for n, v in seen.items()}
 
 
