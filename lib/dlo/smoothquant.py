@@ -36,29 +36,36 @@ ACT_GRANULARITIES = ("tensor", "token")  # static per-tensor (SmoothQuant O3), d
 # ----------------------------------------------------------------------------- calibration
 
 @torch.no_grad()
-def act_absmax(model: nn.Module, batches, names: list[str]) -> dict[str, Tensor]:
-    """max |x_j| over every token of `batches` of the input of each named nn.Linear: {name: (in,)}."""
+def watch_inputs(model: nn.Module, batches, names: list[str], record) -> None:
+    """Run `batches` (inputs or (x, y) pairs) through `model`, calling record(name, x) with the input of
+    each named nn.Linear as (tokens, in) rows: the one calibration pass of SmoothQuant and AWQ."""
     mods = dict(model.named_modules())
     missing = [n for n in names if not isinstance(mods.get(n), nn.Linear)]
     if missing:
         raise ValueError(f"not nn.Linear modules of the model: {missing}")
-    out: dict[str, Tensor] = {}
-
-    def hook(name):
-        def record(_mod, args):
-            m = args[0].detach().abs().reshape(-1, args[0].shape[-1]).amax(0).float()  # (in,)
-            out[name] = m if name not in out else torch.maximum(out[name], m)
-        return record
-
-    handles = [mods[n].register_forward_pre_hook(hook(n)) for n in names]
+    handles = [mods[n].register_forward_pre_hook(
+        lambda _mod, args, n=n: record(n, args[0].detach().reshape(-1, args[0].shape[-1]))) for n in names]
+    seen = 0
     try:
         for batch in batches:
             model(batch[0] if isinstance(batch, (tuple, list)) else batch)
+            seen += 1
     finally:
         for h in handles:
             h.remove()
-    if len(out) != len(names):
+    if not seen:
         raise ValueError("calibration saw no batch: pass at least one")
+
+
+def act_absmax(model: nn.Module, batches, names: list[str]) -> dict[str, Tensor]:
+    """max |x_j| over every token of `batches` of the input of each named nn.Linear: {name: (in,)}."""
+    out: dict[str, Tensor] = {}
+
+    def record(name, x):
+        m = x.abs().amax(0).float()  # (in,)
+        out[name] = m if name not in out else torch.maximum(out[name], m)
+
+    watch_inputs(model, batches, names, record)
     return out
 
 
