@@ -1,13 +1,17 @@
 """Where the grader unpickles a student's objects for an on-ranks check (issue 26): only in processes that
-hold no other rank's part of the case.
+can reach no other rank's part of the case.
 
 Unpickling a student's object runs the student's code (`__reduce__`, a class body, a cell's module-level
 code). A hostile answer to Day 4's ring all-reduce carries such an object: wherever it is unpickled, it
-searches that process for every rank's part - the objects the garbage collector tracks, the locals of
-every thread's frames, and the process's own memory read raw (`/proc/self/mem`, freed remnants included) -
-and leaves a record of what it found. The grader's backend decides where that is: the runner's stub probe
-(a grandchild that exits before the ranks' request arrives) and each rank, after it has taken its own part
-and sealed the grader's modules (`dlo.grading.ranks.run_on_rank`). None of them may find a part but its own.
+searches for every rank's part - the objects the garbage collector tracks, the locals of every thread's
+frames, its own memory read raw (freed remnants included), under the grader's jail also its ancestors'
+memory (the jail's processes are one user), and the grader's channel (an inherited socket, or one taken
+from an ancestor with pidfd_getfd: it answers the request in flight and reads the next) - and leaves a
+record of what it found. It is unpickled in the runner's stub probe (a grandchild of the session's child)
+and on each rank, after the rank has taken its own part and sealed the grader's modules
+(`dlo.grading.ranks.run_on_rank`). None of them may reach a part but its own. On the previous code the
+probe held the session's socket and read both parts from the ranks' request; and a rank read both from
+the memory of the session's child and of the runner.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from dlo.grading.trusted import LocalSandbox
 
 PIDFD_GETFD = 438  # the syscall's number on every architecture
 PROCESS_VM_READV = {"x86_64": 310, "aarch64": 270}.get(platform.machine())  # the syscall's number
-pytestmark = [pytest.mark.slow,  # a sandboxed runner and a launch of two ranks: ~5 CPU s
+pytestmark = [pytest.mark.slow,  # a sandboxed runner and a launch of two ranks: ~8 CPU s
               pytest.mark.skipif(PROCESS_VM_READV is None, reason=f"process_vm_readv's number on {platform.machine()}")]
 
 
