@@ -117,12 +117,14 @@ class Session:
 
     def probe_stub(self, req: dict) -> str | None:
         """The name of the first captured object that is the release's stub, else None; loaded and
-        inspected in a grandchild (its code may run while it loads), which exits before the reply,
-        with everything it started."""
+        inspected in a grandchild (its code may run while it loads) without the session's channel,
+        which exits before the reply, with everything it started."""
         read, write = os.pipe()
         pid = os.fork()
         if pid == 0:
             os.close(read)
+            os.close(self.fd)  # the channel: the probe's code must not answer for the session, nor read
+            # the ranks' request that its answer would bring (every rank's part)
             try:
                 objs = [self.resolve(x) for x in (*req.get("args", ()), *req.get("kwargs", {}).values())]
                 stub = next((o for o in objs if api.is_stub(o)), None)
