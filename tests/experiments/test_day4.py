@@ -72,11 +72,13 @@ def test_resnet_comparison_overlap_and_compression_on_two_ranks(tmp_path):
     assert comp["fp16 compress"]["bytes/step"] == n_bytes // 2
     assert 0 < comp["PowerSGD"]["bytes/step"] < n_bytes // 2
     assert "bf16 compress" not in comp  # gloo has no bf16 sum: the notebook shows it as not measurable
-    # PowerSGD's P and Q all-reduces run in callbacks on gloo's threads: CommCounter (a dispatch mode of
-    # the calling thread) sees only its first all-reduce, the rank's TCP sockets see all three (their
-    # counters are the process's own: other tests running beside this one do not move them)
+    # PowerSGD's P and Q all-reduces run in callbacks, usually on gloo's threads: CommCounter (a dispatch
+    # mode of the calling thread) then sees only its first all-reduce; when gloo has finished before the
+    # callback is attached, it runs on the calling thread and is seen too (under load: 24040 of 24040 B).
+    # The rank's TCP sockets see all three either way (their counters are the process's own: other tests
+    # running beside this one do not move them)
     ps = comp["PowerSGD"]
-    assert all(ps["bytes/step"] < ps["formula bytes"] <= b for b, _ in ps["wire sent/step"])
+    assert all(ps["bytes/step"] <= ps["formula bytes"] <= b for b, _ in ps["wire sent/step"])
     # fp32: the gradients once at N = 2 (a ring sends 2(N-1)/N n), plus gloo's message headers: a few
     # hundred bytes per all-reduce, one per bucket (~208 B measured)
     assert all(n_bytes <= b < n_bytes + 512 * ov["all-reduces"]

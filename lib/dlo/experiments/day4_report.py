@@ -39,7 +39,7 @@ def compression_rows(comp: dict, world_size: int) -> list[dict]:
     fp32 = comp["fp32 (no compression)"]["bytes/step"]
     rows = []
     for name, v in comp.items():
-        want = v.get("formula bytes", v["bytes/step"])  # PowerSGD: CommCounter sees only its first all-reduce
+        want = v.get("formula bytes", v["bytes/step"])  # PowerSGD: CommCounter may miss its callbacks
         wire = v.get("wire sent/step")
         rows.append({"scheme": name, "counted bytes/step": v["bytes/step"],
                      "TCP sent/step": round(sum(b for b, _ in wire) / len(wire)) if wire else "-",
