@@ -23,7 +23,8 @@ import torch.distributed as dist
 
 from dlo.checks import day7
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.usefixtures("one_thread"),
+              pytest.mark.trust]  # a hostile class's evidence (issue 26): its own CI step, pytest -m trust
 
 
 @pytest.fixture(scope="module")

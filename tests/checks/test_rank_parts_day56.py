@@ -26,7 +26,8 @@ import torch.nn.functional as F
 from dlo.checks import day5, day6
 from tests.checks.test_rank_parts import gpipe_from_the_whole_model, load_solution, on_the_stack, seed_on_the_stack
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.usefixtures("one_thread"),
+              pytest.mark.trust]  # a hostile class's evidence (issue 26): its own CI step, pytest -m trust
 
 
 @pytest.fixture(scope="module")

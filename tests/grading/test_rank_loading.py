@@ -32,6 +32,7 @@ from dlo.grading.trusted import LocalSandbox
 PIDFD_GETFD = 438  # the syscall's number on every architecture
 PROCESS_VM_READV = {"x86_64": 310, "aarch64": 270}.get(platform.machine())  # the syscall's number
 pytestmark = [pytest.mark.slow,  # a sandboxed runner and a launch of two ranks: ~8 CPU s
+              pytest.mark.trust,  # its own CI step, pytest -m trust
               pytest.mark.skipif(PROCESS_VM_READV is None, reason=f"process_vm_readv's number on {platform.machine()}")]
 
 

@@ -328,6 +328,7 @@ SOLVE = textwrap.dedent('''
 @pytest.mark.skipif(unreachable_by_others(REPO) is not None,
                     reason=f"another user must reach the checkout: {unreachable_by_others(REPO)}")
 @pytest.mark.slow
+@pytest.mark.trust  # Unix users, minutes: its own CI step (pytest -m trust)
 def test_exchange_round_trip_with_unix_users(toy_template):
     why = _can_switch_users()
     if why:
