@@ -195,6 +195,7 @@ class Day5Preset:
     cpu_offload: bool = False      # FSDP2 CPUOffloadPolicy
     bucket_cap_mb: float = 0.05    # ZeRO-2 buckets (several on the tiny model)
     timing_steps: int = 12         # timed steps of ZeRO-3 (ours) vs FSDP2, interleaved (after 2 warm-up)
+    accum_micro: int = 4           # micro-batches per step of section 6.8 (accumulation + clipping, sharded)
     memory_world_sizes: tuple = (1, 2, 4, 8)  # world sizes of the memory table (fake process group)
     plan_gpus: int = 8             # the planned Llama 3.2 3B run (`dlo plan day5_fsdp`)
     launch_timeout_s: float = 900.0  # limit of the experiments' launch (ranks still talking: progress)
@@ -208,6 +209,8 @@ class Day5Preset:
                              f"{self.batch_per_rank}")
         if self.ac_mode not in AC_MODES:
             raise ValueError(f"ac_mode={self.ac_mode!r}: choose one of {', '.join(AC_MODES)}")
+        if self.accum_micro < 2:
+            raise ValueError(f"accum_micro={self.accum_micro}: need >= 2 micro-batches (accumulation)")
         for name in ("param_dtype", "reduce_dtype"):
             if getattr(self, name) not in ("float32", "bfloat16", "float16"):
                 raise ValueError(f"{name}={getattr(self, name)!r}: choose float32, bfloat16 or float16")
@@ -221,4 +224,4 @@ class Day5Preset:
         of model state: `dlo plan` is its test on a CPU."""
         return replace(self, world_size=2, model_overrides=(("n_layers", 1), ("vocab_size", 4096)), seq_len=32,
                        batch_per_rank=1, max_steps=2, timing_steps=1, memory_world_sizes=(2,), compile=False,
-                       param_dtype="float32", reduce_dtype="float32")
+                       param_dtype="float32", reduce_dtype="float32", accum_micro=2)

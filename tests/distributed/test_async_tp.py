@@ -30,8 +30,8 @@ def _worker():
     return {"y": y.detach(), "dx": xr.grad, "dw1": w1r.grad, "dw2": w2r.grad, "sent": comm.sent()}
 
 
-@pytest.mark.parametrize("t", [2, 3])
-def test_collective_matmuls_equal_one_process(t):
+def test_collective_matmuls_equal_one_process():
+    t = 3  # three hops: a chunk passes a rank that is neither its owner nor its last stop (t = 2 is in the next test)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(B, T, H, generator=g, dtype=torch.float64).requires_grad_()
     w1 = torch.randn(OUT * t, H, generator=g, dtype=torch.float64).requires_grad_()
