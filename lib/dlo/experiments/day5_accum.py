@@ -25,7 +25,6 @@ from dlo import estimates as E
 
 STEPS = 2
 BATCH, SEQ = 2, 16  # sequences per micro-batch and rank, tokens per sequence
-CONFIG_VOCAB = 256  # the tiny config's vocabulary
 TORCH_FSDP = "torch fully_shard docs (set_requires_gradient_sync: accumulation without communication)"
 
 
@@ -42,7 +41,8 @@ def _engine(stage: int, model, lr: float):
 def _micro_batches(step: int, rank: int, micro: int) -> list[tuple]:
     """This rank's `micro` micro-batches (x, y) of `step`: random tokens, drawn from (step, rank) alone."""
     g = torch.Generator().manual_seed(1000 * step + rank)
-    return [tuple(torch.randint(0, CONFIG_VOCAB, (BATCH, SEQ), generator=g) for _ in range(2)) for _ in range(micro)]
+    vocab = _config().vocab_size
+    return [tuple(torch.randint(0, vocab, (BATCH, SEQ), generator=g) for _ in range(2)) for _ in range(micro)]
 
 
 def _config():

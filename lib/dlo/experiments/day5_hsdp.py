@@ -30,25 +30,18 @@ ZHAO = "Zhao et al. 2023 (PyTorch FSDP, hybrid sharding)"
 def _count(cfg, nodes: int, gpus: int, hybrid: bool, x, y) -> dict:
     """Collectives of the second forward + backward (the first initialises FSDP2), per (kind, group size)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
     from dlo.experiments.day5_data import lm_loss
+    from dlo.experiments.day5_reshard import sharded_llama
     from dlo.measure import CommCounter, tally
-    from dlo.models.llama import Llama
     from dlo.plan import fake_world
 
     with fake_world(nodes * gpus):
-        with torch.device("meta"):
-            model = Llama(cfg)
         if hybrid:  # dim 0 replicates (across nodes), dim 1 shards (inside a node)
             mesh = init_device_mesh("cpu", (nodes, gpus), mesh_dim_names=("replicate", "shard"))
         else:
             mesh = init_device_mesh("cpu", (nodes * gpus,), mesh_dim_names=("shard",))
-        for block in model.layers.values():
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        model.to_empty(device="cpu")
-        model.init_weights(seed=0)
+        model, _ = sharded_llama(cfg, mesh)
         lm_loss(model, x, y).backward()
         model.zero_grad()
         with CommCounter() as comm:

@@ -103,30 +103,40 @@ class _HeldCounter(CommCounter):
         return out
 
 
+def sharded_llama(cfg, mesh, reshard=True, prefetch: int = 0) -> tuple:
+    """(model, blocks): the Llama of `cfg` built on the meta device, each block and then the root a
+    `fully_shard` unit over `mesh` (a 1-D mesh: FSDP; a 2-D (replicate, shard) mesh: HSDP), with explicit
+    prefetching of the next `prefetch` blocks each way, materialised on the CPU and initialised (seed 0).
+    Inside a process group (`dlo.plan.fake_world`)."""
+    from torch.distributed.fsdp import fully_shard
+
+    from dlo.models.llama import Llama
+
+    with torch.device("meta"):
+        model = Llama(cfg)
+    blocks = list(model.layers.values())
+    for b in blocks:
+        fully_shard(b, mesh=mesh, reshard_after_forward=reshard)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard)  # every unit alike, the root too
+    for i, b in enumerate(blocks):  # explicit prefetching: the next `prefetch` blocks, each way
+        if prefetch:
+            b.set_modules_to_forward_prefetch(blocks[i + 1:i + 1 + prefetch])
+            b.set_modules_to_backward_prefetch(blocks[max(0, i - prefetch):i][::-1])
+    model.to_empty(device="cpu")
+    model.init_weights(seed=0)
+    return model, blocks
+
+
 def measure_variant(cfg, world_size: int, reshard, prefetch: int, x, y) -> dict:
     """One `fully_shard` configuration at `world_size` ranks: collectives and gathered-bytes peaks of its
     second forward and backward (fp32)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
     from dlo.experiments.day5_data import lm_loss
-    from dlo.models.llama import Llama
     from dlo.plan import fake_world
 
     with fake_world(world_size):
-        with torch.device("meta"):
-            model = Llama(cfg)
-        mesh = init_device_mesh("cpu", (world_size,))
-        blocks = list(model.layers.values())
-        for b in blocks:
-            fully_shard(b, mesh=mesh, reshard_after_forward=reshard)
-        fully_shard(model, mesh=mesh, reshard_after_forward=reshard)  # every unit alike, the root too
-        for i, b in enumerate(blocks):  # explicit prefetching: the next `prefetch` blocks, each way
-            if prefetch:
-                b.set_modules_to_forward_prefetch(blocks[i + 1:i + 1 + prefetch])
-                b.set_modules_to_backward_prefetch(blocks[max(0, i - prefetch):i][::-1])
-        model.to_empty(device="cpu")
-        model.init_weights(seed=0)
+        model, blocks = sharded_llama(cfg, init_device_mesh("cpu", (world_size,)), reshard, prefetch)
         units = _units(model)
         full = {name: sum(getattr(m, n).numel() * getattr(m, n).element_size() for m, n in owned)
                 for name, (_, owned) in units.items()}
