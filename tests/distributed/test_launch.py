@@ -363,7 +363,8 @@ def test_ranks_forked_by_the_zygote_are_like_fresh_interpreters(monkeypatch):
     own session (killpg reaches what it starts), has its own random seed and its share of the threads.
     DLO_RANK_START=exec starts each rank as its own interpreter, the launcher's child."""
     monkeypatch.delenv("DLO_RANK_START", raising=False)
-    threads = int(os.environ.get("OMP_NUM_THREADS") or max(1, (os.cpu_count() or 1) // 2))
+    monkeypatch.setenv("OMP_NUM_THREADS", "4")  # this process's share: split over the 2 ranks
+    threads = max(1, min(len(os.sched_getaffinity(0)), 4) // 2)
     forked = launch(_whoami, 2)
     assert [r[5] for r in forked] == ["0", "1"] and forked[0][1] == forked[1][1] != os.getpid()
     assert all(pid == sid for pid, _, sid, *_ in forked) and forked[0][3] != forked[1][3]
@@ -371,3 +372,19 @@ def test_ranks_forked_by_the_zygote_are_like_fresh_interpreters(monkeypatch):
     monkeypatch.setenv("DLO_RANK_START", "exec")
     fresh = launch(_whoami, 2)
     assert [r[5] for r in fresh] == ["0", "1"] and {r[1] for r in fresh} == {os.getpid()}
+
+
+def test_each_rank_gets_its_share_of_the_launchers_threads(monkeypatch):
+    """The launcher's OMP_NUM_THREADS (a grading job's share) is split over its ranks, never given to
+    each: 2 ranks with 2 threads each on 2 cores spin OpenMP workers against each other (a Day 6 check
+    took 3.5x the CPU). Without it, the usable cores are split."""
+    from dlo.distributed._ranks import rank_threads
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert [rank_threads(n) for n in (1, 2, 3)] == [2, 1, 1]
+    monkeypatch.setenv("OMP_NUM_THREADS", "16")  # more than the cores: the cores bound it
+    assert [rank_threads(n) for n in (1, 2, 3, 16)] == [8, 4, 2, 1]
+    for junk in ("", "0", "two"):  # unset or unreadable: the cores
+        monkeypatch.setenv("OMP_NUM_THREADS", junk)
+        assert rank_threads(4) == 2
