@@ -35,11 +35,13 @@ class Probing(NotebookClient):
 
     def __init__(self, nb, **kw):
         super().__init__(nb, **kw)
-        self.cpu = []
+        self.cpu, self.seen = [], {}
 
     async def async_execute_cell(self, cell, cell_index, execution_count=None, store_history=True):
         out = await super().async_execute_cell(cell, cell_index, execution_count, store_history)
         if cell.cell_type == "code":
+            # read now: nbclient stores the probe at this cell's index, its source and metadata with it
+            self.seen[cell_index] = (cell.source, dict(cell.metadata.get("nbgrader", {})))
             probe = nbformat.v4.new_code_cell(PROBE)
             await super().async_execute_cell(probe, cell_index, store_history=False)
             text = "".join(o.get("text", "") for o in probe.outputs if o.get("output_type") == "stream")
@@ -57,12 +59,11 @@ def profile(day: str, notebooks: str) -> dict:
         client.execute()
     cells, prev = [], 0.0
     for index, cpu in client.cpu:
-        cell = nb.cells[index]
-        meta = cell.metadata.get("nbgrader", {})
+        source, meta = client.seen[index]
         where = ("graded" if meta.get("solution") or meta.get("grade") else
                  "after the last graded cell" if index > last else "before the last graded cell")
         cells.append({"index": index, "where": where, "cpu_s": round(cpu - prev, 2),
-                      "first_line": cell.source.strip().splitlines()[0][:60] if cell.source.strip() else ""})
+                      "first_line": source.strip().splitlines()[0][:60] if source.strip() else ""})
         prev = cpu
     sums = {}
     for c in cells:
