@@ -6,7 +6,8 @@ smallest bucket. Numbers only for the student; the grader also measures.
   at once, bytes exact): Day 7's GPT layers split by hand (`dlo.experiments.day7.measure_layers`,
   bf16) at t = 2 and 3, and Day 6's 1F1B engine (`dlo.distributed.pipeline.one_f_one_b_step`) as
   the middle stage of three (float32), per micro-batch. Then to the references (`dlo.comm_compute`,
-  off limits while the student's code runs) to 1e-9 on seeded odd sizes, degrees, layers and dtypes.
+  off limits while the student's code runs) to 1e-9 on seeded odd sizes, degrees, layers and dtypes
+  (`case_seed`: secret under the grader).
   A mismatch names the usual slip when a wrong formula gives the student's number exactly (one
   direction only, the ring factor left out, the stage's 1/t forgotten, ...).
 - `ddp_bucket_bytes` is held to its definition, like exercise 7's token count: Day 4's
@@ -24,7 +25,7 @@ import torch.distributed as dist
 from dlo.checks.day7_scale import LLAMA_3B_HIDDEN
 from dlo.comm_compute import pp_p2p_bytes, tp_bytes
 from dlo.distributed.collectives import allreduce_time
-from dlo.grading.api import check
+from dlo.grading.api import case_seed, check
 from dlo.grading.compare import assert_number, fmt, ok
 from dlo.hardware import LINKS, link_bytes_per_s
 
@@ -171,7 +172,7 @@ def check_pp_tp_bucket(pp_p2p_bytes_fn, tp_bytes_fn, ddp_bucket_bytes_fn, seed: 
     """`pp_p2p_bytes_fn(batch, seq, hidden, t=1, act_bytes=2)`, `tp_bytes_fn(batch, seq, hidden, t, layers=1,
     act_bytes=2)` and `ddp_bucket_bytes_fn(world_size, alpha, link_bytes_per_s, latency_share=0.1)` as in
     `dlo.comm_compute` (module docstrings)."""
-    rng = random.Random(seed)
+    rng = random.Random(case_seed(seed))  # secret under the grader: the cases cannot be looked up
     measured = _against_the_engines(pp_p2p_bytes_fn, tp_bytes_fn, rng, seed)
     cases = _cases(rng, trials)
     for c in cases:
