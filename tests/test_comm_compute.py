@@ -2,7 +2,8 @@
 
 import pytest
 
-from dlo.comm_compute import allgather_time, fsdp_min_tokens, tp_comm_ratio
+from dlo.comm_compute import allgather_time, ddp_bucket_bytes, fsdp_min_tokens, pp_p2p_bytes, tp_bytes, tp_comm_ratio
+from dlo.distributed.collectives import allreduce_time
 from dlo.hardware import LINKS, PEAKS, link_bytes_per_s
 
 
@@ -40,3 +41,28 @@ def test_link_table_covers_its_gpus_and_names_what_it_lacks():
         link_bytes_per_s("V100", "nvlink")
     with pytest.raises(ValueError, match="no link 'pcie'"):
         link_bytes_per_s("A100 80GB SXM", "pcie")
+
+
+def test_tp_sends_4_l_t_minus_1_over_t_times_the_pipeline():
+    # Narayanan et al. 2021, Sec. 3.2: bsh each way per boundary, 8 bsh (t-1)/t per layer
+    b, s, h = 1, 4096, 3072
+    assert pp_p2p_bytes(b, s, h) == 2 * b * s * h * 2
+    assert pp_p2p_bytes(b, s, h, t=8) == pp_p2p_bytes(b, s, h) / 8  # each rank of the stage its 1/t
+    assert tp_bytes(b, s, h, 8, layers=7) / pp_p2p_bytes(b, s, h) == pytest.approx(4 * 7 * 7 / 8)
+    assert tp_bytes(b, s, h, 1, layers=7) == 0
+    with pytest.raises(ValueError, match="tp_bytes"):
+        tp_bytes(b, s, h, 0)
+
+
+def test_ddp_bucket_is_where_latency_falls_to_its_share():
+    N, alpha, B = 8, 5e-6, 450e9
+    n = ddp_bucket_bytes(N, alpha, B, latency_share=0.5)
+    assert n == 18_000_000  # N alpha B at f = 1/2: the latency equals the bandwidth term
+    for f in (0.05, 0.1, 0.5):
+        n = ddp_bucket_bytes(N, alpha, B, f)
+        share = [2 * (N - 1) * alpha / allreduce_time(k, N, alpha, 1 / B) for k in (n, n - 1)]
+        assert share[0] <= f < share[1]
+    assert ddp_bucket_bytes(64, alpha, B) > ddp_bucket_bytes(8, alpha, B)  # the ring's latency grows with N
+    assert ddp_bucket_bytes(1, alpha, B) == 0 == ddp_bucket_bytes(8, 0.0, B)
+    with pytest.raises(ValueError, match="latency_share"):
+        ddp_bucket_bytes(8, alpha, B, latency_share=0)

@@ -18,6 +18,20 @@ link's bytes per second in one direction) and a GPU's peak FLOP/s (`dlo.hardware
 Both count matmul FLOPs only (attention scores add 4 s h per token and layer, so more compute: the
 bounds are conservative) and assume the overlap is perfect (FSDP) or absent (TP: the next matmul
 needs the sum). Day 7's exercise 7 asks for these two functions; `dlo.checks.day7_scale` grades it.
+
+Volumes (Day 7's exercise 7b, graded by `dlo.checks.day7_volumes`), per micro-batch of b sequences of
+s tokens, hidden size h, in bytes:
+
+- **Pipeline** (Day 6). A stage boundary carries the activation forward and its gradient backward,
+  b s h elements each way (Narayanan et al. 2021, Sec. 3.2); with tensor parallelism of degree t in
+  the stages each of the t ranks sends its 1/t (Sec. 4.1, the scatter/gather optimisation).
+- **Tensor parallelism**: 4 all-reduces of b s h per layer (2 forward, 2 backward), 2 (t-1)/t of it
+  sent per rank each under the ring: 8 b s h (t-1)/t per layer (Sec. 3.2), times the stage's layers.
+  Their ratio, 4 L (t-1)/t for L layers a stage (t = 1 at the boundary), is why the pipeline takes
+  the slow links between nodes and TP the fast ones inside.
+- **DDP's bucket** (Day 4). A ring all-reduce of n bytes costs 2 (N-1) alpha + 2 (N-1)/N n beta: the
+  latency term is at most a share f of it from n >= N alpha (1 - f) / (f beta) on, the smallest
+  bucket worth sending (it grows with N: at f = 1/2, N alpha / beta).
 """
 
 from __future__ import annotations
@@ -58,4 +72,37 @@ def tp_comm_ratio(layer_params: int, hidden: int, t: int, tokens: int, peak_flop
     return comm / (2 * layer_params * tokens / t / peak_flops)
 
 
-__all__ = ["allgather_time", "fsdp_min_tokens", "tp_comm_ratio"]
+def pp_p2p_bytes(batch: int, seq: int, hidden: int, t: int = 1, act_bytes: int = 2) -> float:
+    """Bytes one stage boundary carries per micro-batch, the activation forward and its gradient
+    backward (b s h each, Narayanan et al. 2021, Sec. 3.2), sent by each of the stage's t tensor-parallel
+    ranks: its 1/t (Sec. 4.1)."""
+    if min(batch, seq, hidden, t, act_bytes) < 1:
+        raise ValueError(f"pp_p2p_bytes: need positive sizes, t and act_bytes; got {batch}, {seq}, {hidden}, "
+                         f"{t}, {act_bytes}")
+    return 2 * batch * seq * hidden * act_bytes / t
+
+
+def tp_bytes(batch: int, seq: int, hidden: int, t: int, layers: int = 1, act_bytes: int = 2) -> float:
+    """Bytes one rank sends per micro-batch for `layers` tensor-parallel layers: 4 ring all-reduces of
+    b s h per layer (2 forward, 2 backward), 2 (t-1)/t of it each: 8 b s h (t-1)/t (Narayanan et al.
+    2021, Sec. 3.2). 0 at t = 1."""
+    if min(batch, seq, hidden, t, act_bytes) < 1 or layers < 0:
+        raise ValueError(f"tp_bytes: need positive sizes, t and act_bytes, layers >= 0; got {batch}, {seq}, "
+                         f"{hidden}, {t}, {layers}, {act_bytes}")
+    return 8 * batch * seq * hidden * (t - 1) / t * layers * act_bytes
+
+
+def ddp_bucket_bytes(world_size: int, alpha: float, link_bytes_per_s: float, latency_share: float = 0.1) -> int:
+    """The smallest bucket, in whole bytes, whose ring all-reduce over `world_size` ranks spends at most
+    `latency_share` of its time on latency: 2 (N-1) alpha <= f (2 (N-1) alpha + 2 (N-1)/N n beta),
+    n >= N alpha (1 - f) / (f beta). 0 on one rank or without latency."""
+    if world_size < 1 or alpha < 0 or link_bytes_per_s <= 0 or not 0 < latency_share <= 1:
+        raise ValueError(f"ddp_bucket_bytes: need world_size >= 1, alpha >= 0, link_bytes_per_s > 0, "
+                         f"0 < latency_share <= 1; got {world_size}, {alpha}, {link_bytes_per_s}, {latency_share}")
+    if world_size == 1:
+        return 0
+    n = world_size * alpha * link_bytes_per_s * (1 - latency_share) / latency_share
+    return math.ceil(round(n, 6))  # round: float noise is not a byte
+
+
+__all__ = ["allgather_time", "ddp_bucket_bytes", "fsdp_min_tokens", "pp_p2p_bytes", "tp_bytes", "tp_comm_ratio"]

@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from dlo.claims import Claim, approx, exact, not_measurable, per_median_time
+from dlo.comm_compute import tp_bytes
 from dlo.experiments.day7 import llama_config, local_bytes
 
 KORTHIKANTI = "Korthikanti et al. 2022, Table 2"
@@ -21,8 +22,8 @@ EQ5 = "seminar (seed 003), eq. 5; Narayanan et al. 2021"
 
 def comm_bytes_per_layer(b: int, s: int, h: int, t: int, elem: int = 2) -> float:
     """Bytes one rank sends per transformer layer, forward + backward: 4 all-reduces of (b, s, h),
-    2 (t-1)/t of it each under the ring model: 8 b s h (t-1)/t elements."""
-    return 8 * b * s * h * (t - 1) / t * elem
+    2 (t-1)/t of it each under the ring model: 8 b s h (t-1)/t elements (`dlo.comm_compute.tp_bytes`)."""
+    return tp_bytes(b, s, h, t, 1, elem)
 
 
 def activation_bytes_per_layer(s: int, b: int, h: int, a: int, t: int = 1, mode: str = "none") -> float:

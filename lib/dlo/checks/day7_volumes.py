@@ -1,0 +1,192 @@
+"""Day 7's exercise 7b: the pipeline's point-to-point bytes against tensor parallelism's, and DDP's
+smallest bucket. Numbers only for the student; the grader also measures.
+
+- `pp_p2p_bytes` and `tp_bytes` are held to what the days' engines send, counted by
+  `dlo.measure.CommCounter` on a fake process group (`dlo.plan.fake_world`, every collective returns
+  at once, bytes exact): Day 7's GPT layers split by hand (`dlo.experiments.day7.measure_layers`,
+  bf16) at t = 2 and 3, and Day 6's 1F1B engine (`dlo.distributed.pipeline.one_f_one_b_step`) as
+  the middle stage of three (float32), per micro-batch. Then to the references (`dlo.comm_compute`,
+  off limits while the student's code runs) to 1e-9 on seeded odd sizes, degrees, layers and dtypes
+  (`case_seed`: secret under the grader).
+  A mismatch names the usual slip when a wrong formula gives the student's number exactly (one
+  direction only, the ring factor left out, the stage's 1/t forgotten, ...).
+- `ddp_bucket_bytes` is held to its definition, like exercise 7's token count: Day 4's
+  `allreduce_time` of the returned n spends at most the share f on latency, that of n - 1 more.
+"""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+
+from dlo.checks.day7_scale import LLAMA_3B_HIDDEN
+from dlo.comm_compute import pp_p2p_bytes, tp_bytes
+from dlo.distributed.collectives import allreduce_time
+from dlo.grading.api import case_seed, check
+from dlo.grading.compare import assert_number, fmt, ok
+from dlo.hardware import LINKS, link_bytes_per_s
+
+REFERENCE = ("dlo.comm_compute.*", "dlo.experiments.day7_report.comm_bytes_per_layer")
+
+
+def _slip(got: float, wrongs: dict[str, float]) -> str:
+    """' (text?)' for the first plausible wrong formula whose value is the student's number."""
+    for text, value in wrongs.items():
+        if value and abs(got / value - 1) < 1e-9:
+            return f" ({text}?)"
+    return ""
+
+
+def _compare(name: str, got, want: float, wrongs: dict[str, float], where: dict) -> None:
+    got = assert_number(name, "the bytes", got, where)
+    if abs(got - want) > 1e-9 * max(abs(want), 1.0):
+        raise AssertionError(f"{name}: got {got:.6g} bytes, expected {want:.6g}{_slip(got, wrongs)} ({fmt(where)})")
+
+
+def _pp_wrongs(b, s, h, t, e) -> dict[str, float]:
+    one_way = b * s * h * e / t
+    return {"one direction only: backward sends the activation's gradient back across the boundary": one_way,
+            "not divided by t: each of the stage's t ranks sends its 1/t (Megatron's scatter/gather)": 2 * one_way * t,
+            "the b s h elements not multiplied by the bytes per element": 2 * b * s * h / t}
+
+
+def _tp_wrongs(b, s, h, t, L, e) -> dict[str, float]:
+    ring = 8 * b * s * h * (t - 1) / t * L * e
+    if t == 1:
+        return {}
+    return {"half: forward only (backward all-reduces twice too, the f's), or (t-1)/t per all-reduce where a ring "
+            "rank sends 2(t-1)/t": ring / 2,
+            "the ring's factor left out: a rank sends 2(t-1)/t of each all-reduce, not 2": ring * t / (t - 1),
+            "one layer, not the stage's `layers`": ring / L if L > 1 else 0.0,
+            "the b s h elements not multiplied by the bytes per element": ring / e if e > 1 else 0.0}
+
+
+# ----------------------------------------------------------------------------- measured on the days' engines
+
+def _tp_measured(t: int, b: int, s: int, heads: int, head_dim: int) -> dict:
+    """Bytes a rank of Day 7's GPT layer (bf16) sends per layer, forward + backward, on a fake group of t."""
+    from dlo.experiments.day7 import measure_layers
+    from dlo.plan import fake_world
+
+    P = SimpleNamespace(gpt_dim=heads * head_dim, gpt_heads=heads, dropout=0.0, gpt_layers=2, gpt_batch=b, gpt_seq=s)
+    with fake_world(t):
+        r = measure_layers(P, None, "tp", "cpu")
+    return {"bytes": r["sent fwd/layer"] + r["sent bwd/layer"], "h": P.gpt_dim}
+
+
+def _pp_measured(b: int, s: int, h: int, heads: int, m: int) -> float:
+    """Bytes the middle stage of three sends per micro-batch in one 1F1B step of Day 6's engine (float32)."""
+    from dlo.distributed.pipeline import build_stages, make_stage_modules, one_f_one_b_step
+    from dlo.measure import CommCounter
+    from dlo.models.transformer import Block
+    from dlo.plan import fake_world
+
+    torch.manual_seed(0)
+    modules = make_stage_modules([Block(h, heads, 0.0) for _ in range(3)], [0, 1, 2, 3])
+    with fake_world(3, rank=1):
+        (stage,) = build_stages(modules, 3, [b] * m, (s, h), rank=1)
+        with CommCounter() as comm:
+            one_f_one_b_step(stage, None, None, None)
+    return comm.sent() / m
+
+
+def _against_the_engines(pp_fn, tp_fn, rng: random.Random, seed: int) -> int:
+    """The student's bytes beside what the engines send; the number of measurements (0 under torchrun)."""
+    b, s, heads = rng.choice([1, 3]), rng.choice([5, 7]), 6  # drawn first: the same cases after, measured or not
+    if dist.is_initialized():  # a process group exists: no fake one in this process
+        return 0
+    for t in (2, 3):
+        m = _tp_measured(t, b, s, heads, 5)
+        h, want = m["h"], 3 * m["bytes"]
+        where = dict(b=b, s=s, h=h, t=t, layers=3, act_bytes=2, seed=seed)
+        got = assert_number("tp_bytes", "the bytes", tp_fn(b, s, h, t, layers=3, act_bytes=2), where)
+        if abs(got - want) > 1e-9 * want:
+            raise AssertionError(f"tp_bytes: Day 7's GPT layers send {want:.6g} bytes per rank for 3 layers "
+                                 f"(CommCounter, fake group of {t}), you say {got:.6g}"
+                                 f"{_slip(got, _tp_wrongs(b, s, h, t, 3, 2))} ({fmt(where)})")
+    h = heads * 3
+    want, where = _pp_measured(b, s, h, heads, 2), dict(b=b, s=s, h=h, t=1, act_bytes=4, seed=seed)
+    got = assert_number("pp_p2p_bytes", "the bytes", pp_fn(b, s, h, t=1, act_bytes=4), where)
+    if abs(got - want) > 1e-9 * want:
+        raise AssertionError(f"pp_p2p_bytes: Day 6's 1F1B middle stage sends {want:.6g} bytes per micro-batch "
+                             f"(CommCounter, float32), you say {got:.6g}{_slip(got, _pp_wrongs(b, s, h, 1, 4))} "
+                             f"({fmt(where)})")
+    return 3
+
+
+# ----------------------------------------------------------------------------- seeded cases
+
+def _cases(rng: random.Random, trials: int) -> list[dict]:
+    """Llama 3.2 3B at t = 8 (28 layers over p = 4 stages), then random sizes, degrees and dtypes."""
+    out = [dict(b=1, s=4096, h=LLAMA_3B_HIDDEN, t=8, L=7, e=2)]
+    for _ in range(trials):
+        out.append(dict(b=rng.choice([1, 3, 5]), s=rng.choice([7, 513, 4095]), h=rng.choice([96, 1000, 3072, 5120]),
+                        t=rng.choice([1, 2, 3, 4, 8]), L=rng.choice([1, 5, 7, 16]), e=rng.choice([1, 2, 4])))
+    return out
+
+
+def _bucket_cases(rng: random.Random, trials: int) -> list[dict]:
+    """Every GPU and link of the table at N = 8 and 64, alpha = 5 us, then random ones."""
+    out = [dict(N=N, alpha=5e-6, B=link_bytes_per_s(gpu, link), f=0.1, case=f"{gpu}, {link}")
+           for gpu, links in LINKS.items() for link in links for N in (8, 64)]
+    for _ in range(trials):
+        out.append(dict(N=rng.choice([1, 2, 3, 7, 64, 100]), alpha=rng.choice([0.0, 1e-6, 5e-6, 2.3e-5]),
+                        B=rng.uniform(10e9, 900e9), f=rng.choice([0.05, 0.1, 0.25, 0.5, 1.0]), case="random"))
+    return out
+
+
+def _check_bucket(fn, c: dict, seed: int) -> None:
+    where = {k: c[k] for k in ("N", "alpha", "B", "f", "case")} | {"seed": seed}
+    got = fn(c["N"], c["alpha"], c["B"], latency_share=c["f"])
+    if not isinstance(got, int) or isinstance(got, bool) or got < 0:
+        raise AssertionError(f"ddp_bucket_bytes: return a whole number of bytes (an int >= 0), got {got!r} "
+                             f"({fmt(where)})")
+    latency = 2 * (c["N"] - 1) * c["alpha"]
+
+    def share(n: int) -> float:
+        return latency / allreduce_time(n, c["N"], c["alpha"], 1 / c["B"]) if latency else 0.0
+
+    if share(got) > c["f"] * (1 + 1e-9):
+        raise AssertionError(f"ddp_bucket_bytes: a bucket of {got:,} bytes spends {share(got):.9g} of its all-reduce "
+                             f"on latency, more than {c['f']}{_bucket_slip(got, c)} ({fmt(where)})")
+    if got > 0 and share(got - 1) <= c["f"] * (1 - 1e-9):
+        raise AssertionError(f"ddp_bucket_bytes: {got:,} bytes is not the smallest: {got - 1:,} spends "
+                             f"{share(got - 1):.9g} on latency, within {c['f']}{_bucket_slip(got, c)} ({fmt(where)})")
+
+
+def _bucket_slip(got: int, c: dict) -> str:
+    """The usual slip, when the student's bytes are a wrong closed form's (to the byte)."""
+    N, x, f = c["N"], c["alpha"] * c["B"], c["f"]
+    wrongs = {"N left out: the ring's latency 2(N-1) alpha grows with N, its bandwidth term 2(N-1)/N n beta does "
+              "not": x * (1 - f) / f,
+              "latency at most f of the bandwidth term, not of the whole time": N * x / f,
+              "N - 1 in place of N: the bandwidth term is 2(N-1)/N n beta": (N - 1) * x * (1 - f) / f}
+    return next((f" ({text}?)" for text, n in wrongs.items() if abs(got - n) <= 1), "")
+
+
+@check(forbid=REFERENCE)
+def check_pp_tp_bucket(pp_p2p_bytes_fn, tp_bytes_fn, ddp_bucket_bytes_fn, seed: int = 0, trials: int = 12) -> None:
+    """`pp_p2p_bytes_fn(batch, seq, hidden, t=1, act_bytes=2)`, `tp_bytes_fn(batch, seq, hidden, t, layers=1,
+    act_bytes=2)` and `ddp_bucket_bytes_fn(world_size, alpha, link_bytes_per_s, latency_share=0.1)` as in
+    `dlo.comm_compute` (module docstrings)."""
+    rng = random.Random(case_seed(seed))  # secret under the grader: the cases cannot be looked up
+    measured = _against_the_engines(pp_p2p_bytes_fn, tp_bytes_fn, rng, seed)
+    cases = _cases(rng, trials)
+    for c in cases:
+        b, s, h, t, L, e = (c[k] for k in ("b", "s", "h", "t", "L", "e"))
+        where = c | {"seed": seed}
+        _compare("pp_p2p_bytes", pp_p2p_bytes_fn(b, s, h, t=t, act_bytes=e), pp_p2p_bytes(b, s, h, t, e),
+                 _pp_wrongs(b, s, h, t, e), where)
+        _compare("tp_bytes", tp_bytes_fn(b, s, h, t, layers=L, act_bytes=e), tp_bytes(b, s, h, t, L, e),
+                 _tp_wrongs(b, s, h, t, L, e), where)
+    buckets = _bucket_cases(rng, trials)
+    for c in buckets:
+        _check_bucket(ddp_bucket_bytes_fn, c, seed)
+    ok("pp_tp_bucket", f"{measured} byte counts of the days' engines, {len(cases)} volume and {len(buckets)} bucket "
+                       f"cases, seed={seed}")
+
+
+__all__ = ["check_pp_tp_bucket"]
