@@ -116,7 +116,7 @@ def compare(row: Published, model=None) -> list[dict] | None:
 
     published = {"case": case, "layout by": "published (measured)",
                  "layout": layout_text(row.fsdp, row.fsdp > 1, row.tp, row.pp), "m": "-", "AC": row.ac,
-                 "GiB/GPU": row.mem_gib, "fits": True, "tokens/s/GPU": row.tokens_per_s_gpu,
+                 "GiB/GPU": row.mem_gib, "fits": "ran", "tokens/s/GPU": row.tokens_per_s_gpu,
                  "source": row.source + (f"; {row.extras}" if row.extras != "none" else "")}
     ac_theirs = "full" + (" (for selective)" if row.ac == "selective" else "") if theirs.ac else "none"
     return [published, modelled(theirs, "published layout, our model", ac_theirs),
