@@ -11,6 +11,8 @@ import dlo.claims as claims_module
 from dlo.accounting import optimizer_bytes
 from dlo.claims import AGREES, BY_CONSTRUCTION, DISAGREES, NOT_MEASURABLE, PLANNED, VERDICTS
 from dlo.distributed import launch
+from dlo.distributed import pipeline_schedules as S
+from dlo.distributed.pipeline_fit import message_gaps
 from dlo.distributed.pipeline_schedules import bubble_formula
 from dlo.experiments import day6 as E
 from dlo.experiments import day6_report as report
@@ -68,6 +70,13 @@ def test_run_all_on_two_ranks_and_its_report():
     assert sum(c.verdict == NOT_MEASURABLE for c in claims) == 6 + 3 + 3  # and the three 4-GPU rows
     assert all(c.verdict == AGREES for c in report.zero_bubble_claims())
     assert report.split_rows(R)[0]["balanced by"] == "params" and report.stage_rows(R["splits"]["blocks"])
+    # the recorded timelines are steps of the schedules the simulator replays (6.2's fit)
+    lists = {"gpipe": S.gpipe_schedule(2, 2), "1f1b": S.one_f_one_b_schedule(2, 2),
+             "interleaved": S.interleaved_schedule(2, 2, 2)}
+    fits = report.timeline_fit_rows(R["bubble"]["gantt"], lists)
+    assert [r["schedule"] for r in fits] == list(R["bubble"]["gantt"]) and all(r["fitted t_comm ms"] >= 0 for r in fits)
+    # one clock for all ranks: no action starts before the message it waits for was sent
+    assert min(g for s, ev in R["bubble"]["gantt"].items() for g in message_gaps(ev, lists[s])) > -1e-6
 
 
 def _results(p=2, ms=(2, 4), jitter=0.001, one=100, kept_alive=None, device="cuda:0") -> dict:

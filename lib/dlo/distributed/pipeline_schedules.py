@@ -149,12 +149,29 @@ def _duration(t, stage: int) -> float:
     return float(t[stage]) if isinstance(t, (list, tuple)) else float(t)
 
 
+def dependencies(a: Action, n_stages: int) -> list[Action]:
+    """The actions `a` waits for: F(s, i) on F(s - 1, i); B(s, i) on F(s, i) and B(s + 1, i); W(s, i)
+    on B(s, i)."""
+    deps = []
+    if a.kind == "F" and a.stage > 0:
+        deps.append(Action("F", a.stage - 1, a.mb))
+    if a.kind == "B":
+        deps.append(Action("F", a.stage, a.mb))
+        if a.stage < n_stages - 1:
+            deps.append(Action("B", a.stage + 1, a.mb))
+    if a.kind == "W":
+        deps.append(Action("B", a.stage, a.mb))
+    return deps
+
+
 def simulate(schedule: list[list[Action]], t_f=1.0, t_b=2.0, t_w=0.0, t_comm=0.0) -> list[dict]:
     """Replay `schedule`: each rank runs its actions in order, each as soon as its inputs exist:
     F(s, i) after F(s - 1, i), B(s, i) after F(s, i) and B(s + 1, i), W(s, i) after B(s, i); a
     message between ranks takes t_comm. Durations are numbers or per-stage lists (B: the input
     gradient when the schedule has W actions, the whole backward otherwise). Returns the events;
-    ValueError (naming what each rank waits on) if the schedule deadlocks or repeats an action."""
+    ValueError (naming what each rank waits on) if the schedule deadlocks or repeats an action.
+    t_comm = 0 adds nothing (the timelines of a simulator without messages, bit for bit);
+    `dlo.distributed.pipeline_fit.fit_timeline` fits it, and the durations, to a recorded timeline."""
     rank_of = {a.stage: r for r, acts in enumerate(schedule) for a in acts}
     n_stages = max(rank_of) + 1
     seen = set()
@@ -167,17 +184,8 @@ def simulate(schedule: list[list[Action]], t_f=1.0, t_b=2.0, t_w=0.0, t_comm=0.0
     free, pos, events = [0.0] * len(schedule), [0] * len(schedule), []
 
     def ready(a: Action, r: int) -> float | None:
-        deps = []
-        if a.kind == "F" and a.stage > 0:
-            deps.append(Action("F", a.stage - 1, a.mb))
-        if a.kind == "B":
-            deps.append(Action("F", a.stage, a.mb))
-            if a.stage < n_stages - 1:
-                deps.append(Action("B", a.stage + 1, a.mb))
-        if a.kind == "W":
-            deps.append(Action("B", a.stage, a.mb))
         t = 0.0
-        for d in deps:
+        for d in dependencies(a, n_stages):
             if d not in done:
                 return None
             t = max(t, done[d] + (t_comm if rank_of.get(d.stage) != r else 0.0))
@@ -267,5 +275,5 @@ def stage_bounds(stages: list[list[int]]) -> list[int]:
 
 
 __all__ = ["Action", "gpipe_schedule", "one_f_one_b_schedule", "interleaved_schedule", "zero_bubble_schedule",
-           "torch_schedule", "bubble_formula", "bubble_over_ideal", "simulate", "bubble_fraction",
+           "torch_schedule", "bubble_formula", "bubble_over_ideal", "dependencies", "simulate", "bubble_fraction",
            "peak_in_flight", "split_stages", "stage_bounds"]

@@ -106,8 +106,10 @@ def peak_step(stages, schedule: str, xs, ys, loss_fn, device) -> list[int]:
 
 def timed_steps(stages, schedule: str, xs, ys, loss_fn, reps: int, device, label: str, warmup: int = 1) -> dict:
     """One step measuring the peak memory (it also warms up), `warmup` - 1 more untimed steps, then
-    `reps` timed ones, each after a barrier (a common time origin): per step the wall time and, from
-    every rank's timeline (all-gathered), the bubble fraction; the last step's events of all ranks."""
+    `reps` timed ones, each after a barrier: per step the wall time and, from every rank's timeline
+    (all-gathered), the bubble fraction; the last step's events of all ranks. The ranks leave the
+    barrier up to a few ms apart (a loaded CPU), so each rank's times are moved to the earliest rank's
+    origin: `perf_counter` is one clock for all processes of a host, as `launch`'s ranks are."""
     heartbeat(f"{label}: the memory step")
     out = {"peak_bytes": peak_step(stages, schedule, xs, ys, loss_fn, device), "times_s": [], "bubbles": [],
            "events": []}
@@ -120,11 +122,13 @@ def timed_steps(stages, schedule: str, xs, ys, loss_fn, reps: int, device, label
             torch.cuda.synchronize(device)
         wall = time.perf_counter() - tl.t0
         gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, (tl.events, wall))
+        dist.all_gather_object(gathered, (tl.events, wall, tl.t0))
         if rep <= 0:
             continue  # warm-up: allocations, first-call overheads
-        out["events"] = [e for evs, _ in gathered for e in evs]
-        out["times_s"].append(max(w for _, w in gathered))
+        origin = min(t0 for _, _, t0 in gathered)
+        out["events"] = [{**e, "start": e["start"] + t0 - origin, "end": e["end"] + t0 - origin}
+                         for evs, _, t0 in gathered for e in evs]
+        out["times_s"].append(max(w + t0 - origin for _, w, t0 in gathered))
         out["bubbles"].append(bubble_fraction(out["events"]))
     return out
 

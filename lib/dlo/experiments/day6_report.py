@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from dlo.claims import Claim, approx, at_least, at_most, between, by_construction, not_measurable, planned, timed
+from dlo.distributed.pipeline_fit import fit_timeline, makespan, residuals, simulate_fitted
 from dlo.distributed.pipeline_schedules import bubble_fraction, simulate, split_stages
 from dlo.estimates import REPEATS, Estimate, exact, from_samples, median_interval, ratio
 from dlo.experiments.day6 import COSTS, meta_model, model_config, stack
@@ -243,12 +244,22 @@ def gantt(ax, events: list[dict], title: str, label: bool = True) -> None:
     ax.set_title(f"{title}: bubble {bubble_fraction(events):.2f}", fontsize=9)
 
 
-def simulated_like(events: list[dict], schedule) -> list[dict]:
-    """The simulator's timeline of `schedule` with the median F and B durations of recorded `events`."""
-    med = statistics.median
-    t_f = med([e["end"] - e["start"] for e in events if e["kind"] == "F"])
-    t_b = med([e["end"] - e["start"] for e in events if e["kind"] == "B"])
-    return simulate(schedule, t_f, t_b)
+def timeline_fit_rows(gantt: dict, lists: dict) -> list[dict]:
+    """Per schedule, the recorded step beside `simulate` with the durations and the message time fitted to
+    it (`dlo.distributed.pipeline_fit`: per-stage medians, t_comm the median idle wait for a message),
+    and the recorded-minus-simulated start of each action: a description of one step, not a verdict."""
+    out = []
+    for schedule, events in gantt.items():
+        fit = fit_timeline(events, lists[schedule])
+        res = [abs(r["residual"]) for r in residuals(events, simulate_fitted(events, lists[schedule]))]
+        gaps = sorted(fit["gaps"])
+        out.append({"schedule": schedule, "fitted t_comm ms": round(1e3 * fit["t_comm"], 2),
+                    "gaps (min..max ms)": f"{len(gaps)} ({1e3 * gaps[0]:.2f}..{1e3 * gaps[-1]:.2f})" if gaps else "0",
+                    "step ms recorded": round(1e3 * makespan(events), 1),
+                    "simulated, t_comm=0": round(1e3 * makespan(simulate_fitted(events, lists[schedule], 0.0)), 1),
+                    "simulated, fitted": round(1e3 * makespan(simulate_fitted(events, lists[schedule])), 1),
+                    "|residual| ms median": round(1e3 * statistics.median(res), 2), "max": round(1e3 * max(res), 2)})
+    return out
 
 
 # ----------------------------------------------------------------------------- the full profile on paper
