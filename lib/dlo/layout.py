@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dlo.comm_compute import allgather_time
+from dlo.comm_compute import allgather_time, pp_p2p_bytes, tp_bytes
 from dlo.hardware import link_bytes_per_s, peak_for_name
 
 ADAMW_MIXED = 16  # bytes per parameter: bf16 parameter and gradient, fp32 master and two moments
@@ -128,12 +128,12 @@ def step_time(model: Model, lay: Layout, cluster: Cluster, batch: int) -> float:
     tokens = b * model.seq
     # the last stage is the slowest: its blocks and the head's matmul (the embedding lookup costs no FLOP)
     flops = (8 if lay.ac else 6) * (model.layers // lay.pp * model.layer_params + model.embedding) * tokens / lay.tp
-    act = BF16 * tokens * model.hidden
     tp_bw, pp_bw = _link(cluster, lay.tp), _link(cluster, lay.tp * lay.pp)
-    allreduce = 2 * (lay.tp - 1) / lay.tp * act / tp_bw
-    slot = flops / peak + (6 if lay.ac else 4) * model.layers // lay.pp * allreduce
+    # a stage's 4 all-reduces per layer, 6 when checkpointing recomputes the forward (its 2 again)
+    tp_comm = tp_bytes(b, model.seq, model.hidden, lay.tp, model.layers // lay.pp, BF16) / tp_bw
+    slot = flops / peak + (1.5 if lay.ac else 1) * tp_comm
     if lay.pp > 1:
-        slot += 2 * act / lay.tp / pp_bw
+        slot += pp_p2p_bytes(b, model.seq, model.hidden, lay.tp, BF16) / pp_bw
     pipeline = (lay.m + lay.pp - 1) * slot
     dp_bw, grads = _link(cluster, cluster.gpus), BF16 * max(_stage_params(model, lay.pp)) / lay.tp
     if lay.fsdp:
