@@ -85,13 +85,15 @@ def tagged(mark: str) -> list[int]:
     return pids
 
 
-def kill_tree(root: int, *, include_root: bool = True, mark: str | None = None, rounds: int = 100) -> None:
+def kill_tree(root: int, *, include_root: bool = True, mark: str | None = None, rounds: int = 100,
+              spare: int | None = None) -> None:
     """SIGKILL `root` with its process group (unless include_root is False), every process below it
-    and, given a `mark`, every process `tagged` with it. The tree is read before anything is killed, so
-    a kernel in a session of its own goes with the papermill that started it; repeated until nothing
-    is left (a process forked meanwhile is re-parented to a subreaper, or carries the mark)."""
+    and, given a `mark`, every process `tagged` with it; `spare` (a process below root) lives on, not
+    what is below it. The tree is read before anything is killed, so a kernel in a session of its own
+    goes with the papermill that started it; repeated until nothing is left (a process forked meanwhile
+    is re-parented to a subreaper, or carries the mark)."""
     for _ in range(rounds):
-        pids = descendants(root) + (tagged(mark) if mark else [])
+        pids = [p for p in descendants(root) + (tagged(mark) if mark else []) if p != spare]
         if include_root and _alive(root):
             pids.insert(0, root)
         if include_root:  # the group root leads (start_new_session), members that left the tree included

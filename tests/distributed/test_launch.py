@@ -48,7 +48,7 @@ def _worker_children():
                 cmd = f.read()
         except OSError:  # the process ended while we looked
             continue
-        if ppid == os.getpid() and b"dlo.distributed._worker" in cmd:
+        if ppid == os.getpid() and b"dlo.distributed._worker" in cmd and b"--server" not in cmd:  # it outlives launches
             found.append(int(name))
     return found
 
@@ -388,3 +388,68 @@ def test_each_rank_gets_its_share_of_the_launchers_threads(monkeypatch):
     for junk in ("", "0", "two"):  # unset or unreadable: the cores
         monkeypatch.setenv("OMP_NUM_THREADS", junk)
         assert rank_threads(4) == 2
+
+
+def _zygote_parent():
+    """On a rank: the pid of its zygote's parent (the fork server, or the launcher for a fresh zygote), its folder."""
+    with open(f"/proc/{os.getppid()}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1]), os.getcwd()
+
+
+@pytest.fixture
+def own_server(monkeypatch):
+    """A fork server of this test's own (the process's is left alone), closed after it."""
+    from dlo.distributed import _forkserver
+
+    monkeypatch.delenv("DLO_RANK_START", raising=False)
+    monkeypatch.setattr(_forkserver, "_SERVER", {})
+    yield _forkserver
+    proc = _forkserver._SERVER.get("proc")
+    _forkserver._close()
+    if proc is not None:
+        proc.wait(timeout=30)
+
+
+def test_launches_fork_from_one_server_in_the_launchers_folder(own_server, tmp_path, monkeypatch):
+    """The first launch starts the fork server; every later one forks its zygote from it (torch imported
+    once per process), in the folder the launcher is in at that launch."""
+    first = launch(_zygote_parent, 2)
+    server = own_server.pid()
+    monkeypatch.chdir(tmp_path)
+    second = launch(_zygote_parent, 2)
+    assert server is not None and {p for p, _ in first + second} == {server}
+    assert [c for _, c in second] == [str(tmp_path)] * 2 and own_server.pid() == server
+
+
+def test_a_bad_request_or_a_killed_server_costs_only_the_warm_start(own_server):
+    """A request that is not a launch forks nothing and the server serves on; a server killed (by code
+    it outlived) is not used again: each launch starts its own zygote, as without a server."""
+    launch(_whoami, 2)
+    server = own_server.pid()
+    own_server._SERVER["sock"].send(b"not json")
+    assert [r[5] for r in launch(_whoami, 2)] == ["0", "1"] and own_server.pid() == server
+    os.kill(server, signal.SIGKILL)
+    own_server._SERVER["proc"].wait(timeout=30)
+    parents = {p for p, _ in launch(_zygote_parent, 2)}
+    assert own_server._SERVER.get("failed") and parents == {os.getpid()}
+
+
+def test_the_server_is_as_closed_as_its_launcher(tmp_path):
+    """Launched from an undumpable process (the grader's runner), the server and the ranks forked from
+    it are undumpable too: no process of their user may read or write their memory."""
+    script = tmp_path / "closed.py"
+    script.write_text(textwrap.dedent("""
+        import ctypes, sys
+        from dlo.distributed import launch
+
+        def dumpable():
+            return ctypes.CDLL(None).prctl(3, 0, 0, 0, 0)
+
+        if sys.argv[1] == "closed":
+            ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)
+        print(launch(dumpable, 2))
+    """))
+    env = {k: v for k, v in os.environ.items() if k != "DLO_RANK_START"}
+    out = [subprocess.run([PY, str(script), how], capture_output=True, text=True, env=env, timeout=120)
+           for how in ("open", "closed")]
+    assert [o.stdout.strip().splitlines()[-1] for o in out] == ["[1, 1]", "[0, 0]"], [o.stderr[-500:] for o in out]

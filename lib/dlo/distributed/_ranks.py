@@ -4,7 +4,9 @@ The ranks of a launch are forked by one fresh interpreter that has imported torc
 (`_worker.zygote`), rather than each importing them again: a rank's start costs a fork instead of 1 to
 2 CPU seconds. The zygote has run no torch operation and never touched CUDA, so forking it is safe on GPU
 nodes too; DLO_RANK_START=exec starts each rank as its own interpreter, as before (and is what happens
-when the zygote cannot start the ranks). Every rank runs in a session of its own, so that
+when the zygote cannot start the ranks). The zygote is forked by the launching process's fork server
+(`_forkserver`: torch imported once per process, not per launch); DLO_RANK_START=zygote starts a fresh
+one per launch instead. Every rank runs in a session of its own, so that
 `kill_groups` ends it with everything it started. Nothing here is public API.
 """
 
@@ -18,6 +20,8 @@ import subprocess
 import sys
 import threading
 import time
+
+from dlo.distributed import _forkserver
 
 JOIN_TIMEOUT = 60.0  # seconds the ranks get to start and rendezvous, whatever `timeout` says
 
@@ -67,6 +71,14 @@ RANK_START_ENV = "DLO_RANK_START"
 PRELOAD = ("torch.distributed.tensor", "torch._dynamo", "dlo.checks")
 
 
+def start_fork_server() -> int | None:
+    """This process's fork server started now, with what this process has imported of `PRELOAD`; its pid,
+    None when there is none (DLO_RANK_START=zygote or exec, or it could not start)."""
+    preload = [m for m in PRELOAD if getattr(sys.modules.get(m), "__file__", None)]
+    _forkserver.start(worker_command(), preload, dict(os.environ))
+    return _forkserver.pid()
+
+
 class Zygote:
     """The process that forks a launch's ranks (`_worker.zygote`), and what it reports of them."""
 
@@ -79,12 +91,15 @@ class Zygote:
         writes = [w for _, w in pipes]
         self.reads, self.world_size, self.handed = [r for r, _ in pipes], world_size, False
         try:
+            # forked by this process's fork server when there is one, else a fresh interpreter
+            self.proc = _forkserver.zygote_process(worker_command(), preload, dict(os.environ), workdir, writes)
             # -P (here and for each rank below): the working directory is not put on sys.path, so a module
             # planted there (by code run earlier in that folder, e.g. a graded student's) cannot run before
             # the worker takes its shard
-            self.proc = subprocess.Popen([*worker_command(), "--zygote", workdir,
-                                          *map(str, writes)], env=envs[0], stdin=subprocess.DEVNULL,
-                                         stdout=subprocess.PIPE, pass_fds=writes, start_new_session=True)
+            if self.proc is None:
+                self.proc = subprocess.Popen([*worker_command(), "--zygote", workdir,
+                                              *map(str, writes)], env=envs[0], stdin=subprocess.DEVNULL,
+                                             stdout=subprocess.PIPE, pass_fds=writes, start_new_session=True)
         except BaseException:
             for fd in self.reads:
                 os.close(fd)
@@ -96,11 +111,12 @@ class Zygote:
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self):
-        for line in self.proc.stdout:
-            what, r, value = line.split()
-            (self.pids if what == b"start" else self.codes)[int(r)] = int(value)
-            if len(self.pids) == self.world_size:
-                self.started.set()
+        with self.proc.stdout:
+            for line in self.proc.stdout:
+                what, r, value = line.split()
+                (self.pids if what == b"start" else self.codes)[int(r)] = int(value)
+                if len(self.pids) == self.world_size:
+                    self.started.set()
         self.ended.set()
         self.started.set()
 

@@ -10,6 +10,12 @@ own), and the heavy modules the launcher has imported (`_ranks.PRELOAD`), then f
 with its environment from WORKDIR/ranks.pkl and its stdout and stderr on the pipes the launcher passed
 (FD: two per rank). Forking is safe here as it is not from a notebook:
 this process has run no torch operation (no thread pool started) and never touched CUDA.
+
+`python -m dlo.distributed._worker --server FD dumpable|undumpable MODULE ...` (`fork_server`) pays that import once per
+launching process instead of once per launch: it imports as the zygote does, then waits on the Unix
+socket FD for launches, and forks for each a zygote (`zygote`, its report on the pipe sent with the
+request) which forks the ranks. It runs nothing but forks: what a request names is read by the forked
+zygote, never by the server, so a request cannot change what the next launch's ranks start from.
 """
 
 import importlib
@@ -60,21 +66,28 @@ def main(workdir):
     os._exit(0)  # skip C++ static destructors: live gloo threads there can abort a finished rank
 
 
-def zygote(workdir, fds):
-    """Import what every rank imports, fork the ranks, report "start R PID" and "exit R CODE" on stdout."""
+def _warm(preload):
+    """Import what every rank imports (and `preload`: what the launcher has imported and the ranks would
+    import again); the torch module."""
     import cloudpickle  # noqa: F401 - imported once here rather than in each rank
     import torch
     import torch.distributed  # noqa: F401
 
     import dlo.distributed.launch  # noqa: F401
 
-    with open(os.path.join(workdir, "ranks.pkl"), "rb") as f:
-        envs, preload = pickle.load(f)
-    for name in preload:  # what the launcher has imported and the ranks would import again
+    for name in preload:
         try:
             importlib.import_module(name)
         except Exception:  # noqa: BLE001 - a rank that needs it imports it itself, and reports what fails
             pass
+    return torch
+
+
+def zygote(workdir, fds):
+    """Import what every rank imports, fork the ranks, report "start R PID" and "exit R CODE" on stdout."""
+    with open(os.path.join(workdir, "ranks.pkl"), "rb") as f:
+        envs, preload = pickle.load(f)
+    torch = _warm(preload)
     ranks = {}
     for r, env in enumerate(envs):
         pid = os.fork()
@@ -115,8 +128,65 @@ def _rank(workdir, env, own, fds, torch):
         os._exit(code)
 
 
+def fork_server(sock_fd, undumpable, preload):
+    """Warm once, then for each request on `sock_fd` (JSON {"workdir", "cwd"} with the report pipe and the
+    ranks' pipes as passed descriptors) fork a zygote in the launcher's folder; end when the launcher
+    closes its end. `undumpable` (the launcher is: the grader's runner) first: then no process of the
+    same user may write the memory that every later launch's ranks are forked from."""
+    import ctypes
+    import json
+    import signal
+    import socket
+
+    if undumpable and ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE, 0
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE, 0) failed")
+    _warm(preload)
+    sock = socket.socket(fileno=sock_fd)
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the zygotes are reaped by the kernel; their ranks by them
+    os.write(1, b"ready\n")
+    while True:
+        msg, fds, _, _ = socket.recv_fds(sock, 65536, 256)
+        if not msg:
+            return
+        try:
+            req = json.loads(msg)
+            workdir, cwd, report, rank_fds = str(req["workdir"]), str(req["cwd"]), fds[0], fds[1:]
+        except (ValueError, KeyError, IndexError, TypeError):  # not a launch: nothing is forked
+            for fd in fds:
+                os.close(fd)
+            continue
+        if os.fork() == 0:
+            _served_zygote(sock, workdir, cwd, report, rank_fds)
+        for fd in fds:
+            os.close(fd)
+
+
+def _served_zygote(sock, workdir, cwd, report, rank_fds):
+    """In the server's fork: a session of its own (the launcher kills it by its group), the report pipe as
+    stdout, the launcher's working folder; then the zygote, whose ranks are reaped here."""
+    import signal
+
+    code = 1
+    try:
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        sock.close()
+        os.setsid()
+        os.dup2(report, 1)
+        os.close(report)
+        os.chdir(cwd)
+        os.write(1, f"pid {os.getpid()}\n".encode())
+        zygote(workdir, rank_fds)
+        code = 0
+    except BaseException:  # noqa: BLE001 - printed as a fresh zygote would
+        traceback.print_exc()
+    finally:
+        os._exit(code)
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "--zygote":
         zygote(sys.argv[2], [int(fd) for fd in sys.argv[3:]])
+    elif sys.argv[1] == "--server":
+        fork_server(int(sys.argv[2]), sys.argv[3] == "undumpable", sys.argv[4:])
     else:
         main(sys.argv[1])

@@ -3,8 +3,9 @@
 Design. A notebook is one long-lived process that has already imported torch, started its thread
 pools and maybe touched CUDA, so forking it is unsafe (a forked CUDA context is dead, forked
 thread pools can deadlock). Each rank is therefore forked from a fresh interpreter that has only
-imported torch and dlo (`python -m dlo.distributed._worker --zygote`: the import paid once per launch,
-not per rank), or is one itself with DLO_RANK_START=exec (`python -m dlo.distributed._worker`). A
+imported torch and dlo (a zygote, `dlo.distributed._worker`: forked for each launch by a fork server
+that the first launch starts, so the import is paid once per process, not per launch or per rank; with
+DLO_RANK_START=zygote a fresh zygote per launch), or is one itself with DLO_RANK_START=exec. A
 fresh interpreter cannot import a function that lives in the notebook's `__main__`, which is why the
 usual `multiprocessing.spawn` route fails for notebook-defined functions; cloudpickle instead
 serialises such functions (and closures, lambdas, classes from `__main__`) by value. The payload
@@ -37,6 +38,7 @@ import torch.distributed as dist
 
 from dlo import pickling
 from dlo.config import pick_backend
+from dlo.distributed import _ranks
 from dlo.distributed._spawn import RankError, spawn
 
 __all__ = ["RankError", "dumps", "heartbeat", "init_from_env", "is_main", "launch", "rank", "rank_device",
@@ -171,6 +173,14 @@ def _destroy():
 
 
 # ------------------------------------------------------------------- the entry point (spawning: _spawn.py, _ranks.py)
+
+def start_fork_server() -> int | None:
+    """Start the process that forks this process's later launches (torch imported once, not per launch;
+    `launch` starts it at its first call otherwise); its pid, None when ranks start another way
+    (DLO_RANK_START=zygote: a fresh interpreter forks each launch's ranks; exec: each rank its own). The
+    grader's runner starts it before any student code runs, and spares it between checks."""
+    return _ranks.start_fork_server()
+
 
 def launch(fn, world_size, *args, backend=None, timeout=300.0, **kwargs) -> list:
     """Run `fn(*args, **kwargs)` on `world_size` ranks with torch.distributed ready; return the

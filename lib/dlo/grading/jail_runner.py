@@ -74,7 +74,12 @@ def main(argv: list[str]) -> int:
     import torch  # noqa: F401 - warm: every session's fork starts with torch and the checks imported
 
     import dlo.checks  # noqa: F401
+    from dlo.distributed.launch import start_fork_server
 
+    # the ranks' fork server, started before any student code can run: each check's launches fork from it
+    # (torch imported once per submission, not once per launch); undumpable as this process, and spared
+    # between sessions, not what it forked
+    server = start_fork_server()
     reaper.subreaper(True)  # what a session's code leaves running stays findable, and ends with it (serve)
     wire.write_frame(proto_out, wire.encode({"kind": "ready", "pid": os.getpid()}))
     while True:
@@ -91,10 +96,10 @@ def main(argv: list[str]) -> int:
                 pass
         with contextlib.suppress(Exception):
             forbid.private_targets(tuple(req.get("forbid", ())))
-        serve(req, proto_in, proto_out)
+        serve(req, proto_in, proto_out, server)
 
 
-def serve(req: dict, proto_in: int, proto_out: int) -> None:
+def serve(req: dict, proto_in: int, proto_out: int, server: int | None = None) -> None:
     """Fork the session's child and forward frames until it ends; then report how it ended."""
     parent_sock, child_sock = socket.socketpair()
     sys.stdout.flush()
@@ -116,8 +121,8 @@ def serve(req: dict, proto_in: int, proto_out: int) -> None:
     finally:
         os.close(pidfd)
         parent_sock.close()
-        reaper.kill_tree(os.getpid(), include_root=False)  # daemons of the session's code: none may wait for
-        # the next check's shards
+        reaper.kill_tree(os.getpid(), include_root=False, spare=server)  # daemons of the session's code: none
+        # may wait for the next check's shards
 
 
 def _forward(proto_in: int, proto_out: int, sock: int, pidfd: int, pid: int) -> None:

@@ -1,0 +1,130 @@
+"""The launching process's fork server (`_worker.fork_server`): one interpreter that imports torch and
+dlo once and forks a zygote for every later launch, so that a process launching ranks many times (a
+notebook's experiments, the grader's runner serving one check after another) pays the import once, not
+once per launch (1 to 2 CPU seconds each; Day 7's graded checks launch 13 times).
+
+`zygote_process(workdir)` asks it for a launch's zygote and returns a Popen-like handle of it, or None
+when there is no server (DLO_RANK_START=zygote or exec, no Unix fd passing, the server gone): the
+launcher then starts a zygote of its own, as before. The server ends when this process closes its end
+(at exit); a forked child (the grader's sessions) shares it. Nothing here is public API.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import threading
+
+_LOCK = threading.Lock()
+_SERVER: dict = {}  # "proc", "sock": the running server; "failed": it could not start or went away
+START_TIMEOUT = 60.0  # seconds for the server's imports
+
+
+def enabled() -> bool:
+    return os.environ.get("DLO_RANK_START", "server") == "server" and hasattr(socket, "send_fds")
+
+
+def start(command: list[str], preload: list[str], env: dict) -> subprocess.Popen | None:
+    """Start this process's server now (the grader's runner does, before any student code can run), or
+    return the one running; None when it cannot start."""
+    with _LOCK:
+        if "proc" in _SERVER or "failed" in _SERVER or not enabled():
+            return _SERVER.get("proc")
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            closed = "undumpable" if not dumpable() else "dumpable"  # as closed as this process
+            proc = subprocess.Popen([*command, "--server", str(theirs.fileno()), closed, *preload], env=env,
+                                    stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, pass_fds=[theirs.fileno()],
+                                    start_new_session=True)
+        except OSError:
+            ours.close()
+            _SERVER["failed"] = True
+            return None
+        finally:
+            theirs.close()
+        if not _ready(proc):
+            proc.kill()
+            proc.wait()
+            ours.close()
+            _SERVER["failed"] = True
+            return None
+        _SERVER.update(proc=proc, sock=ours)
+        return proc
+
+
+def dumpable() -> bool:
+    """Whether this process may be traced and its memory read by others of its user (PR_GET_DUMPABLE);
+    True where prctl is missing."""
+    try:
+        import ctypes
+
+        return ctypes.CDLL(None, use_errno=True).prctl(3, 0, 0, 0, 0) != 0  # PR_GET_DUMPABLE
+    except (OSError, AttributeError):
+        return True
+
+
+def _ready(proc: subprocess.Popen) -> bool:
+    line, done = [], threading.Event()
+
+    def read():
+        line.append(proc.stdout.readline())
+        done.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    return done.wait(START_TIMEOUT) and line[0] == b"ready\n"
+
+
+def pid() -> int | None:
+    """The server's pid, None when there is none (the grader's runner spares it between sessions)."""
+    proc = _SERVER.get("proc")
+    return proc.pid if proc is not None else None
+
+
+def zygote_process(command, preload, env, workdir: str, rank_fds: list[int]) -> ServedZygote | None:
+    """A zygote forked by the server for this launch (its ranks' pipes passed to it), or None."""
+    if start(command, preload, env) is None:
+        return None
+    read, write = os.pipe()
+    try:
+        msg = json.dumps({"workdir": workdir, "cwd": os.getcwd()}).encode()
+        with _LOCK:
+            socket.send_fds(_SERVER["sock"], [msg], [write, *rank_fds])
+    except OSError:  # the server is gone (killed by code it outlived, or at exit): start zygotes again
+        os.close(read)
+        _SERVER["failed"] = True
+        return None
+    finally:
+        os.close(write)
+    report = os.fdopen(read, "rb")
+    first = report.readline().split()
+    if len(first) != 2 or first[0] != b"pid":
+        report.close()
+        return None
+    return ServedZygote(int(first[1]), report)
+
+
+class ServedZygote:
+    """What the launcher uses of a zygote's Popen: pid, stdout (its report) and wait (until the report's
+    end: the zygote is the server's child, reaped there)."""
+
+    def __init__(self, pid: int, report):
+        self.pid, self.stdout, self.returncode = pid, report, None
+
+    def wait(self, timeout: float | None = None) -> int:
+        # kill_groups has SIGKILLed its session (the server reaps it); the report ends with it, as its
+        # ranks do not hold it
+        self.returncode = 0
+        return 0
+
+
+def _close() -> None:
+    sock = _SERVER.pop("sock", None)
+    if sock is not None:
+        sock.close()  # the server reads the end and exits
+
+
+import atexit  # noqa: E402 - registered last: the server ends with this process
+
+atexit.register(_close)
