@@ -212,22 +212,26 @@ def _make_observer(name: str, percentile: float) -> MinMaxObserver:
 class QuantLinear(nn.Module):
     """A Linear with int8 weight codes (4- or 8-bit values) and per-tensor/channel/group scales, plus
     optional static activation fake quantization with an observer-calibrated (scale, zero);
-    `observer` names the calibration observer in OBSERVERS (`percentile` is for "percentile")."""
+    `observer` names the calibration observer in OBSERVERS (`percentile` is for "percentile").
+    symmetric=False stores the weight with one zero-point per scale (AWQ's int4 default); the
+    symmetric layer has no `zero` buffer (None: not in its state_dict)."""
 
     def __init__(self, linear: nn.Linear, bits: int = 8, granularity: str = "channel", group_size: int = 128,
-                 act_bits: int | None = None, observer: str = "minmax", percentile: float = 99.9):
+                 act_bits: int | None = None, observer: str = "minmax", percentile: float = 99.9,
+                 symmetric: bool = True):
         super().__init__()
-        q, s, z = quantize(linear.weight.detach(), bits, granularity, group_size, symmetric=True)
+        q, s, z = quantize(linear.weight.detach(), bits, granularity, group_size, symmetric)
         self.bits, self.act_bits = bits, act_bits
         self.register_buffer("qweight", q)  # (out, in) int8 codes
         self.register_buffer("scale", s)  # (out|1, groups)
+        self.register_buffer("zero", None if symmetric else z)  # same shape as scale, integer-valued floats
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
         self.register_buffer("act_scale", torch.zeros(()))
         self.register_buffer("act_zero", torch.zeros(()))
         self.observer = _make_observer(observer, percentile) if act_bits else None
 
     def weight_hat(self) -> Tensor:
-        return dequantize(self.qweight, self.scale)
+        return dequantize(self.qweight, self.scale, self.zero)
 
     def forward(self, x: Tensor) -> Tensor:
         if self.act_bits:
@@ -247,8 +251,10 @@ class QuantLinear(nn.Module):
         self.observer = None
 
     def nbytes(self) -> int:
-        """Storage of the deployed layer: codes at `bits` per weight (int4 packs two per byte), fp32 scales, bias."""
+        """Storage of the deployed layer: codes at `bits` per weight (int4 packs two per byte), fp32 scales,
+        zero-points at `bits` each (packed like the codes), bias."""
         n = self.qweight.numel() * self.bits // 8 + self.scale.numel() * 4
+        n += 0 if self.zero is None else -(-self.zero.numel() * self.bits // 8)
         return n + (self.bias.numel() * self.bias.element_size() if self.bias is not None else 0)
 
 
