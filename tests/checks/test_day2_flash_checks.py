@@ -23,16 +23,21 @@ def stub(q, k, v, *, causal=False, block_k=32):
     raise NotImplementedError()
 
 
-def forward(q, k, v, *, causal=False, block_k=32, rescale_out=True, rescale_sum=True, diagonal=0, local_max=False):
+def forward(q, k, v, *, causal=False, block_k=32, rescale_out=True, rescale_sum=True, diagonal=0, local_max=False,
+            upcast=True):
     """A block-wise forward (what a student writes), with one thing wrong where asked: no rescale of the
-    output or of the sum, the causal mask shifted off the diagonal by `diagonal`, or FlashAttention-1's
-    block-local maximum exp(S - rowmax S_j), nan where a block is masked entirely."""
-    dtype, (q, k, v) = q.dtype, (x.float() for x in (q, k, v))
+    output or of the sum, the causal mask shifted off the diagonal by `diagonal`, FlashAttention-1's
+    block-local maximum exp(S - rowmax S_j) (nan where a block is masked entirely), or the scores taken
+    in the input dtype (bf16: 3 digits)."""
+    dtype, q_in, k_in = q.dtype, q, k
+    q, k, v = (x.float() for x in (q, k, v))
+    if not upcast:
+        q, k = q_in, k_in
     T = q.shape[-2]
     m = torch.full(q.shape[:-1], -math.inf)
     ell, acc = torch.zeros(q.shape[:-1]), torch.zeros_like(q)
     for j in range(0, T, block_k):
-        s = q @ k[..., j:j + block_k, :].transpose(-1, -2) / math.sqrt(q.shape[-1])
+        s = (q @ k[..., j:j + block_k, :].transpose(-1, -2)).float() / math.sqrt(q.shape[-1])
         if causal:
             s = s.masked_fill(torch.arange(j, j + s.shape[-1]) > torch.arange(T)[:, None] + diagonal, -math.inf)
         m_new = torch.maximum(m, s.amax(-1))
@@ -81,7 +86,8 @@ def test_stub_scores_nothing():
     (partial(forward, diagonal=1), r"^flash_attention: L .*causal=True"),
     (partial(forward, local_max=True), r"nan at \d+ of \d+ query positions, .*: exp\(-inf - \(-inf\)\) is nan"),
     (naive, r"materialised a \(T x T\) matrix: aten\.\w+ made a float32 tensor of shape \(.*\b(\d+), \1\), T=\1;"),
-    (fused, r"is torch's fused attention")])
+    (fused, r"is torch's fused attention"),
+    (partial(forward, upcast=False), r"^flash_attention: L .*compute in fp32 \(q\.float\(\)\).*dtype=bfloat16")])
 def test_rejects(wrong, match):
     with pytest.raises(AssertionError, match=match):
         day2.check_flash_attention(wrong)
@@ -119,3 +125,4 @@ def test_sandboxed(sandbox, solution, capsys):
     assert ": ok (" in capsys.readouterr().out
     with pytest.raises(AssertionError, match=r"materialised a \(T x T\) matrix"):
         sandbox.run(day2.check_flash_attention, naive, trials=1)
+

@@ -136,7 +136,8 @@ def _compare(name: str, got: dict, c: dict, o_ref: torch.Tensor, l_ref: torch.Te
                     "against the running maximum m_new (finite once a row has seen key 0), not the block's own max")
         raise AssertionError(f"{name}: nan at {len(rows)} of {T} query positions, the first {rows[0]}: {why} "
                              f"({fmt(hp)})")
-    assert_close(name, "L (m + log l per row; rescale l by exp(m_old - m_new) whenever the maximum grows)",
+    fp32 = "" if c["dtype"] == torch.float32 else "; compute in fp32 (q.float()), a bf16 score is 3 digits"
+    assert_close(name, f"L (m + log l per row; rescale l by exp(m_old - m_new) whenever the maximum grows{fp32})",
                  lse, l_ref, hp, rtol=FP32_TOL, atol=FP32_TOL)
     tol = FP32_TOL if c["dtype"] == torch.float32 else BF16_O_TOL
     assert_close(name, "O (rescale the unnormalised output by exp(m_old - m_new) whenever the maximum grows; "
