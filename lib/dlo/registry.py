@@ -74,7 +74,7 @@ def _day(number: int, name: str, preset_class: type, presets: dict, experiments:
 
 DAYS: dict[str, DaySpec] = {d.name: d for d in (
     _day(1, "day1_optimizers", P.Day1Preset, P.DAY1, grade_cpu_s=22.0),
-    _day(2, "day2_mixed_precision", P.Day2Preset, P.DAY2, grade_cpu_s=30.0),
+    _day(2, "day2_mixed_precision", P.Day2Preset, P.DAY2, grade_cpu_s=32.0),
     _day(3, "day3_checkpointing", P.Day3Preset, P.DAY3, grade_cpu_s=36.0),
     _day(4, "day4_ddp", P.Day4Preset, P.DAY4, grade_cpu_s=63.0),
     _day(5, "day5_fsdp", P.Day5Preset, P.DAY5, planner="dlo.experiments.day5_report:plan",

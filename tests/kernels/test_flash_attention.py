@@ -2,14 +2,15 @@
 
 Sequence lengths 1, 17 and 67 against the interpreter's 32-query, 16-key blocks: one lone query, a
 padded block, several blocks with the causal diagonal cutting through them. Small on purpose: the
-interpreter runs every block op in numpy (the whole file takes a few CPU seconds).
+interpreter runs every block op in numpy (the whole file takes a few CPU seconds). Also the block-wise
+torch reference (`flash_attention_blocked_ref`) against the written-out one.
 """
 
 import pytest
 import torch
 
 from dlo.errors import BadInput
-from dlo.kernels.flash_attention import flash_attention, flash_attention_ref
+from dlo.kernels.flash_attention import flash_attention, flash_attention_blocked_ref, flash_attention_ref
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -101,3 +102,19 @@ def test_kernel_refuses_a_device_it_cannot_run_on():
     q = torch.zeros(1, 1, 4, 16, device="meta")
     with pytest.raises(BadInput, match="cannot run on meta"):
         flash_attention(q, q, q)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("T,block_k", [(1, 16), (17, 16), (67, 5), (67, 100)])
+def test_blocked_reference_matches_the_written_out_one(T, block_k, causal):
+    """The kernel's loop in torch (block by block, running max and sum) gives the scores-written-out
+    reference's O and L: fp32 sums over <= 67 keys in two orders, ~1e-6 apart."""
+    q, k, v = make_qkv(T, torch.bfloat16, "cpu", seed=3)
+    for got, want in zip(flash_attention_blocked_ref(q, k, v, causal, block_k), flash_attention_ref(q, k, v, causal)):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
+def test_blocked_reference_refuses_a_bad_block():
+    q, k, v = make_qkv(3, torch.float32, "cpu")
+    with pytest.raises(BadInput, match="block_k must be a positive int, got 0"):
+        flash_attention_blocked_ref(q, k, v, block_k=0)

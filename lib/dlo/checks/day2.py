@@ -9,7 +9,8 @@ from the seed, run the student's code and record what it did step by step (outpu
 scale, gradients the optimizer saw, parameters); the references run here and the comparison too.
 
 Here: the precision exercises; the accounting one (FLOPs, MFU, bytes per parameter) is
-`dlo.checks.day2_accounting`, re-exported here, the day's one checks module (`dlo.registry`).
+`dlo.checks.day2_accounting` and the FlashAttention forward `dlo.checks.day2_attention`, both
+re-exported here, the day's one checks module (`dlo.registry`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dlo.checks.day2_accounting import check_flops_accounting
+from dlo.checks.day2_attention import check_flash_attention
 from dlo.grading.api import check, run_student
 from dlo.grading.compare import assert_close, fmt, ok
 
@@ -235,4 +237,5 @@ def check_round_to_bf16(fn, seed: int = 0, trials: int = 3, n: int = 4099) -> No
     ok(name, f"{trials} trials, seed={seed}")
 
 
-__all__ = ["check_autocast_train_step", "check_flops_accounting", "check_loss_scaler", "check_round_to_bf16"]
+__all__ = ["check_autocast_train_step", "check_flash_attention", "check_flops_accounting", "check_loss_scaler",
+           "check_round_to_bf16"]

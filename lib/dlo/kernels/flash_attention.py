@@ -17,7 +17,8 @@ the inputs: O and L, O(T) per head, against the O(T^2) scores of naive attention
 (P is cast to it, as in the paper), sums in fp32; fp32 inputs get true fp32 products ("ieee", not
 TF32). With `causal`, a query block stops at its diagonal: key blocks past it are never read.
 
-Order: kernel, launcher, `flash_attention_ref` (torch, fp32), compile cases, benchmark.
+Order: kernel, launcher, `flash_attention_ref` (torch, fp32, the scores written out) and
+`flash_attention_blocked_ref` (the kernel's loop in torch, block by block), compile cases, benchmark.
 """
 
 from __future__ import annotations
@@ -155,6 +156,36 @@ def flash_attention_ref(q: Tensor, k: Tensor, v: Tensor, causal: bool = False) -
     _check(q, k, v)
     s = attention_scores(q.float(), k.float(), causal)  # (B, H, T, T)
     return torch.softmax(s, dim=-1) @ v.float(), torch.logsumexp(s, dim=-1)
+
+
+def flash_attention_blocked_ref(q: Tensor, k: Tensor, v: Tensor, causal: bool = False,
+                                block_k: int = CPU_BLOCKS["BLOCK_N"]) -> tuple[Tensor, Tensor]:
+    """`flash_attention`'s loop in torch, fp32 whatever the inputs, returning what `flash_attention_ref`
+    returns without writing the (T, T) scores: all queries at once against one block of `block_k` keys
+    at a time, the running maximum m, sum l and unnormalised output rescaled by exp(m_old - m_new)
+    (Dao 2023, Algorithm 1, without the query blocks a GPU program owns). Scores held at once:
+    (B, H, T, block_k). Day 2's Exercise 5 asks for this function (its check forbids it)."""
+    _check(q, k, v)
+    if not isinstance(block_k, int) or block_k < 1:
+        raise BadInput(f"block_k must be a positive int, got {block_k!r}")
+    q, k, v = q.float(), k.float(), v.float()
+    T = q.shape[-2]
+    query = torch.arange(T, device=q.device)[:, None]  # (T, 1): the position of each query row
+    m = torch.full((*q.shape[:-1], 1), float("-inf"), device=q.device)  # running max, (B, H, T, 1)
+    ell = torch.zeros_like(m)  # running sum of exp(S - m)
+    acc = torch.zeros_like(q)  # unnormalised output
+    for start in range(0, T, block_k):
+        k_j, v_j = k[..., start:start + block_k, :], v[..., start:start + block_k, :]
+        s = q @ k_j.transpose(-2, -1) / math.sqrt(q.shape[-1])  # S_j, (B, H, T, block_k)
+        if causal:  # keys after the query: -inf (a row may have all of a block masked: its m stays)
+            s = s.masked_fill(torch.arange(start, start + k_j.shape[-2], device=q.device) > query, float("-inf"))
+        m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))  # finite once key 0 (every row's) is seen
+        p = torch.exp(s - m_new)
+        alpha = torch.exp(m - m_new)  # 0 at the first block (m = -inf), <= 1 after
+        ell = alpha * ell + p.sum(dim=-1, keepdim=True)
+        acc = alpha * acc + p @ v_j
+        m = m_new
+    return acc / ell, (m + torch.log(ell)).squeeze(-1)
 
 
 def attention_flops(B: int, H: int, T: int, D: int, causal: bool) -> int:
