@@ -43,7 +43,7 @@ newest:
 	.venv-newest/bin/python -m pytest -n 2 --dist loadscope --no-loadscope-reorder $(PYTEST_ARGS)
 
 # Execute every day's solutions notebook headlessly (tiny profile on CPU, full on GPU nodes; two at a
-# time where there are 4 cores or more: dlo run --jobs), then autograde the executed notebooks as a
+# time where there are 2 cores or more, each counting on its share of them: dlo run --jobs), then autograde the executed notebooks as a
 # reference submission (the cells up to the last graded one: the same scores): full marks required.
 run: $(STAMP)
 	rm -rf $(OUT)

@@ -1,6 +1,7 @@
 """dlo.claims: the verdict logic every claims table relies on (the logic, not any day's numbers)."""
 
 import math
+import os
 
 import pytest
 
@@ -197,3 +198,22 @@ def test_not_tested_is_its_own_kind_never_evidence_and_needs_a_reason():
     assert C.summary([row])[C.NOT_TESTED] == 1 and "not implemented" in row.row()["how"]
     with pytest.raises(ValueError):
         C.not_tested("x", "s", "c", "")
+
+
+def test_a_timing_beside_another_notebook_counts_on_its_share_of_the_cores(monkeypatch):
+    """`dlo run --jobs 2` on 2 cores gives each notebook DLO_CORES=1: one rank and the kernel then need
+    more than the share, so the row is no evidence; unset, unreadable or above the mask, the mask counts."""
+    from dlo.harness.run import share_env
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.delenv("DLO_CORES", raising=False)
+    assert C.cpu_cores() == 2 and share_env(1) == {}
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert share_env(2) == {"DLO_CORES": "1"}  # the threads already set are left alone
+    est = E.Estimate(1.2, 1.1, 1.3)
+    assert C.timed(est, device="cpu", kernel=True).reason == ""
+    for value, cores in (("1", 1), ("8", 2), ("", 2), ("x", 2), ("0", 2)):
+        monkeypatch.setenv("DLO_CORES", value)
+        assert C.cpu_cores() == cores
+    monkeypatch.setenv("DLO_CORES", "1")
+    assert C.timed(est, device="cpu", kernel=True).reason == "1 rank(s) x 1 thread(s) + kernel > 1 cores"

@@ -65,9 +65,16 @@ VERDICTS = (AGREES, DISAGREES, INCONCLUSIVE, NOT_MEASURABLE, CONTROL_TOO, BY_CON
 EVIDENCE = (AGREES, DISAGREES, INCONCLUSIVE, CONTROL_TOO)  # the verdicts a measurement decided
 
 
+SHARE_ENV = "DLO_CORES"  # `dlo run --jobs N` / `dlo grade --jobs N`: the cores one of N notebooks may count on
+
+
 def cpu_cores() -> int:
-    """The cores this process may run on (its affinity mask, as a batch scheduler sets it)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    """The cores this process may run on (its affinity mask, as a batch scheduler sets it), or its share
+    of them when notebooks run side by side (DLO_CORES): a timing taken beside another notebook is judged
+    against the share, not against cores the other one is using."""
+    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    share = os.environ.get(SHARE_ENV, "")
+    return min(n, int(share)) if share.isdigit() and int(share) > 0 else n
 
 
 def timed(est: Estimate, *, device: str, gpu_claim: bool = False, world_size: int = 1, threads: int = 1,

@@ -70,8 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--smoke", action="store_true",
                      help="the profile's model sizes, step counts, data and sweeps cut to the minimum (DLO_SMOKE=1)")
     run.add_argument("--jobs", type=positive(int), default=None,
-                     help="notebooks run at once, each with its share of the cores (default: 2 with 4 cores or "
-                          "more, else 1)")
+                     help="notebooks run at once, each with its share of the cores, which its timing verdicts "
+                          "count on (default: 2 with 2 cores or more, else 1)")
 
     plan = sub.add_parser("plan", help="memory per rank of a day's full profile, worked out on the meta device")
     plan.add_argument("day", metavar="DAY")

@@ -28,6 +28,7 @@ from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dlo.claims import SHARE_ENV
 from dlo.grading import files
 from dlo.grading.jail import SPEC_ENV, make_spec
 from dlo.harness.nbgrader_cli import NOT_SUBMITTED, autograde_and_feedback, kill_children
@@ -87,7 +88,7 @@ def default_jobs(profile: str) -> int:
 def slot_env(slot: int, jobs: int, profile: str) -> dict:
     """Environment of the worker in `slot`: its share of the cores (no oversubscription: N kernels
     each spinning all cores' threads slow each other down) and of the GPUs."""
-    env = {}
+    env = {SHARE_ENV: str(max(1, cores() // jobs))} if jobs > 1 else {}  # what its timings may count on
     if "OMP_NUM_THREADS" not in os.environ:
         env["OMP_NUM_THREADS"] = str(max(1, cores() // jobs))
     n = gpus(profile) if jobs > 1 else 0

@@ -20,9 +20,10 @@ papermill with its kernel and everything they started (`reaper.kill_tree`: the k
 session of its own).
 
 `--jobs N` runs N notebooks at once, the longest expected first (`schedule.ESTIMATES`), each with its
-share of the cores (OMP_NUM_THREADS, unless set); the default is two where there are 4 cores or more
-(a tiny-profile day is made for 2 cores: its ranks share them), else one. The table keeps the days'
-order.
+share of the cores (OMP_NUM_THREADS, unless set, and DLO_CORES: a timing verdict then counts on the
+share, so on 2 cores a row timed beside the other notebook says "not measurable here"); the default is
+two where there are 2 cores or more (one notebook alone keeps about one core busy), else one. A single
+day runs alone, with every core. The table keeps the days' order.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from pathlib import Path
 import nbformat
 import papermill
 
+from dlo.claims import SHARE_ENV
 from dlo.errors import BadInput
 from dlo.harness.days import notebook_path, select_days
 from dlo.harness.schedule import ESTIMATES, cores, order
@@ -184,8 +186,18 @@ def run_notebook(src: Path, dest: Path, params: dict, timeout: float, cell_timeo
 
 
 def default_jobs() -> int:
-    """Two notebooks at once where there are 4 cores or more, else one."""
-    return 2 if cores() >= 4 else 1
+    """Two notebooks at once where there are 2 cores or more, else one: one notebook alone keeps about one
+    core busy (its ranks wait on each other and on gloo; `make run` on 2 cores: 0.8 of them)."""
+    return 2 if cores() >= 2 else 1
+
+
+def share_env(n: int) -> dict:
+    """Each of n notebooks' share of the cores: its threads (OMP_NUM_THREADS, unless set) and the cores
+    its timing verdicts may count on (`dlo.claims.SHARE_ENV`)."""
+    if n == 1:
+        return {}
+    share = str(max(1, cores() // n))
+    return {SHARE_ENV: share, **({} if "OMP_NUM_THREADS" in os.environ else {"OMP_NUM_THREADS": share})}
 
 
 def main(root: Path, days: list[str], all_days: bool, profile: str, pairs: list[tuple[str, str]],
@@ -208,7 +220,7 @@ def main(root: Path, days: list[str], all_days: bool, profile: str, pairs: list[
         todo[day] = (src, params)
     out_dir = Path(out or Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S")).resolve()
     n = min(jobs or default_jobs(), len(todo))
-    env = {} if n == 1 or "OMP_NUM_THREADS" in os.environ else {"OMP_NUM_THREADS": str(max(1, cores() // n))}
+    env = share_env(n)
 
     def one(day: str) -> dict:
         src, params = todo[day]
