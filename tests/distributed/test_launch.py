@@ -453,3 +453,34 @@ def test_the_server_is_as_closed_as_its_launcher(tmp_path):
     out = [subprocess.run([PY, str(script), how], capture_output=True, text=True, env=env, timeout=120)
            for how in ("open", "closed")]
     assert [o.stdout.strip().splitlines()[-1] for o in out] == ["[1, 1]", "[0, 0]"], [o.stderr[-500:] for o in out]
+
+
+def test_a_process_that_has_only_imported_forks_its_server(tmp_path):
+    """The grader's runner forks its server (no second interpreter, no second import of torch): the
+    launches fork from that child, which keeps none of the runner's other descriptors (its channels
+    to the grader); with a thread running it is not safe to fork, and a fresh server is started."""
+    script = tmp_path / "forked.py"
+    script.write_text(textwrap.dedent("""
+        import os, sys, threading
+        from dlo.distributed import launch
+        from dlo.distributed.launch import start_fork_server
+
+        def parent():
+            with open(f"/proc/{os.getppid()}/stat") as f:
+                return int(f.read().rsplit(")", 1)[1].split()[1])
+
+        channel = os.pipe()  # stands for the runner's channel to the grader
+        if sys.argv[1] == "thread":
+            threading.Thread(target=threading.Event().wait, daemon=True).start()
+        server = start_fork_server(fork=True)
+        with open(f"/proc/{server}/cmdline", "rb") as f:
+            forked = f.read() == open("/proc/self/cmdline", "rb").read()
+        held = {os.readlink(f"/proc/{server}/fd/{fd}") for fd in os.listdir(f"/proc/{server}/fd")}
+        mine = {os.readlink(f"/proc/self/fd/{fd}") for fd in channel}
+        print(forked, bool(held & mine), set(launch(parent, 2)) == {server})
+    """))
+    env = {k: v for k, v in os.environ.items() if k != "DLO_RANK_START"}
+    out = [subprocess.run([PY, str(script), how], capture_output=True, text=True, env=env, timeout=120)
+           for how in ("imports", "thread")]
+    lines = [o.stdout.strip().splitlines()[-1] if o.stdout.strip() else o.stderr[-800:] for o in out]
+    assert lines == ["True False True", "False False True"]

@@ -76,6 +76,47 @@ def _ready(proc: subprocess.Popen) -> bool:
     return done.wait(START_TIMEOUT) and line[0] == b"ready\n"
 
 
+def fork_here(preload: list[str]) -> int | None:
+    """This process's server as a fork of this process, which must have only imported (no torch
+    operation, no thread, no CUDA: the grader's runner before its first session), so that the server
+    costs a fork and not another interpreter's imports; it keeps stdin, stdout and stderr (stdin made
+    empty) and closes every other descriptor (the runner's channels). Its pid, or None (threads running:
+    not safe to fork)."""
+    import threading as _threading
+
+    from dlo.distributed import _worker
+
+    with _LOCK:
+        if "proc" in _SERVER or "failed" in _SERVER or not enabled() or _threading.active_count() > 1:
+            return pid()
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        child = os.fork()
+        if child == 0:
+            try:
+                ours.close()
+                keep = theirs.fileno()
+                os.closerange(3, keep)
+                os.closerange(keep + 1, os.sysconf("SC_OPEN_MAX"))
+                os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+                _worker.warm(preload)  # what the runner has not imported of it (nothing, as a rule)
+                _worker.serve_forks(theirs)
+            finally:
+                os._exit(0)
+        theirs.close()
+        _SERVER.update(proc=_Child(child), sock=ours)
+        return child
+
+
+class _Child:
+    """A server forked here: what `pid` and the tests use of a Popen."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+
+    def wait(self, timeout: float | None = None) -> int:
+        return os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
+
+
 def pid() -> int | None:
     """The server's pid, None when there is none (the grader's runner spares it between sessions)."""
     proc = _SERVER.get("proc")

@@ -71,10 +71,13 @@ RANK_START_ENV = "DLO_RANK_START"
 PRELOAD = ("torch.distributed.tensor", "torch._dynamo", "dlo.checks")
 
 
-def start_fork_server() -> int | None:
-    """This process's fork server started now, with what this process has imported of `PRELOAD`; its pid,
-    None when there is none (DLO_RANK_START=zygote or exec, or it could not start)."""
+def start_fork_server(fork: bool = False) -> int | None:
+    """This process's fork server started now (`fork`: as a fork of this process), with what this process
+    has imported of `PRELOAD`; its pid, None when there is none (DLO_RANK_START=zygote or exec, or it
+    could not start)."""
     preload = [m for m in PRELOAD if getattr(sys.modules.get(m), "__file__", None)]
+    if fork:
+        _forkserver.fork_here(preload)
     _forkserver.start(worker_command(), preload, dict(os.environ))
     return _forkserver.pid()
 

@@ -66,7 +66,7 @@ def main(workdir):
     os._exit(0)  # skip C++ static destructors: live gloo threads there can abort a finished rank
 
 
-def _warm(preload):
+def warm(preload):
     """Import what every rank imports (and `preload`: what the launcher has imported and the ranks would
     import again); the torch module."""
     import cloudpickle  # noqa: F401 - imported once here rather than in each rank
@@ -87,7 +87,7 @@ def zygote(workdir, fds):
     """Import what every rank imports, fork the ranks, report "start R PID" and "exit R CODE" on stdout."""
     with open(os.path.join(workdir, "ranks.pkl"), "rb") as f:
         envs, preload = pickle.load(f)
-    torch = _warm(preload)
+    torch = warm(preload)
     ranks = {}
     for r, env in enumerate(envs):
         pid = os.fork()
@@ -134,16 +134,23 @@ def fork_server(sock_fd, undumpable, preload):
     closes its end. `undumpable` (the launcher is: the grader's runner) first: then no process of the
     same user may write the memory that every later launch's ranks are forked from."""
     import ctypes
-    import json
-    import signal
     import socket
 
     if undumpable and ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE, 0
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE, 0) failed")
-    _warm(preload)
-    sock = socket.socket(fileno=sock_fd)
-    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the zygotes are reaped by the kernel; their ranks by them
+    warm(preload)
     os.write(1, b"ready\n")
+    serve_forks(socket.socket(fileno=sock_fd))
+
+
+def serve_forks(sock):
+    """The server's loop (`fork_server`, or a fork of a process that has only imported: the grader's
+    runner): a zygote forked for each launch requested on `sock`, until its other end is closed."""
+    import json
+    import signal
+    import socket
+
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the zygotes are reaped by the kernel; their ranks by them
     while True:
         msg, fds, _, _ = socket.recv_fds(sock, 65536, 256)
         if not msg:

@@ -174,12 +174,15 @@ def _destroy():
 
 # ------------------------------------------------------------------- the entry point (spawning: _spawn.py, _ranks.py)
 
-def start_fork_server() -> int | None:
+def start_fork_server(fork: bool = False) -> int | None:
     """Start the process that forks this process's later launches (torch imported once, not per launch;
     `launch` starts it at its first call otherwise); its pid, None when ranks start another way
-    (DLO_RANK_START=zygote: a fresh interpreter forks each launch's ranks; exec: each rank its own). The
-    grader's runner starts it before any student code runs, and spares it between checks."""
-    return _ranks.start_fork_server()
+    (DLO_RANK_START=zygote: a fresh interpreter forks each launch's ranks; exec: each rank its own).
+    `fork`: the server is a fork of this process, at no import cost, which is safe only while this
+    process has run no torch operation, started no thread and touched no CUDA (else a fresh interpreter
+    is started). The grader's runner forks it right after its imports, before any student code runs,
+    and spares it between checks."""
+    return _ranks.start_fork_server(fork)
 
 
 def launch(fn, world_size, *args, backend=None, timeout=300.0, **kwargs) -> list:

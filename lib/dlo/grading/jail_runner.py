@@ -76,10 +76,11 @@ def main(argv: list[str]) -> int:
     import dlo.checks  # noqa: F401
     from dlo.distributed.launch import start_fork_server
 
-    # the ranks' fork server, started before any student code can run: each check's launches fork from it
-    # (torch imported once per submission, not once per launch); undumpable as this process, and spared
-    # between sessions, not what it forked
-    server = start_fork_server()
+    # the ranks' fork server, a fork of this process before any student code can run (it has only
+    # imported: no torch operation, no thread): each check's launches fork from it, torch imported once
+    # per submission and not once per launch, at no cost for a day without ranks; undumpable as this
+    # process; spared between sessions, not what it forked
+    server = start_fork_server(fork=True)
     reaper.subreaper(True)  # what a session's code leaves running stays findable, and ends with it (serve)
     wire.write_frame(proto_out, wire.encode({"kind": "ready", "pid": os.getpid()}))
     while True:
