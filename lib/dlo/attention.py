@@ -83,11 +83,13 @@ def attention_costs(lengths, *, batch: int = 1, heads: int = 4, head_dim: int = 
 def attention_memory(lengths, *, batch: int = 1, heads: int = 2, head_dim: int = 16, causal: bool = True,
                      device="cpu", dtype=torch.float32) -> list[dict]:
     """Per sequence length T: the peak bytes torch allocates in one forward (no autograd) of naive
-    attention and of the tiled kernel (dlo.kernels.flash_attention; None where it cannot run here),
-    counted by dlo.measure.allocated_peak, beside the formulas: naive writes the scores S, B H T^2
-    elements, then P = softmax(S) beside them; the tiled kernel writes only O (B H T d) and its fp32
-    log-sum-exp L (B H T); its blocks of S live in on-chip memory, a size that does not grow with T."""
-    from dlo.kernels.flash_attention import flash_attention  # the kernels import this module
+    attention, of the tiled kernel (dlo.kernels.flash_attention; None where it cannot run here) and of
+    the same loop in torch (`flash_attention_blocked_ref`, measurable on any device: its blocks of S are
+    tensors in memory, (B, H, T, block_k) fp32, so it allocates O(T) but more than the kernel), counted by
+    dlo.measure.allocated_peak, beside the formulas: naive writes the scores S, B H T^2 elements, then
+    P = softmax(S) beside them; the tiled kernel writes only O (B H T d) and its fp32 log-sum-exp L
+    (B H T); its blocks of S live in on-chip memory, a size that does not grow with T."""
+    from dlo.kernels.flash_attention import flash_attention, flash_attention_blocked_ref  # they import this module
     from dlo.kernels.runtime import kernel_available
 
     itemsize = torch.empty(0, dtype=dtype).element_size()
@@ -96,7 +98,9 @@ def attention_memory(lengths, *, batch: int = 1, heads: int = 2, head_dim: int =
         q, k, v = (x.detach() for x in qkv(batch, heads, t, head_dim, device=device, dtype=dtype))
         tiled = allocated_peak(partial(flash_attention, q, k, v, causal)) if kernel_available(device) else None
         rows.append({"T": t, "naive_bytes": allocated_peak(partial(naive_attention, q, k, v, causal)),
-                     "tiled_bytes": tiled, "scores_bytes": batch * heads * t * t * itemsize,
+                     "tiled_bytes": tiled, "blocked_bytes": allocated_peak(partial(flash_attention_blocked_ref, q, k,
+                                                                                   v, causal)),
+                     "scores_bytes": batch * heads * t * t * itemsize,
                      "o_lse_bytes": batch * heads * t * (head_dim * itemsize + 4)})
     return rows
 
