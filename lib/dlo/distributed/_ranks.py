@@ -71,10 +71,12 @@ RANK_START_ENV = "DLO_RANK_START"
 PRELOAD = ("torch.distributed.tensor", "torch._dynamo", "dlo.checks")
 
 
-def start_fork_server() -> int | None:
-    """This process's fork server started now, with what this process has imported of `PRELOAD`; its pid,
-    None when there is none (DLO_RANK_START=zygote or exec, or it could not start)."""
+def start_fork_server(preload_all: bool = False) -> int | None:
+    """This process's fork server started now, with what this process has imported of `PRELOAD` (and, with
+    `preload_all`, the rest of it at its first launch); its pid, None when there is none
+    (DLO_RANK_START=zygote or exec, or it could not start)."""
     preload = [m for m in PRELOAD if getattr(sys.modules.get(m), "__file__", None)]
+    preload += [f"+{m}" for m in PRELOAD if preload_all and m not in preload]
     _forkserver.start(worker_command(), preload, dict(os.environ))
     return _forkserver.pid()
 
