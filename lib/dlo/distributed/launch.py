@@ -179,10 +179,11 @@ def start_fork_server(preload_all: bool = False) -> int | None:
     `launch` starts it at its first call otherwise); its pid, None when ranks start another way
     (DLO_RANK_START=zygote: a fresh interpreter forks each launch's ranks; exec: each rank its own). The
     grader's runner starts it before any student code runs, and spares it between checks. `preload_all`:
-    it imports DTensor, torch._dynamo and dlo.checks at its first launch (a fixed list: no request names
-    them) when this process has not: the grader's runner, whose checks' sessions import DTensor for their
-    forbidden names, and each rank torch._dynamo at its first autograd.Function (0.5 CPU s a zygote, 0.4
-    a rank, measured on Day 7)."""
+    the rest of `_ranks.PRELOAD` (DTensor, torch._dynamo, torch.distributed.optim, dlo.checks) is imported by
+    the server at its first launch (a fixed list: no request names it) when this process has not imported
+    it: the grader's runner, whose sessions import DTensor for their forbidden names, while each rank
+    imported torch._dynamo at the first torch function that turns it off (an optimizer's step, an op under
+    the checks' dispatch modes): 0.5 CPU s a zygote and 0.4 a rank, measured on Day 7."""
     return _ranks.start_fork_server(preload_all)
 
 
