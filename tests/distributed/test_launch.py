@@ -434,6 +434,28 @@ def test_a_bad_request_or_a_killed_server_costs_only_the_warm_start(own_server):
     assert own_server._SERVER.get("failed") and parents == {os.getpid()}
 
 
+def _imported(name):
+    return name in sys.modules
+
+
+def test_the_graders_server_imports_the_rest_of_preload_at_its_first_launch(own_server, monkeypatch):
+    """`start_fork_server(preload_all=True)` (the grader's runner) names the modules of PRELOAD this process
+    has not imported with a +: the server imports them before its first launch's zygote (every later one
+    inherits them; a day whose checks launch no rank never pays), not at its start."""
+    from dlo.distributed import _ranks
+
+    seen = []
+    with monkeypatch.context() as m:
+        m.setattr(_ranks, "PRELOAD", ("dlo.distributed.launch", "tabnanny"))
+        m.setattr(_ranks._forkserver, "start", lambda command, preload, env: seen.append(preload))
+        _ranks.start_fork_server()
+        _ranks.start_fork_server(preload_all=True)
+    assert seen == [["dlo.distributed.launch"], ["dlo.distributed.launch", "+tabnanny"]]
+    # the real server, asked for a module no rank imports of itself
+    own_server.start(_ranks.worker_command(), ["+tabnanny"], dict(os.environ))
+    assert launch(_imported, 2, "tabnanny") == [True, True] and not _imported("tabnanny")
+
+
 def test_the_server_is_as_closed_as_its_launcher(tmp_path):
     """Launched from an undumpable process (the grader's runner), the server and the ranks forked from
     it are undumpable too: no process of their user may read or write their memory."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import threading
@@ -98,11 +99,24 @@ def fork_here(preload: list[str]) -> int | None:
                 os.closerange(3, keep)
                 os.closerange(keep + 1, os.sysconf("SC_OPEN_MAX"))
                 os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
-                _worker.warm(preload)  # what the runner has not imported of it (nothing, as a rule)
-                _worker.serve_forks(theirs)
+                _worker.warm([m for m in preload if not m.startswith("+")])  # imported here already, as a rule
+                theirs.send(b"ready")  # only now: the runner's descriptors are closed here
+                _worker.serve_forks(theirs, preload)
             finally:
                 os._exit(0)
         theirs.close()
+        ours.settimeout(START_TIMEOUT)
+        try:
+            ready = ours.recv(16) == b"ready"
+        except OSError:
+            ready = False
+        ours.settimeout(None)
+        if not ready:
+            os.kill(child, signal.SIGKILL)
+            os.waitpid(child, 0)
+            ours.close()
+            _SERVER["failed"] = True
+            return None
         _SERVER.update(proc=_Child(child), sock=ours)
         return child
 

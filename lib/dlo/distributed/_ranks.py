@@ -68,14 +68,16 @@ RANK_START_ENV = "DLO_RANK_START"
 # What the ranks would import after unpickling their function (the checks' workers pull in every day's
 # checks, DTensor and with it torch._dynamo: ~2 CPU seconds a rank): imported by the zygote instead, once,
 # when the launching process has imported them itself (a sealed kernel's placeholder for dlo.checks is not).
-PRELOAD = ("torch.distributed.tensor", "torch._dynamo", "dlo.checks")
+# torch.distributed.optim: each rank of a ZeRO check resolves its forbidden ZeroRedundancyOptimizer (0.2 s).
+PRELOAD = ("torch.distributed.tensor", "torch._dynamo", "torch.distributed.optim", "dlo.checks")
 
 
-def start_fork_server(fork: bool = False) -> int | None:
+def start_fork_server(fork: bool = False, preload_all: bool = False) -> int | None:
     """This process's fork server started now (`fork`: as a fork of this process), with what this process
-    has imported of `PRELOAD`; its pid, None when there is none (DLO_RANK_START=zygote or exec, or it
-    could not start)."""
+    has imported of `PRELOAD` (and, with `preload_all`, the rest of it at its first launch); its pid, None
+    when there is none (DLO_RANK_START=zygote or exec, or it could not start)."""
     preload = [m for m in PRELOAD if getattr(sys.modules.get(m), "__file__", None)]
+    preload += [f"+{m}" for m in PRELOAD if preload_all and m not in preload]
     if fork:
         _forkserver.fork_here(preload)
     _forkserver.start(worker_command(), preload, dict(os.environ))

@@ -15,7 +15,10 @@ this process has run no torch operation (no thread pool started) and never touch
 launching process instead of once per launch: it imports as the zygote does, then waits on the Unix
 socket FD for launches, and forks for each a zygote (`zygote`, its report on the pipe sent with the
 request) which forks the ranks. It runs nothing but forks: what a request names is read by the forked
-zygote, never by the server, so a request cannot change what the next launch's ranks start from.
+zygote, never by the server, so a request cannot change what the next launch's ranks start from. A
+MODULE written +MODULE is imported by the server at its first launch rather than at its start, whatever
+that launch asks (the grader's runner starts a server for every submission: DTensor and torch._dynamo,
+a CPU second, are then paid only by a day whose checks launch ranks, and once, not by every zygote).
 """
 
 import importlib
@@ -138,18 +141,21 @@ def fork_server(sock_fd, undumpable, preload):
 
     if undumpable and ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE, 0
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE, 0) failed")
-    warm(preload)
+    warm([m for m in preload if not m.startswith("+")])
     os.write(1, b"ready\n")
-    serve_forks(socket.socket(fileno=sock_fd))
+    serve_forks(socket.socket(fileno=sock_fd), preload)
 
 
-def serve_forks(sock):
+def serve_forks(sock, preload):
     """The server's loop (`fork_server`, or a fork of a process that has only imported: the grader's
-    runner): a zygote forked for each launch requested on `sock`, until its other end is closed."""
+    runner): a zygote forked for each launch requested on `sock`, until its other end is closed. The
+    modules of `preload` written "+MODULE" are imported at the first launch (a fixed list: no request
+    names any), so that a process that never launches does not pay for them."""
     import json
     import signal
     import socket
 
+    later = [m[1:] for m in preload if m.startswith("+")]
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the zygotes are reaped by the kernel; their ranks by them
     while True:
         msg, fds, _, _ = socket.recv_fds(sock, 65536, 256)
@@ -162,6 +168,9 @@ def serve_forks(sock):
             for fd in fds:
                 os.close(fd)
             continue
+        if later:  # the same modules whatever the request: it names none of them
+            warm(later)
+            later = []
         if os.fork() == 0:
             _served_zygote(sock, workdir, cwd, report, rank_fds)
         for fd in fds:

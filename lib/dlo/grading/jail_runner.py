@@ -79,8 +79,9 @@ def main(argv: list[str]) -> int:
     # the ranks' fork server, a fork of this process before any student code can run (it has only
     # imported: no torch operation, no thread): each check's launches fork from it, torch imported once
     # per submission and not once per launch, at no cost for a day without ranks; undumpable as this
-    # process; spared between sessions, not what it forked
-    server = start_fork_server(fork=True)
+    # process; spared between sessions, not what it forked; DTensor and torch._dynamo imported there at
+    # the first launch, which each launch's zygote (0.5 CPU s) and each rank (0.4) imported otherwise
+    server = start_fork_server(fork=True, preload_all=True)
     reaper.subreaper(True)  # what a session's code leaves running stays findable, and ends with it (serve)
     wire.write_frame(proto_out, wire.encode({"kind": "ready", "pid": os.getpid()}))
     while True:
