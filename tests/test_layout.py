@@ -3,6 +3,7 @@ Llama 3.1 70B on 64 H100s with 64 sequences of 8,192 tokens (its answer, FSDP 8 
 and FSDP across; the published runs it is compared with are dlo.published_layouts', tested beside)."""
 
 import functools
+import re
 
 import pytest
 
@@ -34,3 +35,18 @@ def test_layouts_follow_the_rules_and_the_search_puts_tp_inside_a_node_for_the_7
     assert all(step_time(m, x, c, 64) >= step_time(m, best, c, 64) for x in every if fits(m, x, c, 64))
     with pytest.raises(ValueError, match="no layout"):
         search(m, Cluster("H100 SXM", 8), 8)  # 70B's 1.1 TB of model state on one node: nothing fits
+
+
+def test_the_layout_models_shards_are_the_ones_a_fake_process_group_holds():
+    """`memory_bytes` counts model states as parameters / (tp x FSDP's dp); `dlo plan` (Day 7, 9.5) splits
+    the meta Llama 3.2 3B inside a fake process group of 64 ranks and counts each rank's fp32 shard. They
+    agree within 0.1% for every FSDP x TP degree and TP alone (the rest: norms every TP rank keeps whole,
+    FSDP's padding); a model counting the tied embedding twice would be 12% off."""
+    from dlo import presets
+    from dlo.experiments.day7_report import plan
+
+    m = model("llama3.2-3b", 4096)
+    params = m.layers * m.layer_params + m.embedding * (1 if m.tied else 2)
+    for row in plan(presets.DAY7["full"], gpus=64, gpu_mem_gb=80):
+        dp, tp = (int(x) for x in re.fullmatch(r"(?:FSDP (\d+) x )?TP (\d+).*", row["config"]).groups(default="1"))
+        assert row["params"] / 4 == pytest.approx(params / (dp * tp), rel=1e-3), row["config"]
