@@ -163,11 +163,47 @@ def ring_attention_schedule(n: int, causal: bool = True, zigzag: bool = False) -
 
 def _sharded(P, dims, world_size: int):
     """The Llama on the meta device split by `dims` inside a fake process group of `world_size` ranks."""
-    from dlo.distributed.parallelize import parallelize_llama
     from dlo.models.llama import Llama
 
     with torch.device("meta"):
         model = Llama(llama_config(P))
+    return parallelize_llama_on(model, dims)
+
+
+def plan_3d(P, *, gpus: int, pp: int, tp: int) -> list[dict]:
+    """Parameters per rank of the first and the last pipeline stage of the Llama split PP `pp` x FSDP
+    (gpus / (pp tp)) x TP `tp`: one stage (n_layers / pp blocks) built on the meta device and split by
+    `parallelize_llama` inside a fake process group of its dp x tp ranks (a stage's ranks hold nothing of
+    another stage's), its shards read per parameter; the first stage has the embedding, the last the
+    final norm and the head (a tied embedding copied there, as pipelines do: Narayanan et al. 2021)."""
+    import dataclasses
+
+    from dlo.distributed.parallelize import ParallelDims
+    from dlo.models.llama import Llama
+    from dlo.plan import fake_world
+
+    cfg = llama_config(P)
+    if pp < 1 or tp < 1 or cfg.n_layers % pp or gpus % (pp * tp):
+        raise ValueError(f"plan_3d: pp={pp} must divide the {cfg.n_layers} layers and pp x tp = {pp * tp} the "
+                         f"{gpus} GPUs")
+    dims = ParallelDims(dp=gpus // (pp * tp), tp=tp)
+    with fake_world(dims.world_size):
+        with torch.device("meta"):
+            stage = Llama(dataclasses.replace(cfg, n_layers=cfg.n_layers // pp))
+        stage = parallelize_llama_on(stage, dims)
+        size = {n: local_bytes([q]) for n, q in stage.named_parameters()}
+    blocks = sum(v for n, v in size.items() if n.startswith("layers."))
+    embedding = size["tok_embeddings.weight"]
+    head = size.get("output.weight", embedding) + size["norm.weight"]
+    return [{"layout": f"PP {pp} x FSDP {dims.dp} x TP {tp}", "stage": stage_name, "blocks": cfg.n_layers // pp,
+             "parameter bytes per rank (fp32)": blocks + extra}
+            for stage_name, extra in (("first", embedding), ("last", head))]
+
+
+def parallelize_llama_on(model, dims):
+    """`parallelize_llama` of `model` on `dims`' mesh of CPU ranks (inside `dlo.plan.fake_world`)."""
+    from dlo.distributed.parallelize import parallelize_llama
+
     return parallelize_llama(model, dims, dims.build_mesh("cpu"))
 
 
@@ -247,5 +283,6 @@ def plan(P, *, gpus: int, gpu_mem_gb: float) -> list[dict]:
 
 
 __all__ = ["MEGATRON_TABLE", "activation_bytes_per_layer", "activation_claims", "block_activation_bytes",
-           "comm_bytes_per_layer", "comm_claims", "megatron_claims", "pipeline_bubble", "placements", "plan",
+           "comm_bytes_per_layer", "comm_claims", "megatron_claims", "parallelize_llama_on", "pipeline_bubble",
+           "placements", "plan", "plan_3d",
            "ring_attention_schedule", "split_claims"]
