@@ -235,6 +235,16 @@ def paired_difference(xs, ys, how: str = "") -> Estimate:
     return replace(d, pairing=PAIRED_BY_SEED)
 
 
+def paired_ratio(xs, ys, how: str = "") -> Estimate:
+    """Mean of xs[i] / ys[i] over paired repeats (same seed for both arms, e.g. a student's accuracy over
+    its teacher's), with `from_samples`'s t-interval (none under MIN_SAMPLES)."""
+    xs, ys = list(xs), list(ys)
+    if len(xs) != len(ys):
+        raise ValueError(f"paired_ratio: {len(xs)} and {len(ys)} values; pair them by seed")
+    r = from_samples([x / y for x, y in zip(xs, ys)], how or f"ratio paired over {len(xs)} seeds", "seeds")
+    return replace(r, pairing=PAIRED_BY_SEED)
+
+
 def paired_examples(correct_a, correct_b, how: str = "") -> Estimate:
     """Accuracy of a minus accuracy of b on the same test examples (per-example 0/1 correctness),
     with McNemar's paired interval: only the discordant examples carry the difference. For arms
