@@ -86,6 +86,11 @@ def test_the_pairing_is_printed_and_an_unpaired_shared_test_set_comparison_is_ca
     assert problem == ("'LAMB beats AdamW': agrees from an unpaired comparison on a shared test set "
                        "(pair by seed or per example)")
     assert audit_row({"claim": "c", "verdict": "disagrees", "evidence": "512 test examples, unpaired"})
+    # over seeds too: two arms' means over their own seeds, on one test set, are not paired by seed
+    seeds = E.difference(E.from_samples([0.70, 0.71, 0.69]), E.from_samples([0.60, 0.62, 0.61]),
+                         how="mean test accuracy over 3 seeds each, 512 test images")
+    (problem,) = _audit([C.Claim("LAMB beats AdamW", "You et al.", "> 0", C.at_least(0.0), seeds)])
+    assert "unpaired comparison on a shared test set" in problem
     # unpaired timings (two medians) are no shared test set; an exact factor is no second arm
     timings = "8 timings, unpaired, 1 rank(s) x 1 thread(s) on 2 cores, cpu"
     assert audit_row({"claim": "c", "verdict": "agrees", "evidence": timings}) == []
