@@ -121,19 +121,21 @@ def formula(value: float, how: str = "formula") -> Estimate:
     return Estimate(float(value), float(value), float(value), 1, how, FORMULA)
 
 
-def from_samples(xs, how: str = "", what: str = "samples") -> Estimate:
+def from_samples(xs, how: str = "", what: str = "samples", pairing: str = "") -> Estimate:
     """Mean of repeats (seeds, runs) with a Student-t 95% interval; fewer than MIN_SAMPLES repeats
-    give the mean without an interval (rule 1: `reason` says how many; `what` names them)."""
+    give the mean without an interval (rule 1: `reason` says how many; `what` names them). `pairing`:
+    how each x compared two arms, when it is one's difference or ratio to the other on the same seed
+    or batch (PAIRED_BY_SEED, "paired by batch"; shown in the evidence column)."""
     xs = [float(x) for x in xs]
     if not xs:
         raise ValueError("from_samples: no values")
     mean = statistics.fmean(xs)
     if len(xs) < MIN_SAMPLES:
         return Estimate(mean, mean, mean, len(xs), how or f"mean of {len(xs)} {what}", REPEATS,
-                        _too_few(len(xs), what))
+                        _too_few(len(xs), what), pairing=pairing)
     half = t95(len(xs) - 1) * statistics.stdev(xs) / math.sqrt(len(xs))
     return Estimate(mean, mean - half, mean + half, len(xs), how or f"mean, t-interval over {len(xs)} {what}",
-                    REPEATS)
+                    REPEATS, pairing=pairing)
 
 
 def binomial(successes: int, n: int, how: str = "") -> Estimate:
@@ -231,8 +233,8 @@ def paired_difference(xs, ys, how: str = "") -> Estimate:
     xs, ys = list(xs), list(ys)
     if len(xs) != len(ys):
         raise ValueError(f"paired_difference: {len(xs)} and {len(ys)} values; pair them by seed")
-    d = from_samples([x - y for x, y in zip(xs, ys)], how or f"paired over {len(xs)} seeds", "seeds")
-    return replace(d, pairing=PAIRED_BY_SEED)
+    return from_samples([x - y for x, y in zip(xs, ys)], how or f"paired over {len(xs)} seeds", "seeds",
+                        PAIRED_BY_SEED)
 
 
 def paired_ratio(xs, ys, how: str = "") -> Estimate:
@@ -241,8 +243,8 @@ def paired_ratio(xs, ys, how: str = "") -> Estimate:
     xs, ys = list(xs), list(ys)
     if len(xs) != len(ys):
         raise ValueError(f"paired_ratio: {len(xs)} and {len(ys)} values; pair them by seed")
-    r = from_samples([x / y for x, y in zip(xs, ys)], how or f"ratio paired over {len(xs)} seeds", "seeds")
-    return replace(r, pairing=PAIRED_BY_SEED)
+    return from_samples([x / y for x, y in zip(xs, ys)], how or f"ratio paired over {len(xs)} seeds", "seeds",
+                        PAIRED_BY_SEED)
 
 
 def paired_examples(correct_a, correct_b, how: str = "") -> Estimate:
