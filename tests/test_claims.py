@@ -162,7 +162,7 @@ def test_rule3_wall_clock_needs_the_hardware_it_claims():
     # a speed-up of two checked timings keeps the setup; an exact factor keeps the kind
     fast = C.timed(E.median_interval([0.5, 0.55, 0.45]), device="cpu", cores=2)
     slow = C.timed(E.median_interval([1.0, 1.1, 0.9]), device="cpu", cores=2)
-    assert E.ratio(slow.scaled(2), fast).basis == "3 timings, 1 rank(s) x 1 thread(s) on 2 cores, cpu"
+    assert E.ratio(slow.scaled(2), fast).basis == "3 timings, unpaired, 1 rank(s) x 1 thread(s) on 2 cores, cpu"
 
 
 def test_control_that_meets_the_claim_too_gets_its_own_verdict():

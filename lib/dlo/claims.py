@@ -13,7 +13,9 @@ The verdict compares the two, the way an equivalence test does:
 - **the control meets it too**: the claim holds, but so does its control (`Claim(control=...)`), so
   the run cannot credit the claim's cause;
 - **by construction**: the row holds whatever happens (a forced event, a formula restated);
-  shown, never counted as evidence (`by_construction`);
+  shown, never counted as evidence (`by_construction`). A measured side computed by a formula
+  (`dlo.estimates.formula`, kind FORMULA) is accepted only on such a row or a planned one: a claim
+  checked against its own formula is circular;
 - **planned**: a number from the plan (`dlo.plan`), not a measurement (`planned`);
 - **not tested here**: the course does not implement what the claim is about, so nothing was
   tried, although this machine could (`not_tested`; unlike "not measurable here", no limit of the
@@ -42,6 +44,7 @@ from dataclasses import dataclass, field, replace
 # Re-exported: the notebooks in solutions/ import these estimators from dlo.claims (and Days 4, 5, 7's
 # reports still reach them as C.<name>); new code imports them from dlo.estimates.
 from dlo.estimates import (  # noqa: F401
+    FORMULA,
     Estimate,
     accuracy,
     difference,
@@ -169,6 +172,9 @@ class Claim:
         if self.basis not in ("", BY_CONSTRUCTION, PLANNED, NOT_TESTED):
             raise ValueError(f"claim {self.claim!r}: basis is {BY_CONSTRUCTION!r}, {PLANNED!r} or {NOT_TESTED!r}, "
                              f"not {self.basis!r}")
+        if self.measured is not None and self.measured.kind == FORMULA and self.basis not in (BY_CONSTRUCTION, PLANNED):
+            raise ValueError(f"claim {self.claim!r}: its measured side is computed by a formula, which restates the "
+                             f"claim (circular): make it {BY_CONSTRUCTION!r} or {PLANNED!r}, or measure it")
         self.verdict = self.basis or verdict(self.measured, self.region)
         if self.verdict == AGREES and self.control is not None and verdict(self.control, self.region) == AGREES:
             self.verdict = CONTROL_TOO

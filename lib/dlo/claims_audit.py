@@ -7,7 +7,12 @@ evidence (agrees, disagrees, inconclusive, the control meets it too) must show i
 column (`Estimate.basis`):
 
 - an exact value, or an interval from >= 3 repeats, timings or examples (no interval from fewer);
-- for timings, the setup `timed` checked, whose ranks x threads (+ kernel) fit its cores.
+- for timings, the setup `timed` checked, whose ranks x threads (+ kernel) fit its cores;
+- for a comparison on a shared test set, its pairing ("paired by seed", "McNemar"): an "unpaired"
+  difference of two accuracies on one test set is no evidence (`dlo.estimates` rule 2), whether its
+  interval is over test examples or over seeds whose "how" names the test set;
+- not "formula": a measured side computed by a formula restates the claim (circular), so such a row
+  must say "by construction" or "planned" (`dlo.estimates.formula`).
 
 Every verdict must be one of `dlo.claims.VERDICTS` (a "not measurable here" may carry its reason).
 The solutions CI step (tests/harness/test_course.py) runs `audit_notebook` on every day's executed
@@ -19,9 +24,10 @@ from __future__ import annotations
 import re
 
 from dlo.claims import EVIDENCE, NOT_MEASURABLE, VERDICTS
-from dlo.estimates import MIN_SAMPLES
+from dlo.estimates import FORMULA, MIN_SAMPLES, UNPAIRED
 
 HEADER = ("claim", "tested as", "evidence", "verdict")  # the columns that mark a claims table
+_TEST_SET = re.compile(r"\btest (images|examples|set|accuracy|accuracies)\b")  # a "how" naming a shared test set
 _SETUP = re.compile(r"(\d+) rank\(s\) x (\d+) thread\(s\)( \+ kernel)? on (\d+) cores")
 
 
@@ -55,11 +61,16 @@ def audit_row(row: dict) -> list[str]:
         return [f"{name!r}: unknown verdict {v!r}"]
     if v not in EVIDENCE or basis == "exact":
         return []
+    if basis == FORMULA:
+        return [f"{name!r}: {v} on a value computed by a formula (circular): by construction or planned"]
     m = re.match(r"(\d+) (\w[\w ]*?)(?:,|$)", basis)
     if not m:
         return [f"{name!r}: {v} without a stated basis (evidence column {basis!r})"]
     n, what = int(m.group(1)), m.group(2)
     problems = [f"{name!r}: {v} from {n} {what} (< {MIN_SAMPLES})"] if n < MIN_SAMPLES else []
+    shared = what == "test examples" or _TEST_SET.search(row.get("how", ""))
+    if shared and UNPAIRED in basis.split(", "):
+        problems.append(f"{name!r}: {v} from an unpaired comparison on a shared test set (pair by seed or per example)")
     if what == "timings":
         setup = _SETUP.search(basis)
         if not setup:

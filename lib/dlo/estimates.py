@@ -14,6 +14,10 @@ measurable here (<reason>)"):
    (`paired_difference`); `difference` of two accuracies on one test set is refused as evidence
    ("one seed"). Two arms that share their weights (a model and its quantised copy) have no
    training noise: compare them per example with `paired_examples` (McNemar's paired interval).
+
+A comparison records how its two arms were paired (`Estimate.pairing`: "paired by seed", "McNemar",
+"unpaired") and a value computed by a formula rather than measured says so (`formula`, kind FORMULA);
+both show in `basis`, the claims table's "evidence" column, where `dlo.claims_audit` checks them.
 """
 
 from __future__ import annotations
@@ -26,6 +30,9 @@ MIN_SAMPLES = 3  # rule 1: the fewest repeats (seeds, timings, trials) an interv
 
 # Estimate.kind: how the interval was obtained (rule 2 reads it)
 EXACT, REPEATS, TEST_SET, TIMINGS, PAIRED = "exact", "repeats", "test set", "timings", "paired examples"
+FORMULA = "formula"  # computed, not measured: a row built on it restates its formula (by construction or planned)
+# Estimate.pairing: how a comparison's two arms were matched (shown in the evidence column)
+PAIRED_BY_SEED, MCNEMAR, UNPAIRED = "paired by seed", "McNemar", "unpaired"
 
 # Two-sided 95% quantiles of Student's t for df = 1..30 (beyond: the normal 1.96).
 _T95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145,
@@ -45,9 +52,10 @@ def t95(df: int) -> float:
 class Estimate:
     """A measured value with a 95% interval [lo, hi] and how that interval was obtained.
 
-    `kind` says what the interval covers (EXACT, REPEATS, TEST_SET, TIMINGS, PAIRED or "" when
-    built by hand); a non-empty `reason` says why this estimate is no evidence here (its verdict is
-    then "not measurable here (<reason>)"), while its value is still shown."""
+    `kind` says what the interval covers (EXACT, REPEATS, TEST_SET, TIMINGS, PAIRED, FORMULA or ""
+    when built by hand); `pairing` how a comparison's arms were matched ("" for one quantity); a
+    non-empty `reason` says why this estimate is no evidence here (its verdict is then "not
+    measurable here (<reason>)"), while its value is still shown."""
 
     value: float
     lo: float
@@ -57,6 +65,7 @@ class Estimate:
     kind: str = ""
     reason: str = ""
     setup: str = ""  # where a timing was taken, once `timed` has checked it ("1 rank x 2 threads on 2 cores")
+    pairing: str = ""  # PAIRED_BY_SEED, MCNEMAR, UNPAIRED for a difference or ratio of two measured arms
 
     def __post_init__(self):
         if not self.lo <= self.value <= self.hi and not any(map(math.isnan, (self.value, self.lo, self.hi))):
@@ -74,10 +83,10 @@ class Estimate:
     @property
     def basis(self) -> str:
         """What the interval rests on, for the table's "evidence" column (read by dlo.claims_audit)."""
-        if self.kind == EXACT:
-            return "exact"
+        if self.kind in (EXACT, FORMULA):
+            return self.kind
         what = {REPEATS: "repeats", TEST_SET: "test examples", TIMINGS: "timings", PAIRED: "paired examples"}
-        return f"{self.n} {what.get(self.kind, 'samples')}" + (f", {self.setup}" if self.setup else "")
+        return ", ".join(filter(None, [f"{self.n} {what.get(self.kind, 'samples')}", self.pairing, self.setup]))
 
     def __str__(self) -> str:
         if self.reason or self.lo == self.hi:
@@ -106,19 +115,27 @@ def exact(value: float, how: str = "exact") -> Estimate:
     return Estimate(float(value), float(value), float(value), 1, how, EXACT)
 
 
-def from_samples(xs, how: str = "", what: str = "samples") -> Estimate:
+def formula(value: float, how: str = "formula") -> Estimate:
+    """A value computed by a formula, not measured: shown beside a claim, it restates that formula, so
+    `dlo.claims.Claim` accepts it only on a by-construction or planned row."""
+    return Estimate(float(value), float(value), float(value), 1, how, FORMULA)
+
+
+def from_samples(xs, how: str = "", what: str = "samples", pairing: str = "") -> Estimate:
     """Mean of repeats (seeds, runs) with a Student-t 95% interval; fewer than MIN_SAMPLES repeats
-    give the mean without an interval (rule 1: `reason` says how many; `what` names them)."""
+    give the mean without an interval (rule 1: `reason` says how many; `what` names them). `pairing`:
+    how each x compared two arms, when it is one's difference or ratio to the other on the same seed
+    or batch (PAIRED_BY_SEED, "paired by batch"; shown in the evidence column)."""
     xs = [float(x) for x in xs]
     if not xs:
         raise ValueError("from_samples: no values")
     mean = statistics.fmean(xs)
     if len(xs) < MIN_SAMPLES:
         return Estimate(mean, mean, mean, len(xs), how or f"mean of {len(xs)} {what}", REPEATS,
-                        _too_few(len(xs), what))
+                        _too_few(len(xs), what), pairing=pairing)
     half = t95(len(xs) - 1) * statistics.stdev(xs) / math.sqrt(len(xs))
     return Estimate(mean, mean - half, mean + half, len(xs), how or f"mean, t-interval over {len(xs)} {what}",
-                    REPEATS)
+                    REPEATS, pairing=pairing)
 
 
 def binomial(successes: int, n: int, how: str = "") -> Estimate:
@@ -170,18 +187,31 @@ def _reason(*ests: Estimate) -> str:
     return next((e.reason for e in ests if e.reason), "")
 
 
-def _combined(a: Estimate, b: Estimate) -> tuple[str, str, str]:
-    """kind, reason and setup of an estimate computed from a and b (an exact factor keeps the other's)."""
-    kinds = {a.kind, b.kind} - {EXACT}
-    kind = kinds.pop() if len(kinds) == 1 else (EXACT if not kinds else "")
-    return kind, _reason(a, b), a.setup if a.setup == b.setup or not b.setup else b.setup if not a.setup else ""
+def _combined(a: Estimate, b: Estimate) -> tuple[str, str, str, str]:
+    """kind, reason, setup and pairing of an estimate computed from a and b: a factor without noise (exact
+    or a formula: a measurement against its prediction) keeps the other's; two measured arms are unpaired."""
+    noiseless = {EXACT, FORMULA}
+    kinds = {a.kind, b.kind} - noiseless
+    kind = kinds.pop() if len(kinds) == 1 else "" if kinds else EXACT if EXACT in (a.kind, b.kind) else FORMULA
+    setup = a.setup if a.setup == b.setup or not b.setup else b.setup if not a.setup else ""
+    if a.kind in noiseless or b.kind in noiseless:
+        pairing = b.pairing if a.kind in noiseless else a.pairing
+    else:
+        pairing = UNPAIRED
+    return kind, _reason(a, b), setup, pairing
+
+
+def _n(a: Estimate, b: Estimate) -> int:
+    """The samples an estimate computed from a and b rests on (a factor without noise adds none)."""
+    noisy = [e.n for e in (a, b) if e.kind not in (EXACT, FORMULA)]
+    return min(noisy or [a.n, b.n])
 
 
 def ratio(a: Estimate, b: Estimate, how: str = "") -> Estimate:
     """a / b, both positive, with the interval of the quotient of the two intervals (conservative)."""
     if b.lo <= 0 or a.lo < 0:
         raise ValueError("ratio: needs a >= 0 and b > 0 over their whole intervals")
-    return Estimate(a.value / b.value, a.lo / b.hi, a.hi / b.lo, min(a.n, b.n), how or "ratio of intervals",
+    return Estimate(a.value / b.value, a.lo / b.hi, a.hi / b.lo, _n(a, b), how or "ratio of intervals",
                     *_combined(a, b))
 
 
@@ -191,9 +221,10 @@ def difference(a: Estimate, b: Estimate, how: str = "") -> Estimate:
     reason "one seed" (pair the runs by seed with `paired_difference`, or per example)."""
     half = math.hypot(a.half_width, b.half_width)
     d = a.value - b.value
-    kind, reason, setup = _combined(a, b)
+    kind, reason, setup, pairing = _combined(a, b)
     reason = reason or ("one seed" if a.kind == b.kind == TEST_SET else "")
-    return Estimate(d, d - half, d + half, min(a.n, b.n), how or "difference, independent", kind, reason, setup)
+    return Estimate(d, d - half, d + half, _n(a, b), how or "difference, independent", kind, reason, setup,
+                    pairing)
 
 
 def paired_difference(xs, ys, how: str = "") -> Estimate:
@@ -202,7 +233,18 @@ def paired_difference(xs, ys, how: str = "") -> Estimate:
     xs, ys = list(xs), list(ys)
     if len(xs) != len(ys):
         raise ValueError(f"paired_difference: {len(xs)} and {len(ys)} values; pair them by seed")
-    return from_samples([x - y for x, y in zip(xs, ys)], how or f"paired over {len(xs)} seeds", "seeds")
+    return from_samples([x - y for x, y in zip(xs, ys)], how or f"paired over {len(xs)} seeds", "seeds",
+                        PAIRED_BY_SEED)
+
+
+def paired_ratio(xs, ys, how: str = "") -> Estimate:
+    """Mean of xs[i] / ys[i] over paired repeats (same seed for both arms, e.g. a student's accuracy over
+    its teacher's), with `from_samples`'s t-interval (none under MIN_SAMPLES)."""
+    xs, ys = list(xs), list(ys)
+    if len(xs) != len(ys):
+        raise ValueError(f"paired_ratio: {len(xs)} and {len(ys)} values; pair them by seed")
+    return from_samples([x / y for x, y in zip(xs, ys)], how or f"ratio paired over {len(xs)} seeds", "seeds",
+                        PAIRED_BY_SEED)
 
 
 def paired_examples(correct_a, correct_b, how: str = "") -> Estimate:
@@ -216,4 +258,5 @@ def paired_examples(correct_a, correct_b, how: str = "") -> Estimate:
     n10, n01 = sum(x and not y for x, y in zip(a, b)), sum(y and not x for x, y in zip(a, b))
     d = (n10 - n01) / n
     half = Z95 * math.sqrt(max(n10 + n01 - n * d * d, 0.0)) / n
-    return Estimate(d, d - half, d + half, n, how or f"McNemar paired, n={n} ({n10} vs {n01} discordant)", PAIRED)
+    return Estimate(d, d - half, d + half, n, how or f"McNemar paired, n={n} ({n10} vs {n01} discordant)", PAIRED,
+                    pairing=MCNEMAR)

@@ -84,11 +84,20 @@ def test_rejects_fsdp_slips(sol, wrong, match):
 
 @pytest.mark.parametrize("wrong,match", [
     (tp_one_allreduce, "one all-reduce per layer"),
-    (tp_unsplit_matmuls, "tp_comm_ratio: got"),
+    (tp_unsplit_matmuls, "tp_comm_ratio: "),
     (lambda *a, **k: comm_compute.tp_comm_ratio(*a, **k), "off limits")])
 def test_rejects_tp_slips(sol, wrong, match):
     with pytest.raises(AssertionError, match=match):
         day7_scale.check_comm_compute(sol.fsdp_min_tokens, wrong, seed=0, trials=12)
+
+
+def test_the_engines_bytes_are_checked_first(sol):
+    # Day 5's FSDP sends (N-1)/N of a block's bf16 parameters per layer in forward: 20,832 parameters here
+    assert day7_scale.fsdp_layer_sent(4) == (3 / 4 * 20_832 * 2, 20_832)
+    with pytest.raises(AssertionError, match=r"Day 5's FSDP sends per layer .*x2 the reference: an all-reduce"):
+        day7_scale.check_comm_compute(fsdp_allreduce, sol.tp_comm_ratio)
+    with pytest.raises(AssertionError, match=r"Day 7's GPT layer sends .*one all-reduce per layer"):
+        day7_scale.check_comm_compute(sol.fsdp_min_tokens, tp_one_allreduce)
 
 
 # ----------------------------------------------------------------------------- 8. choosing a layout

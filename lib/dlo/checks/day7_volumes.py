@@ -66,15 +66,16 @@ def _tp_wrongs(b, s, h, t, L, e) -> dict[str, float]:
 
 # ----------------------------------------------------------------------------- measured on the days' engines
 
-def _tp_measured(t: int, b: int, s: int, heads: int, head_dim: int) -> dict:
-    """Bytes a rank of Day 7's GPT layer (bf16) sends per layer, forward + backward, on a fake group of t."""
+def tp_measured(t: int, b: int, s: int, heads: int, head_dim: int) -> dict:
+    """Bytes a rank of Day 7's GPT layer (bf16) sends per layer on a fake group of t: forward + backward
+    ("bytes"), forward alone ("fwd"; exercise 7's all-reduces, `dlo.checks.day7_scale`), and its hidden size."""
     from dlo.experiments.day7 import measure_layers
     from dlo.plan import fake_world
 
     P = SimpleNamespace(gpt_dim=heads * head_dim, gpt_heads=heads, dropout=0.0, gpt_layers=2, gpt_batch=b, gpt_seq=s)
     with fake_world(t):
         r = measure_layers(P, None, "tp", "cpu")
-    return {"bytes": r["sent fwd/layer"] + r["sent bwd/layer"], "h": P.gpt_dim}
+    return {"bytes": r["sent fwd/layer"] + r["sent bwd/layer"], "fwd": r["sent fwd/layer"], "h": P.gpt_dim}
 
 
 def _pp_measured(b: int, s: int, h: int, heads: int, m: int) -> float:
@@ -99,7 +100,7 @@ def _against_the_engines(pp_fn, tp_fn, rng: random.Random, seed: int) -> int:
     if dist.is_initialized():  # a process group exists: no fake one in this process
         return 0
     for t in (2, 3):
-        m = _tp_measured(t, b, s, heads, 5)
+        m = tp_measured(t, b, s, heads, 5)
         h, want = m["h"], 3 * m["bytes"]
         where = dict(b=b, s=s, h=h, t=t, layers=3, act_bytes=2, seed=seed)
         got = assert_number("tp_bytes", "the bytes", tp_fn(b, s, h, t, layers=3, act_bytes=2), where)

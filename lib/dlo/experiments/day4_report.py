@@ -236,7 +236,8 @@ def _loss_ratio(final: dict, name: str, baseline: str = "Adam (fp32 all-reduce)"
     ratios = [a / b for a, b in zip(final[name], final[baseline])]
     if not all(math.isfinite(x) for x in ratios):
         return E.exact(math.inf, "diverged")
-    return E.from_samples(ratios, f"final training loss / {baseline}'s, paired over {len(ratios)} seed(s)", "seeds")
+    return E.paired_ratio(final[name], final[baseline],
+                          f"final training loss / {baseline}'s, paired over {len(ratios)} seed(s)")
 
 
 def _onebit_claims(R: dict) -> list[C.Claim]:

@@ -187,8 +187,8 @@ def diff(results: list[dict], a: str, b: str, n_test: int) -> E.Estimate:
 
 
 def _mean_ratio(results: list[dict], a: str, b: str, n_test: int) -> E.Estimate:
-    return E.from_samples([r[a] / r[b] for r in results], f"t over {len(results)} seeds, {n_test} test images",
-                          "seeds")
+    return E.paired_ratio([r[a] for r in results], [r[b] for r in results],
+                          f"t over {len(results)} seeds, {n_test} test images")
 
 
 def claims(results: list[dict], n_test: int, gpu: dict | None = None) -> list[C.Claim]:

@@ -146,7 +146,7 @@ def clip_table(res: dict) -> list[dict]:
 def _paired(res: dict, claim: str, source: str, claimed: str, case: str, better: str, than: str) -> C.Claim:
     how = f"(ppl {than} - ppl {better}) {_how(res)}"
     return C.Claim(claim, source, claimed, C.at_least(0.0, "> 0"),
-                   E.from_samples(gain(res, case, better, than), how, "seeds"))
+                   E.from_samples(gain(res, case, better, than), how, "seeds", E.PAIRED_BY_SEED))
 
 
 def claims(res: dict) -> list[C.Claim]:

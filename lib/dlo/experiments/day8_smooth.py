@@ -107,7 +107,7 @@ def _rel_ppl(res: dict, case: str, a: str, b: str = "fp32") -> E.Estimate:
     """ppl(a) / ppl(b) - 1 per held-out batch (paired: the same batch for both), t-interval."""
     s = res["scores"][case]
     return E.from_samples([x / y - 1 for x, y in zip(s[a]["ppl"], s[b]["ppl"])],
-                          f"paired over {len(s[a]['ppl'])} held-out batches", "batches")
+                          f"paired over {len(s[a]['ppl'])} held-out batches", "batches", "paired by batch")
 
 
 def claims(res: dict) -> list[C.Claim]:
