@@ -45,8 +45,9 @@ def gpt_stack(P, group=None, mode: str = "none") -> nn.Sequential:
 
 
 def measure_layers(P, group, mode: str, device) -> dict:
-    """Per layer, on this rank: bytes sent (forward, backward; ring model) and bytes saved for
-    backward, for one forward + backward of the GPT stack on (b, s, h) inputs."""
+    """Per layer, on this rank: bytes sent (forward, backward; ring model), the collectives' payload
+    (what the layer hands them, forward + backward: no model) and bytes saved for backward, for one
+    forward + backward of the GPT stack on (b, s, h) inputs."""
     t = tp_size(group)
     if (mode == "none") != (t == 1):
         raise ValueError(f"mode {mode!r} on a group of {t} rank(s): 'none' is the one-rank layer")
@@ -63,7 +64,7 @@ def measure_layers(P, group, mode: str, device) -> dict:
         y.float().square().mean().backward()
     L = P.gpt_layers
     return {"mode": mode, "t": t, "saved/layer": saved / L, "sent fwd/layer": fwd.sent() / L,
-            "sent bwd/layer": bwd.sent() / L,
+            "sent bwd/layer": bwd.sent() / L, "payload/layer": (fwd.bytes() + bwd.bytes()) / L,
             "calls": {"forward": fwd.by_kind("calls"), "backward": bwd.by_kind("calls")}}
 
 

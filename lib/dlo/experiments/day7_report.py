@@ -46,24 +46,32 @@ def pipeline_bubble(n: int, t: int, m: int) -> float:
 # ----------------------------------------------------------------------------- claims
 
 def comm_claims(P, rows: list[dict]) -> list[Claim]:
-    """Measured bytes sent per layer (forward + backward) beside 8 b s h (t-1)/t (2-byte elements);
-    Megatron's sequence parallelism all-gathers each column layer's input once more in backward:
-    10 b s h (t-1)/t."""
+    """The collectives' payload per layer (forward + backward), measured, beside what the papers' counts
+    are made of: 8 b s h (t-1)/t (2-byte elements) is 4 all-reduces of b s h times the ring's 2 (t-1)/t;
+    Megatron's sequence parallelism, 10 b s h (t-1)/t, is 10 all-gathers / reduce-scatters of b s h
+    times the ring's (t-1)/t (one all-gather per column layer more in backward). The payload is
+    compared, not the ring-model bytes: those apply the ring factor the formula states, so only the
+    collectives and their sizes are a measurement here (Day 4 measures a ring's per-connection bytes)."""
     b, s, h = P.gpt_batch, P.gpt_seq, P.gpt_dim
     out = []
     for r in rows:
-        if r["t"] == 1:
+        t = r["t"]
+        if t == 1:
             continue
-        measured = exact(r["sent fwd/layer"] + r["sent bwd/layer"], "CommCounter, ring model")
-        claimed = comm_bytes_per_layer(b, s, h, r["t"])
+        measured = exact(r["payload/layer"], "CommCounter payload")
+        sent = comm_bytes_per_layer(b, s, h, t)  # 8bsh(t-1)/t, bytes
         if r["mode"] == "tp+sp (megatron)":
-            claimed *= 10 / 8
-            text, source = f"10bsh(t-1)/t = {claimed:,.0f} B", "eq. 5 + one all-gather per column layer (Sec. 4.2.2)"
-        else:
-            text = f"8bsh(t-1)/t = {claimed:,.0f} B"
-            source = EQ5 if r["mode"] == "tp" else "Korthikanti et al. 2022, Sec. 4.2.2"
-        out.append(Claim(f"bytes sent per layer, {r['mode']}, t={r['t']}", source, text, approx(claimed, rel=0.01),
-                         measured))
+            claimed = sent * 10 / 8 * t / (t - 1)  # 10 all-gathers / reduce-scatters of bsh
+            text, source = f"10bsh(t-1)/t: 10 x bsh = {claimed:,.0f} B", \
+                "eq. 5 + one all-gather per column layer (Sec. 4.2.2)"
+        elif r["mode"] == "tp":
+            claimed = sent * t / (2 * (t - 1))  # 4 all-reduces of bsh
+            text, source = f"8bsh(t-1)/t: 4 x bsh = {claimed:,.0f} B", EQ5
+        else:  # each all-reduce becomes a reduce-scatter and an all-gather: 8 of bsh, the same bytes sent
+            claimed = sent * t / (t - 1)
+            text, source = f"8bsh(t-1)/t: 8 x bsh = {claimed:,.0f} B", "Korthikanti et al. 2022, Sec. 4.2.2"
+        out.append(Claim(f"collectives' payload per layer, {r['mode']}, t={t}", source, text,
+                         approx(claimed, rel=0.01), measured))
     return out
 
 
