@@ -44,11 +44,13 @@ newest:
 
 # Execute every day's solutions notebook headlessly (tiny profile on CPU, full on GPU nodes; two at a
 # time where there are 2 cores or more, each counting on its share of them: dlo run --jobs), then autograde the executed notebooks as a
-# reference submission (the cells up to the last graded one: the same scores): full marks required.
+# reference submission (the cells up to the last graded one: the same scores): full marks required; and
+# every claims table the run printed walked row by row (dlo.claims_audit: each verdict from its evidence).
 run: $(STAMP)
 	rm -rf $(OUT)
 	$(DLO) run --all --profile auto --out $(OUT)/submitted/reference
 	$(DLO) grade $(OUT)/submitted --out $(OUT)/grading --require-full
+	$(PY) -m dlo.claims_audit $(OUT)/submitted/reference
 
 # Style first (seconds), then the suite on two workers (pytest-xdist), a test file (or a test class) per
 # worker at a time: the course's grading (tests/harness/test_course.py, a class per day: the untouched

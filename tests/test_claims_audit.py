@@ -123,3 +123,20 @@ def test_tables_built_by_the_days_code_pass():
     rows = day8.claims(seeds, 512, None) + day6_report.zero_bubble_claims()
     text = C.claims_table(rows)
     assert "paired by seed" in text and audit_text(text) == []
+
+
+def test_the_command_walks_every_notebook_below_a_folder(tmp_path, capsys):
+    """`python -m dlo.claims_audit DIR` (make run's last step): exit 0 when every table holds, 1 with the
+    problem named when one row does not, 2 for a path that is not there."""
+    import json
+
+    from dlo.claims_audit import main
+
+    good = {"cells": [{"outputs": [{"output_type": "stream", "text": C.claims_table(_table())}]}]}
+    (tmp_path / "day1").mkdir()
+    (tmp_path / "day1" / "day1.ipynb").write_text(json.dumps(good))
+    assert main([str(tmp_path)]) == 0 and "6 claims rows, no problem(s)" in capsys.readouterr().out
+    bad = C.claims_table(_table()).replace("agrees", "yes", 1)
+    (tmp_path / "day2.ipynb").write_text(json.dumps({"cells": [{"outputs": [{"output_type": "stream", "text": bad}]}]}))
+    assert main([str(tmp_path)]) == 1 and "unknown verdict 'yes'" in capsys.readouterr().out
+    assert main([str(tmp_path / "missing")]) == 2

@@ -16,12 +16,17 @@ column (`Estimate.basis`):
 
 Every verdict must be one of `dlo.claims.VERDICTS` (a "not measurable here" may carry its reason).
 The solutions CI step (tests/harness/test_course.py) runs `audit_notebook` on every day's executed
-solution notebook.
+solution notebook (the smoke version), and `make run` on the tiny profile's own run:
+
+    python -m dlo.claims_audit NOTEBOOK_OR_FOLDER ...   (exit 1 with each problem, 2 for a bad path)
 """
 
 from __future__ import annotations
 
+import json
 import re
+import sys
+from pathlib import Path
 
 from dlo.claims import EVIDENCE, NOT_MEASURABLE, VERDICTS
 from dlo.estimates import FORMULA, MIN_SAMPLES, UNPAIRED
@@ -105,3 +110,25 @@ def audit_notebook(nb: dict) -> tuple[int, list[str]]:
     """(rows read, problems) of every claims table an executed notebook (nbformat JSON) printed."""
     text = notebook_text(nb)
     return sum(len(t) for t in parse_tables(text)), audit_text(text)
+
+
+def main(paths: list[str]) -> int:
+    """Audit every executed notebook named or found below the folders named; one line per notebook."""
+    notebooks = []
+    for p in map(Path, paths):
+        if not p.exists():
+            print(f"dlo.claims_audit: {p}: no such notebook or folder", file=sys.stderr)
+            return 2
+        notebooks += sorted(p.rglob("*.ipynb")) if p.is_dir() else [p]
+    bad = 0
+    for nb_path in notebooks:
+        rows, problems = audit_notebook(json.loads(nb_path.read_text()))
+        bad += bool(problems)
+        print(f"{nb_path}: {rows} claims rows, {len(problems) or 'no'} problem(s)")
+        for problem in problems:
+            print(f"  {problem}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
