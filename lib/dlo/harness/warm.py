@@ -2,27 +2,33 @@
 
 Each submission is graded by `python -m dlo.harness.nbgrader_cli ROOT DB DAY STUDENT` (autograde and
 feedback, the trusted checks). Of its 5 to 9 CPU seconds, 3 or so went to starting Python and importing
-nbgrader (its server extensions), SQLAlchemy, torch and the checks. `start()` starts one *warm* process
-(`python -m dlo.harness.nbgrader_cli --warm FD`, `serve` below) that imports them once, runs nothing,
-and forks a child per request that becomes exactly today's process: its own session, the request's
-stdout and stderr (pipes passed as descriptors), folder, environment and argv, a secret of its own
-(`dlo.grading.api.new_secret`), then `nbgrader_cli`'s entry point and a normal interpreter exit.
+nbgrader (its server extensions), SQLAlchemy, torch and the checks. `GRADER` (a `WarmStart`) starts one
+*warm* process on first use (`python -m dlo.harness.nbgrader_cli --warm FD`, `serve` below) that imports
+them once, runs nothing, and forks a child per request that becomes today's process: its own session,
+the request's stdout and stderr (pipes passed as descriptors), folder, environment and argv, a secret of
+its own (`dlo.grading.api.new_secret`, `_fresh_state`), then `nbgrader_cli`'s entry point and a normal
+interpreter exit (atexit handlers run as they did).
 
-The warm process only imports: a request's fields are read by the forked child, never by it, and no
-student file is ever opened there (nbgrader's gradebook is opened in the child). It is fork-safe by
-check, not by hope: after its imports it must be single-threaded (/proc/self/task: numpy's OpenBLAS
-would start a thread server, so it starts with OPENBLAS_NUM_THREADS=1; torch's pools start at a first
-parallel operation, which it never runs), else it refuses to serve and grading falls back to exec.
+The warm process only imports: a request is parsed by the forked child, never by it, and no student
+file is ever opened there (nbgrader's gradebook is opened in the child). It is fork-safe by check, not
+by hope: after its imports it must be single-threaded (/proc/self/task), else it refuses to serve and
+grading falls back to exec. numpy's OpenBLAS would start a thread server at import, so the warm process
+starts with OPENBLAS_NUM_THREADS=1 (numpy's BLAS in the grading process is single-threaded; torch's is
+its own, its thread count set in each child); torch's pools start at a first parallel operation, which
+it never runs; CUDA is never touched.
 
 The reply: "pid N" then "exit CODE" (Popen's returncode: -SIGNAL when killed) on a pipe sent with the
 request, written by the warm process, which reaps the child (the pool cannot waitpid a process it did
 not start); a report that ends with no exit (the warm process died) reads as SIGKILL, which the pool
 retries once. `WarmProcess` is what `nbgrader_cli.child` uses of a Popen. DLO_GRADE_START=exec (or a
-warm process that cannot start) keeps today's path: a fresh interpreter per submission.
+warm process that cannot start, or one gone) keeps today's path: a fresh interpreter per submission.
 
-Why not `dlo.distributed._forkserver`: its server forks zygotes that report on their own pipe and is
-reaped by nobody it reports to (SIGCHLD ignored); this one passes stdout/stderr, an environment and
-argv, and reports each child's exit status. What they share is the socketpair and send_fds, a few lines.
+Why not one fork server shared with `dlo.distributed._forkserver`: what the two would share is the
+socketpair, send_fds and the "ready" line (some 25 lines); the rest differs. The ranks' server forks
+zygotes that write their own report (their pid, then their ranks'), ignores SIGCHLD, is started inside
+the jail's runner, made undumpable and spared between checks; this one passes stdout/stderr, an
+environment and argv, and reaps and reports each child's exit status. A generic module between them
+would make both harder to follow.
 """
 
 from __future__ import annotations
@@ -240,6 +246,8 @@ def _become(msg: bytes, report: int, out: int, err: int, sock, live: dict) -> li
         os.close(out)
         os.close(err)
         req = json.loads(msg)
+        if sys.path and sys.path[0] == os.getcwd():  # `python -m` put its folder first: the request's, as today
+            sys.path[0] = str(req["cwd"])
         os.chdir(req["cwd"])
         os.environ.clear()
         os.environ.update(req["env"])
