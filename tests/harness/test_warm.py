@@ -17,14 +17,14 @@ import pytest
 from dlo import reaper
 from dlo.harness import nbgrader_cli, warm
 
-# the warm process as `nbgrader_cli --warm` is, its children exec'ing their argument instead of grading
-SERVE = "import sys; from dlo.harness.warm import serve; argv = serve(int(sys.argv[1])) or sys.exit(0); exec(argv[0])"
+# the warm process as `nbgrader_cli --warm` is (its imports, or lighter ones), its children exec'ing their argument
+SERVE = "import sys; from dlo.harness.warm import serve; argv = serve(int(sys.argv[1]){}) or sys.exit(0); exec(argv[0])"
 SEED = "from dlo.grading import api\nwith api.use_backend(object): print(api.case_seed(0))"  # the secret's seed
 
 
 @pytest.fixture(scope="module")
 def server():
-    ws = warm.WarmStart([sys.executable, "-c", SERVE])
+    ws = warm.WarmStart([sys.executable, "-c", SERVE.format("")])
     assert ws.start(dict(os.environ)) is not None, "the warm process did not start (threads after its imports?)"
     yield ws
     ws.close()
@@ -75,7 +75,7 @@ def test_the_warm_process_holds_no_file_of_a_child(server, tmp_path):
 def test_exec_when_asked_or_when_the_warm_process_cannot_start(monkeypatch, tmp_path):
     cmd = [sys.executable, "-c", "import sys; print(sys.argv[0])"]
     monkeypatch.setenv(warm.START_ENV, "exec")
-    assert warm.WarmStart([sys.executable, "-c", SERVE]).start(dict(os.environ)) is None
+    assert warm.WarmStart([sys.executable, "-c", SERVE.format("")]).start(dict(os.environ)) is None
     assert nbgrader_cli.child(cmd, tmp_path, warm=True).stdout == "-c\n"  # a fresh interpreter ran the command
     monkeypatch.delenv(warm.START_ENV)
     broken = warm.WarmStart([sys.executable, "-c", "import sys; sys.exit(1)"])
@@ -83,7 +83,7 @@ def test_exec_when_asked_or_when_the_warm_process_cannot_start(monkeypatch, tmp_
 
 
 def test_a_dead_warm_process_means_exec(tmp_path):
-    ws = warm.WarmStart([sys.executable, "-c", SERVE])
+    ws = warm.WarmStart([sys.executable, "-c", SERVE.format(", ('json',)")])
     assert ws.start(dict(os.environ)) is not None
     os.kill(ws.proc.pid, signal.SIGKILL)
     ws.proc.wait()

@@ -178,14 +178,14 @@ class WarmProcess:
 
 # ----------------------------------------------------------------------------- the warm process
 
-def serve(sock_fd: int) -> list[str] | None:
-    """Import `PRELOAD`, then fork a child per request on `sock_fd` (JSON {"argv", "cwd", "env"}; the report,
+def serve(sock_fd: int, preload: tuple[str, ...] = PRELOAD) -> list[str] | None:
+    """Import `preload`, then fork a child per request on `sock_fd` (JSON {"argv", "cwd", "env"}; the report,
     stdout and stderr pipes as passed descriptors) and report its pid and exit status. Returns in each
     child only, set up as a fresh process (`_become`), with its argv for nbgrader_cli; None when the pool
     closes its end, or when this process is not single-threaded after its imports (then it never serves)."""
     import importlib
 
-    for name in PRELOAD:
+    for name in preload:
         importlib.import_module(name)
     threads = os.listdir("/proc/self/task")
     if len(threads) != 1 or threading.active_count() != 1:  # a fork would copy a lock some thread holds
