@@ -191,6 +191,9 @@ def serve(sock_fd: int, preload: tuple[str, ...] = PRELOAD) -> list[str] | None:
     if len(threads) != 1 or threading.active_count() != 1:  # a fork would copy a lock some thread holds
         print(f"warm start refused: {len(threads)} threads after the imports", file=sys.stderr)
         return None
+    if "torch" in sys.modules and sys.modules["torch"].cuda.is_initialized():  # unusable in a fork
+        print("warm start refused: CUDA was initialised by the imports", file=sys.stderr)
+        return None
     sock = socket.socket(fileno=sock_fd)
     os.write(1, b"ready\n")
     live: dict[int, tuple[int, int]] = {}  # pidfd: (pid, report pipe) of each running child
