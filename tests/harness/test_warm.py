@@ -18,7 +18,8 @@ from dlo import reaper
 from dlo.harness import nbgrader_cli, warm
 
 # the warm process as `nbgrader_cli --warm` is (its imports, or lighter ones), its children exec'ing their argument
-SERVE = "import sys; from dlo.harness.warm import serve; argv = serve(int(sys.argv[1]){}) or sys.exit(0); exec(argv[0])"
+SERVE = "import sys; from dlo.harness.warm import run_child, serve; " \
+        "argv = serve(int(sys.argv[1]){}) or sys.exit(0); run_child(exec, argv[0], {{}})"
 SEED = "from dlo.grading import api\nwith api.use_backend(object): print(api.case_seed(0))"  # the secret's seed
 
 
@@ -47,10 +48,11 @@ def test_each_child_draws_its_own_secret(server, tmp_path):
 
 
 def test_a_child_is_a_fresh_process_in_its_folder(server, tmp_path):
-    code = "import os, sys; print(os.getcwd(), os.environ['DLO_X'], os.getsid(0) == os.getpid()); " \
-           "print('err', file=sys.stderr); sys.exit(3)"
+    code = "import atexit, os, sys; print(os.getcwd(), os.environ['DLO_X'], os.getsid(0) == os.getpid()); " \
+           "atexit.register(print, 'atexit'); print('err', file=sys.stderr); sys.exit(3)"
     proc = run(server, code, tmp_path, DLO_X="yes")
-    assert (proc.returncode, proc.stdout, proc.stderr) == (3, f"{tmp_path} yes True\n", "err\n")
+    assert (proc.returncode, proc.stdout, proc.stderr) == (3, f"{tmp_path} yes True\natexit\n", "err\n")
+    assert run(server, "raise ValueError('no')", tmp_path).returncode == 1  # as an uncaught exception exits
     assert "DLO_X" not in run(server, "import os; print(sorted(os.environ))", tmp_path).stdout  # not kept
 
 

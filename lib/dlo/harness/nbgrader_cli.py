@@ -12,7 +12,7 @@ from pathlib import Path
 import nbformat
 
 from dlo.harness.setup import normalise_metadata
-from dlo.harness.warm import GRADER, WarmProcess, serve
+from dlo.harness.warm import GRADER, WarmProcess, run_child, serve
 from dlo.reaper import kill_tree
 
 _LIVE: set[subprocess.Popen | WarmProcess] = set()  # children running now (from any thread), for kill_children()
@@ -153,7 +153,12 @@ def _main(course_root: str, db: str, day: str, student: str) -> int:
     return 0
 
 
+def main(argv: list[str]) -> int:
+    return _generate(*argv[1:]) if argv[0] == "generate" else _main(*argv[:4])
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "--warm":  # the warm process: returns in each forked child, with that child's arguments
         sys.argv[1:] = serve(int(sys.argv[2])) or sys.exit(0)
-    sys.exit(_generate(*sys.argv[2:]) if sys.argv[1] == "generate" else _main(*sys.argv[1:5]))
+        run_child(main, sys.argv[1:])
+    sys.exit(main(sys.argv[1:]))

@@ -33,6 +33,8 @@ would make both harder to follow.
 
 from __future__ import annotations
 
+import atexit
+import gc
 import json
 import os
 import select
@@ -194,6 +196,7 @@ def serve(sock_fd: int, preload: tuple[str, ...] = PRELOAD) -> list[str] | None:
     if "torch" in sys.modules and sys.modules["torch"].cuda.is_initialized():  # unusable in a fork
         print("warm start refused: CUDA was initialised by the imports", file=sys.stderr)
         return None
+    gc.freeze()  # what was imported stays out of the children's collections: not traversed, its pages not copied
     sock = socket.socket(fileno=sock_fd)
     os.write(1, b"ready\n")
     live: dict[int, tuple[int, int]] = {}  # pidfd: (pid, report pipe) of each running child
@@ -264,6 +267,32 @@ def _become(msg: bytes, report: int, out: int, err: int, sock, live: dict) -> li
         os._exit(1)
 
 
+def run_child(fn, *args) -> None:
+    """In a forked child: `fn(*args)` as a script's body, its int (or SystemExit's code) the exit status,
+    then the interpreter's exit (non-daemon threads joined, atexit handlers run, stdio flushed) less its
+    modules torn down: that drops a reference to every object the warm process made, copying each page
+    of its heap into this child (1.1 CPU s of a child's 1.2 measured)."""
+    try:
+        code = fn(*args)
+    except SystemExit as exc:
+        code = exc.code
+    except BaseException:  # noqa: BLE001 - reported as an interpreter reports an uncaught exception
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    if code is not None and not isinstance(code, int):
+        print(code, file=sys.stderr)
+        code = 1
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()  # what the interpreter runs at exit (CPython's, no public name)
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(code or 0)
+
+
 def _fresh_state() -> None:
     """What a fresh interpreter draws at start and a fork would share with its siblings: the grading
     secret, numpy's global generator (Python's `random` reseeds itself at fork, tempfile's names too);
@@ -280,6 +309,4 @@ def _fresh_state() -> None:
         torch.set_num_threads(int(threads))
 
 
-import atexit  # noqa: E402 - registered last: the warm process ends with this one
-
-atexit.register(GRADER.close)
+atexit.register(GRADER.close)  # the warm process ends with this one
