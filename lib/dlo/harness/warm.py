@@ -28,7 +28,7 @@ socketpair, send_fds and the "ready" line (some 25 lines); the rest differs. The
 zygotes that write their own report (their pid, then their ranks'), ignores SIGCHLD, is started inside
 the jail's runner, made undumpable and spared between checks; this one passes stdout/stderr, an
 environment and argv, and reaps and reports each child's exit status. A generic module between them
-would make both harder to follow.
+would make both harder to follow. One file (~310 lines): both ends of one protocol, read together.
 """
 
 from __future__ import annotations
