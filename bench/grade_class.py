@@ -10,7 +10,8 @@ of the blank release (`release`), or of both with every 10th broken (`mixed`: no
 first cell that kills its kernel) is graded by `dlo grade --profile tiny` once per `--jobs` count,
 while this process samples /proc every 0.1 s and keeps, for every process of the grading tree, its
 last CPU seconds (user + system) and what it is (`KINDS`): `dlo grade` itself, the course build, the
-per-submission nbgrader process (autograde, feedback, the trusted checks), the student's kernel
+per-submission nbgrader process (autograde, feedback, the trusted checks; forked from the warm start,
+counted once per run, unless DLO_GRADE_START=exec), the student's kernel
 (the notebook's cells), the sandboxed checks runner, the ranks (of the experiments under the
 kernel, of the checks under the runner), bubblewrap. The sampled sum is a lower bound (a process
 loses its last 0.1 s; one shorter is not seen); getrusage(RUSAGE_CHILDREN) is printed beside it
@@ -62,7 +63,8 @@ KINDS = [
     ("bwrap", ("bwrap",)),
     ("sandbox probe", ("-I", "-c")),
 ]
-PER_RUN = ("dlo grade", "course build (generate_assignment)")  # paid once per `dlo grade`, not per notebook
+WARM = "nbgrader warm start (imports)"  # `nbgrader_cli --warm`: its forks are the per-submission processes
+PER_RUN = ("dlo grade", "course build (generate_assignment)", WARM)  # paid once per `dlo grade`, not per notebook
 
 
 def children_cpu() -> float:
@@ -141,6 +143,8 @@ def attribute(seen: dict) -> dict:
     by: dict[str, dict] = defaultdict(lambda: {"cpu_s": 0.0, "processes": 0})
     for p in seen.values():
         kind = kind_of(p["cmd"])
+        if "--warm" in p["cmd"] and "--warm" not in seen.get(p["ppid"], {}).get("cmd", ""):
+            kind = WARM  # the warm process itself, not one of its forks
         if kind == "ranks":
             parent, owner = p["ppid"], "?"
             while parent in seen and owner not in ("kernel", "checks runner"):
@@ -185,6 +189,7 @@ def stock(day: str, tmp: Path) -> float:
     generate_assignments(REPO / "solutions", [day], course)
     (course / "submitted" / "s" / day).mkdir(parents=True)
     shutil.copyfile(REPO / "solutions" / day / f"{day}.ipynb", course / "submitted" / "s" / day / f"{day}.ipynb")
+    os.environ["DLO_GRADE_START"] = "exec"  # a fresh process, this one's child: RUSAGE_CHILDREN counts it
     before = children_cpu()
     proc = autograde_and_feedback(course, course / "gradebook.db", day, "s",
                                   env={"DLO_PROFILE": "tiny", "DLO_HEADLESS": "1"})

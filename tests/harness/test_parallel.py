@@ -78,17 +78,19 @@ def test_jobs_and_shards_give_the_bytes_of_one_at_a_time(toy_root, tmp_path):
 
 def _nbgrader_children(student: str, out: Path) -> list[int]:
     """The per-submission grading processes of `student` in the grading run writing to `out` (python -m
-    dlo.harness.nbgrader_cli OUT/work/... STUDENT): other tests grade students of the same names at the
-    same time, on the other xdist worker."""
-    under = str(out).encode()
+    dlo.harness.nbgrader_cli OUT/work/... STUDENT, or a fork of the warm `nbgrader_cli --warm` working in
+    OUT/work/STUDENT/...): other tests grade students of the same names at the same time, on the other
+    xdist worker."""
+    under, folder = str(out).encode(), str(out / "work" / student) + os.sep
     pids = []
     for entry in os.listdir("/proc"):
         try:
             args = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+            cwd = os.readlink(f"/proc/{entry}/cwd") + os.sep if b"--warm" in args else ""
         except OSError:
             continue
-        if b"dlo.harness.nbgrader_cli" in args and args[-2:-1] == [student.encode()] \
-                and any(a.startswith(under) for a in args):
+        if b"dlo.harness.nbgrader_cli" in args and (cwd.startswith(folder) or (args[-2:-1] == [student.encode()]
+                                                    and any(a.startswith(under) for a in args))):
             pids.append(int(entry))
     return pids
 

@@ -234,7 +234,14 @@ def on_ranks(worker: Callable, world_size: int, *args, timeout: float = RANK_TIM
     return _session().on_ranks(worker, world_size, args, kwargs, timeout, backend, per_rank=per_rank)
 
 
-_SECRET = secrets.token_bytes(16)  # drawn once per grading process; never leaves it
+_SECRET = secrets.token_bytes(16)  # drawn once per grading process (`new_secret`); never leaves it
+
+
+def new_secret() -> None:
+    """Draw this process's secret anew: a grading process forked from a warm one (`dlo.harness.warm`)
+    calls it first, so that no two submissions share the secret their cases are mixed from."""
+    global _SECRET
+    _SECRET = secrets.token_bytes(16)
 
 
 def case_seed(seed: int) -> int:

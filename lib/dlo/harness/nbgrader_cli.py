@@ -12,9 +12,10 @@ from pathlib import Path
 import nbformat
 
 from dlo.harness.setup import normalise_metadata
+from dlo.harness.warm import GRADER, WarmProcess, run_child, serve
 from dlo.reaper import kill_tree
 
-_LIVE: set[subprocess.Popen] = set()  # children running now (from any thread), for kill_children()
+_LIVE: set[subprocess.Popen | WarmProcess] = set()  # children running now (from any thread), for kill_children()
 _LOCK = threading.Lock()
 _STOPPED = threading.Event()  # set by kill_children(): a child started afterwards is killed at once
 # What a day folder may hold that is no part of the notebook: never copied, hashed or graded.
@@ -27,17 +28,21 @@ def autograde_and_feedback(course_root: Path, db: Path, day: str, student: str, 
     Python and nbgrader instead of two). Exit status 0: graded (feedback may still have failed: see the
     html); 3: autograde failed. Its logs are on stdout/stderr."""
     cmd = [sys.executable, "-m", "dlo.harness.nbgrader_cli", str(course_root), str(db), day, student]
-    return child(cmd, course_root, env=env, timeout=timeout, what="autograde")
+    return child(cmd, course_root, env=env, timeout=timeout, what="autograde", warm=True)
 
 
 def child(cmd: list[str], cwd: Path, *, env: dict | None = None, timeout: float | None = None,
-          what: str = "") -> subprocess.CompletedProcess:
+          what: str = "", warm: bool = False) -> subprocess.CompletedProcess:
+    """`cmd` (python -m dlo.harness.nbgrader_cli ARGS) in a child; `warm`: forked from the warm process
+    (`dlo.harness.warm`) when there is one, the same process less its interpreter's start and imports."""
     # Own session, so a signal to dlo's group does not reach it; on timeout or a stop its whole tree (nbgrader
     # and the kernels it started) is killed.
     # nbgrader shells out to `alembic`, which lives beside this interpreter (a venv not on PATH).
-    path = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
-    proc = subprocess.Popen(cmd, cwd=cwd, env={**os.environ, "PATH": path, **(env or {})}, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    base = {**os.environ, "PATH": os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])}
+    proc = warm and GRADER.spawn(cmd[3:], cwd, base, {**base, **(env or {})})  # the arguments after -m ...nbgrader_cli
+    if not proc:
+        proc = subprocess.Popen(cmd, cwd=cwd, env={**base, **(env or {})}, text=True, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, start_new_session=True)
     with _LOCK:
         _LIVE.add(proc)
         if _STOPPED.is_set():
@@ -56,7 +61,7 @@ def child(cmd: list[str], cwd: Path, *, env: dict | None = None, timeout: float 
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
-def _killpg(proc: subprocess.Popen) -> None:
+def _killpg(proc: subprocess.Popen | WarmProcess) -> None:
     """The child with everything below it: nbgrader's kernels run in sessions of their own."""
     if proc.returncode is None:  # not yet reaped: its pid is still its own
         kill_tree(proc.pid)
@@ -148,5 +153,12 @@ def _main(course_root: str, db: str, day: str, student: str) -> int:
     return 0
 
 
+def main(argv: list[str]) -> int:
+    return _generate(*argv[1:]) if argv[0] == "generate" else _main(*argv[:4])
+
+
 if __name__ == "__main__":
-    sys.exit(_generate(*sys.argv[2:]) if sys.argv[1] == "generate" else _main(*sys.argv[1:5]))
+    if sys.argv[1] == "--warm":  # the warm process: returns in each forked child, with that child's arguments
+        sys.argv[1:] = serve(int(sys.argv[2])) or sys.exit(0)
+        run_child(main, sys.argv[1:])
+    sys.exit(main(sys.argv[1:]))

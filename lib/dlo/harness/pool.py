@@ -1,6 +1,7 @@
 """Grading many submissions at once: one process and one scratch course root per submission.
 
-A submission is graded by `grade_one` in its own nbgrader process (`nbgrader_cli`), inside its own
+A submission is graded by `grade_one` in its own nbgrader process (`nbgrader_cli`; forked from the run's
+warm process, `warm`, which paid the interpreter's start and imports once), inside its own
 nbgrader course root (OUT/work/<student>/<day>/nbgrader: the shared source/ linked, the submission
 copied, a private copy of the template gradebook), so N of them can run side by side with no shared
 file written by two processes. Only when it is finished are its autograded notebook, feedback and
