@@ -196,6 +196,20 @@ def test_a_hang_past_the_deadline_kills_everything(tmp_path):
     assert set(_sleepers()) <= before
 
 
+def test_a_deadline_passing_while_a_check_opens_does_not_leave_the_runner_out_of_step(tmp_path):
+    """On a loaded node the deadline can pass before the session's child says it is open: that runner is
+    dropped, so the next check opens on a fresh one (it once reached the late child: "unknown request 'open'")."""
+    with LocalSandbox(tmp_path) as sb, use_backend(sb):
+        handle = sb.capture(lambda: None)
+        first = sb.runner()
+        sb.deadline = time.monotonic() - 1  # already past when the session is opened
+        with pytest.raises(CheckTimeout):
+            check_calls(handle)
+        assert first.proc.poll() is not None
+        sb.deadline = None
+        check_calls(sb.capture(lambda: None))  # a fresh runner
+
+
 def _sleepers() -> list[int]:
     out = subprocess.run(["pgrep", "-f", "sleep 1000"], capture_output=True, text=True).stdout
     return [int(p) for p in out.split()]

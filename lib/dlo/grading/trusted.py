@@ -92,9 +92,14 @@ class Session:
         self.runner = self.backend.runner()
         self.runner.send(dump_request({"op": "open", "forbid": self.forbid, "exercise": self.name,
                                              "hint": self.hint}))
-        msg = self.receive()
+        try:
+            msg = self.receive()
+            if msg.get("kind") == "error":
+                self.wait_ended()
+        except CheckTimeout:  # the session's child may still run: the next check's "open" would reach it
+            self.backend.drop_runner()
+            raise
         if msg.get("kind") == "error":
-            self.wait_ended()
             raise rebuild_error(msg)
         if msg.get("kind") != "opened":
             raise RuntimeError(f"unexpected reply {msg.get('kind')!r} from the sandbox")
