@@ -139,11 +139,16 @@ def test_cpu_without_interpreter_is_refused(monkeypatch):
 
 
 def test_bench_optimizer_step_rows():
-    rows = bench_optimizer_step([100, 37], device="cpu", impls=("torch for-loop", "torch fused"))
+    rows = bench_optimizer_step([100, 37], device="cpu", impls=("torch for-loop", "torch fused"), reps=4)
     assert [r["impl"] for r in rows] == ["torch for-loop", "torch fused"]
     for r in rows:
         assert r["ms"] > 0 and r["% peak"] is None  # no peak bandwidth for a CPU
+        # Interleaved rounds: one timing per round for every path, the median inside its interval.
+        est = r["ms (95%)"]
+        assert est.n == 4 and est.value == r["ms"] and est.lo <= est.value <= est.hi and not est.reason
         # 137 fp32 params: p, g read and p written (12 B) plus m, v read and written (16 B) each.
         assert r["GB/s"] == pytest.approx(137 * 28 / (r["ms"] * 1e-3) / 1e9)
     with pytest.raises(ValueError, match="unknown impls"):
         bench_optimizer_step([3], device="cpu", impls=("apex",))
+    with pytest.raises(ValueError, match="reps >= 3"):
+        bench_optimizer_step([3], device="cpu", reps=2)

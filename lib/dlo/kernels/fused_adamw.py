@@ -28,7 +28,7 @@ from torch import Tensor
 from torch.optim.adamw import adamw
 
 from dlo.kernels.aot import CompileCase
-from dlo.kernels.runtime import interpreting, kernel_available, launch_tables, round_to_bf16, time_ms
+from dlo.kernels.runtime import interpreting, kernel_available, launch_tables, round_to_bf16
 
 BLOCK_SIZE = 1024  # elements per program: 4 KiB of fp32 per stream, 4 per thread with 8 warps
 # 8 warps, not Triton's default 4: compiled for sm_80, the fp16 kernel spilled 16 bytes per thread
@@ -234,12 +234,19 @@ IMPLS = ("torch for-loop", "torch foreach", "torch fused", "dlo triton")
 
 
 def bench_optimizer_step(numel_list: list[int], dtype: torch.dtype = torch.float32,
-                         device: torch.device | str | None = None, impls: tuple[str, ...] = IMPLS) -> list[dict]:
+                         device: torch.device | str | None = None, impls: tuple[str, ...] = IMPLS,
+                         reps: int = 15) -> list[dict]:
     """Time one AdamW step over tensors of `numel_list` for torch's for-loop, foreach and fused
     implementations and ours (ours only where the kernel is compiled: the interpreter is no benchmark).
+    The implementations are timed interleaved (`dlo.measure.time_interleaved`: `reps` rounds, each
+    calls every one once after 2 untimed rounds that allocate the state), so a slow phase of a shared
+    machine hits all of them and their medians compare.
 
-    Rows: {"impl", "ms", "GB/s", "% peak"}; "% peak" is None where the device peak is unknown.
+    Rows: {"impl", "ms", "ms (95%)", "GB/s", "% peak"}: "ms" the median, "ms (95%)" the median with its
+    interval over the rounds (an Estimate); "% peak" is None where the device peak is unknown.
     """
+    if reps < 3:
+        raise ValueError(f"bench_optimizer_step: need reps >= 3 for an interval, got {reps}")
     if unknown := set(impls) - set(IMPLS):
         raise ValueError(f"unknown impls {sorted(unknown)}; choose from {IMPLS}")
     from dlo.hardware import peak
@@ -254,15 +261,18 @@ def bench_optimizer_step(numel_list: list[int], dtype: torch.dtype = torch.float
     if device.type == "cuda" and not interpreting():
         steps["dlo triton"] = _ours_step(params)
     hbm = (peak(device) or {}).get("hbm_gbs")
+    from dlo.measure import time_interleaved
+    timings = time_interleaved({k: v for k, v in steps.items() if k in impls}, device=device, reps=reps)
     rows = []
-    for impl, step in ((k, v) for k, v in steps.items() if k in impls):
-        ms = time_ms(step, device)
+    for impl, timing in timings.items():
+        est = timing.estimate(1e3)
+        ms = est.value
         state_dtype = torch.float32 if impl.startswith("dlo") else dtype  # torch keeps state in the param dtype
         # Effective bandwidth: the bytes a one-pass update must move. Unfused versions move more, so
         # their figure says how far they are from what the step could cost, not what DRAM carried.
         moved = _bytes_per_step(sum(numel_list), dtype, state_dtype)
         gbs = moved / (ms * 1e-3) / 1e9
-        rows.append({"impl": impl, "ms": ms, "GB/s": gbs, "% peak": 100 * gbs / hbm if hbm else None,
+        rows.append({"impl": impl, "ms": ms, "ms (95%)": est, "GB/s": gbs, "% peak": 100 * gbs / hbm if hbm else None,
                      "work": (moved, FLOPS_PER_ELEMENT * sum(numel_list), "fp32_tflops")})
     from dlo.bench import add_roofline
     return add_roofline(rows, (peak(device) or {}).get("name"))
