@@ -169,9 +169,11 @@ def _paired(a: list[dict], b: list[dict], key: str) -> dict[int, tuple[float, fl
 def gap(a: list[dict], b: list[dict], n_test: int, key: str = "acc") -> E.Estimate:
     """a - b of `key`, paired by seed (the t-interval holds the training noise and the test images'
     noise of each seed); fewer than 3 seeds give no interval ("not measurable here", dlo.estimates rule 2).
-    `n_test` is named in how the estimate was obtained."""
+    How the estimate was obtained names the `n_test` test images for the accuracy, the training loss
+    for another key (the early peak)."""
     pairs = list(_paired(a, b, key).values())
-    return E.paired_difference(*zip(*pairs), how=f"paired over {len(pairs)} seeds, {n_test} test images")
+    on = f"{n_test} test images" if key == "acc" else f"the training loss ({key})"  # what was measured
+    return E.paired_difference(*zip(*pairs), how=f"paired over {len(pairs)} seeds, {on}")
 
 
 def gap_of_gaps(a: tuple[list[dict], list[dict]], b: tuple[list[dict], list[dict]], n_test: int) -> E.Estimate:
