@@ -26,6 +26,7 @@ from collections.abc import Iterator
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 PR_SET_CHILD_SUBREAPER, PR_GET_CHILD_SUBREAPER = 36, 37  # linux/prctl.h
+PR_GET_DUMPABLE, PR_SET_DUMPABLE = 3, 4
 
 
 def _ppids() -> dict[int, list[int]]:
@@ -125,6 +126,22 @@ def subreaper(on: bool) -> bool:
         return bool(was.value)
     except (OSError, AttributeError):
         return False
+
+
+def undumpable(why: str = "") -> None:
+    """This process and its forks closed to the other processes of its user (no capability needed): no
+    /proc/PID/mem, no ptrace, no pidfd_getfd of its descriptors. Exec resets it. OSError if refused."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), f"prctl(PR_SET_DUMPABLE, 0) failed{': ' + why if why else ''}")
+
+
+def dumpable() -> bool:
+    """Whether this process is open to the other processes of its user; True where prctl is missing."""
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl(PR_GET_DUMPABLE, 0, 0, 0, 0) != 0
+    except (OSError, AttributeError):
+        return True
 
 
 @contextlib.contextmanager

@@ -18,6 +18,8 @@ import socket
 import subprocess
 import threading
 
+from dlo import reaper
+
 _LOCK = threading.Lock()
 _SERVER: dict = {}  # "proc", "sock": the running server; "failed": it could not start or went away
 START_TIMEOUT = 60.0  # seconds for the server's imports
@@ -35,7 +37,7 @@ def start(command: list[str], preload: list[str], env: dict) -> subprocess.Popen
             return _SERVER.get("proc")
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
-            closed = "undumpable" if not dumpable() else "dumpable"  # as closed as this process
+            closed = "dumpable" if reaper.dumpable() else "undumpable"  # as closed as this process
             proc = subprocess.Popen([*command, "--server", str(theirs.fileno()), closed, *preload], env=env,
                                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, pass_fds=[theirs.fileno()],
                                     start_new_session=True)
@@ -53,17 +55,6 @@ def start(command: list[str], preload: list[str], env: dict) -> subprocess.Popen
             return None
         _SERVER.update(proc=proc, sock=ours)
         return proc
-
-
-def dumpable() -> bool:
-    """Whether this process may be traced and its memory read by others of its user (PR_GET_DUMPABLE);
-    True where prctl is missing."""
-    try:
-        import ctypes
-
-        return ctypes.CDLL(None, use_errno=True).prctl(3, 0, 0, 0, 0) != 0  # PR_GET_DUMPABLE
-    except (OSError, AttributeError):
-        return True
 
 
 def _ready(proc: subprocess.Popen) -> bool:

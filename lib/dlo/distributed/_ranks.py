@@ -21,6 +21,7 @@ import sys
 import threading
 import time
 
+from dlo.claims import cpu_cores
 from dlo.distributed import _forkserver
 
 JOIN_TIMEOUT = 60.0  # seconds the ranks get to start and rendezvous, whatever `timeout` says
@@ -32,10 +33,7 @@ def rank_threads(world_size: int) -> int:
     Giving every rank the whole share oversubscribes the CPU, and OpenMP's spinning workers then burn
     it: a 2-rank Day 6 check took 12.3 CPU s with 2 threads a rank on 2 cores, 3.5 with 1 (torchrun
     splits the same way)."""
-    try:
-        share = len(os.sched_getaffinity(0))
-    except AttributeError:
-        share = os.cpu_count() or 1
+    share = cpu_cores()  # the affinity mask, or this notebook's share (DLO_CORES)
     given = os.environ.get("OMP_NUM_THREADS", "")
     if given.isdigit() and int(given) > 0:
         share = min(share, int(given))

@@ -136,11 +136,12 @@ def fork_server(sock_fd, undumpable, preload):
     ranks' pipes as passed descriptors) fork a zygote in the launcher's folder; end when the launcher
     closes its end. `undumpable` (the launcher is: the grader's runner) first: then no process of the
     same user may write the memory that every later launch's ranks are forked from."""
-    import ctypes
     import socket
 
-    if undumpable and ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE, 0
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE, 0) failed")
+    from dlo import reaper
+
+    if undumpable:
+        reaper.undumpable("the fork server would be open to the ranks")
     warm([m for m in preload if not m.startswith("+")])
     os.write(1, b"ready\n")
     serve_forks(socket.socket(fileno=sock_fd), preload)

@@ -22,7 +22,7 @@ serves requests until the check closes the session:
   after taking its own part and sealing (`ranks.load_captures`); a session whose child has already
   run the student's code cannot start ranks.
 
-No other process of the jail may read the runner's memory or take its descriptors (`undumpable`): the
+No other process of the jail may read the runner's memory or take its descriptors (`dlo.reaper.undumpable`): the
 runner forwards every request, and a session's child holds the ranks' request, every rank's part in it;
 the jail's processes are all one user, who may otherwise read another's /proc/PID/mem or take its
 channel with pidfd_getfd. Forks inherit this (the sessions' children, the stub probe); the ranks, started
@@ -42,7 +42,6 @@ which the grader opened on its log (outside the runner's scratch).
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import select
 import signal
@@ -55,19 +54,10 @@ from dlo import reaper
 from dlo.grading import forbid, wire
 from dlo.grading.jail_session import Session
 
-PR_SET_DUMPABLE = 4  # linux/prctl.h
-
-
-def undumpable() -> None:
-    """This process and its forks closed to the jail's other processes (same user, no capability):
-    no /proc/PID/mem, no ptrace, no pidfd_getfd of the channel. Exec resets it (`dlo.distributed`'s ranks)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE, 0) failed: the runner would be open to the ranks")
-
 
 def main(argv: list[str]) -> int:
-    undumpable()  # before any request arrives: every rank's part passes through here
+    # before any request arrives: every rank's part passes through here (forks inherit it, exec does not)
+    reaper.undumpable("the runner would be open to the ranks")
     proto_in, proto_out = os.dup(0), os.dup(1)
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
     os.dup2(2, 1)  # the student's output joins stderr: the grader's log, opened by the grader, never by name here
