@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from dlo.distributed import launch
 from dlo.distributed import pipeline as pp
 from dlo.distributed import pipeline_schedules as S
-from dlo.distributed.pipeline_comms import sample_shapes, tag
+from dlo.distributed.pipeline_comms import TorchWire, pipeline_channels, sample_shapes, tag
+from dlo.distributed.pipeline_order import RecordingWire, posted, record
 from dlo.measure import SavedTensorMeter
 from dlo.models.coatnet import coatnet
 from tests.rank_pool import one_thread  # noqa: F401 - a fixture
@@ -120,37 +121,16 @@ def test_stage_modules_and_shapes():
 
 # ----------------------------------------------------------------------------- engine order, no messages
 
-class _Loopback:
-    """A stage's messages without a peer: zeros of the agreed shapes in, nothing out."""
-
-    def __init__(self, stage):
-        self.stage = stage
-
-    def recv_forward(self, i):
-        return torch.zeros(self.stage.in_shapes[i]).requires_grad_()
-
-    def recv_backward(self, i):
-        return torch.zeros(self.stage.out_shapes[i])
-
-    def send_forward(self, y, i):
-        pass
-
-    def send_backward(self, dx, i):
-        pass
-
-    def wait(self):
-        pass
-
-
 @pytest.mark.parametrize("p,m", [(2, 1), (3, 2), (3, 5), (4, 4), (4, 7)])
-def test_engines_run_the_schedule_lists_in_order(p, m, monkeypatch):
+def test_engines_run_the_schedule_lists_in_order(p, m):
     """Each rank's GPipe and 1F1B engine runs its forwards and backwards (recorded by its Timeline)
-    in the order of the schedule's list for that rank, warm-up and drain included (m < p too)."""
-    monkeypatch.setattr(pp.Stage, "comms", lambda stage: _Loopback(stage))
+    in the order of the schedule's list for that rank, warm-up and drain included (m < p too); its
+    messages are recorded, not sent (a receive gives zeros)."""
     for engine, schedule in ((pp.gpipe_step, S.gpipe_schedule), (pp.one_f_one_b_step, S.one_f_one_b_schedule)):
         for r in range(p):
             last = r == p - 1
-            stage = pp.Stage(torch.nn.Linear(4, 3 if last else 4), r, p, p, [(2, 4)] * m, [(2, 3 if last else 4)] * m)
+            stage = pp.Stage(torch.nn.Linear(4, 3 if last else 4), r, p, p, [(2, 4)] * m, [(2, 3 if last else 4)] * m,
+                             wire=RecordingWire(r))
             xs, ys = [torch.randn(2, 4) for _ in range(m)], [torch.tensor([0, 2])] * m
             tl = pp.Timeline(r)
             engine(stage, xs, ys, F.cross_entropy, tl)
@@ -176,6 +156,9 @@ def _engines_worker():
         model, xs, ys, _, _ = _case(m, equal=name == "1f1b")
         mods = pp.make_stage_modules(list(model.blocks), bounds)
         stages = pp.build_stages(mods, p, [len(t) for t in ys], (3, IMAGE, IMAGE), dtype=torch.float64)
+        wire = RecordingWire(r, inner=TorchWire(pipeline_channels(p, len(mods))))  # sent, and recorded
+        for s in stages:
+            s.wire = wire
         held = [t for s in stages for t in (*s.module.parameters(), *s.module.buffers())]
         tl = pp.Timeline(r)
         with SavedTensorMeter(exclude=held) as meter:
@@ -186,7 +169,9 @@ def _engines_worker():
             else:
                 loss = pp.ENGINES[name](stages[0], xs, ys, F.cross_entropy, tl)
         out[name] = {"loss": loss, "grads": {s.index: [q.grad for q in s.module.parameters()] for s in stages},
-                     "order": [(e["kind"], e["stage"], e["mb"]) for e in tl.events], "peak": meter.peak}
+                     "order": [(e["kind"], e["stage"], e["mb"]) for e in tl.events], "peak": meter.peak,
+                     "messages": [(o.op, o.peer, o.channel, tuple(o.msg)) for o in posted(wire.events)],
+                     "groups": {ch: dist.get_process_group_ranks(g) for ch, g in wire.inner.groups.items()}}
     return out
 
 
@@ -206,8 +191,11 @@ def test_engines_equal_one_process_on_two_ranks():
         for s, mod in enumerate(mods):
             for g, q in zip(got[s % 2][name]["grads"][s], mod.parameters()):
                 torch.testing.assert_close(g, q.grad, rtol=1e-9, atol=1e-12)
-        for r in range(2):  # the engines ran exactly the schedules' action lists
+        recorded = record("gpipe" if name == "naive" else name, 2, m)  # this process, no peer
+        for r in range(2):  # the engines ran exactly the schedules' action lists, and posted the recorded messages
             assert got[r][name]["order"] == [tuple(a) for a in schedules[name][r]]
+            assert got[r][name]["messages"] == [(o.op, o.peer, o.channel, tuple(o.msg)) for o in posted(recorded[r])]
+            assert got[r][name]["groups"] == {ch: [0, 1] for ch in pipeline_channels(2, len(mods))}
     # 1F1B on 2 ranks: rank 0 holds at most 2 of the 4 micro-batches, rank 1 one; equal micro-batches
     model, xs, _, _, _ = _case(4, equal=True)
     first = pp.make_stage_modules(list(model.blocks), [0, 4, 15])[0]

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from dlo.distributed.pipeline_comms import StageComms, sample_shapes
+from dlo.distributed.pipeline_comms import StageComms, TorchWire, Wire, pipeline_channels, sample_shapes
 from dlo.distributed.pipeline_schedules import (
     Action,
     bubble_formula,
@@ -54,7 +54,8 @@ from dlo.measure import sync
 class Stage:
     """What a rank holds of stage `index` (of `n_stages`, placed round-robin on `p` ranks): its
     blocks, and the shape of the activation it receives (`in_shapes[i]`) and sends (`out_shapes[i]`)
-    for each micro-batch i."""
+    for each micro-batch i. `wire`: how its messages travel, None for torch.distributed (`TorchWire`);
+    `dlo.distributed.pipeline_order` sets a recording one, the same on all the stages of a rank."""
 
     module: nn.Module
     index: int
@@ -64,6 +65,7 @@ class Stage:
     out_shapes: list[tuple]
     dtype: torch.dtype = torch.float32
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    wire: Wire | None = None
 
     @property
     def rank(self) -> int:
@@ -77,10 +79,10 @@ class Stage:
     def is_last(self) -> bool:
         return self.index == self.n_stages - 1
 
-    def comms(self) -> StageComms:
+    def comms(self, wire: Wire) -> StageComms:
         return StageComms(self.index, self.n_stages, None if self.is_first else (self.index - 1) % self.p,
                           None if self.is_last else (self.index + 1) % self.p, self.in_shapes, self.out_shapes,
-                          self.dtype, self.device)
+                          self.dtype, self.device, wire)
 
 
 def make_stage_modules(blocks, bounds: list[int]) -> list[nn.Sequential]:
@@ -141,8 +143,8 @@ def _span(timeline, kind, stage, mb):
 class _Runner:
     """Forward and backward of micro-batches on one stage, keeping what backward needs."""
 
-    def __init__(self, stage: Stage, microbatches, targets, loss_fn, timeline=None):
-        self.stage, self.comms, self.timeline = stage, stage.comms(), timeline
+    def __init__(self, stage: Stage, wire: Wire, microbatches, targets, loss_fn, timeline=None):
+        self.stage, self.comms, self.timeline = stage, stage.comms(wire), timeline
         self.microbatches, self.targets, self.loss_fn = microbatches, targets, loss_fn
         self.inputs: dict[int, Tensor] = {}
         self.outputs: dict[int, Tensor] = {}
@@ -201,8 +203,11 @@ def run_schedule(stages: list[Stage], actions: list[Action], microbatches, targe
                  timeline: Timeline | None = None):
     """Run this rank's `actions` (F and B of `dlo.distributed.pipeline_schedules`) on the stages it
     holds, e.g. `interleaved_schedule(p, m, v)[rank]` with v stages per rank; the mean loss if this
-    rank holds the last stage, else None."""
-    runners = {s.index: _Runner(s, microbatches, targets, loss_fn, timeline) for s in stages}
+    rank holds the last stage, else None. Every rank of the pipeline calls it at each step: the first
+    step makes the pipeline's process groups (`dlo.distributed.pipeline_comms.channel_groups`)."""
+    first = stages[0]  # its wire serves all the stages of this rank (one order of messages per rank)
+    wire = first.wire if first.wire is not None else TorchWire(pipeline_channels(first.p, first.n_stages))
+    runners = {s.index: _Runner(s, wire, microbatches, targets, loss_fn, timeline) for s in stages}
     for a in actions:
         if a.stage not in runners or a.kind not in ("F", "B"):
             raise ValueError(f"this rank holds stages {sorted(runners)} and runs F/B only; got {a}")
