@@ -21,7 +21,7 @@ else ifneq ($(HELD),)
   LOCK ?= $(HELD)
   REASON = what $(VENV) was installed from; GPU=1 or GPU=0 for the other, in a new $(VENV)
 else
-  FOUND = $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
+  FOUND = $(eval FOUND := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1))$(FOUND)# asked once, when needed
   LOCK ?= $(if $(FOUND),requirements/gpu.txt,requirements/cpu.lock)
   REASON = $(if $(FOUND),nvidia-smi answers here,no nvidia-smi here; for GPU nodes from a login node: make venv GPU=1)
 endif
