@@ -1,12 +1,38 @@
 # The two commands of the README. Each builds .venv on first use, so a fresh clone needs nothing else.
-# .venv holds the locked versions: requirements/cpu.lock (hashes checked; torch's CPU build) on machines
-# without an NVIDIA driver, requirements/gpu.txt (the same versions, torch's CUDA build) on GPU nodes.
+# .venv holds the locked versions: requirements/cpu.lock (hashes checked; torch's CPU build) or
+# requirements/gpu.txt (the same versions, torch's CUDA build); `make venv` says which, and why, in one line.
 # `make lock` re-resolves the lock from pyproject.toml's ranges; `make newest` tries the newest releases.
 VENV   := .venv
 PY     := $(VENV)/bin/python
 DLO    := $(VENV)/bin/dlo
 STAMP  := $(VENV)/.installed
-LOCK   ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo requirements/gpu.txt || echo requirements/cpu.lock)
+# Which lock: GPU=1 the CUDA one (from a login node without a GPU, for the GPU nodes that share its files),
+# GPU=0 the CPU one; neither: the one .venv was installed from (the stamp records it), else the CUDA one where
+# nvidia-smi answers. A .venv is never switched in place (pip keeps an installed torch 2.13.0+cpu for the CUDA
+# lock's torch==2.13.0): GPU=0/1 or LOCK against a .venv of another lock is refused, with what to do.
+HELD   := $(firstword $(shell cat $(STAMP) 2>/dev/null))
+ifeq ($(GPU),1)
+  LOCK ?= requirements/gpu.txt
+  REASON = GPU=1: torch's CUDA 13.0 build, for GPU nodes with an NVIDIA driver >= 580
+else ifeq ($(GPU),0)
+  LOCK ?= requirements/cpu.lock
+  REASON = GPU=0: torch's CPU build
+else ifneq ($(HELD),)
+  LOCK ?= $(HELD)
+  REASON = what $(VENV) was installed from; GPU=1 or GPU=0 for the other, in a new $(VENV)
+else
+  FOUND = $(eval FOUND := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1))$(FOUND)# asked once, when needed
+  LOCK ?= $(if $(FOUND),requirements/gpu.txt,requirements/cpu.lock)
+  REASON = $(if $(FOUND),nvidia-smi answers here,no nvidia-smi here; for GPU nodes from a login node: make venv GPU=1)
+endif
+WHY     = $(if $(filter command line environment,$(origin LOCK)),LOCK given,$(REASON))
+ifneq ($(HELD),)
+ifneq ($(HELD),$(LOCK))
+ifeq ($(filter clean,$(MAKECMDGOALS)),)
+  $(error make venv: $(VENV) holds $(HELD), not $(LOCK) ($(WHY)); pip would keep its torch build: rm -rf $(VENV), then make venv again)
+endif
+endif
+endif
 # Where torch's CPU build is published; asked only when pip finds no torch==X+cpu in its usual places.
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 OUT    ?= runs/make-run
@@ -16,13 +42,17 @@ PYTEST_ARGS ?=
 
 venv: $(STAMP)
 
+# pip's retry on PyTorch's CPU index is for the CPU lock only: from there the CUDA lock's torch==2.13.0 would
+# be met by 2.13.0+cpu.
 $(STAMP): pyproject.toml requirements/cpu.lock requirements/gpu.txt
+	@echo "make venv: installing $(LOCK) into $(VENV) ($(WHY))"
 	python3 -m venv $(VENV)
-	$(PY) -m pip install -q -r $(LOCK) || { echo "make venv: retrying with $(TORCH_CPU_INDEX) for torch's CPU build" >&2; \
-	  $(PY) -m pip install -q --extra-index-url $(TORCH_CPU_INDEX) -r $(LOCK); }
+	$(PY) -m pip install -q -r $(LOCK) $(if $(filter requirements/cpu.lock,$(LOCK)),|| { \
+	  echo "make venv: retrying with $(TORCH_CPU_INDEX) for torch's CPU build" >&2; \
+	  $(PY) -m pip install -q --extra-index-url $(TORCH_CPU_INDEX) -r $(LOCK); })
 	$(PY) -m pip install -q --no-deps -e .
 	$(PY) -m pip check
-	touch $(STAMP)
+	echo $(LOCK) > $(STAMP)
 
 # Re-resolve requirements/cpu.lock from pyproject.toml's ranges and requirements/cpu.in (pip-tools; existing
 # pins are kept unless UPGRADE=1), then derive requirements/gpu.txt from it. Commit all three files.

@@ -25,9 +25,32 @@ def resolve_profile(profile: str = "auto") -> str:
         profile = os.environ.get("DLO_PROFILE", "auto")
     if profile == "auto":
         profile = "full" if torch.cuda.is_available() else "tiny"
+        if profile == "tiny":
+            _warn_unused_gpu()
     if profile not in PROFILES:
         raise ValueError(f"unknown profile {profile!r}: choose one of {', '.join(PROFILES)} or 'auto'")
     return profile
+
+
+_warned: set[str] = set()
+
+
+def _warn_unused_gpu() -> None:
+    """`profile="auto"` chose tiny: say so, once per process, where an NVIDIA GPU is here that torch cannot use
+    (dlo.nvidia.unused_gpu: a CPU build of torch, a driver too old for its CUDA build), so that a GPU node does
+    not run the tiny profile unnoticed; the notebook's setup output and `dlo run` (which resolves every day's
+    parameters first) both show it. A warning, not an error: the tiny profile is the whole course on a CPU
+    (every exercise, check and claims table, and what the grader runs on CPU machines), so a student whose
+    environment lacks the CUDA build, which they may not be able to change, still works through the day;
+    the line names the fix, and `dlo doctor` says FIX for it. A GPU hidden on purpose (CUDA_VISIBLE_DEVICES)
+    and a profile asked for by name (tiny, or DLO_PROFILE) say nothing."""
+    from dlo.errors import warn
+    from dlo.nvidia import unused_gpu
+
+    reason = unused_gpu()
+    if reason and reason not in _warned:
+        _warned.add(reason)
+        warn("profile", f"'auto' runs the tiny profile on the CPU: {reason}")
 
 
 def resolve_device(device: str = "auto") -> torch.device:

@@ -1,7 +1,9 @@
 """`dlo doctor [DAY ...] [--data-dir DIR]`: what this machine (a cluster node, a laptop) offers the
-course, one line each, `ok` or `FIX` with the fix: torch and its CUDA/NCCL, the GPUs and their memory,
-Triton and whether it compiles for the GPU present, bwrap (the grading sandbox), the data folder, and
-whether each day's `dlo plan` fits the GPUs found. Exit status 1 when a line says FIX, 2 on bad input.
+course, one line each, `ok` or `FIX` with the fix: torch and its CUDA/NCCL (FIX where nvidia-smi lists a GPU
+that torch cannot use: a CPU build, a driver too old for the CUDA build, or torch's own reason), the GPUs and
+their memory, Triton and whether it compiles for the GPU present, whether Triton's JIT can build its launcher
+here (compiler, Python headers, libcuda), bwrap (the grading sandbox), the data folder, and whether each day's
+`dlo plan` fits the GPUs found. Exit status 1 when a line says FIX, 2 on bad input.
 """
 
 from __future__ import annotations
@@ -17,7 +19,12 @@ Line = tuple[bool, str, str]  # (ok, topic, what was found or the fix)
 def torch_line() -> Line:
     import torch
 
+    from dlo.nvidia import unused_gpu
+
     if not torch.cuda.is_available():
+        reason = unused_gpu(ask_torch=True)  # doctor is a process of its own: asking torch cannot harm a fork
+        if reason:
+            return False, "torch", reason
         build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU build"
         return True, "torch", f"{torch.__version__} ({build}; no GPU visible: the tiny profile runs on the CPU)"
     nccl = ".".join(map(str, torch.cuda.nccl.version())) if torch.distributed.is_nccl_available() else None
@@ -38,10 +45,16 @@ def gpus() -> list[tuple[str, float, tuple[int, int]]]:
 
 
 def gpu_line(found) -> Line:
+    from dlo.nvidia import driver
+
+    listed = driver()
     if not found:
+        if listed:  # the torch line says why torch sees none of them
+            return True, "gpus", f"none visible to torch; nvidia-smi lists {len(listed.gpus)} ({listed.gpus[0]}, " \
+                                 f"driver {listed.version})"
         return True, "gpus", "none (full profile and Days 4-7 at scale need GPU nodes: sbatch --gres=gpu:N)"
-    return True, "gpus", ", ".join(f"{i}: {name} {mem:.0f} GiB sm_{cc[0]}{cc[1]}" for i, (name, mem, cc) in
-                                   enumerate(found))
+    text = ", ".join(f"{i}: {name} {mem:.0f} GiB sm_{cc[0]}{cc[1]}" for i, (name, mem, cc) in enumerate(found))
+    return True, "gpus", text + (f" (driver {listed.version})" if listed else "")
 
 
 def triton_line(found) -> Line:
@@ -72,6 +85,28 @@ def triton_line(found) -> Line:
         return False, "triton", f"{triton.__version__} cannot compile for sm_{arch}: {str(exc).splitlines()[0][:150]}"
     where = f"the GPU (sm_{arch})" if found else "sm_80 (no GPU here: the kernels run in the interpreter)"
     return True, "triton", f"{triton.__version__}, compiles for {where}"
+
+
+def jit_line(found) -> Line:
+    """Whether Triton's JIT can build its CUDA launcher here (what a kernel's first launch on a GPU builds,
+    unlike `triton_line`'s compile ahead of time): on a GPU it is built, else its prerequisites are checked as
+    Triton finds them (dlo.kernels.runtime.jit_missing). Without an NVIDIA GPU the kernels are interpreted."""
+    from dlo.kernels.runtime import JITUnavailable, build_launcher, c_compiler, jit_missing, libcuda_dirs
+    from dlo.nvidia import driver
+
+    if not found and driver() is None:
+        return True, "jit", "not needed: no NVIDIA GPU here (the kernels run in Triton's interpreter)"
+    missing = jit_missing()
+    if missing:
+        return False, "jit", "Triton cannot build its CUDA launcher: " + "; ".join(missing)
+    uses = f"{c_compiler()}, Python.h, libcuda.so.1 in {libcuda_dirs()[0]}"
+    if not found:
+        return True, "jit", f"its prerequisites are here ({uses}); not built: torch sees no GPU"
+    try:
+        build_launcher()
+    except JITUnavailable as exc:
+        return False, "jit", str(exc)
+    return True, "jit", f"builds Triton's CUDA launcher ({uses})"
 
 
 def bwrap_line() -> Line:
@@ -114,7 +149,7 @@ def plan_lines(days: list[str], found) -> list[Line]:
 
 def report(days: list[str], data_dir: Path | None) -> list[Line]:
     found = gpus()
-    return [torch_line(), gpu_line(found), triton_line(found), bwrap_line(), data_line(data_dir),
+    return [torch_line(), gpu_line(found), triton_line(found), jit_line(found), bwrap_line(), data_line(data_dir),
             *plan_lines(days, found)]
 
 

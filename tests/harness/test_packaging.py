@@ -91,3 +91,60 @@ def test_ci_runs_the_readme_test_command():
     readme = (REPO / "README.md").read_text()
     assert "make test" in readme and "make run" in readme
     assert "make test" in (REPO / ".ci" / "run").read_text()
+
+
+def _make_venv(tmp_path, *args: str, smi_status: int | None = None, dry_run: bool = True):
+    """`make venv ARGS` with .venv in tmp_path (nothing installed: -n prints the recipe), and a fake nvidia-smi
+    first on PATH that exits with `smi_status` (0: it answers, as on a GPU node)."""
+    import os
+    import subprocess
+
+    fake = tmp_path / "bin"
+    fake.mkdir(exist_ok=True)
+    (fake / "nvidia-smi").write_text(f"#!/bin/sh\nexit {smi_status if smi_status is not None else 9}\n")
+    (fake / "nvidia-smi").chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k not in ("GPU", "LOCK")}
+    env["PATH"] = f"{fake}:{env['PATH']}"
+    return subprocess.run(["make", "-C", str(REPO), *(["-n"] if dry_run else []), "venv",
+                           f"VENV={tmp_path / '.venv'}", *args], capture_output=True, text=True, env=env)
+
+
+def test_make_venv_says_which_lock_and_why_and_gpu_1_installs_the_cuda_lock_without_a_gpu(tmp_path):
+    login = _make_venv(tmp_path, smi_status=9)  # nvidia-smi cannot talk to a driver: a login node
+    assert "pip install -q -r requirements/cpu.lock" in login.stdout
+    assert "make venv: installing requirements/cpu.lock" in login.stdout and "make venv GPU=1" in login.stdout
+    forced = _make_venv(tmp_path, "GPU=1", smi_status=9)
+    assert "pip install -q -r requirements/gpu.txt" in forced.stdout and "GPU=1" in forced.stdout
+    # no retry on PyTorch's CPU index for the CUDA lock: there torch==2.13.0 would be met by 2.13.0+cpu
+    assert "download.pytorch.org/whl/cpu" not in forced.stdout
+    node = _make_venv(tmp_path, smi_status=0)
+    assert "pip install -q -r requirements/gpu.txt" in node.stdout and "nvidia-smi answers here" in node.stdout
+    cpu = _make_venv(tmp_path, "GPU=0", smi_status=0)
+    assert "pip install -q -r requirements/cpu.lock" in cpu.stdout
+
+
+def test_make_venv_never_switches_a_venv_to_the_other_lock_in_place(tmp_path):
+    import os
+
+    stamp = tmp_path / ".venv" / ".installed"
+    stamp.parent.mkdir()
+    stamp.write_text("requirements/cpu.lock\n")  # newer than every prerequisite: up to date
+    refused = _make_venv(tmp_path, "GPU=1", dry_run=False)
+    assert refused.returncode == 2, refused.stderr
+    [line] = refused.stderr.splitlines()
+    assert "make venv: " in line and "holds requirements/cpu.lock, not requirements/gpu.txt" in line
+    assert "rm -rf" in line
+    assert _make_venv(tmp_path, "GPU=0", dry_run=False).returncode == 0
+    os.utime(stamp, (0, 0))  # out of date: reinstalled, from the lock it holds even where nvidia-smi answers
+    kept = _make_venv(tmp_path, smi_status=0)
+    assert "make venv: installing requirements/cpu.lock" in kept.stdout and "what" in kept.stdout
+    assert "pip install -q -r requirements/cpu.lock" in kept.stdout
+
+
+def test_make_q_venv_still_says_up_to_date(tmp_path):
+    """tests/harness/test_readme.py runs the README's set-up only when `make -q venv` says .venv is current."""
+    import subprocess
+
+    (tmp_path / ".venv").mkdir()
+    (tmp_path / ".venv" / ".installed").write_text("requirements/gpu.txt\n")
+    assert subprocess.run(["make", "-C", str(REPO), "-q", "venv", f"VENV={tmp_path / '.venv'}"]).returncode == 0
