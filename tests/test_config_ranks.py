@@ -94,7 +94,7 @@ def test_the_sizes_name_each_days_model(gpus):
 def test_an_explicit_world_size_above_the_gpus_is_refused_or_cpu_ranks(day, gpus):
     gpus(2)
     full = get_preset(day, "full")
-    with pytest.raises(ValueError, match=rf"world_size={full.world_size} but 2 CUDA device\(s\) are visible") as e:
+    with pytest.raises(ValueError, match=rf"world_size={full.world_size}\b") as e:  # pick_backend's one line
         resolve(day, profile="full", world_size=full.world_size)
     assert "\n" not in str(e.value)
     run = resolve(day, profile="full", device="cpu", world_size=full.world_size)  # asked for CPU ranks: as asked
