@@ -1,8 +1,11 @@
-"""From a notebook's flat parameters to a ready `Run`: profile, device, preset, seeds, log folder.
+"""From a notebook's flat parameters to a ready `Run`: profile, device, preset, ranks, seeds, log folder.
 
 A notebook's parameters cell holds plain scalars (papermill overrides them). `profile="auto"`
 defers to the DLO_PROFILE environment variable, which is how nbgrader's autograder (which cannot
 inject parameters) picks a scale, and otherwise to the hardware: `full` with a GPU, `tiny` without.
+A day that launches ranks gets one GPU per rank, or, with fewer GPUs than its ranks (one GPU per
+student), the tiny profile's gloo ranks on the CPU for its launches while the notebook's own process
+keeps the GPU and its profile (`Ranks`, `resolve_ranks`; `Run.where()` says what runs where).
 """
 
 from __future__ import annotations
@@ -88,38 +91,83 @@ def resolve_world(world_size: int, preset: Any, device: torch.device) -> tuple[i
     """(world_size, backend) of a day's experiments, the same rule on every day.
 
     world_size > 0 is taken as asked; 0 means the preset's `world_size` (1 on single-process days). On a
-    GPU device every rank needs its own GPU (NCCL): with fewer GPUs than asked for, a 0 request
-    shrinks to the GPU count and an explicit one is refused (`pick_backend`). On the CPU the ranks
-    use gloo.
+    GPU device every rank needs its own GPU (NCCL): fewer GPUs than ranks is refused (`pick_backend`;
+    `resolve_ranks` moves a 0 request to CPU ranks before it gets here). On the CPU the ranks use gloo.
     """
     if world_size < 0:
         raise ValueError(f"world_size must be >= 0 (0: the preset's), got {world_size}")
     wanted = world_size or int(getattr(preset, "world_size", 1))
-    if device.type == "cuda" and not world_size:
-        wanted = min(wanted, torch.cuda.device_count())
     return wanted, pick_backend(wanted, "nccl" if device.type == "cuda" else "gloo")
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """What the day's multi-rank launches use: `world_size` ranks of `backend`, each computing on `device`
+    ("cuda": a GPU of its own; "cpu"), at the sizes of `preset` (from profile `profile`):
+    `dlo.distributed.launch(fn, run.world_size, run.ranks.preset, ..., backend=run.backend)`.
+
+    They are the day's own ranks (`why` empty), or, where a GPU device has fewer GPUs than the preset's
+    ranks, the tiny profile's gloo ranks on the CPU (`why` says so): a launch never shrinks to one rank
+    that runs no collective. The notebook's own process keeps `run.device` and `run.preset`."""
+
+    world_size: int
+    backend: str
+    device: str
+    profile: str
+    preset: Any
+    why: str = ""
+
+
+def resolve_ranks(day: str, world_size: int, profile: str, preset: Any, device: torch.device, max_steps: int = 0,
+                  smoke: bool | None = None, overrides: dict[str, Any] | None = None) -> Ranks:
+    """The `Ranks` of `day`'s launches: `resolve_world`'s, except that with `world_size` 0 on a GPU device
+    whose GPUs are fewer than the preset's ranks (one GPU per student) the launches run on the tiny
+    preset's CPU ranks (`max_steps`, `smoke` and `overrides` applied to it as to `preset`). An explicit
+    `world_size` above the GPUs stays refused in one line (device='cpu' asks for CPU ranks)."""
+    wanted = world_size or int(getattr(preset, "world_size", 1))
+    if device.type == "cuda" and not world_size and pick_backend(wanted) != "nccl":
+        return cpu_ranks(day, wanted, max_steps, smoke, overrides or {})
+    n, backend = resolve_world(world_size, preset, device)
+    return Ranks(n, backend, device.type, profile, preset)
+
+
+def cpu_ranks(day: str, wanted: int, max_steps: int, smoke: bool | None, overrides: dict[str, Any]) -> Ranks:
+    """The tiny profile's gloo ranks on the CPU, standing in for `wanted` NCCL ranks this machine cannot
+    give: the collectives still run, on the sizes a CPU finishes in minutes."""
+    tiny = get_preset(day, "tiny", max_steps, smoke=smoke, **overrides)
+    n, backend = resolve_world(0, tiny, torch.device("cpu"))
+    gpus = torch.cuda.device_count()
+    return Ranks(n, backend, "cpu", "tiny", tiny, f"{wanted} NCCL ranks need {wanted} GPUs, {gpus} visible")
 
 
 @dataclass
 class Run:
     """What a notebook needs after its parameters cell: resolved scale, device, ranks and folders.
 
-    `world_size` and `backend` are the ranks and process-group backend of the day's distributed work
-    (`dlo.distributed.launch(fn, run.world_size, backend=run.backend)`; 1 on single-process days);
-    `mesh(...)` builds a DeviceMesh inside a rank. `params`: the day's own parameters-cell values
-    (`dlo.registry.DaySpec.parameters`, e.g. Day 5's weights_dir).
+    `device` and `preset` are the notebook's own process's; `ranks` what the day's launches use (their
+    world size, backend, device and preset: `Ranks`), `world_size` and `backend` short for its two
+    (`dlo.distributed.launch(fn, run.world_size, run.ranks.preset, backend=run.backend)`; 1 on
+    single-process days); `where()` says what runs where. `mesh(...)` builds a DeviceMesh inside a rank.
+    `params`: the day's own parameters-cell values (`dlo.registry.DaySpec.parameters`, e.g. Day 5's weights_dir).
     """
 
     day: str
     profile: str
     device: torch.device
     seed: int
-    world_size: int
+    ranks: Ranks
     data_dir: Path | None
     log_dir: Path
     preset: Any
-    backend: str = "gloo"
     params: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def world_size(self) -> int:
+        return self.ranks.world_size
+
+    @property
+    def backend(self) -> str:
+        return self.ranks.backend
 
     def mesh(self, shape: tuple[int, ...] | int | None = None, names: tuple[str, ...] | None = None):
         """A DeviceMesh over the ranks of the current process group (call it inside a rank):
@@ -143,6 +191,31 @@ class Run:
         data = self.data_dir or "synthetic"
         return (f"{self.day}: profile={self.profile} device={self.device} seed={self.seed} "
                 f"world_size={self.world_size} ({self.backend}) data={data} logs={self.log_dir}\n  {self.preset}")
+
+    def where(self) -> str:
+        """What runs where, a short block for the notebook (`setup` prints it on days that launch ranks):
+        each part with its ranks, backend, device, profile and sizes (the preset's `sizes()`), and why the
+        launches are CPU ranks when they are."""
+        from dlo.tables import format_table
+
+        def sizes(preset) -> str:
+            return preset.sizes() if hasattr(preset, "sizes") else str(preset)
+
+        r = self.ranks
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        rows = [{"part": "the notebook's own cells (run.preset)", "ranks": "1", "backend": "-",
+                 "device": str(self.device), "profile": self.profile, "sizes": sizes(self.preset)},
+                {"part": "launches (run.ranks.preset)", "ranks": str(r.world_size), "backend": r.backend,
+                 "device": r.device if r.device == "cpu" else f"{r.device}, one GPU per rank", "profile": r.profile,
+                 "sizes": "as above" if r.preset == self.preset else sizes(r.preset)},
+                {"part": "the exercises' checks", "ranks": "2-3", "backend": "gloo", "device": "cpu", "profile": "-",
+                 "sizes": "their own small cases"}]
+        text = f"what runs where ({gpus} GPU{'s' * (gpus != 1)} visible):\n" + format_table(rows)
+        if r.why:  # CPU ranks standing in for GPUs: what that changes, and how to get the day's own
+            text += (f"\nwhy: {r.why}: the launches run on {r.world_size} CPU ranks at the tiny sizes; their times "
+                     f"are CPU times (GPU claims: not measurable here), bytes and counts exact. A node with enough "
+                     f"GPUs runs the day's own ranks.")
+        return text
 
 
 def smoke_requested() -> bool:
@@ -199,11 +272,11 @@ def resolve(day: str, profile: str = "auto", device: str = "auto", seed: int = 0
     own = DAYS[day].parameters if day in DAYS else ()
     params = {k: more.pop(k) for k in own if k in more}
     preset = get_preset(day, profile, max_steps, smoke=smoke, **more)
-    world_size, backend = resolve_world(world_size, preset, dev)  # 0 (the preset's) resolved, as asked else
-    run = Run(day=day, profile=profile, device=dev, seed=seed, world_size=world_size,
+    ranks = resolve_ranks(day, world_size, profile, preset, dev, max_steps, smoke, more)
+    run = Run(day=day, profile=profile, device=dev, seed=seed, ranks=ranks,
               data_dir=Path(data_dir) if data_dir else None,
               log_dir=Path(log_dir or "runs"),  # beside the notebook: <day>/runs/<configuration>, no day twice
-              preset=preset, backend=backend, params=params)
+              preset=preset, params=params)
     if DAYS[day].preflight:
         DAYS[day].load(DAYS[day].preflight)(run)
     return run
@@ -217,4 +290,6 @@ def setup(day: str, profile: str = "auto", device: str = "auto", seed: int = 0, 
     run.log_dir.mkdir(parents=True, exist_ok=True)
     seed_everything(seed)
     print(run)
+    if hasattr(run.preset, "world_size"):  # a day that launches ranks
+        print(run.where())
     return run

@@ -46,6 +46,15 @@ class Day4Preset:
     onebit_seeds: int = 3          # repeats (initial weights and data) of the loss comparison
     launch_timeout_s: float = 300.0  # limit of one launch of the experiments (ranks still talking: progress)
 
+    def sizes(self) -> str:
+        """The sizes in one line (`dlo.config.Run.where`)."""
+        side = self.image_size
+        net = (f"ResNet-18 (width {self.width}) on {side}x{side} images" if self.model == "resnet18"
+               else f"MLP {self.d_in}-{self.hidden}x{self.layers}")
+        top = self.msg_sizes[-1]
+        return (f"{net}, {self.batch_per_rank} per rank, {self.max_steps} timed steps, all-reduces up to "
+                + (f"{top >> 20} MiB" if top >= 1 << 20 else f"{top >> 10} KiB"))
+
     def validate(self) -> None:
         if (self.world_size < 1 or not self.scaling_world_sizes or min(self.scaling_world_sizes) < 1
                 or len(self.msg_sizes) < 2):
@@ -97,6 +106,11 @@ class Day7Preset:
     plan_seq: int = 4096
     launch_timeout_s: float = 600.0  # the experiment launch (a stuck collective ends here)
 
+    def sizes(self) -> str:
+        """The sizes in one line (`dlo.config.Run.where`)."""
+        return (f"Llama {self.model}, TP degrees {self.degrees}, {self.batch} x {self.seq_len} tokens, "
+                f"{self.max_steps} timed steps; GPT layer h={self.gpt_dim}, s={self.gpt_seq}")
+
     def validate(self) -> None:
         """One line per problem, before any process starts: degrees that do not divide the model."""
         from dlo.distributed.tensor_parallel import check_tp_degree
@@ -146,6 +160,11 @@ class Day6Preset:
     head_dim: int = 16
     plan_batch: int = 640          # `dlo plan`: the global batch of the pipeline-vs-DDP memory rows
     launch_timeout_s: float = 900.0  # the experiment launch (ranks still talking: progress, not deadlock)
+
+    def sizes(self) -> str:
+        """The sizes in one line (`dlo.config.Run.where`)."""
+        return (f"CoAtNet {self.model} at {self.image_size}x{self.image_size}, micro-batches of {self.micro_batch}, "
+                f"m in {self.m_values}; bubble stack {self.stack_blocks} blocks x {self.stack_width} channels")
 
     def with_max_steps(self, n: int) -> Day6Preset:
         """n timed steps per configuration (the notebook's max_steps)."""
@@ -199,6 +218,12 @@ class Day5Preset:
     memory_world_sizes: tuple = (1, 2, 4, 8)  # world sizes of the memory table (fake process group)
     plan_gpus: int = 8             # the planned Llama 3.2 3B run (`dlo plan day5_fsdp`)
     launch_timeout_s: float = 900.0  # limit of the experiments' launch (ranks still talking: progress)
+
+    def sizes(self) -> str:
+        """The sizes in one line (`dlo.config.Run.where`)."""
+        cut = "".join(f", {k}={v}" for k, v in self.model_overrides)
+        return (f"Llama {self.model} ({self.param_dtype}{cut}), engines on {self.compare_model}, "
+                f"{self.batch_per_rank} x {self.seq_len} tokens per rank, {self.max_steps} steps")
 
     def validate(self) -> None:
         from dlo.distributed.fsdp import AC_MODES

@@ -174,16 +174,21 @@ def plan(P, *, gpus: int, gpu_mem_gb: float) -> list[dict]:
 
 def preflight(run) -> None:
     """Day 5's refusals before any process starts (`dlo.registry`'s preflight: `dlo.setup` in the
-    notebook and `dlo run` before it call it), each one line: more ranks than a weight has rows, a
-    weights_dir that is not a checkpoint of P.model, and on a GPU a plan whose main configuration
-    does not fit the GPU's memory (`dlo.plan.DoesNotFit`)."""
+    notebook and `dlo run` before it call it), each one line, about the launch (`run.ranks`: its preset
+    and ranks): more ranks than a weight has rows, a weights_dir that is not a checkpoint of its model
+    (or given to CPU ranks standing in for GPUs), and on GPU ranks a plan whose main configuration does
+    not fit the GPU's memory (`dlo.plan.DoesNotFit`)."""
     from dlo.experiments.day5 import check_weights, check_world
     from dlo.plan import check_fits, device_memory_gb, main_configs
 
-    check_world(run.preset, run.world_size)
-    check_weights(run.preset, run.params.get("weights_dir", ""))
-    if run.device.type == "cuda":
-        rows = plan(run.preset, gpus=run.world_size, gpu_mem_gb=device_memory_gb(run.device))
+    P, weights_dir = run.ranks.preset, run.params.get("weights_dir", "")
+    check_world(P, run.world_size)
+    if weights_dir and run.ranks.why:
+        raise ValueError(f"weights_dir is for {run.preset.model}, but the launch trains {P.model}: "
+                         f"{run.ranks.why}; leave weights_dir empty here")
+    check_weights(P, weights_dir)
+    if run.ranks.device == "cuda":
+        rows = plan(P, gpus=run.world_size, gpu_mem_gb=device_memory_gb(run.device))
         check_fits(rows, main_configs(rows))
 
 
