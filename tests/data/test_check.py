@@ -3,8 +3,6 @@ line by `dlo.config.resolve` (so by `dlo.setup` and by `dlo run` before any cell
 fallback; `dlo data check` and `dlo doctor --data-dir` say the same, one line each."""
 
 import re
-import subprocess
-import sys
 
 import pytest
 
@@ -132,8 +130,8 @@ def test_doctor_reports_the_python_version_and_missing_tokens(tmp_path, monkeypa
                                                     "(data_dir \"\")")
 
 
-def test_doctor_cli_checks_weights_when_asked(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "dlo.cli", "doctor", "day4_ddp", "--weights-dir", str(tmp_path)],
-                          capture_output=True, text=True, timeout=300)
-    line = next(ln for ln in proc.stdout.splitlines() if ln.split()[1] == "data")
-    assert proc.returncode == 1 and line.startswith("FIX") and "has no config.json" in line
+def test_doctor_checks_weights_when_asked(tmp_path, capsys):
+    assert cli_main(["doctor", "day4_ddp", "--weights-dir", str(tmp_path)]) == 1
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.split()[1] == "data")
+    assert line.startswith("FIX") and f"weights: {tmp_path} has no config.json" in line
+    assert cli_main(["doctor", "--weights-dir", str(tmp_path / "missing")]) == 2
