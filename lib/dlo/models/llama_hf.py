@@ -213,7 +213,7 @@ def local_region(p: torch.Tensor) -> tuple[slice, ...]:
             continue
         if type(placement) is not Shard:  # _StridedShard (FSDP over TP), Partial: not cut by rows
             raise ValueError(f"load_hf_sharded: placement {placement} is not supported (plain Shard and Replicate "
-                             "only): load the checkpoint before tensor parallelism")
+                             "only): FSDP2 over a tensor-parallel layout is not loaded by slices here")
         lo, hi = bounds[placement.dim]
         step = -(-(hi - lo) // p.device_mesh.size(mesh_dim))
         c = p.device_mesh.get_local_rank(mesh_dim)  # the process group's rank, as FSDP2 reads it
