@@ -10,6 +10,7 @@ from triton.runtime.driver import DriverConfig
 from dlo import doctor, nvidia
 from dlo.cli import main as cli_main
 from dlo.kernels import runtime
+from tests.data.folders import write_cifar_release, write_tokens
 from tests.fake_gpu import fake_gpu_node, jit_prerequisites
 
 H100 = ("NVIDIA H100", 79.6, (9, 0))
@@ -35,10 +36,14 @@ def test_plan_fits_four_h100_but_not_one_small_gpu():
     assert not ok and topic == "plan day4_ddp" and "does not fit 1 x 1 GiB" in text
 
 
-def test_data_folder_without_cifar_says_where_to_put_it(tmp_path):
+def test_data_folder_without_cifar_says_where_to_put_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("DLO_PROFILE", "tiny")
     ok, _, text = doctor.data_line(tmp_path)
     assert not ok and "cifar-10-batches-bin" in text
-    (tmp_path / "cifar-10-batches-bin").mkdir()
+    (tmp_path / "cifar-10-batches-bin").mkdir()  # an empty folder is not CIFAR-10 (it was "ok")
+    assert not doctor.data_line(tmp_path)[0]
+    write_cifar_release(tmp_path)
+    write_tokens(tmp_path)
     assert doctor.data_line(tmp_path)[0]
 
 

@@ -9,7 +9,9 @@
               [--full-notebook]
     dlo grade --merge DIR
     dlo setup student|instructor [--user|--config-dir DIR] [--exchange DIR] [--course-id ID] [--cell-timeout S]
-    dlo doctor [DAY ...] [--data-dir DIR]
+    dlo doctor [DAY ...] [--data-dir DIR] [--weights-dir DIR]
+    dlo data check DIR [DAY ...] [--profile full|tiny] [--weights-dir DIR]
+    dlo data tokens CORPUS [CORPUS ...] --tokenizer PATH --out DIR [--profile full|tiny] [--force]
     dlo bench [OP ...] [--compile-report]
 
 Every command follows `dlo.errors`: errors and warnings on stderr as `dlo <command>: ...`, exit status 2
@@ -128,6 +130,25 @@ def build_parser() -> argparse.ArgumentParser:
                                            "bwrap, the data folder, whether each day's plan fits; ok or the fix")
     doctor.add_argument("days", nargs="*", metavar="DAY", help="days whose plan to check (default: every planned day)")
     doctor.add_argument("--data-dir", type=Path, default=None, help="the folder you will pass as data_dir")
+    doctor.add_argument("--weights-dir", type=Path, default=None, help="Day 5's weights_dir, checked")
+
+    data = sub.add_parser("data", help="check what each day reads from a data folder (and a weights folder); "
+                                       "make Day 5's tokens.npy from a local corpus. Nothing is downloaded")
+    data_sub = data.add_subparsers(dest="action", required=True)
+    check = data_sub.add_parser("check", help="one line per day: ok, or FIX and the fix")
+    check.add_argument("data_dir", type=Path, metavar="DIR", help="the folder you will pass as data_dir")
+    check.add_argument("days", nargs="*", metavar="DAY", help="days to check (default: every day)")
+    check.add_argument("--weights-dir", type=Path, default=None, help="Day 5's checkpoint folder (weights_dir)")
+    tokens = data_sub.add_parser("tokens", help="Day 5's tokens.npy: a local text corpus encoded with a local "
+                                                "tokenizer.json, ids checked against the model's vocabulary")
+    tokens.add_argument("corpus", nargs="+", type=Path, metavar="CORPUS", help="text files, or folders of *.txt")
+    tokens.add_argument("--tokenizer", type=Path, required=True,
+                        help="the model's tokenizer.json, or the folder holding it (its weights folder)")
+    tokens.add_argument("--out", type=Path, required=True, metavar="DIR", help="the data folder: DIR/tokens.npy")
+    tokens.add_argument("--force", action="store_true", help="replace an existing DIR/tokens.npy")
+    for action in (check, tokens):
+        action.add_argument("--profile", default="full", choices=["full", "tiny"],
+                            help="the profile whose models the data must fit (default full: the GPU runs)")
 
     bench = sub.add_parser("bench", help="GPU kernel benchmarks vs torch baselines and the device peak")
     bench.add_argument("ops", nargs="*", metavar="OP")
@@ -199,7 +220,12 @@ def dispatch(args: argparse.Namespace) -> int:
                      cell_timeout=args.cell_timeout, root=root, course_id=args.course_id)
     if args.command == "doctor":
         from dlo import doctor
-        return doctor.main(args.days, args.data_dir)
+        return doctor.main(args.days, args.data_dir, args.weights_dir)
+    if args.command == "data":
+        from dlo.data import check
+        if args.action == "check":
+            return check.check_main(args.data_dir, args.days, args.profile, args.weights_dir)
+        return check.tokens_main(args.corpus, args.tokenizer, args.out, args.profile, args.force)
     if args.command == "bench":
         from dlo import bench
         from dlo.kernels.runtime import JITUnavailable

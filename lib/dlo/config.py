@@ -260,7 +260,8 @@ def resolve(day: str, profile: str = "auto", device: str = "auto", seed: int = 0
     """A notebook's parameters cell as a `Run`, without doing any work (no folder made, no RNG seeded):
     ValueError (one line) for whatever cannot work, before anything starts: an unknown day, profile or
     device, a step count below what the preset needs, more ranks than GPUs, a data_dir that is not a
-    folder, then the day's own preflight (`dlo.registry.DaySpec.preflight`: Day 5's weights and plan).
+    folder or lacks what the day reads (`dlo.data.check`), then the day's own preflight
+    (`dlo.registry.DaySpec.preflight`: Day 5's weights and plan).
     `more`: the day's own parameters (`DaySpec.parameters`), the rest preset fields to override.
     `dlo.setup` (in the notebook) and `dlo run` (before the notebook starts) both call it."""
     from dlo.registry import DAYS
@@ -277,6 +278,8 @@ def resolve(day: str, profile: str = "auto", device: str = "auto", seed: int = 0
               data_dir=Path(data_dir) if data_dir else None,
               log_dir=Path(log_dir or "runs"),  # beside the notebook: <day>/runs/<configuration>, no day twice
               preset=preset, params=params)
+    from dlo.data.check import check_data
+    check_data(run)  # what the day reads from data_dir, or one line (DataError): never a silent synthetic fallback
     if DAYS[day].preflight:
         DAYS[day].load(DAYS[day].preflight)(run)
     return run

@@ -118,13 +118,20 @@ def bwrap_line() -> Line:
     return False, "bwrap", f"{found}; without it `dlo grade` runs student code unconfined"
 
 
-def data_line(data_dir: Path | None) -> Line:
-    if data_dir is None:
+def data_line(data_dir: Path | None, days=None, weights_dir: Path | None = None) -> Line:
+    """What the days (default: every day) read from `data_dir`, and Day 5's checkpoint when asked for, at
+    the profile this machine runs, checked as `dlo.setup` and `dlo data check` check them (`dlo.data.check`):
+    one line, FIX with each problem's fix (the Python version of CIFAR-10, a missing tokens.npy, ...)."""
+    from dlo.config import resolve_profile
+    from dlo.data import check
+
+    if data_dir is None and weights_dir is None:
         return True, "data", "no --data-dir: notebooks use deterministic synthetic data (data_dir \"\")"
-    if (data_dir / "cifar-10-batches-bin").is_dir():
-        return True, "data", f"{data_dir}: CIFAR-10 found (pass -p data_dir {data_dir} to dlo run)"
-    return False, "data", f"{data_dir} has no cifar-10-batches-bin/: put CIFAR-10's binary version there " \
-                          "(compute nodes are often offline: copy it from a login node)"
+    profile = resolve_profile("auto")
+    found = check.lines(data_dir, days, profile) if data_dir is not None else []
+    if weights_dir is not None:
+        found.append(check.weights_line(weights_dir, profile))
+    return check.summary(found, data_dir)
 
 
 def plan_lines(days: list[str], found) -> list[Line]:
@@ -147,13 +154,13 @@ def plan_lines(days: list[str], found) -> list[Line]:
     return lines
 
 
-def report(days: list[str], data_dir: Path | None) -> list[Line]:
+def report(days: list[str], data_dir: Path | None, weights_dir: Path | None = None) -> list[Line]:
     found = gpus()
-    return [torch_line(), gpu_line(found), triton_line(found), jit_line(found), bwrap_line(), data_line(data_dir),
-            *plan_lines(days, found)]
+    return [torch_line(), gpu_line(found), triton_line(found), jit_line(found), bwrap_line(),
+            data_line(data_dir, days, weights_dir), *plan_lines(days, found)]
 
 
-def main(days: list[str], data_dir: Path | None) -> int:
+def main(days: list[str], data_dir: Path | None, weights_dir: Path | None = None) -> int:
     """`dlo doctor`: the lines, then exit status 1 when one says FIX."""
     from dlo.registry import DAYS
 
@@ -162,7 +169,9 @@ def main(days: list[str], data_dir: Path | None) -> int:
         raise BadInput(f"no plan for {', '.join(unknown)}; days: {', '.join(DAYS)}")
     if data_dir is not None and not data_dir.is_dir():
         raise BadInput(f"--data-dir {data_dir} is not a folder")
-    lines = report(days or list(DAYS), data_dir)
+    if weights_dir is not None and not weights_dir.is_dir():
+        raise BadInput(f"--weights-dir {weights_dir} is not a folder")
+    lines = report(days or list(DAYS), data_dir, weights_dir)
     width = max(len(topic) for _, topic, _ in lines)
     for ok, topic, text in lines:
         print(f"{'ok ' if ok else 'FIX'}  {topic:<{width}}  {text}")

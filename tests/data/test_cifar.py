@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from dlo.data import cifar10, load_cifar10_binary, synthetic_cifar10
+from dlo.data import DataError, cifar10, load_cifar10_binary, synthetic_cifar10
 from dlo.models import MLP
 
 NAMES = [f"data_batch_{i}.bin" for i in range(1, 6)] + ["test_batch.bin"]
@@ -40,12 +40,12 @@ def test_binary_round_trip(tmp_path, sub):
 
 
 def test_missing_or_truncated_files(tmp_path):
-    with pytest.raises(FileNotFoundError, match="data_batch_1.bin"):
+    with pytest.raises(DataError, match="has no cifar-10-batches-bin/"):
         load_cifar10_binary(tmp_path / "nowhere")
     _write_fake_cifar(tmp_path)
     with open(tmp_path / "test_batch.bin", "ab") as f:
         f.write(b"\x00" * 10)
-    with pytest.raises(ValueError, match="records"):
+    with pytest.raises(DataError, match="records"):
         load_cifar10_binary(tmp_path, train=False)
 
 
@@ -61,11 +61,16 @@ def test_cifar10_reads_real_files_and_normalises(tmp_path, capsys):
         cifar10(tmp_path, n_train=21, n_test=3)
 
 
-def test_cifar10_falls_back_to_synthetic(tmp_path, capsys):
-    train, test = cifar10(tmp_path, n_train=64, n_test=16, image_size=8)
-    assert "synthetic" in capsys.readouterr().out
-    assert train.tensors[0].shape == (64, 3, 8, 8) and test.tensors[0].shape == (16, 3, 8, 8)
-    assert not torch.equal(train.tensors[0][:16], test.tensors[0])
+def test_cifar10_is_synthetic_only_without_a_data_dir(tmp_path, capsys):
+    """No data_dir (None or ""): the synthetic stand-in. A data_dir without the binary files: an error,
+    never a silent fallback (it used to print "synthetic" and go on)."""
+    for data_dir in (None, ""):
+        train, test = cifar10(data_dir, n_train=64, n_test=16, image_size=8)
+        assert "synthetic" in capsys.readouterr().out
+        assert train.tensors[0].shape == (64, 3, 8, 8) and test.tensors[0].shape == (16, 3, 8, 8)
+        assert not torch.equal(train.tensors[0][:16], test.tensors[0])
+    with pytest.raises(DataError, match="has no cifar-10-batches-bin/"):
+        cifar10(tmp_path, n_train=64, n_test=16, image_size=8)
 
 
 def test_synthetic_is_deterministic_per_seed():

@@ -1,7 +1,9 @@
-"""CIFAR-10: the official binary files when present, else a synthetic stand-in of the same shape.
+"""CIFAR-10: the official binary files when `data_dir` is given, else a synthetic stand-in of the same shape.
 
 Binary format (https://www.cs.toronto.edu/~kriz/cifar.html): each record is 1 label byte followed by
-3072 pixel bytes, 1024 per channel (R, G, B), each channel row-major 32x32.
+3072 pixel bytes, 1024 per channel (R, G, B), each channel row-major 32x32. A `data_dir` that is given
+but does not hold them (the Python version, a tarball not unpacked, a truncated batch) is a one-line
+`DataError`, never a silent fallback to synthetic data.
 """
 
 from __future__ import annotations
@@ -14,32 +16,58 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import TensorDataset
 
+from dlo.data.layout import CIFAR_BIN, CIFAR_BIN_TAR, CIFAR_PY, DataError, how_to_get_cifar10
+
 TRAIN_FILES = tuple(f"data_batch_{i}.bin" for i in range(1, 6))
 TEST_FILES = ("test_batch.bin",)
 RECORD = 1 + 3 * 32 * 32
+BATCH_BYTES = 10_000 * RECORD  # every batch file of the official release: 10000 records
 
 
-def find_cifar10_dir(data_dir: str | Path, train: bool = True) -> Path | None:
-    """`data_dir` or `data_dir/cifar-10-batches-bin`, whichever holds all the needed files, else None."""
-    names = TRAIN_FILES if train else TEST_FILES
-    for folder in (Path(data_dir), Path(data_dir) / "cifar-10-batches-bin"):
-        if all((folder / n).is_file() for n in names):
+def cifar10_folder(data_dir: str | Path) -> Path:
+    """`data_dir/cifar-10-batches-bin`, or `data_dir` itself, whichever holds the six binary batch files;
+    else DataError saying what is there instead (the Python version, the tarball, part of the files)."""
+    data_dir = Path(data_dir)
+    names = TRAIN_FILES + TEST_FILES
+    for folder in (data_dir / CIFAR_BIN, data_dir):
+        present = [n for n in names if (folder / n).is_file()]
+        if len(present) == len(names):
             return folder
-    return None
+        if present:
+            missing = ", ".join(n for n in names if n not in present)
+            raise DataError(f"{folder} lacks {missing} of CIFAR-10's binary version (an unpack cut short?): "
+                            f"{how_to_get_cifar10(data_dir)}")
+    python = [n for n in (CIFAR_PY, "data_batch_1", "cifar-10-python.tar.gz") if (data_dir / n).exists()]
+    if python:
+        raise DataError(f"{data_dir} holds {python[0]}, CIFAR-10's Python version; the course reads the binary "
+                        f"version: {how_to_get_cifar10(data_dir)}")
+    if (data_dir / CIFAR_BIN_TAR).is_file():
+        raise DataError(f"{data_dir} holds {CIFAR_BIN_TAR}, not unpacked: tar xzf {data_dir / CIFAR_BIN_TAR} "
+                        f"-C {data_dir}")
+    raise DataError(f"{data_dir} has no {CIFAR_BIN}/ (CIFAR-10's binary version): {how_to_get_cifar10(data_dir)}")
+
+
+def check_cifar10(data_dir: str | Path) -> str:
+    """What the image days read, held to the official release (the six file names, 10000 records of
+    3073 bytes each) without reading a byte of it: a description, or DataError (one line)."""
+    folder = cifar10_folder(data_dir)
+    wrong = [f"{n} has {size:,} bytes" for n in TRAIN_FILES + TEST_FILES
+             if (size := (folder / n).stat().st_size) != BATCH_BYTES]
+    if wrong:
+        raise DataError(f"{folder}: {', '.join(wrong)}, not {BATCH_BYTES:,} (10000 records of {RECORD} bytes): "
+                        f"a truncated or different download; {how_to_get_cifar10(data_dir)}")
+    return f"CIFAR-10 binary version in {folder}: 50,000 training and 10,000 test images"
 
 
 def load_cifar10_binary(data_dir: str | Path, train: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """Read the official binary split: x uint8 (N, 3, 32, 32), y int64 (N,)."""
-    folder = find_cifar10_dir(data_dir, train)
-    if folder is None:
-        names = TRAIN_FILES if train else TEST_FILES
-        raise FileNotFoundError(f"CIFAR-10 binary files not found in {data_dir} nor in "
-                                f"{Path(data_dir) / 'cifar-10-batches-bin'}; expected {', '.join(names)}")
+    """Read the binary split: x uint8 (N, 3, 32, 32), y int64 (N,). Any whole number of records is
+    read (the tests' small files); `check_cifar10` holds a folder to the release's sizes."""
+    folder = cifar10_folder(data_dir)
     records = []
     for name in TRAIN_FILES if train else TEST_FILES:
         raw = np.fromfile(folder / name, dtype=np.uint8)
         if raw.size == 0 or raw.size % RECORD:
-            raise ValueError(f"{folder / name} has {raw.size} bytes, not a whole number of {RECORD}-byte records")
+            raise DataError(f"{folder / name} has {raw.size} bytes, not a whole number of {RECORD}-byte records")
         records.append(raw.reshape(-1, RECORD))
     data = np.concatenate(records)  # (N, 3073)
     y = torch.from_numpy(data[:, 0].astype(np.int64))
@@ -105,12 +133,10 @@ def cifar10(data_dir: str | Path | None = None, *, n_train: int, n_test: int, se
             image_size: int = 32) -> tuple[TensorDataset, TensorDataset]:
     """Train and test TensorDatasets of normalised float images (N, 3, S, S) and int64 labels.
 
-    Real CIFAR-10 (a seeded random subset, resized if image_size != 32) when `data_dir` holds the
-    binary files, else `synthetic_cifar10`; prints which one it uses.
+    Real CIFAR-10 (a seeded random subset, resized if image_size != 32) when `data_dir` is given (its
+    binary files, else DataError: never a silent fallback), else `synthetic_cifar10`; prints which one.
     """
-    real = data_dir is not None and str(data_dir) != "" and find_cifar10_dir(data_dir, True) is not None \
-        and find_cifar10_dir(data_dir, False) is not None
-    if real:
+    if data_dir is not None and str(data_dir) != "":
         gen = torch.Generator().manual_seed(seed)
         x_tr, y_tr = _subset(*load_cifar10_binary(data_dir, train=True), n_train, gen, "train")
         x_te, y_te = _subset(*load_cifar10_binary(data_dir, train=False), n_test, gen, "test")
@@ -124,7 +150,6 @@ def cifar10(data_dir: str | Path | None = None, *, n_train: int, n_test: int, se
         # A distinct seed stream for the test set: fresh samples of the same task.
         x_tr, y_tr = synthetic_cifar10(n_train, seed=seed, image_size=image_size)
         x_te, y_te = synthetic_cifar10(n_test, seed=seed + 100_003, image_size=image_size)
-        where = f" (no CIFAR-10 binary files in {data_dir})" if data_dir else ""
-        print(f"data: synthetic CIFAR-10 stand-in{where} ({n_train} train, {n_test} test, {image_size}x{image_size})")
+        print(f"data: synthetic CIFAR-10 stand-in ({n_train} train, {n_test} test, {image_size}x{image_size})")
     x_tr, x_te = _normalise(x_tr, x_te)
     return TensorDataset(x_tr, y_tr), TensorDataset(x_te, y_te)

@@ -191,20 +191,23 @@ def same_losses(P, cfg, device, batches, log_dir) -> dict:
 
 def train_fsdp(P, device, log_dir, data_dir=None, weights_dir: str = "") -> dict:
     """The production run on `P.model`: built on the meta device, sharded, then materialised shard
-    by shard (or loaded from `weights_dir` before sharding); tokens/s per rank, MFU, peak memory."""
+    by shard: initialised, or each rank's slices of `weights_dir` read straight into its shards (never
+    a full copy per rank); tokens/s per rank, MFU, peak memory."""
     from dlo.models.llama import Llama, count_parameters
-    from dlo.models.llama_hf import load_hf_weights
+    from dlo.models.llama_hf import load_hf_sharded, parameter_slots
     from dlo.progress import tqdm
 
     cfg = llama_config(P)
     with torch.device("meta"):
         model = Llama(cfg)
-    if weights_dir:  # every rank reads the checkpoint to host memory, then FSDP2 keeps its shard
-        load_hf_weights(model, weights_dir, device="cpu")
+    slots = parameter_slots(model)  # before the wrappers rename the parameters' paths
     dims = recipe(P, device)
     parallelize_llama(model, dims, dims.build_mesh(device.type))
-    if not weights_dir:
-        model.to_empty(device=device)
+    model.to_empty(device=device)
+    if weights_dir:
+        heartbeat(f"loading this rank's shards of {weights_dir}")
+        load_hf_sharded(model, slots, weights_dir)
+    else:
         model.init_weights(seed=0)
     opt = torch.optim.AdamW(model.parameters(), lr=P.lr)
     batches = token_batches(P, cfg, dist.get_rank(), device, data_dir)

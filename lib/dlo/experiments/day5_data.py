@@ -4,8 +4,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -41,20 +39,29 @@ def n_params(cfg) -> int:
         return count_parameters(Llama(cfg))
 
 
+def token_needs(P) -> tuple[int, int, str]:
+    """What `token_batches` asks of `data_dir/tokens.npy` at preset `P`: (vocabulary, fewest tokens, the
+    models named): ids below the smaller vocabulary of P.model and P.compare_model (both train on the
+    file), and one window of P.seq_len + 1 tokens with a start to draw."""
+    cfgs = {getattr(P, which): llama_config(P, which) for which in ("model", "compare_model")}
+    return min(c.vocab_size for c in cfgs.values()), P.seq_len + 2, " and ".join(cfgs)
+
+
 def token_batches(P, cfg, rank: int, device, data_dir=None, n: int = 8) -> list:
-    """`n` batches (x, y) of this rank: windows of `data_dir/tokens.npy` (a 1-D array of token ids)
-    when there is one, else synthetic text with a learnable rule: the next token is pi(token) for a
-    fixed permutation pi, 3 times in 4 (a noisy bigram language; the loss can fall to ~1.2 nats)."""
+    """`n` batches (x, y) of this rank: windows of `data_dir/tokens.npy` (a 1-D array of token ids,
+    `dlo data tokens`) when data_dir is given (memory-mapped: only the windows are read; DataError when it
+    is missing or does not fit `token_needs`), else synthetic text with a learnable rule: the next token is
+    pi(token) for a fixed permutation pi, 3 times in 4 (a noisy bigram language; the loss can fall to ~1.2 nats)."""
+    from dlo.data.tokens import check_tokens, open_tokens
+
     g = torch.Generator().manual_seed(1000 + rank)
     B, T, V = P.batch_per_rank, P.seq_len, cfg.vocab_size
-    if data_dir is not None and (Path(data_dir) / "tokens.npy").is_file():
-        import numpy as np
-
-        tokens = torch.from_numpy(np.load(Path(data_dir) / "tokens.npy").astype("int64"))
-        if tokens.dim() != 1 or len(tokens) <= T + 1 or int(tokens.max()) >= V or int(tokens.min()) < 0:
-            raise ValueError(f"{data_dir}/tokens.npy: need a 1-D array of more than {T + 1} ids in [0, {V})")
+    if data_dir is not None and str(data_dir) != "":
+        check_tokens(data_dir, V, T + 2, model=f"a Llama of vocabulary {V}")
+        tokens = open_tokens(data_dir)
         starts = torch.randint(0, len(tokens) - T - 1, (n, B), generator=g)
-        seqs = [torch.stack([tokens[s:s + T + 1] for s in row]) for row in starts]  # (B, T+1) each
+        seqs = [torch.stack([torch.from_numpy(tokens[s:s + T + 1].astype("int64")) for s in row.tolist()])
+                for row in starts]  # (B, T+1) each
     else:
         pi = torch.randperm(V, generator=torch.Generator().manual_seed(12345))
         seqs = []
@@ -86,15 +93,14 @@ def check_world(P, world_size: int) -> None:
 
 
 def check_weights(P, weights_dir: str) -> None:
-    """CheckpointError (one line) when `weights_dir` is not a Llama checkpoint of `P.model`'s shape."""
-    from dlo.models.llama_hf import CheckpointError, config_from_hf
+    """CheckpointError (one line) when `weights_dir` is not a Llama checkpoint of `P.model`: its config
+    and every tensor's presence and shape, from the headers (`dlo.models.llama_hf.check_checkpoint`)."""
+    from dlo.models.llama_hf import check_checkpoint
 
     if not weights_dir:
         return
-    theirs, mine = config_from_hf(weights_dir).to_dict(), llama_config(P).to_dict()
-    differ = [f"{k} {theirs[k]} vs {mine[k]}" for k in mine if k != "max_seq_len" and theirs[k] != mine[k]]
-    if differ:
-        raise CheckpointError(f"{weights_dir} is not a {P.model} checkpoint: {'; '.join(differ)}")
+    check_checkpoint(weights_dir, llama_config(P), what=f"{P.model}'s config")
 
 
-__all__ = ["build", "check_weights", "check_world", "lm_loss", "llama_config", "n_params", "token_batches"]
+__all__ = ["build", "check_weights", "check_world", "lm_loss", "llama_config", "n_params", "token_batches",
+           "token_needs"]
