@@ -104,7 +104,7 @@ def test_matmul_rows_are_grouped_by_size(monkeypatch):
     assert rows[0]["TFLOP/s"] == pytest.approx(2 * 2 * 3 * 5 / 1e-3 / 1e12)
     assert rows[0]["% peak"] == pytest.approx(100 * rows[0]["TFLOP/s"] / 100.0) and rows[1]["% peak"] is None
     # the roofline of the bytes given (2 M K) and the dense flops, on the H100 SXM's datasheet figures
-    assert rows[0]["roofline ms"] == bench.roofline(2 * 2 * 3, 2 * 2 * 3 * 5, "bf16_tflops", "H100 SXM")[0]
+    assert rows[0]["roofline ms"] == hardware.roofline(2 * 2 * 3, 2 * 2 * 3 * 5, "bf16_tflops", "H100 SXM")[0]
     assert rows[0]["% roofline"] == pytest.approx(100 * rows[0]["roofline ms"] / 1.0)
     assert "roofline ms" not in rows[1] and not any("work" in r for r in rows)  # no bytes given: none
 
@@ -166,8 +166,8 @@ def test_roofline_column_of_a_decode_w8a16_by_hand():
     assert moved == 8192 + 45_088_768 + 1_409_024 + 22_016 == 46_528_000
     rows = [{"impl": "dlo W8A16", "ms": 0.02, "work": (moved, 2 * 4096 * 11008, "bf16_tflops")},
             {"impl": "torch bf16", "ms": 0.05}]
-    bench.add_roofline(rows, "H100 SXM")
+    hardware.add_roofline(rows, "H100 SXM")
     assert rows[0]["roofline ms"] == pytest.approx(46.528e6 / 3350e9 * 1e3) == pytest.approx(0.013889, rel=1e-4)
     assert rows[0]["% roofline"] == pytest.approx(100 * 0.013889 / 0.02, rel=1e-4) and "work" not in rows[0]
     assert "roofline ms" not in rows[1]  # no work given: no roofline
-    assert "work" not in bench.add_roofline([{"ms": 1.0, "work": (1, 1, "bf16_tflops")}], None)[0]
+    assert "work" not in hardware.add_roofline([{"ms": 1.0, "work": (1, 1, "bf16_tflops")}], None)[0]

@@ -4,7 +4,7 @@ Every module of `dlo.kernels` that defines `bench() -> list[dict]` is an op, nam
 Rows carry at least "impl" and "ms", and "GB/s" or "TFLOP/s" with "% peak"; torch baselines have an
 impl name starting with "torch". Each bench turns the minimum HBM traffic and math of a row at its
 shape into "roofline ms" on this GPU's peaks and "% roofline" (the roofline time over the measured
-one) with `add_roofline`, the same `roofline` the compile report uses.
+one) with `dlo.hardware.add_roofline`, the same `dlo.hardware.roofline` the compile report uses.
 Results go to `<out_dir>/<YYYY-MM-DD>T<HHMM>_<device-slug>.json` (UTC; runs of one day never overwrite).
 `dlo bench --compile-report` needs no GPU: each kernel's compile cases (dlo.kernels.aot) with their
 resources per target and their roofline times on the target's GPUs.
@@ -22,8 +22,9 @@ from pathlib import Path
 
 import torch
 
-from dlo import hardware, tables
+from dlo import tables
 from dlo.errors import BadInput
+from dlo.hardware import roofline
 
 NO_GPU_MESSAGE = "dlo bench needs a CUDA GPU; kernels are tested on CPU with TRITON_INTERPRET=1 via make test"
 COLUMNS = ("op", "impl", "dtype", "size", "tensors", "ms", "roofline ms", "% roofline", "GB/s", "TFLOP/s", "% peak",
@@ -105,32 +106,9 @@ REPORT_COLUMNS = ("kernel", "config", "target", "regs", "smem KiB", "spill B", "
                   "shape", "MB moved", "GFLOP", "device", "roofline us", "bound", "x torch")
 
 
-def roofline(moved: int, flops: int, peak: str, device: str) -> tuple[float, str]:
-    """(ms, "memory" or "compute"): `moved` bytes at the device's peak HBM bandwidth or `flops` at its
-    peak rate `peak` ("bf16_tflops", "int8_tops", ...), whichever is longer (Williams et al. 2009);
-    `device` is a dlo.hardware.PEAKS label (datasheet figures cited there)."""
-    figures = hardware.peak_for_name(device)
-    if figures is None or figures["name"] != device:
-        raise ValueError(f"{device!r} is not a dlo.hardware.PEAKS label")
-    memory_ms = moved / (figures["hbm_gbs"] * 1e9) * 1e3
-    compute_ms = flops / (figures[peak] * 1e12) * 1e3
-    return max(memory_ms, compute_ms), "memory" if memory_ms >= compute_ms else "compute"
-
-
 def roofline_ms(case, device: str, work: tuple | None = None) -> tuple[float, str]:
     """`roofline` of a dlo.kernels.aot.CompileCase's work, or of `work` = (bytes, flops, peak)."""
     return roofline(*(work or (case.bytes, case.flops, case.peak)), device)
-
-
-def add_roofline(rows: list[dict], device: str | None) -> list[dict]:
-    """Replace each row's "work" (bytes, flops, peak) by "roofline ms" on `device` (a PEAKS label; None:
-    a GPU not in the table) and "% roofline" = 100 * roofline / measured ms."""
-    for r in rows:
-        work = r.pop("work", None)
-        if work and device:
-            r["roofline ms"] = roofline(*work, device)[0]
-            r["% roofline"] = 100 * r["roofline ms"] / r["ms"]
-    return rows
 
 
 def compile_report_rows(results: dict, cases: list) -> list[dict]:

@@ -8,7 +8,6 @@ here (compiler, Python headers, libcuda), bwrap (the grading sandbox), the data 
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 from dlo.errors import BadInput
@@ -177,8 +176,3 @@ def main(days: list[str], data_dir: Path | None, weights_dir: Path | None = None
         print(f"{'ok ' if ok else 'FIX'}  {topic:<{width}}  {text}")
     return 0 if all(ok for ok, _, _ in lines) else 1
 
-
-if __name__ == "__main__":  # the same as `dlo doctor ...`
-    from dlo.cli import main as cli_main
-
-    raise SystemExit(cli_main(["doctor", *sys.argv[1:]]))

@@ -81,3 +81,28 @@ def peak(device: torch.device | str | int | None = None) -> dict | None:
     """
     name = device_name(device)
     return None if name == "cpu" else peak_for_name(name)
+
+
+# Roofline times (Williams et al. 2009) on these peaks: used by the kernels' benchmarks and by `dlo bench`.
+
+def roofline(moved: int, flops: int, rate: str, device: str) -> tuple[float, str]:
+    """(ms, "memory" or "compute"): `moved` bytes at the device's peak HBM bandwidth or `flops` at its
+    peak rate `rate` ("bf16_tflops", "int8_tops", ...), whichever is longer (Williams et al. 2009);
+    `device` is a dlo.hardware.PEAKS label (datasheet figures cited there)."""
+    figures = peak_for_name(device)
+    if figures is None or figures["name"] != device:
+        raise ValueError(f"{device!r} is not a dlo.hardware.PEAKS label")
+    memory_ms = moved / (figures["hbm_gbs"] * 1e9) * 1e3
+    compute_ms = flops / (figures[rate] * 1e12) * 1e3
+    return max(memory_ms, compute_ms), "memory" if memory_ms >= compute_ms else "compute"
+
+
+def add_roofline(rows: list[dict], device: str | None) -> list[dict]:
+    """Replace each row's "work" (bytes, flops, peak) by "roofline ms" on `device` (a PEAKS label; None:
+    a GPU not in the table) and "% roofline" = 100 * roofline / measured ms."""
+    for r in rows:
+        work = r.pop("work", None)
+        if work and device:
+            r["roofline ms"] = roofline(*work, device)[0]
+            r["% roofline"] = 100 * r["roofline ms"] / r["ms"]
+    return rows

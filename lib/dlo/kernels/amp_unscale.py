@@ -199,6 +199,6 @@ def bench(sizes: tuple[int, ...] = (256, 512, 1024), dtype: torch.dtype = torch.
                          "work": (moved, 2 * sum(numels), "fp32_tflops")})
         grads = impls = None  # free this width before the next one
         torch.cuda.empty_cache()
-    from dlo.bench import add_roofline
+    from dlo.hardware import add_roofline
     return add_roofline(rows, (peak("cuda") or {}).get("name"))
 

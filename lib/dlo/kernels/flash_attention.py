@@ -233,8 +233,7 @@ def bench(lengths: tuple[int, ...] = (1024, 4096), B: int = 4, H: int = 16, D: i
     if not torch.cuda.is_available() or not kernel_available("cuda"):
         raise RuntimeError("the flash_attention benchmark needs a CUDA GPU (and TRITON_INTERPRET unset)")
     from dlo.attention import naive_attention, sdpa_attention
-    from dlo.bench import add_roofline
-    from dlo.hardware import peak
+    from dlo.hardware import add_roofline, peak
     figures = peak("cuda") or {}
     rows = []
     for T in lengths:

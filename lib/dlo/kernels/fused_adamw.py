@@ -274,7 +274,7 @@ def bench_optimizer_step(numel_list: list[int], dtype: torch.dtype = torch.float
         gbs = moved / (ms * 1e-3) / 1e9
         rows.append({"impl": impl, "ms": ms, "ms (95%)": est, "GB/s": gbs, "% peak": 100 * gbs / hbm if hbm else None,
                      "work": (moved, FLOPS_PER_ELEMENT * sum(numel_list), "fp32_tflops")})
-    from dlo.bench import add_roofline
+    from dlo.hardware import add_roofline
     return add_roofline(rows, (peak(device) or {}).get("name"))
 
 

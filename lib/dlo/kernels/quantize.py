@@ -206,5 +206,5 @@ def bench(shapes: tuple[tuple[int, int], ...] = ((4096, 4096), (11008, 4096)), g
             gbs = moved / (ms * 1e-3) / 1e9
             rows.append({"op": "quantize", "size": f"{N}x{K}", "impl": impl, "ms": ms, "GB/s": gbs,
                          "% peak": 100 * gbs / hbm if hbm else None, "work": (moved, 3 * N * K, "fp32_tflops")})
-    from dlo.bench import add_roofline
+    from dlo.hardware import add_roofline
     return add_roofline(rows, (peak("cuda") or {}).get("name"))

@@ -209,5 +209,5 @@ def bench_matmuls(op: str, M: int, K: int, N: int, impls: dict, peaks: dict | No
         rows.append({"op": op, "size": f"{M}x{K}x{N}", "M": M, "K": K, "N": N, "impl": impl, "ms": ms,
                      "TFLOP/s": tflops, "% peak": 100 * tflops / pk if pk else None, "speed-up": base / ms,
                      **({"work": (moved, 2 * M * N * K, key)} if moved else {})})
-    from dlo.bench import add_roofline
+    from dlo.hardware import add_roofline
     return add_roofline(rows, peaks.get("name"))

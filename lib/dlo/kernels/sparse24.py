@@ -153,6 +153,5 @@ def bench(shapes: tuple[tuple[int, int, int], ...] = ((4096, 4096, 4096), (8192,
         rows.append({"op": "sparse24_compress", "size": f"{N}x{K}", "K": K, "N": N, "impl": "dlo triton", "ms": ms,
                      "TFLOP/s": None, "% peak": None, "speed-up": None,
                      "work": (compress_bytes(N, K, 2), 0, "bf16_tflops")})
-    from dlo.bench import add_roofline
-    from dlo.hardware import peak
+    from dlo.hardware import add_roofline, peak
     return add_roofline(rows, (peak("cuda") or {}).get("name"))
