@@ -133,3 +133,4 @@ def test_flops_mfu_and_formatting():
     assert transformer_flops_per_token(1000, 2, 16, 8, training=False) == 2 * 1000 + 4 * 2 * 16 * 8
     assert mfu(1e12, 1.0, device="cpu") is None   # no peak for a CPU: not measurable, never a made-up number
     assert fmt_bytes(1536) == "1.5 KiB" and fmt_bytes(100) == "100 B" and fmt_bytes(None) == "-"
+    assert fmt_bytes(1000 * 2**20) == "1000 MiB" and fmt_bytes(999 * 2**20) == "999 MiB"  # not "1e+03 MiB"
