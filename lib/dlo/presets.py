@@ -46,7 +46,7 @@ DAY3: dict[str, Day3Preset] = {  # day3_checkpointing
     "tiny": Day3Preset(),
     # the seed's case study: a 12-layer, 155M-parameter GPT-2-size transformer
     "full": Day3Preset(vocab=50257, d_model=768, n_heads=12, n_layers=12, seq_len=1024, batch_size=8,
-                       measure_reps=10, max_steps=100, interrupt_at=45, save_every=10, keep_last=3,
+                       measure_reps=10, max_steps=100, interrupt_at=45, save_every=25, keep_last=3,
                        big_numel=1 << 27),
 }
 
