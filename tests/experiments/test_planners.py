@@ -193,3 +193,14 @@ def test_day3_plan_is_the_peak_an_h200_measured():
     rows = {r["config"]: r for r in plan_day("day3_checkpointing")}
     for policy, mib in H200_DAY3_PEAK_MIB.items():
         assert rows[f"policy: {policy}"]["total"] == pytest.approx(mib * 2**20, rel=0.02), policy
+
+
+def test_doctor_says_what_dlo_plan_says():
+    """`dlo doctor`'s plan lines read the same planners: the TinyLM's fp32 step (23 GiB) no longer "fits" a
+    16 GiB card, and Day 5 on one 40 GB card is ok (it trains the 1B), not refused."""
+    from dlo import doctor
+
+    [(ok, topic, text)] = doctor.plan_lines(["day2_mixed_precision"], [("V100 16GB", 16.0, (7, 0))])
+    assert not ok and topic == "plan day2_mixed_precision" and "TinyLM fp32 at 1 rank(s) needs 23.2 GiB" in text
+    [(ok, _, text)] = doctor.plan_lines(["day5_fsdp"], [("A100 40GB", 40.0, (8, 0))])
+    assert ok and text == "fits 1 GPU(s) of 40 GiB"
