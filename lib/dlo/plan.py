@@ -154,6 +154,18 @@ def activation_bytes(forward, exclude=()) -> int:
         return saved_bytes(forward, exclude=exclude)["peak_saved_bytes"]
 
 
+def first_step(optimizer) -> None:
+    """Make `optimizer`'s state as its first step would (AdamW's moments appear then), without a forward:
+    every step a plan counts is a later one, which starts with that state. On fake or meta tensors."""
+    import torch
+
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
 def step_memory(step, exclude=()) -> dict:
     """One call of `step()` (a training step: forward, backward, maybe the optimizer) counted op by op
     on fake or meta tensors, as a GPU would run it (`gpu_kernels`): "saved", the peak of the bytes

@@ -17,7 +17,7 @@ from dlo import claims as C
 from dlo import estimates as E
 from dlo.accounting import optimizer_bytes
 from dlo.models.small import MLP, SmallCNN
-from dlo.plan import fake_cpu, param_bytes, row, step_memory
+from dlo.plan import fake_cpu, first_step, param_bytes, row, step_memory
 
 LIPPE, MICIK, KALAM = "Lippe 2024 (case study)", "Micikevicius et al. 2018", "Kalamkar et al. 2019"
 
@@ -325,8 +325,7 @@ def plan(P, *, gpus: int, gpu_mem_gb: float) -> list[dict]:
 
                 def step(dtype=dtype, model=model, opt=opt, x=x, y=y):
                     train_step(model, opt, x, y, dtype=dtype)
-                step()  # the first step makes AdamW's moments: every later step starts with them
-                opt.zero_grad(set_to_none=True)
+                first_step(opt)
                 before = n + tensor_bytes(model.buffers()) + optimizer_state_bytes(opt) + tensor_bytes((x, y))
                 counted = step_memory(step, exclude=[*model.parameters(), *model.buffers()])
                 rows.append(row(f"{name} {label}", 1, params=n, grads=n, optimizer=optimizer_bytes("adamw", n),

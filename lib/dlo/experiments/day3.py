@@ -27,7 +27,7 @@ from dlo.measure import count_flops, optimizer_state_bytes, peak_memory, saved_b
 from dlo.models import count_parameters
 from dlo.models.transformer import TransformerStack
 from dlo.optim.offload import CPUOffloadOptimizer
-from dlo.plan import GIB, param_bytes, row, step_memory
+from dlo.plan import GIB, first_step, param_bytes, row, step_memory
 from dlo.progress import tqdm
 
 OFFLOAD = "offload to CPU"
@@ -216,7 +216,7 @@ def plan(P, *, gpus: int, gpu_mem_gb: float) -> list[dict]:
                         peak=before + c["allocated"], gpu_mem_gb=gpu_mem_gb, main=name == "none"))
         none = none or rows[-1]
     opt = torch.optim.AdamW(params, lr=P.lr, foreach=True)
-    counted({}, opt)  # the first step makes AdamW's moments: every later step starts with them
+    first_step(opt)
     state = optimizer_state_bytes(opt)
     c = counted({}, opt)
     rows.append(row("resume run (AdamW, GradScaler)", 1, params=n_bytes, grads=n_bytes,
