@@ -332,4 +332,24 @@ def plan(P, *, gpus: int, gpu_mem_gb: float) -> list[dict]:
                                 activations=counted["saved"], peak=before + counted["allocated"],
                                 gpu_mem_gb=gpu_mem_gb, main=name == "TinyLM" and dtype is None,
                                 note=f"batch {' x '.join(map(str, shape))}, AdamW"))
+    rows.append(attention_row(P, gpu_mem_gb))
     return rows
+
+
+def attention_row(P, gpu_mem_gb: float) -> dict:
+    """The attention sweep's largest case (`dlo.attention.attention_costs`): naive attention's forward and
+    backward at the longest of P.attn_lengths, fp32, counted op by op on fake tensors: the (T, T) scores
+    and probabilities of every head, kept for backward and formed again as gradients."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from dlo.attention import naive_attention, qkv
+    from dlo.measure import tensor_bytes
+
+    t = max(P.attn_lengths)
+    with FakeTensorMode():
+        inputs = qkv(1, P.attn_heads, t, P.attn_head_dim)
+        counted = step_memory(lambda: naive_attention(*inputs).sum().backward(), exclude=inputs)
+        before = tensor_bytes(inputs)
+    return row(f"attention sweep: naive, T = {t}", 1, params=0, grads=0, optimizer=0, activations=counted["saved"],
+               peak=before + counted["allocated"], gpu_mem_gb=gpu_mem_gb,
+               note=f"{P.attn_heads} heads of {P.attn_head_dim}, fp32; SDPA keeps O(T) instead")
