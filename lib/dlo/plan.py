@@ -21,9 +21,15 @@ How the columns are counted (bytes per rank):
 - activations: what autograd saves for backward, counted by `dlo.measure.SavedTensorMeter` on
   meta tensors (exact for the shapes, no memory used), at its peak over forward and backward; on
   fake CPU tensors (`fake_cpu`) where the meta device would take another path (autocast, fused
-  attention).
-  Not counted: transient buffers (a gradient being formed, the allocator's slack, the CUDA context),
-  hence the planner's margin to the GPU's memory.
+  attention); dropout as a GPU runs it (`gpu_kernels`: a 1-byte mask);
+- transient: where a planner runs the whole step op by op (`step_memory`: every tensor an operator
+  allocates, alive until its last reference dies, `dlo.measure.AllocationMeter`), what the step holds
+  at its peak beyond the four columns above: the logits the training loop keeps through backward, the
+  loss's gradient buffers (as large as the logits), a gradient being formed, the optimizer's temporaries.
+  The total is then at least the step's peak (`max_memory_allocated` on a GPU); the columns are the
+  lesson's numbers (model state, saved activations) and do not all peak at the same moment.
+  Not counted: the CUDA context, cuBLAS/cuDNN workspaces and the caching allocator's rounding and
+  fragmentation, hence the planner's margin to the GPU's memory.
 """
 
 from __future__ import annotations
@@ -31,25 +37,33 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
 from dlo.measure import fmt_bytes
 
 GIB = 2 ** 30
 
 # A planner's row: bytes per rank of each kind, and whether the sum fits the GPU.
-ROW_KEYS = ("config", "world", "params", "grads", "optimizer", "activations", "total", "gpu", "fits", "note")
+ROW_KEYS = ("config", "world", "params", "grads", "optimizer", "activations", "transient", "total", "gpu", "fits",
+            "note")
 
 class DoesNotFit(ValueError):
     """A planned configuration needs more memory per rank than the GPU has."""
 
 
 def row(config: str, world_size: int, *, params: int, grads: int, optimizer: int, activations: int,
-        gpu_mem_gb: float, note: str = "", main: bool = False) -> dict:
-    """One planner row; `total` and `fits` are derived here so every day computes them alike. `main`
-    marks a configuration the day cannot do without (`dlo plan` fails when it does not fit)."""
-    total = params + grads + optimizer + activations
+        gpu_mem_gb: float, note: str = "", main: bool = False, peak: int = 0) -> dict:
+    """One planner row; `transient`, `total` and `fits` are derived here so every day computes them
+    alike. `peak`: the step's peak bytes where the planner ran it (`step_memory`), whose excess over
+    the four columns is `transient`. `main` marks a configuration the day cannot do without (`dlo plan`
+    fails when it does not fit)."""
+    transient = max(0, peak - (params + grads + optimizer + activations))
+    total = params + grads + optimizer + activations + transient
     gpu = int(gpu_mem_gb * GIB)
     out = {"config": config, "world": world_size, "params": params, "grads": grads, "optimizer": optimizer,
-           "activations": activations, "total": total, "gpu": gpu, "fits": total <= gpu, "note": note}
+           "activations": activations, "transient": transient, "total": total, "gpu": gpu, "fits": total <= gpu,
+           "note": note}
     if main:
         out["main"] = True
     return out
@@ -106,18 +120,73 @@ def fake_cpu(model):
     return mode
 
 
+class _GpuKernels(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.dropout:
+            return _dropout(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+def _dropout(input, p=0.5, training=True, inplace=False):
+    import torch
+
+    if not training or p == 0.0:
+        return input
+    out = torch.native_dropout(input, p, True)[0]
+    return input.copy_(out) if inplace else out
+
+
+def gpu_kernels():
+    """A context in which dropout saves what it saves on a GPU: there `F.dropout` is ATen's fused
+    `native_dropout`, which keeps a 1-byte bool mask for backward; on a CPU (and on the meta device)
+    it multiplies by a noise tensor of the input's dtype and keeps that (4 bytes in fp32,
+    `dlo.activation_memory.dropout_mask_bytes`). The planners count under it."""
+    return _GpuKernels()
+
+
 def activation_bytes(forward, exclude=()) -> int:
-    """Peak bytes autograd saves over one forward and backward of `forward()` (meta tensors welcome)."""
+    """Peak bytes autograd saves over one forward and backward of `forward()` (meta tensors welcome),
+    with dropout's masks as a GPU keeps them (`gpu_kernels`)."""
     from dlo.measure import saved_bytes
 
-    return saved_bytes(forward, exclude=exclude)["peak_saved_bytes"]
+    with gpu_kernels():
+        return saved_bytes(forward, exclude=exclude)["peak_saved_bytes"]
+
+
+def first_step(optimizer) -> None:
+    """Make `optimizer`'s state as its first step would (AdamW's moments appear then), without a forward:
+    every step a plan counts is a later one, which starts with that state. On fake or meta tensors."""
+    import torch
+
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def step_memory(step, exclude=()) -> dict:
+    """One call of `step()` (a training step: forward, backward, maybe the optimizer) counted op by op
+    on fake or meta tensors, as a GPU would run it (`gpu_kernels`): "saved", the peak of the bytes
+    autograd saves (`dlo.measure.SavedTensorMeter`, leaving out `exclude`: the parameters and buffers);
+    "allocated", the peak of the bytes operators allocate and hold beyond what existed before the call
+    (`dlo.measure.AllocationMeter`: a storage lives until its last tensor dies, as in the CUDA
+    allocator's `memory_allocated`). The step's peak is what existed before (parameters, optimizer
+    state, the batch) plus "allocated"."""
+    from dlo.measure import AllocationMeter, SavedTensorMeter
+
+    with gpu_kernels(), SavedTensorMeter(exclude=exclude) as saved, AllocationMeter() as allocated:
+        step()
+    return {"saved": saved.peak, "allocated": allocated.peak}
 
 
 def format_rows(rows: list[dict]) -> str:
     """The rows as a table, bytes in binary units."""
     from dlo.tables import format_table
 
-    shown = [{k: (fmt_bytes(v) if k in ("params", "grads", "optimizer", "activations", "total", "gpu") else v)
+    shown = [{k: (fmt_bytes(v) if k in ("params", "grads", "optimizer", "activations", "transient", "total", "gpu")
+                  else v)
               for k, v in r.items()} for r in rows]
     return format_table(shown, [k for k in ROW_KEYS if any(k in r for r in rows)])
 
@@ -128,7 +197,8 @@ def check_fits(rows: list[dict], configs: list[str] | None = None) -> None:
         if (configs is None or r["config"] in configs) and not r["fits"]:
             raise DoesNotFit(f"{r['config']} at {r['world']} rank(s) needs {fmt_bytes(r['total'])} per rank "
                              f"(params {fmt_bytes(r['params'])}, grads {fmt_bytes(r['grads'])}, optimizer "
-                             f"{fmt_bytes(r['optimizer'])}, activations {fmt_bytes(r['activations'])}) but the GPU "
+                             f"{fmt_bytes(r['optimizer'])}, activations {fmt_bytes(r['activations'])}, transient "
+                             f"{fmt_bytes(r['transient'])}) but the GPU "
                              f"has {fmt_bytes(r['gpu'])}")
 
 

@@ -46,7 +46,7 @@ DAY3: dict[str, Day3Preset] = {  # day3_checkpointing
     "tiny": Day3Preset(),
     # the seed's case study: a 12-layer, 155M-parameter GPT-2-size transformer
     "full": Day3Preset(vocab=50257, d_model=768, n_heads=12, n_layers=12, seq_len=1024, batch_size=8,
-                       measure_reps=10, max_steps=100, interrupt_at=45, save_every=10, keep_last=3,
+                       measure_reps=10, max_steps=100, interrupt_at=45, save_every=25, keep_last=3,
                        big_numel=1 << 27),
 }
 
@@ -66,8 +66,10 @@ DAY4: dict[str, Day4Preset] = {  # day4_ddp
 DAY5: dict[str, Day5Preset] = {  # day5_fsdp
     "tiny": Day5Preset(),
     # Llama 3.2 3B with FSDP2 + bf16 + activation checkpointing + compile on 8 GPUs, one 8192-token
-    # sequence per GPU (torchtitan's Llama recipe); the engine comparison on the 1B in fp32
-    "full": Day5Preset(world_size=8, model="llama3.2-3b", compare_model="llama3.2-1b", seq_len=8192, batch_per_rank=1,
+    # sequence per GPU (torchtitan's Llama recipe); the engine comparison on the 1B in fp32 at 2048 tokens
+    # (DDP's 18.4 GiB of model state and every activation: 27 GiB, a 40 GB A100 at any world size; `dlo plan`)
+    "full": Day5Preset(world_size=8, model="llama3.2-3b", compare_model="llama3.2-1b", seq_len=8192,
+                       compare_seq_len=2048, batch_per_rank=1,
                        max_steps=50, lr=3e-4, param_dtype="bfloat16", reduce_dtype="float32", ac_mode="full",
                        compile=True, bucket_cap_mb=25.0, timing_steps=10, memory_world_sizes=(1, 2, 4, 8),
                        launch_timeout_s=3600.0),

@@ -202,6 +202,7 @@ class Day5Preset:
     world_size: int = 2            # ranks of the experiments (the checks pick their own)
     model: str = "tiny"            # dlo.models.llama config trained with FSDP2 ("llama3.2-3b" on GPUs)
     compare_model: str = "tiny"    # config of DDP vs ZeRO-1/2/3 (ours) vs FSDP2 in fp32: memory, bytes, time
+    compare_seq_len: int = 64      # tokens per sequence of that comparison (fp32, no checkpointing: DDP holds it all)
     model_overrides: tuple = ()    # (field, value) pairs applied to both configs (smoke runs cut them)
     seq_len: int = 64              # tokens per sequence
     batch_per_rank: int = 4        # sequences per rank and step
@@ -228,6 +229,8 @@ class Day5Preset:
     def validate(self) -> None:
         from dlo.distributed.fsdp import AC_MODES
 
+        if self.compare_seq_len < 2:
+            raise ValueError(f"compare_seq_len={self.compare_seq_len}: the engine comparison needs >= 2 tokens")
         if self.world_size < 1 or self.max_steps < 2 or self.timing_steps < 1 or self.batch_per_rank < 1:
             raise ValueError(f"need world_size >= 1, max_steps >= 2 (a loss curve), timing_steps >= 1 and "
                              f"batch_per_rank >= 1; got {self.world_size}, {self.max_steps}, {self.timing_steps}, "
@@ -248,5 +251,5 @@ class Day5Preset:
         ranks, 2 steps of one 32-token sequence, the memory table at 2 ranks. The whole 3B needs 51 GB
         of model state: `dlo plan` is its test on a CPU."""
         return replace(self, world_size=2, model_overrides=(("n_layers", 1), ("vocab_size", 4096)), seq_len=32,
-                       batch_per_rank=1, max_steps=2, timing_steps=1, memory_world_sizes=(2,), compile=False,
-                       param_dtype="float32", reduce_dtype="float32", accum_micro=2)
+                       compare_seq_len=32, batch_per_rank=1, max_steps=2, timing_steps=1, memory_world_sizes=(2,),
+                       compile=False, param_dtype="float32", reduce_dtype="float32", accum_micro=2)

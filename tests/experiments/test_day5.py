@@ -148,3 +148,71 @@ def test_mfu_rows_need_a_core_per_rank(monkeypatch):
     assert [c.verdict for c in crowded] == [NOT_MEASURABLE] * 2 and "kernel > 2 cores" in crowded[0].reason
     monkeypatch.setattr(claims_module, "cpu_cores", lambda: 16)
     assert report.training_claims(train, same, "cuda", world_size=8)[2].verdict == AGREES
+
+
+FULL = DAYS["day5_fsdp"].presets["full"]
+
+
+def test_the_engine_comparison_is_planned_and_fits_a_40_gb_gpu():
+    """Issue 32: the engines' GPU run (DDP, ZeRO-1/2/3 and FSDP2 on the 1B in fp32, no checkpointing)
+    was outside the plan, at 8192 tokens: DDP's 18.4 GiB of model state and 29 GiB of activations do not
+    fit a 40 GB A100. Planned now (DDP's row a main one), at the 2048 tokens that fit."""
+    rows = {r["config"]: r for r in plan_day("day5_fsdp", gpus=8, gpu_mem_gb=40)}
+    ddp = rows["engines: DDP fp32 (llama3.2-1b)"]
+    assert ddp["main"] and ddp["fits"] and ddp["config"] in main_configs(list(rows.values()))
+    assert ddp["params"] + ddp["grads"] + ddp["optimizer"] == memory_per_rank(1_235_814_400, 8, 0,
+                                                                             param_dtype=torch.float32)["total"]
+    assert ddp["transient"] == pytest.approx(2048 * 128256 * 4, rel=1e-3)  # a logits-sized gradient of the loss
+    old = report.engine_rows(dataclasses.replace(FULL, compare_seq_len=8192), 8, 40)
+    assert not old[0]["fits"] and old[0]["activations"] > 25 * 2**30
+
+
+def test_one_40_gb_gpu_trains_the_1b_instead_and_says_so(monkeypatch, capsys):
+    """Issue 32: one GPU per student is common, and a 40 GB card refused Day 5 at setup (the 3B recipe at
+    world 1 needs ~63 GiB). The plan and the preflight now pick the same recipe on the 1B, in one line."""
+    import dlo.plan
+    from dlo.config import Ranks, Run
+
+    rows = plan_day("day5_fsdp", gpus=1, gpu_mem_gb=40)
+    want, got = rows[0], rows[1]
+    assert not want["fits"] and not want.get("main") and "runs FSDP2 bf16 + AC (llama3.2-1b) instead" in want["note"]
+    assert got["config"] == "FSDP2 bf16 + AC (llama3.2-1b)" and got["main"] and got["fits"]
+    check_fits(rows, main_configs(rows))  # `dlo plan day5_fsdp --gpus 1 --gpu-mem 40` passes
+    big = plan_day("day5_fsdp", gpus=1, gpu_mem_gb=80)  # an 80 GB card at world 1: the 3B itself
+    assert big[0]["main"] and big[0]["fits"] and "llama3.2-3b" in big[0]["config"]
+    check_fits(big, main_configs(big))
+    monkeypatch.setattr(dlo.plan, "device_memory_gb", lambda device=None: 40.0)
+    run = Run(day="day5_fsdp", profile="full", device=torch.device("cuda"), seed=0,
+              ranks=Ranks(1, "nccl", "cuda", "full", FULL), data_dir=None, log_dir=None, preset=FULL)
+    report.preflight(run)
+    assert run.preset == run.ranks.preset == dataclasses.replace(FULL, model="llama3.2-1b")
+    line = capsys.readouterr().out.strip()
+    assert len(line.splitlines()) == 1 and "llama3.2-3b's FSDP2 recipe needs 63" in line and "instead" in line
+    with_weights = report.instead(FULL, 1, 40, weights=True)[0]  # weights of the 3B to load: keep it, offload
+    assert with_weights == dataclasses.replace(FULL, cpu_offload=True)
+    assert not report.instead(FULL, 1, 4)[1]["fits"]  # nothing fits 4 GiB: the recipe stays, and is refused
+
+
+def test_the_memory_table_computes_nothing_on_the_cpu():
+    """Issue 32: the memory table ran every engine for real in the notebook's process: at the full
+    profile 20 fp32 passes of Llama 3.2 1B at 8192 tokens (1.7e15 FLOP, ~47 GiB of host memory). The bytes
+    do not depend on the data: it runs on fake tensors now, no operator on a real tensor with FLOPs."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils.flop_counter import flop_registry
+
+    class RealFlops(TorchDispatchMode):
+        flops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            from torch._subclasses.fake_tensor import FakeTensor
+
+            out = func(*args, **(kwargs or {}))
+            tensors = [a for a in args if isinstance(a, torch.Tensor)]
+            packet = func._overloadpacket
+            if packet in flop_registry and not any(isinstance(t, FakeTensor) or t.is_meta for t in tensors):
+                RealFlops.flops += flop_registry[packet](*args, **(kwargs or {}), out_val=out)
+            return out
+
+    with RealFlops():
+        rows = E.memory_vs_world(SMALL, world_sizes=(2,))
+    assert len(rows) == len(E.ENGINES) and RealFlops.flops == 0

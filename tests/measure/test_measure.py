@@ -7,6 +7,7 @@ import torch.distributed as dist
 
 from dlo.distributed.collectives import all_gather_single, reduce_scatter_single
 from dlo.measure import (
+    AllocationMeter,
     CommCounter,
     SavedTensorMeter,
     comm_bytes,
@@ -60,6 +61,17 @@ def test_saved_bytes_works_on_the_meta_device_from_shapes_alone():
     x = torch.empty(8, 128, device="meta")
     out = saved_bytes(lambda: (x @ w).sum(), exclude=[w], backward=False)
     assert out["saved_bytes"] == 8 * 128 * 4    # only x is kept for w's gradient
+
+
+def test_a_forward_measured_without_backward_frees_what_it_saved():
+    """Issue 32: an output its own node saves (exp, softmax) held that node through its grad_fn, a cycle
+    the collector cannot see: the Day 2 notebook's saved-bytes cell kept two TinyLM graphs (~15 GB) on the
+    GPU for the rest of the run, and the speed table's peak counted them."""
+    x = torch.randn(1000, requires_grad=True)
+    with AllocationMeter() as alloc:
+        out = saved_bytes(lambda: torch.exp(x).softmax(0) * 2, backward=False)
+    assert out["saved_bytes"] == 2 * 1000 * 4   # exp's output, softmax's output, nothing for * 2
+    assert alloc.bytes == 0                     # all of it freed with the graph
 
 
 def test_peak_memory_on_cpu_is_the_saved_tensor_peak():
@@ -121,3 +133,4 @@ def test_flops_mfu_and_formatting():
     assert transformer_flops_per_token(1000, 2, 16, 8, training=False) == 2 * 1000 + 4 * 2 * 16 * 8
     assert mfu(1e12, 1.0, device="cpu") is None   # no peak for a CPU: not measurable, never a made-up number
     assert fmt_bytes(1536) == "1.5 KiB" and fmt_bytes(100) == "100 B" and fmt_bytes(None) == "-"
+    assert fmt_bytes(1000 * 2**20) == "1000 MiB" and fmt_bytes(999 * 2**20) == "999 MiB"  # not "1e+03 MiB"

@@ -17,7 +17,7 @@ from dlo import claims as C
 from dlo import estimates as E
 from dlo.accounting import optimizer_bytes
 from dlo.models.small import MLP, SmallCNN
-from dlo.plan import activation_bytes, fake_cpu, param_bytes, row
+from dlo.plan import fake_cpu, first_step, param_bytes, row, step_memory
 
 LIPPE, MICIK, KALAM = "Lippe 2024 (case study)", "Micikevicius et al. 2018", "Kalamkar et al. 2019"
 
@@ -300,9 +300,16 @@ def flops_claims(counted: float, formula: float, bytes_per_param: float, mfu=Non
 
 def plan(P, *, gpus: int, gpu_mem_gb: float) -> list[dict]:
     """One row per model and precision of the day: fp32 master weights and gradients, AdamW's two fp32
-    moments, and the bytes autograd saves (forward + backward) under autocast, counted on fake CPU
-    tensors (`dlo.plan.fake_cpu`: the CPU's autocast rules and attention kernel, the closest a CPU
-    gets to a GPU's). fp16 saves what bf16 does; tf32 what fp32 does. Single process."""
+    moments, the bytes autograd saves under autocast, and the whole training step's peak: the speed
+    table's step (`dlo.amp.train_step`, AdamW with the GPU's foreach kernels, after a first step made
+    its state) run op by op on fake CPU tensors (`dlo.plan.fake_cpu`: the CPU's autocast rules and
+    attention kernel, the closest a CPU gets to a GPU's; `dlo.plan.step_memory`). Its `transient`
+    column is mostly the loss: the (B*T, vocab) logits the step keeps through backward, log-softmax's
+    output, and their two gradients, each B*T*vocab*4 bytes. fp16 saves what bf16 does; tf32 what
+    fp32 does. Single process."""
+    from dlo.amp import train_step
+    from dlo.measure import optimizer_state_bytes, tensor_bytes
+
     rows = []
     for name, build, shape, high in (("TinyLM", make_lm, (P.lm_batch, P.lm_seq), P.lm_vocab),
                                      ("SmallCNN", make_cnn, (P.batch_size, 3, P.image_size, P.image_size), 0)):
@@ -314,12 +321,35 @@ def plan(P, *, gpus: int, gpu_mem_gb: float) -> list[dict]:
             x = torch.randint(0, high, shape) if high else torch.randn(shape)
             y = torch.randint(0, P.lm_vocab if high else 10, (shape[0] * (shape[1] if high else 1),))
             for label, dtype in (("fp32", None), ("bf16 autocast", torch.bfloat16)):
-                def loss(dtype=dtype, model=model, x=x, y=y):
-                    with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
-                        return F.cross_entropy(model(x), y)
-                acts = activation_bytes(loss, exclude=[*model.parameters(), *model.buffers()])
-                rows.append(row(f"{name} {label}", 1, params=n, grads=n,
-                                optimizer=optimizer_bytes("adamw", n), activations=acts,
+                opt = torch.optim.AdamW(model.parameters(), lr=P.lr, foreach=True)
+
+                def step(dtype=dtype, model=model, opt=opt, x=x, y=y):
+                    train_step(model, opt, x, y, dtype=dtype)
+                first_step(opt)
+                before = n + tensor_bytes(model.buffers()) + optimizer_state_bytes(opt) + tensor_bytes((x, y))
+                counted = step_memory(step, exclude=[*model.parameters(), *model.buffers()])
+                rows.append(row(f"{name} {label}", 1, params=n, grads=n, optimizer=optimizer_bytes("adamw", n),
+                                activations=counted["saved"], peak=before + counted["allocated"],
                                 gpu_mem_gb=gpu_mem_gb, main=name == "TinyLM" and dtype is None,
                                 note=f"batch {' x '.join(map(str, shape))}, AdamW"))
+    rows.append(attention_row(P, gpu_mem_gb))
     return rows
+
+
+def attention_row(P, gpu_mem_gb: float) -> dict:
+    """The attention sweep's largest case (`dlo.attention.attention_costs`): naive attention's forward and
+    backward at the longest of P.attn_lengths, fp32, counted op by op on fake tensors: the (T, T) scores
+    and probabilities of every head, kept for backward and formed again as gradients."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from dlo.attention import naive_attention, qkv
+    from dlo.measure import tensor_bytes
+
+    t = max(P.attn_lengths)
+    with FakeTensorMode():
+        inputs = qkv(1, P.attn_heads, t, P.attn_head_dim)
+        counted = step_memory(lambda: naive_attention(*inputs).sum().backward(), exclude=inputs)
+        before = tensor_bytes(inputs)
+    return row(f"attention sweep: naive, T = {t}", 1, params=0, grads=0, optimizer=0, activations=counted["saved"],
+               peak=before + counted["allocated"], gpu_mem_gb=gpu_mem_gb,
+               note=f"{P.attn_heads} heads of {P.attn_head_dim}, fp32; SDPA keeps O(T) instead")

@@ -27,7 +27,7 @@ from dlo.measure import count_flops, optimizer_state_bytes, peak_memory, saved_b
 from dlo.models import count_parameters
 from dlo.models.transformer import TransformerStack
 from dlo.optim.offload import CPUOffloadOptimizer
-from dlo.plan import GIB, activation_bytes, param_bytes, row
+from dlo.plan import GIB, first_step, param_bytes, row, step_memory
 from dlo.progress import tqdm
 
 OFFLOAD = "offload to CPU"
@@ -179,30 +179,52 @@ def offload_comparison(P, inputs: Tensor, targets: Tensor, device, *, steps: int
 
 
 def plan(P, *, gpus: int, gpu_mem_gb: float) -> list[dict]:
-    """Per policy: the fp32 model and its gradients (the table runs forward + backward, no optimizer)
-    and the peak saved bytes at the preset's batch, counted on the meta device; then the resume run
-    (AdamW state, no checkpointing), the same with the optimizer state offloaded to host memory.
-    Single process: `gpus` does not change the rows."""
+    """Per policy: the fp32 model and its gradients (the table runs forward + backward, no optimizer),
+    the peak saved bytes at the preset's batch, and the step's peak (`dlo.plan.step_memory`, op by op
+    on the meta device with a GPU's dropout masks: its `transient` is mostly the logits and the loss's
+    buffers); then the resume run (an AdamW step, no checkpointing; GradScaler's few scalars left
+    out), the same with the optimizer state offloaded to host memory. Single process: `gpus` does not
+    change the rows."""
     with torch.device("meta"):
         model = build_model(P)
         idx = torch.randint(0, P.vocab, (P.batch_size, P.seq_len + 1))
     params = list(model.parameters())
     n_bytes = param_bytes(model)
     inputs, targets = idx[:, :-1], idx[:, 1:]
-    rows, none = [], 0
+    before = n_bytes + tensor_bytes(model.buffers()) + tensor_bytes([idx])
+
+    def counted(policy, opt=None):
+        def step():
+            model.zero_grad(set_to_none=True)
+            lm_loss(model, inputs, targets, **policy).backward()
+            if opt is not None:
+                opt.step()
+        out = step_memory(step, exclude=params)
+        model.zero_grad(set_to_none=True)
+        return out
+
+    rows, none = [], None
     for name, policy in policies(P.n_layers).items():
         policy = dict(policy)
-        offload = policy.pop("offload", False)
-        acts = activation_bytes(lambda policy=policy: lm_loss(model, inputs, targets, **policy), exclude=params)
-        none = none or acts
-        note = "saved tensors in host memory: ~0 on the GPU" if offload else ""
-        rows.append(row(f"policy: {name}", 1, params=n_bytes, grads=n_bytes, optimizer=0,
-                        activations=0 if offload else acts, gpu_mem_gb=gpu_mem_gb, note=note, main=name == "none"))
+        if policy.pop("offload", False):  # the saved tensors in host memory; the loss's buffers stay on the GPU
+            rows.append(row(f"policy: {name}", 1, params=n_bytes, grads=n_bytes, optimizer=0, activations=0,
+                            peak=none["total"] - none["activations"], gpu_mem_gb=gpu_mem_gb,
+                            note="saved tensors in host memory: ~0 on the GPU"))
+            continue
+        c = counted(policy)
+        rows.append(row(f"policy: {name}", 1, params=n_bytes, grads=n_bytes, optimizer=0, activations=c["saved"],
+                        peak=before + c["allocated"], gpu_mem_gb=gpu_mem_gb, main=name == "none"))
+        none = none or rows[-1]
+    opt = torch.optim.AdamW(params, lr=P.lr, foreach=True)
+    first_step(opt)
+    state = optimizer_state_bytes(opt)
+    c = counted({}, opt)
     rows.append(row("resume run (AdamW, GradScaler)", 1, params=n_bytes, grads=n_bytes,
-                    optimizer=optimizer_bytes("adamw", n_bytes), activations=none,
-                    gpu_mem_gb=gpu_mem_gb, note=f"{P.batch_size} x {P.seq_len} tokens, no checkpointing"))
+                    optimizer=optimizer_bytes("adamw", n_bytes), activations=c["saved"],
+                    peak=before + state + c["allocated"], gpu_mem_gb=gpu_mem_gb,
+                    note=f"{P.batch_size} x {P.seq_len} tokens, no checkpointing"))
     rows.append(row("AdamW state offloaded (ZeRO-Offload)", 1, params=n_bytes, grads=n_bytes, optimizer=0,
-                    activations=none, gpu_mem_gb=gpu_mem_gb,
+                    activations=none["activations"], peak=none["total"], gpu_mem_gb=gpu_mem_gb,
                     note=f"{optimizer_bytes('adamw', n_bytes) / GIB:.2g} GiB of state + "
                          f"{n_bytes / GIB:.2g} GiB master copy in host memory"))
     rows.append(row("SIGKILL demo (host memory, disk)", 1, params=0, grads=0, optimizer=0, activations=0,

@@ -2,7 +2,8 @@
 
 `run_all(P, log_dir)` runs on every rank inside `dlo.distributed.launch` (rank 0's dict is read):
 
-- `engines`: one AdamW step of each engine on the comparison Llama (fp32): the bytes of model state
+- `engines`: one AdamW step of each engine on the comparison Llama (fp32, batches of
+  `P.compare_seq_len` tokens: DDP keeps the whole model state and every activation): the bytes of model state
   each rank holds (`dlo.measure.held_bytes`: parameters, gradients, optimizer state) and the
   payload of every collective (`dlo.measure.CommCounter`), beside the ZeRO paper's formulas;
 - `timing`: step time of our ZeRO-3 and of FSDP2 on the same model and ranks, interleaved step by
@@ -13,7 +14,8 @@
   peak memory and MFU on GPUs.
 
 `memory_vs_world(P)` runs in the notebook's process: the same engines at every world size of
-`P.memory_world_sizes` on a fake process group (bytes do not depend on the data). `plan(P, gpus=,
+`P.memory_world_sizes` on a fake process group and fake tensors (bytes do not depend on the data: no
+arithmetic, no memory, whatever the model's size). `plan(P, gpus=,
 gpu_mem_gb=)` is the full profile without a GPU (`dlo plan day5_fsdp`): Llama 3.2 3B on the meta
 device, sharded by FSDP2 at `gpus` ranks inside a fake process group, beside the accountant.
 The models, data and input checks are in `dlo.experiments.day5_data` (re-exported here); the claims
@@ -22,9 +24,11 @@ and the plan in `dlo.experiments.day5_report`.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import statistics
 import time
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -68,10 +72,10 @@ def _mesh(device):
     return init_device_mesh(device.type, (dist.get_world_size(),))
 
 
-def engine(name: str, P, cfg, device, replica: bool = False) -> tuple:
-    """(module to call, optimizer, step(), zero_grad()) of one engine on a fresh fp32 Llama
-    (`replica`: DDP's replica without the wrapper)."""
-    model = build(cfg, device)
+def engine(name: str, P, cfg, device, replica: bool = False, model=None, mesh=None) -> tuple:
+    """(module to call, optimizer, step(), zero_grad()) of one engine on a fresh fp32 Llama, or on
+    `model` (`replica`: DDP's replica without the wrapper; `mesh`: FSDP2's, else one over the world)."""
+    model = build(cfg, device) if model is None else model
     kw = {"lr": P.lr}
     if name == "DDP (torch)" and replica:
         opt = torch.optim.AdamW(model.parameters(), **kw)
@@ -82,7 +86,7 @@ def engine(name: str, P, cfg, device, replica: bool = False) -> tuple:
         opt = torch.optim.AdamW(net.parameters(), **kw)
         return net, opt, opt.step, opt.zero_grad
     if name == "FSDP2 (torch)":
-        apply_fsdp(model, _mesh(device), param_dtype=None, reduce_dtype=None)  # fp32 like ours
+        apply_fsdp(model, mesh or _mesh(device), param_dtype=None, reduce_dtype=None)  # fp32 like ours
         opt = torch.optim.AdamW(model.parameters(), **kw)
         return model, opt, opt.step, opt.zero_grad
     if name == "ZeRO-1 (ours)":
@@ -102,45 +106,61 @@ def _grads(opt) -> list:
 
 def measure_engine(name: str, P, cfg, device, x, y, fake: bool = False) -> dict:
     """One AdamW step: model-state bytes this rank holds after it (params, grads, optimizer) and
-    the collectives' payload by kind and phase. `fake`: on a fake process group, where torch DDP's
-    reducer cannot run, DDP is measured as the replica it keeps (the same tensors, no collective)."""
-    net, opt, step, zero = engine(name, P, cfg, device, replica=fake and name == "DDP (torch)")
-    with CommCounter() as comm:
-        comm.phase = "forward"
-        loss = lm_loss(net, x, y)
-        comm.phase = "backward"
-        loss.backward()
-        comm.phase = "step"
-        step()
-    state = held_bytes([t for s in opt.state.values() for t in s.values()])  # not the keys: they are the params
-    total, grads = held_bytes(net, opt), held_bytes(_grads(opt))
-    zero()
+    the collectives' payload by kind and phase. `fake`: on a fake process group and fake tensors
+    (`dlo.plan.fake_cpu`: shapes and bytes, no arithmetic, no memory), where torch DDP's reducer
+    cannot run: DDP is measured as the replica it keeps (the same tensors, no collective)."""
+    model, mesh, mode = None, None, contextlib.nullcontext()
+    if fake:
+        from dlo.models.llama import Llama
+        from dlo.plan import fake_cpu
+
+        with torch.device("meta"):
+            model = Llama(cfg)
+        mesh = _mesh(device) if name == "FSDP2 (torch)" else None  # made outside the fake mode: it reads ranks
+        mode = fake_cpu(model)
+    with mode:
+        if fake:
+            x, y = mode.from_tensor(x), mode.from_tensor(y)
+        net, opt, step, zero = engine(name, P, cfg, device, replica=fake and name == "DDP (torch)", model=model,
+                                      mesh=mesh)
+        with CommCounter() as comm:
+            comm.phase = "forward"
+            loss = lm_loss(net, x, y)
+            comm.phase = "backward"
+            loss.backward()
+            comm.phase = "step"
+            step()
+        state = held_bytes([t for s in opt.state.values() for t in s.values()])  # not the keys: they are the params
+        total, grads = held_bytes(net, opt), held_bytes(_grads(opt))
+        zero()
     comm_by_phase = {f"{kind} ({phase})": row["bytes"] for (kind, phase), row in tally(comm.records()).items()}
     return {"params": total - grads - state, "grads": grads, "optimizer": state, "total": total,
             "comm": comm_by_phase, "sent": comm.sent(), "payload": comm.bytes(), "world": dist.get_world_size(),
             "n_params": n_params(cfg)}
 
 
+def compare_preset(P):
+    """`P` with the engine comparison's sequence length (`P.compare_seq_len`): the batches of DDP, ZeRO and
+    FSDP2 in fp32, without activation checkpointing, sized to fit one GPU beside DDP's whole model state."""
+    return replace(P, seq_len=P.compare_seq_len)
+
+
 def memory_vs_world(P, world_sizes=None) -> list[dict]:
     """`measure_engine` for every engine at every world size, as rank 0 of a fake process group in
-    this process (collectives return at once, the data is garbage, the bytes are exact)."""
+    this process, on fake tensors: collectives return at once, nothing is computed or stored, the bytes
+    are exact (they do not depend on the data), so the full profile's comparison model costs the CPU
+    no more than the tiny one."""
     from dlo.plan import fake_world
     from dlo.progress import tqdm
 
     cfg = llama_config(P, "compare_model")
-    x, y = token_batches(P, cfg, 0, "cpu", n=1)[0]
-    rows, threads = [], torch.get_num_threads()
-    if cfg.dim <= 256:  # CPU-sized tensors gain nothing from threads, and a busy CPU makes OpenMP spin
-        torch.set_num_threads(1)
-    try:
-        for world_size in tqdm(list(world_sizes or P.memory_world_sizes), desc="world sizes (fake process group)"):
-            with fake_world(world_size):
-                for name in ENGINES:
-                    rows.append({"engine": name, **measure_engine(name, P, cfg, torch.device("cpu"), x, y,
-                                                                  fake=True)})
-                    gc.collect()  # the engine's reference cycles (hooks on its own parameters): free it now
-    finally:
-        torch.set_num_threads(threads)
+    x = y = torch.zeros(P.batch_per_rank, P.compare_seq_len, dtype=torch.long)
+    rows = []
+    for world_size in tqdm(list(world_sizes or P.memory_world_sizes), desc="world sizes (fake process group)"):
+        with fake_world(world_size):
+            for name in ENGINES:
+                rows.append({"engine": name, **measure_engine(name, P, cfg, torch.device("cpu"), x, y, fake=True)})
+                gc.collect()  # the engine's reference cycles (hooks on its own parameters): free it now
     return rows
 
 
@@ -246,7 +266,7 @@ def run_all(P, log_dir=None, data_dir=None, weights_dir: str = "") -> dict:
     device = rank_device()
     r = dist.get_rank()
     cfg = llama_config(P, "compare_model")
-    batches = token_batches(P, cfg, r, device, data_dir)
+    batches = token_batches(compare_preset(P), cfg, r, device, data_dir)
     out = {"world": dist.get_world_size(), "device": str(device), "engines": {}}
     for name in ENGINES:
         heartbeat(f"one step of {name}")
@@ -259,6 +279,6 @@ def run_all(P, log_dir=None, data_dir=None, weights_dir: str = "") -> dict:
     return out
 
 
-__all__ = ["ENGINES", "STAGE", "build", "check_weights", "check_world", "engine", "llama_config",
+__all__ = ["ENGINES", "STAGE", "build", "check_weights", "check_world", "compare_preset", "engine", "llama_config",
            "lm_loss", "measure_engine", "memory_vs_world", "n_params", "recipe", "run_all", "same_losses",
            "step_fn", "timing", "token_batches", "train_fsdp"]

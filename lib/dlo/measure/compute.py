@@ -50,6 +50,6 @@ def fmt_bytes(n: float) -> str:
         return "-"
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.3g} {unit}"
+            return f"{n:.0f} {unit}" if unit == "B" or abs(n) >= 999.5 else f"{n:.3g} {unit}"  # not "1e+03 MiB"
         n /= 1024
     return f"{n} B"

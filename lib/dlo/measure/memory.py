@@ -37,7 +37,8 @@ class SavedTensorMeter:
     Every saved tensor passes through the pack hook; a storage is counted once however many ops save
     it (or views of it), and is released when the last graph node holding it frees it. Parameters'
     storages (listed in `exclude`) are not activations and are skipped. `bytes` is the current total,
-    `peak` its maximum, including tensors saved again by recomputation during backward.
+    `peak` its maximum, including tensors saved again by recomputation during backward. What it
+    saved is freed with the graph, backpropagated or not (`saved_bytes(..., backward=False)`).
 
     Storages are told apart by identity, not by address, so tensors without memory count too: on the
     meta device (or under FakeTensorMode) the meter gives the bytes a real run would save, from the
@@ -59,7 +60,10 @@ class SavedTensorMeter:
             del self.refs[key], self.dtypes[key]
 
     def _pack(self, t: Tensor):
-        held = _Held(t)
+        # keep a detached alias (same storage, no grad_fn): an output saved by its own node (exp, softmax)
+        # would otherwise hold that node through its grad_fn, a cycle through C++ that Python's collector
+        # cannot see, and a forward that is never backpropagated would keep its whole graph alive
+        held = _Held(t.detach())
         key = _storage_key(t)
         if key in self.skip:
             return held
