@@ -122,6 +122,12 @@ def git_state() -> dict:
     return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
 
 
+def read(path: str | None) -> str:
+    with contextlib.suppress(OSError, TypeError):
+        return Path(path).read_text()[-4000:]
+    return ""
+
+
 def tail(path: Path, lines: int = TAIL_LINES) -> str:
     try:
         with open(path, "rb") as f:
@@ -141,8 +147,8 @@ class Session:
                                "timeout_s": s.timeout, "exclusive": s.exclusive} for s in steps}
         self.write()
 
-    def update(self, name: str, **values) -> None:
-        self.steps[name].update(values)
+    def update(self, step: str, **values) -> None:
+        self.steps[step].update(values)
         self.write()
 
     def write(self, finished: bool = False) -> None:
@@ -250,7 +256,7 @@ class Runner:
             if run.proc.poll() is not None:
                 self._finish(name, status="ok" if run.proc.returncode == 0 else "failed")
             elif time.time() > run.deadline:
-                self._finish(name, status="timeout", reason=f"stopped after {run.deadline - run.start:.0f} s")
+                self._finish(name, status="timeout", reason=f"stopped after {run.deadline - run.start:.1f} s")
 
     def _finish(self, name: str, status: str, reason: str = "") -> None:
         run = self.running.pop(name)
@@ -363,7 +369,7 @@ def main(argv: list[str] | None = None, steps: list[Step] | None = None) -> int:
     meta = {"started": datetime.now(timezone.utc).isoformat(timespec="seconds"), "device": name,
             "mode": "cpu (dry run)" if args.cpu else "gpu", "budget_s": budget, "jobs": jobs, "argv": sys.argv[1:],
             "python": sys.executable, "cores": len(os.sched_getaffinity(0)), "work": str(work), **git_state(),
-            "resumed_from": str(args.resume or ""),
+            "resumed_from": str(args.resume or ""), "setup": read(os.environ.get("DLO_SESSION_SETUP")),
             "note": "torch and Triton are the node's own: the locked CUDA build of requirements/gpu.txt is GBs of "
                     "wheels, over the device tool's 64 MiB carry limit (the env step records both versions)"}
     session = Session(Path(f"{base}.json"), meta, steps)

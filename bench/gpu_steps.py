@@ -81,8 +81,9 @@ def cpu_seconds() -> float:
 def isolated_imports() -> dict:
     """Which modules import in `python -I` (no PYTHONPATH, no user site), as the grader's sandboxed runner
     starts: a carried package must be in the environment's site-packages (or a .pth there) to count."""
-    code = ("import importlib, json\nout = {}\nfor m in %r:\n    try:\n        importlib.import_module(m); out[m] = 'ok'\n"
-            "    except Exception as e:\n        out[m] = f'{type(e).__name__}: {e}'[:200]\nprint(json.dumps(out))") % (IMPORTS,)
+    code = (f"import importlib, json\nout = {{}}\nfor m in {IMPORTS!r}:\n    try:\n"
+            "        importlib.import_module(m); out[m] = 'ok'\n    except Exception as e:\n"
+            "        out[m] = f'{type(e).__name__}: {e}'[:200]\nprint(json.dumps(out))")
     proc = subprocess.run([sys.executable, "-I", "-c", code], capture_output=True, text=True, timeout=120)
     try:
         return json.loads(proc.stdout.strip().splitlines()[-1])
