@@ -16,9 +16,9 @@
 #
 # torch and Triton are the node's own (2.11 / 3.6 on the H200 image so far), not the locked 2.13.0 / 3.7.1 of
 # requirements/gpu.txt: the CUDA torch wheel and its NVIDIA libraries are GBs, over the device tool's 64 MiB
-# per call; the env step records both. Set-up (GPU runs only): the carried wheels go into the interpreter's
+# per call; the env step records both. Set-up (GPU runs only): carried wheels (.whl/) go into the interpreter's
 # own site-packages (where the grader's `python -I` runner and the sandbox, which hides /tmp, find them), and
-# a .pth there puts this checkout's lib/ on every process's path (dlo is not installed on the node).
+# where dlo is not installed (the device tool's node) a .pth there puts this checkout's lib/ on every path.
 set -u
 export DLO_SESSION_T0=${DLO_SESSION_T0:-$(date +%s)}  # the session's budget counts the set-up too
 PY=${PY:-python3}
@@ -26,6 +26,8 @@ OUT=${OUT:-bench/results}
 [ "${DRY:-0}" = 1 ] && set -- --cpu "$@"
 case " $* " in *" --cpu "*|*" --list "*|*" -h "*|*" --help "*) dry=1 ;; *) dry=0 ;; esac
 if [ "$dry" = 0 ]; then
+  command -v nvidia-smi >/dev/null || { echo "gpu_check: no GPU here (nvidia-smi not found): --cpu runs the dry run" >&2
+                                        exit 2; }
   setup=${TMPDIR:-/tmp}/dlo-gpu-session-setup.txt
   export DLO_SESSION_SETUP=$setup
   {
@@ -39,8 +41,10 @@ if [ "$dry" = 0 ]; then
     else
       echo "no .whl/ carried: papermill, nbgrader and ipykernel must be there already"
     fi
-    echo "$PWD/lib" > "$site/dlo-checkout.pth" && echo "dlo: $PWD/lib through $site/dlo-checkout.pth" \
-      || { echo "no .pth: PYTHONPATH only"; export PYTHONPATH=$PWD/lib${PYTHONPATH:+:$PYTHONPATH}; }
+    if ! "$PY" -I -c "import dlo" 2>/dev/null; then  # not installed (the device tool's node): a .pth, as -e would
+      echo "$PWD/lib" > "$site/dlo-checkout.pth" && echo "dlo: $PWD/lib through $site/dlo-checkout.pth" \
+        || { echo "no .pth: PYTHONPATH only"; export PYTHONPATH=$PWD/lib${PYTHONPATH:+:$PYTHONPATH}; }
+    fi
     chmod -R o+rX lib solutions 2>/dev/null  # read by the sandbox's uid 65534 when grading as root
     echo "set-up took $(( $(date +%s) - DLO_SESSION_T0 )) s"
   } > "$setup" 2>&1

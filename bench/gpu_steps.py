@@ -118,7 +118,8 @@ def step_env(a) -> int:
     if cuda:
         p = torch.cuda.get_device_properties(0)
         info.update(device=p.name, capability=f"{p.major}.{p.minor}", memory_gib=round(p.total_memory / 2**30, 1),
-                    sms=p.multi_processor_count, nccl=".".join(map(str, torch.cuda.nccl.version())))
+                    sms=p.multi_processor_count, nccl=".".join(map(str, torch.cuda.nccl.version()))
+                    if isinstance(torch.cuda.nccl.version(), tuple) else str(torch.cuda.nccl.version()))
     lock = locked()
     info["matches_lock"] = torch.__version__.split("+")[0] == lock["torch"] and triton.__version__ == lock["triton"]
     result(**info)
