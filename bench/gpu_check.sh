@@ -7,8 +7,9 @@
 #     run(command="bash bench/gpu_check.sh", carry=[".whl"], timeout_s=600)
 # and commit what comes back (files_at) under bench/results/: <date>T<HHMM>_<device>_gpu-session.json (every
 # step: ok/failed/timeout/skipped, seconds, numbers, log tail), ...-logs.txt, ...-files.tar.gz (executed
-# notebooks, grading CSVs). Steps that did not fit: a second call with "--resume bench/results/<that>.json"
-# (the earlier JSON committed or untracked, so that it travels) runs only those.
+# notebooks, grading CSVs). Steps that did not fit (skipped, "out of time"): copy that JSON into bench/results/
+# (untracked files travel) and call again at once, while the machine is warm (30 s; a fresh start costs minutes of
+# the session's 15), with "--resume bench/results/<that>.json --budget S", S what the device time left allows.
 # On any CUDA node: `bash bench/gpu_check.sh` writes into bench/results (OUT=DIR elsewhere).
 # Without a GPU, the dry run (the same runner and steps at the tiny profile, CUDA-only steps skipped):
 #     bash bench/gpu_check.sh --cpu        (or DRY=1 bash bench/gpu_check.sh)
