@@ -11,10 +11,12 @@ starts) run under `bwrap` with:
   systemd - would take it for root). As any other user, bwrap runs unprivileged in a user namespace
   (`--unshare-user --uid 65534 --gid 65534 --disable-userns`): uid 65534 inside, the grader's uid
   outside, no further user namespaces;
-- a read-only view of the system (`--ro-bind / /`) where no mount can be undone (no capability; the
-  mounts are locked for a nested namespace); a private /dev (`--dev`) with only the GPUs' nodes
-  (/dev/nvidia*, /dev/dri) bound in, so a private /dev/shm (a tmpfs of its own); a private /tmp; /run
-  hidden (the system's and the grader's sockets: D-Bus, systemd, docker);
+- a read-only view of the system (`--ro-bind / /`, recursive: the driver's libraries, e.g. under
+  /usr/local/nvidia, a C compiler and Python's headers for Triton's JIT come along) where no mount can be
+  undone (no capability; the mounts are locked for a nested namespace); a private /dev (`--dev`) with
+  only the GPUs' nodes (`gpu_nodes()`: /dev/nvidia*, /dev/nvidia-caps, /dev/dri) bound in, so a private
+  /dev/shm (a tmpfs of its own); a /proc of its own (the driver's /proc/driver/nvidia is in every one);
+  a private /tmp; /run hidden (the system's and the grader's sockets: D-Bus, systemd, docker);
 - tmpfs over what a student must not read: the course checkout (solutions/, its git history, earlier
   runs), the submissions folder (other students' notebooks), the grading output (the nbgrader course
   root with the instructors' notebooks, hidden tests and gradebooks) and the grader's HOME; as root,
@@ -60,7 +62,8 @@ from pathlib import Path
 SPEC_ENV = "DLO_SANDBOX_SPEC"  # path of the JSON spec `dlo grade` writes for one submission
 BWRAP_ENV = "DLO_BWRAP"  # the bwrap to use (a path); else a system bwrap, else the bundled one
 UID = GID = 65534  # who the student's code is, inside the sandbox and (grading as root) outside too
-GPU_NODES = ("/dev/nvidia*", "/dev/nvidia-caps", "/dev/dri")
+GPU_NODES = ("/dev/nvidia*", "/dev/nvidia-caps", "/dev/dri")  # the first also matches nvidia-caps: bound once
+UVM = "/dev/nvidia-uvm"  # CUDA's unified memory node: made by the driver at the machine's first CUDA start
 BASE = ["--ro-bind", "/", "/", "--dev", "/dev", "--perms", "1777", "--tmpfs", "/dev/shm", "--proc", "/proc",
         "--perms", "1777", "--tmpfs", "/tmp", "--tmpfs", "/run",
         "--unshare-pid", "--unshare-ipc", "--unshare-net", "--new-session", "--die-with-parent",
@@ -246,10 +249,12 @@ class Spec:
         return self._prefix(writable=[self.runner_dir], readonly=[self.capture_dir], cwd=self.runner_dir)
 
     def env(self, cwd: Path) -> dict:
-        """HOME and the caches in the sandbox's own scratch (the real HOME is hidden there)."""
+        """HOME and the caches in the sandbox's own scratch (the real HOME is hidden there), also those a
+        grader's environment may point elsewhere: Triton's and torch.compile's (inductor's) caches."""
         home = cwd / ".home"
         return {"HOME": str(home), "XDG_CACHE_HOME": str(home / ".cache"), "MPLCONFIGDIR": str(home / ".mpl"),
-                "TRITON_CACHE_DIR": str(home / ".triton"), "IPYTHONDIR": str(home / ".ipython"),
+                "TRITON_HOME": str(home), "TRITON_CACHE_DIR": str(home / ".triton"),
+                "TORCHINDUCTOR_CACHE_DIR": str(home / ".cache" / "torchinductor"), "IPYTHONDIR": str(home / ".ipython"),
                 "XDG_RUNTIME_DIR": str(home / ".run")}
 
     def _prefix(self, writable: list[Path], readonly: list[Path], cwd: Path) -> list[str]:
@@ -258,9 +263,8 @@ class Spec:
         args = [self.bwrap or bwrap_path() or "bwrap", *BASE]
         if not as_root():
             args += AS_USER
-        for pattern in GPU_NODES:
-            for node in sorted(glob.glob(pattern)):
-                args += ["--dev-bind-try", node, node]
+        for node in gpu_nodes():
+            args += ["--dev-bind-try", node, node]
         if os.path.isdir("/var/run") and not os.path.islink("/var/run"):
             args += ["--tmpfs", "/var/run"]
         for h in self.hidden:
@@ -287,6 +291,19 @@ class Spec:
         if as_root():
             args += [shutil.which("setpriv") or "setpriv", *DROP, "--"]
         return args
+
+
+def gpu_nodes() -> list[str]:
+    """The GPUs' device nodes the sandbox's /dev gets, each once. Where a GPU is present but CUDA's
+    /dev/nvidia-uvm is not there yet (no CUDA program has run on the machine since it started), it is
+    made first (`nvidia-modprobe`, set-uid root, as the driver would): inside the sandbox the driver
+    cannot make it (a /dev of its own, no new privileges), and CUDA does not start without it."""
+    if glob.glob("/dev/nvidia[0-9]*") and not os.path.exists(UVM):
+        exe = shutil.which("nvidia-modprobe")  # without it, CUDA in the sandbox fails and says why
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            if exe:
+                subprocess.run([exe, "-u", "-c=0"], capture_output=True, timeout=30, stdin=subprocess.DEVNULL)
+    return sorted({node for pattern in GPU_NODES for node in glob.glob(pattern)})
 
 
 def make_spec(mode: str, scratch: Path, hidden: list[Path], bwrap: str | None = None) -> Spec:
