@@ -6,13 +6,13 @@ import torch
 
 from dlo.attention import (
     attention_costs,
-    attention_memory,
     compile_speedup,
     loglog_slope,
     naive_attention,
     qkv,
     sdpa_attention,
 )
+from dlo.kernels.flash_attention import attention_memory
 from dlo.measure import allocated_peak
 
 

@@ -6,8 +6,8 @@ autograd keeps them for backward, O(T^2) memory per head. `sdpa_attention` calls
 are computed block by block in on-chip memory, never written out, and recomputed in backward; only
 the output and the softmax's log-sum-exp per row are kept, O(T). The CPU has a fused kernel of the
 same algorithm, so the memory effect is measurable here; the speed claims (HBM traffic) are not.
-`attention_memory` counts the bytes one forward allocates, naive against the course's own tiled
-kernel (dlo.kernels.flash_attention, FlashAttention-2's forward in Triton), beside the formulas.
+The bytes one forward allocates, naive against the course's own tiled kernel, are counted beside that
+kernel (`dlo.kernels.flash_attention.attention_memory`), which builds on this module.
 
 `compile_speedup` times a chain of pointwise ops eager and under torch.compile, which fuses the
 chain into one loop (one kernel on a GPU): one read and one write of memory instead of one per op.
@@ -19,13 +19,12 @@ from __future__ import annotations
 
 import math
 import time
-from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from dlo.measure import allocated_peak, saved_bytes, time_interleaved
+from dlo.measure import saved_bytes, time_interleaved
 
 
 def attention_scores(q: Tensor, k: Tensor, causal: bool = True) -> Tensor:
@@ -77,31 +76,6 @@ def attention_costs(lengths, *, batch: int = 1, heads: int = 4, head_dim: int = 
         timing = time_interleaved(fns, device=device, warmup=2, reps=reps)
         for name in IMPLS:
             rows.append({"T": t, "impl": name, "saved_bytes": saved[name], "timing": timing[name]})
-    return rows
-
-
-def attention_memory(lengths, *, batch: int = 1, heads: int = 2, head_dim: int = 16, causal: bool = True,
-                     device="cpu", dtype=torch.float32) -> list[dict]:
-    """Per sequence length T: the peak bytes torch allocates in one forward (no autograd) of naive
-    attention, of the tiled kernel (dlo.kernels.flash_attention; None where it cannot run here) and of
-    the same loop in torch (`flash_attention_blocked_ref`, measurable on any device: its blocks of S are
-    tensors in memory, (B, H, T, block_k) fp32, so it allocates O(T) but more than the kernel), counted by
-    dlo.measure.allocated_peak, beside the formulas: naive writes the scores S, B H T^2 elements, then
-    P = softmax(S) beside them; the tiled kernel writes only O (B H T d) and its fp32 log-sum-exp L
-    (B H T); its blocks of S live in on-chip memory, a size that does not grow with T."""
-    from dlo.kernels.flash_attention import flash_attention, flash_attention_blocked_ref  # they import this module
-    from dlo.kernels.runtime import kernel_available
-
-    itemsize = torch.empty(0, dtype=dtype).element_size()
-    rows = []
-    for t in lengths:
-        q, k, v = (x.detach() for x in qkv(batch, heads, t, head_dim, device=device, dtype=dtype))
-        tiled = allocated_peak(partial(flash_attention, q, k, v, causal)) if kernel_available(device) else None
-        rows.append({"T": t, "naive_bytes": allocated_peak(partial(naive_attention, q, k, v, causal)),
-                     "tiled_bytes": tiled, "blocked_bytes": allocated_peak(partial(flash_attention_blocked_ref, q, k,
-                                                                                   v, causal)),
-                     "scores_bytes": batch * heads * t * t * itemsize,
-                     "o_lse_bytes": batch * heads * t * (head_dim * itemsize + 4)})
     return rows
 
 

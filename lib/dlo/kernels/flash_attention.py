@@ -13,27 +13,30 @@ exp(m_old - m_new) (the online softmax of Milakov & Gimelshein 2018):
 and after the last block O_i = acc_i / l_i and L_i = m_i + log(l_i), the log-sum-exp of each row,
 which is all the backward pass needs to recompute P (FlashAttention-2's Algorithm 2). Memory beyond
 the inputs: O and L, O(T) per head, against the O(T^2) scores of naive attention
-(dlo.attention.attention_memory measures both). Products run on the tensor cores in the input dtype
+(`attention_memory` below measures both). Products run on the tensor cores in the input dtype
 (P is cast to it, as in the paper), sums in fp32; fp32 inputs get true fp32 products ("ieee", not
 TF32). With `causal`, a query block stops at its diagonal: key blocks past it are never read.
 
 Order: kernel, launcher, `flash_attention_ref` (torch, fp32, the scores written out) and
-`flash_attention_blocked_ref` (the kernel's loop in torch, block by block), compile cases, benchmark.
+`flash_attention_blocked_ref` (the kernel's loop in torch, block by block), compile cases, benchmark, and
+the memory of one forward of each (`attention_memory`, Day 2's table).
 """
 
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from dlo.attention import attention_scores
+from dlo.attention import attention_scores, naive_attention, qkv, sdpa_attention
 from dlo.errors import BadInput
 from dlo.kernels.aot import CompileCase
 from dlo.kernels.runtime import kernel_available, round_to_bf16, time_ms
+from dlo.measure import allocated_peak
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 HEAD_DIMS = (16, 32, 64, 128)  # tl.arange needs a power of two; tensor-core tiles need >= 16
@@ -232,7 +235,6 @@ def bench(lengths: tuple[int, ...] = (1024, 4096), B: int = 4, H: int = 16, D: i
     scaled_dot_product_attention vs this kernel; TFLOP/s on the work causal attention needs."""
     if not torch.cuda.is_available() or not kernel_available("cuda"):
         raise RuntimeError("the flash_attention benchmark needs a CUDA GPU (and TRITON_INTERPRET unset)")
-    from dlo.attention import naive_attention, sdpa_attention
     from dlo.hardware import add_roofline, peak
     figures = peak("cuda") or {}
     rows = []
@@ -253,3 +255,27 @@ def bench(lengths: tuple[int, ...] = (1024, 4096), B: int = 4, H: int = 16, D: i
         q = k = v = None
         torch.cuda.empty_cache()
     return add_roofline(rows, figures.get("name"))
+
+
+# ----------------------------------------------------------------------------- memory (Day 2)
+
+def attention_memory(lengths, *, batch: int = 1, heads: int = 2, head_dim: int = 16, causal: bool = True,
+                     device="cpu", dtype=torch.float32) -> list[dict]:
+    """Per sequence length T: the peak bytes torch allocates in one forward (no autograd) of naive
+    attention, of the tiled kernel (`flash_attention`; None where it cannot run here) and of
+    the same loop in torch (`flash_attention_blocked_ref`, measurable on any device: its blocks of S are
+    tensors in memory, (B, H, T, block_k) fp32, so it allocates O(T) but more than the kernel), counted by
+    dlo.measure.allocated_peak, beside the formulas: naive writes the scores S, B H T^2 elements, then
+    P = softmax(S) beside them; the tiled kernel writes only O (B H T d) and its fp32 log-sum-exp L
+    (B H T); its blocks of S live in on-chip memory, a size that does not grow with T."""
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    rows = []
+    for t in lengths:
+        q, k, v = (x.detach() for x in qkv(batch, heads, t, head_dim, device=device, dtype=dtype))
+        tiled = allocated_peak(partial(flash_attention, q, k, v, causal)) if kernel_available(device) else None
+        rows.append({"T": t, "naive_bytes": allocated_peak(partial(naive_attention, q, k, v, causal)),
+                     "tiled_bytes": tiled, "blocked_bytes": allocated_peak(partial(flash_attention_blocked_ref, q, k,
+                                                                                   v, causal)),
+                     "scores_bytes": batch * heads * t * t * itemsize,
+                     "o_lse_bytes": batch * heads * t * (head_dim * itemsize + 4)})
+    return rows
