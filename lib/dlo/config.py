@@ -49,10 +49,20 @@ def seed_everything(seed: int) -> None:
 
 
 def pick_backend(world_size: int, backend: str | None = None) -> str:
-    """The process-group backend of `world_size` ranks on this machine, the one rule of `Run` and
-    `dlo.distributed.launch`: None picks NCCL when every rank can have its own GPU, else gloo; NCCL asked
-    for with fewer GPUs than ranks is refused (ValueError, one line)."""
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    """The process-group backend of `world_size` ranks, the one rule of `Run` and `dlo.distributed.launch`:
+    None picks NCCL when every rank can have its own GPU, else gloo; NCCL asked for with fewer GPUs than ranks
+    is refused (ValueError, one line). Under torchrun/srun the job's ranks and GPUs decide, by the rule every
+    rank of the job applies alike (`dlo.distributed.placement.place`): a world size other than the job's is
+    refused, and so is a job where only some ranks would have a GPU."""
+    from dlo.distributed import placement
+
+    job = placement.launched(os.environ)
+    if job is not None:
+        if world_size != job.world_size:
+            raise ValueError(f"world_size={world_size} but {job.launcher} started {job.world_size} ranks; leave "
+                             f"world_size=0 (the job's) or start {world_size} ranks")
+        return placement.place(job, os.environ, placement.cuda_count(), backend).backend
+    gpus = placement.cuda_count()
     if backend is None:
         return "nccl" if gpus >= world_size else "gloo"
     if "nccl" in backend and gpus < world_size:
@@ -67,10 +77,17 @@ def resolve_world(world_size: int, preset: Any, device: torch.device) -> tuple[i
     world_size > 0 is taken as asked; 0 means the preset's `world_size` (1 on single-process days). On a
     GPU device every rank needs its own GPU (NCCL): with fewer GPUs than asked for, a 0 request
     shrinks to the GPU count and an explicit one is refused (`pick_backend`). On the CPU the ranks
-    use gloo.
+    use gloo. Under torchrun/srun (more than one task) 0 means the job's ranks, and the job's GPUs, not
+    this node's, decide (`pick_backend`).
     """
     if world_size < 0:
         raise ValueError(f"world_size must be >= 0 (0: the preset's), got {world_size}")
+    from dlo.distributed.placement import launched
+
+    job = launched(os.environ)
+    if job is not None:  # the ranks exist already: the job's world, its GPUs judged on every rank alike
+        world_size = world_size or job.world_size
+        return world_size, pick_backend(world_size, "nccl" if device.type == "cuda" else "gloo")
     wanted = world_size or int(getattr(preset, "world_size", 1))
     if device.type == "cuda" and not world_size:
         wanted = min(wanted, torch.cuda.device_count())
