@@ -31,7 +31,7 @@ def test_lab_on_a_node_answers_then_scancel_leaves_nothing(slurm, tmp_path):
     (notebooks / "hello.ipynb").write_text(json.dumps({"cells": [], "metadata": {}, "nbformat": 4,
                                                        "nbformat_minor": 5}))
     env = {"NOTEBOOK_DIR": str(notebooks), "JUPYTER_CONFIG_DIR": str(config), "LOGIN_HOST": "login.example"}
-    job = slurm.sbatch(f"--output={log}", "slurm/jupyter.sbatch", env=env)
+    job = slurm.sbatch("--gres=gpu:1", f"--output={log}", "slurm/jupyter.sbatch", env=env)  # as its header says
     url = None
     for _ in range(300):  # the server's start (a hang guard)
         text = log.read_text() if log.exists() else ""
@@ -44,6 +44,7 @@ def test_lab_on_a_node_answers_then_scancel_leaves_nothing(slurm, tmp_path):
     assert url, log.read_text()
     [tunnel] = re.findall(r"^    (ssh .*)$", text, re.M)
     assert tunnel == f"ssh -N -L {port}:127.0.0.1:{port} root@login.example"  # NodeAddr of n1/n2 here
+    assert ", GPUs 0" in text  # the student's GPU
 
     # through the tunnel's far end: the node's address and the port
     here = url.replace("localhost", "127.0.0.1")
