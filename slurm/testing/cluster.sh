@@ -75,7 +75,7 @@ write_gres() {
     mkdir -p "$DIR/gpu"
     local i
     for i in $(seq 0 $((GPUS - 1))); do
-        [ -c "$DIR/gpu/nvidia$i" ] || mknod -m 600 "$DIR/gpu/nvidia$i" c 1 3
+        [ -c "$DIR/gpu/nvidia$i" ] || { rm -f "$DIR/gpu/nvidia$i"; mknod -m 600 "$DIR/gpu/nvidia$i" c 1 3; }
     done
     cat > "$DIR/gres.conf" <<EOF
 # Written by slurm/testing/cluster.sh: $GPUS GPU(s) per node, device files with nothing behind them.
