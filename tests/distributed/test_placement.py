@@ -38,6 +38,12 @@ def test_two_nodes_gpus_per_node_local_rank_takes_its_gpu():
         ("nccl", 0, "4", 2), ("nccl", 1, "5", 2), ("nccl", 0, "4", 2), ("nccl", 1, "5", 2)]
 
 
+def test_a_step_with_fewer_gpus_than_its_job_counts_the_steps():
+    # sbatch --gres=gpu:4, then `srun --gres=gpu:2`: SLURM_GPUS_ON_NODE is the step's 2, SLURM_JOB_GPUS the job's 4
+    envs = [srun_task(r, 1, 2, "0,1", node_gpus=2, SLURM_JOB_GPUS="0,1,2,3") for r in range(2)]
+    assert [(p.device, p.gpu) for p in _all(envs, 2)] == [(0, "0"), (1, "1")]  # per node, not two tasks on cuda:0
+
+
 def test_torchrun_two_nodes_of_four():
     envs = [torchrun_rank(r, 2, 4) for r in range(8)]
     got = _all(envs, 4)
