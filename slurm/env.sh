@@ -21,4 +21,4 @@ else
     echo "slurm/env.sh: no ./.venv and no conda for DLO_ENV=$DLO_ENV; set DLO_ENV to a venv path" >&2; exit 2
 fi
 command -v dlo >/dev/null || { echo "slurm/env.sh: $DLO_ENV has no dlo command (pip install -e .)" >&2; exit 2; }
-echo "$(date) $(hostname) job ${SLURM_JOB_ID:-?}: environment $DLO_ENV ($(command -v python))"
+echo "$(date) $(hostname) job ${SLURM_JOB_ID:-?}: environment $DLO_ENV ($(command -v python)), GPUs ${CUDA_VISIBLE_DEVICES:-none}"

@@ -7,10 +7,19 @@
 # hub's version of `jupyterhub` into the course's environment (the single-user server runs there:
 # batchspawner-singleuser). Neither is in requirements/ (only a hub needs them).
 #
-# What a student gets: a job of its own on a GPU node, JupyterLab started by the hub in the course's
-# environment, with `dlo setup student --user` applied first (Validate with the course's timeout, no
-# instructor tools), the same as slurm/jupyter.sbatch without the SSH tunnel. Tested by rendering the
-# job script the way batchspawner does (tests/slurm/test_jupyterhub_config.py); a hub itself is not run.
+# What a student gets: a job of its own on a GPU node (req_gres below: one GPU, common for a class),
+# JupyterLab started by the hub in the course's environment, with `dlo setup student --user` applied first
+# (Validate with the course's timeout, no instructor tools), the same as slurm/jupyter.sbatch without the
+# SSH tunnel. Tested by rendering the job script the way batchspawner does
+# (tests/slurm/test_jupyterhub_config.py); a hub itself is not run.
+#
+# GPUs each day wants at the full profile (one rank per GPU: the full presets' world_size, dlo.presets):
+#   1: day1_optimizers day2_mixed_precision day3_checkpointing day8_quantization_pruning
+#   4: day4_ddp day6_pipeline
+#   8: day5_fsdp day7_tensor_parallel
+# One GPU runs Days 1-3 and 8 at their size; on fewer GPUs than a day's ranks, Days 4-7 run their multi-rank
+# parts on CPU ranks at the tiny sizes and their single-GPU parts on the GPU (the notebook prints what runs
+# where). req_gres = "gpu:4" runs Days 4 and 6 at their size, "gpu:8" every day.
 
 DLO_CHECKOUT = "/path/to/checkout"  # the course's checkout, readable by every student
 DLO_ENV = ""  # as slurm/env.sh reads it: a venv path, a conda env name, or "" for the checkout's .venv

@@ -226,3 +226,16 @@ def test_the_launches_run_on_cpu_ranks_from_the_full_profile_path(gpus, monkeypa
         run = runs[day]
         R = launch(fn, run.world_size, run.ranks.preset, *rest, backend=run.backend, timeout=300)[0]
         assert (R["world"], R["device"]) == (run.world_size, "cpu") and run.world_size >= 2, day
+
+
+def test_under_a_launcher_the_jobs_ranks_are_the_launch_not_cpu_stand_ins(gpus, monkeypatch):
+    """Under srun the ranks exist already: the job's world (8 ranks of two 4-GPU nodes, each rank's own GPU)
+    is the launch, not the preset's 4, and never the CPU ranks that stand in for GPUs a machine lacks."""
+    gpus(4)
+    for name, value in {"SLURM_STEP_ID": "0", "SLURM_PROCID": "5", "SLURM_LOCALID": "1", "SLURM_NODEID": "1",
+                        "SLURM_NTASKS": "8", "SLURM_STEP_NUM_TASKS": "8", "SLURM_STEP_TASKS_PER_NODE": "4(x2)",
+                        "SLURM_GPUS_ON_NODE": "4", "CUDA_VISIBLE_DEVICES": "0,1,2,3"}.items():
+        monkeypatch.setenv(name, value)
+    run = resolve("day4_ddp", profile="full")
+    assert (run.world_size, run.backend, run.ranks.why) == (8, "nccl", "")
+    assert run.ranks.preset is run.preset

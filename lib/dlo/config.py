@@ -75,10 +75,20 @@ def seed_everything(seed: int) -> None:
 
 
 def pick_backend(world_size: int, backend: str | None = None) -> str:
-    """The process-group backend of `world_size` ranks on this machine, the one rule of `Run` and
-    `dlo.distributed.launch`: None picks NCCL when every rank can have its own GPU, else gloo; NCCL asked
-    for with fewer GPUs than ranks is refused (ValueError, one line)."""
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    """The process-group backend of `world_size` ranks, the one rule of `Run` and `dlo.distributed.launch`:
+    None picks NCCL when every rank can have its own GPU, else gloo; NCCL asked for with fewer GPUs than ranks
+    is refused (ValueError, one line). Under torchrun/srun the job's ranks and GPUs decide, by the rule every
+    rank of the job applies alike (`dlo.distributed.placement.place`): a world size other than the job's is
+    refused, and so is a job where only some ranks would have a GPU."""
+    from dlo.distributed import placement
+
+    job = placement.launched(os.environ)
+    if job is not None:
+        if world_size != job.world_size:
+            raise ValueError(f"world_size={world_size} but {job.launcher} started {job.world_size} ranks; leave "
+                             f"world_size=0 (the job's) or start {world_size} ranks")
+        return placement.place(job, os.environ, placement.cuda_count(), backend).backend
+    gpus = placement.cuda_count()
     if backend is None:
         return "nccl" if gpus >= world_size else "gloo"
     if "nccl" in backend and gpus < world_size:
@@ -93,9 +103,17 @@ def resolve_world(world_size: int, preset: Any, device: torch.device) -> tuple[i
     world_size > 0 is taken as asked; 0 means the preset's `world_size` (1 on single-process days). On a
     GPU device every rank needs its own GPU (NCCL): fewer GPUs than ranks is refused (`pick_backend`;
     `resolve_ranks` moves a 0 request to CPU ranks before it gets here). On the CPU the ranks use gloo.
+    Under torchrun/srun (more than one task) 0 means the job's ranks, and the job's GPUs, not this
+    node's, decide (`pick_backend`).
     """
     if world_size < 0:
         raise ValueError(f"world_size must be >= 0 (0: the preset's), got {world_size}")
+    from dlo.distributed.placement import launched
+
+    job = launched(os.environ)
+    if job is not None:  # the ranks exist already: the job's world, its GPUs judged on every rank alike
+        world_size = world_size or job.world_size
+        return world_size, pick_backend(world_size, "nccl" if device.type == "cuda" else "gloo")
     wanted = world_size or int(getattr(preset, "world_size", 1))
     return wanted, pick_backend(wanted, "nccl" if device.type == "cuda" else "gloo")
 
@@ -124,8 +142,11 @@ def resolve_ranks(day: str, world_size: int, profile: str, preset: Any, device: 
     whose GPUs are fewer than the preset's ranks (one GPU per student) the launches run on the tiny
     preset's CPU ranks (`max_steps`, `smoke` and `overrides` applied to it as to `preset`). An explicit
     `world_size` above the GPUs stays refused in one line (device='cpu' asks for CPU ranks)."""
+    from dlo.distributed.placement import launched
+
     wanted = world_size or int(getattr(preset, "world_size", 1))
-    if device.type == "cuda" and not world_size and pick_backend(wanted) != "nccl":
+    standing_in = launched(os.environ) is None  # under torchrun/srun the job's ranks exist: resolve_world's
+    if device.type == "cuda" and not world_size and standing_in and pick_backend(wanted) != "nccl":
         return cpu_ranks(day, wanted, max_steps, smoke, overrides or {})
     n, backend = resolve_world(world_size, preset, device)
     return Ranks(n, backend, device.type, profile, preset)
@@ -135,8 +156,10 @@ def cpu_ranks(day: str, wanted: int, max_steps: int, smoke: bool | None, overrid
     """The tiny profile's gloo ranks on the CPU, standing in for `wanted` NCCL ranks this machine cannot
     give: the collectives still run, on the sizes a CPU finishes in minutes."""
     tiny = get_preset(day, "tiny", max_steps, smoke=smoke, **overrides)
+    from dlo.distributed.placement import cuda_count
+
     n, backend = resolve_world(0, tiny, torch.device("cpu"))
-    gpus = torch.cuda.device_count()
+    gpus = cuda_count()
     return Ranks(n, backend, "cpu", "tiny", tiny, f"{wanted} NCCL ranks need {wanted} GPUs, {gpus} visible")
 
 
@@ -196,13 +219,14 @@ class Run:
         """What runs where, a short block for the notebook (`setup` prints it on days that launch ranks):
         each part with its ranks, backend, device, profile and sizes (the preset's `sizes()`), and why the
         launches are CPU ranks when they are."""
+        from dlo.distributed.placement import cuda_count
         from dlo.tables import format_table
 
         def sizes(preset) -> str:
             return preset.sizes() if hasattr(preset, "sizes") else str(preset)
 
         r = self.ranks
-        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        gpus = cuda_count()
         rows = [{"part": "the notebook's own cells (run.preset)", "ranks": "1", "backend": "-",
                  "device": str(self.device), "profile": self.profile, "sizes": sizes(self.preset)},
                 {"part": "launches (run.ranks.preset)", "ranks": str(r.world_size), "backend": r.backend,

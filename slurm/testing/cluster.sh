@@ -6,6 +6,8 @@
 # gets its own socket (slurm.conf's AuthInfo points the clients at it) and the daemons their own ports.
 # Debian's slurm-wlm is built with MULTIPLE_SLURMD, so two slurmd (-N n1, -N n2) on the loopback make a
 # two-node partition `debug`. Needs root (slurmd runs jobs as their users) and `slurm-wlm munge`.
+# Each node has $DLO_SLURM_GPUS GPUs (default 4) as SLURM sees them (GRES gpu: see write_gres), so that
+# --gres=gpu:N, --gpus-per-task and each task's CUDA_VISIBLE_DEVICES are real; torch sees no CUDA behind them.
 # Use it from a shell with:  export SLURM_CONF=$DLO_SLURM_DIR/slurm.conf   (what `up` prints)
 #
 # Every daemon is started with DLO_SLURM_CLUSTER=<state folder> in its environment (so a recycled pid in
@@ -20,6 +22,7 @@ CONF=$DIR/slurm.conf
 CTLD_PORT=${DLO_SLURM_CTLD_PORT:-16817}
 NODE_PORTS=(${DLO_SLURM_NODE_PORTS:-17001 17002})
 NODES=(n1 n2)
+GPUS=${DLO_SLURM_GPUS:-4}
 export SLURM_CONF=$CONF
 
 die() { echo "cluster.sh: $*" >&2; exit 1; }
@@ -55,9 +58,29 @@ MinJobAge=3600
 KillWait=5
 SchedulerParameters=bf_interval=2
 JobRequeue=1
-NodeName=${NODES[0]} NodeHostname=$host NodeAddr=127.0.0.1 Port=${NODE_PORTS[0]} CPUs=$(nproc) RealMemory=4000
-NodeName=${NODES[1]} NodeHostname=$host NodeAddr=127.0.0.1 Port=${NODE_PORTS[1]} CPUs=$(nproc) RealMemory=4000
+GresTypes=gpu
+NodeName=${NODES[0]} NodeHostname=$host NodeAddr=127.0.0.1 Port=${NODE_PORTS[0]} CPUs=$(nproc) RealMemory=4000 Gres=gpu:$GPUS
+NodeName=${NODES[1]} NodeHostname=$host NodeAddr=127.0.0.1 Port=${NODE_PORTS[1]} CPUs=$(nproc) RealMemory=4000 Gres=gpu:$GPUS
 PartitionName=debug Nodes=${NODES[0]},${NODES[1]} Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
+EOF
+}
+
+# GPUs as SLURM sees them: a gres.conf whose File= entries are files of the state folder named as a
+# node's device files are (nvidia0...; the same names on both nodes, as on real ones). SLURM 22.05 takes
+# only character or block devices there ("not a valid character or block device": no GPU in any job's
+# environment), so each is a character device with /dev/null's numbers: nothing behind it to open.
+# Without task/cgroup nothing is confined: --gres=gpu:N, --gpus-per-task and each task's
+# CUDA_VISIBLE_DEVICES are SLURM's own.
+write_gres() {
+    mkdir -p "$DIR/gpu"
+    local i
+    for i in $(seq 0 $((GPUS - 1))); do
+        [ -c "$DIR/gpu/nvidia$i" ] || { rm -f "$DIR/gpu/nvidia$i"; mknod -m 600 "$DIR/gpu/nvidia$i" c 1 3; }
+    done
+    cat > "$DIR/gres.conf" <<EOF
+# Written by slurm/testing/cluster.sh: $GPUS GPU(s) per node, device files with nothing behind them.
+AutoDetect=off
+Name=gpu File=$DIR/gpu/nvidia[0-$((GPUS - 1))]
 EOF
 }
 
@@ -92,6 +115,7 @@ up() {
     [ -f "$DIR/munge/munge.key" ] || { dd if=/dev/urandom of="$DIR/munge/munge.key" bs=1024 count=1 status=none
                                          chmod 400 "$DIR/munge/munge.key"; }
     write_conf
+    write_gres
     # munged refuses a world-writable parent without --force; ours is private (700) and root-owned.
     start munged munged --force --socket="$DIR/munge/munge.socket" --key-file="$DIR/munge/munge.key" \
         --pid-file="$DIR/pid/munged.pid" --log-file="$DIR/log/munged.log" --seed-file="$DIR/munge/seed"

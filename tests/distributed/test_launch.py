@@ -249,6 +249,7 @@ def test_launcher_env_mismatch_and_missing_master(monkeypatch):
         monkeypatch.delenv(k, raising=False)
     monkeypatch.setenv("SLURM_PROCID", "1")
     monkeypatch.setenv("SLURM_NTASKS", "2")
+    monkeypatch.setenv("SLURM_STEP_ID", "0")  # a task of an srun step (a batch script is none)
     with pytest.raises(RuntimeError, match="sbatch script must export"):
         launch(print, 2)
 

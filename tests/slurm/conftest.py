@@ -31,6 +31,7 @@ class Cluster:
     def __init__(self, conf: Path):
         self.conf = conf
         self.env = dict(os.environ, SLURM_CONF=str(conf), DLO_ENV=str(Path(sys.prefix)), OMP_NUM_THREADS="1")
+        self.submitted: list[str] = []  # cancelled after each test: a failed one leaves no job holding the nodes
 
     def run(self, *cmd: str, check: bool = True, env: dict | None = None) -> str:
         done = subprocess.run(cmd, capture_output=True, text=True, env={**self.env, **(env or {})}, cwd=REPO,
@@ -41,7 +42,9 @@ class Cluster:
 
     def sbatch(self, *args: str, env: dict | None = None) -> str:
         """sbatch --parsable ARGS... with `env` added to what the job inherits; the job id."""
-        return self.run("sbatch", "--parsable", *args, env=env).strip().split(";")[0]
+        job = self.run("sbatch", "--parsable", *args, env=env).strip().split(";")[0]
+        self.submitted.append(job)
+        return job
 
     def jobs(self, job_id: str) -> list[dict]:
         """Every task of a job (an array has several) as scontrol shows it: JobState, ExitCode, Restarts..."""
@@ -84,3 +87,15 @@ def slurm() -> Cluster:
             pytest.fail(f"CI=true and {why}")
         pytest.skip(why)
     return Cluster(conf)
+
+
+@pytest.fixture(autouse=True)
+def _no_job_left(request):
+    """After a test on the cluster, its jobs still queued or running are cancelled: one that failed before its
+    own scancel would hold CPUs and GPUs the next tests wait for."""
+    yield
+    if "slurm" in request.fixturenames:
+        cluster = request.getfixturevalue("slurm")
+        if cluster.submitted:
+            cluster.run("scancel", *cluster.submitted, check=False)
+            cluster.submitted.clear()

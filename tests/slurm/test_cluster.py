@@ -1,7 +1,9 @@
-"""slurm/testing/cluster.sh: a second test cluster (own state folder and ports, beside the session's)
-comes up with both nodes idle, and `down` leaves no daemon and no job process behind."""
+"""slurm/testing/cluster.sh: both nodes of the session's cluster have GPUs as SLURM sees them (GRES gpu), and a
+second test cluster (own state folder and ports, beside the session's) comes up with both nodes idle, and
+`down` leaves no daemon and no job process behind."""
 
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -12,6 +14,13 @@ import pytest
 from tests.slurm.conftest import SCRIPT
 
 pytestmark = pytest.mark.slurm
+
+
+def test_both_nodes_have_gres_gpu(slurm):
+    nodes = slurm.run("scontrol", "-o", "show", "node")
+    assert re.findall(r"NodeName=(\S+) .*?Gres=(\S+)", nodes) == [("n1", "gpu:4"), ("n2", "gpu:4")]
+    config = slurm.run("scontrol", "show", "config")
+    assert re.search(r"^GresTypes\s+= gpu$", config, re.M)
 
 
 def _script(state: Path, *args: str) -> subprocess.CompletedProcess:

@@ -1,6 +1,7 @@
 """slurm/grade.sbatch as an array of 2 over a small class of the toy course, then the merge as an
 afterok dependency job: the merged scores.csv, cells.csv and feedback are the bytes of one local `dlo grade`."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -25,7 +26,7 @@ def test_array_of_two_then_merge_gives_the_bytes_of_one_local_grade(slurm, toy_t
     sub, parts, one = tmp_path / "sub", tmp_path / "parts", tmp_path / "one"
     _class(toy_template, sub)
     env = {"DLO_ROOT": str(toy_template), "DLO_PROFILE": "tiny", **toy_days(toy_template)}
-    small = ("--cpus-per-task=1", "--mem=1G")  # the template's 16 cores and 64G are a real node's
+    small = ("--cpus-per-task=1", "--mem=1G", "--gres=gpu:1")  # the template's 16 cores and 64G are a real node's
     array = slurm.sbatch("--array=1-2", *small, f"--output={tmp_path}/grade-%a.out", "slurm/grade.sbatch",
                          str(sub), str(parts), "--jobs", "1", env=env)
     merge = slurm.sbatch(f"--dependency=afterok:{array}", *small, f"--output={tmp_path}/merge.out",
@@ -35,6 +36,7 @@ def test_array_of_two_then_merge_gives_the_bytes_of_one_local_grade(slurm, toy_t
     logs = "\n".join(p.read_text() for p in sorted(tmp_path.glob("grade-*.out")))
     assert [t["JobState"] for t in tasks] == ["COMPLETED", "COMPLETED"], logs
     assert "shard 1/2" in logs and "shard 2/2" in logs
+    assert len(re.findall(r", GPUs \d$", logs, re.M)) == 2  # each task its GPU
     [state] = slurm.wait(merge)
     assert state["JobState"] == "COMPLETED", (tmp_path / "merge.out").read_text()
 

@@ -31,7 +31,7 @@ def test_lab_on_a_node_answers_then_scancel_leaves_nothing(slurm, tmp_path):
     (notebooks / "hello.ipynb").write_text(json.dumps({"cells": [], "metadata": {}, "nbformat": 4,
                                                        "nbformat_minor": 5}))
     env = {"NOTEBOOK_DIR": str(notebooks), "JUPYTER_CONFIG_DIR": str(config), "LOGIN_HOST": "login.example"}
-    job = slurm.sbatch(f"--output={log}", "slurm/jupyter.sbatch", env=env)
+    job = slurm.sbatch("--gres=gpu:1", f"--output={log}", "slurm/jupyter.sbatch", env=env)  # as its header says
     url = None
     for _ in range(300):  # the server's start (a hang guard)
         text = log.read_text() if log.exists() else ""
@@ -61,3 +61,4 @@ def test_lab_on_a_node_answers_then_scancel_leaves_nothing(slurm, tmp_path):
     [state] = slurm.wait(job, timeout=120)
     assert state["JobState"] == "CANCELLED"
     assert server and not any(_alive(p) for p in server), "the server survived scancel"
+    assert re.search(r", GPUs \d$", text, re.M), "the student's GPU, as SLURM gave it (slurm/env.sh's line)"

@@ -23,7 +23,7 @@ def on_cluster(slurm, monkeypatch, tmp_path):
 
 
 def test_ddp_step_on_two_nodes_comes_back(on_cluster, capsys):
-    got = launch_slurm(ddp_step.ddp_step, 2, folder=on_cluster / "job", poll=0.5)
+    got = launch_slurm(ddp_step.ddp_step, 2, sbatch=["--gres=gpu:1"], folder=on_cluster / "job", poll=0.5)
     assert sorted(node for node, _ in got) == ["n1", "n2"]
     want = ddp_step.reference()
     for _, params in got:

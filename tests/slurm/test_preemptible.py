@@ -37,7 +37,7 @@ def test_time_limit_requeue_resume_gives_the_uninterrupted_parameters(slurm, tmp
     log = tmp_path / "job.out"
     # --signal=B:USR1@50 with --time=1: the signal comes once 10 s have passed, at slurmctld's next
     # time-limit check (every 30 s), so each run of the job is cut after 10 to 40 s.
-    job = slurm.sbatch("--time=1", "--signal=B:USR1@50", f"--output={log}", "slurm/preemptible.sbatch",
+    job = slurm.sbatch("--gres=gpu:1", "--time=1", "--signal=B:USR1@50", f"--output={log}", "slurm/preemptible.sbatch",
                        "--ckpt-dir", str(tmp_path / "cut"), *ARGS)
     whole = subprocess.Popen([sys.executable, "-m", "dlo.resumable", "--ckpt-dir", str(tmp_path / "whole"), *ARGS],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=slurm.env)
@@ -47,6 +47,7 @@ def test_time_limit_requeue_resume_gives_the_uninterrupted_parameters(slurm, tmp
     [state] = slurm.wait(job)
     text = log.read_text()
     assert state["JobState"] == "COMPLETED", text
+    assert re.search(r", GPUs \d$", text, re.M)  # as its header submits it (the trainer here is told --device cpu)
     restarts = int(state["Restarts"])
     assert restarts >= 1, f"never requeued: the run ended before the time limit's signal\n{text[-2000:]}"
     # every run of the job logged its restart count, and each was cut by the time limit's signal but the last

@@ -1,7 +1,9 @@
-"""slurm/run_course.sbatch on one day (the toy course's) at the tiny profile: the job's executed notebook
-and score table are what `make run`'s two commands give here."""
+"""slurm/run_course.sbatch on one day (the toy course's) at the tiny profile, submitted with a GPU as a GPU node's
+job asks for one (`--gres`): the job's executed notebook and score table are what `make run`'s two commands
+give here."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -22,13 +24,14 @@ def test_one_day_at_tiny_comes_out_as_from_make_run(slurm, toy_template, tmp_pat
     job_out, here = tmp_path / "job", tmp_path / "here"
     log = tmp_path / "course.out"
     env = {"DLO_ROOT": str(toy_template), "PROFILE": "tiny", "OUT": str(job_out), **toy_days(toy_template)}
-    job = slurm.sbatch(f"--output={log}", "slurm/run_course.sbatch", DAY, env=env)
+    job = slurm.sbatch("--gres=gpu:1", f"--output={log}", "slurm/run_course.sbatch", DAY, env=env)
     # what `make run` does, at tiny and for this day only
     dlo("run", DAY, "--profile", "tiny", "--out", str(here / "submitted" / "reference"), root=toy_template)
     dlo("grade", str(here / "submitted"), "--out", str(here / "grading"), "--profile", "tiny", "--require-full",
         root=toy_template)
     [state] = slurm.wait(job)
     assert state["JobState"] == "COMPLETED", log.read_text()
+    assert re.search(r", GPUs \d$", log.read_text(), re.M)  # SLURM gave the job a GPU (slurm/env.sh says which)
 
     nb = Path("submitted", "reference", DAY, f"{DAY}.ipynb")
     assert _outputs(job_out / nb) == _outputs(here / nb)

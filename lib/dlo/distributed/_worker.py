@@ -1,6 +1,7 @@
 """One rank spawned by `dlo.distributed.launch`: `python -m dlo.distributed._worker WORKDIR`.
 
-RANK, WORLD_SIZE, MASTER_ADDR/PORT come from the environment. Files in WORKDIR:
+RANK, WORLD_SIZE, MASTER_ADDR/PORT come from the environment (srun's own variables under `launch_slurm`:
+`dlo.distributed.placement`). Files in WORKDIR:
 payload.pkl (in), ready-<rank> (written once the process group is up), result-<rank>.pkl (out:
 ("ok", value) or ("error", traceback text, time of failure)).
 
@@ -38,7 +39,9 @@ def _write(workdir, r, record):
 
 
 def main(workdir):
-    r = int(os.environ["RANK"])
+    from dlo.distributed.placement import ranks
+
+    r = ranks(os.environ).rank  # RANK where launch spawned it, SLURM_PROCID under launch_slurm's srun
     with open(os.path.join(workdir, "payload.pkl"), "rb") as f:
         parent_path, backend, blob = pickle.load(f)
     sys.path[:] = parent_path + [p for p in sys.path if p not in parent_path]

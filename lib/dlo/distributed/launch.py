@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from dlo import pickling
 from dlo.config import pick_backend
-from dlo.distributed import _ranks
+from dlo.distributed import _ranks, placement
 from dlo.distributed._spawn import RankError, spawn
 
 __all__ = ["RankError", "dumps", "heartbeat", "init_from_env", "is_main", "launch", "rank", "rank_device",
@@ -83,10 +83,6 @@ def is_main() -> bool:
     return rank() == 0
 
 
-def _cuda_count() -> int:
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
 def dumps(obj) -> bytes:
     """cloudpickle `obj` (with its code's file names and source lines: `dlo.pickling`), moving CUDA
     tensors to CPU so any process can load the result."""
@@ -111,48 +107,34 @@ class _CpuPickler(pickling.Pickler):
 
 # ----------------------------------------------------------------- torchrun / srun (no spawning)
 
-def _env_ranks():
-    """(rank, world_size, local_rank) set by torchrun or srun, or None outside such a launcher.
-
-    A one-task Slurm allocation (say, a Jupyter job) counts as no launcher: there `launch`
-    spawns its ranks locally like on a laptop.
-    """
-    env = os.environ
-    if "RANK" in env and "WORLD_SIZE" in env:
-        return int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0))
-    if "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
-        return int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0))
-    return None
-
-
 def init_from_env(backend=None) -> torch.device:
-    """Initialise the default process group from torchrun's or srun's environment.
+    """Initialise the default process group from torchrun's or srun's environment (an srun task alone
+    included); the device this rank should use. Does nothing when a process group already exists.
 
-    backend None picks "nccl" when this rank has a GPU (LOCAL_RANK < device count), else "gloo".
-    Does nothing when a process group already exists. Returns the device this rank should use.
+    Rank, device and backend come from one rule for every rank of the job (`placement.place`): backend
+    None is NCCL when every rank has its own GPU (per node: local rank r takes cuda:r; per task, as
+    `--gpus-per-task=1` binds them: cuda:0), gloo when none has one, and refused on every rank when only
+    some would (PlacementError, one line). The ranks compare their outcome through the rendezvous store
+    before the group starts (`placement.agree`), so a job never hangs on backends that differ.
     """
     if dist.is_initialized():
         return rank_device()
-    found = _env_ranks()
-    if found is None:
-        raise RuntimeError("init_from_env: neither RANK/WORLD_SIZE (torchrun) nor SLURM_PROCID/SLURM_NTASKS "
-                           "(srun) is set; start the script with torchrun or srun, or call launch(fn, n) "
+    job = placement.ranks(os.environ)
+    if job is None:
+        raise RuntimeError("init_from_env: neither RANK/WORLD_SIZE (torchrun) nor SLURM_PROCID/SLURM_STEP_ID "
+                           "(an srun task) is set; start the script with torchrun or srun, or call launch(fn, n) "
                            "to spawn n local ranks")
-    rank_, world_size, local = found
     missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
     if missing:
         raise RuntimeError(f"init_from_env: {' and '.join(missing)} not set. Under srun the sbatch script must "
                            "export them, e.g. MASTER_ADDR=$(scontrol show hostnames $SLURM_JOB_NODELIST | "
                            "head -n 1) and MASTER_PORT=29500")
-    if backend is None:
-        backend = "nccl" if local < _cuda_count() else "gloo"
-    if "nccl" in backend:
-        if local >= _cuda_count():
-            raise ValueError(f"backend {backend!r} on local rank {local} needs GPU {local}, "
-                             f"but this node shows {_cuda_count()} CUDA device(s)")
-        torch.cuda.set_device(local)  # before init: NCCL binds each rank to its own GPU
-    dist.init_process_group(backend, init_method="env://", rank=rank_, world_size=world_size)
-    return rank_device()  # cuda:local under NCCL (set_device above), else the CPU
+    store, _, _ = next(dist.rendezvous("env://", job.rank, job.world_size))  # the store init_method would make
+    where = placement.agree(store, job, lambda: placement.place(job, os.environ, placement.cuda_count(), backend))
+    if where.device is not None:
+        torch.cuda.set_device(where.device)  # before init: NCCL binds each rank to its own GPU
+    dist.init_process_group(where.backend, store=store, rank=job.rank, world_size=job.world_size)
+    return rank_device()  # cuda:device under NCCL (set_device above), else the CPU
 
 
 def _run_here(fn, world_size, backend, args, kwargs):
@@ -195,19 +177,20 @@ def launch(fn, world_size, *args, backend=None, timeout=300.0, **kwargs) -> list
     per-rank return values as a list indexed by rank.
 
     Locally this spawns `world_size` fresh processes (backend None: "nccl" when there is a GPU per
-    rank, else "gloo"). Under torchrun/srun it runs fn on this rank only and every rank gets the
-    gathered list. Raises RankError when a rank fails, TimeoutError when fn runs longer than
+    rank, else "gloo"). Under torchrun/srun (more than one task: a single srun task, such as a Jupyter
+    server, spawns locally) it runs fn on this rank only, placed by `init_from_env`'s rule, and every rank
+    gets the gathered list. Raises RankError when a rank fails, TimeoutError when fn runs longer than
     `timeout` seconds (None: no limit).
     """
     if not callable(fn):
         raise TypeError(f"launch: fn must be callable, got {type(fn).__name__}")
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"launch: world_size must be a positive int, got {world_size!r}")
-    found = _env_ranks()
-    if found is not None:
-        if found[1] != world_size:
-            raise ValueError(f"launch(fn, {world_size}) but the launcher started {found[1]} processes "
-                             f"(WORLD_SIZE/SLURM_NTASKS={found[1]}); make them agree")
+    job = placement.launched(os.environ)
+    if job is not None:
+        if job.world_size != world_size:
+            raise ValueError(f"launch(fn, {world_size}) but {job.launcher} started {job.world_size} processes "
+                             f"(WORLD_SIZE/SLURM_NTASKS={job.world_size}); make them agree")
         return _run_here(fn, world_size, backend, args, kwargs)
     timeout = math.inf if timeout is None else float(timeout)
     return spawn(fn, world_size, pick_backend(world_size, backend), timeout, args, kwargs)

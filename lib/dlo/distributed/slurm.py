@@ -29,14 +29,15 @@ from dlo.distributed.launch import RankError
 
 __all__ = ["RankError", "launch_slurm"]
 
-# Each srun task is one rank: torch's env:// variables from SLURM's, the store on the first node's address.
+# Each srun task is one rank, placed by the rule of every launcher (dlo.distributed.placement) from SLURM's
+# own variables: rank, local rank, node, GPU (per node or per task) and backend. The store is on the first
+# node's address.
 JOB = """#!/bin/bash
 set -euo pipefail
 first=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 export MASTER_ADDR=$(scontrol show node "$first" | sed -n 's/.*NodeAddr=\\([^ ]*\\).*/\\1/p')
 export MASTER_PORT=$(( 20000 + SLURM_JOB_ID % 20000 ))
-srun --kill-on-bad-exit=1 bash -c 'RANK=$SLURM_PROCID WORLD_SIZE=$SLURM_NTASKS LOCAL_RANK=$SLURM_LOCALID \\
-    exec {python} -m dlo.distributed._worker {folder}'
+srun --kill-on-bad-exit=1 {python} -m dlo.distributed._worker {folder}
 """
 
 
@@ -107,7 +108,9 @@ def launch_slurm(fn, nodes: int, *args, ranks_per_node: int = 1, sbatch: list[st
                  poll: float = 2.0, **kwargs) -> list:
     """Run `fn(*args, **kwargs)` on `nodes x ranks_per_node` ranks of a new SLURM job; the per-rank return
     values as a list indexed by rank. `sbatch`: more sbatch options (partition, --gres, --time). backend
-    None: NCCL on ranks with a GPU, else gloo. Raises RankError when a rank fails, TimeoutError after
+    None: NCCL when every rank has its own GPU (`--gres=gpu:N` with N = ranks_per_node, or
+    `--gpus-per-task=1`), gloo when none has one, and every rank fails with the reason when only some have
+    (`dlo.distributed.placement`). Raises RankError when a rank fails, TimeoutError after
     `timeout` seconds (None: no limit); both, and KeyboardInterrupt, cancel the job."""
     _check(fn, nodes, ranks_per_node)
     folder = Path(folder) if folder else Path.home() / ".dlo" / "slurm" / f"{time.strftime('%Y%m%d-%H%M%S')}-" \

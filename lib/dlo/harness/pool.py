@@ -75,9 +75,9 @@ def memory_gib() -> float:
 def gpus(profile: str) -> int:
     if profile == "tiny":
         return 0
-    import torch
+    from dlo.distributed.placement import cuda_count
 
-    return torch.cuda.device_count()
+    return cuda_count()
 
 
 def default_jobs(profile: str) -> int:
@@ -88,14 +88,16 @@ def default_jobs(profile: str) -> int:
 
 def slot_env(slot: int, jobs: int, profile: str) -> dict:
     """Environment of the worker in `slot`: its share of the cores (no oversubscription: N kernels
-    each spinning all cores' threads slow each other down) and of the GPUs."""
+    each spinning all cores' threads slow each other down) and of the GPUs, named as this process's
+    CUDA_VISIBLE_DEVICES names them (a job given GPUs 4-7 hands out 4,5 and 6,7, never 0,1: other jobs')."""
     env = {SHARE_ENV: str(max(1, cores() // jobs))} if jobs > 1 else {}  # what its timings may count on
     if "OMP_NUM_THREADS" not in os.environ:
         env["OMP_NUM_THREADS"] = str(max(1, cores() // jobs))
     n = gpus(profile) if jobs > 1 else 0
     if n:
-        share = list(range(slot * n // jobs, max(slot * n // jobs + 1, (slot + 1) * n // jobs)))
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g % n) for g in share)
+        from dlo.distributed.placement import gpu_share, visible_gpus
+
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(gpu_share(visible_gpus(os.environ, n), slot, jobs))
     return env
 
 

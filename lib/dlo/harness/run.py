@@ -23,13 +23,17 @@ session of its own).
 share of the cores (OMP_NUM_THREADS, unless set, and DLO_CORES: a timing verdict then counts on the
 share, so on 2 cores a row timed beside the other notebook says "not measurable here"); the default is
 two where there are 2 cores or more (one notebook alone keeps about one core busy), else one. A single
-day runs alone, with every core. The table keeps the days' order.
+day runs alone, with every core. The table keeps the days' order. Notebooks on GPUs never share one: each
+of the notebooks at once gets a disjoint share of this process's GPUs (CUDA_VISIBLE_DEVICES, taken from
+the entries the parent was given) holding what its day wants, else they run one at a time with every GPU;
+a --jobs that would leave a day fewer GPUs than it wants is refused before any notebook starts.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import queue
 import subprocess
 import sys
 import time
@@ -107,15 +111,16 @@ def build_parameters(nb: Path, profile: str, pairs: list[tuple[str, str]]) -> di
     return params
 
 
-def check_day(day: str, nb: Path, params: dict, smoke: bool = False) -> None:
+def check_day(day: str, nb: Path, params: dict, smoke: bool = False):
     """The parameters the kernel will see (defaults of the parameters cell, then the overrides)
     resolved as `dlo.setup` will resolve them (`dlo.config.resolve`: the preset, the ranks, the data
-    folder, the day's preflight): BadParameter (one line) when that fails."""
+    folder, the day's preflight): the resolved `dlo.config.Run` (None for a day without presets),
+    BadParameter (one line) when that fails."""
     from dlo.config import resolve
     from dlo.registry import DAYS, PARAMETERS
 
     if day not in DAYS:
-        return  # a course day without presets (the harness tests' toy day)
+        return None  # a course day without presets (the harness tests' toy day)
     declared = papermill.inspect_notebook(str(nb))
     values = {}
     for name, info in declared.items():
@@ -125,7 +130,7 @@ def check_day(day: str, nb: Path, params: dict, smoke: bool = False) -> None:
             continue  # a default that is not a plain literal: leave it to the notebook
     values.update(params)
     try:
-        resolve(day, smoke=smoke, **{k: values[k] for k in PARAMETERS + DAYS[day].parameters if k in values})
+        return resolve(day, smoke=smoke, **{k: values[k] for k in PARAMETERS + DAYS[day].parameters if k in values})
     except ValueError as exc:
         raise BadParameter(str(exc)) from None
 
@@ -200,6 +205,37 @@ def share_env(n: int) -> dict:
     return {SHARE_ENV: share, **({} if "OMP_NUM_THREADS" in os.environ else {"OMP_NUM_THREADS": share})}
 
 
+def gpus_wanted(resolved) -> int:
+    """The GPUs a day's notebook computes on when it runs alone here: one per rank on a CUDA device (as
+    many as there are at most; 1 on single-process days), none on the CPU (or for a day without presets)."""
+    if resolved is None or resolved.device.type != "cuda":
+        return 0
+    from dlo.distributed.placement import cuda_count
+
+    return min(max(1, resolved.world_size), cuda_count())
+
+
+def gpu_slots(wanted: dict[str, int], gpus: list[str], n: int, asked: int | None) -> tuple[int, list[dict]]:
+    """(notebooks at once, each slot's environment) such that notebooks on GPUs never share one: one at a
+    time with every GPU, or disjoint shares of this process's GPUs (`gpus`, as CUDA_VISIBLE_DEVICES names
+    them: `dlo.distributed.placement.gpu_share`) that hold what each day wants. `n`: the notebooks at once
+    the cores allow; `asked` (--jobs) more than the GPUs allow is refused (BadInput, one line)."""
+    most = max(wanted.values(), default=0)
+    if not most:
+        return n, [{}] * n
+    fit = max(1, len(gpus) // most)
+    if asked is not None and n > fit:
+        day = max(wanted, key=wanted.get)
+        raise BadInput(f"--jobs {asked}: {len(gpus)} GPU(s) split {n} ways leave {len(gpus) // n} per notebook, but "
+                       f"{day} wants {most}; use --jobs {fit} (notebooks on GPUs never share one)")
+    n = min(n, fit)
+    if n == 1:
+        return 1, [{}]  # alone: every GPU, as this process sees them
+    from dlo.distributed.placement import gpu_share
+
+    return n, [{"CUDA_VISIBLE_DEVICES": ",".join(gpu_share(gpus, s, n))} for s in range(n)]
+
+
 def main(root: Path, days: list[str], all_days: bool, profile: str, pairs: list[tuple[str, str]],
          notebooks: str, out: str | None, timeout: float, cell_timeout: float, smoke: bool = False,
          jobs: int | None = None) -> int:
@@ -209,24 +245,36 @@ def main(root: Path, days: list[str], all_days: bool, profile: str, pairs: list[
     days = select_days(root, days, all_days, notebooks)
     if jobs is not None and jobs < 1:
         raise BadInput(f"--jobs {jobs}: expected a positive number")
-    todo = {}
+    todo, wanted = {}, {}
     for day in days:  # every day's parameters are checked before the first notebook starts
         src = notebook_path(root, day, notebooks)
         try:
             params = build_parameters(src, profile, pairs)
-            check_day(day, src, params, smoke)
+            wanted[day] = gpus_wanted(check_day(day, src, params, smoke))
         except BadParameter as exc:
             raise BadParameter(f"{day}: {exc}") from None
         todo[day] = (src, params)
-    out_dir = Path(out or Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S")).resolve()
     n = min(jobs or default_jobs(), len(todo))
-    env = share_env(n)
+    if any(wanted.values()):
+        from dlo.distributed.placement import cuda_count, visible_gpus
+
+        n, gpu_envs = gpu_slots(wanted, visible_gpus(os.environ, cuda_count()), n, jobs)
+    else:
+        gpu_envs = [{}] * n
+    out_dir = Path(out or Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S")).resolve()
+    slots: queue.Queue[dict] = queue.Queue()
+    for gpu_env in gpu_envs:  # a running notebook holds its slot's GPUs until it ends
+        slots.put({**share_env(n), **gpu_env})
 
     def one(day: str) -> dict:
         src, params = todo[day]
         dest = out_dir / day / f"{day}.ipynb"
         print(f"== {day} ({notebooks}, profile={profile}{', smoke' if smoke else ''}) -> {dest}", flush=True)
-        status, secs = run_notebook(src, dest, params, timeout, cell_timeout, smoke, env)
+        env = slots.get()
+        try:
+            status, secs = run_notebook(src, dest, params, timeout, cell_timeout, smoke, env)
+        finally:
+            slots.put(env)
         if n > 1:
             print(f"== {day}: {status} in {secs:.1f} s", flush=True)
         return {"day": day, "status": status, "wall time (s)": round(secs, 1), "output": str(dest)}
