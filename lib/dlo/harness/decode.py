@@ -20,8 +20,16 @@ import zlib
 MAX_TEXT = 4 << 20  # characters or bytes of one decoded value
 
 
+def _bounded(decompressor, data: bytes) -> bytes:
+    """Decompressed up to MAX_TEXT; ValueError when there is more (a bomb is never held in memory)."""
+    out = decompressor.decompress(data, MAX_TEXT)
+    if not decompressor.eof or getattr(decompressor, "unconsumed_tail", b""):
+        raise ValueError("decompressed text too large or cut")
+    return out
+
+
 def _zlib(data: bytes, wbits: int = 15) -> bytes:
-    return zlib.decompressobj(wbits).decompress(data, MAX_TEXT)
+    return _bounded(zlib.decompressobj(wbits), data)
 
 
 DECODERS = {
@@ -31,8 +39,8 @@ DECODERS = {
     "base64.decodebytes": base64.decodebytes, "binascii.a2b_base64": binascii.a2b_base64,
     "binascii.unhexlify": binascii.unhexlify, "binascii.a2b_hex": binascii.a2b_hex, "bytes.fromhex": bytes.fromhex,
     "zlib.decompress": _zlib, "gzip.decompress": lambda d: _zlib(d, 31),
-    "bz2.decompress": lambda d: bz2.BZ2Decompressor().decompress(d, MAX_TEXT),
-    "lzma.decompress": lambda d: lzma.LZMADecompressor().decompress(d, MAX_TEXT),
+    "bz2.decompress": lambda d: _bounded(bz2.BZ2Decompressor(), d),
+    "lzma.decompress": lambda d: _bounded(lzma.LZMADecompressor(), d),
 }
 CODECS = {"rot13": "rot13", "rot_13": "rot13", "base64": "base64", "hex": "hex", "zlib": "zlib", "bz2": "bz2",
           "utf-8": "utf-8", "utf8": "utf-8", "latin-1": "latin-1", "ascii": "ascii"}

@@ -265,7 +265,8 @@ def _exercise(day, cell, checks, found: dict, solution: Code, boiler, snippets: 
     cuts = {k: cutoff(k, v, len(counted), pairs) for k, v in values.items()}
     info[(day, cell)] = {"refs": sorted(refs) if active else None, "students": len(counted), "cutoffs": cuts}
     snippets[(day, cell)] = {**codes, "solutions": solution, **ref_codes}
-    rows = [_row(day, cell, a, b, kind, ca, cb, bc, cuts[kind][0], exact, found[a][1])
+    rows = [_row(day, cell, a, b, kind, ca, cb, bc, cuts[kind][0], exact,
+                 sorted({*found[a][1], *(found[b][1] if kind == "student" else ())}))
             for kind, a, b, ca, cb, bc, exact in comps]
     rows += [_obfuscated(day, cell, s, found[s][1]) for s in active if found[s][1]]
     return [r for r in rows if r["match"]]
