@@ -4,6 +4,7 @@ milliseconds; tests/browser/test_feedback_scripts.py opens real feedback in Chro
 from __future__ import annotations
 
 import base64
+import json
 import re
 from html.parser import HTMLParser
 
@@ -101,6 +102,13 @@ def _notebook():
         new_output("execute_result", data={"text/latex": r"$\href{javascript:pwn()}{x}$"}, execution_count=1),
         new_output("display_data", data={"application/vnd.jupyter.widget-view+json": {"model_id": "x"}}),
         new_output("stream", name="stdout", text="<script>pwn()</script> printed\n"),
+        new_output("error", ename="<img src=x onerror=pwn()>", evalue="<script>pwn()</script>",
+                   traceback=["\x1b[31m<script>pwn()</script>\x1b[0m"]),
+    ]
+    invalid = [  # what a kernel that ran the student's code may send, schema or not
+        {"output_type": "stream", "name": '"><script>pwn()</script>', "text": "x"},
+        {"output_type": "execute_result", "execution_count": "<script>pwn()</script>", "data": {}, "metadata": {}},
+        {"output_type": "<svg onload=pwn()>", "data": {"text/html": "<script>pwn()</script>"}},
     ]
     cells = [
         new_markdown_cell("# The instructors' text <img src='figure.png'>"),
@@ -115,7 +123,10 @@ def _notebook():
         "kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"},
         "widgets": {"application/vnd.jupyter.widget-state+json": {"state": "</script><script>pwn()</script>"}},
         "title": "</title><script>pwn()</script>"})
-    return nbformat.from_dict(nbformat.reads(nbformat.writes(nb), as_version=4))
+    nb = nbformat.from_dict(json.loads(json.dumps(nb)))
+    nb.cells[1].outputs += nbformat.from_dict(invalid)
+    nb.cells[1].execution_count = "<script>pwn()</script>"
+    return nb
 
 
 @pytest.mark.filterwarnings("ignore:Your element with mimetype")  # the unsanitized notebook's widget
@@ -123,7 +134,9 @@ def test_a_notebook_keeps_text_and_images_and_loses_script():
     nb = _notebook()
     removed = S.notebook(nb, trusted={nb.cells[0].source})
     nbformat.validate(nb)
-    assert live_script(_rendered(_notebook()))  # the same notebook unsanitized: the test sees what it looks for
+    raw = _notebook()  # the same notebook unsanitized (less what nbconvert refuses): the test sees what it looks for
+    raw.cells[1].outputs, raw.cells[1].execution_count = raw.cells[1].outputs[:12], 1
+    assert live_script(_rendered(raw))
     assert not live_script(_rendered(nb)), live_script(_rendered(nb))
     outs = nb.cells[1].outputs
     assert outs[0].data == {"text/html": "<b>bold</b>", "text/plain": "bold"}
@@ -136,7 +149,8 @@ def test_a_notebook_keeps_text_and_images_and_loses_script():
     assert outs[6].data == {"text/plain": "[x](javascript:pwn())"}  # shown, not a link
     assert outs[7].data == {"text/markdown": "**fine** | a < b"}  # safe markdown renders
     assert outs[8].data == {"text/plain": r"$\href{javascript:pwn()}{x}$"}
-    assert list(outs[9].data) == ["text/plain"]
+    assert list(outs[9].data) == ["text/plain"] and len(outs) == 14 and outs[12].name == "stdout"
+    assert outs[13].execution_count is None and nb.cells[1].execution_count is None
     assert outs[10].text.startswith("<script>")  # a stream: escaped by every renderer
     assert nb.cells[1].metadata["tags"] == ["keep-me"]
     assert nb.cells[0].source == "# The instructors' text <img src='figure.png'>"  # trusted: untouched

@@ -125,3 +125,33 @@ def test_decoding_runs_nothing_and_stops_at_a_bomb():
     program = Program.of([(0, ast.unparse(env_tree))])
     assert [p.source for p in program.parts][-1] == "print(1)"
     assert program.parts[-1].obfuscated == ["exec of base64 text (decoded)"]
+
+
+def test_decoding_stops_at_its_budget():
+    blob = base64.b64encode(zlib.compress(b"#" * (3 << 20))).decode()  # 3 MiB of comment each
+    program = Program.of([(i, f"exec(zlib.decompress(base64.b64decode('{blob}')))") for i in range(8)])
+    decoded = [w for p in program.parts for w in p.obfuscated if w.endswith("(decoded)")]
+    assert len(decoded) == 5 and sum("could not be decoded" in w for p in program.parts for w in p.obfuscated) == 3
+
+
+class _Trap:
+    """Unpickling this would run a command."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_the_pickle_reader_makes_no_object(tmp_path):
+    import pickle
+
+    marker = tmp_path / "ran"
+    assert bytecode.of_pickle(pickle.dumps(_Trap(str(marker)))) == {"digests": {}, "refs": []}
+    deep = b"\x80\x05" + b"(" * 200_000 + b"t" * 200_000 + b"."  # tuples nested 200 000 deep
+    assert bytecode.of_pickle(deep) == {"digests": {}, "refs": []}
+    assert bytecode.of_pickle(b"not a pickle") == {"digests": {}, "refs": []}
+    assert not marker.exists()

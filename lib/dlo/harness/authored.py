@@ -27,6 +27,7 @@ from dlo.harness.decode import dotted, literal
 from dlo.harness.results import read_json
 
 MAX_DEPTH = 5  # exec inside decoded text inside decoded text ...
+MAX_DECODED = 16 << 20  # characters decoded for one submission, all its texts together: then no more decoding
 RUNS_TEXT = {"exec", "eval", "compile", "builtins.exec", "builtins.eval", "builtins.compile"}
 LOADS_CODE = {"marshal.loads", "pickle.loads", "cloudpickle.loads", "dill.loads", "types.FunctionType",
               "types.CodeType", "types.LambdaType", "FunctionType", "CodeType"}
@@ -92,7 +93,8 @@ class Program:
         self.parts: list[Part] = []
         self.aliases: dict[str, str] = {}
         self.env: dict[str, str | bytes] = {}
-        self._decoded: set[int] = set()  # calls inside a decoded exec's argument (compile(...)): decoded once
+        self._decoded: set[ast.AST] = set()  # the nodes of a decoded exec's argument (compile(...)): decoded once
+        self._budget = MAX_DECODED
 
     @classmethod
     def of(cls, cells: list[tuple[int, str]]) -> Program:
@@ -128,8 +130,9 @@ class Program:
                 self.aliases[a.asname or a.name] = f"{stmt.module}.{a.name}"
         elif isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name):
             name, value = stmt.targets[0].id, stmt.value
-            decoded = literal(value, self.env, self.aliases, [])
+            decoded = literal(value, self.env, self.aliases, []) if self._budget > 0 else None
             if decoded is not None:
+                self._budget -= len(decoded)
                 self.env[name] = decoded
             elif (target := dotted(value, self.aliases)) and "." in target:
                 self.aliases[name] = target
@@ -146,14 +149,15 @@ class Program:
             name = dotted(node.func, self.aliases)
             if name in LOADS_CODE:
                 part.obfuscated.append(f"makes code with {name}")
-            elif name in RUNS_TEXT and node.args and id(node) not in self._decoded:
-                self._decoded |= {id(n) for n in ast.walk(node.args[0])}
+            elif name in RUNS_TEXT and node.args and node not in self._decoded:
+                self._decoded |= set(ast.walk(node.args[0]))
                 how: list[str] = []
-                text = literal(node.args[0], self.env, self.aliases, how)
+                text = literal(node.args[0], self.env, self.aliases, how) if self._budget > 0 else None
                 steps = " + ".join(dict.fromkeys(how)) or "plain"
                 if isinstance(text, bytes):
                     text = text.decode("utf-8", "replace")
-                if text is None or depth >= MAX_DEPTH:
+                self._budget -= len(text or "")
+                if text is None or depth >= MAX_DEPTH or self._budget < 0:
                     part.obfuscated.append(f"{name.split('.')[-1]} of text that could not be decoded")
                 else:
                     why = f"{name.split('.')[-1]} of {steps} text (decoded)"

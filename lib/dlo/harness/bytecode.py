@@ -24,6 +24,7 @@ import types
 ARGS = 18
 CODE, CONSTS, NAMES, EXCEPTIONS = 6, 7, 8, 15
 MAX_PICKLE = 32 << 20  # bytes of one pickle read; a larger one (data, not code) is not looked into
+MAX_READ = 128 << 20  # bytes of pickles read for one submission, all its capture folders together
 MAX_OPS = 2_000_000
 MIN_SIZE = 64  # bytes of bytecode: a smaller code object (`return a + b`) is the same in every answer
 FILE = ".dlo-bytecode.json"  # beside an autograded notebook: {captured name: {"digests": ..., "refs": ...}}
@@ -194,12 +195,14 @@ def _collect(args, seen: dict, out: dict) -> None:
 def of_pickle(blob: bytes) -> dict:
     """{"digests": {digest: bytecode length}, "refs": [dlo names the pickle refers to]} of one pickle,
     read without unpickling it; empty when it cannot be read."""
-    if len(blob) > MAX_PICKLE:
-        return {"digests": {}, "refs": []}
     try:
-        calls = _calls(blob)
-    except Exception:  # noqa: BLE001 - a pickle this reader does not follow: no evidence, no error
+        return _of_pickle(blob) if len(blob) <= MAX_PICKLE else {"digests": {}, "refs": []}
+    except Exception:  # noqa: BLE001 - a pickle this reader does not follow (or nests too deep): no evidence
         return {"digests": {}, "refs": []}
+
+
+def _of_pickle(blob: bytes) -> dict:
+    calls = _calls(blob)
     out, seen, refs = {}, {}, set()
     for call in calls:
         args = _code_args(call)

@@ -49,6 +49,7 @@ BASE64 = re.compile(r"[A-Za-z0-9+/=\s]*")
 # MathJax commands that make links, styles or ids (MathJax runs in the formgrader)
 TEX_ACTIVE = re.compile(r"\\(href|url|style|class|cssId|html|unicode|require|data|attr|toggle|action)\b")
 SAFE_WORD = re.compile(r"[\w.+#/ -]{0,100}")
+OUTPUTS = ("display_data", "execute_result", "update_display_data", "stream", "error")
 NOTE = "[output removed by the grader: {} can run script in the reader's browser]"
 CSP = ("default-src 'none'; style-src 'unsafe-inline'; img-src data:; font-src data:; base-uri 'none'; "
        "form-action 'none'")
@@ -191,9 +192,15 @@ def as_text(markdown: str) -> str:
 # ----------------------------------------------------------------------------- a notebook
 
 def output(out: dict) -> list[str]:
-    """Make one output safe, in place; [mime types removed]."""
-    if out.get("output_type") not in ("display_data", "execute_result", "update_display_data"):
-        return []  # stream and error outputs: text, escaped by every renderer
+    """Make one output safe, in place; [mime types removed]. Its every field is the kernel's word, and
+    the kernel ran the student's code: a field a template writes unescaped (a prompt number) is checked."""
+    if out.get("output_type") == "execute_result" and type(out.get("execution_count")) is not int:
+        out["execution_count"] = None
+    if out.get("output_type") == "stream":
+        out["name"] = out.get("name") if out.get("name") in ("stdout", "stderr") else "stdout"
+        return []  # text, escaped by every renderer
+    if out.get("output_type") == "error":
+        return []  # its traceback: text, escaped by every renderer
     data, kept, removed, shown = out.get("data") or {}, {}, [], None
     for mime, value in data.items():
         text = "".join(value) if isinstance(value, list) else value
@@ -225,6 +232,11 @@ def output(out: dict) -> list[str]:
                        for m, meta in (out.get("metadata") or {}).items()
                        if m in IMAGES and isinstance(meta, dict)}
     return removed
+
+
+def _word(value) -> str:
+    text = str(value)
+    return text if SAFE_WORD.fullmatch(text) else "?"
 
 
 def _safe_value(value):
@@ -259,8 +271,16 @@ def notebook(nb, trusted: set[str]) -> list[str]:
         source = cell.get("source", "")
         source = "".join(source) if isinstance(source, list) else str(source)
         kind = cell.get("cell_type")
+        if not re.fullmatch(r"[\w-]{1,64}", str(cell.get("id", "x"))):
+            cell["id"] = f"cell-{i}"
         if kind == "code":
-            for out in cell.get("outputs", []):
+            if type(cell.get("execution_count")) is not int:
+                cell["execution_count"] = None
+            known = [o for o in cell.get("outputs", []) if o.get("output_type") in OUTPUTS]
+            removed += [f"cell {i}: an output of type {_word(o.get('output_type'))}"
+                        for o in cell.get("outputs", []) if o not in known]
+            cell["outputs"] = known
+            for out in known:
                 removed += [f"cell {i}: {what}" for what in output(out)]
             continue
         if source in trusted:
