@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from tests.harness.conftest import DAY, dlo, edit_cells, grade_id, toy_notebook, toy_days
+from tests.harness.conftest import DAY, dlo, edit_cells, grade_id, toy_days, toy_notebook
 from tests.harness.test_feedback import NOTES_MD, SCRIPTS, SOLVED, _added
 
 from .test_lab import wait_for
