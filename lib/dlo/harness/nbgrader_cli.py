@@ -1,7 +1,10 @@
-"""Calling nbgrader in a course root of our own (a child process, so a failure stays contained)."""
+"""Calling nbgrader in a course root of our own (a child process, so a failure stays contained): around
+autograde, the release's grading metadata put back, the code the checks received digested, and what the
+instructor will open made unable to run script."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -11,6 +14,9 @@ from pathlib import Path
 
 import nbformat
 
+from dlo.grading import files
+from dlo.grading.jail import spec_from_env
+from dlo.harness import bytecode, restore, sanitize
 from dlo.harness.setup import normalise_metadata
 from dlo.harness.warm import GRADER, WarmProcess, run_child, serve
 from dlo.reaper import kill_tree
@@ -141,16 +147,105 @@ def _generate(course_root: str, db: str, *days: str) -> int:
 
 
 def _main(course_root: str, db: str, day: str, student: str) -> int:
-    """The child of `autograde_and_feedback`: nbgrader's API with the course root's nbgrader_config.py."""
+    """The child of `autograde_and_feedback`: nbgrader's API with the course root's nbgrader_config.py.
+    Before nbgrader: the release's grading metadata put back (`restore`). After: the code objects the
+    checks received, as digests (`bytecode`); the autograded notebook and the feedback made unable to run
+    script (`sanitize`)."""
+    root = Path(course_root)
+    instructors = {p.name: nbformat.read(p, as_version=4) for p in sorted((root / "source" / day).glob("*.ipynb"))}
+    notes = _restore(root / "submitted" / student / day, instructors)
     api = _api(course_root, db)
     graded = api.autograde(day, student, force=True, create=True)
     if not graded["success"]:
-        print(graded.get("log", ""), graded.get("error", ""), sep="\n", file=sys.stderr)
+        print(graded.get("log", ""), graded.get("error", ""), *notes, sep="\n", file=sys.stderr)
         return 3
+    autograded = root / "autograded" / student / day
+    try:
+        _bytecode(autograded)
+    except OSError as exc:  # evidence for the similarity report only: never a reason to fail the grading
+        print(f"no bytecode digests: {exc}", file=sys.stderr)
+    _sanitize(autograded, instructors)
     fed = api.generate_feedback(day, student, force=True)
     if not fed["success"]:
         print("generate_feedback failed:", fed.get("log", ""), fed.get("error", ""), sep="\n", file=sys.stderr)
+    for page in sorted((root / "feedback" / student / day).glob("*.html")):
+        _rewrite(page, sanitize.lock_html(page.read_text()))
     return 0
+
+
+def _rewrite(path: Path, text: str) -> None:
+    """Replace a file nbgrader wrote (read-only: 0444 for autograded notebooks) keeping its mode."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.chmod(tmp, path.stat().st_mode & 0o777)
+    os.replace(tmp, path)
+
+
+def _restore(folder: Path, instructors: dict) -> list[str]:
+    """The release's nbgrader metadata back in the submission's notebooks (the grader's scratch copy), each
+    change said in a note at the top; the notes (also printed, for the log)."""
+    out = []
+    for name, theirs in instructors.items():
+        path = folder / name
+        try:
+            nb = nbformat.read(path, as_version=4)
+        except Exception:  # noqa: BLE001 - missing or unreadable: nbgrader says so itself
+            continue
+        notes = restore.restore(nb, theirs)
+        if notes:
+            nb.cells.insert(0, restore.note_cell(notes, nb.get("nbformat_minor", 0)))
+            nbformat.write(nb, path)
+            print(f"{name}: grading metadata put back:", *notes, sep="\n  ", file=sys.stderr)
+        out += notes
+    return out
+
+
+def _bytecode(autograded: Path) -> None:
+    """Digests of the code objects the kernel sent to the checks (its capture folder's pickles, read
+    without unpickling them), for the similarity report: autograded/.../BYTECODE_FILE."""
+    spec = spec_from_env()
+    if spec is None or not spec.capture_dir.is_dir():
+        return
+    names: dict[str, dict] = {}
+    budget = bytecode.MAX_READ  # what the kernel wrote is the student's: read so much and no more
+    for folder in sorted(p.name for p in spec.capture_dir.iterdir() if p.is_dir() and not p.is_symlink()):
+        for name in sorted(p.name for p in (spec.capture_dir / folder).iterdir() if p.name.endswith(".pkl")):
+            try:
+                blob = files.read_file(spec.capture_dir, folder, name, limit=min(budget, bytecode.MAX_PICKLE))
+            except (OSError, ValueError):
+                continue  # a link, a fifo or too large: the grader never reads it
+            budget -= len(blob)
+            found = bytecode.of_pickle(blob)
+            entry = names.setdefault(name[:-4], {"digests": {}, "refs": []})
+            entry["digests"].update(found["digests"])
+            entry["refs"] = sorted(set(entry["refs"]) | set(found["refs"]))
+    if names and autograded.is_dir():
+        (autograded / bytecode.FILE).write_text(json.dumps(names, sort_keys=True))
+
+
+def _sanitize(autograded: Path, instructors: dict) -> None:
+    """The autograded notebooks (what the formgrader and the feedback render) made unable to run script."""
+    trusted = {_text(c.source) for nb in instructors.values() for c in nb.cells if c.cell_type in ("markdown", "raw")}
+    for path in sorted(autograded.glob("*.ipynb")):
+        nb = nbformat.read(path, as_version=4)
+        try:
+            removed = sanitize.notebook(nb, trusted)
+        except Exception as exc:  # noqa: BLE001 - never leave what could not be checked: outputs dropped
+            removed = [f"every output ({type(exc).__name__})"]
+            for cell in nb.cells:
+                cell.pop("attachments", None)
+                if cell.cell_type == "code":
+                    cell.outputs = [o for o in cell.outputs if o.get("output_type") in ("stream", "error")]
+                elif _text(cell.source) not in trusted:
+                    cell.source = sanitize.as_text(_text(cell.source))
+            nb.metadata = {}
+        _rewrite(path, nbformat.writes(nb))
+        if removed:
+            print(f"{path.name}: removed what could run script:", *removed[:20], sep="\n  ", file=sys.stderr)
+
+
+def _text(source) -> str:
+    return "".join(source) if isinstance(source, list) else str(source)
 
 
 def main(argv: list[str]) -> int:
