@@ -145,7 +145,7 @@ def _rank_probe():
     import torch
     import torch.distributed as dist
 
-    from dlo.distributed.launch import rank_device
+    from dlo.distributed.current import rank_device
 
     device = rank_device()
     t = torch.ones(4, device=device) * (dist.get_rank() + 1)
@@ -271,7 +271,7 @@ def step_day5_3b(a) -> int:
 
 def _ddp_versions(P):
     """On the rank: Day 4's three data-parallel versions, interleaved step by step on one batch."""
-    from dlo.distributed.launch import rank_device
+    from dlo.distributed.current import rank_device
     from dlo.experiments.day4 import step_times, wrappers
 
     device = rank_device()

@@ -127,7 +127,7 @@ def _rank():
     import torch
     import torch.distributed as dist
 
-    from dlo.distributed.launch import rank_device
+    from dlo.distributed.current import rank_device
 
     device = rank_device()
     t = torch.full((4,), 2.0, device=device)

@@ -30,7 +30,8 @@ import cloudpickle
 import pytest
 import torch
 
-from dlo.distributed.launch import dumps, launch
+from dlo.distributed.current import dumps
+from dlo.distributed.launch import launch
 from dlo.grading.api import DirectSession, deadlock_message, safe_data
 from dlo.grading.frames import fold_traceback_text
 from dlo.grading.ranks import rank_payload, run_on_rank, worker_ref, write_shards

@@ -310,7 +310,7 @@ class _FakeRank:
 
 def test_ranks_that_returned_then_aborted_in_teardown_are_a_success(tmp_path):
     from dlo.distributed._spawn import _watch
-    from dlo.distributed.launch import dumps
+    from dlo.distributed.current import dumps
 
     for r in range(2):
         (tmp_path / f"ready-{r}").touch()
@@ -321,7 +321,7 @@ def test_ranks_that_returned_then_aborted_in_teardown_are_a_success(tmp_path):
 
 def test_rank_dead_before_its_result_is_blamed(tmp_path):
     from dlo.distributed._spawn import _watch
-    from dlo.distributed.launch import dumps
+    from dlo.distributed.current import dumps
 
     (tmp_path / "result-0.pkl").write_bytes(dumps(("ok", 0)))
     outcome = _watch([_FakeRank(None), _FakeRank(-6)], str(tmp_path), timeout=5)
@@ -346,7 +346,7 @@ def test_a_killed_rank_is_blamed_even_when_its_peers_error_lands_first(tmp_path)
     import time
 
     from dlo.distributed._spawn import _watch
-    from dlo.distributed.launch import dumps
+    from dlo.distributed.current import dumps
 
     (tmp_path / "result-1.pkl").write_bytes(dumps(("error", "Connection closed by peer", time.time())))
     outcome = _watch([_DiesLater(-9, alive_polls=1), _FakeRank(1)], str(tmp_path), timeout=5)

@@ -5,7 +5,6 @@ no rank started (the ranks of a real job: tests/slurm/test_placement_job.py)."""
 
 from __future__ import annotations
 
-import importlib
 import os
 import types
 
@@ -13,10 +12,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from dlo.distributed import current as rank_side  # init_from_env and rank_device: the rank side of launch
 from tests.distributed.jobs import FakeStore, srun_task, torchrun_rank
-
-launch_mod = importlib.import_module("dlo.distributed.launch")  # the package's `launch` is the function
-
 
 # ------------------------------------------------------------------------------- init_from_env follows the rule
 
@@ -42,8 +39,8 @@ def _init_as(monkeypatch, env: dict, gpus: int, backend=None):
             return self.data.get(key, self.data[own])
 
     monkeypatch.setattr(dist, "rendezvous", lambda *a, **kw: iter([(Agreeing(), 0, 0)]), raising=False)
-    monkeypatch.setattr(launch_mod, "rank_device", lambda: None)
-    launch_mod.init_from_env(backend)
+    monkeypatch.setattr(rank_side, "rank_device", lambda: None)
+    rank_side.init_from_env(backend)
     return started["backend"], (chosen[-1] if chosen else None)
 
 

@@ -25,7 +25,6 @@ import pytest
 
 from dlo.grading import files
 from dlo.harness import exchange
-from dlo.harness.nbgrader_cli import NOT_SUBMITTED
 from dlo.harness.setup import setup
 from tests.harness.conftest import (
     ADAMW,
@@ -93,7 +92,7 @@ def test_copy_regular_files_skips_links_and_special_files(tmp_path):
     (src / "linkdir").symlink_to(secret)
     (src / "data" / "dangling").symlink_to(tmp_path / "nothing")
     os.mkfifo(src / "pipe")  # opening it for reading would block forever
-    skipped = files.copy_tree(src, dest, ignore=NOT_SUBMITTED)  # what publish() copies with
+    skipped = files.copy_tree(src, dest, ignore=files.NOT_SUBMITTED)  # what publish() copies with
     assert sorted(skipped) == ["data/dangling (a symlink)", "link.txt (a symlink)", "linkdir (a symlink)",
                                "pipe (a fifo)"]
     assert sorted(str(p.relative_to(dest)) for p in dest.rglob("*")) == ["data", "data/x.csv", f"{DAY}.ipynb"]

@@ -49,7 +49,7 @@ def main(workdir):
         import cloudpickle
         import torch.distributed as dist
 
-        from dlo.distributed.launch import dumps, init_from_env
+        from dlo.distributed.current import dumps, init_from_env
 
         fn, args, kwargs = cloudpickle.loads(blob)
         device = init_from_env(backend)
@@ -79,7 +79,7 @@ def warm(preload):
     import torch
     import torch.distributed  # noqa: F401
 
-    import dlo.distributed.launch  # noqa: F401
+    import dlo.distributed.current  # noqa: F401
 
     for name in preload:
         try:

@@ -13,9 +13,9 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Sampler
 
-from dlo.distributed.launch import rank as _rank
-from dlo.distributed.launch import rank_device
-from dlo.distributed.launch import world_size as _world_size
+from dlo.distributed.current import rank as _rank
+from dlo.distributed.current import rank_device
+from dlo.distributed.current import world_size as _world_size
 
 
 def shard_indices(n: int, rank: int, world_size: int, seed: int = 0, epoch: int = 0,

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from dlo.distributed.launch import rank_device
+from dlo.distributed.current import rank_device
 from dlo.distributed.tensor_parallel import apply_tp, check_tp_degree
 
 

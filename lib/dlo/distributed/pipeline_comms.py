@@ -50,7 +50,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dlo.distributed.launch import heartbeat
+from dlo.distributed.current import heartbeat
 from dlo.measure import collective_kind
 
 

@@ -26,8 +26,8 @@ from torch import nn
 
 from dlo import tb
 from dlo.distributed.collectives import bus_bandwidth
+from dlo.distributed.current import heartbeat, rank_device
 from dlo.distributed.ddp import DataParallelBucket, DataParallelNaive
-from dlo.distributed.launch import heartbeat, rank_device
 from dlo.distributed.onebit_adam import OneBitAdam
 from dlo.distributed.sync_bn import convert_sync_batchnorm
 from dlo.experiments.day4_comm import powersgd_bytes, ring_peers, ring_sent, tcp_available, tcp_sent, wire_bytes

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dlo.distributed.launch import heartbeat
+from dlo.distributed.current import heartbeat
 from dlo.models.resnet import resnet18
 from dlo.models.small import MLP
 

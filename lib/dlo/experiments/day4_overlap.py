@@ -27,8 +27,8 @@ import torch.distributed as dist
 
 from dlo import claims as C
 from dlo import estimates as E
+from dlo.distributed.current import heartbeat
 from dlo.distributed.ddp import DataParallelBucket
-from dlo.distributed.launch import heartbeat
 from dlo.experiments.day4_data import batch, ddp_step, model
 from dlo.measure import CommCounter, time_interleaved
 from dlo.profiling import quiet_profiler

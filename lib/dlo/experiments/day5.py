@@ -35,8 +35,8 @@ import torch.distributed as dist
 from torch import nn
 
 from dlo import tb
+from dlo.distributed.current import heartbeat, rank_device
 from dlo.distributed.fsdp import apply_fsdp
-from dlo.distributed.launch import heartbeat, rank_device
 from dlo.distributed.parallelize import ParallelDims, parallelize_llama
 from dlo.distributed.zero import ZeRO1, ZeRO2, ZeRO3
 from dlo.experiments.day5_data import build, check_weights, check_world, llama_config, lm_loss, n_params, token_batches

@@ -15,7 +15,8 @@ from dataclasses import replace
 
 import torch
 
-from dlo.distributed.launch import launch, rank_device
+from dlo.distributed.current import rank_device
+from dlo.distributed.launch import launch
 from dlo.experiments.day5 import train_fsdp
 from dlo.experiments.day5_report import mfu_estimate, plan
 

@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from dlo.distributed.launch import heartbeat, rank_device
+from dlo.distributed.current import heartbeat, rank_device
 from dlo.distributed.pipeline import ENGINES, Timeline, build_stages, make_stage_modules, run_schedule
 from dlo.distributed.pipeline_schedules import (
     bubble_formula,

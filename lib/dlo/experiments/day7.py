@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dlo.distributed.launch import heartbeat
+from dlo.distributed.current import heartbeat
 from dlo.distributed.tp_comms import tp_size
 from dlo.distributed.tp_gpt import MODES, TensorParallelGPTBlock
 from dlo.measure import CommCounter, SavedTensorMeter
@@ -194,7 +194,7 @@ def _tp_mesh(t: int, device):
 def run_all(P) -> dict:
     """Every measurement of the day on this launch's ranks; degree t runs on ranks 0..t-1 while the
     others wait at a barrier. Each rank returns what it measured: read rank 0's (it is in every group)."""
-    from dlo.distributed.launch import rank_device
+    from dlo.distributed.current import rank_device
     from dlo.distributed.parallelize import ParallelDims
 
     rank, world_size, device = dist.get_rank(), dist.get_world_size(), rank_device()

@@ -25,6 +25,8 @@ from pathlib import Path
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 CHUNK = 1 << 20
+# What a day folder may hold that is no part of the notebook: never copied, hashed or graded.
+NOT_SUBMITTED = ("runs", ".ipynb_checkpoints", "__pycache__")  # TensorBoard logs, checkpoints, caches
 
 
 class NotRegular(OSError):

@@ -37,7 +37,6 @@ from nbgrader.exchange.abc import ExchangeList
 from nbgrader.exchange.default.submit import ExchangeSubmit
 
 from dlo.grading import files
-from dlo.harness.nbgrader_cli import NOT_SUBMITTED
 
 
 class NoExchange(ExchangeList):
@@ -101,7 +100,7 @@ def publish(course: Path, submitted: Path, keys: list[tuple[str, str]], students
     dest = course / "submitted"
     shutil.rmtree(dest, ignore_errors=True)
     for student, day in keys:
-        files.copy_tree(submitted / student / day, dest / student / day, ignore=NOT_SUBMITTED)
+        files.copy_tree(submitted / student / day, dest / student / day, ignore=files.NOT_SUBMITTED)
     with Gradebook(f"sqlite:///{course / 'gradebook.db'}") as gb:
         for student in students:
             gb.update_or_create_student(student)

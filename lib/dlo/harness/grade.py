@@ -49,7 +49,7 @@ from dlo.grading.jail import probe
 from dlo.harness import exchange, pool, schedule, similarity
 from dlo.harness.days import list_days, repo_root
 from dlo.harness.merge import is_part, merge  # noqa: F401 - merge: `dlo grade --merge`
-from dlo.harness.nbgrader_cli import NOT_SUBMITTED, generate_assignments
+from dlo.harness.nbgrader_cli import generate_assignments
 from dlo.harness.outdir import OwnedDir
 from dlo.harness.results import (
     CELL_COLUMNS,
@@ -149,7 +149,7 @@ def folder_hash(folder: Path) -> str:
     and special files by name only: they are never followed, nor graded)."""
     h = hashlib.sha256()
     try:
-        for rel, fd, why in files.walk(folder, NOT_SUBMITTED):
+        for rel, fd, why in files.walk(folder, files.NOT_SUBMITTED):
             if fd is not None:
                 h.update(rel.encode() + b"\0")
                 while chunk := os.read(fd, files.CHUNK):

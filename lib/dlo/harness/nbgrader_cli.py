@@ -24,8 +24,6 @@ from dlo.reaper import kill_tree
 _LIVE: set[subprocess.Popen | WarmProcess] = set()  # children running now (from any thread), for kill_children()
 _LOCK = threading.Lock()
 _STOPPED = threading.Event()  # set by kill_children(): a child started afterwards is killed at once
-# What a day folder may hold that is no part of the notebook: never copied, hashed or graded.
-NOT_SUBMITTED = ("runs", ".ipynb_checkpoints", "__pycache__")  # TensorBoard logs, checkpoints, caches
 
 
 def autograde_and_feedback(course_root: Path, db: Path, day: str, student: str, *, env: dict | None = None,
@@ -92,7 +90,7 @@ def generate_assignments(solutions: Path, days: list[str], course_root: Path, db
     source = course_root / "source"
     for day in days:
         shutil.copytree(solutions / day, source / day, dirs_exist_ok=True,
-                        ignore=shutil.ignore_patterns(*NOT_SUBMITTED))
+                        ignore=shutil.ignore_patterns(*files.NOT_SUBMITTED))
     db = db or course_root / "gradebook.db"
     proc = child([sys.executable, "-m", "dlo.harness.nbgrader_cli", "generate", str(course_root), str(db), *days],
                  course_root, what="generate_assignment")

@@ -32,7 +32,7 @@ from pathlib import Path
 from dlo.claims import SHARE_ENV
 from dlo.grading import files
 from dlo.grading.jail import SPEC_ENV, make_spec
-from dlo.harness.nbgrader_cli import NOT_SUBMITTED, autograde_and_feedback, kill_children
+from dlo.harness.nbgrader_cli import autograde_and_feedback, kill_children
 from dlo.harness.results import copy_feedback, graded, record_path, write_json
 from dlo.harness.schedule import Progress, cores, fmt_time, order
 
@@ -156,7 +156,7 @@ def copy_submission(src: Path, dest: Path, day: str) -> list[str]:
     """The submission's regular files and folders into the grading scratch (its runs/ and caches left
     behind), never following a link nor opening a special file; what was skipped, as "data.txt (a
     symlink)", is also said at the top of the copied notebook, hence in the student's feedback."""
-    skipped = files.copy_tree(src, dest, NOT_SUBMITTED)
+    skipped = files.copy_tree(src, dest, files.NOT_SUBMITTED)
     nb_path = dest / f"{day}.ipynb"
     if skipped and nb_path.is_file():
         import nbformat
