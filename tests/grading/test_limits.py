@@ -41,7 +41,7 @@ def test_defaults_are_each_jobs_share_and_never_under_an_honest_day():
     assert len(warnings) == 1 and "lower --jobs" in warnings[0]
     given, warnings = for_jobs(2, 20 * GIB, threads=1, given={"memory": GIB, "procs": None})
     assert given.memory == GIB and given.procs == 256  # what the command line gave, as given
-    assert len(warnings) == 1 and "--mem-per-job is under the 3 GiB" in warnings[0]
+    assert len(warnings) == 1 and "--mem-per-job is under 3 GiB, the default's floor" in warnings[0]
 
 
 @pytest.mark.parametrize("args, message", [

@@ -176,6 +176,7 @@ def test_a_job_over_its_limits_fails_alone(toy_root, tmp_path):
     beside = dlo("grade", str(both), "--out", str(tmp_path / "g-both"), "--jobs", "2", "--cell-timeout", "120",
                  *LIMITS, root=toy_root, timeout=1200)
     assert "limits per job: memory 2 GiB, 128 processes and threads, files up to 8 MiB" in beside.stdout
+    assert "limits reached: hog/toy (5 cell(s))" in beside.stdout  # the run's summary
     scores = {r["student"]: float(r["score"]) for r in read_csv(tmp_path / "g-both" / "scores.csv")}
     assert scores == {"hog": 0.0, "classmate": sum(POINTS.values())}, beside.stdout
     errors = _errors(tmp_path / "g-both", "hog")

@@ -125,14 +125,14 @@ def for_jobs(jobs: int, available: int, threads: int, given: dict | None = None)
     warnings = []
     if "memory" not in given and derived["memory"] < HONEST["memory"]:
         warnings.append(f"{jobs} job(s) leave {size_text(derived['memory'])} of memory each, under the "
-                        f"{size_text(HONEST['memory'])} a day may take: each job gets that much, and together they "
-                        f"may exceed what is available; lower --jobs")
+                        f"{size_text(HONEST['memory'])} a limit never goes below (twice what the heaviest day takes): "
+                        f"each job gets that much, and together they may exceed what is available; lower --jobs")
     values = {k: given.get(k, max(derived[k], HONEST[k])) for k in HONEST}
     for name, value in given.items():
         if value < HONEST[name]:
             shown = str(HONEST[name]) if name == "procs" else size_text(HONEST[name])
-            warnings.append(f"{OPTIONS[name]} is under the {shown} the heaviest day takes (bench/grade_peaks.py): "
-                            f"honest submissions may reach it")
+            warnings.append(f"{OPTIONS[name]} is under {shown}, the default's floor (room above what the heaviest "
+                            f"day takes, bench/grade_peaks.py): honest submissions may reach it")
     return Limits(**values), warnings
 
 
