@@ -6,9 +6,9 @@ and its checks runner's sandbox (`dlo.grading.jail`), with every process they st
 
 - **memory** (`--mem-per-job`): the job's sandboxed processes together hold at most this many bytes of
   their own pages. Each process is bounded by RLIMIT_DATA (its private writable memory: an allocation
-  past it fails, MemoryError; not where GPUs are bound, see `Limits.rlimits`), and the job's watch (`dlo.grading.jobwatch`) adds the processes up a few
-  times a second and stops the largest when the sum is over, as the kernel's OOM killer would, but
-  within the job;
+  past it fails, MemoryError; not where GPUs are bound, see `Limits.rlimits`), and the job's watch
+  (`dlo.grading.jobwatch`) adds the processes up a few times a second and stops the largest when the sum
+  is over, as the kernel's OOM killer would, but within the job;
 - **processes** (`--procs-per-job`): RLIMIT_NPROC, which counts processes *and threads* per uid. Grading
   as root, each job's sandboxes run as a uid of their own (`UidPool`: leased for the run, FIRST_UID and
   up), so one job forking to its limit leaves the others' count alone; as any other user each sandbox is
