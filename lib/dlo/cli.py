@@ -6,7 +6,7 @@
     dlo release [--force]
     dlo check
     dlo grade SUBMITTED_DIR [--out DIR] [--jobs N] [--shard K/N] [--regrade] [--cell-timeout S] [--require-full]
-              [--full-notebook]
+              [--full-notebook] [--mem-per-job SIZE] [--procs-per-job N] [--max-file-size SIZE] [--tmpfs-size SIZE]
     dlo grade --merge DIR
     dlo setup student|instructor [--user|--config-dir DIR] [--exchange DIR] [--course-id ID] [--cell-timeout S]
     dlo doctor [DAY ...] [--data-dir DIR] [--weights-dir DIR]
@@ -50,6 +50,23 @@ def positive(cast):
             raise argparse.ArgumentTypeError(f"{text} is not a positive number")
         return value
     parse.__name__ = f"positive {cast.__name__}"
+    return parse
+
+
+def limit(name: str):
+    """An argparse type: the value of the grading limit `name` (`dlo.grading.limits`), sizes as 3G or 512M."""
+    from dlo.grading.limits import check_value, parse_size
+
+    def parse(text: str):
+        try:
+            value = int(text) if name == "procs" else parse_size(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc) if name != "procs" else f"{text!r} is not a number") from None
+        why = check_value(name, value)
+        if why:
+            raise argparse.ArgumentTypeError(why)
+        return value
+    parse.__name__ = name
     return parse
 
 
@@ -112,6 +129,17 @@ def build_parser() -> argparse.ArgumentParser:
                             "out, with a note in the feedback: they cannot change a score)")
     grade.add_argument("--no-sandbox", action="store_true",
                        help="grade even where bubblewrap cannot run, unconfined (the `sandbox` column says so)")
+    grade.add_argument("--mem-per-job", type=limit("memory"), default=None, metavar="SIZE",
+                       help="memory of one submission's sandboxed processes together, e.g. 4G (default: its share "
+                            "of the memory available, at least 2 GiB)")
+    grade.add_argument("--procs-per-job", type=limit("procs"), default=None, metavar="N",
+                       help="processes and threads of one submission's sandboxes (default: 64 per core of its "
+                            "share + 192, at least 256)")
+    grade.add_argument("--max-file-size", type=limit("file_size"), default=None, metavar="SIZE",
+                       help="largest file a submission may write (default: its memory limit)")
+    grade.add_argument("--tmpfs-size", type=limit("tmpfs"), default=None, metavar="SIZE",
+                       help="size of each of the sandbox's /tmp and /dev/shm, memory too (default: 1/8 of the "
+                            "job's share, at least 256 MiB)")
 
     setup = sub.add_parser("setup", help="JupyterLab for a role: students get Validate and the assignment list, "
                                           "instructors the formgrader too (settings in this environment)")
@@ -210,10 +238,14 @@ def dispatch(args: argparse.Namespace) -> int:
             return grade.merge(args.merge)
         if args.submitted is None:
             raise BadInput("SUBMITTED_DIR is required (or --merge DIR)")
+        limits = {"memory": args.mem_per_job, "procs": args.procs_per_job, "file_size": args.max_file_size,
+                  "tmpfs": args.tmpfs_size}
+        if args.no_sandbox and any(v is not None for v in limits.values()):
+            raise BadInput("the limits per job are set in the sandbox: --no-sandbox grades without them")
         return grade.main(root, args.submitted, args.out, args.profile, args.cell_timeout,
                           args.notebook_timeout, args.require_full, jobs=args.jobs, shard=args.shard,
                           regrade=args.regrade, no_sandbox=args.no_sandbox,
-                          full_notebook=args.full_notebook)
+                          full_notebook=args.full_notebook, limits=limits)
     if args.command == "setup":
         from dlo.harness.setup import setup
         return setup(args.role, user=args.user, cfg_dir=args.config_dir, exchange=args.exchange,

@@ -29,8 +29,8 @@ PR_SET_CHILD_SUBREAPER, PR_GET_CHILD_SUBREAPER = 36, 37  # linux/prctl.h
 PR_GET_DUMPABLE, PR_SET_DUMPABLE = 3, 4
 
 
-def _ppids() -> dict[int, list[int]]:
-    """{parent pid: [child pids]} of every live (non-zombie) process, from /proc/<pid>/stat."""
+def _ppids(zombies: bool = False) -> dict[int, list[int]]:
+    """{parent pid: [child pids]} of every live process (and zombie, if asked), from /proc/<pid>/stat."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -42,7 +42,7 @@ def _ppids() -> dict[int, list[int]]:
             continue  # gone meanwhile
         # the command name may hold spaces and parentheses: state and ppid follow the last ")"
         state, ppid = stat.rsplit(")", 1)[1].split()[:2]
-        if state != "Z":
+        if zombies or state != "Z":
             children.setdefault(int(ppid), []).append(int(entry))
     return children
 
@@ -106,6 +106,16 @@ def kill_tree(root: int, *, include_root: bool = True, mark: str | None = None, 
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGKILL)
         time.sleep(0.02)
+
+
+def reap_orphans(spare: int | None = None) -> None:
+    """Wait for this process's children that have exited (a subreaper is handed its descendants' orphans,
+    and nothing else waits for them), `spare` excepted: a zombie keeps its pid and counts against its
+    user's process limit (RLIMIT_NPROC) until it is waited for."""
+    for pid in _ppids(zombies=True).get(os.getpid(), []):
+        if pid != spare:
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, os.WNOHANG)
 
 
 def _alive(pid: int) -> bool:

@@ -4,9 +4,10 @@ Both the student's Jupyter kernel and the checks' runner (`dlo.grading.jail_runn
 starts) run under `bwrap` with:
 
 - no authority: no capabilities (`--cap-drop ALL`; `CapEff` is 0) and an unprivileged uid (65534,
-  "nobody"), also when the grader runs as root (CI, containers). As root, bwrap builds the sandbox
-  (its mounts need root's reach into e.g. a Python under /root) and `setpriv` then becomes uid/gid
-  65534 for real, with an empty bounding set and no_new_privs: a root grader's sandbox is not root
+  "nobody"; under `dlo grade` as root, the job's own: `Spec.uid`), also when the grader runs as root (CI,
+  containers). As root, bwrap builds the sandbox
+  (its mounts need root's reach into e.g. a Python under /root) and `setpriv` then becomes that uid/gid
+  for real, with an empty bounding set and no_new_privs: a root grader's sandbox is not root
   outside either (a user namespace would map its uid to root outside, and root's sockets - D-Bus,
   systemd - would take it for root). As any other user, bwrap runs unprivileged in a user namespace
   (`--unshare-user --uid 65534 --gid 65534 --disable-userns`): uid 65534 inside, the grader's uid
@@ -17,6 +18,8 @@ starts) run under `bwrap` with:
   only the GPUs' nodes (`gpu_nodes()`: /dev/nvidia*, /dev/nvidia-caps, /dev/dri) bound in, so a private
   /dev/shm (a tmpfs of its own); a /proc of its own (the driver's /proc/driver/nvidia is in every one);
   a private /tmp; /run hidden (the system's and the grader's sockets: D-Bus, systemd, docker);
+- the job's limits (`Spec.limits`, `dlo.grading.limits`): every tmpfs sized (/tmp and /dev/shm by the job's
+  tmpfs limit), and the rlimits (memory, processes, file size) set by the sandbox's first command;
 - tmpfs over what a student must not read: the course checkout (solutions/, its git history, earlier
   runs), the submissions folder (other students' notebooks), the grading output (the nbgrader course
   root with the instructors' notebooks, hidden tests and gradebooks) and the grader's HOME; as root,
@@ -59,18 +62,25 @@ import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from dlo.grading.limits import HONEST, Limits, tmpfs_args, wrapper
+
 SPEC_ENV = "DLO_SANDBOX_SPEC"  # path of the JSON spec `dlo grade` writes for one submission
 BWRAP_ENV = "DLO_BWRAP"  # the bwrap to use (a path); else a system bwrap, else the bundled one
 UID = GID = 65534  # who the student's code is, inside the sandbox and (grading as root) outside too
 GPU_NODES = ("/dev/nvidia*", "/dev/nvidia-caps", "/dev/dri")  # the first also matches nvidia-caps: bound once
 UVM = "/dev/nvidia-uvm"  # CUDA's unified memory node: made by the driver at the machine's first CUDA start
-BASE = ["--ro-bind", "/", "/", "--dev", "/dev", "--perms", "1777", "--tmpfs", "/dev/shm", "--proc", "/proc",
-        "--perms", "1777", "--tmpfs", "/tmp", "--tmpfs", "/run",
+BASE = ["--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc",
         "--unshare-pid", "--unshare-ipc", "--unshare-net", "--new-session", "--die-with-parent",
         "--unsetenv", "JPY_PARENT_PID", "--unsetenv", SPEC_ENV]
+SCRATCH_TMPFS = ("/dev/shm", "/tmp")  # private, writable by the sandbox (1777), each sized by the job's limits
 AS_USER = ["--unshare-user", "--uid", str(UID), "--gid", str(GID), "--disable-userns", "--cap-drop", "ALL"]
-DROP = ["--reuid", str(UID), "--regid", str(GID), "--clear-groups", "--inh-caps=-all", "--ambient-caps=-all",
-        "--bounding-set=-all", "--no-new-privs"]  # setpriv's, as root: uid 65534 outside too, no capability
+
+
+def drop(uid: int) -> list[str]:
+    """setpriv's, as root: `uid` (65534, or the job's own: `dlo.grading.limits.UidPool`) outside too, no capability."""
+    return [f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--inh-caps=-all", "--ambient-caps=-all",
+            "--bounding-set=-all", "--no-new-privs"]
+
 FIX_USERNS = ("allow unprivileged user namespaces ({how}), or install your distribution's bubblewrap "
               "(apt-get install bubblewrap: Ubuntu's AppArmor profile lets it), or point {env} at a setuid bwrap")
 
@@ -127,7 +137,7 @@ def _try(exe: str) -> str | None:
     if as_root() and not shutil.which("setpriv"):
         return "setpriv not found (util-linux): grading as root needs it to drop to uid 65534"
     with tempfile.TemporaryDirectory(prefix="dlo-probe-") as tmp:
-        spec = make_spec("bwrap", Path(tmp) / "work", hidden=[], bwrap=exe)
+        spec = make_spec("bwrap", Path(tmp) / "work", hidden=[], bwrap=exe, limits=Limits(**HONEST))
         spec.make_dirs()
         code = "import importlib.util, sys; sys.exit(importlib.util.find_spec('dlo') is None)"
         try:
@@ -178,6 +188,8 @@ class Spec:
     hidden: list[str] = field(default_factory=list)
     exposed: list[str] = field(default_factory=list)  # read-only again inside hidden folders
     bwrap: str = ""  # the executable (`find_bwrap` in the grading parent)
+    limits: dict | None = None  # the job's `dlo.grading.limits.Limits` (None: unlimited)
+    uid: int = UID  # who the sandbox is outside, grading as root (the job's own uid under `dlo grade`)
 
     @property
     def kernel_dir(self) -> Path:
@@ -200,6 +212,11 @@ class Spec:
     def confined(self) -> bool:
         return self.mode == "bwrap"
 
+    @property
+    def job_limits(self) -> Limits | None:
+        """The limits the sandboxes run under (none unconfined)."""
+        return Limits.from_dict(self.limits) if self.confined else None
+
     def write(self, path: Path) -> None:
         path.write_text(json.dumps(asdict(self), indent=1))
 
@@ -218,7 +235,7 @@ class Spec:
                   self.runner_dir / ".home"):
             d.mkdir(exist_ok=True)
             if sandboxed:
-                os.chown(d, UID, GID, follow_symlinks=False)
+                os.chown(d, self.uid, self.uid, follow_symlinks=False)
                 os.chmod(d, 0o700)
 
     def hand_over(self, path: Path, tree: bool = False) -> None:
@@ -228,17 +245,17 @@ class Spec:
         the notebook, before any sandbox has seen it (`tree=True`)."""
         if not (self.confined and as_root()):
             return
-        os.chown(path, UID, GID, follow_symlinks=False)
+        os.chown(path, self.uid, self.uid, follow_symlinks=False)
         for top, dirs, files in os.walk(path) if tree else ():
             for name in (*dirs, *files):
-                os.chown(os.path.join(top, name), UID, GID, follow_symlinks=False)
+                os.chown(os.path.join(top, name), self.uid, self.uid, follow_symlinks=False)
 
     def socket_dir(self) -> Path:
         """A new private folder for a kernel's Unix sockets, short enough for their path limit (108
         bytes: OUT/work/<student>/<day>/kernel may be longer), bound into the kernel's sandbox."""
         path = Path(tempfile.mkdtemp(prefix="dlo-k-", dir="/tmp" if os.path.isdir("/tmp") else None))
         if self.confined and as_root():
-            os.chown(path, UID, GID)
+            os.chown(path, self.uid, self.uid)
         return path
 
     def kernel_prefix(self, sockets: Path | None = None) -> list[str]:
@@ -252,24 +269,32 @@ class Spec:
         """HOME and the caches in the sandbox's own scratch (the real HOME is hidden there), also those a
         grader's environment may point elsewhere: Triton's and torch.compile's (inductor's) caches."""
         home = cwd / ".home"
-        return {"HOME": str(home), "XDG_CACHE_HOME": str(home / ".cache"), "MPLCONFIGDIR": str(home / ".mpl"),
-                "TRITON_HOME": str(home), "TRITON_CACHE_DIR": str(home / ".triton"),
-                "TORCHINDUCTOR_CACHE_DIR": str(home / ".cache" / "torchinductor"), "IPYTHONDIR": str(home / ".ipython"),
-                "XDG_RUNTIME_DIR": str(home / ".run")}
+        env = {"HOME": str(home), "XDG_CACHE_HOME": str(home / ".cache"), "MPLCONFIGDIR": str(home / ".mpl"),
+               "TRITON_HOME": str(home), "TRITON_CACHE_DIR": str(home / ".triton"),
+               "TORCHINDUCTOR_CACHE_DIR": str(home / ".cache" / "torchinductor"), "IPYTHONDIR": str(home / ".ipython"),
+               "XDG_RUNTIME_DIR": str(home / ".run")}
+        if self.confined:  # a job's uid has no account: getpass.getuser() (torch.compile's cache) reads these
+            env.update(USER="nobody", LOGNAME="nobody")
+        return env
 
     def _prefix(self, writable: list[Path], readonly: list[Path], cwd: Path) -> list[str]:
         if not self.confined:
             return []
+        lim = self.job_limits
         args = [self.bwrap or bwrap_path() or "bwrap", *BASE]
+        for where in SCRATCH_TMPFS:
+            args += ["--perms", "1777", *tmpfs_args(lim, where)]
+        args += tmpfs_args(lim, "/run", hiding=True)
         if not as_root():
             args += AS_USER
-        for node in gpu_nodes():
+        nodes = gpu_nodes()
+        for node in nodes:
             args += ["--dev-bind-try", node, node]
         if os.path.isdir("/var/run") and not os.path.islink("/var/run"):
-            args += ["--tmpfs", "/var/run"]
+            args += tmpfs_args(lim, "/var/run", hiding=True)
         for h in self.hidden:
             if Path(h).is_dir():
-                args += ["--tmpfs", h]
+                args += tmpfs_args(lim, h, hiding=True)
             elif Path(h).exists():
                 args += ["--ro-bind", "/dev/null", h]
         masked = [Path(m) for m in (*self.hidden, "/tmp", "/run")]
@@ -289,8 +314,8 @@ class Spec:
             args += ["--setenv", k, v]
         args += ["--chdir", str(cwd), "--"]
         if as_root():
-            args += [shutil.which("setpriv") or "setpriv", *DROP, "--"]
-        return args
+            args += [shutil.which("setpriv") or "setpriv", *drop(self.uid), "--"]
+        return args + wrapper(lim, bool(nodes))  # the rlimits, set inside: see dlo.grading.limits
 
 
 def gpu_nodes() -> list[str]:
@@ -306,10 +331,12 @@ def gpu_nodes() -> list[str]:
     return sorted({node for pattern in GPU_NODES for node in glob.glob(pattern)})
 
 
-def make_spec(mode: str, scratch: Path, hidden: list[Path], bwrap: str | None = None) -> Spec:
+def make_spec(mode: str, scratch: Path, hidden: list[Path], bwrap: str | None = None, limits: Limits | None = None,
+              uid: int = UID) -> Spec:
     """The spec of one submission: `hidden` folders (and nothing nested in another), the library and
-    the Python environment exposed again where they lie inside a hidden folder. Grading as root, the
-    folders on the way to these that uid 65534 may not pass (e.g. /root) are hidden too."""
+    the Python environment exposed again where they lie inside a hidden folder; its job's `limits` and,
+    grading as root, its `uid`. Grading as root, the folders on the way to these that uid 65534 may not
+    pass (e.g. /root) are hidden too."""
     import dlo
 
     scratch = scratch.resolve()
@@ -326,7 +353,7 @@ def make_spec(mode: str, scratch: Path, hidden: list[Path], bwrap: str | None = 
     if mode == "bwrap" and bwrap is None:
         bwrap = bwrap_path()
     return Spec(mode=mode, scratch=str(scratch), hidden=[str(h) for h in hidden], exposed=exposed,
-                bwrap=bwrap or "")
+                bwrap=bwrap or "", limits=limits.as_dict() if limits else None, uid=uid)
 
 
 def _passable(folder: Path) -> bool:

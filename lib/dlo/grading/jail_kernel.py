@@ -16,7 +16,7 @@ from pathlib import Path
 
 from jupyter_client.manager import AsyncKernelManager
 
-from dlo.grading.jail import GID, UID, Spec, as_root
+from dlo.grading.jail import Spec, as_root
 from dlo.reaper import children, comm
 
 
@@ -47,8 +47,8 @@ class SandboxedKernelManager(AsyncKernelManager):
 
     def write_connection_file(self, **kw) -> None:
         super().write_connection_file(**kw)
-        if self.spec is not None and self.spec.confined and as_root():  # the kernel reads it as uid 65534
-            os.chown(self.connection_file, UID, GID, follow_symlinks=False)
+        if self.spec is not None and self.spec.confined and as_root():  # the kernel reads it as the sandbox's uid
+            os.chown(self.connection_file, self.spec.uid, self.spec.uid, follow_symlinks=False)
 
     async def _async_cleanup_resources(self, restart: bool = False) -> None:
         await super()._async_cleanup_resources(restart=restart)

@@ -30,7 +30,8 @@ by exec, do not, and hold their own part only.
 
 Processes the student's code leaves behind end with the session: the runner and each session's
 child are subreapers (orphans stay their descendants), and the runner kills whatever is left below
-it once the session's child has exited.
+it once the session's child has exited, and waits for it (a zombie counts against the job's process limit,
+`dlo.grading.limits`), before it serves the next session.
 
 Trusted callables among the inputs (`Callback`) are called back over the channel. The parent
 never runs student code: it forwards frames between the trusted side and the child, and reports the
@@ -115,6 +116,7 @@ def serve(req: dict, proto_in: int, proto_out: int, server: int | None = None) -
         parent_sock.close()
         reaper.kill_tree(os.getpid(), include_root=False, spare=server)  # daemons of the session's code: none
         # may wait for the next check's shards
+        reaper.reap_orphans(spare=server)  # their zombies would count against the job's process limit
 
 
 def _forward(proto_in: int, proto_out: int, sock: int, pidfd: int, pid: int) -> None:

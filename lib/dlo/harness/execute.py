@@ -17,12 +17,17 @@ it: the cell gets an error, a fresh kernel starts, the cells before it are repla
 test cells, which the kernel never runs, and earlier cells that killed or hung a kernel), and grading
 goes on. A cell that hangs but obeys SIGINT is interrupted by nbclient as before.
 
+**A limit of the job reached** (`dlo.grading.limits`: memory, processes, a file's size, a tmpfs) is
+named in the outputs of the cell that reached it; a graded cell during which the job's watch had to
+stop a process over the memory limit (`dlo.grading.jobwatch`) fails.
+
 **The code cells after the last graded cell are not run** unless `full_notebook` (`dlo grade
 --full-notebook`): they cannot change a score (`dlo.harness.graded`), and each gets a note saying so.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import shutil
@@ -38,9 +43,10 @@ from nbgrader.api import Gradebook, MissingEntry
 from nbgrader.preprocessors import Execute
 from traitlets import Bool
 
-from dlo.grading import files, testcells
+from dlo.grading import files, limits, testcells
 from dlo.grading.jail import make_spec, probe, spec_from_env
 from dlo.grading.jail_kernel import SandboxedKernelManager
+from dlo.grading.jobwatch import JobWatch
 from dlo.harness import graded
 
 # the grading kernel's first code (silent, no history)
@@ -67,6 +73,8 @@ class ResilientExecute(Execute):
         self._spec = spec
         _copy_extra_files(resources, spec.kernel_dir)
         spec.hand_over(spec.kernel_dir, tree=True)  # before the kernel starts
+        self._limits = spec.job_limits
+        self._watch = JobWatch(self._limits.memory) if self._limits is not None else None
         self._tests = trusted_test_cells(resources)
         self._last = len(nb.cells) if self.full_notebook else graded.last_graded_index(nb, self._tests)
         self._backend = None
@@ -75,7 +83,8 @@ class ResilientExecute(Execute):
         if self._tests:
             self._warming.start()
         try:
-            return super().preprocess(nb, resources, km)
+            with self._watch or contextlib.nullcontext():
+                return super().preprocess(nb, resources, km)
         finally:
             if self._tests:
                 self._warming.join()
@@ -119,19 +128,31 @@ class ResilientExecute(Execute):
 
     def preprocess_cell(self, cell, resources, index):
         gid = cell.metadata.get("nbgrader", {}).get("grade_id")
+        start = time.monotonic()
         if cell.cell_type == "code" and gid in self._tests:
             self._grade(cell, index, self._tests[gid])
+            self._name_limits(cell, start, "the checks of this cell")
             return cell, self.resources
         if graded.skipped(cell, index, self._last):
             cell.outputs, cell.execution_count = [graded.skipped_output()], None
             return cell, self.resources
         try:
-            return super().preprocess_cell(cell, resources, index)
+            done = super().preprocess_cell(cell, resources, index)
         except (DeadKernelError, CellTimeoutError) as exc:
             self._skip.add(index)
             cell.outputs.append(_lost_kernel_output(exc, self.timeout))
+            self._name_limits(cell, start, "this cell")
             self._recover(index, exc)
             return cell, self.resources
+        self._name_limits(cell, start, "this cell")
+        return done
+
+    def _name_limits(self, cell, start: float, what: str) -> None:
+        """The job's limit each error of the cell reached, named in it; a process stopped by the job's watch
+        meanwhile fails the cell."""
+        if self._limits is not None and cell.cell_type == "code":
+            killed = self._watch.since(start)
+            limits.name_limits(cell.outputs, self._limits, what, killed, testcells.error_output)
 
     # ------------------------------------------------------------------------- graded test cells
 

@@ -192,7 +192,9 @@ def course_version(root: Path, days: list[str]) -> str:
 
 def main(root: Path, submitted: str, out: str | None, profile: str, cell_timeout: float,
          notebook_timeout: float, require_full: bool, jobs: int | None = None, shard: str | None = None,
-         regrade: bool = False, no_sandbox: bool = False, full_notebook: bool = False) -> int:
+         regrade: bool = False, no_sandbox: bool = False, full_notebook: bool = False,
+         limits: dict | None = None) -> int:
+    """`limits`: {name: value} of `dlo.grading.limits.Limits` given on the command line (the rest sized per job)."""
     days = list_days(root)
     if not days:
         raise BadInput(f"no day notebooks under {root / 'solutions'}")
@@ -232,7 +234,7 @@ def main(root: Path, submitted: str, out: str | None, profile: str, cell_timeout
         owned.claim()
     try:
         rows = _run(root, submitted_dir, top, out_dir, owned, graded_days, status, manifest, profile, cell_timeout,
-                    notebook_timeout, sandbox, jobs, resume)
+                    notebook_timeout, sandbox, jobs, resume, limits)
     except KeyboardInterrupt:
         owned.record()
         print(f"\ninterrupted: the submissions graded so far are kept in {top}; run the same command again "
@@ -272,7 +274,7 @@ def _resumable(out_dir: Path, manifest: dict) -> bool:
 
 
 def _run(root, submitted_dir, top, out_dir, owned, graded_days, status, manifest, profile, cell_timeout,
-         notebook_timeout, sandbox, jobs, resume) -> list[dict]:
+         notebook_timeout, sandbox, jobs, resume, given_limits=None) -> list[dict]:
     course = out_dir / "course"
     if not resume or not (course / "template.db").is_file():
         shutil.rmtree(course, ignore_errors=True)
@@ -293,13 +295,18 @@ def _run(root, submitted_dir, top, out_dir, owned, graded_days, status, manifest
     todo = [k for k in sorted(inputs) if k not in records]
     if resume:
         print(f"resuming in {out_dir}: {len(records)} submission(s) already graded, {len(todo)} to go", flush=True)
+    running = min(jobs, max(1, len(todo)))
+    limits = pool.job_limits(running, given_limits) if sandbox == "bwrap" else None  # none without the sandbox
+    if limits is not None:
+        print(f"limits per job: {limits.describe()}", flush=True)
     grading = pool.Run(out=out_dir, submitted=submitted_dir, profile=profile, notebook_timeout=notebook_timeout,
-                       sandbox=sandbox, hidden=[root, repo_root(), submitted_dir, top, Path.home()], inputs=inputs)
+                       sandbox=sandbox, hidden=[root, repo_root(), submitted_dir, top, Path.home()], inputs=inputs,
+                       limits=limits)
     key_mode = schedule.mode(profile, manifest["full_notebook"])
     seconds = schedule.expected(todo, records.values(), key_mode)
     start = time.monotonic()
     try:
-        records.update(pool.run(grading, todo, min(jobs, max(1, len(todo))), len(inputs), len(records), seconds))
+        records.update(pool.run(grading, todo, running, len(inputs), len(records), seconds))
     finally:
         owned.record()
     schedule.remember(records.values(), key_mode)

@@ -10,7 +10,8 @@ that a submission is done, which is what a resumed run trusts.
 
 `run` drives `jobs` such workers from threads (each waits on its child process), longest expected
 first, with a progress line from the start (`schedule`: queued, running, done, the slowest running,
-time left) and a summary at the end. A worker whose
+time left) and a summary at the end. Each job runs within limits sized from its share of the machine
+(`job_limits`; `dlo.grading.limits`), grading as root under a uid of its own, leased for the run. A worker whose
 process is killed (the out-of-memory killer, an administrator) is retried once; killed again, the
 submission is marked and the run goes on. Ctrl-C or SIGTERM (a job's time limit) kills the children
 and stops; the records already written let the same command resume.
@@ -30,8 +31,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dlo.claims import SHARE_ENV
-from dlo.grading import files
-from dlo.grading.jail import SPEC_ENV, make_spec
+from dlo.errors import warn
+from dlo.grading import files, limits
+from dlo.grading.jail import SPEC_ENV, UID, as_root, make_spec
 from dlo.harness.nbgrader_cli import autograde_and_feedback, kill_children
 from dlo.harness.results import copy_feedback, graded, record_path, write_json
 from dlo.harness.schedule import Progress, cores, fmt_time, order
@@ -55,6 +57,7 @@ class Run:
     sandbox: str
     hidden: list[Path]
     inputs: dict = field(default_factory=dict)  # {(student, day): hash of the submitted folder}
+    limits: limits.Limits | None = None  # each job's (`job_limits`); None: unlimited
 
     @property
     def course(self) -> Path:
@@ -86,6 +89,15 @@ def default_jobs(profile: str) -> int:
     return min(n, gpus(profile)) if gpus(profile) else n
 
 
+def job_limits(jobs: int, given: dict | None = None) -> limits.Limits:
+    """Each of `jobs` jobs' limits: `given` ({name: value} from the command line), the rest from the job's
+    share of the memory available now and of the cores; a share under what a day takes is warned about."""
+    lim, warnings = limits.for_jobs(jobs, int(memory_gib() * limits.GIB), max(1, cores() // jobs), given)
+    for line in warnings:
+        warn("grade", line)
+    return lim
+
+
 def slot_env(slot: int, jobs: int, profile: str) -> dict:
     """Environment of the worker in `slot`: its share of the cores (no oversubscription: N kernels
     each spinning all cores' threads slow each other down) and of the GPUs, named as this process's
@@ -103,8 +115,9 @@ def slot_env(slot: int, jobs: int, profile: str) -> dict:
 
 # ----------------------------------------------------------------------------- one submission
 
-def grade_one(run: Run, student: str, day: str, env: dict, attempt: int = 1) -> dict:
-    """Grade one submission in its own course root and process; its record (also written to disk)."""
+def grade_one(run: Run, student: str, day: str, env: dict, attempt: int = 1, uid: int = UID) -> dict:
+    """Grade one submission in its own course root and process, its sandboxes as `uid` when grading as root;
+    its record (also written to disk)."""
     work = run.out / "work" / student / day
     shutil.rmtree(work, ignore_errors=True)
     root = work / "nbgrader"
@@ -114,7 +127,7 @@ def grade_one(run: Run, student: str, day: str, env: dict, attempt: int = 1) -> 
     skipped = copy_submission(run.submitted / student / day, root / "submitted" / student / day, day)
     db = root / "gradebook.db"
     shutil.copyfile(run.course / "template.db", db)
-    spec = make_spec(run.sandbox, work, run.hidden)
+    spec = make_spec(run.sandbox, work, run.hidden, limits=run.limits, uid=uid)
     spec.make_dirs()
     spec.write(work / "sandbox.json")
     child_env = {"DLO_PROFILE": run.profile, "DLO_GRADING": "1", "DLO_HEADLESS": "1",
@@ -192,13 +205,16 @@ def _keep(run: Run, root: Path, student: str, day: str, db: Path) -> dict:
 
 
 def incidents(nb: Path) -> dict:
-    """Cells that hit the time limit and kernels that died, as the autograded notebook records them."""
+    """Cells that hit the time limit, kernels that died and limits of the job reached, as the autograded
+    notebook records them."""
     try:
         cells = json.loads(nb.read_text())["cells"]
     except (OSError, ValueError, KeyError):
         return {}
-    names = [o.get("ename") for c in cells for o in c.get("outputs", []) if o.get("output_type") == "error"]
-    return {"timeouts": sum(n in TIMEOUT_ERRORS for n in names), "kernel_deaths": names.count("DeadKernelError")}
+    errors = [o for c in cells for o in c.get("outputs", []) if o.get("output_type") == "error"]
+    names = [o.get("ename") for o in errors]
+    return {"timeouts": sum(n in TIMEOUT_ERRORS for n in names), "kernel_deaths": names.count("DeadKernelError"),
+            "limits": sum(limits.is_note(str(o.get("evalue", ""))) for o in errors)}
 
 
 def killed_record(run: Run, student: str, day: str, why: str) -> dict:
@@ -230,6 +246,11 @@ def run(grading: Run, todo: list[tuple[str, str]], jobs: int, total: int, done: 
         slots.put(s)
     stop = threading.Event()
     envs = [slot_env(s, jobs, grading.profile) for s in range(jobs)]
+    uids = limits.UidPool() if grading.limits is not None and grading.sandbox == "bwrap" and as_root() else None
+    try:
+        slot_uids = uids.lease(jobs) if uids else [UID] * jobs  # RLIMIT_NPROC counts per uid: one each
+    except RuntimeError as exc:
+        raise SystemExit(str(exc)) from None
 
     def work(key):
         slot = slots.get()
@@ -237,7 +258,7 @@ def run(grading: Run, todo: list[tuple[str, str]], jobs: int, total: int, done: 
         try:
             for attempt in (1, 2):
                 try:
-                    return grade_one(grading, *key, envs[slot], attempt)
+                    return grade_one(grading, *key, envs[slot], attempt, slot_uids[slot])
                 except Killed as exc:
                     if stop.is_set():
                         return None
@@ -271,6 +292,8 @@ def run(grading: Run, todo: list[tuple[str, str]], jobs: int, total: int, done: 
         bar.end()
         if old is not None:
             signal.signal(signal.SIGTERM, old)
+        if uids is not None:
+            uids.release()
     pool.shutdown()
     return records
 
@@ -290,6 +313,8 @@ def summary(records: dict, wall: float, jobs: int, slowest: int = 5) -> str:
                              or "none"),
              "kernels that died: " + (", ".join(f"{name(r)} ({r['kernel_deaths']})" for r in recs
                                                 if r.get("kernel_deaths")) or "none")]
+    lines.append("limits reached: " + (", ".join(f"{name(r)} ({r['limits']} cell(s))" for r in recs if r.get("limits"))
+                                       or "none"))
     skipped = [f"{name(r)}: {', '.join(r['skipped'])}" for r in sorted(recs, key=name) if r.get("skipped")]
     lines.append("skipped (links and special files are never read): " + ("; ".join(skipped) or "none"))
     return "\n".join(lines + [f"failed: {f}" for f in failed])
