@@ -42,10 +42,11 @@ from dlo.checks.day5_zero import (
     verify_every_byte,
     verify_memory,
     verify_training,
+    verify_wire,
     zero_worker,
 )
 from dlo.distributed.zero import memory_per_rank
-from dlo.grading.api import case_seed, check, on_ranks
+from dlo.grading.api import case_seed, check, on_ranks, wire_sent
 from dlo.grading.compare import DTYPE, assert_number, ok
 from dlo.measure import comm_bytes, held_bytes
 from dlo.models import count_parameters
@@ -130,6 +131,7 @@ def check_zero1(cls, seed: int = 0, world_size: int = 2, steps: int = 3) -> None
                    per_rank=[rank_part(c, secret, r, world_size, steps) for r in range(world_size)])
     where = f"world_size={world_size}, seed={seed}"
     verify_training(name, res, c, secret, steps, world_size, seed)
+    verify_wire(name, res, wire_sent(), world_size, where)
     psi_b = 8 * count_psi(c)
     for r, got in enumerate(res):
         calls = got["comm"]
@@ -160,6 +162,7 @@ def check_zero2(cls, seed: int = 0, world_size: int = 2, steps: int = 3) -> None
                    per_rank=[rank_part(c, secret, r, world_size, steps) for r in range(world_size)])
     where = f"world_size={world_size}, seed={seed}"
     verify_training(name, res, c, secret, steps, world_size, seed)
+    verify_wire(name, res, wire_sent(), world_size, where)
     psi_b = 8 * count_psi(c)
     for r, got in enumerate(res):
         rs = [x for x in got["comm"] if x["kind"] == "reduce_scatter" and x["phase"] in STEP]
@@ -206,6 +209,7 @@ def check_zero3(cls, seed: int = 0, world_size: int = 2, steps: int = 3) -> None
                    per_rank=[rank_part(c, secret, r, world_size, steps) for r in range(world_size)])
     where = f"world_size={world_size}, seed={seed}"
     verify_training(name, res, c, secret, steps, world_size, seed)
+    verify_wire(name, res, wire_sent(), world_size, where)
     psi_b = 8 * count_psi(c)
     for got in res:
         calls = got["comm"]
