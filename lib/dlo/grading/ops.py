@@ -26,11 +26,11 @@ import torch
 
 KEYS = ("CPU", "CUDA", "XPU", "MPS", "Meta", "CompositeExplicitAutograd", "CompositeExplicitAutogradNonFunctional",
         "CompositeImplicitAutograd")
-NAMESPACES = ("aten::", "c10d::", "_c10d_functional::", "quantized::", "prims::")
 
 
 def is_op_pattern(path: str) -> bool:
-    return path.startswith(NAMESPACES)
+    """"aten::_fused_sgd*" names operators; a dotted name ("torch.optim.SGD") names a Python object."""
+    return "::" in path
 
 
 def op_of(obj) -> str | None:
