@@ -93,6 +93,32 @@ def test_a_rewritten_comm_meter_fails_in_the_sandbox(student, tmp_path):
         sandbox.run(day5.check_zero1, student.DisguisedDDP)
 
 
+OWN_GROUP = '''
+import torch
+import torch.distributed as dist
+
+class OwnGroup(ZeRO1):
+    """The instructors' ZeRO-1 on a process group it makes (new sockets, opened after the meter took the
+    rank's): honest, and counted too."""
+    def __init__(self, module, optimizer_cls, **kw):
+        super().__init__(module, optimizer_cls, **kw)
+        self.group = dist.new_group(list(range(self.world_size)))
+
+    def step(self):
+        mean = torch.empty_like(self.shard)
+        dist.reduce_scatter_tensor(mean, self.grads.data, group=self.group)
+        self.shard.grad = mean.div_(self.world_size)
+        self.optimizer.step()
+        dist.all_gather_into_tensor(self.flat.data, self.shard.detach().clone(), group=self.group)
+'''
+
+
+def test_an_engine_on_a_group_of_its_own_is_counted():
+    ns = {"__name__": "meters_student", **vars(load_solution("day5_fsdp"))}
+    exec(compile(OWN_GROUP, "student cell", "exec"), ns)
+    day5.check_zero1(ns["OwnGroup"])
+
+
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_the_instructors_engines_agree_with_their_sockets(stage):
     sol = load_solution("day5_fsdp")

@@ -9,10 +9,12 @@ socket it has open (the process group's connections and the rendezvous store's),
 (`hand_over`); the launcher reads each one's counter then and after the launch (`SocketMeter`). A
 check compares what the worker reports with what the sockets sent (`dlo.measure.comm.wire_agrees`).
 
-Each rank hands over once: a second hand-over claiming a rank, or one more than the ranks, marks the
-measurement as tampered with (a student process cannot pass for a rank that has not yet reported, since
-every rank reports before its own student code runs). Traffic over a channel the student's code opens
-itself (its own socket, a file) is not counted: it is not the process group the exercise uses.
+Each rank hands over once before its student code runs, and once more at the end (the sockets it opened
+since: a process group the engine made); any other hand-over (a second one claiming a rank, one from
+another process) marks the measurement as tampered with. What the meter guarantees is the total: the
+bytes a rank's code sent over its connections, however it reached them, whatever the counter on the
+rank says. Traffic over a channel the student's code opens itself outside TCP (a file, a pipe) is not
+counted: it is not the process group the exercise uses.
 """
 
 from __future__ import annotations
@@ -49,11 +51,13 @@ def _tcp_sockets() -> list[int]:
     return out
 
 
-def hand_over(path: str, rank: int) -> None:
-    """On a rank, before any student code: a copy of each of its TCP sockets to the launcher's meter."""
+def hand_over(path: str, rank: int, end: bool = False) -> None:
+    """On a rank, before any student code: a copy of each of its TCP sockets to the launcher's meter. Again
+    at the end (`end`): the sockets opened since (a process group the engine made) count from their
+    first byte."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.connect(path)
-        socket.send_fds(s, [struct.pack("!i", rank)], _tcp_sockets())
+        socket.send_fds(s, [struct.pack("!i?", rank, end)], _tcp_sockets())
         if s.recv(1) != ACK:
             raise RuntimeError("the grader's byte meter did not take this rank's sockets")
 
@@ -69,7 +73,7 @@ class SocketMeter:
         self.listener.bind(self.path)
         self.listener.listen(world_size + 4)
         self.ranks: dict[int, tuple[list[socket.socket], int]] = {}
-        self.pids: set[int] = set()
+        self.pids: dict[int, int] = {}  # rank -> the process that handed its sockets over
         self.tampered: str | None = None
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._serve, daemon=True, name="dlo-socket-meter")
@@ -86,16 +90,24 @@ class SocketMeter:
 
     def _take(self, conn: socket.socket) -> None:
         pid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[0]
-        msg, fds, _, _ = socket.recv_fds(conn, 4, 256)
+        msg, fds, _, _ = socket.recv_fds(conn, 5, 256)
         socks = [socket.socket(fileno=fd) for fd in fds]
-        rank = struct.unpack("!i", msg)[0] if len(msg) == 4 else -1
-        if not 0 <= rank < self.world_size or rank in self.ranks or pid in self.pids:
+        rank, end = struct.unpack("!i?", msg) if len(msg) == 5 else (-1, False)
+        if end and self.pids.get(rank) == pid:  # the same rank, at its end: the sockets it opened since
+            held = {os.fstat(s.fileno()).st_ino for s in self.ranks[rank][0]}
+            new = [s for s in socks if os.fstat(s.fileno()).st_ino not in held]
+            for s in socks:
+                if s not in new:
+                    s.close()
+            self.ranks[rank][0].extend(new)  # counted from their first byte: their baseline is 0
+        elif end or not 0 <= rank < self.world_size or rank in self.ranks or pid in self.pids.values():
             self.tampered = f"a second hand-over for rank {rank} (process {pid})"
             for s in socks:
                 s.close()
             return
-        self.pids.add(pid)
-        self.ranks[rank] = (socks, sum(tcp_bytes_sent(s) for s in socks))
+        else:
+            self.pids[rank] = pid
+            self.ranks[rank] = (socks, sum(tcp_bytes_sent(s) for s in socks))
         conn.sendall(ACK)
 
     def close(self) -> list[int] | None:

@@ -87,7 +87,10 @@ def run_on_rank(worker, forbid, name, hint, payload: bytes, shards: str | None =
         hand_over(meter, dist.get_rank())
     with forbidden(forbid, name, hint, for_good), sealed() as sealing, no_threads(name):
         args, kwargs = load_captures(sealing.loads(payload))
-        return worker(*mine, *args, **kwargs)
+        result = worker(*mine, *args, **kwargs)
+    if meter is not None:
+        hand_over(meter, dist.get_rank(), end=True)
+    return result
 
 
 def load_captures(obj, loaded: dict | None = None, depth: int = 0):
