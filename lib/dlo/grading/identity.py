@@ -286,6 +286,6 @@ def protected_codes(prefixes: tuple[str, ...]) -> frozenset:
         if module is None or not name.startswith(prefixes):
             continue
         for v in list(vars(module).values()):
-            if getattr(v, "__module__", None) == name:
-                out.update(id(f.__code__) for f in implementations(v))
+            if getattr(v, "__module__", None) == name:  # and the lambdas they make (hooks), nested codes
+                out.update(id(c) for f in implementations(v) for c in nested(f.__code__))
     return frozenset(out)
