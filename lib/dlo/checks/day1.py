@@ -38,10 +38,11 @@ from dlo.grading.compare import assert_close, fmt, odd_shape, ok, rand
 ADAM = ("torch.optim.AdamW", "torch.optim.Adam", "torch.optim.adamw.adamw", "torch.optim.adam.adam",
         "torch.optim.adam._single_tensor_adam", "torch.optim.adam._multi_tensor_adam", "torch.optim.adam._fused_adam",
         "torch._fused_adamw_", "torch._fused_adam_", "dlo.optim.reference.adamw_step", "dlo.optim.FusedAdamW",
-        "dlo.kernels.fused_adamw.fused_adamw_", "dlo.kernels.fused_adamw.fused_adamw_ref")
+        "dlo.kernels.fused_adamw.fused_adamw_", "dlo.kernels.fused_adamw.fused_adamw_ref",
+        "aten::_fused_adam*")  # the fused kernels (Adam and AdamW), through any holder: refused at dispatch
 SGD = ("torch.optim.SGD", "torch.optim.sgd.sgd", "torch.optim.sgd._single_tensor_sgd",
        "torch.optim.sgd._multi_tensor_sgd", "torch.optim.sgd._fused_sgd", "torch._fused_sgd_",
-       "dlo.optim.reference.sgd_momentum_step")
+       "dlo.optim.reference.sgd_momentum_step", "aten::_fused_sgd*")
 LAMB = ("dlo.optim.reference.lamb_step", "dlo.optim.LAMB")
 
 

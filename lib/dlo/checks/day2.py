@@ -152,7 +152,8 @@ def _scaler_worker(cls, hp: dict, sub: int, dims: tuple, data: list, inject: dic
 
 SCALERS = ("torch.amp.GradScaler", "torch.cuda.amp.GradScaler", "torch.amp.grad_scaler.GradScaler",
            "torch._amp_foreach_non_finite_check_and_unscale_", "torch._amp_update_scale_", "dlo.amp.DynamicLossScaler",
-           "dlo.kernels.amp_unscale.amp_unscale_", "dlo.kernels.amp_unscale.amp_unscale_ref")
+           "dlo.kernels.amp_unscale.amp_unscale_", "dlo.kernels.amp_unscale.amp_unscale_ref",
+           "aten::_amp_update_scale*", "aten::_amp_foreach_non_finite_check_and_unscale*")  # GradScaler's kernels
 
 
 @check(forbid=SCALERS)

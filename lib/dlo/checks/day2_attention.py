@@ -12,7 +12,9 @@ written out (`dlo.attention.attention_scores`). What is checked, case by case:
   a nan there is its own message;
 - the point of the algorithm: on cases where T x T outgrows every tensor a block-wise forward needs
   (T > 2 B H max(D, block_k)), no operator may produce a tensor of T * T elements or more (the scores,
-  P, a full causal mask), and no fused attention operator may run at all.
+  P, a full causal mask), and no fused attention operator may run at all: each is refused at dispatch
+  whatever reached it (`FORBID`'s "aten::" patterns, `dlo.grading.ops`), and the watch reports one that
+  ran anyway.
 """
 
 from __future__ import annotations
@@ -40,7 +42,9 @@ BF16_O_TOL = 1e-2
 FUSED = ("scaled_dot_product", "flash_attention", "efficient_attention", "cudnn_attention")
 FORBID = ("torch.nn.functional.scaled_dot_product_attention", "dlo.attention.*",
           "dlo.kernels.flash_attention.flash_attention", "dlo.kernels.flash_attention.flash_attention_ref",
-          "dlo.kernels.flash_attention.flash_attention_blocked_ref")
+          "dlo.kernels.flash_attention.flash_attention_blocked_ref",
+          *(f"aten::{op}*" for op in ("scaled_dot_product", "_scaled_dot_product", "_flash_attention",
+                                      "_efficient_attention", "_cudnn_attention")))  # every fused kernel, at dispatch
 
 
 class _Watch(TorchDispatchMode):

@@ -39,7 +39,13 @@ COLLECTIVES = tuple(f"torch.distributed.{n}" for n in (
         "all_reduce", "all_gather_tensor", "reduce_scatter_tensor", "all_to_all_single", "all_reduce_coalesced",
         "broadcast")) + tuple(  # torch >= 2.10's names for the single-tensor all-gather and reduce-scatter
     f"torch.distributed.{n}" for n in ("all_gather_single", "reduce_scatter_single") if hasattr(dist, n)) + (
-    "dlo.distributed.collectives.ring_all_reduce", "dlo.distributed.collectives._exchange")
+    "dlo.distributed.collectives.ring_all_reduce", "dlo.distributed.collectives._exchange") + tuple(
+    # the same collectives at dispatch, whatever reached them (a ProcessGroup's own methods, torch.ops.c10d):
+    # every c10d collective but point-to-point and barriers, every functional one
+    f"c10d::{op}*" for op in ("allreduce", "allgather", "_allgather_base", "reduce_scatter", "_reduce_scatter_base",
+                              "reduce_", "broadcast", "alltoall", "gather", "scatter")) + tuple(
+    f"_c10d_functional::{op}*" for op in ("all_", "reduce_scatter", "broadcast")) + (
+    "_c10d_functional_autograd::*",)
 DDP = ("torch.nn.parallel.DistributedDataParallel", "dlo.distributed.ddp.*")
 
 

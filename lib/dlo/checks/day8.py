@@ -29,9 +29,10 @@ RTOL, ATOL = 1e-5, 1e-6  # float32 references: correct code agrees to a few ulps
 QUANT = ("dlo.quant.quantize", "dlo.quant.dequantize", "dlo.quant.group_view", "dlo.quant.quantize_affine",
          "dlo.quant.dequantize_affine", "dlo.quant.scale_zero_point", "dlo.quant.fake_quantize_tensor",
          "dlo.kernels.quantize.quantize_weight", "dlo.kernels.quantize.quantize_ref",
-         "dlo.kernels.quantize.dequantize_weight", "torch.quantize_per_tensor", "torch.quantize_per_channel")
+         "dlo.kernels.quantize.dequantize_weight", "torch.quantize_per_tensor", "torch.quantize_per_channel",
+         "aten::quantize_per_*", "aten::*fake_quant*")  # torch's quantizers, at dispatch
 FAKE_QUANT = ("dlo.quant.fake_quant", "dlo.quant.FakeQuantSTE", "dlo.quant.fake_quantize_tensor",
-              "torch.fake_quantize_per_tensor_affine", "torch.fake_quantize_per_channel_affine")
+              "torch.fake_quantize_per_tensor_affine", "torch.fake_quantize_per_channel_affine", "aten::*fake_quant*")
 OBSERVERS = ("dlo.quant.MinMaxObserver", "dlo.quant.PercentileObserver", "dlo.quant.quantiles",
              "dlo.quant._make_observer", "dlo.quant.OBSERVERS", "torch.ao.quantization.observer.MinMaxObserver",
              "torch.ao.quantization.observer.PerChannelMinMaxObserver")
@@ -227,7 +228,7 @@ def check_prune_linear_pair(fn, seed: int = 0, trials: int = 4) -> None:
 
 @check(forbid=("dlo.prune.mask_2to4", "dlo.prune.is_2to4", "dlo.kernels.sparse24.sparse24",
                "dlo.kernels.sparse24.sparse24_ref", "dlo.kernels.sparse24.decompress24",
-               "torch.sparse.to_sparse_semi_structured"))
+               "torch.sparse.to_sparse_semi_structured", "aten::_sparse_semi_structured*", "aten::_cslt_*"))
 def check_mask_2to4(mask_fn, valid_fn, seed: int = 0, trials: int = 4) -> None:
     """`mask_fn(w) -> bool mask` keeping the 2 largest |w| of each 4 along the last dim;
     `valid_fn(mask) -> bool`, True when no group of 4 keeps more than 2."""

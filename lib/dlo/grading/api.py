@@ -50,8 +50,10 @@ from numbers import Integral, Real
 
 import torch
 
-from dlo.grading.forbid import Guarded, blocker, forbidden, forbidden_targets
+from dlo.grading import identity
+from dlo.grading.forbid import Guarded, blocker, forbidden, forbidden_targets, plan
 from dlo.grading.frames import fold_exception, fold_traceback_text
+from dlo.grading.meter import SocketMeter
 from dlo.grading.ranks import rank_payload, run_on_rank, worker_ref, write_shards
 from dlo.grading.seal import sealed
 
@@ -94,6 +96,7 @@ class DirectSession:
 
     def __init__(self, name: str, forbid: tuple[str, ...], hint: str = ""):
         self.name, self.forbid, self.hint = name, tuple(forbid), hint
+        self.wire: list[int] | None = None  # what each rank's sockets sent in the last on_ranks (`wire_sent`)
 
     def bind(self, obj):
         """A student object as the check will use it: callables (not classes) run with `forbid` active;
@@ -101,6 +104,10 @@ class DirectSession:
         for path in self.forbid:
             if any(getattr(owner, attr, None) is obj for owner, attr in forbidden_targets(path)):
                 return blocker(path, self.name, self.hint)
+        found = plan(self.forbid, self.name, self.hint) if self.forbid else None
+        copied = identity.copy_in(obj, found.codes, found.originals) if found else None
+        if copied is not None:  # a copy the notebook made before the check (the sandbox refuses to make one)
+            return blocker(f"a copy of {copied}", self.name, self.hint)
         if callable(obj) and not isinstance(obj, type) and self.forbid:
             return Guarded(obj, self.forbid, self.name, self.hint)
         return obj
@@ -116,9 +123,12 @@ class DirectSession:
         if stub is not None:  # its first call raises on every rank: say so without starting them
             raise AssertionError(stub_message(self.name, getattr(stub, "__name__", "the answer")))
         shards = write_shards(per_rank, world_size)
+        meter = SocketMeter(world_size) if backend == "gloo" else None  # gloo: every byte a rank sends is TCP
         try:
+            # each rank blocks and seals for good (it ends with the launch), after handing its sockets to the meter
             results = launch(run_on_rank, world_size, worker_ref(worker), self.forbid, self.name, self.hint,
-                             rank_payload(args, kwargs), shards, backend=backend, timeout=timeout)
+                             rank_payload(args, kwargs), shards, meter and meter.path, True, backend=backend,
+                             timeout=timeout)
         except RankError as e:  # the rank's own message (assertion or exception) is the useful part
             if e.remote_traceback:
                 raise AssertionError(f"{self.name}: rank {e.rank} raised "
@@ -129,6 +139,10 @@ class DirectSession:
         finally:
             if shards is not None:
                 shutil.rmtree(shards, ignore_errors=True)
+            self.wire = meter.close() if meter is not None else None
+        if meter is not None and meter.tampered:
+            raise AssertionError(f"{self.name}: {meter.tampered}: each rank hands its sockets to the grader's byte "
+                                 f"meter once, before your code runs; something else claimed to be a rank")
         return [safe_data(r, f"{self.name}: rank {i}'s result") for i, r in enumerate(results)]
 
 
@@ -232,6 +246,13 @@ def on_ranks(worker: Callable, world_size: int, *args, timeout: float = RANK_TIM
     if per_rank is None:
         return _session().on_ranks(worker, world_size, args, kwargs, timeout, backend)
     return _session().on_ranks(worker, world_size, args, kwargs, timeout, backend, per_rank=per_rank)
+
+
+def wire_sent() -> list[int] | None:
+    """The bytes each rank's TCP sockets sent during the check's last `on_ranks` (gloo), as the kernel
+    counted them and read from outside the ranks (`dlo.grading.meter`); None where it was not measured
+    (the tests' reused ranks). Compare with what the ranks' counters report: `dlo.measure.wire_agrees`."""
+    return getattr(_session(), "wire", None)
 
 
 _SECRET = secrets.token_bytes(16)  # drawn once per grading process (`new_secret`); never leaves it

@@ -1,27 +1,39 @@
 """What student code may not call while a check runs: the forbidden references and new threads.
 
 `check(forbid=...)` lists dotted names (the library references and torch functions that solve the
-exercise; "module.*" for every public function and class of a module). While student code runs under
-the check, `forbidden(paths, exercise)` replaces each by a blocker that raises `ForbiddenCall`, under
-that name and under every other module attribute of the same package bound to the same object
-(re-exports such as `dlo.optim.adamw_step`, the defining module such as `torch.optim.adamw.AdamW`),
-and the private helpers only the forbidden objects use (`private_targets`). `no_threads` refuses new
-Python threads on a check's ranks. This runs where the student's code runs (the kernel of a direct
-check, the sandboxed runner, the ranks), so the seal leaves it open (`dlo.grading.seal.OPEN`). (Just over 300
-lines: what a forbidden name stands for and how it is blocked are read together.)
+exercise; "module.*" for every public function and class of a module; "aten::_fused_adamw*" for torch
+operators). While student code runs under the check, `forbidden(paths, exercise)` blocks them three ways:
+
+- by name: each is replaced by a blocker that raises `ForbiddenCall`, under that name and every other
+  module attribute bound to the same object, and so are the private helpers only the forbidden objects
+  use (`dlo.grading.targets`): the message a student who calls the reference by name reads;
+- by identity: the functions that implement them (wrapped ones, a class's methods, those helpers) run
+  a blocker whoever holds them, and making or running a copy of their code is refused
+  (`dlo.grading.identity`: clones, `__wrapped__`, pickling by value, `exec`, reload);
+- at dispatch: the torch operators among them raise whatever Python object reached them
+  (`dlo.grading.ops`: `torch._C._VariableFunctions._fused_adamw_`, `torch.ops.aten...`).
+
+`for_good` (the sandboxed runner's session child, the ranks of a launch: processes that end with the
+check) blocks for the rest of the process, where nothing can undo it; otherwise everything is restored
+on exit. `no_threads` refuses new Python threads on a check's ranks. This runs where the student's code
+runs (the kernel of a direct check, the sandboxed runner, the ranks), so the seal leaves it open
+(`dlo.grading.seal.OPEN`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import importlib
 import sys
 import threading
-import types
 from collections.abc import Iterator
 
-from dlo.grading.seal import PACKAGES, sealed
+from dlo.grading import identity, ops
+from dlo.grading.seal import sealed
+from dlo.grading.targets import forbidden_targets, private_targets, resolve
+
+__all__ = ["ForbiddenCall", "Guarded", "blocker", "forbidden", "forbidden_targets", "no_threads", "plan",
+           "private_targets", "resolve"]
 
 
 class ForbiddenCall(AssertionError):
@@ -29,167 +41,6 @@ class ForbiddenCall(AssertionError):
 
 
 _ABSENT = object()
-
-
-def resolve(path: str):
-    """'torch.optim.AdamW' -> (the module or class holding it, 'AdamW')."""
-    parts = path.split(".")
-    for i in range(len(parts) - 1, 0, -1):
-        try:
-            owner = importlib.import_module(".".join(parts[:i]))
-        except ImportError:
-            continue
-        try:
-            for attr in parts[i:-1]:
-                owner = getattr(owner, attr)
-        except AttributeError:
-            break
-        if parts[-1] != "*" and not hasattr(owner, parts[-1]):
-            break
-        return owner, parts[-1]
-    raise ValueError(f"forbid: cannot resolve {path!r}")
-
-
-def forbidden_targets(path: str) -> list[tuple[object, str]]:
-    """(holder, attribute) pairs to block for one forbidden name: the name itself, every other module
-    attribute of the same package or of dlo bound to the same object (re-exports such as
-    dlo.optim.adamw_step or dlo.distributed.collectives.all_gather_single, the defining module such as
-    torch.optim.adamw.AdamW), and for "module.*" every public function or
-    class defined in that module."""
-    owner, attr = resolve(path)
-    if attr == "*":
-        name = owner.__name__
-        return [pair for a, v in sorted(vars(owner).items()) if not a.startswith("_")
-                and (isinstance(v, type) or callable(v)) and getattr(v, "__module__", None) == name
-                for pair in forbidden_targets(f"{name}.{a}")]
-    # the name's own package, and dlo, whose engines re-export torch's collectives under names of their own
-    packages = dict.fromkeys((path.split(".")[0], "dlo"))
-    return [(owner, attr)] + [pair for package in packages for pair in _aliases(package, getattr(owner, attr))
-                              if pair != (owner, attr)]
-
-
-_ALIASES: dict[tuple[str, int], list] = {}
-
-
-def _aliases(package: str, obj) -> list[tuple[object, str]]:
-    """Every (module, attribute) of `package` bound to `obj` (cached: a scan of the package's modules)."""
-    key = (package, id(obj))
-    if key not in _ALIASES:
-        found = []
-        for name, module in list(sys.modules.items()):
-            if module is None or not (name == package or name.startswith(package + ".")) \
-                    or name.startswith(PACKAGES):  # the grader's own namespaces keep their references
-                continue
-            try:
-                items = list(vars(module).items())
-            except TypeError:
-                continue
-            found += [(module, a) for a, v in items if v is obj]
-        _ALIASES[key] = found
-    return _ALIASES[key]
-
-
-def _code_names(code) -> set[str]:
-    """The global and attribute names a code object (and the functions nested in it) mentions."""
-    names = set(code.co_names)
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            names |= _code_names(const)
-    return names
-
-
-def _functions_of(obj) -> list:
-    """The plain functions of a module-level function or class (its own methods, unwrapped)."""
-    if isinstance(obj, types.FunctionType):
-        return [obj]
-    if not isinstance(obj, type):
-        return []
-    out = []
-    for v in vars(obj).values():
-        v = v.__func__ if isinstance(v, (staticmethod, classmethod)) else v.fget if isinstance(v, property) else v
-        if isinstance(v, types.FunctionType):
-            out.append(v)
-    return out
-
-
-def _uses(obj, defined: dict) -> set[str]:
-    """The names of `defined` (a module's own functions and classes) that `obj` uses: in its code,
-    and for a class its bases."""
-    names = set().union(*(_code_names(f.__code__) for f in _functions_of(obj))) if _functions_of(obj) else set()
-    if isinstance(obj, type):
-        names |= {b.__name__ for b in obj.__bases__ if defined.get(b.__name__) is b}
-    return names & set(defined)
-
-
-def _reach(starts: list, defined: dict, private: set) -> set[str]:
-    seen: set[str] = set()
-    todo = [n for obj in starts for n in _uses(obj, defined) & private]
-    while todo:
-        n = todo.pop()
-        if n not in seen:
-            seen.add(n)
-            todo += list(_uses(defined[n], defined) & private - seen)
-    return seen
-
-
-def private_targets(paths) -> list[tuple[object, str, str]]:
-    """(holder, attribute, dotted name) of the private machinery behind the forbidden names of dlo's
-    own modules: the module-level `_functions` and `_Classes` that a forbidden name uses (its code, its
-    bases; transitively) and no allowed public name of the same module or other dlo module shares, and
-    the own methods of those classes (`zero._Sharded.__init__`, `_VocabParallelCrossEntropy.forward`:
-    a student's subclass, or `.apply`, reaches them). Without them a student could call the reference
-    under its private name. Cached per list of names (the modules are scanned once)."""
-    key = tuple(paths)
-    if key not in _PRIVATE:
-        _PRIVATE[key] = _private_targets(key)
-    return _PRIVATE[key]
-
-
-_PRIVATE: dict[tuple, list] = {}
-
-
-def _private_targets(paths) -> list[tuple[object, str, str]]:
-    by_module: dict[str, list] = {}
-    for path in paths:
-        owner, attr = resolve(path)
-        module = owner if isinstance(owner, types.ModuleType) else sys.modules.get(getattr(owner, "__module__", ""))
-        if module is None or not module.__name__.startswith("dlo.") or module.__name__.startswith(PACKAGES):
-            continue
-        if attr == "*":
-            by_module.setdefault(module.__name__, []).extend(
-                v for a, v in vars(module).items() if not a.startswith("_") and (isinstance(v, type) or callable(v)))
-        else:
-            by_module.setdefault(module.__name__, []).append(getattr(owner, attr))
-    out = []
-    for name, forbidden_objs in by_module.items():
-        module = sys.modules[name]
-        defined = {a: v for a, v in vars(module).items() if isinstance(v, (type, types.FunctionType))
-                   and getattr(v, "__module__", None) == name}
-        private = {a for a in defined if a.startswith("_") and not a.startswith("__")}
-        ids = {id(o) for o in forbidden_objs}
-        allowed = [v for a, v in defined.items() if a not in private and id(v) not in ids
-                   and not (isinstance(v, type) and any(id(f) in ids for f in _functions_of(v)))]
-        shared = _reach(allowed, defined, private) | {a for a in private if _bound_elsewhere(defined[a], name)}
-        for a in sorted(_reach(forbidden_objs, defined, private) - shared):
-            obj = defined[a]
-            out.append((module, a, f"{name}.{a}"))
-            if isinstance(obj, type):
-                out += [(obj, m, f"{name}.{a}.{m}") for m, v in vars(obj).items()
-                        if isinstance(v, (types.FunctionType, staticmethod, classmethod))]
-    return out
-
-
-def _bound_elsewhere(obj, home: str) -> bool:
-    """True when another dlo module (not the grader's) imported `obj`: shared machinery, not the answer."""
-    for name, module in list(sys.modules.items()):
-        if module is None or name == home or not name.startswith("dlo.") or name.startswith(PACKAGES):
-            continue
-        try:
-            if any(v is obj for v in vars(module).values()):
-                return True
-        except TypeError:
-            continue
-    return False
 
 
 class _Blocked:
@@ -221,34 +72,100 @@ def blocker(path: str, exercise: str, hint: str = "") -> _Blocked:
     return _Blocked(path, exercise, hint)
 
 
-@contextlib.contextmanager
-def forbidden(paths, exercise: str, hint: str = "") -> Iterator[None]:
-    """Replace each dotted name in `paths` (and its aliases; "module.*": all its public functions and
-    classes) with a function that raises ForbiddenCall; restore on exit."""
-    saved, private = [], private_targets(paths)  # found before anything is blocked
-    try:
-        for path in paths:
+class Plan:
+    """What blocking one check's `forbid` list takes, found before anything is blocked (`plan`): the
+    functions to burn with their blockers, their code (`identity.Codes`), the operators to refuse."""
+
+    def __init__(self, paths: tuple[str, ...], exercise: str, hint: str):
+        self.names = [p for p in paths if not ops.is_op_pattern(p)]
+        self.private = private_targets(tuple(self.names))
+        objects = []  # (object, label) of every forbidden name, alias and private helper
+        for path in self.names:
             for owner, attr in forbidden_targets(path):
-                value = getattr(owner, attr)
-                if getattr(value, "__dlo_forbidden__", None):
-                    continue  # already blocked (nested checks, or an alias listed twice)
-                try:
-                    setattr(owner, attr, blocker(f"{owner.__name__}.{attr}" if attr != path else path,
-                                                  exercise, hint))
-                except (AttributeError, TypeError):
-                    continue  # a read-only holder (a C extension type): its alias elsewhere is blocked
-                saved.append((owner, attr, value))
-        for owner, attr, label in private:
-            raw = vars(owner).get(attr, _ABSENT)  # a class's own staticmethod comes back as one
-            if raw is _ABSENT or getattr(raw, "__dlo_forbidden__", None):
-                continue
-            setattr(owner, attr, blocker(label, exercise, hint))
-            saved.append((owner, attr, raw))
+                if isinstance(owner, type) and attr not in vars(owner):
+                    continue  # inherited (`CopyToTensorParallel.apply`): the base class's, blocked by name only
+                objects.append((vars(owner).get(attr) if isinstance(owner, type) else getattr(owner, attr), path))
+        objects += [(vars(owner).get(attr), label) for owner, attr, label in self.private]
+        self.burn, seen, implemented = [], set(), []
+        for obj, label in objects:
+            for fn in identity.implementations(obj):
+                if id(fn) not in seen:
+                    seen.add(id(fn))
+                    name = f"{fn.__module__}.{fn.__qualname__}"
+                    self.burn.append((fn, blocker(name, exercise, hint)))
+                    if not hasattr(fn, "__wrapped__"):  # a decorator's code is generic: what it wraps is the answer
+                        implemented.append((fn, label))
+        self.codes = identity.Codes((identity.original(fn), label) for fn, label in implemented)
+        self.originals = frozenset(id(fn) for fn, _ in self.burn)
+        bound = [op for obj, _ in objects if (op := ops.op_of(obj))]
+        patterns = [p for p in paths if ops.is_op_pattern(p)] + bound
+        self.ops = sorted({op for p in patterns for op in ops.matching(p)})
+
+
+_PLANS: dict[tuple, Plan] = {}
+
+
+def plan(paths, exercise: str, hint: str = "") -> Plan:
+    """The check's Plan (cached: the sandboxed runner finds it once, before forking each session)."""
+    key = (tuple(paths), exercise, hint)
+    if key not in _PLANS:
+        _PLANS[key] = Plan(tuple(paths), exercise, hint)
+    return _PLANS[key]
+
+
+_PROTECTED: dict[int, frozenset] = {}
+
+
+def protected() -> frozenset:
+    """The grader's own functions (checks, runtime, meters), whose code and defaults a student may not
+    change while a check runs (cached per count of imported modules)."""
+    n = len(sys.modules)
+    if n not in _PROTECTED:
+        _PROTECTED.clear()
+        _PROTECTED[n] = identity.protected_codes(("dlo.grading.", "dlo.checks.", "dlo.measure."))
+    return _PROTECTED[n]
+
+
+@contextlib.contextmanager
+def forbidden(paths, exercise: str, hint: str = "", for_good: bool = False) -> Iterator[None]:
+    """Block every forbidden reference of `paths` by name, identity and dispatch (see the module's
+    docstring) inside the block; restored on exit unless `for_good`."""
+    found = plan(paths, exercise, hint)  # found before anything is blocked
+    saved, burned, state, registration = [], [], None, None
+    try:
+        _block_names(found, exercise, hint, saved)
+        burned = identity.burn(found.burn)
+        registration = ops.refused(found.ops, ForbiddenCall, exercise, hint, for_good)
+        if for_good:
+            identity.arm_for_good(found.codes, protected(), ForbiddenCall, exercise)
+        else:
+            state = identity.arm(found.codes, frozenset(), ForbiddenCall, exercise)
         yield
     finally:
-        for owner, attr, value in reversed(saved):
-            setattr(owner, attr, value)
+        if not for_good:
+            identity.disarm(state, burned)
+            ops.release(registration)
+            for owner, attr, value in reversed(saved):
+                setattr(owner, attr, value)
 
+
+def _block_names(found: Plan, exercise: str, hint: str, saved: list) -> None:
+    for path in found.names:
+        for owner, attr in forbidden_targets(path):
+            value = getattr(owner, attr)
+            if getattr(value, "__dlo_forbidden__", None):
+                continue  # already blocked (nested checks, or an alias listed twice)
+            try:
+                setattr(owner, attr, blocker(f"{owner.__name__}.{attr}" if attr != path else path, exercise, hint))
+            except (AttributeError, TypeError):
+                continue  # a read-only holder (a C extension type): its alias elsewhere is blocked
+            saved.append((owner, attr, value))
+    for owner, attr, label in found.private:
+        raw = vars(owner).get(attr, _ABSENT)  # a class's own staticmethod comes back as one
+        if raw is _ABSENT or getattr(raw, "__dlo_forbidden__", None):
+            continue
+        setattr(owner, attr, blocker(label, exercise, hint))
+        saved.append((owner, attr, raw))
 
 
 _THREAD_STARTERS = (("_thread", "start_new_thread"), ("_thread", "start_new"), ("_thread", "start_joinable_thread"),

@@ -82,13 +82,11 @@ def main(argv: list[str]) -> int:
             return 0
         if not isinstance(req, dict) or req.get("op") != "open":
             continue  # a frame for a session that has already ended
-        for path in req.get("forbid", ()):
-            try:  # here, once: each fork then finds the modules imported and their aliases found
-                forbid.forbidden_targets(path)
-            except Exception:  # noqa: BLE001 - the child reports a name it cannot resolve
-                pass
-        with contextlib.suppress(Exception):
-            forbid.private_targets(tuple(req.get("forbid", ())))
+        with contextlib.suppress(Exception):  # the child reports a name it cannot resolve
+            # here, once: each fork then finds the modules imported, the aliases, the code to burn and
+            # the operators to refuse found (`forbid.plan`), and the grader's functions listed
+            forbid.plan(tuple(req.get("forbid", ())), req.get("exercise", "check"), req.get("hint", ""))
+            forbid.protected()
         serve(req, proto_in, proto_out, server)
 
 

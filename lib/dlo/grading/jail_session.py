@@ -50,8 +50,8 @@ class Session:
 
     def serve(self) -> None:
         try:
-            # kept, and entered for the whole session (it ends with this process): a collected one would restore
-            self._blocked = forbid.forbidden(self.forbid, self.name, self.hint)
+            # for good: this process ends with the session, and nothing the student's code does may undo it
+            self._blocked = forbid.forbidden(self.forbid, self.name, self.hint, for_good=True)
             self._blocked.__enter__()
             # the grader's modules sealed for good: the student's objects are loaded after this, and only
             # the grader's own requests see the real modules (`sealing.loads`)
@@ -112,8 +112,9 @@ class Session:
                                f"process; the ranks' shards must reach no process that ran it (call on_ranks "
                                f"first, or in a check of its own)")
         ranks = api.DirectSession(self.name, self.forbid, self.hint)  # each rank blocks, seals and loads
-        return ranks.on_ranks(req["worker"], req["world_size"], args, kwargs, req["timeout"], req["backend"],
-                              per_rank=req.get("per_rank"))
+        results = ranks.on_ranks(req["worker"], req["world_size"], args, kwargs, req["timeout"], req["backend"],
+                                 per_rank=req.get("per_rank"))
+        return {"results": results, "wire": ranks.wire}  # what the ranks' sockets sent, read here
 
     def probe_stub(self, req: dict) -> str | None:
         """The name of the first captured object that is the release's stub, else None; loaded and

@@ -16,6 +16,7 @@ import sys
 import tempfile
 
 from dlo.grading.forbid import forbidden, no_threads
+from dlo.grading.meter import hand_over
 from dlo.grading.seal import sealed
 
 
@@ -67,20 +68,29 @@ def take_shard(folder: str):
     return pickle.loads(data)
 
 
-def run_on_rank(worker, forbid, name, hint, payload: bytes, shards: str | None = None):
+def run_on_rank(worker, forbid, name, hint, payload: bytes, shards: str | None = None, meter: str | None = None,
+                for_good: bool = False):
     """On each rank of `on_ranks` (and of the tests' rank pool): the worker resolved and this rank's
-    own part of the case taken (`per_rank`: the worker's first argument), then the check's forbidden
-    names blocked, the grader's modules sealed and new threads refused, then the student's objects
-    unpickled and the worker run with them."""
+    own part of the case taken (`per_rank`: the worker's first argument), its TCP sockets handed to the
+    launcher's byte meter (`meter`: `dlo.grading.meter`), then the check's forbidden references blocked
+    (`for_good` on a rank that ends with the check, as a launch's), the grader's modules sealed and new
+    threads refused, then the student's objects unpickled and the worker run with them."""
     if isinstance(worker, tuple):
         module, qualname = worker
         worker = importlib.import_module(module)
         for part in qualname.split("."):
             worker = getattr(worker, part)
     mine = (take_shard(shards),) if shards is not None else ()
-    with forbidden(forbid, name, hint), sealed() as sealing, no_threads(name):
+    if meter is not None:
+        import torch.distributed as dist
+
+        hand_over(meter, dist.get_rank())
+    with forbidden(forbid, name, hint, for_good), sealed() as sealing, no_threads(name):
         args, kwargs = load_captures(sealing.loads(payload))
-        return worker(*mine, *args, **kwargs)
+        result = worker(*mine, *args, **kwargs)
+    if meter is not None:
+        hand_over(meter, dist.get_rank(), end=True)
+    return result
 
 
 def load_captures(obj, loaded: dict | None = None, depth: int = 0):

@@ -50,6 +50,7 @@ class Session:
     def __init__(self, backend: SandboxBackend, name: str, forbid: tuple[str, ...], hint: str = ""):
         self.backend, self.name, self.forbid, self.hint = backend, name, tuple(forbid), hint
         self.runner: Runner | None = None
+        self.wire: list[int] | None = None  # what the ranks' sockets sent in the last on_ranks (`api.wire_sent`)
         self.callbacks: dict[int, object] = {}
         self.open = False
 
@@ -72,8 +73,14 @@ class Session:
         stub = self.request({"op": "stub", "args": args, "kwargs": kwargs})
         if stub is not None:  # an untouched exercise: its verdict without starting ranks
             raise AssertionError(stub_message(self.name, str(stub)))
-        return self.request({"op": "ranks", "worker": worker, "world_size": world_size, "args": args,
-                             "kwargs": kwargs, "timeout": timeout, "backend": backend, "per_rank": per_rank})
+        reply = self.request({"op": "ranks", "worker": worker, "world_size": world_size, "args": args,
+                              "kwargs": kwargs, "timeout": timeout, "backend": backend, "per_rank": per_rank})
+        if type(reply) is not dict or type(reply.get("results")) is not list:
+            raise RuntimeError("a malformed reply to a ranks request came from the sandbox")
+        wire = reply.get("wire")  # measured by the session's child, which ran no student code
+        self.wire = wire if type(wire) is list and len(wire) == world_size and all(
+            type(b) is int for b in wire) else None
+        return reply["results"]
 
     def call(self, target: Remote, args, kwargs):
         args, kwargs = materialise(tuple(args)), materialise(dict(kwargs))

@@ -19,7 +19,16 @@ same thing on every day:
   Kaplan et al. 2020 / PaLM appendix B), and `mfu(...)` against `dlo.hardware` peaks.
 """
 
-from dlo.measure.comm import CommCall, CommCounter, collective_kind, comm_bytes, tally
+from dlo.measure.comm import (
+    CommCall,
+    CommCounter,
+    collective_kind,
+    comm_bytes,
+    gloo_wire_bytes,
+    tally,
+    tcp_bytes_sent,
+    wire_agrees,
+)
 from dlo.measure.compute import count_flops, fmt_bytes, mfu, transformer_flops_per_token
 from dlo.measure.memory import (
     AllocationMeter,
@@ -38,4 +47,4 @@ from dlo.measure.timing import Timing, sync, time_fn, time_interleaved
 __all__ = ["sync", "Timing", "time_fn", "time_interleaved", "SavedTensorMeter", "AllocationMeter", "allocated_peak",
            "PeakMemory", "peak_memory", "saved_bytes", "measure_step", "tensor_bytes", "optimizer_state_bytes",
            "held_bytes", "CommCall", "CommCounter", "tally", "comm_bytes", "collective_kind", "count_flops",
-           "transformer_flops_per_token", "mfu", "fmt_bytes"]
+           "transformer_flops_per_token", "mfu", "fmt_bytes", "tcp_bytes_sent", "gloo_wire_bytes", "wire_agrees"]

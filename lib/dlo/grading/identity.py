@@ -1,0 +1,291 @@
+"""Forbidden references blocked by what they are, not by the names they are reached through.
+
+`dlo.grading.forbid` swaps the names of a check's forbidden references for blockers; a name is only one
+way in. A student can reach the same code through the garbage collector, a frame, `__wrapped__`, a class's
+methods, or rebuild it: `types.FunctionType(ref.__code__, ...)`, a clone pickled by value into the
+sandbox, `marshal`, `exec` of the reference's source, `importlib.reload` of its module. Here the code
+itself is blocked, for as long as the check runs:
+
+- *burned*: every function object that implements a forbidden reference (the reference, what it wraps,
+  a class's own methods, its private helpers) gets a code object that raises `ForbiddenCall`, whoever
+  holds the function (`burn`); its original code is kept only by the audit hook below;
+- *refused*: an audit hook (PEP 578: it cannot be removed) refuses to make a function from, `exec`, or
+  assign as `__code__` any code object that is a forbidden one or contains one: the same object, or the
+  same bytecode, its own and that of the code it defines (`shape`), when it is substantial (`SUBSTANTIAL`
+  instructions: a one-line formula written twice is the same bytecode, and an honest student may write
+  it so). Renaming variables, moving lines, stripping the docstring or pickling change no bytecode.
+
+Where the student's code runs for the rest of a process (the sandboxed runner's session child, the
+ranks of a launch) the hook is armed `for_good`: its state lives in its own default arguments
+(immutable tuples and frozensets), it reads no global name, and it refuses any change to its own code or
+defaults, or to those of the grader's functions (`protected`). Elsewhere (a notebook's direct check, the
+tests' reused ranks) one hook per process follows a stack of active checks that `restore` pops: feedback,
+not grading. What is not covered: code compiled by another compiler from the reference's source file
+(TorchScript, Triton), and native code (ctypes) rewriting the interpreter's memory.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+import warnings
+from collections.abc import Iterable
+
+SUBSTANTIAL = 24  # instructions: a code at least this long matches by bytecode, a shorter one only by identity
+WATCHED = frozenset(("function.__new__", "exec", "object.__setattr__"))
+FUNCTION_STATE = ("__code__", "__defaults__", "__kwdefaults__")
+
+
+def implementations(obj) -> list[types.FunctionType]:
+    """The plain functions that implement `obj`: a function and what it wraps (`__wrapped__`, through
+    decorators), a class's own methods (static, class and property functions included) and what they
+    wrap. Inherited methods are the base class's, never the forbidden class's."""
+    if isinstance(obj, (staticmethod, classmethod)):
+        obj = obj.__func__
+    if isinstance(obj, property):
+        return [f for part in (obj.fget, obj.fset, obj.fdel) for f in implementations(part)]
+    if isinstance(obj, type):  # its own functions (a class attribute that is a class is not its code)
+        return [f for v in list(vars(obj).values()) if isinstance(v, (types.FunctionType, staticmethod, classmethod,
+                                                                      property)) for f in implementations(v)]
+    out, seen = [], set()
+    while isinstance(obj, types.FunctionType) and id(obj) not in seen:
+        seen.add(id(obj))
+        out.append(obj)
+        obj = getattr(obj, "__wrapped__", None)
+    return out
+
+
+def _shape(code, code_type=None, type_=None):
+    """What a copy of `code` keeps whatever was renamed, moved or stripped: the bytecode of `code` and of
+    every code among its constants (the functions, comprehensions and lambdas it defines), in order.
+    Names, constants, lines, file and docstring are left out. Made with no builtins and its helpers bound
+    (`shape`), so that the audit hook can call it."""
+    parts, todo = [], [code]
+    while todo:
+        c = todo.pop()
+        parts.append(c.co_code)
+        for k in c.co_consts:
+            if type_(k) is code_type:
+                todo.append(k)
+    return b"\xff\xff".join(parts)
+
+
+shape = types.FunctionType(_shape.__code__, {"__builtins__": {}}, "shape", (types.CodeType, type))
+
+
+def nested(code: types.CodeType) -> list[types.CodeType]:
+    """`code` and every code object among its constants (the functions, classes and lambdas it defines)."""
+    out, todo = [], [code]
+    while todo:
+        c = todo.pop()
+        out.append(c)
+        todo += [k for k in c.co_consts if type(k) is types.CodeType]
+    return out
+
+
+def instructions(code: types.CodeType) -> int:
+    """Instructions in `code` and the codes it defines (3.11's inline cache entries, opcode 0, not counted)."""
+    return sum(1 for c in nested(code) for op in c.co_code[::2] if op)
+
+
+class Codes:
+    """The code objects of a check's forbidden references: `kept` (every one, nested ones included: held so
+    their ids stay theirs), `ids`, the `shapes` of the substantial ones (not the methods a dataclass or a
+    named tuple generates from no file: a student's class with the same fields gets the same), and a
+    label for each shape (for the message)."""
+
+    def __init__(self, codes: Iterable[tuple[types.CodeType, str]]):
+        kept, labels = {}, {}
+        for code, label in codes:
+            kept.update((id(c), c) for c in nested(code))
+            if instructions(code) >= SUBSTANTIAL and not code.co_filename.startswith("<"):
+                labels.setdefault(shape(code), label)
+        self.kept = tuple(kept.values())
+        self.ids = frozenset(kept)
+        self.shapes = frozenset(labels)
+        self.labels = labels
+
+
+# ----------------------------------------------------------------------------- burning
+
+_TEMPLATES: dict[int, types.CodeType] = {}
+_PLACEHOLDER = "dlo: the blocker goes here"
+
+
+def _template(nfree: int) -> types.CodeType:
+    """`def blocked(*args, **kwargs): return <raiser>(*args, **kwargs)` with `nfree` free variables (a
+    function's new code must take its closure's cells)."""
+    if nfree not in _TEMPLATES:
+        names = [f"_f{i}" for i in range(nfree)]
+        src = ("def outer():\n" + (f"    {' = '.join(names)} = None\n" if names else "")
+               + "    def blocked(*args, **kwargs):\n" + (f"        ({', '.join(names)},)\n" if names else "")
+               + f"        return {_PLACEHOLDER!r}(*args, **kwargs)\n    return blocked\n")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "'str' object is not callable": it is replaced below
+            outer = compile(src, __file__, "exec").co_consts[0]
+        _TEMPLATES[nfree] = next(c for c in outer.co_consts if type(c) is types.CodeType)
+    return _TEMPLATES[nfree]
+
+
+def blocker_code(fn: types.FunctionType, raiser) -> types.CodeType:
+    """A code for `fn` whose call calls `raiser` (which raises ForbiddenCall) with the arguments."""
+    t = _template(len(fn.__code__.co_freevars))
+    return t.replace(co_consts=tuple(raiser if k == _PLACEHOLDER else k for k in t.co_consts),
+                     co_name=fn.__code__.co_name, co_qualname=getattr(fn, "__qualname__", fn.__code__.co_name))
+
+
+_ORIGINAL: dict[int, types.CodeType] = {}  # id(function) -> its own code, while it is burned
+
+
+def original(fn: types.FunctionType) -> types.CodeType:
+    """`fn`'s own code, burned or not."""
+    return _ORIGINAL.get(id(fn), fn.__code__)
+
+
+def burn(pairs: Iterable[tuple[types.FunctionType, object]]) -> list[tuple[types.FunctionType, types.CodeType]]:
+    """Give each function the code that calls its raiser; what `disarm` needs to undo it."""
+    saved, done = [], set()
+    for fn, raiser in pairs:
+        if id(fn) in done:
+            continue
+        done.add(id(fn))
+        _ORIGINAL.setdefault(id(fn), fn.__code__)
+        saved.append((fn, fn.__code__))
+        fn.__code__ = blocker_code(fn, raiser)
+    return saved
+
+
+# ----------------------------------------------------------------------------- the audit hook
+
+def _audit(event, args, watched, ids, shapes, labels, protected, error, prefix, code_type, type_, id_, getattr_,
+           len_, shape_, kept):
+    """The hook's body. Every name it uses is a parameter bound to a default (`arm_for_good`): no global or
+    builtin lookup that the student's code could rebind. `kept` holds the forbidden originals alive, so
+    that their ids stay theirs."""
+    if event not in watched:
+        return
+    if event == "object.__setattr__":
+        if len_(args) != 3 or args[1] not in ("__code__", "__defaults__", "__kwdefaults__"):
+            return
+        if id_(getattr_(args[0], "__code__", None)) in protected:
+            raise error(f"{prefix}the grader's functions cannot be changed while this check runs")
+        if args[1] != "__code__":
+            return
+        code = args[2]
+    else:
+        code = args[0] if len_(args) else None
+    todo = [code] if type_(code) is code_type else []
+    while todo:
+        c = todo.pop()
+        if id_(c) in ids:
+            raise error(f"{prefix}this is a forbidden reference's own code, off limits while this check runs: "
+                        f"the exercise asks for your own implementation")
+        key = shape_(c)
+        if key in shapes:
+            raise error(f"{prefix}this code is a copy of {labels.get(key, 'a forbidden reference')}, off "
+                        f"limits while this check runs: the exercise asks for your own implementation")
+        for k in c.co_consts:
+            if type_(k) is code_type:
+                todo.append(k)
+
+
+def _state(codes: Codes, protected: frozenset, error, exercise: str) -> tuple:
+    return (WATCHED, codes.ids, codes.shapes, dict(codes.labels), protected, error, f"{exercise}: ",
+            types.CodeType, type, id, getattr, len, shape, codes.kept)
+
+
+def arm_for_good(codes: Codes, protected: frozenset, error, exercise: str) -> None:
+    """An audit hook for the rest of this process, whose state is its own defaults (a function with no
+    builtins: it could not look one up): the originals it keeps can be reached, never run again; its own
+    code and defaults, and the `protected` functions', cannot be changed."""
+    hook = types.FunctionType(_audit.__code__, {"__builtins__": {}}, "dlo_forbidden_code",
+                              _state(codes, protected | {id(_audit.__code__)}, error, exercise))
+    sys.addaudithook(hook)
+
+
+_ACTIVE: list[tuple] = []  # reversible: the active checks' states, innermost last
+_PAUSED: list[bool] = [False]
+_INSTALLED: list[bool] = [False]
+
+
+def _follow(event, args):
+    if _ACTIVE and not _PAUSED[0]:
+        _audit(event, args, *_ACTIVE[-1])
+
+
+def arm(codes: Codes, protected: frozenset, error, exercise: str) -> tuple:
+    """The reversible hook follows this check until `disarm`; one hook per process, installed once."""
+    if not _INSTALLED[0]:
+        sys.addaudithook(_follow)
+        _INSTALLED[0] = True
+    state = _state(codes, protected, error, exercise)
+    _ACTIVE.append(state)
+    return state
+
+
+def disarm(state: tuple, saved: list[tuple[types.FunctionType, types.CodeType]]) -> None:
+    """Undo `arm` and `burn`: the originals given back (the hook paused meanwhile)."""
+    _PAUSED[0] = True
+    try:
+        for fn, code in reversed(saved):
+            fn.__code__ = code
+            if _ORIGINAL.get(id(fn)) is code:
+                del _ORIGINAL[id(fn)]
+    finally:
+        _PAUSED[0] = False
+        if state in _ACTIVE:
+            _ACTIVE.remove(state)
+
+
+def copy_in(obj, codes: Codes, originals: frozenset = frozenset(), limit: int = 5000) -> str | None:
+    """The label of a forbidden reference whose code `obj` carries (a copy made before the check, as a
+    notebook's direct check meets it), else None: through functions (their code, closure, defaults,
+    `__wrapped__` and the globals their code names), classes' own attributes and containers; the burned
+    originals themselves (`originals`: ids) are no copy. Where the grader runs the student's code (the
+    sandbox, the ranks) its objects are made under the audit hook, which refuses a copy; this finds the
+    ones a notebook made earlier."""
+    todo, seen = [obj], set(originals)
+    while todo and len(seen) < limit:
+        o = todo.pop()
+        if id(o) in seen or isinstance(o, (types.ModuleType, str, bytes, int, float)):
+            continue
+        seen.add(id(o))
+        if isinstance(o, types.FunctionType):
+            for c in nested(original(o)):
+                if id(c) in codes.ids or shape(c) in codes.shapes:
+                    return codes.labels.get(shape(c), f"{o.__module__}.{o.__qualname__}")
+            names = {n for c in nested(o.__code__) for n in c.co_names}
+            todo += [o.__globals__[n] for n in names if n in o.__globals__]
+            for cell in o.__closure__ or ():
+                try:
+                    todo.append(cell.cell_contents)
+                except ValueError:  # an empty cell
+                    pass
+            todo += [*(o.__defaults__ or ()), *(o.__kwdefaults__ or {}).values(), getattr(o, "__wrapped__", None)]
+        elif isinstance(o, type):
+            todo += [v for v in vars(o).values() if isinstance(v, (types.FunctionType, staticmethod, classmethod,
+                                                                  property, type))]
+        elif isinstance(o, (staticmethod, classmethod)):
+            todo.append(o.__func__)
+        elif isinstance(o, property):
+            todo += [o.fget, o.fset, o.fdel]
+        elif isinstance(o, (list, tuple, set, frozenset)):
+            todo += list(o)
+        elif isinstance(o, dict):
+            todo += list(o.values())
+        elif hasattr(o, "_fn"):  # a direct check's Guarded student callable
+            todo.append(o._fn)
+    return None
+
+
+def protected_codes(prefixes: tuple[str, ...]) -> frozenset:
+    """The ids of the code objects of every function and method of the modules under `prefixes` (the
+    grader's): their code and defaults are what the checks and the meters run on."""
+    out = set()
+    for name, module in list(sys.modules.items()):
+        if module is None or not name.startswith(prefixes):
+            continue
+        for v in list(vars(module).values()):
+            if getattr(v, "__module__", None) == name:  # and the lambdas they make (hooks), nested codes
+                out.update(id(c) for f in implementations(v) for c in nested(f.__code__))
+    return frozenset(out)

@@ -1,0 +1,126 @@
+"""Measurements a student engine cannot fake (issue 33): the bytes a rank sends are counted twice.
+
+The ZeRO checks count each rank's collectives on the rank (`dlo.measure.CommCounter`, beside the
+student's engine) and read what its TCP sockets sent from outside it (`dlo.grading.meter`: the kernel's
+counters, read by the process that launched the ranks). An engine that rewrites the counter on the rank
+- here plain DDP (an all-reduce of the gradients, the whole optimizer on every rank) reporting ZeRO-1's
+reduce-scatter and all-gather, with the held-bytes meter scaled to match - passed the check; the sockets
+now tell. The instructors' ZeRO engines agree with their sockets. These run real launches (not the
+tests' reused ranks, which have no meter), as a notebook's check and through the grader's sandbox.
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+from dlo.checks import day5
+from dlo.grading.trusted import LocalSandbox
+from tests.checks.conftest import load_solution
+
+pytestmark = [pytest.mark.usefixtures("one_thread"),
+              pytest.mark.trust]  # a hostile class's evidence: its own CI step, pytest -m trust
+
+DISGUISED = '''
+import gc
+import torch
+import torch.distributed as dist
+
+def _disguise():
+    """Report an all-reduce as ZeRO-1's reduce-scatter and all-gather, and 70% of the bytes held."""
+    from dlo.measure import comm
+    if getattr(comm.CommCounter, "disguised", False):
+        return
+    real = comm.CommCounter.__torch_dispatch__
+
+    def dispatch(counter, func, types, args=(), kwargs=None):
+        n = len(counter.calls)
+        out = real(counter, func, types, args, kwargs)
+        for c in counter.calls[n:]:
+            if c.kind == "all_reduce":
+                c.kind = "reduce_scatter"
+                counter.calls.append(comm.CommCall(c.op, "all_gather", c.nbytes, c.sent, c.world_size, c.async_op,
+                                                   c.phase))
+        return out
+    comm.CommCounter.__torch_dispatch__ = dispatch
+    comm.CommCounter.disguised = True
+    bench = next(d for d in gc.get_objects() if type(d) is dict and d.get("__name__") == "dlo.checks.day5_zero")
+    held = bench["held_bytes"]
+    bench["held_bytes"] = lambda *roots: int(0.7 * held(*roots))
+
+class DisguisedDDP(torch.nn.Module):
+    """DDP: every rank all-reduces the whole gradient and runs the whole optimizer."""
+    def __init__(self, module, optimizer_cls=torch.optim.AdamW, **kw):
+        super().__init__()
+        _disguise()
+        self.module = module
+        for p in module.parameters():
+            dist.broadcast(p.data, 0)
+        self.opt = optimizer_cls(module.parameters(), **kw)
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def step(self):
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        dist.all_reduce(flat)
+        flat /= dist.get_world_size()
+        for p, g in zip(params, flat.split([p.numel() for p in params])):
+            p.grad.copy_(g.view_as(p))
+        self.opt.step()
+
+    def zero_grad(self):
+        self.opt.zero_grad(set_to_none=True)
+'''
+
+
+@pytest.fixture(scope="module")
+def student():
+    ns = {"__name__": "meters_student"}
+    exec(compile(DISGUISED, "student cell", "exec"), ns)
+    return types.SimpleNamespace(**ns)
+
+
+def test_a_rewritten_comm_meter_fails_a_notebook_s_check(student):
+    with pytest.raises(AssertionError, match=r"zero1: the ranks' sockets sent [\d,]+ bytes, the collectives counted"):
+        day5.check_zero1(student.DisguisedDDP)
+
+
+def test_a_rewritten_comm_meter_fails_in_the_sandbox(student, tmp_path):
+    with LocalSandbox(tmp_path) as sandbox, pytest.raises(AssertionError, match=r"zero1: the ranks' sockets sent"):
+        sandbox.run(day5.check_zero1, student.DisguisedDDP)
+
+
+OWN_GROUP = '''
+import torch
+import torch.distributed as dist
+
+class OwnGroup(ZeRO1):
+    """The instructors' ZeRO-1 on a process group it makes (new sockets, opened after the meter took the
+    rank's): honest, and counted too."""
+    def __init__(self, module, optimizer_cls, **kw):
+        super().__init__(module, optimizer_cls, **kw)
+        self.group = dist.new_group(list(range(self.world_size)))
+
+    def step(self):
+        mean = torch.empty_like(self.shard)
+        dist.reduce_scatter_tensor(mean, self.grads.data, group=self.group)
+        self.shard.grad = mean.div_(self.world_size)
+        self.optimizer.step()
+        dist.all_gather_into_tensor(self.flat.data, self.shard.detach().clone(), group=self.group)
+'''
+
+
+def test_an_engine_on_a_group_of_its_own_is_counted():
+    ns = {"__name__": "meters_student", **vars(load_solution("day5_fsdp"))}
+    exec(compile(OWN_GROUP, "student cell", "exec"), ns)
+    day5.check_zero1(ns["OwnGroup"])
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_the_instructors_engines_agree_with_their_sockets(stage):
+    sol = load_solution("day5_fsdp")
+    check = {1: day5.check_zero1, 2: day5.check_zero2, 3: day5.check_zero3}[stage]
+    check(getattr(sol, f"ZeRO{stage}"))

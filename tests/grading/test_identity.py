@@ -1,0 +1,247 @@
+"""References blocked by what they are, not by their names (issue 33).
+
+A class that has read the grader's code submitted, for each exercise, one line: the library reference
+rebuilt from its code object under the student's own name, the same fused torch kernel reached through
+another holder, or the reference reached through the checks' own modules. Each scored full marks.
+Here each is a student cell (a module nothing can import, so that it travels by value as a
+notebook's does) graded the way `dlo grade` grades it (`LocalSandbox`: the runner's session child, a
+fresh fork per check), and each now fails with `ForbiddenCall` naming the exercise. Honest solutions
+written with the same torch primitives keep their marks, and so do the instructors' own solutions, which
+share no substantial code with the references their checks forbid.
+"""
+
+from __future__ import annotations
+
+import os
+import types
+
+import pytest
+import torch
+
+import dlo.checks
+from dlo.checks import day1, day7
+from dlo.grading import identity
+from dlo.grading.forbid import ForbiddenCall, forbidden, plan
+from dlo.grading.trusted import LocalSandbox
+from tests.checks.conftest import REPO, load_solution
+
+pytestmark = pytest.mark.trust  # a hostile class's evidence: its own CI step, pytest -m trust
+
+STUDENT = '''
+import gc, importlib, inspect, marshal, types
+import torch
+import dlo.optim.reference as ref
+
+_adamw = inspect.unwrap(ref.adamw_step)  # the plain function under torch.no_grad()
+
+# 1. the reference rebuilt from its code object, under the student's own name
+clone = types.FunctionType(_adamw.__code__, _adamw.__globals__, "adamw_step", _adamw.__defaults__)
+wrapped = ref.adamw_step.__wrapped__  # the decorated reference's inner function, pickled by value
+_blob = marshal.dumps(_adamw.__code__)
+
+def by_marshal(*args, **kwargs):  # the code as bytes in the notebook, made a function in the sandbox
+    return types.FunctionType(marshal.loads(_blob), _adamw.__globals__)(*args, **kwargs)
+
+def by_source(*args, **kwargs):  # the reference's own source file, executed under the check
+    ns = {}
+    exec(compile(open(inspect.getfile(ref)).read(), "mine.py", "exec"), ns)
+    return inspect.unwrap(ns["adamw_step"])(*args, **kwargs)
+
+def by_reload(*args, **kwargs):  # a fresh module, whose functions no blocker ever saw
+    return importlib.reload(ref).adamw_step(*args, **kwargs)
+
+def by_gc(*args, **kwargs):  # the original function object, wherever the collector finds it
+    f = next(o for o in gc.get_objects() if isinstance(o, types.FunctionType) and o.__name__ == "adamw_step"
+             and o.__module__ == "dlo.optim.reference" and not hasattr(o, "__wrapped__"))
+    return f(*args, **kwargs)
+
+import torch.optim.adam as _torch_adam
+
+class Adam(torch.optim.Optimizer):  # torch's Adam, its module copied into the student's own: its methods,
+    pass                            # the functions they call (adam, _single_tensor_adam, ...)
+
+_g = dict(vars(_torch_adam), Adam=Adam)
+
+def _copy(f, name):
+    f = inspect.unwrap(f)
+    cells = tuple(types.CellType(Adam) if n == "__class__" else c  # super() finds the student's class
+                  for n, c in zip(f.__code__.co_freevars, f.__closure__ or ()))
+    g = types.FunctionType(f.__code__, _g, name, f.__defaults__, cells or None)
+    g.__kwdefaults__ = f.__kwdefaults__
+    return g
+
+for _k, _v in list(_g.items()):
+    if isinstance(_v, types.FunctionType) and inspect.unwrap(_v).__module__ == "torch.optim.adam":
+        _g[_k] = _copy(_v, _k)
+for _k, _v in vars(_torch_adam.Adam).items():
+    if isinstance(_v, types.FunctionType):
+        setattr(Adam, _k, _copy(_v, _k))
+
+def by_class(param, grad, exp_avg, exp_avg_sq, step, *, lr, beta1, beta2, eps, weight_decay):
+    p = torch.nn.Parameter(param.detach().clone())
+    opt = Adam([p], lr=lr, betas=(beta1, beta2), eps=eps, weight_decay=weight_decay, decoupled_weight_decay=True)
+    opt.state[p] = {"step": torch.tensor(float(step - 1)), "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+    p.grad = grad
+    with torch.no_grad():  # what the unwrapped step lost: its decorator
+        opt.step()
+    param.copy_(p.detach())
+
+# 2. the fused kernels under another holder than torch.* and torch.ops
+def sgd_fused(param, grad, buf, *, lr, momentum, weight_decay, dampening, nesterov):
+    first, buf = buf is None, torch.zeros_like(param) if buf is None else buf
+    torch._C._VariableFunctions._fused_sgd_([param], [grad], [buf], weight_decay=weight_decay, momentum=momentum,
+                                            lr=lr, dampening=dampening, nesterov=nesterov, maximize=False,
+                                            is_first_step=first)
+    return buf
+
+def adamw_fused(param, grad, exp_avg, exp_avg_sq, step, *, lr, beta1, beta2, eps, weight_decay):
+    torch._C._VariableFunctions._fused_adamw_([param], [grad], [exp_avg], [exp_avg_sq], [],
+                                              [torch.tensor(float(step))], lr=lr, beta1=beta1, beta2=beta2,
+                                              weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)
+
+def adamw_ops(param, grad, exp_avg, exp_avg_sq, step, *, lr, beta1, beta2, eps, weight_decay):
+    ops = getattr(torch, "ops")  # (cloudpickle cannot ship a function that names torch.ops: a notebook's neither)
+    ops.aten._fused_adamw_.default([param], [grad], [exp_avg], [exp_avg_sq], [], [torch.tensor(float(step))],
+                                         lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps,
+                                         amsgrad=False, maximize=False)
+
+# 3. the references the checks' own modules import, reached through the collector
+def _bench(module, name):
+    return next(d for d in gc.get_objects() if type(d) is dict and d.get("__name__") == module)[name]
+
+def tp_comm_ratio_by_bench(*args, **kwargs):  # Day 7's bench computes its expected ratios with it
+    return _bench("dlo.checks.day7_scale", "tp_comm_ratio")(*args, **kwargs)
+
+# honest, and not the reference's way: foreach ops (which torch's own optimizers use too)
+def adamw_foreach(param, grad, exp_avg, exp_avg_sq, step, *, lr, beta1, beta2, eps, weight_decay):
+    torch._foreach_mul_([param], 1 - lr * weight_decay)
+    torch._foreach_lerp_([exp_avg], [grad], 1 - beta1)
+    torch._foreach_mul_([exp_avg_sq], beta2)
+    torch._foreach_addcmul_([exp_avg_sq], [grad], [grad], 1 - beta2)
+    denom = torch._foreach_add(torch._foreach_div(torch._foreach_sqrt([exp_avg_sq]), (1 - beta2 ** step) ** 0.5), eps)
+    torch._foreach_addcdiv_([param], [exp_avg], denom, -lr / (1 - beta1 ** step))
+
+def sgd_foreach(param, grad, buf, *, lr, momentum, weight_decay, dampening, nesterov):
+    d = torch._foreach_add([grad], [param], alpha=weight_decay)[0]
+    if buf is None:
+        buf = d.clone()
+    else:
+        torch._foreach_mul_([buf], momentum)
+        torch._foreach_add_([buf], [d], alpha=1 - dampening)
+    torch._foreach_add_([param], [d + momentum * buf if nesterov else buf], alpha=-lr)
+    return buf
+'''
+
+
+@pytest.fixture(scope="module")
+def sandbox(tmp_path_factory):
+    """The grader's backend: a runner whose session child runs each check (unconfined here)."""
+    with LocalSandbox(tmp_path_factory.mktemp("sandbox")) as sb:
+        yield sb
+
+
+@pytest.fixture(scope="module")
+def student():
+    ns = {"__name__": "identity_student"}
+    exec(compile(STUDENT, "student cell", "exec"), ns)
+    return types.SimpleNamespace(**ns)
+
+
+CLONES = ["clone", "wrapped", "by_marshal", "by_source", "by_reload", "by_gc", "by_class"]
+
+
+@pytest.mark.parametrize("fn", CLONES)
+def test_a_copy_of_the_reference_is_refused_in_the_sandbox(student, sandbox, fn):
+    with pytest.raises(ForbiddenCall, match=r"adamw_step: .*(off limits|copy of)"):
+        sandbox.run(day1.check_adamw_step, getattr(student, fn), trials=2, steps=2)
+
+
+@pytest.mark.parametrize("fn", ["clone", "wrapped", "by_marshal", "by_gc", "by_class"])
+def test_a_copy_of_the_reference_is_refused_in_a_notebook_s_check(student, fn):
+    with pytest.raises(ForbiddenCall, match=r"adamw_step: .*(off limits|copy of)"):
+        day1.check_adamw_step(getattr(student, fn), trials=2, steps=2)
+
+
+@pytest.mark.parametrize(("check", "fn", "op"), [(day1.check_sgd_momentum_step, "sgd_fused", "_fused_sgd_"),
+                                                 (day1.check_adamw_step, "adamw_fused", "_fused_adamw_"),
+                                                 (day1.check_adamw_step, "adamw_ops", "_fused_adamw_")])
+def test_a_fused_kernel_under_another_holder_is_refused(student, sandbox, check, fn, op):
+    with pytest.raises(ForbiddenCall, match=f"the torch operator aten::{op} is off limits"):
+        sandbox.run(check, getattr(student, fn), trials=2, steps=2)
+
+
+def test_a_reference_the_checks_modules_import_is_useless_in_the_sandbox(student, sandbox):
+    """Day 7's test bench imports the reference `tp_comm_ratio`; the session's child holds the real module (the
+    seal hides its name, not the module), where the name scan never looked: what it holds is burned."""
+    fsdp_min_tokens = load_solution("day7_tensor_parallel").fsdp_min_tokens
+    with pytest.raises(ForbiddenCall, match=r"comm_compute: dlo\.comm_compute\.tp_comm_ratio is off limits"):
+        sandbox.run(day7.check_comm_compute, fsdp_min_tokens, student.tp_comm_ratio_by_bench)
+
+
+@pytest.mark.parametrize(("check", "fn"), [(day1.check_adamw_step, "adamw_foreach"),
+                                           (day1.check_sgd_momentum_step, "sgd_foreach")])
+def test_honest_code_on_the_same_primitives_keeps_its_marks(student, sandbox, check, fn):
+    check(getattr(student, fn), trials=2, steps=2)
+    sandbox.run(check, getattr(student, fn), trials=2, steps=2)
+
+
+def test_everything_comes_back_after_a_notebook_s_check(student):
+    """A direct check restores what it blocked: the reference, torch's kernels, making functions."""
+    import dlo.optim.reference as ref
+
+    with forbidden(day1.check_adamw_step.forbid, "adamw_step"), pytest.raises(ForbiddenCall):
+        ref.adamw_step(torch.zeros(2), torch.ones(2), torch.zeros(2), torch.zeros(2), 1, lr=0.1)
+    p, m, v = torch.zeros(2), torch.zeros(2), torch.zeros(2)
+    ref.adamw_step(p, torch.ones(2), m, v, 1, lr=0.1)
+    student.adamw_fused(torch.zeros(2), torch.ones(2), torch.zeros(2), torch.zeros(2), 1, lr=0.1, beta1=0.9,
+                        beta2=0.999, eps=1e-8, weight_decay=0.0)
+    types.FunctionType(student.clone.__code__, {})  # making functions is free again
+    assert p.abs().sum() > 0
+
+
+CHECKS = [getattr(m, n) for m in (getattr(dlo.checks, d) for d in dlo.checks.__all__) for n in dir(m)
+          if n.startswith("check_")]
+
+
+@pytest.mark.parametrize("day", sorted(d.name for d in (REPO / "solutions").iterdir() if d.is_dir()))
+def test_the_instructors_solutions_share_no_code_with_a_forbidden_reference(day):
+    """A solution that the audit hook would take for a copy (its bytecode, nested code included, equal to a
+    reference's) would lose its marks: none of the instructors' does."""
+    ns = vars(load_solution(day))
+    mine = [v for v in ns.values() if isinstance(v, (types.FunctionType, type))
+            and getattr(v, "__module__", "").endswith("_solution")]
+    for chk in CHECKS:
+        found = plan(chk.forbid, chk.__name__)
+        assert [(chk.__name__, v.__name__) for v in mine if identity.copy_in(v, found.codes, found.originals)] == []
+
+
+def test_the_audit_hook_holds_against_the_student_s_process():
+    """For good (a process that ends with the check): the hook reads no global, its code and defaults
+    cannot change, nor can the grader's functions'; a copy stays refused."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # a fork: the hook stays for good in it
+        os.close(read)
+        out = []
+        try:
+            import dlo.optim.reference as ref
+
+            code = identity.original(ref.adamw_step.__wrapped__)
+            with forbidden(day1.check_adamw_step.forbid, "adamw_step", for_good=True):
+                for attempt in (lambda: setattr(identity._audit, "__code__", (lambda *a: None).__code__),
+                                lambda: setattr(identity.shape, "__defaults__", (None, None)),
+                                lambda: types.FunctionType(code, {}),
+                                lambda: exec(code, {})):
+                    try:
+                        attempt()
+                        out.append("ran")
+                    except ForbiddenCall:
+                        out.append("refused")
+        finally:
+            os.write(write, ",".join(out).encode())
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as f:
+        got = f.read()
+    os.waitpid(pid, 0)
+    assert got == "refused,refused,refused,refused"
