@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import os
 import socket
-import struct
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from dlo.distributed.collectives import ring_all_reduce
-from dlo.measure import CommCounter
+from dlo.measure import CommCounter, tcp_counters
 
 
 def ring_sent(n: int) -> float:
@@ -51,23 +50,18 @@ def tcp_available() -> bool:
 
 
 def tcp_tx() -> tuple[int, int]:
-    """(payload bytes, data segments) sent so far by this process's TCP sockets, from the kernel's
-    per-socket counters (struct tcp_info, linux/tcp.h: tcpi_data_segs_out at byte 156, tcpi_bytes_sent
-    at byte 200, Linux >= 4.19). Every thread's sockets count (gloo sends from its own threads); the
+    """(payload bytes, data segments) sent so far by this process's TCP sockets (`dlo.measure.tcp_counters`:
+    the kernel's per-socket counters). Every thread's sockets count (gloo sends from its own threads); the
     payload is what TCP carries: the backend's messages with its own headers, not TCP/IP's."""
     sent = segs = 0
     for fd in os.listdir("/proc/self/fd"):
         try:
             if not os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
                 continue
-            with socket.fromfd(int(fd), socket.AF_INET, socket.SOCK_STREAM) as dup:  # a dup: closing it is safe
-                info = dup.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 232)
-        except OSError:  # not TCP (a Unix socket), or closed since the listing
+        except OSError:  # closed since the listing
             continue
-        if len(info) < 208:
-            raise RuntimeError("tcp_tx needs Linux >= 4.19 (tcpi_bytes_sent)")
-        segs += struct.unpack_from("I", info, 156)[0]
-        sent += struct.unpack_from("Q", info, 200)[0]
+        b, n = tcp_counters(int(fd))
+        sent, segs = sent + b, segs + n
     return sent, segs
 
 

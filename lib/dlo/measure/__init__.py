@@ -27,6 +27,7 @@ from dlo.measure.comm import (
     gloo_wire_bytes,
     tally,
     tcp_bytes_sent,
+    tcp_counters,
     wire_agrees,
 )
 from dlo.measure.compute import count_flops, fmt_bytes, mfu, transformer_flops_per_token
@@ -47,4 +48,5 @@ from dlo.measure.timing import Timing, sync, time_fn, time_interleaved
 __all__ = ["sync", "Timing", "time_fn", "time_interleaved", "SavedTensorMeter", "AllocationMeter", "allocated_peak",
            "PeakMemory", "peak_memory", "saved_bytes", "measure_step", "tensor_bytes", "optimizer_state_bytes",
            "held_bytes", "CommCall", "CommCounter", "tally", "comm_bytes", "collective_kind", "count_flops",
-           "transformer_flops_per_token", "mfu", "fmt_bytes", "tcp_bytes_sent", "gloo_wire_bytes", "wire_agrees"]
+           "transformer_flops_per_token", "mfu", "fmt_bytes", "tcp_bytes_sent", "tcp_counters", "gloo_wire_bytes",
+           "wire_agrees"]

@@ -197,24 +197,33 @@ def comm_bytes(records: list[dict], kind: str | None = None, phase=None) -> int:
 
 # ----------------------------------------------------------------------------- as the kernel counts them
 
-def tcp_bytes_sent(sock) -> int:
-    """Bytes a TCP socket (a socket object or a descriptor) has sent, from the kernel's own counter
-    (struct tcp_info, linux/tcp.h: tcpi_bytes_sent at byte 200, Linux >= 4.19): the backend's messages
-    with its own headers, not TCP/IP's. 0 for a socket that is not TCP."""
+def tcp_counters(sock) -> tuple[int, int]:
+    """(bytes sent, data segments sent) of a TCP socket (a socket object or a descriptor), from the kernel's
+    own counters (struct tcp_info, linux/tcp.h: tcpi_data_segs_out at byte 156, tcpi_bytes_sent at byte 200,
+    Linux >= 4.19): the backend's messages with its own headers, not TCP/IP's. (0, 0) for a socket that is
+    not TCP, or closed since it was listed."""
     import socket
     import struct
 
-    s = sock if isinstance(sock, socket.socket) else socket.socket(fileno=os.dup(sock))
+    try:
+        s = sock if isinstance(sock, socket.socket) else socket.socket(fileno=os.dup(sock))
+    except OSError:
+        return 0, 0
     try:
         info = s.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 232)
     except OSError:
-        return 0
+        return 0, 0
     finally:
         if s is not sock:
             s.close()
     if len(info) < 208:
         raise RuntimeError("the TCP byte counters need Linux >= 4.19 (tcpi_bytes_sent)")
-    return struct.unpack_from("Q", info, 200)[0]
+    return struct.unpack_from("Q", info, 200)[0], struct.unpack_from("I", info, 156)[0]
+
+
+def tcp_bytes_sent(sock) -> int:
+    """Bytes a TCP socket (a socket object or a descriptor) has sent (`tcp_counters`); 0 if not TCP."""
+    return tcp_counters(sock)[0]
 
 
 # What gloo's TCP transport sends for each kind of record, per rank of a group of g: the payload (gloo's
