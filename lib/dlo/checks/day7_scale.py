@@ -30,13 +30,14 @@ import random
 import torch
 import torch.distributed as dist
 
+from dlo.checks.day7_volumes import LLAMA_3B_HIDDEN, tp_measured
 from dlo.comm_compute import allgather_time, tp_comm_ratio
 from dlo.grading.api import check
 from dlo.grading.compare import assert_close, assert_number, fmt, ok
 from dlo.hardware import LINKS, link_bytes_per_s, peak_for_name
 
 REFERENCE = ("dlo.comm_compute.*",)
-LLAMA_3B_LAYER, LLAMA_3B_HIDDEN = 100_669_440, 3072
+LLAMA_3B_LAYER = 100_669_440
 
 # got / want -> the slip it usually is
 FSDP_SLIPS = {2.0: "an all-reduce's 2(N-1)/N in place of an all-gather's (N-1)/N, or 1 FLOP per parameter "
@@ -136,8 +137,6 @@ def fsdp_layer_sent(world_size: int) -> tuple[float, int]:
 @functools.lru_cache(maxsize=None)
 def _tp_forward_sent(t: int, b: int, s: int) -> tuple[float, int]:
     """(bytes, h): Day 7's GPT layer's forward all-reduces per rank (`day7_volumes.tp_measured`), cached."""
-    from dlo.checks.day7_volumes import tp_measured
-
     m = tp_measured(t, b, s, 6, 5)
     return m["fwd"], m["h"]
 
