@@ -10,9 +10,13 @@ keys), in front of torch's own. Other operators, and so honest code written with
 A check names operators in its `forbid` list as `"aten::_fused_adamw*"` (a shell pattern over the
 operator's name, every overload included); a forbidden name that is itself an operator's Python binding
 (`torch._fused_sgd_`, `torch.nn.functional.scaled_dot_product_attention`) blocks that operator too.
-`refused(ops, message)` registers the kernels: `for_good` (a process that runs the student's code until
-it ends) leaks their registration, so that no Python object can give torch's kernel back; otherwise the
-returned handle's deletion (`release`) restores torch's kernels.
+`refused(ops, message, for_good=True)` (a process that runs the student's code until it ends: the
+runner's session child, a launch's ranks) registers the kernels and leaks their registration, so that no
+Python object can give torch's kernel back. A check that ends before its process does (a notebook's
+immediate feedback, the tests) refuses them with a dispatch mode instead (`Refusing`, popped by
+`release`): the dispatcher's own tables are never touched there, because undoing a registration does not
+undo everything torch derived from it (after one, FakeTensorMode kept running the refusing kernel as the
+operator's meta kernel: a notebook's later `dlo plan` failed).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import types
 import warnings
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 KEYS = ("CPU", "CUDA", "XPU", "MPS", "Meta", "CompositeExplicitAutograd", "CompositeExplicitAutogradNonFunctional",
         "CompositeImplicitAutograd")
@@ -58,12 +63,37 @@ def _refuse(error, message, *args, **kwargs):
     raise error(message)
 
 
+def _message(op: str, exercise: str, hint: str) -> str:
+    return (f"{exercise}: the torch operator {op} is off limits while this check runs: the exercise asks for your "
+            f"own implementation{f' ({hint})' if hint else ''}")
+
+
+class Refusing(TorchDispatchMode):
+    """Refuses `ops` (names with their overloads) while it is entered: every operator a tensor operation
+    dispatches passes through it, whatever Python object reached the operator."""
+
+    def __init__(self, ops, error, exercise: str, hint: str = ""):
+        super().__init__()
+        self.ops, self.error, self.exercise, self.hint = frozenset(ops), error, exercise, hint
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.name()
+        if name in self.ops:
+            raise self.error(_message(name, self.exercise, self.hint))
+        return func(*args, **(kwargs or {}))
+
+
 def refused(ops: list[str], error, exercise: str, hint: str = "", for_good: bool = False):
-    """Register, for each operator in `ops` (names with their overloads), a kernel that raises
-    `error` on each dispatch key torch computes it on. Returns the registration (None when `for_good`:
-    then it lives as long as the process, and nothing in Python holds it)."""
+    """Refuse each operator in `ops` (names with their overloads) with `error`: `for_good`, a kernel that
+    raises registered on each dispatch key torch computes it on, for the rest of the process (None
+    returned: nothing in Python holds the registration); otherwise a `Refusing` mode, entered here, that
+    `release` pops."""
     if not ops:
         return None
+    if not for_good:
+        mode = Refusing(ops, error, exercise, hint)
+        mode.__enter__()
+        return mode
     modules = {}  # one library fragment per namespace
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "Overriding a previously registered kernel": the point
@@ -71,14 +101,10 @@ def refused(ops: list[str], error, exercise: str, hint: str = "", for_good: bool
             ns, name = op.split("::", 1)
             if ns not in modules:
                 modules[ns] = torch._C._dispatch_library("IMPL", ns, "")
-            message = (f"{exercise}: the torch operator {op} is off limits while this check runs: the exercise "
-                       f"asks for your own implementation{f' ({hint})' if hint else ''}")
-            kernel = functools.partial(_refuse, error, message)
+            kernel = functools.partial(_refuse, error, _message(op, exercise, hint))
             for key in KEYS:
                 if torch._C._dispatch_has_kernel_for_dispatch_key(op, key):
                     modules[ns].impl(name, key, kernel)
-    if not for_good:
-        return list(modules.values())
     import ctypes
 
     for module in modules.values():  # never freed: torch's kernels stay behind ours
@@ -87,6 +113,6 @@ def refused(ops: list[str], error, exercise: str, hint: str = "", for_good: bool
 
 
 def release(registration) -> None:
-    """Torch's own kernels back (a registration of `refused` undone)."""
-    for module in registration or ():
-        module.reset()
+    """The operators of a `refused(..., for_good=False)` given back (its mode popped)."""
+    if registration is not None:
+        registration.__exit__(None, None, None)
