@@ -12,7 +12,6 @@ share no substantial code with the references their checks forbid.
 
 from __future__ import annotations
 
-import os
 import types
 
 import pytest
@@ -24,6 +23,7 @@ from dlo.grading import identity
 from dlo.grading.forbid import ForbiddenCall, forbidden, plan
 from dlo.grading.trusted import LocalSandbox
 from tests.checks.conftest import REPO, load_solution
+from tests.forked import in_a_fork
 
 pytestmark = pytest.mark.trust  # a hostile class's evidence: its own CI step, pytest -m trust
 
@@ -218,30 +218,21 @@ def test_the_instructors_solutions_share_no_code_with_a_forbidden_reference(day)
 def test_the_audit_hook_holds_against_the_student_s_process():
     """For good (a process that ends with the check): the hook reads no global, its code and defaults
     cannot change, nor can the grader's functions'; a copy stays refused."""
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # a fork: the hook stays for good in it
-        os.close(read)
-        out = []
-        try:
-            import dlo.optim.reference as ref
+    def attempts() -> str:  # in a fork: the hook stays for good in it
+        import dlo.optim.reference as ref
 
-            code = identity.original(ref.adamw_step.__wrapped__)
-            with forbidden(day1.check_adamw_step.forbid, "adamw_step", for_good=True):
-                for attempt in (lambda: setattr(identity._audit, "__code__", (lambda *a: None).__code__),
-                                lambda: setattr(identity.shape, "__defaults__", (None, None)),
-                                lambda: types.FunctionType(code, {}),
-                                lambda: exec(code, {})):
-                    try:
-                        attempt()
-                        out.append("ran")
-                    except ForbiddenCall:
-                        out.append("refused")
-        finally:
-            os.write(write, ",".join(out).encode())
-            os._exit(0)
-    os.close(write)
-    with os.fdopen(read) as f:
-        got = f.read()
-    os.waitpid(pid, 0)
-    assert got == "refused,refused,refused,refused"
+        out = []
+        code = identity.original(ref.adamw_step.__wrapped__)
+        with forbidden(day1.check_adamw_step.forbid, "adamw_step", for_good=True):
+            for attempt in (lambda: setattr(identity._audit, "__code__", (lambda *a: None).__code__),
+                            lambda: setattr(identity.shape, "__defaults__", (None, None)),
+                            lambda: types.FunctionType(code, {}),
+                            lambda: exec(code, {})):
+                try:
+                    attempt()
+                    out.append("ran")
+                except ForbiddenCall:
+                    out.append("refused")
+        return ",".join(out)
+
+    assert in_a_fork(attempts) == "refused,refused,refused,refused"

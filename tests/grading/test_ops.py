@@ -1,13 +1,12 @@
 """dlo.grading.ops: a notebook's check refuses its forbidden operators while it runs and gives torch's
 kernels back entirely afterwards; in a process that ends with the check they stay refused."""
 
-import os
-
 import pytest
 import torch
 
 from dlo.checks import day2_attention
 from dlo.grading.forbid import ForbiddenCall, forbidden
+from tests.forked import in_a_fork
 
 SDPA = torch.nn.functional.scaled_dot_product_attention
 
@@ -31,23 +30,14 @@ def test_a_notebook_s_check_leaves_torch_as_it_found_it():
 
 
 def test_in_a_process_that_ends_with_the_check_they_stay_refused():
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        os.close(read)
-        got = "ran"
+    def after_the_check() -> str:
+        with forbidden(day2_attention.FORBID, "flash_attention", for_good=True):
+            pass
+        q = torch.randn(1, 2, 8, 4)
         try:
-            with forbidden(day2_attention.FORBID, "flash_attention", for_good=True):
-                pass
-            q = torch.randn(1, 2, 8, 4)
             torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, q, q)
         except ForbiddenCall:
-            got = "refused"
-        finally:
-            os.write(write, got.encode())
-            os._exit(0)
-    os.close(write)
-    with os.fdopen(read) as f:
-        got = f.read()
-    os.waitpid(pid, 0)
-    assert got == "refused"
+            return "refused"
+        return "ran"
+
+    assert in_a_fork(after_the_check) == "refused"
