@@ -7,8 +7,9 @@ sandbox, `marshal`, `exec` of the reference's source, `importlib.reload` of its 
 itself is blocked, for as long as the check runs:
 
 - *burned*: every function object that implements a forbidden reference (the reference, what it wraps,
-  a class's own methods, its private helpers) gets a code object that raises `ForbiddenCall`, whoever
-  holds the function (`burn`); its original code is kept only by the audit hook below;
+  a class's own methods, its private helpers), and any other function object holding the same code (a clone
+  made before the check), gets a code object that raises `ForbiddenCall`, whoever holds the function
+  (`burn`); its original code is kept only by the audit hook below;
 - *refused*: an audit hook (PEP 578: it cannot be removed) refuses to make a function from, `exec`, or
   assign as `__code__` any code object that is a forbidden one or contains one: the same object, or the
   same bytecode, its own and that of the code it defines (`shape`), when it is substantial (`SUBSTANTIAL`
@@ -26,6 +27,7 @@ not grading. What is not covered: code compiled by another compiler from the ref
 
 from __future__ import annotations
 
+import gc
 import sys
 import types
 import warnings
@@ -143,9 +145,15 @@ def original(fn: types.FunctionType) -> types.CodeType:
 
 
 def burn(pairs: Iterable[tuple[types.FunctionType, object]]) -> list[tuple[types.FunctionType, types.CodeType]]:
-    """Give each function the code that calls its raiser; what `disarm` needs to undo it."""
+    """Give each function the code that calls its raiser, and so every other function object holding the same
+    code (a clone made before the check began, which the audit hook never saw made: found by the collector,
+    ~30 ms); what `disarm` needs to undo it."""
+    pairs = list(pairs)
+    raisers = {id(fn.__code__): raiser for fn, raiser in pairs}
+    holders = [(o, raisers[id(o.__code__)]) for o in gc.get_objects()
+               if type(o) is types.FunctionType and id(o.__code__) in raisers]
     saved, done = [], set()
-    for fn, raiser in pairs:
+    for fn, raiser in [*pairs, *holders]:
         if id(fn) in done:
             continue
         done.add(id(fn))
