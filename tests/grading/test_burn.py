@@ -27,3 +27,19 @@ def test_a_clone_made_before_the_check_is_burned_with_its_original():
     with forbidden(day1.check_adamw_step.forbid, "adamw_step"), pytest.raises(ForbiddenCall):
         step()
     assert step().abs().sum() > 0  # given back
+
+
+def test_a_forbidden_context_manager_takes_no_other_with_it():
+    """@contextmanager's wrapper code (contextlib's `helper`) is every context manager's: burning it in every
+    holder broke every `with` of the check's own process (Day 7's loss_parallel is forbidden)."""
+    from contextlib import contextmanager
+
+    from dlo.checks import day7_sequence
+
+    @contextmanager
+    def mine():
+        yield 1
+
+    with forbidden(day7_sequence.check_vocab_parallel_cross_entropy.forbid, "vocab_parallel_cross_entropy"):
+        with mine() as one:
+            assert one == 1

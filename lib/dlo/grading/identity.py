@@ -149,7 +149,9 @@ def burn(pairs: Iterable[tuple[types.FunctionType, object]]) -> list[tuple[types
     code (a clone made before the check began, which the audit hook never saw made: found by the collector,
     ~30 ms); what `disarm` needs to undo it."""
     pairs = list(pairs)
-    raisers = {id(fn.__code__): raiser for fn, raiser in pairs}
+    # a wrapper's code is every wrapped function's (contextlib's `helper` holds each @contextmanager): only a
+    # function's own code, named as the function is, is looked for in other holders
+    raisers = {id(fn.__code__): raiser for fn, raiser in pairs if fn.__code__.co_qualname == fn.__qualname__}
     holders = [(o, raisers[id(o.__code__)]) for o in gc.get_objects()
                if type(o) is types.FunctionType and id(o.__code__) in raisers]
     saved, done = [], set()
