@@ -144,18 +144,21 @@ def original(fn: types.FunctionType) -> types.CodeType:
     return _ORIGINAL.get(id(fn), fn.__code__)
 
 
-def burn(pairs: Iterable[tuple[types.FunctionType, object]]) -> list[tuple[types.FunctionType, types.CodeType]]:
-    """Give each function the code that calls its raiser, and so every other function object holding the same
-    code (a clone made before the check began, which the audit hook never saw made: found by the collector,
-    ~30 ms); what `disarm` needs to undo it."""
+def burn(pairs: Iterable[tuple[types.FunctionType, object]], holders: bool = False
+         ) -> list[tuple[types.FunctionType, types.CodeType]]:
+    """Give each function the code that calls its raiser; with `holders`, every other function object holding
+    the same code too (a clone made before the check began, which the audit hook never saw made: found by the
+    collector, 0.03-0.2 s, so once per check, not per call of the student's function); what `disarm` needs to
+    undo it."""
     pairs = list(pairs)
-    # a wrapper's code is every wrapped function's (contextlib's `helper` holds each @contextmanager): only a
-    # function's own code, named as the function is, is looked for in other holders
-    raisers = {id(fn.__code__): raiser for fn, raiser in pairs if fn.__code__.co_qualname == fn.__qualname__}
-    holders = [(o, raisers[id(o.__code__)]) for o in gc.get_objects()
-               if type(o) is types.FunctionType and id(o.__code__) in raisers]
+    if holders:
+        # a wrapper's code is every wrapped function's (contextlib's `helper` holds each @contextmanager): only
+        # a function's own code, named as the function is, is looked for in other holders
+        raisers = {id(fn.__code__): raiser for fn, raiser in pairs if fn.__code__.co_qualname == fn.__qualname__}
+        pairs += [(o, raisers[id(o.__code__)]) for o in gc.get_objects()
+                  if type(o) is types.FunctionType and id(o.__code__) in raisers]
     saved, done = [], set()
-    for fn, raiser in [*pairs, *holders]:
+    for fn, raiser in pairs:
         if id(fn) in done:
             continue
         done.add(id(fn))
@@ -231,6 +234,11 @@ def arm(codes: Codes, protected: frozenset, error, exercise: str) -> tuple:
     state = _state(codes, protected, error, exercise)
     _ACTIVE.append(state)
     return state
+
+
+def active() -> bool:
+    """A reversible check is armed in this process (a student's call inside a check that is already running)."""
+    return bool(_ACTIVE)
 
 
 def disarm(state: tuple, saved: list[tuple[types.FunctionType, types.CodeType]]) -> None:
