@@ -156,7 +156,9 @@ def test_a_copy_of_the_reference_is_refused_in_the_sandbox(student, sandbox, fn)
         sandbox.run(day1.check_adamw_step, getattr(student, fn), trials=2, steps=2)
 
 
-@pytest.mark.parametrize("fn", ["clone", "wrapped", "by_marshal", "by_gc", "by_class"])
+# by_gc is left out: a notebook's check (feedback) burns what the names lead to, not every clone the process holds
+# (the collector's search cost 0.1-0.2 s per check in a long process); in the sandbox, the graded run, it is refused
+@pytest.mark.parametrize("fn", ["clone", "wrapped", "by_marshal", "by_class"])
 def test_a_copy_of_the_reference_is_refused_in_a_notebook_s_check(student, fn):
     with pytest.raises(ForbiddenCall, match=r"adamw_step: .*(off limits|copy of)"):
         day1.check_adamw_step(getattr(student, fn), trials=2, steps=2)

@@ -134,9 +134,7 @@ def forbidden(paths, exercise: str, hint: str = "", for_good: bool = False) -> I
     saved, burned, state, registration = [], [], None, None
     try:
         _block_names(found, exercise, hint, saved)
-        # clones made before the check began: looked for once, when a notebook's check starts (not per call of
-        # the student's function inside it; the sandbox's copies are found where they arrive: api.bind)
-        burned = identity.burn(found.burn, holders=not for_good and not identity.active())
+        burned = identity.burn(found.burn)
         registration = ops.refused(found.ops, ForbiddenCall, exercise, hint, for_good)
         if for_good:
             identity.arm_for_good(found.codes, protected(), ForbiddenCall, exercise)

@@ -7,9 +7,8 @@ sandbox, `marshal`, `exec` of the reference's source, `importlib.reload` of its 
 itself is blocked, for as long as the check runs:
 
 - *burned*: every function object that implements a forbidden reference (the reference, what it wraps,
-  a class's own methods, its private helpers), and any other function object holding the same code (a clone
-  made before the check), gets a code object that raises `ForbiddenCall`, whoever holds the function
-  (`burn`); its original code is kept only by the audit hook below;
+  a class's own methods, its private helpers) gets a code object that raises `ForbiddenCall`, whoever
+  holds the function (`burn`); its original code is kept only by the audit hook below;
 - *refused*: an audit hook (PEP 578: it cannot be removed) refuses to make a function from, `exec`, or
   assign as `__code__` any code object that is a forbidden one or contains one: the same object, or the
   same bytecode, its own and that of the code it defines (`shape`), when it is substantial (`SUBSTANTIAL`
@@ -21,13 +20,14 @@ ranks of a launch) the hook is armed `for_good`: its state lives in its own defa
 (immutable tuples and frozensets), it reads no global name, and it refuses any change to its own code or
 defaults, or to those of the grader's functions (`protected`). Elsewhere (a notebook's direct check, the
 tests' reused ranks) one hook per process follows a stack of active checks that `restore` pops: feedback,
-not grading. What is not covered: code compiled by another compiler from the reference's source file
-(TorchScript, Triton), and native code (ctypes) rewriting the interpreter's memory.
+not grading; there a clone the student made before the check and hid outside the objects the check receives
+(found at run time through the collector) is not burned. What is not covered: code compiled by another
+compiler from the reference's source file (TorchScript, Triton), and native code (ctypes) rewriting the
+interpreter's memory.
 """
 
 from __future__ import annotations
 
-import gc
 import sys
 import types
 import warnings
@@ -144,19 +144,8 @@ def original(fn: types.FunctionType) -> types.CodeType:
     return _ORIGINAL.get(id(fn), fn.__code__)
 
 
-def burn(pairs: Iterable[tuple[types.FunctionType, object]], holders: bool = False
-         ) -> list[tuple[types.FunctionType, types.CodeType]]:
-    """Give each function the code that calls its raiser; with `holders`, every other function object holding
-    the same code too (a clone made before the check began, which the audit hook never saw made: found by the
-    collector, 0.03-0.2 s, so once per check, not per call of the student's function); what `disarm` needs to
-    undo it."""
-    pairs = list(pairs)
-    if holders:
-        # a wrapper's code is every wrapped function's (contextlib's `helper` holds each @contextmanager): only
-        # a function's own code, named as the function is, is looked for in other holders
-        raisers = {id(fn.__code__): raiser for fn, raiser in pairs if fn.__code__.co_qualname == fn.__qualname__}
-        pairs += [(o, raisers[id(o.__code__)]) for o in gc.get_objects()
-                  if type(o) is types.FunctionType and id(o.__code__) in raisers]
+def burn(pairs: Iterable[tuple[types.FunctionType, object]]) -> list[tuple[types.FunctionType, types.CodeType]]:
+    """Give each function the code that calls its raiser; what `disarm` needs to undo it."""
     saved, done = [], set()
     for fn, raiser in pairs:
         if id(fn) in done:
@@ -234,11 +223,6 @@ def arm(codes: Codes, protected: frozenset, error, exercise: str) -> tuple:
     state = _state(codes, protected, error, exercise)
     _ACTIVE.append(state)
     return state
-
-
-def active() -> bool:
-    """A reversible check is armed in this process (a student's call inside a check that is already running)."""
-    return bool(_ACTIVE)
 
 
 def disarm(state: tuple, saved: list[tuple[types.FunctionType, types.CodeType]]) -> None:
