@@ -33,6 +33,10 @@ ifeq ($(filter clean,$(MAKECMDGOALS)),)
 endif
 endif
 endif
+# The interpreter .venv is made from. The locks are resolved for CPython 3.11 (cpu.lock's torch wheel is cp311's)
+# and need 3.11.5 or newer (soupsieve 4.1.3 requires it; Debian 12's python3 is 3.11.2): any other is refused in
+# one line before anything is made. PYTHON=/path/to/python3.11 picks another.
+PYTHON ?= python3
 # Where torch's CPU build is published; asked only when pip finds no torch==X+cpu in its usual places.
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 OUT    ?= runs/make-run
@@ -45,8 +49,11 @@ venv: $(STAMP)
 # pip's retry on PyTorch's CPU index is for the CPU lock only: from there the CUDA lock's torch==2.13.0 would
 # be met by 2.13.0+cpu.
 $(STAMP): pyproject.toml requirements/cpu.lock requirements/gpu.txt
+	@v=$$($(PYTHON) -c 'import platform; print(platform.python_version())' 2>/dev/null); case "$$v" in \
+	  3.11.[5-9]|3.11.[1-9][0-9]) ;; \
+	  *) echo "make venv: $(PYTHON) is Python $${v:-(not found)}; the locks need CPython 3.11.5 or a newer 3.11: make venv PYTHON=/path/to/python3.11 (or conda: environment.yml)" >&2; exit 2;; esac
 	@echo "make venv: installing $(LOCK) into $(VENV) ($(WHY))"
-	python3 -m venv $(VENV)
+	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -r $(LOCK) $(if $(filter requirements/cpu.lock,$(LOCK)),|| { \
 	  echo "make venv: retrying with $(TORCH_CPU_INDEX) for torch's CPU build" >&2; \
 	  $(PY) -m pip install -q --extra-index-url $(TORCH_CPU_INDEX) -r $(LOCK); })

@@ -148,3 +148,17 @@ def test_make_q_venv_still_says_up_to_date(tmp_path):
     (tmp_path / ".venv").mkdir()
     (tmp_path / ".venv" / ".installed").write_text("requirements/gpu.txt\n")
     assert subprocess.run(["make", "-C", str(REPO), "-q", "venv", f"VENV={tmp_path / '.venv'}"]).returncode == 0
+
+
+def test_make_venv_refuses_a_python_the_lock_cannot_install_in_one_line(tmp_path):
+    """Debian 12's python3 is 3.11.2: soupsieve 4.1.3 in the lock needs 3.11.5, cpu.lock's torch wheel is cp311."""
+    for version in ("3.11.2", "3.12.1", ""):
+        fake = tmp_path / f"python{version or '-broken'}"
+        fake.write_text(f"#!/bin/sh\necho {version}\n" if version else "#!/bin/sh\nexit 1\n")
+        fake.chmod(0o755)
+        refused = _make_venv(tmp_path, f"PYTHON={fake}", "GPU=0", dry_run=False)
+        assert refused.returncode == 2, refused.stdout + refused.stderr
+        [line] = [x for x in refused.stderr.splitlines() if x.startswith("make venv: ")]  # and make's own "Error 2"
+        assert (version or "(not found)") in line and "3.11.5" in line, line
+        assert not (tmp_path / ".venv").exists(), "nothing is made before the interpreter is checked"
+    assert "PYTHON=" in (REPO / "README.md").read_text() and "3.11.5" in (REPO / "README.md").read_text()
