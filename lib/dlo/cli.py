@@ -178,6 +178,16 @@ def build_parser() -> argparse.ArgumentParser:
         action.add_argument("--profile", default="full", choices=["full", "tiny"],
                             help="the profile whose models the data must fit (default full: the GPU runs)")
 
+    export = sub.add_parser("export", help="a `dlo grade` output's scores as a file Canvas's or Moodle's "
+                                           "gradebook imports, students matched through a roster CSV")
+    export.add_argument("grading", type=Path, metavar="GRADING_DIR", help="the folder `dlo grade --out` wrote")
+    export.add_argument("--to", required=True, choices=["canvas", "moodle"], dest="lms")
+    export.add_argument("--roster", required=True, type=Path,
+                        help="CSV of the class in the LMS (Canvas: its gradebook export; Moodle: its grade export "
+                             "or any CSV with Username, ID number or Email address)")
+    export.add_argument("--key", default=None, help="the roster column holding nbgrader's student ids "
+                                                    "(default: 'SIS Login ID' for Canvas, 'Username' for Moodle)")
+    export.add_argument("--out", required=True, type=Path, help="the CSV to write (a new file)")
     bench = sub.add_parser("bench", help="GPU kernel benchmarks vs torch baselines and the device peak")
     bench.add_argument("ops", nargs="*", metavar="OP")
     bench.add_argument("--out", default="bench/results", help="folder for the JSON results")
@@ -258,6 +268,9 @@ def dispatch(args: argparse.Namespace) -> int:
         if args.action == "check":
             return check.check_main(args.data_dir, args.days, args.profile, args.weights_dir)
         return check.tokens_main(args.corpus, args.tokenizer, args.out, args.profile, args.force)
+    if args.command == "export":
+        from dlo.harness.export import export
+        return export(args.grading, args.lms, args.roster, args.out, args.key)
     if args.command == "bench":
         from dlo import bench
         from dlo.kernels.runtime import JITUnavailable
