@@ -38,8 +38,11 @@ not support it.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, field, replace
+
+# Re-exported: Day 5's notebook and the harness read the cores a timing may count on from here (the
+# `timed` rule below applies it); they live in dlo.cpus, beside the notebooks' thread count.
+from dlo.cpus import SHARE_ENV, cpu_cores  # noqa: F401
 
 # Re-exported: the notebooks in solutions/ import these estimators from dlo.claims (and Days 4, 5, 7's
 # reports still reach them as C.<name>); new code imports them from dlo.estimates.
@@ -66,18 +69,6 @@ PLANNED = "planned"
 NOT_TESTED = "not tested here"
 VERDICTS = (AGREES, DISAGREES, INCONCLUSIVE, NOT_MEASURABLE, CONTROL_TOO, BY_CONSTRUCTION, PLANNED, NOT_TESTED)
 EVIDENCE = (AGREES, DISAGREES, INCONCLUSIVE, CONTROL_TOO)  # the verdicts a measurement decided
-
-
-SHARE_ENV = "DLO_CORES"  # `dlo run --jobs N` / `dlo grade --jobs N`: the cores one of N notebooks may count on
-
-
-def cpu_cores() -> int:
-    """The cores this process may run on (its affinity mask, as a batch scheduler sets it), or its share
-    of them when notebooks run side by side (DLO_CORES): a timing taken beside another notebook is judged
-    against the share, not against cores the other one is using."""
-    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    share = os.environ.get(SHARE_ENV, "")
-    return min(n, int(share)) if share.isdigit() and int(share) > 0 else n
 
 
 def timed(est: Estimate, *, device: str, gpu_claim: bool = False, world_size: int = 1, threads: int = 1,

@@ -20,6 +20,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from dlo.cpus import notebook_threads
+
 PROFILES = ("tiny", "full")
 
 
@@ -312,9 +314,11 @@ def resolve(day: str, profile: str = "auto", device: str = "auto", seed: int = 0
 def setup(day: str, profile: str = "auto", device: str = "auto", seed: int = 0, max_steps: int = 0,
           world_size: int = 0, data_dir: str = "", log_dir: str = "", **more: Any) -> Run:
     """`resolve` the notebook's parameters (its one-line ValueError before any work), make the log
-    folder, seed every RNG and print a summary line."""
+    folder, set torch's threads (`dlo.cpus.notebook_threads`), seed every RNG and print a summary line."""
     run = resolve(day, profile, device, seed, max_steps, world_size, data_dir, log_dir, **more)
     run.log_dir.mkdir(parents=True, exist_ok=True)
+    # threads from the cores this process may use, never spinning ones against a busy machine (dlo.cpus)
+    torch.set_num_threads(notebook_threads(run.profile, run.device.type))
     seed_everything(seed)
     print(run)
     if hasattr(run.preset, "world_size"):  # a day that launches ranks

@@ -21,7 +21,7 @@ import sys
 import threading
 import time
 
-from dlo.claims import cpu_cores
+from dlo.cpus import cpu_cores
 from dlo.distributed import _forkserver
 
 JOIN_TIMEOUT = 60.0  # seconds the ranks get to start and rendezvous, whatever `timeout` says

@@ -30,7 +30,7 @@ from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dlo.claims import SHARE_ENV
+from dlo.cpus import SHARE_ENV
 from dlo.errors import warn
 from dlo.grading import files, limits
 from dlo.grading.jail import SPEC_ENV, UID, as_root, make_spec

@@ -44,7 +44,7 @@ from pathlib import Path
 import nbformat
 import papermill
 
-from dlo.claims import SHARE_ENV
+from dlo.cpus import SHARE_ENV
 from dlo.errors import BadInput
 from dlo.harness.days import notebook_path, select_days
 from dlo.harness.schedule import ESTIMATES, cores, order
@@ -198,7 +198,7 @@ def default_jobs() -> int:
 
 def share_env(n: int) -> dict:
     """Each of n notebooks' share of the cores: its threads (OMP_NUM_THREADS, unless set) and the cores
-    its timing verdicts may count on (`dlo.claims.SHARE_ENV`)."""
+    its timing verdicts may count on (`dlo.cpus.SHARE_ENV`)."""
     if n == 1:
         return {}
     share = str(max(1, cores() // n))

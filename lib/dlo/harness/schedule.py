@@ -20,6 +20,7 @@ import threading
 import time
 from pathlib import Path
 
+from dlo.cpus import usable_cores
 from dlo.registry import DAYS, UNKNOWN_GRADE_CPU_S
 
 # CPU seconds to grade each day's solution (`dlo.registry.DaySpec.grade_cpu_s`). Only their order matters.
@@ -29,10 +30,8 @@ HEARTBEAT = 20.0
 
 
 def cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))  # a SLURM allocation's CPUs, not the node's
-    except AttributeError:
-        return os.cpu_count() or 1
+    """What a run may spread over: the affinity mask, the cgroup's CPU quota, SLURM's cpus-per-task."""
+    return usable_cores()
 
 
 def history_path() -> Path:
