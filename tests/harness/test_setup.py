@@ -93,3 +93,38 @@ def test_normalise_metadata_is_what_the_kernel_reports():
     assert nb.metadata["language_info"]["version"] == sys.version.split()[0]
     assert S.normalise_metadata(nb) is False
     assert "version" not in S.comparable_metadata(nb.metadata)["language_info"]
+
+
+def test_validate_runs_what_the_grader_runs_not_the_experiments_after_it(tmp_path):
+    """Validate ran a whole day, experiments included (Day 1: 20 min on a busy node, 34 s to grade): now
+    the cells up to the last graded one, as `dlo grade`; each later code cell gets a note, and never runs."""
+    from nbgrader.utils import compute_checksum
+
+    cfg, day = tmp_path / "cfg", tmp_path / "day"
+    day.mkdir()
+    S.setup("student", cfg_dir=cfg)
+    ran = day / "experiment-ran"
+
+    def cell(source, **meta):
+        c = nbformat.v4.new_code_cell(source)
+        if meta:
+            c.metadata["nbgrader"] = {"schema_version": 3, "locked": False, "solution": False, "grade": False,
+                                      **meta}
+            c.metadata["nbgrader"]["checksum"] = compute_checksum(c)
+        return c
+    nb = nbformat.v4.new_notebook(cells=[
+        cell("def double(x):\n    return 2 * x", grade_id="ex1", solution=True),
+        cell("assert double(3) == 6", grade_id="test_ex1", grade=True, points=1, locked=True),
+        cell(f"open({str(ran)!r}, 'w').write('the experiment ran')"),
+    ])
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(nb, day / "toy.ipynb")
+    env = {**os.environ, "JUPYTER_CONFIG_DIR": str(cfg), "JUPYTER_PREFER_ENV_PATH": "0"}
+    code = ("from nbgrader.apps import NbGrader\nfrom nbgrader.validator import Validator\n"
+            "app = NbGrader(); app.load_config_file()\n"
+            "import json; print(json.dumps(Validator(config=app.config).validate('toy.ipynb')))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=day, env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert not result.get("failed") and not result.get("changed"), result
+    assert not ran.exists(), "an experiment after the last graded cell ran under Validate"

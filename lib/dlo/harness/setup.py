@@ -60,7 +60,10 @@ def nbgrader_config_text(role: str, cell_timeout: int, exchange: Path, course_id
               "# No course id (`dlo setup --course-id ID`): nbgrader's release, fetch, submit and collect need one.\n")
     return f'''{MARKER} ({role}); `dlo setup` rewrites this file, edit the command's options instead.
 c = get_config()  # noqa: F821 (provided by traitlets)
-# Validate runs the whole notebook: cells of the full profile run for minutes (nbgrader's default is 30 s).
+# Validate runs what `dlo grade` runs: the cells up to the last graded one (the experiments after it are the
+# notebook's own run: Run All, or dlo run DAY), each with the course's timeout (nbgrader's default is 30 s).
+import dlo.harness.validate  # noqa: E402
+dlo.harness.validate.install()
 c.Execute.timeout = {int(cell_timeout)}
 # The folder assignments are released to and collected from (nbgrader's default one usually does not exist).
 c.Exchange.root = {str(exchange)!r}
