@@ -8,6 +8,7 @@ here (compiler, Python headers, libcuda), bwrap (the grading sandbox), the data 
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 
 from dlo.errors import BadInput
@@ -79,7 +80,13 @@ def triton_line(found) -> Line:
     try:
         src = ASTSource(fn=_double, signature={"x_ptr": "*fp32", "n": "i32", "BLOCK": "constexpr"},
                         constexprs={"BLOCK": 128})
-        triton.compile(src, target=GPUTarget("cuda", arch, 32))
+        # A cache of its own: the check compiles for real (never a cached result), and two doctors at once
+        # (a test suite's workers, a class on one node) never compile the same key into one folder, which
+        # Triton does not survive (triton-lang/triton#11512: a just-published file not found; test_doctor
+        # failed so once in make test)
+        with tempfile.TemporaryDirectory(prefix="dlo-doctor-triton-") as cache, triton.knobs.cache.scope():
+            triton.knobs.cache.dir = cache
+            triton.compile(src, target=GPUTarget("cuda", arch, 32))
     except Exception as exc:  # noqa: BLE001 - any compiler failure is the finding itself
         return False, "triton", f"{triton.__version__} cannot compile for sm_{arch}: {str(exc).splitlines()[0][:150]}"
     where = f"the GPU (sm_{arch})" if found else "sm_80 (no GPU here: the kernels run in the interpreter)"
