@@ -163,12 +163,13 @@ def test_a_measured_side_the_code_under_test_reports_about_itself_is_self_verifi
            "how": "PowerSGDState: 22,648 B all-reduced / 22,648 B"}
     (problem,) = audit_row(row)
     assert "'PowerSGDState:'" in problem and "self-verification" in problem
-    for how in ("CommCounter, bytes sent per step restates the engine's own compression", "by its own counter",
-                "state bytes on the device side, by accounting (dlo.measure)"):
+    for how in ("CommCounter, bytes sent per step restates the engine's own compression", "by its own counter"):
         assert audit_row({**row, "how": how}), how
-    # counters outside the code under test, and the same words on a row that is no evidence, pass
+    # counters outside the code under test, and the same words on a row that is no evidence, pass (Day 3's
+    # offload row on the H200: the device's tensors of the optimizer's state, summed by dlo.measure)
     for how in ("CommCounter: bytes of its sends / n", "TCP socket counters (TCP_INFO), 5 trials",
-                "counted (held_bytes) after a step", "saved-tensor meter, exact"):
+                "counted (held_bytes) after a step", "saved-tensor meter, exact",
+                "state bytes on the device side, by accounting (dlo.measure)"):
         assert audit_row({**row, "how": how}) == [], how
     assert audit_row({**row, "verdict": "by construction"}) == []
 

@@ -47,7 +47,7 @@ _TEST_SET = re.compile(r"\btest (images|examples|set|accuracy|accuracies)\b")  #
 _SETUP = re.compile(r"(\d+) rank\(s\) x (\d+) thread\(s\)( \+ kernel)? on (\d+) cores, (\w+)")
 # a "how" that names the code under test as the source of its own number (self-verification)
 SELF_HOW = re.compile(r"\bself-report|\b(its|their) own (count|counter|bookkeeping|accounting|record)|\brestates\b"
-                      r"|\bby accounting\b|\b[A-Z]\w*State\b\s*:", re.I)
+                      r"|\b[A-Z]\w*State\b\s*:", re.I)
 # a claim about a GPU: its device, its utilisation, its peak
 GPU_WORDS = re.compile(r"\b(GPUs?|CUDA|tensor cores?|HBM|NVLink|[AHB]100|H200|MFU|utili[sz](ation|es?)|"
                        r"the hardware|accelerators?)\b", re.I)
