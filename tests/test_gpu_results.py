@@ -9,7 +9,15 @@ import pytest
 from dlo import claims as C
 from dlo import estimates as E
 from dlo.claims_audit import parse_tables
-from dlo.gpu_results import KERNEL_DAYS, MODULE_DAYS, gpu_rows, gpu_table, kernel_day, results_dir
+from dlo.gpu_results import (
+    KERNEL_DAYS,
+    MODULE_DAYS,
+    bench_records,
+    gpu_rows,
+    gpu_table,
+    kernel_day,
+    results_dir,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
@@ -39,7 +47,9 @@ def _write(folder: Path) -> Path:
                                                          "step_s": 2.5, "peak_step_bytes": 7.1e10}},
         {"name": "smoke_day6", "status": "timeout", "reason": "over its 120 s budget",
          "numbers": {"day": "day6_pipeline"}},
-        {"name": "env", "status": "ok", "numbers": {"torch": "2.11"}}]}
+        {"name": "env", "status": "ok", "numbers": {"torch": "2.11"}},
+        {"name": "bench", "status": "ok", "numbers": {"file": "x.json", "rows": {"device": "NVIDIA H200", "rows": [
+            {"op": "int8_gemm", "impl": "dlo int8 + rescale", "size": "8x8x8", "ms": 0.399}]}}}]}
     (folder / "2026-12-01T1100_nvidia-h200_gpu-session.json").write_text(json.dumps(session))
     cpu = {"session": {"device": "cpu"}, "steps": [{"name": "smoke_day4", "status": "ok", "numbers": {
         "day": "day4_ddp", "claims": [{"claim": "from the CPU dry run", "verdict": "agrees"}]}}]}
@@ -67,6 +77,8 @@ def test_each_kind_of_results_file_gives_its_rows_to_the_days_it_concerns(tmp_pa
     assert (gloo.what, gloo.value, gloo.verdict, gloo.commit) == ("gloo puts 2(N-1)/N on the wire", "1.5", "agrees",
                                                                   "0123456")
     assert "MFU 0.412" in by_day["day5_fsdp"][0].value
+    assert any(r.what == "int8_gemm dlo int8 + rescale 8x8x8" and r.value == "0.399 ms" and r.commit == "0123456"
+               for r in by_day["day8_quantization_pruning"])  # the session's bench step
     (late,) = by_day["day6_pipeline"]
     assert late.verdict == "timeout" and late.value == "over its 120 s budget"
     # the CPU dry run and files of other names are no GPU run
@@ -167,8 +179,7 @@ def missing_numbers(folder: Path, table) -> list[str]:
         for step in d.get("steps", []):
             nums = step.get("numbers") or {}
             wanted += [(nums.get("day"), r, True) for r in nums.get("claims", [])]
-            d.setdefault("rows", []).extend(r for rec in nums.get("rows", []) if step["name"] == "bench"
-                                            for r in rec.get("rows", []))
+            d.setdefault("rows", []).extend(bench_records(nums) if step["name"] == "bench" else [])
         for r in d.get("rows", []):
             op = str(r.get("op") or r.get("kernel"))
             days = {d for k, ds in kernel_days.items() if op == k or op.startswith(k + "_") for d in ds}
@@ -189,6 +200,15 @@ def missing_numbers(folder: Path, table) -> list[str]:
 
 def test_every_gpu_number_a_day_concerns_is_in_its_table():
     assert missing_numbers(RESULTS, gpu_table) == []
+
+
+def test_the_quality_bar_reads_sessions_and_bench_files_too(tmp_path):
+    folder = _write(tmp_path / "results")
+    assert missing_numbers(folder, lambda day: gpu_table(day, folder)) == []
+    problems = missing_numbers(folder, lambda day: gpu_table(day, folder).replace("1.5 ", "1.6 "))
+    assert problems == ["day4_ddp: gloo puts 2(N-1)/N on the wire | 1.5 | agrees missing"]
+    assert "day8_quantization_pruning: int8_gemm | 0.399 ms | dlo int8 + rescale missing" in missing_numbers(
+        folder, lambda day: gpu_table(day, folder).replace("0.399 ms", "0.4 ms"))
 
 
 def test_the_quality_bar_fails_on_a_table_that_quotes_a_subset(tmp_path):

@@ -149,10 +149,10 @@ def _tag_kernel(tag: str) -> str | None:
 def _from_session(d: dict) -> list[tuple]:
     out = []
     for step in d.get("steps", []):
-        nums, name, status = step.get("numbers") or {}, step.get("name", "?"), step.get("status", "?")
-        day = nums.get("day") if isinstance(nums, dict) else None
-        day = day or _STEP_DAYS.get(name)
-        if isinstance(nums, dict) and nums.get("claims"):
+        name, status = step.get("name", "?"), step.get("status", "?")
+        nums = step["numbers"] if isinstance(step.get("numbers"), dict) else {}
+        day = nums.get("day") or _STEP_DAYS.get(name)
+        if nums.get("claims"):
             out += _claims(day, nums["claims"])
         if name == "day5_3b" and nums:
             out.append((day, f"Llama recipe at world {nums.get('world')} ({nums.get('model')}): MFU, step, peak", "-",
@@ -165,14 +165,20 @@ def _from_session(d: dict) -> list[tuple]:
             out += [(day, "dlo grade on the GPU", s.get("max_score", "-"), s.get("score", "-"), s.get("status", "-"))
                     for s in nums["scores"]]
         if name == "bench":
-            for rec in nums.get("rows") or []:
-                out += _from_bench(rec.get("rows", []) if isinstance(rec, dict) else [])
+            out += _from_bench(bench_records(nums))
         if name == "gpu_tests" and status != "skipped":
             counts = ", ".join(f"{nums[k]} {k}" for k in ("passed", "failed", "skipped") if k in nums)
             out += _tests(counts, nums.get("failures", []))
         if status not in ("ok", "skipped") and (day or name in ("gpu_tests", "bench")):
             out.append((day, f"step {name}", "-", step.get("reason") or nums.get("failure", "-"), status))
     return [r for r in out if r[0]]
+
+
+def bench_records(numbers: dict) -> list[dict]:
+    """The kernel timings a session's bench step kept: `dlo bench`'s record (or a list of them) under "rows"."""
+    recs = numbers.get("rows") or []
+    return [r for rec in (recs if isinstance(recs, list) else [recs]) if isinstance(rec, dict)
+            for r in rec.get("rows", [])]
 
 
 def _tests(summary: str, failures: list[str]) -> list[tuple]:
