@@ -85,7 +85,9 @@ def test_each_kind_of_results_file_gives_its_rows_to_the_days_it_concerns(tmp_pa
     assert not any("dry run" in r.what for r in rows)
     # a days log: every claims row of the day's section, agreeing or not
     day2 = [r for r in by_day["day2_mixed_precision"] if r.file.endswith("days-2-full.txt")]
-    assert [(r.value, r.verdict) for r in day2] == [("2.93 [2.9, 2.95]", "agrees"), ("0.186", "disagrees")]
+    assert [(r.value, r.verdict) for r in day2] == [("2.93 [2.9, 2.95]", "agrees"), ("0.186", "disagrees"),
+                                                    ("done", "printed")]  # and the log's other output
+    assert day2[-1].what == "Day 2, cell 51"
     # GPU tests: the summary on every kernel day, a failure on its kernel's day
     assert [r.value for r in by_day["day1_optimizers"] if "GPU tests" in r.what] == ["1 failed, 5 passed"]
     assert any(r.what.startswith("FAILED tests/kernels/test_quantize.py") and r.verdict == "disagrees"
@@ -99,6 +101,7 @@ def test_the_table_shows_every_row_of_the_day_file_by_file(tmp_path):
     assert "2026-12-01T1300_nvidia-h200_days-2-full.txt: nvidia-h200, 2026-12-01 13:00 UTC, commit -" in table
     line = next(x for x in table.splitlines() if x.startswith("30% memory reduction"))
     assert "0.186" in line and line.rstrip().endswith("disagrees")
+    assert "\nDay 2, cell 51, printed by the same run:\ndone" in table
     assert gpu_table("day2_mixed_precision", folder) == table  # deterministic
     assert gpu_table("day7_tensor_parallel", folder) == f"no GPU measurement of day7_tensor_parallel in {folder} yet"
 
@@ -230,7 +233,9 @@ def test_the_quality_bar_fails_on_a_table_that_quotes_a_subset(tmp_path):
 def test_the_selectively_reported_h200_rows_are_in_the_table(day):
     """Issue 34: the rows Day 2's and Day 3's text left out of the same log."""
     table = gpu_table(day)
-    left_out = {"day2_mixed_precision": ["0.186", "3.94 [3.84, 3.95]", "0.57", "0.174 [0.174, 0.175]"],
-                "day3_checkpointing": ["0.414 [0.41, 0.419]"]}[day]
+    left_out = {"day2_mixed_precision": ["0.186", "3.94 [3.84, 3.95]", "0.57", "0.174 [0.174, 0.175]",
+                                         "MFU = 17.4%", "136 [135, 136]",  # the TF32 baseline of the 2x row
+                                         "fp16               3     0.115         nan"],  # fp16 without a scaler
+                "day3_checkpointing": ["0.414 [0.41, 0.419]", "20517", "5743"]}[day]  # the 72% fall
     for value in left_out:
         assert value in table, value

@@ -10,7 +10,8 @@ A GPU results file is named `<YYYY-MM-DD>T<HHMM>_<device>[_<what>].<json|txt>` w
 - a `bench/gpu_check.sh` session JSON: each step's claims rows (with the step's day), Day 5's 3B recipe,
   Day 4's three data-parallel versions, the graded day, the kernel tests and `dlo bench`'s rows; a step
   that failed or timed out is a row too;
-- a text log of days run at the full profile (`## Day N` sections): every claims table printed there;
+- a text log of days run at the full profile (`## Day N` sections, `### cell N` within): every claims row
+  printed there, and each cell's other output verbatim (the tables the claims are read from);
 - a text log of kernel timings or GPU tests: one row per line that names a shape, or the tests' summary and
   each failure, on the days of the kernels (or modules) they exercise.
 
@@ -28,7 +29,7 @@ import subprocess
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from dlo.claims_audit import parse_tables
+from dlo.claims_audit import HEADER, parse_tables
 from dlo.estimates import format_number
 
 RESULTS_ENV = "DLO_BENCH_RESULTS"  # a results folder of one's own (tests, a copy of the course)
@@ -41,6 +42,7 @@ KERNEL_DAYS = {"fused_adamw": "day1_optimizers", "amp_unscale": "day2_mixed_prec
                "sparse24": "day8_quantization_pruning"}
 MODULE_DAYS = {"amp": "day2_mixed_precision", "attention": "day2_mixed_precision",
                "quant": "day8_quantization_pruning", "smoothquant": "day8_quantization_pruning"}
+PRINTED = "printed"  # the verdict of a log cell's other output, shown verbatim under the file's rows
 _STEP_DAYS = {"day5_3b": "day5_fsdp", "day4_ddp": "day4_ddp"}  # session steps measured for one day
 
 
@@ -193,12 +195,29 @@ def _tests(summary: str, failures: list[str]) -> list[tuple]:
     return out
 
 
+def _beside_claims(block: str, rows: list[int]) -> str:
+    """A log cell's printed lines other than its claims tables (whose rows are listed one by one)."""
+    lines, keep, i = block.strip("\n").splitlines(), [], 0
+    while i < len(lines):
+        if all(h in lines[i] for h in HEADER) and rows:
+            i += 2 + rows.pop(0)  # header, rule, rows
+            continue
+        keep.append(lines[i])
+        i += 1
+    return "\n".join(keep).strip("\n")
+
+
 def _from_text(text: str, name: str) -> list[tuple]:
     days, out = day_names(), []
     sections = re.split(r"^## (Day \d+.*)$", text, flags=re.M)
     for head, body in zip(sections[1::2], sections[2::2]):
         day = days.get(int(re.match(r"Day (\d+)", head).group(1)))
-        out += _claims(day, [r for t in parse_tables(body) for r in t])
+        cells = re.split(r"^### (.+)$", body, flags=re.M)
+        for cell, block in [("", cells[0]), *zip(cells[1::2], cells[2::2])]:
+            tables = parse_tables(block)
+            out += _claims(day, [r for t in tables for r in t])
+            printed = _beside_claims(block, [len(t) for t in tables])
+            out += [(day, f"{head}, {cell}" if cell else head, "-", printed, PRINTED)] if printed else []
     if len(sections) > 1:
         return out
     summary = re.search(r"^=*\s*((?:\d+ (?:passed|failed|skipped|errors?),? ?)+)in [\d.]+s", text, re.M)
@@ -245,7 +264,10 @@ def gpu_table(day: str, folder: Path | None = None) -> str:
     out = [f"{day}: every GPU measurement committed under {folder.name}/ ({len(rows)} rows, agreeing or not)"]
     for file in dict.fromkeys(r.file for r in rows):
         block = [r for r in rows if r.file == file]
-        out += ["", f"{file}: {block[0].device}, {block[0].date} UTC, commit {block[0].commit}",
-                format_table([{k: v for k, v in asdict(r).items() if k in ("what", "claimed", "value", "verdict")}
-                              for r in block])]
+        out += ["", f"{file}: {block[0].device}, {block[0].date} UTC, commit {block[0].commit}"]
+        listed = [{k: v for k, v in asdict(r).items() if k in ("what", "claimed", "value", "verdict")}
+                  for r in block if r.verdict != PRINTED]
+        out += [format_table(listed)] if listed else []
+        for r in block:
+            out += [f"\n{r.what}, printed by the same run:", r.value] if r.verdict == PRINTED else []
     return "\n".join(out)
