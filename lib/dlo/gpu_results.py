@@ -258,10 +258,10 @@ def gpu_table(day: str, folder: Path | None = None) -> str:
     folder = folder or results_dir()
     if folder is None or not folder.is_dir():
         return f"no bench/results folder here (a course checkout has one): no GPU measurement of {day} to show"
-    rows = gpu_rows(day, folder)
+    rows, where = gpu_rows(day, folder), f"{folder.parent.name}/{folder.name}/"  # no machine's own path
     if not rows:
-        return f"no GPU measurement of {day} in {folder} yet"
-    out = [f"{day}: every GPU measurement committed under {folder.name}/ ({len(rows)} rows, agreeing or not)"]
+        return f"no GPU measurement of {day} in {where} yet"
+    out = [f"{day}: every GPU measurement committed under {where} ({len(rows)} rows, agreeing or not)"]
     for file in dict.fromkeys(r.file for r in rows):
         block = [r for r in rows if r.file == file]
         out += ["", f"{file}: {block[0].device}, {block[0].date} UTC, commit {block[0].commit}"]
