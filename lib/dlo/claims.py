@@ -90,7 +90,8 @@ def timed(est: Estimate, *, device: str, gpu_claim: bool = False, world_size: in
     """A wall-clock estimate, checked against where it was measured (rule 3): a GPU claim timed on
     a CPU, or ranks x threads (+1 for the notebook's kernel when it runs beside the ranks) above the
     cores, makes it no evidence (`reason` says which); else the estimate records its `setup`, which
-    the table's "evidence" column shows. `device` is "cpu", "cuda", ..."""
+    the table's "evidence" column shows (ending in GPU_CLAIM for a GPU claim timed on a GPU: the audit
+    catches a GPU claim that skipped this path). `device` is "cpu", "cuda", ..."""
     cores = cores or cpu_cores()
     need = world_size * threads + int(kernel)
     used = f"{world_size} rank(s) x {threads} thread(s){' + kernel' if kernel else ''}"
