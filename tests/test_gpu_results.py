@@ -240,3 +240,12 @@ def test_the_selectively_reported_h200_rows_are_in_the_table(day):
                 "day3_checkpointing": ["0.414 [0.41, 0.419]", "20517", "5743"]}[day]  # the 72% fall
     for value in left_out:
         assert value in table, value
+
+
+def test_an_unknown_day_is_refused_in_one_line(capsys):
+    from dlo.gpu_results import main
+
+    with pytest.raises(ValueError, match="no day 'day2': one of day1_optimizers, "):
+        gpu_table("day2")
+    assert main(["day9_nothing"]) == 2 and capsys.readouterr().err.startswith("dlo.gpu_results: no day 'day9_nothing'")
+    assert main(["day3_checkpointing"]) == 0 and "0.414 [0.41, 0.419]" in capsys.readouterr().out

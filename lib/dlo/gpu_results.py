@@ -26,6 +26,7 @@ import json
 import os
 import re
 import subprocess
+import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -250,11 +251,19 @@ def gpu_rows(day: str | None = None, folder: Path | None = None) -> list[GpuRow]
     return [r for r in rows if day is None or r.day == day]
 
 
+def _known(day: str) -> None:
+    from dlo.registry import DAYS, names
+
+    if day not in {*DAYS, *names()}:
+        raise ValueError(f"no day {day!r}: one of {', '.join(names())}")
+
+
 def gpu_table(day: str, folder: Path | None = None) -> str:
     """The day's "measured on a GPU" table: one block per results file (device, date, commit), every row
     that concerns the day, agreeing or not; one line when there is no results folder or no row."""
     from dlo.tables import format_table
 
+    _known(day)
     folder = folder or results_dir()
     if folder is None or not folder.is_dir():
         return f"no bench/results folder here (a course checkout has one): no GPU measurement of {day} to show"
@@ -271,3 +280,20 @@ def gpu_table(day: str, folder: Path | None = None) -> str:
         for r in block:
             out += [f"\n{r.what}, printed by the same run:", r.value] if r.verdict == PRINTED else []
     return "\n".join(out)
+
+
+def main(days: list[str]) -> int:
+    """`python -m dlo.gpu_results [DAY ...]`: each day's table (every day's when none is named)."""
+    from dlo.registry import names
+
+    try:
+        tables = [gpu_table(day) for day in days or names()]
+    except ValueError as exc:
+        print(f"dlo.gpu_results: {exc}", file=sys.stderr)
+        return 2
+    print("\n\n".join(tables))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
