@@ -125,8 +125,12 @@ def _bench_row(r: dict) -> tuple[str, str]:
 
 
 def _claims(day: str, rows: list[dict]) -> list[tuple]:
-    return [(day, r.get("claim", "?"), r.get("claimed", "-"), r.get("measured [95% interval]", "-"),
-             r.get("verdict", "-")) for r in rows]
+    """Claims rows: the claimed value with the region its verdict was judged against ("55% less: 0.55 +- 0.1")."""
+    def claimed(r):
+        tested = r.get("tested as", "-")
+        return r.get("claimed", "-") + (f": {tested}" if tested not in ("", "-") else "")
+    return [(day, r.get("claim", "?"), claimed(r), r.get("measured [95% interval]", "-"), r.get("verdict", "-"))
+            for r in rows]
 
 
 def _from_bench(rows: list[dict]) -> list[tuple]:
