@@ -151,7 +151,8 @@ def test_rule2_per_example_pairing_mcnemar():
 def test_rule3_wall_clock_needs_the_hardware_it_claims():
     t = E.median_interval([1.0, 1.1, 0.9, 1.0, 1.05, 0.95])
     on_gpu = C.timed(t, device="cuda", gpu_claim=True, cores=8)
-    assert not on_gpu.reason and on_gpu.basis == "6 timings, 1 rank(s) x 1 thread(s) on 8 cores, cuda"
+    assert not on_gpu.reason and on_gpu.basis == "6 timings, 1 rank(s) x 1 thread(s) on 8 cores, cuda, GPU claim"
+    assert C.timed(t, device="cuda", cores=8).basis == "6 timings, 1 rank(s) x 1 thread(s) on 8 cores, cuda"
     assert C.timed(t, device="cpu", gpu_claim=True, cores=16).reason == "GPU claim timed on cpu"
     assert not C.timed(t, device="cpu", world_size=2, cores=2).reason             # 2 ranks x 1 thread on 2 cores
     late = C.timed(t, device="cpu", world_size=2, kernel=True, cores=2)           # + the notebook's kernel
@@ -171,10 +172,24 @@ def test_control_that_meets_the_claim_too_gets_its_own_verdict():
     control = E.Estimate(0.98, 0.97, 0.99, 5, kind=E.REPEATS)
     region = C.at_least(0.95)
     c = C.Claim("distilled student keeps >= 95%", "Hinton et al.", "97%", region, keeps, control=control)
-    assert c.verdict == C.CONTROL_TOO and c in C.evidence([c]) and c.row()["control"] == "0.98 [0.97, 0.99]"
+    assert c.verdict == C.CONTROL_TOO and c in C.evidence([c])
+    assert c.row()["control"] == "0.98 [0.97, 0.99] (agrees)"  # its own verdict, read by dlo.claims_audit
     below = E.Estimate(0.90, 0.88, 0.92, 5, kind=E.REPEATS)
     assert C.Claim("x", "s", "c", region, keeps, control=below).verdict == C.AGREES
     assert C.Claim("x", "s", "c", region, below, control=control).verdict == C.DISAGREES
+
+
+def test_an_agreeing_row_whose_control_may_meet_the_claim_is_inconclusive():
+    """Day 8's DistilBERT row (issue 34): the labels-only control kept 0.997 [0.965, 1.03] of the teacher
+    against ">= 0.97"; its interval reaches the region, so it could not fail, and the row said "agrees"."""
+    region = C.at_least(0.97, ">= 0.97")
+    distilled = E.Estimate(1.0, 0.99, 1.01, 3, kind=E.REPEATS)
+    wide = E.Estimate(0.997, 0.965, 1.03, 3, kind=E.REPEATS)
+    c = C.Claim("the student keeps 97% of the teacher", "Sanh et al. 2019", ">= 0.97", region, distilled,
+                control=wide)
+    assert c.verdict == C.INCONCLUSIVE and c.row()["control"] == "0.997 [0.965, 1.03] (inconclusive at this scale)"
+    two_seeds = E.from_samples([0.99, 1.0])  # no interval: a control that cannot be judged credits nothing
+    assert C.Claim("x", "s", "c", region, distilled, control=two_seeds).verdict == C.INCONCLUSIVE
 
 
 def test_by_construction_and_planned_rows_are_shown_but_not_evidence():

@@ -140,3 +140,105 @@ def test_the_command_walks_every_notebook_below_a_folder(tmp_path, capsys):
     (tmp_path / "day2.ipynb").write_text(json.dumps({"cells": [{"outputs": [{"output_type": "stream", "text": bad}]}]}))
     assert main([str(tmp_path)]) == 1 and "unknown verdict 'yes'" in capsys.readouterr().out
     assert main([str(tmp_path / "missing")]) == 2
+
+
+# ----------------------------------------------------------------------------- issue 34: faults a verdict cannot hide
+
+def test_a_measured_side_the_code_under_test_reports_about_itself_is_self_verification():
+    """Day 4's PowerSGD row read its bytes from PowerSGDState's own bookkeeping; Day 2's 16 bytes per
+    parameter counted the copies mixed_precision_bytes built: `self_reported` marks them, Claim refuses
+    them as evidence, and the audit catches one printed as evidence or said so in its "how"."""
+    own = E.self_reported(22_648, "PowerSGDState: 22,648 B all-reduced / 22,648 B")
+    assert own.basis == "exact, self-reported" and E.ratio(own, E.exact(22_648)).provenance == E.SELF_REPORTED
+    with pytest.raises(ValueError, match="self-verification"):
+        C.Claim("PowerSGD all-reduces (n + m) r values", "Vogels et al. 2019", "the formula", C.approx(1, rel=1e-3),
+                E.ratio(own, E.exact(22_648)))
+    shown = C.by_construction("PowerSGD all-reduces (n + m) r values", "Vogels et al. 2019", "the formula",
+                              "the engine's own count of what it sends", E.ratio(own, E.exact(22_648)))
+    assert _audit([shown]) == []
+    (problem,) = audit_text(C.claims_table([shown]).replace("by construction", "agrees         "))
+    assert "reports about itself (its evidence is self-reported)" in problem
+    # the "how" alone: the day's printed row of today (an exact count read from the state's bookkeeping)
+    row = {"claim": "PowerSGD", "verdict": "agrees", "evidence": "exact",
+           "how": "PowerSGDState: 22,648 B all-reduced / 22,648 B"}
+    (problem,) = audit_row(row)
+    assert "'PowerSGDState:'" in problem and "self-verification" in problem
+    for how in ("CommCounter, bytes sent per step restates the engine's own compression", "by its own counter"):
+        assert audit_row({**row, "how": how}), how
+    # counters outside the code under test, and the same words on a row that is no evidence, pass (Day 3's
+    # offload row on the H200: the device's tensors of the optimizer's state, summed by dlo.measure)
+    for how in ("CommCounter: bytes of its sends / n", "TCP socket counters (TCP_INFO), 5 trials",
+                "counted (held_bytes) after a step", "saved-tensor meter, exact",
+                "state bytes on the device side, by accounting (dlo.measure)"):
+        assert audit_row({**row, "how": how}) == [], how
+    assert audit_row({**row, "verdict": "by construction"}) == []
+
+
+def test_an_agreeing_row_whose_control_could_not_fail_is_caught():
+    """Day 8's DistilBERT row: control 0.997 [0.965, 1.03] against ">= 0.97" escaped "the control meets it
+    too" only because its interval was wider; printed today the control carries its verdict, and a table
+    printed before that is judged from its interval and the "tested as" region."""
+    region = C.at_least(0.97, ">= 0.97")
+    keeps = E.from_samples([0.99, 1.0, 1.01])
+    wide, low = E.from_samples([0.96, 1.0, 1.03]), E.from_samples([0.80, 0.81, 0.82])
+    inconclusive = C.Claim("keeps 97%", "Sanh et al. 2019", ">= 0.97", region, keeps, control=wide)
+    assert inconclusive.verdict == C.INCONCLUSIVE and _audit([inconclusive]) == []
+    sound = C.Claim("keeps 97%", "Sanh et al. 2019", ">= 0.97", region, keeps, control=low)
+    assert sound.verdict == C.AGREES and _audit([sound]) == []
+    # planted: the same row printed "agrees" (the table of the 2026-11-28 run, control without its verdict)
+    old = {"claim": "keeps 97%", "tested as": ">= 0.97", "evidence": "3 repeats, paired by seed",
+           "verdict": "agrees", "control": "0.997 [0.965, 1.03]"}
+    (problem,) = audit_row(old)
+    assert "its control (0.997 [0.965, 1.03]) does not disagree: its interval reaches the region" in problem
+    assert audit_row({**old, "control": "0.8 [0.75, 0.85]"}) == []
+    assert "does not disagree: inconclusive at this scale" in audit_row(
+        {**old, "control": "0.997 [0.965, 1.03] (inconclusive at this scale)"})[0]
+    assert "has no verdict" in audit_row({**old, "tested as": "much better", "control": "0.9"})[0]
+    for tested, control, bad in ((">= 0.97", "0.99", True), ("gap > 0", "-0.1 [-0.2, -0.05]", False),
+                                 ("ratio 1 +- 0.1", "1.05 [0.98, 1.12]", True), ("1.10 .. 1.40", "1.6", False),
+                                 ("[-0.05, 0.05]", "0.049", True), ("<= 0.25", "1,000", False)):
+        assert bool(audit_row({**old, "tested as": tested, "control": control})) is bad, (tested, control)
+
+
+def test_a_gpu_claim_judged_on_cpu_timings_is_caught():
+    """Day 1's "one b256 step costs less than 8 b32 steps" (large batches use the hardware better) was judged
+    on CPU medians; the GPU-claim path (timed(..., gpu_claim=True)) makes it not measurable there, and
+    marks the evidence of a GPU claim timed on a GPU."""
+    ratio = E.ratio(E.median_interval([8.0, 8.2, 7.9, 8.1]), E.median_interval([2.0, 2.1, 1.9, 2.05]))
+    on_cpu = C.timed(ratio, device="cpu", threads=2, cores=2)
+    planted = C.Claim("one b256 step costs less than 8 b32 steps", "Goyal et al. 2017",
+                      "large batches use the hardware better", C.at_least(1.0, "ratio > 1"), on_cpu)
+    (problem,) = _audit([planted])
+    assert "a GPU claim ('the hardware') judged on timings on cpu" in problem
+    through = C.Claim(planted.claim, planted.source, planted.claimed, planted.region,
+                      C.timed(ratio, device="cpu", gpu_claim=True, cores=2))
+    assert through.verdict.startswith(C.NOT_MEASURABLE) and _audit([through]) == []
+    on_gpu = C.Claim(planted.claim, planted.source, planted.claimed, planted.region,
+                     C.timed(ratio, device="cuda", gpu_claim=True, cores=2))
+    assert on_gpu.row()["evidence"].endswith("cuda, GPU claim") and _audit([on_gpu]) == []
+    # a CPU claim timed on a CPU passes: no GPU word in its claim, claimed value or source
+    amdahl = C.Claim("the fix speeds the step up by 1 / (1 - share)", "Amdahl's law", "2x", C.approx(2, rel=0.5),
+                     on_cpu)
+    assert _audit([amdahl]) == []
+    for words in ("GPU 0 has low utilization", "MFU of 40%", "tensor cores", "H100 speed-up"):
+        row = {"claim": "c", "claimed": words, "verdict": "agrees",
+               "evidence": "8 timings, 1 rank(s) x 1 thread(s) on 2 cores, cpu"}
+        assert "a GPU claim" in audit_row(row)[0], words
+
+
+def test_an_injected_effect_counted_as_evidence_is_caught():
+    """Day 8's SmoothQuant and AWQ rows on injected outlier channels hold by design: a demonstration of the
+    mechanism is "by construction"; counted as evidence, the audit catches it."""
+    gap = E.paired_examples([1] * 500 + [0] * 12, [1] * 400 + [0] * 112,
+                            how="McNemar paired, outlier channels injected x20 into 2 of 64 dims")
+    planted = C.Claim("SmoothQuant recovers what W8A8 loses", "Xiao et al. 2023", "recovers", C.at_least(0.0), gap)
+    (problem,) = _audit([planted])
+    assert "put there itself ('injected')" in problem
+    shown = C.by_construction(planted.claim, planted.source, planted.claimed,
+                              "a demonstration of the mechanism on injected outliers", gap, C.at_least(0.0))
+    assert _audit([shown]) == []
+    for how in ("planted outliers", "on synthetic outliers", "a scale started at 2^40 on purpose"):
+        assert audit_row({"claim": "c", "verdict": "agrees", "evidence": "exact", "how": how}), how
+    # a real measurement passes, synthetic data included (the tiny profile's deterministic data)
+    assert audit_row({"claim": "c", "verdict": "agrees", "evidence": "exact",
+                      "how": "max |x| / median over channels, deterministic synthetic data"}) == []

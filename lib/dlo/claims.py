@@ -11,11 +11,14 @@ The verdict compares the two, the way an equivalence test does:
   than the effect; more seeds, samples or a bigger run would decide);
 - **not measurable here**: no evidence on this run, with the reason (see the rules below);
 - **the control meets it too**: the claim holds, but so does its control (`Claim(control=...)`), so
-  the run cannot credit the claim's cause;
+  the run cannot credit the claim's cause; a control whose interval reaches the region (or that has
+  none) makes an agreeing row **inconclusive**: only a control that disagrees can fail and did; the
+  "control" column prints the control's own verdict;
 - **by construction**: the row holds whatever happens (a forced event, a formula restated);
   shown, never counted as evidence (`by_construction`). A measured side computed by a formula
   (`dlo.estimates.formula`, kind FORMULA) is accepted only on such a row or a planned one: a claim
-  checked against its own formula is circular;
+  checked against its own formula is circular; so is a measured side the code under test reports
+  about itself (`dlo.estimates.self_reported`: its own counter or bookkeeping), self-verification;
 - **planned**: a number from the plan (`dlo.plan`), not a measurement (`planned`);
 - **not tested here**: the course does not implement what the claim is about, so nothing was
   tried, although this machine could (`not_tested`; unlike "not measurable here", no limit of the
@@ -48,6 +51,7 @@ from dlo.cpus import SHARE_ENV, cpu_cores  # noqa: F401
 # reports still reach them as C.<name>); new code imports them from dlo.estimates.
 from dlo.estimates import (  # noqa: F401
     FORMULA,
+    SELF_REPORTED,
     Estimate,
     accuracy,
     difference,
@@ -71,12 +75,16 @@ VERDICTS = (AGREES, DISAGREES, INCONCLUSIVE, NOT_MEASURABLE, CONTROL_TOO, BY_CON
 EVIDENCE = (AGREES, DISAGREES, INCONCLUSIVE, CONTROL_TOO)  # the verdicts a measurement decided
 
 
+GPU_CLAIM = "GPU claim"  # the evidence column's mark of a timing `timed` took as a GPU claim on a GPU
+
+
 def timed(est: Estimate, *, device: str, gpu_claim: bool = False, world_size: int = 1, threads: int = 1,
           kernel: bool = False, cores: int | None = None) -> Estimate:
     """A wall-clock estimate, checked against where it was measured (rule 3): a GPU claim timed on
     a CPU, or ranks x threads (+1 for the notebook's kernel when it runs beside the ranks) above the
     cores, makes it no evidence (`reason` says which); else the estimate records its `setup`, which
-    the table's "evidence" column shows. `device` is "cpu", "cuda", ..."""
+    the table's "evidence" column shows (ending in GPU_CLAIM for a GPU claim timed on a GPU: the audit
+    catches a GPU claim that skipped this path). `device` is "cpu", "cuda", ..."""
     cores = cores or cpu_cores()
     need = world_size * threads + int(kernel)
     used = f"{world_size} rank(s) x {threads} thread(s){' + kernel' if kernel else ''}"
@@ -84,7 +92,8 @@ def timed(est: Estimate, *, device: str, gpu_claim: bool = False, world_size: in
         return replace(est, reason=est.reason or f"GPU claim timed on {device}")
     if need > cores:
         return replace(est, reason=est.reason or f"{used} > {cores} cores")
-    return replace(est, setup=f"{used} on {cores} cores, {device}")
+    # a GPU claim says so in its evidence column, so the audit tells it from a CPU claim timed on a GPU
+    return replace(est, setup=f"{used} on {cores} cores, {device}{', ' + GPU_CLAIM if gpu_claim else ''}")
 
 
 
@@ -163,12 +172,20 @@ class Claim:
         if self.basis not in ("", BY_CONSTRUCTION, PLANNED, NOT_TESTED):
             raise ValueError(f"claim {self.claim!r}: basis is {BY_CONSTRUCTION!r}, {PLANNED!r} or {NOT_TESTED!r}, "
                              f"not {self.basis!r}")
-        if self.measured is not None and self.measured.kind == FORMULA and self.basis not in (BY_CONSTRUCTION, PLANNED):
-            raise ValueError(f"claim {self.claim!r}: its measured side is computed by a formula, which restates the "
-                             f"claim (circular): make it {BY_CONSTRUCTION!r} or {PLANNED!r}, or measure it")
+        if self.measured is not None and self.basis not in (BY_CONSTRUCTION, PLANNED):
+            if self.measured.kind == FORMULA:
+                raise ValueError(f"claim {self.claim!r}: its measured side is computed by a formula, which restates "
+                                 f"the claim (circular): make it {BY_CONSTRUCTION!r} or {PLANNED!r}, or measure it")
+            if self.measured.provenance == SELF_REPORTED:
+                raise ValueError(f"claim {self.claim!r}: its measured side is reported by the code under test itself "
+                                 f"(self-verification): make it {BY_CONSTRUCTION!r}, or measure it from outside that "
+                                 "code (a counter on the wire, the allocator)")
         self.verdict = self.basis or verdict(self.measured, self.region)
-        if self.verdict == AGREES and self.control is not None and verdict(self.control, self.region) == AGREES:
-            self.verdict = CONTROL_TOO
+        if self.verdict == AGREES and self.control is not None:
+            # only a control that disagrees credits the claim's cause; one that meets the region, or may
+            # (its interval reaches it, or it has none), leaves the run unable to tell the two arms apart
+            against = verdict(self.control, self.region)
+            self.verdict = AGREES if against == DISAGREES else CONTROL_TOO if against == AGREES else INCONCLUSIVE
         reason = self.measured.reason if self.measured is not None else ""
         if (self.verdict == NOT_MEASURABLE or self.basis) and not (self.why or reason):
             raise ValueError(f"claim {self.claim!r} is {self.verdict}: say why (why=...)")
@@ -185,7 +202,7 @@ class Claim:
                "measured [95% interval]": str(m) if m is not None else "-", "how": how or "-",
                "evidence": m.basis if m is not None else "-"}
         if self.control is not None:
-            out["control"] = str(self.control)
+            out["control"] = f"{self.control} ({verdict(self.control, self.region)})"  # read by dlo.claims_audit
         short = m.reason if m is not None and self.verdict == NOT_MEASURABLE else ""
         out["verdict"] = f"{self.verdict} ({short})" if short else self.verdict
         return out

@@ -16,8 +16,10 @@ measurable here (<reason>)"):
    training noise: compare them per example with `paired_examples` (McNemar's paired interval).
 
 A comparison records how its two arms were paired (`Estimate.pairing`: "paired by seed", "McNemar",
-"unpaired") and a value computed by a formula rather than measured says so (`formula`, kind FORMULA);
-both show in `basis`, the claims table's "evidence" column, where `dlo.claims_audit` checks them.
+"unpaired"), a value computed by a formula rather than measured says so (`formula`, kind FORMULA), and
+so does a value the code under test reports about itself (`self_reported`: its own counter, its state's
+bookkeeping, the copies it built and then counts; `Estimate.provenance` SELF_REPORTED): all show in
+`basis`, the claims table's "evidence" column, where `dlo.claims_audit` checks them.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ MIN_SAMPLES = 3  # rule 1: the fewest repeats (seeds, timings, trials) an interv
 # Estimate.kind: how the interval was obtained (rule 2 reads it)
 EXACT, REPEATS, TEST_SET, TIMINGS, PAIRED = "exact", "repeats", "test set", "timings", "paired examples"
 FORMULA = "formula"  # computed, not measured: a row built on it restates its formula (by construction or planned)
+# Estimate.provenance: a measured side read from the code under test itself cannot disagree with that code
+SELF_REPORTED = "self-reported"
 # Estimate.pairing: how a comparison's two arms were matched (shown in the evidence column)
 PAIRED_BY_SEED, MCNEMAR, UNPAIRED = "paired by seed", "McNemar", "unpaired"
 
@@ -66,6 +70,7 @@ class Estimate:
     reason: str = ""
     setup: str = ""  # where a timing was taken, once `timed` has checked it ("1 rank x 2 threads on 2 cores")
     pairing: str = ""  # PAIRED_BY_SEED, MCNEMAR, UNPAIRED for a difference or ratio of two measured arms
+    provenance: str = ""  # SELF_REPORTED: read from the code under test's own bookkeeping (`self_reported`)
 
     def __post_init__(self):
         if not self.lo <= self.value <= self.hi and not any(map(math.isnan, (self.value, self.lo, self.hi))):
@@ -84,9 +89,10 @@ class Estimate:
     def basis(self) -> str:
         """What the interval rests on, for the table's "evidence" column (read by dlo.claims_audit)."""
         if self.kind in (EXACT, FORMULA):
-            return self.kind
+            return ", ".join(filter(None, [self.kind, self.provenance]))
         what = {REPEATS: "repeats", TEST_SET: "test examples", TIMINGS: "timings", PAIRED: "paired examples"}
-        return ", ".join(filter(None, [f"{self.n} {what.get(self.kind, 'samples')}", self.pairing, self.setup]))
+        return ", ".join(filter(None, [f"{self.n} {what.get(self.kind, 'samples')}", self.pairing, self.provenance,
+                                       self.setup]))
 
     def __str__(self) -> str:
         if self.reason or self.lo == self.hi:
@@ -119,6 +125,16 @@ def formula(value: float, how: str = "formula") -> Estimate:
     """A value computed by a formula, not measured: shown beside a claim, it restates that formula, so
     `dlo.claims.Claim` accepts it only on a by-construction or planned row."""
     return Estimate(float(value), float(value), float(value), 1, how, FORMULA)
+
+
+def self_reported(value: float | Estimate, how: str = "") -> Estimate:
+    """A value the code under test reports about itself: a course engine's own counter of what it sent, its
+    state's bookkeeping of what it holds, a function counting the copies it built. It agrees with that code
+    whatever the code does, so `dlo.claims.Claim` accepts it only on a by-construction or planned row (as a
+    formula); read the same quantity from outside the code (a counter on the wire, the allocator) to make
+    it evidence. A number gives an exact-valued estimate, an Estimate keeps its interval."""
+    est = value if isinstance(value, Estimate) else exact(value)
+    return replace(est, how=how or est.how, provenance=SELF_REPORTED)
 
 
 def from_samples(xs, how: str = "", what: str = "samples", pairing: str = "") -> Estimate:
@@ -187,9 +203,10 @@ def _reason(*ests: Estimate) -> str:
     return next((e.reason for e in ests if e.reason), "")
 
 
-def _combined(a: Estimate, b: Estimate) -> tuple[str, str, str, str]:
-    """kind, reason, setup and pairing of an estimate computed from a and b: a factor without noise (exact
-    or a formula: a measurement against its prediction) keeps the other's; two measured arms are unpaired."""
+def _combined(a: Estimate, b: Estimate) -> tuple[str, str, str, str, str]:
+    """kind, reason, setup, pairing and provenance of an estimate computed from a and b: a factor without
+    noise (exact or a formula: a measurement against its prediction) keeps the other's; two measured arms
+    are unpaired; a self-reported factor makes the result self-reported."""
     noiseless = {EXACT, FORMULA}
     kinds = {a.kind, b.kind} - noiseless
     kind = kinds.pop() if len(kinds) == 1 else "" if kinds else EXACT if EXACT in (a.kind, b.kind) else FORMULA
@@ -198,7 +215,8 @@ def _combined(a: Estimate, b: Estimate) -> tuple[str, str, str, str]:
         pairing = b.pairing if a.kind in noiseless else a.pairing
     else:
         pairing = UNPAIRED
-    return kind, _reason(a, b), setup, pairing
+    provenance = SELF_REPORTED if SELF_REPORTED in (a.provenance, b.provenance) else ""
+    return kind, _reason(a, b), setup, pairing, provenance
 
 
 def _n(a: Estimate, b: Estimate) -> int:
@@ -221,10 +239,10 @@ def difference(a: Estimate, b: Estimate, how: str = "") -> Estimate:
     reason "one seed" (pair the runs by seed with `paired_difference`, or per example)."""
     half = math.hypot(a.half_width, b.half_width)
     d = a.value - b.value
-    kind, reason, setup, pairing = _combined(a, b)
+    kind, reason, setup, pairing, provenance = _combined(a, b)
     reason = reason or ("one seed" if a.kind == b.kind == TEST_SET else "")
     return Estimate(d, d - half, d + half, _n(a, b), how or "difference, independent", kind, reason, setup,
-                    pairing)
+                    pairing, provenance)
 
 
 def paired_difference(xs, ys, how: str = "") -> Estimate:
