@@ -122,3 +122,20 @@ def test_run_two_notebooks_at_a_time(toy_root, tmp_path):
         assert "experiment 45" in (tmp_path / "o" / day / f"{day}.ipynb").read_text()
     bad = dlo("run", "--all", "--jobs", "0", root=toy_root, check=False, env=toy_days(toy_root, DAY, "toy2"))
     assert bad.returncode == 2 and "--jobs" in bad.stderr
+
+
+def test_dlo_run_starts_the_longest_notebook_first_not_the_longest_to_grade():
+    """make run took 6:50 at 100% CPU on 2 idle cores: dlo run ordered the days by their grading seconds, so
+    Day 1, the longest notebook to run (the shortest to grade), ran last and alone on one core (issue 38)."""
+    from dlo.harness import run
+    from dlo.registry import DAYS
+
+    assert all(spec.run_s > 0 for spec in DAYS.values())
+    assert run.RUN_SECONDS is schedule.RUN_SECONDS
+    first = schedule.order(list(DAYS), schedule.RUN_SECONDS)
+    assert first[0] == max(DAYS, key=lambda d: DAYS[d].run_s) == "day1_optimizers"
+    # two at a time: the longest-first list packs into two queues within a notebook of each other
+    queues = [0.0, 0.0]
+    for day in first:
+        queues[queues.index(min(queues))] += DAYS[day].run_s
+    assert max(queues) - min(queues) <= max(spec.run_s for spec in DAYS.values())

@@ -19,7 +19,7 @@ died (papermill then marks no cell failed). papermill's own progress bar is draw
 papermill with its kernel and everything they started (`reaper.kill_tree`: the kernel runs in a
 session of its own).
 
-`--jobs N` runs N notebooks at once, the longest expected first (`schedule.ESTIMATES`), each with its
+`--jobs N` runs N notebooks at once, the longest expected first (`schedule.RUN_SECONDS`), each with its
 share of the cores (OMP_NUM_THREADS, unless set, and DLO_CORES: a timing verdict then counts on the
 share, so on 2 cores a row timed beside the other notebook says "not measurable here"); the default is
 two where there are 2 cores or more (one notebook alone keeps about one core busy), else one. A single
@@ -47,7 +47,7 @@ import papermill
 from dlo.cpus import SHARE_ENV
 from dlo.errors import BadInput
 from dlo.harness.days import notebook_path, select_days
-from dlo.harness.schedule import ESTIMATES, cores, order
+from dlo.harness.schedule import RUN_SECONDS, cores, order
 from dlo.progress import bars_wanted
 from dlo.reaper import kill_tree
 from dlo.tables import format_table
@@ -284,7 +284,7 @@ def main(root: Path, days: list[str], all_days: bool, profile: str, pairs: list[
     else:  # not `with`: on Ctrl-C its exit would wait for the notebooks (`dlo.cli` kills them instead)
         pool = ThreadPoolExecutor(max_workers=n)
         try:
-            first = order(days, {d: ESTIMATES.get(d, 0.0) for d in days})
+            first = order(days, {d: RUN_SECONDS.get(d, 0.0) for d in days})
             done = dict(zip(first, pool.map(one, first)))
         finally:
             pool.shutdown(wait=False, cancel_futures=True)

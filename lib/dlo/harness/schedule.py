@@ -25,6 +25,8 @@ from dlo.registry import DAYS, UNKNOWN_GRADE_CPU_S
 
 # CPU seconds to grade each day's solution (`dlo.registry.DaySpec.grade_cpu_s`). Only their order matters.
 ESTIMATES = {spec.name: spec.grade_cpu_s for spec in DAYS.values()}
+# Wall seconds to run each day's notebook (`DaySpec.run_s`), for `dlo run`'s order. Only their order matters.
+RUN_SECONDS = {spec.name: spec.run_s for spec in DAYS.values()}
 UNKNOWN = UNKNOWN_GRADE_CPU_S  # a day with no estimate (a course of one's own)
 HEARTBEAT = 20.0
 
