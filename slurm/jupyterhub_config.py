@@ -1,6 +1,7 @@
 # The course on a site's JupyterHub that spawns on SLURM: batchspawner's SlurmSpawner with the course's
 # environment and student settings. For the hub's administrator: add these lines to jupyterhub_config.py
-# (or `load_subconfig("/path/to/checkout/slurm/jupyterhub_config.py")` there), and set DLO_CHECKOUT below.
+# (or `load_subconfig("/path/to/checkout/slurm/jupyterhub_config.py")` there), with DLO_CHECKOUT (and
+# DLO_ENV) in the hub's environment: no tracked file to edit.
 #
 # Needs, beside the course's own environment (the checkout's .venv or the conda env `dlo`, slurm/env.sh):
 # `pip install "batchspawner>=1.3,<2" jupyterhub` into the hub's environment, and `batchspawner` with the
@@ -21,8 +22,12 @@
 # parts on CPU ranks at the tiny sizes and their single-GPU parts on the GPU (the notebook prints what runs
 # where). req_gres = "gpu:4" runs Days 4 and 6 at their size, "gpu:8" every day.
 
-DLO_CHECKOUT = "/path/to/checkout"  # the course's checkout, readable by every student
-DLO_ENV = ""  # as slurm/env.sh reads it: a venv path, a conda env name, or "" for the checkout's .venv
+import os  # noqa: E402 - JupyterHub's loader runs this file as code
+
+# Set in the hub's environment (or edit here): the course's checkout, readable by every student, and its
+# environment as slurm/env.sh reads it (a venv path, a conda env name, or "" for the checkout's .venv).
+DLO_CHECKOUT = os.environ.get("DLO_CHECKOUT", "/path/to/checkout")
+DLO_ENV = os.environ.get("DLO_ENV", "")
 
 c = get_config()  # noqa: F821 - JupyterHub's config loader defines get_config
 
@@ -33,6 +38,10 @@ c.SlurmSpawner.req_nprocs = "8"
 c.SlurmSpawner.req_memory = "64G"
 c.SlurmSpawner.req_gres = "gpu:1"
 c.SlurmSpawner.start_timeout = 600  # a GPU node may take a while to come free
+# The server's step gets the whole environment the prologue made (the course's PATH): sbatch's
+# --export={{keepvars}} below, JupyterHub's list without PATH, would otherwise be srun's default too
+# (SLURM_EXPORT_ENV), and the step could not find batchspawner-singleuser.
+c.SlurmSpawner.req_srun = "srun --export=ALL"
 c.SlurmSpawner.req_prologue = f"""\
 cd {DLO_CHECKOUT}
 export DLO_ENV={DLO_ENV!r} JUPYTER_PREFER_ENV_PATH=0
