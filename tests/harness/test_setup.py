@@ -128,3 +128,18 @@ def test_validate_runs_what_the_grader_runs_not_the_experiments_after_it(tmp_pat
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert not result.get("failed") and not result.get("changed"), result
     assert not ran.exists(), "an experiment after the last graded cell ran under Validate"
+
+
+def test_the_terminal_keeps_the_course_environment(tmp_path):
+    """A hub's JupyterLab terminal was a login shell: /etc/profile reset PATH, and jupyter, nbgrader and dlo
+    were not found (issue 38). The terminal `dlo setup` configures, started with the server's environment,
+    finds them."""
+    cfg = tmp_path / "cfg"
+    S.setup("student", cfg_dir=cfg)
+    conf = json.loads((cfg / "jupyter_server_config.d" / "dlo-terminal.json").read_text())
+    shell = conf["ServerApp"]["terminado_settings"]["shell_command"]
+    assert "-l" not in shell and "--login" not in shell
+    env = {**os.environ, "HOME": str(tmp_path), "PATH": f"{sys.prefix}/bin:/usr/bin:/bin"}
+    found = subprocess.run([*shell, "-c", "command -v dlo nbgrader jupyter"], env=env, capture_output=True,
+                           text=True, timeout=60, stdin=subprocess.DEVNULL)
+    assert [line.rsplit("/", 1)[0] for line in found.stdout.split()] == [f"{sys.prefix}/bin"] * 3, found

@@ -51,6 +51,7 @@ SERVER_EXTENSIONS = {
     "instructor": {"assignment_list": True, "validate_assignment": True, "course_list": True, "formgrader": True},
 }
 MARKER = "# Written by `dlo setup`"
+TERMINAL = ["/bin/bash", "-i"]  # not -l: see planned_files
 CELL_TIMEOUT = 1800  # seconds: cells of the full profile run for minutes (nbgrader's default: 30)
 
 
@@ -102,6 +103,11 @@ def planned_files(role: str, cfg: Path, cell_timeout: int, exchange: Path,
     for name, on in SERVER_EXTENSIONS[role].items():
         module = f"nbgrader.server_extensions.{name}"
         files[cfg / "jupyter_server_config.d" / f"{module}.json"] = {"ServerApp": {"jpserver_extensions": {module: on}}}
+    # JupyterLab's terminal: an interactive shell that keeps the server's environment (the course's PATH:
+    # jupyter, nbgrader, dlo). terminado's default is a login shell, whose /etc/profile resets PATH: on a hub
+    # every terminal command of the README then failed (issue 38).
+    files[cfg / "jupyter_server_config.d" / "dlo-terminal.json"] = {
+        "ServerApp": {"terminado_settings": {"shell_command": TERMINAL}}}
     files[cfg / "nbgrader_config.py"] = nbgrader_config_text(role, cell_timeout, exchange, course_id)
     return files
 
