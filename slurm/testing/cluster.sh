@@ -37,7 +37,7 @@ SlurmctldHost=$host(127.0.0.1)
 SlurmctldPort=$CTLD_PORT
 AuthType=auth/munge
 # cred_expire is also how long a requeued job waits before it may start again (default 120 s).
-AuthInfo=socket=$DIR/munge/munge.socket,cred_expire=20
+AuthInfo=socket=$DIR/munge-socket/munge.socket,cred_expire=20
 CredType=cred/munge
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
@@ -110,14 +110,17 @@ up() {
     if [ -f "$DIR/pid/ctld.pid" ] && pid_alive "$DIR/pid/ctld.pid"; then
         echo "cluster.sh: already up ($DIR)"; wait_idle; return 0
     fi
-    mkdir -p "$DIR"/{state,log,pid,munge}
+    mkdir -p "$DIR"/{state,log,pid,munge,munge-socket}
+    # the key private; the socket in a folder every user may enter: a student's sbatch/squeue talks to munged
+    # too (issue 38: with the socket beside the key, every SLURM command of a non-root user was refused)
     chmod 700 "$DIR/munge"
+    chmod 755 "$DIR" "$DIR/munge-socket"
     [ -f "$DIR/munge/munge.key" ] || { dd if=/dev/urandom of="$DIR/munge/munge.key" bs=1024 count=1 status=none
                                          chmod 400 "$DIR/munge/munge.key"; }
     write_conf
     write_gres
-    # munged refuses a world-writable parent without --force; ours is private (700) and root-owned.
-    start munged munged --force --socket="$DIR/munge/munge.socket" --key-file="$DIR/munge/munge.key" \
+    # munged refuses a world-writable parent without --force; ours are root-owned (key 700, socket 755).
+    start munged munged --force --socket="$DIR/munge-socket/munge.socket" --key-file="$DIR/munge/munge.key" \
         --pid-file="$DIR/pid/munged.pid" --log-file="$DIR/log/munged.log" --seed-file="$DIR/munge/seed"
     start slurmctld slurmctld -f "$CONF"
     local n

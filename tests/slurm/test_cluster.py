@@ -23,6 +23,21 @@ def test_both_nodes_have_gres_gpu(slurm):
     assert re.search(r"^GresTypes\s+= gpu$", config, re.M)
 
 
+def test_a_user_who_is_not_root_can_use_the_cluster(slurm, tmp_path):
+    """A hub's students submit as themselves: with munge's socket in root's private folder every SLURM command
+    of theirs was refused ("Permission denied", issue 38). Here `nobody` asks sinfo and runs a job step."""
+    if os.geteuid() != 0 or not shutil.which("runuser"):
+        pytest.skip("needs root and runuser to act as another user")
+    env = {**slurm.env, "HOME": str(tmp_path)}
+    tmp_path.chmod(0o777)
+    sinfo = subprocess.run(["runuser", "-u", "nobody", "--", "sinfo", "-h", "-o", "%P"], capture_output=True,
+                           text=True, env=env, timeout=60)
+    assert sinfo.returncode == 0 and "debug" in sinfo.stdout, sinfo.stderr
+    step = subprocess.run(["runuser", "-u", "nobody", "--", "srun", "-N1", "-n1", "id", "-un"], capture_output=True,
+                          text=True, env=env, cwd=tmp_path, timeout=120)
+    assert step.returncode == 0 and step.stdout.strip() == "nobody", step.stderr
+
+
 def _script(state: Path, *args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, DLO_SLURM_DIR=str(state), DLO_SLURM_CTLD_PORT="16917", DLO_SLURM_NODE_PORTS="17101 17102")
     return subprocess.run([str(SCRIPT), *args], capture_output=True, text=True, env=env, timeout=180)
