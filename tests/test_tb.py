@@ -28,6 +28,30 @@ def test_read_scalars_one_tag_overlays_every_run(tmp_path):
     assert steps == [0, 1, 2, 3, 4] and values[0] == pytest.approx(0.5)
 
 
+def test_a_rerun_replaces_its_own_curves_and_leaves_other_runs_alone(tmp_path, monkeypatch):
+    """Each Validate re-ran the notebook into the same runs/ folder, and TensorBoard showed every step twice
+    (issue 38); now a run folder's writer replaces the event files it got before the session began."""
+    import os
+    import time
+
+    write_runs(tmp_path)
+    (tmp_path / "sgd_b32" / "seed0" / "notes.txt").write_text("a student's file")
+    for f in tmp_path.rglob("events.out.tfevents.*"):
+        os.utime(f, (time.time() - 60, time.time() - 60))  # written by yesterday's session
+    monkeypatch.delenv(dlo.tb.SESSION_ENV, raising=False)
+    dlo.tb.start_session()  # today's (dlo.setup does this)
+    with dlo.tb.writer(tmp_path, "sgd_b32/seed0") as w:  # the same configuration, run again
+        for step in range(5):
+            w.add_scalar("loss", 2.0, step)
+    curves = dlo.tb.read_scalars(tmp_path, "loss")
+    assert curves["sgd_b32/seed0"] == ([0, 1, 2, 3, 4], [2.0] * 5)
+    assert curves["adamw_b32/seed0"][0] == [0, 1, 2, 3, 4]  # another run's curve untouched
+    assert (tmp_path / "sgd_b32" / "seed0" / "notes.txt").exists()
+    with dlo.tb.writer(tmp_path, "sgd_b32/seed0") as w:  # a second cell of the same session adds a tag
+        w.add_scalar("lr", 0.1, 0)
+    assert dlo.tb.read_scalars(tmp_path, "loss")["sgd_b32/seed0"] == ([0, 1, 2, 3, 4], [2.0] * 5)
+
+
 def test_plot_scalars_draws_one_line_per_kept_run(tmp_path):
     write_runs(tmp_path)
     ax = dlo.tb.plot_scalars(tmp_path, "loss", keep=lambda name: name.startswith("sgd"))

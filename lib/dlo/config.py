@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from dlo.cpus import notebook_threads
+from dlo.tb import start_session
 
 PROFILES = ("tiny", "full")
 
@@ -317,6 +318,7 @@ def setup(day: str, profile: str = "auto", device: str = "auto", seed: int = 0, 
     folder, set torch's threads (`dlo.cpus.notebook_threads`), seed every RNG and print a summary line."""
     run = resolve(day, profile, device, seed, max_steps, world_size, data_dir, log_dir, **more)
     run.log_dir.mkdir(parents=True, exist_ok=True)
+    start_session()  # this session's TensorBoard curves replace an earlier run's (dlo.tb.writer)
     # threads from the cores this process may use, never spinning ones against a busy machine (dlo.cpus)
     torch.set_num_threads(notebook_threads(run.profile, run.device.type))
     seed_everything(seed)

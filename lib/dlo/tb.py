@@ -12,8 +12,12 @@ says how to open TensorBoard itself, on a laptop or on a cluster node (port forw
 
 from __future__ import annotations
 
+import os
+import time
 from collections.abc import Callable
 from pathlib import Path
+
+SESSION_ENV = "DLO_SESSION_START"  # when the notebook's session began (`start_session`), inherited by its ranks
 
 OPEN_ON_A_CLUSTER = """On a cluster node (no browser there), forward TensorBoard's port to your laptop:
   laptop$ ssh -L 6006:localhost:6006 you@login-node      (then ssh on to the compute node the same way if needed)
@@ -31,7 +35,22 @@ def writer(log_dir: str | Path | None, name: str, rank: int = 0):
         return None
     from torch.utils.tensorboard import SummaryWriter
 
-    return SummaryWriter(log_dir=str(Path(log_dir) / name))
+    folder = Path(log_dir) / name
+    # A re-run replaces its own curves: TensorBoard merges every event file of a folder, so a notebook run
+    # twice (each Validate did) showed each step twice. The event files this folder got before the notebook's
+    # session started (`dlo.setup` records when: SESSION_ENV, which its ranks inherit) go; those of this
+    # session stay (two cells may write to one run), and so do subfolders (other runs) and any other file.
+    since = os.environ.get(SESSION_ENV, "")
+    if since:
+        for old in folder.glob("events.out.tfevents.*"):
+            if old.is_file() and old.stat().st_mtime < float(since):
+                old.unlink()
+    return SummaryWriter(log_dir=str(folder))
+
+
+def start_session() -> None:
+    """Mark now as the start of the notebook's session: its writers replace older curves (`writer`)."""
+    os.environ[SESSION_ENV] = repr(time.time())
 
 
 def how_to_open(log_dir: str | Path) -> str:
