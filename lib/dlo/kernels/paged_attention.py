@@ -183,17 +183,20 @@ def paged_attention_ref(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table
     if validate:
         check_block_tables(block_tables, seq_lens, num_blocks, page)
     dtype = torch.promote_types(q.dtype, torch.float32)
-    tables = block_tables.long().clamp(0, max(num_blocks - 1, 0))  # unused entries may hold anything
-
-    def gather(cache):  # (num_blocks, P, Hkv, D) -> (B, Hkv, max_blocks * P, D)
-        return cache[tables].flatten(1, 2).transpose(1, 2).to(dtype)
-
-    k, v = gather(k_cache), gather(v_cache)
+    k, v = gather_blocks(k_cache, block_tables).to(dtype), gather_blocks(v_cache, block_tables).to(dtype)
     qg = q.to(dtype).view(B, Hkv, H // Hkv, D)  # query head h = kv_head * group + g
     s = qg @ k.transpose(-2, -1) / math.sqrt(D)  # (B, Hkv, group, L)
     past = torch.arange(k.shape[2], device=q.device) >= seq_lens.long()[:, None]  # (B, L)
     s = s.masked_fill(past[:, None, None, :], float("-inf"))
     return (torch.softmax(s, dim=-1) @ v).reshape(B, H, D)
+
+
+def gather_blocks(cache: Tensor, block_tables: Tensor) -> Tensor:
+    """A layer's blocks (num_blocks, block_size, Hkv, D) in each table's order, one tensor per sequence:
+    (B, Hkv, max_blocks x block_size, D). Entries past a sequence's blocks may hold anything (clamped into
+    the pool); the tokens past its length are for the caller to mask."""
+    tables = block_tables.long().clamp(0, max(cache.shape[0] - 1, 0))
+    return cache[tables].flatten(1, 2).transpose(1, 2)
 
 
 def moved_bytes(B: int, H: int, Hkv: int, L: int, D: int, itemsize: int, page: int = 16) -> int:
@@ -251,7 +254,7 @@ def bench(lengths: tuple[int, ...] = (1024, 8192), B: int = 32, H: int = 24, Hkv
                             for _ in range(2))
         tables = torch.randperm(B * n, device="cuda", generator=gen).view(B, n).int()  # scattered blocks
         lens = torch.full((B,), L, device="cuda", dtype=torch.int32)
-        k, v = (c[tables.long()].flatten(1, 2).transpose(1, 2).contiguous() for c in (k_cache, v_cache))
+        k, v = (gather_blocks(c, tables).contiguous() for c in (k_cache, v_cache))
         moved = moved_bytes(B, H, Hkv, L, D, 2, page)
         impls = {"torch ref (gather)": lambda: paged_attention_ref(q, k_cache, v_cache, tables, lens, validate=False),
                  "torch sdpa contiguous": lambda: torch.nn.functional.scaled_dot_product_attention(
