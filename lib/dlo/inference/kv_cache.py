@@ -91,6 +91,13 @@ class KVCache:
             self.lengths[r] += T
         return start[:, None] + torch.arange(T, device=self.k.device)  # (B, T)
 
+    def truncate(self, row: int, length: int) -> None:
+        """Forget row's tokens from `length` on (rejected draft tokens, dlo.inference.speculative): they are
+        masked from then on and overwritten by the next ones."""
+        if not 0 <= length <= self.lengths[row]:
+            raise BadInput(f"cannot truncate row {row} of {self.lengths[row]} tokens to {length}")
+        self.lengths[row] = length
+
     def update_and_attend(self, layer: int, rows: list[int], q: Tensor, k: Tensor, v: Tensor,
                           positions: Tensor) -> Tensor:
         """Write the new k, v (B, Hkv, T, D) at `positions`, then attend with q (B, H, T, D): append first,
