@@ -7,6 +7,7 @@ import torch
 from dlo.errors import BadInput
 from dlo.inference.kv_cache import (
     KVCache,
+    decode_step_times,
     forward_cached,
     generate,
     kv_bytes_per_token,
@@ -109,3 +110,11 @@ def test_bad_input():
         generate(model, prompt(1, 2), -1)
     with pytest.raises(BadInput, match=r"tokens must be \(B, T\) int64"):
         forward_cached(model, prompt(1, 2).float(), KVCache(cfg, 1, 4))
+
+
+def test_decode_step_times_time_each_length():
+    """Timings only, no threshold (measure, don't assert): one per length, with and without the cache."""
+    model = tiny_model(torch.float32)
+    for use_cache in (True, False):
+        timings = decode_step_times(model, [4, 16], use_cache=use_cache, reps=2)
+        assert len(timings) == 2 and all(t.n >= 2 and t.median_ms > 0 for t in timings)

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from dlo.errors import BadInput
+from dlo.measure import time_fn
 from dlo.models.llama import Llama, LlamaConfig, apply_rope, rope_cos_sin, rope_frequencies
 
 
@@ -178,5 +179,28 @@ def generate(model: Llama, prompt: Tensor, max_new_tokens: int, *, temperature: 
     return tokens
 
 
-__all__ = ["KVCache", "cached_attention", "forward_cached", "generate", "kv_bytes_per_token", "kv_cache_bytes",
-           "probabilities", "rope_at", "sample"]
+@torch.no_grad()
+def decode_step_times(model: Llama, lengths: list[int], *, use_cache: bool = True, reps: int = 5,
+                      seed: int = 0) -> list:
+    """One decode step after L tokens, for each L in `lengths`: `dlo.measure.Timing`s of the forward of
+    one token over L cached keys (the cache reset to L before every call), or, without the cache, of
+    the forward over all L + 1 tokens. The first grows linearly in L (attention reads L keys; the
+    projections do not grow), the second quadratically (attention over L + 1 queries)."""
+    device = model.output.weight.device
+    tokens = torch.randint(0, model.config.vocab_size, (1, max(lengths) + 1), device=device,
+                           generator=torch.Generator(device=device).manual_seed(seed))
+    cache = KVCache.for_model(model, 1, max(lengths) + 1) if use_cache else None
+    timings = []
+    for L in lengths:
+        if use_cache:
+            cache.truncate(0, 0)
+            forward_cached(model, tokens[:, :L], cache)  # the prefill, untimed
+            timings.append(time_fn(lambda L=L: forward_cached(model, tokens[:, L:L + 1], cache), device=device,
+                                   warmup=1, reps=reps, before=lambda L=L: cache.truncate(0, L)))
+        else:
+            timings.append(time_fn(lambda L=L: model(tokens[:, :L + 1]), device=device, warmup=1, reps=reps))
+    return timings
+
+
+__all__ = ["KVCache", "cached_attention", "decode_step_times", "forward_cached", "generate", "kv_bytes_per_token",
+           "kv_cache_bytes", "probabilities", "rope_at", "sample"]
