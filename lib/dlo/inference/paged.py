@@ -153,7 +153,8 @@ class PagedKVCache:
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.kernel = kernel  # decode through the Triton kernel (a GPU, or the interpreter) or its reference
-        self._slots: Tensor | None = None
+        self._slots: Tensor | None = None  # this step's slots and tables, set by append_slots
+        self._tables: tuple[Tensor, Tensor] | None = None
 
     @classmethod
     def for_model(cls, model, num_blocks: int, block_size: int, kernel: bool = False) -> PagedKVCache:
@@ -188,6 +189,7 @@ class PagedKVCache:
             slots.append(seq_slots)
         device = self.k.device
         self._slots = torch.tensor(slots, device=device)  # (B, T)
+        self._tables = self.block_tables(rows)  # fixed until the next step: built once, not once per layer
         return torch.tensor(start, device=device)[:, None] + torch.arange(T, device=device)
 
     def block_tables(self, rows: list) -> tuple[Tensor, Tensor]:
@@ -205,7 +207,7 @@ class PagedKVCache:
         slots = self._slots.flatten()
         self.k[layer].view(-1, Hkv, D)[slots] = k.transpose(1, 2).reshape(-1, Hkv, D)  # (B T, Hkv, D)
         self.v[layer].view(-1, Hkv, D)[slots] = v.transpose(1, 2).reshape(-1, Hkv, D)
-        tables, lens = self.block_tables(rows)
+        tables, lens = self._tables
         if T == 1:
             attend = paged_attention if self.kernel else paged_attention_ref
             o = attend(q[:, :, 0], self.k[layer], self.v[layer], tables, lens, validate=False)  # (B, H, D)
