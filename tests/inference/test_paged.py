@@ -188,3 +188,19 @@ def test_batch_that_fits_a_budget():
     assert fits == dict(contiguous=1, paged=3)  # 112 + 32 + 32 = 176 slots; 500 -> 512 more would exceed 600
     with pytest.raises(BadInput, match=r"lengths must lie in \[0, max_len=512\]"):
         reservation([600], 16, 512)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_parallel_sampling_draws_what_a_repeated_batch_draws(temperature):
+    """n samples sharing the prompt's blocks draw the tokens `generate` draws for the prompt repeated n
+    times (fp64: equal logits, one generator), in fewer blocks."""
+    from dlo.inference.kv_cache import generate
+    from dlo.inference.paged import parallel_sampling
+
+    model, prompt = tiny_model(), tokens(11, 3)
+    got, usage = parallel_sampling(model, prompt, 4, 6, block_size=4, temperature=temperature,
+                                   generator=torch.Generator().manual_seed(0))
+    want = generate(model, prompt.expand(4, -1), 6, temperature=temperature, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(got, want)
+    # 16 cached tokens each (the last one is never fed): 2 full prompt blocks shared, 2 own blocks per sample
+    assert usage == dict(blocks_used=2 + 4 * 2, blocks_unshared=4 * 4, blocks_saved=2 * 3)

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from dlo.errors import BadInput
-from dlo.inference.kv_cache import cached_attention
+from dlo.inference.kv_cache import cached_attention, forward_cached, sample
 from dlo.kernels.paged_attention import gather_blocks, paged_attention, paged_attention_ref
 from dlo.models.llama import LlamaConfig
 
@@ -216,6 +216,33 @@ class PagedKVCache:
         return cached_attention(q, keys, values, positions)
 
 
+@torch.no_grad()
+def parallel_sampling(model, prompt: Tensor, n: int, max_new_tokens: int, *, block_size: int = 16,
+                      temperature: float = 1.0, generator: torch.Generator | None = None) -> tuple[Tensor, dict]:
+    """n samples of one prompt (1, T0) with the prompt's blocks shared (Kwon et al. Sec. 4.4): one prefill,
+    then `fork`s; each sample's first write to the shared partial block copies it. The draws are
+    `generate`'s for the prompt repeated n times (one `sample` call over the n rows per step).
+    Returns (tokens (n, T0 + max_new_tokens), usage): blocks used at the end against the blocks of n
+    unshared copies."""
+    if prompt.dim() != 2 or prompt.shape[0] != 1 or not (isinstance(n, int) and n >= 1):
+        raise BadInput(f"prompt must be (1, T0) and n an int >= 1, got {tuple(prompt.shape)} and {n!r}")
+    length = prompt.shape[1] + max_new_tokens
+    cache = PagedKVCache.for_model(model, n * math.ceil(length / block_size), block_size)
+    cache.add(0)
+    logits = forward_cached(model, prompt, cache, rows=[0])[:, -1].expand(n, -1)  # (n, vocab)
+    for i in range(1, n):
+        cache.fork(0, i)
+    tokens = prompt.expand(n, -1)
+    for step in range(max_new_tokens):
+        nxt = sample(logits, temperature, generator)[:, None]  # (n, 1)
+        tokens = torch.cat([tokens, nxt], dim=1)
+        if step < max_new_tokens - 1:
+            logits = forward_cached(model, nxt, cache, rows=list(range(n)))[:, -1]
+    usage = cache.manager.usage()
+    return tokens, dict(blocks_used=usage["blocks_used"], blocks_unshared=n * math.ceil((length - 1) / block_size),
+                        blocks_saved=usage["blocks_shared_saved"])
+
+
 # ---------------------------------------------------------------- reserved vs used (Kwon et al. 2023, Sec. 2.3)
 
 def reservation(lengths: list[int], block_size: int, max_len: int) -> dict:
@@ -244,4 +271,5 @@ def batch_that_fits(lengths: list[int], budget_slots: int, block_size: int, max_
     return dict(contiguous=min(len(lengths), budget_slots // max_len), paged=paged)
 
 
-__all__ = ["BlockAllocator", "BlockManager", "OutOfBlocks", "PagedKVCache", "batch_that_fits", "reservation"]
+__all__ = ["BlockAllocator", "BlockManager", "OutOfBlocks", "PagedKVCache", "batch_that_fits", "parallel_sampling",
+           "reservation"]
