@@ -44,6 +44,15 @@ def test_tight_budget_preempts_and_recomputes():
     assert max(s["blocks_used"] for s in result["steps"]) <= 24
 
 
+def test_swap_space_takes_the_victims_while_it_lasts():
+    trace = make_trace(10, seed=1, prompt_lens=(6, 10), output_lens=(20, 30), max_new_tokens=30)
+    manager = BlockManager(24, 4)
+    result = serve(trace, Scheduler(manager, 10, swap_blocks=8), simulate(manager))
+    assert sum(s["swapped_out"] for s in result["steps"]) > 0
+    assert {rid: len(out) for rid, out in result["outputs"].items()} == {r.rid: r.output_len for r in trace}
+    assert manager.allocator.num_free == 24
+
+
 def test_arrivals_over_time_and_latencies():
     trace = make_trace(12, seed=2, arrivals_per_step=0.5)
     assert trace[-1].arrival > 0
@@ -67,20 +76,24 @@ def model_trace():
             for i, (p, n) in enumerate(lengths)]
 
 
-@pytest.mark.parametrize("policy,num_blocks,temperature", [("continuous", 40, 0.0), ("continuous", 8, 0.0),
-                                                           ("continuous", 8, 1.0), ("static", 24, 1.0)])
-def test_served_tokens_are_one_at_a_time_generation(policy, num_blocks, temperature):
-    """8 blocks of 4 tokens for six requests of up to 20 tokens: preemptions; the tokens stay the same."""
+@pytest.mark.parametrize("policy,num_blocks,temperature,swap", [
+    ("continuous", 40, 0.0, 0), ("continuous", 8, 0.0, 0), ("continuous", 8, 1.0, 0), ("continuous", 8, 1.0, 6),
+    ("static", 24, 1.0, 0)])
+def test_served_tokens_are_one_at_a_time_generation(policy, num_blocks, temperature, swap):
+    """8 blocks of 4 tokens for six requests of up to 20 tokens: preemptions (recompute, or swap while 6
+    blocks of swap space last); the tokens stay the same."""
     model, trace = tiny_model(), model_trace()
     cache = PagedKVCache.for_model(model, num_blocks, 4)
-    result = serve(trace, Scheduler(cache.manager, 4, policy, max_len=24), ModelExecutor(model, cache, temperature))
+    executor = ModelExecutor(model, cache, temperature)
+    result = serve(trace, Scheduler(cache.manager, 4, policy, max_len=24, swap_blocks=swap), executor)
     for r in trace:
         alone = generate(model, torch.tensor([r.prompt]), r.max_new_tokens, temperature=temperature,
                          generator=torch.Generator().manual_seed(r.seed))
         assert result["outputs"][r.rid] == alone[0, len(r.prompt):].tolist(), r.rid
     preempted = sum(r["preemptions"] for r in result["requests"].values())
     assert (preempted > 0) == (num_blocks == 8)
-    assert cache.manager.allocator.num_free == num_blocks  # every block back
+    assert cache.manager.allocator.num_free == num_blocks and not executor.swapped  # every block back
+    assert (sum(s["swapped_out"] for s in result["steps"]) > 0) == (swap > 0)
 
 
 def test_bad_input():

@@ -7,10 +7,12 @@ computed for nothing) and no new request starts before the whole batch ends. Orc
 iteration instead (Sec. 3.1): each step the scheduler
 
     1. gives every running sequence room for one more token; when the blocks run out it preempts the
-       latest admitted sequence (vLLM's recompute: its blocks are freed, it waits at the queue's head
-       and is prefilled again, prompt and generated tokens, when readmitted; Kwon et al. Sec. 4.5);
-    2. admits waiting requests (first come, first served) while their prompt's blocks fit and the batch
-       has room: their prefill runs in this step and gives their first token;
+       latest admitted sequence (Kwon et al. Sec. 4.5), by swapping (its blocks copied to host memory
+       and back later) while the swap space lasts, else by recompute (its blocks freed, it waits at the
+       queue's head and is prefilled again, prompt and generated tokens, when readmitted);
+    2. swaps preempted sequences back in, then admits waiting requests (first come, first served)
+       while their prompt's blocks fit and the batch has room: their prefill runs in this step and
+       gives their first token;
     3. retires the sequences that are done, whose blocks go back to the free list at once.
 
 `serve` runs a trace through a `Scheduler` with an executor: `simulate` (no model: each request ends after
@@ -62,19 +64,26 @@ class Sequence:
 class Plan:
     prefill: list[Sequence]  # admitted this step: prompt (+ tokens generated before a preemption)
     decode: list[Sequence]  # running: one token each
-    preempted: list[Sequence]
+    preempted: list[Sequence]  # by recompute: back to the queue's head, blocks freed
     padding: int = 0  # static batching: finished sequences still occupying a slot
+    swap_out: list[tuple[Sequence, list[int]]] = field(default_factory=list)  # the blocks to copy out first
+    swap_in: list[tuple[Sequence, list[int]]] = field(default_factory=list)  # the new blocks to copy back into
 
 
 class Scheduler:
-    """Admission, preemption and retirement over a `BlockManager` (`policy` "continuous" or "static")."""
+    """Admission, preemption and retirement over a `BlockManager` (`policy` "continuous" or "static").
+    `swap_blocks` > 0: a preempted sequence's blocks are copied to that much host memory (vLLM's swap
+    space) while it fits, and copied back before any new request is admitted; else it is recomputed."""
 
-    def __init__(self, manager: BlockManager, max_batch: int, policy: str = "continuous", max_len: int = 0):
+    def __init__(self, manager: BlockManager, max_batch: int, policy: str = "continuous", max_len: int = 0,
+                 swap_blocks: int = 0):
         if policy not in ("continuous", "static"):
             raise BadInput(f"policy must be 'continuous' or 'static', got {policy!r}")
         if policy == "static" and max_len < 1:
             raise BadInput("static batching reserves max_len tokens per sequence: give max_len >= 1")
         self.manager, self.max_batch, self.policy, self.max_len = manager, max_batch, policy, max_len
+        self.swap_blocks, self.swap_used = swap_blocks, 0
+        self.swapped: deque[Sequence] = deque()
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order
         self.batch: list[Sequence] = []  # static: the batch until its last sequence is done
@@ -93,18 +102,36 @@ class Scheduler:
     def schedule(self, now: int) -> Plan:
         if self.policy == "static":
             return self._static(now)
-        decode = list(self.running)
-        preempted = []
+        decode, plan = list(self.running), Plan([], [], [])
         while decode and not self.manager.can_append([s.request.rid for s in decode], 1):  # 1. a token each
             victim = decode.pop()  # the latest admitted
             self.running.remove(victim)
+            blocks = list(self.manager.tables[victim.request.rid])
             self.manager.free(victim.request.rid)
             victim.preemptions += 1
-            preempted.append(victim)
-            self.waiting.appendleft(victim)
+            if self.swap_used + len(blocks) <= self.swap_blocks:
+                self.swap_used += len(blocks)
+                plan.swap_out.append((victim, blocks))
+                self.swapped.append(victim)
+            else:
+                plan.preempted.append(victim)
+                self.waiting.appendleft(victim)
         budget = self.manager.allocator.num_free - sum(self.manager.blocks_needed(s.request.rid, 1) for s in decode)
-        prefill = []
-        while self.waiting and self.waiting[0].request.arrival <= now and len(decode) + len(prefill) < self.max_batch:
+        while self.swapped and not plan.swap_out and len(decode) < self.max_batch:  # swapped ones first
+            seq, cached = self.swapped[0], len(self.swapped[0].request.prompt) + len(self.swapped[0].generated) - 1
+            if self.blocks(cached + 1) > budget:
+                break
+            budget -= self.blocks(cached + 1)  # its blocks and this step's token
+            self.swapped.popleft()
+            self.manager.add(seq.request.rid)
+            self.manager.append_slots(seq.request.rid, cached)
+            self.swap_used -= self.blocks(cached)
+            plan.swap_in.append((seq, list(self.manager.tables[seq.request.rid])))
+            decode.append(seq)
+            self.running.append(seq)
+        preempted, prefill = plan.preempted, plan.prefill
+        while (self.waiting and not self.swapped and self.waiting[0].request.arrival <= now
+               and len(decode) + len(prefill) < self.max_batch):
             seq = self.waiting[0]  # 2. admit, first come first served
             need = self.blocks(len(seq.request.prompt) + len(seq.generated))
             if need > budget or (preempted and seq in preempted):  # a victim waits one step at least
@@ -112,7 +139,8 @@ class Scheduler:
             budget -= need
             prefill.append(self.waiting.popleft())
         self.running += prefill
-        return Plan(prefill, decode, preempted)
+        plan.decode = decode
+        return plan
 
     def _static(self, now: int) -> Plan:
         if any(not s.done() for s in self.batch):
@@ -159,11 +187,16 @@ class ModelExecutor:
 
     def __init__(self, model, cache: PagedKVCache, temperature: float = 0.0):
         self.model, self.cache, self.temperature = model, cache, temperature
+        self.swapped: dict[int, tuple] = {}  # rid -> its blocks' K and V in host memory
 
     @torch.no_grad()
     def __call__(self, plan: Plan) -> dict[int, int]:
         device = self.cache.k.device
         out = {}
+        for seq, blocks in plan.swap_out:  # before anything this step writes into the freed blocks
+            self.swapped[seq.request.rid] = self.cache.copy_blocks_out(blocks)
+        for seq, blocks in plan.swap_in:
+            self.cache.copy_blocks_in(blocks, self.swapped.pop(seq.request.rid))
         for seq in plan.prefill:
             if seq.generator is None:
                 seq.generator = torch.Generator(device=device).manual_seed(seq.request.seed)
@@ -191,12 +224,12 @@ def serve(requests: list[Request], scheduler: Scheduler, executor, max_steps: in
         while pending and pending[0].arrival <= now:
             scheduler.add(pending.popleft())
             seqs[scheduler.waiting[-1].request.rid] = scheduler.waiting[-1]
-        if not (pending or scheduler.waiting or scheduler.running):
+        if not (pending or scheduler.waiting or scheduler.running or scheduler.swapped):
             break
         plan = scheduler.schedule(now)
         row = dict(step=now, prefill_tokens=sum(len(s.request.prompt) + len(s.generated) for s in plan.prefill),
                    decode_tokens=len(plan.decode), padding=plan.padding, batch=len(plan.prefill) + len(plan.decode),
-                   waiting=len(scheduler.waiting), preempted=len(plan.preempted))
+                   waiting=len(scheduler.waiting), preempted=len(plan.preempted), swapped_out=len(plan.swap_out))
         for rid, token in executor(plan).items():
             seqs[rid].generated.append(token)
         for seq in plan.prefill:

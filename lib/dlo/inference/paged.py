@@ -192,6 +192,16 @@ class PagedKVCache:
         self._tables = self.block_tables(rows)  # fixed until the next step: built once, not once per layer
         return torch.tensor(start, device=device)[:, None] + torch.arange(T, device=device)
 
+    def copy_blocks_out(self, blocks: list[int]) -> tuple[Tensor, Tensor]:
+        """The blocks' K and V, every layer, copied to host memory (a swap-out)."""
+        index = torch.tensor(blocks, device=self.k.device)
+        return self.k[:, index].cpu(), self.v[:, index].cpu()
+
+    def copy_blocks_in(self, blocks: list[int], saved: tuple[Tensor, Tensor]) -> None:
+        """`copy_blocks_out`'s copy written into (other) blocks (a swap-in)."""
+        index = torch.tensor(blocks, device=self.k.device)
+        self.k[:, index], self.v[:, index] = saved[0].to(self.k.device), saved[1].to(self.v.device)
+
     def block_tables(self, rows: list) -> tuple[Tensor, Tensor]:
         """(B, max_blocks) int32 tables (padded with 0, never read past a length) and (B,) int32 lengths."""
         tables = [self.manager.tables[s] for s in rows]
