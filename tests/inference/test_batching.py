@@ -60,7 +60,9 @@ def test_arrivals_over_time_and_latencies():
     for r in result["requests"].values():
         assert r["arrival"] <= r["first_token"] <= r["finished"]
     s = summary(result, step_ms=2.0, token_ms=0.1)
-    assert s["median_ttft_ms"] >= 2.0 and s["tokens_per_s"] > 0
+    assert s["median_ttft_ms"] >= 2.0 and s["tokens_per_s"] > 0 and len(s["ttft_ms"]) == 12
+    measured = summary(result)  # the steps' wall times (the simulator's here)
+    assert all(step["ms"] >= 0 for step in result["steps"]) and measured["tokens"] == s["tokens"]
 
 
 def tiny_model():

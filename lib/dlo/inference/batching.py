@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import random
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -33,6 +34,7 @@ import torch
 from dlo.errors import BadInput
 from dlo.inference.kv_cache import forward_cached, sample
 from dlo.inference.paged import BlockManager, PagedKVCache
+from dlo.measure import sync
 
 
 @dataclass(frozen=True)
@@ -230,7 +232,11 @@ def serve(requests: list[Request], scheduler: Scheduler, executor, max_steps: in
         row = dict(step=now, prefill_tokens=sum(len(s.request.prompt) + len(s.generated) for s in plan.prefill),
                    decode_tokens=len(plan.decode), padding=plan.padding, batch=len(plan.prefill) + len(plan.decode),
                    waiting=len(scheduler.waiting), preempted=len(plan.preempted), swapped_out=len(plan.swap_out))
-        for rid, token in executor(plan).items():
+        start = time.perf_counter()
+        tokens = executor(plan)
+        sync()  # the device's work of the step, in its wall time
+        row["ms"] = 1e3 * (time.perf_counter() - start)
+        for rid, token in tokens.items():
             seqs[rid].generated.append(token)
         for seq in plan.prefill:
             seq.first_token = now if seq.first_token is None else seq.first_token
@@ -246,14 +252,16 @@ def serve(requests: list[Request], scheduler: Scheduler, executor, max_steps: in
                                     tokens=len(s.generated), preemptions=s.preemptions) for rid, s in seqs.items()})
 
 
-def summary(result: dict, step_ms: float = 1.0, token_ms: float = 0.0) -> dict:
-    """Steps, generated tokens, tokens per step, and under the cost model time(step) = step_ms + token_ms x
-    tokens computed (prefill, decode and padding): throughput, time to first token and per output token
-    (medians over requests, in ms)."""
+def summary(result: dict, step_ms: float | None = None, token_ms: float = 0.0) -> dict:
+    """Steps, generated tokens, tokens per step; throughput, time to first token and time per output token
+    (medians over requests, in ms; every request's in `ttft_ms`, `tpot_ms` for intervals), on the steps'
+    measured wall times (step_ms None: the executor's, e.g. the model's on a GPU) or under the cost model
+    time(step) = step_ms + token_ms x tokens computed (prefill, decode and padding)."""
     steps, reqs = result["steps"], list(result["requests"].values())
     clock, t = [], 0.0
     for s in steps:
-        t += step_ms + token_ms * (s["prefill_tokens"] + s["decode_tokens"] + s["padding"])
+        computed = s["prefill_tokens"] + s["decode_tokens"] + s["padding"]
+        t += s["ms"] if step_ms is None else step_ms + token_ms * computed
         clock.append(t)
     generated = sum(r["tokens"] for r in reqs)
     ttft = sorted(clock[r["first_token"]] - (clock[r["arrival"] - 1] if r["arrival"] else 0.0) for r in reqs)
@@ -261,7 +269,7 @@ def summary(result: dict, step_ms: float = 1.0, token_ms: float = 0.0) -> dict:
                   for r in reqs if r["tokens"] > 1)
     return dict(steps=len(steps), tokens=generated, tokens_per_step=generated / len(steps),
                 tokens_per_s=generated / (clock[-1] / 1e3), median_ttft_ms=ttft[len(ttft) // 2],
-                median_tpot_ms=tpot[len(tpot) // 2] if tpot else None,
+                median_tpot_ms=tpot[len(tpot) // 2] if tpot else None, ttft_ms=ttft, tpot_ms=tpot,
                 peak_blocks_used=max(s["blocks_used"] for s in steps), preemptions=sum(r["preemptions"] for r in reqs))
 
 
