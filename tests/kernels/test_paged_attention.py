@@ -84,6 +84,8 @@ def test_free_blocks_and_stale_table_entries_are_never_read(device):
         k2[b], v2[b] = float("nan"), float("nan")
     k2[int(tables[0, 2]), 1:], v2[int(tables[0, 2]), 1:] = float("nan"), float("nan")  # past token 8 of seq 0
     assert torch.equal(paged_attention(q, k2, v2, tables, lens), o)
+    ref = paged_attention_ref(q, k_cache, v_cache, tables, lens)  # the reference gathers them, then masks
+    assert torch.equal(paged_attention_ref(q, k2, v2, tables, lens), ref)
 
 
 def test_large_scores_do_not_overflow(device):

@@ -188,6 +188,7 @@ def paged_attention_ref(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table
     s = qg @ k.transpose(-2, -1) / math.sqrt(D)  # (B, Hkv, group, L)
     past = torch.arange(k.shape[2], device=q.device) >= seq_lens.long()[:, None]  # (B, L)
     s = s.masked_fill(past[:, None, None, :], float("-inf"))
+    v = v.masked_fill(past[:, None, :, None], 0.0)  # 0 x nan is nan: what lies past a length never counts
     return (torch.softmax(s, dim=-1) @ v).reshape(B, H, D)
 
 
