@@ -55,6 +55,17 @@ def test_matches_reference(page, dtype, device):
     assert (o.float() - ref).abs().max().item() <= output_tolerance(dtype, v_cache)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("partitions", [2, 4])
+def test_split_partitions_merge_to_the_reference(partitions, dtype, device):
+    """Flash-decoding's split: lengths 1 (every partition but the first empty), 17 and 50 over 16-token
+    tiles in 2 or 4 partitions; the merge is fp32 (partials unrounded), O rounded once: the same bound."""
+    q, k_cache, v_cache, tables, lens = paged_case([1, 17, 50], 5, dtype=dtype, device=device, seed=7)
+    o = paged_attention(q, k_cache, v_cache, tables, lens, partitions=partitions)
+    ref = paged_attention_ref(q, k_cache, v_cache, tables, lens)
+    assert o.dtype == dtype and (o.float() - ref).abs().max().item() <= output_tolerance(dtype, v_cache)
+
+
 @pytest.mark.parametrize("H,Hkv,D", [(3, 3, 32), (6, 2, 64), (8, 2, 128)])
 def test_gqa_groups_and_head_dims(H, Hkv, D, device):
     q, k_cache, v_cache, tables, lens = paged_case([5, 33], 5, H=H, Hkv=Hkv, D=D, dtype=torch.float16, device=device)
@@ -121,6 +132,8 @@ def test_kernel_refuses_what_it_cannot_run():
         paged_attention(*(x.to("meta") for x in (q, k_cache, v_cache, tables, lens)), validate=False)
     with pytest.raises(BadInput, match="float64"):
         paged_attention(q.double(), k_cache.double(), v_cache.double(), tables, lens)
+    with pytest.raises(BadInput, match=r"partitions must be an int in \[1, 65535\], got 0"):
+        paged_attention(q, k_cache, v_cache, tables, lens, partitions=0)
 
 
 def test_check_block_tables_ignores_entries_past_each_sequence():
