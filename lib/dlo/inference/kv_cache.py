@@ -8,12 +8,12 @@ never change. Generation therefore runs in two phases (the seeds' "KV Caching" s
               to all t + 1 cached keys. Work per token O(t) instead of O(t^2) recomputing the prefix.
 
 The price is memory, per token of every sequence (Pope et al. 2022, "Efficiently Scaling Transformer
-Inference", Sec. 2.1):
+Inference"):
 
     bytes per token = 2 (K and V) x layers x KV heads x head dim x bytes per element
 
 Grouped-query attention (Ainslie et al. 2023) divides it by H / Hkv: Llama 3.2 3B keeps 8 KV heads of
-24, 2 x 28 x 8 x 128 x 2 B = 112 KiB per token in bf16 (14.7 GB at 128k tokens, beside 6.4 GB of weights).
+24, 2 x 28 x 8 x 128 x 2 B = 112 KiB per token in bf16 (15.0 GB at 128k tokens, beside 6.4 GB of weights).
 
 `forward_cached` is `Llama.forward` with a cache: the same modules, RoPE at each token's own position,
 attention with a mask by position. Any cache with `append_slots` and `update_and_attend` works: the

@@ -3,13 +3,13 @@ Large Language Model Serving with PagedAttention", SOSP).
 
 A contiguous cache reserves max_len slots per sequence before knowing how long it will be: the unused
 tail is reserved, and the gaps between reservations fragment memory; the paper measures 60-80% of the
-cache wasted this way (Sec. 2.3, Fig. 2). vLLM instead cuts the cache into fixed-size blocks of
+cache wasted this way (Sec. 3, Fig. 2). vLLM instead cuts the cache into fixed-size blocks of
 `block_size` tokens, allocated one at a time as a sequence grows, "as an OS does with pages" (Sec. 4.2):
 
     BlockAllocator   a pool of physical blocks: a free list, a reference count per block
     BlockManager     per sequence a block table: logical block i -> physical block; token t is in
                      table[t // block_size] at slot t % block_size. Waste: the last block's empty slots,
-                     < block_size per sequence (under 4% in the paper, Sec. 6.2).
+                     < block_size per sequence (under 4% in the paper's Fig. 2).
     fork             a child sequence shares its parent's blocks (parallel sampling, beam search: the
                      prompt is stored once, Sec. 4.4); each shared block's count goes up.
     copy-on-write    writing a block whose count is > 1 first copies it to a fresh block (Sec. 4.4):
@@ -253,7 +253,7 @@ def parallel_sampling(model, prompt: Tensor, n: int, max_new_tokens: int, *, blo
                         blocks_saved=usage["blocks_shared_saved"])
 
 
-# ---------------------------------------------------------------- reserved vs used (Kwon et al. 2023, Sec. 2.3)
+# ---------------------------------------------------------------- reserved vs used (Kwon et al. 2023, Sec. 3)
 
 def reservation(lengths: list[int], block_size: int, max_len: int) -> dict:
     """Token slots `lengths` sequences reserve each way: contiguous at max_len each, or paged in whole

@@ -10,11 +10,11 @@ p_1..p_{k+1} in one pass; then, for i = 1..k (Leviathan et al., Algorithm 1; Che
     a token from the residual norm(max(0, p_i - q_i)); if all k are accepted, emit one from p_{k+1}.
 
 Each emitted token is distributed exactly as the target alone would sample it (Leviathan et al.,
-Theorem 3.5, Appendix A.1), whatever the draft: a bad draft only costs speed. Greedy decoding is the
+Appendix A.1; Chen et al., Theorem 1), whatever the draft: a bad draft only costs speed. Greedy decoding is the
 case of one-hot distributions: x_i is kept iff it is the target's argmax, and the residual is the
 target's argmax, so the output is the target's greedy output token for token.
 
-With acceptance rate alpha = E[sum_x min(p(x), q(x))] (their beta and alpha, Definition 3.1) and a draft
+With acceptance rate alpha = E[sum_x min(p(x), q(x))] (their beta, and alpha its expectation, Sec. 3) and a draft
 forward costing c target forwards, a round emits (1 - alpha^(k+1)) / (1 - alpha) tokens on average
 (Eq. 1) and the expected speed-up is (1 - alpha^(k+1)) / ((1 - alpha)(c k + 1)) (Theorem 3.8).
 """
