@@ -66,7 +66,7 @@ def test_split_partitions_merge_to_the_reference(partitions, dtype, device):
     assert o.dtype == dtype and (o.float() - ref).abs().max().item() <= output_tolerance(dtype, v_cache)
 
 
-@pytest.mark.parametrize("H,Hkv,D", [(3, 3, 32), (6, 2, 64), (8, 2, 128)])
+@pytest.mark.parametrize("H,Hkv,D", [(3, 3, 32), (6, 2, 64), (8, 2, 128), (20, 1, 16)])  # 20 on 1: 32 rows
 def test_gqa_groups_and_head_dims(H, Hkv, D, device):
     q, k_cache, v_cache, tables, lens = paged_case([5, 33], 5, H=H, Hkv=Hkv, D=D, dtype=torch.float16, device=device)
     o = paged_attention(q, k_cache, v_cache, tables, lens)
