@@ -92,7 +92,8 @@ def speculative_generate(target: Llama, draft: Llama, prompt: Tensor, max_new_to
     proposes min(k, tokens left - 1) tokens and the target verifies them in one forward; both caches
     keep every emitted token but the last (rejected drafts are truncated away).
 
-    Counts: rounds (target passes after the prefill), drafted, accepted, tokens emitted per round."""
+    Counts: rounds (target passes after the prefill), drafted, accepted, tokens emitted per round.
+    `generator`: on the models' device (its draws are the drafts, the acceptance tests and the residuals)."""
     if prompt.dim() != 2 or prompt.shape[0] != 1 or prompt.shape[1] == 0:
         raise BadInput(f"prompt must be (1, T0) with T0 >= 1 (one sequence), got {tuple(prompt.shape)}")
     if not isinstance(k, int) or k < 1 or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
