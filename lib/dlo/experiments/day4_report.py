@@ -186,7 +186,8 @@ def _wire_connection_claim(wire: dict) -> C.Claim:
     peers = wire["peers"]
     shares = [p[0] / sum(p) for p in peers]
     used = max(sum(1 for x in p if x > 0.01) for p in peers)
-    text = f"a ring rank sends all of its 2(N-1)/N n to one neighbour (gloo's all-reduce, per connection, N={world_size})"
+    text = (f"a ring rank sends all of its 2(N-1)/N n to one neighbour (gloo's all-reduce, per connection, "
+            f"N={world_size})")
     args = (text, "Patarasuk & Yuan 2009", f"all {f:.3f} n on 1 connection")
     est = E.from_samples(shares, f"TCP socket counters per connection, {len(peers)} trials: the busiest carried "
                                  f"{sum(p[0] for p in peers) / len(peers):.4f} n of the rank's "
