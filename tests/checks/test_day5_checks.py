@@ -108,6 +108,26 @@ def test_zero1_rejects_gradients_moved_point_to_point(sol, ranks):
         day5.check_zero1(PointToPoint)
 
 
+def test_zero1_memory_allowance_is_what_a_correct_engine_holds_beyond_the_formula():
+    """ZeRO-1's allowance, exactly: the averaged gradient shard its optimizer reads (S fp64 values), the padding
+    of its two flat buffers and AdamW's step counters; it let through 4,224 bytes more before (the slack of
+    ZeRO-2/3, which wait for a bucket), enough for a stray buffer of 400 doubles."""
+    c = day5_zero.case(0)
+    psi, tensors = day5_zero.count_psi(c), len(list(day5_zero.tied_lm(c, 0).parameters()))
+    for n in (2, 3):
+        assert day5_zero.memory_slack(c, n, 1) == 8 * -(-psi // n) + 16 * (n - 1) + 16 * tensors
+    assert "averaged gradient shard" in day5_zero.ALLOWED[1]
+
+
+def test_zero1_rejects_a_buffer_beyond_the_allowance(sol, ranks):
+    class Stray(sol.ZeRO1):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.register_buffer("stray", torch.zeros(400, dtype=torch.float64))  # 3,200 B no ZeRO-1 needs
+    with pytest.raises(AssertionError, match="allowed: the averaged gradient shard"):
+        day5.check_zero1(Stray)
+
+
 def test_zero2_accepts(sol, ranks):
     day5.check_zero2(sol.ZeRO2, seed=2)
 

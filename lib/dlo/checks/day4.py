@@ -94,9 +94,14 @@ def check_ring_all_reduce(fn, seed: int = 0, world_size: int = 2, trials: int = 
 
 # ----------------------------------------------------------------------------- training helpers
 
-def _net(seed: int) -> nn.Module:
+def _net(seed: int, frozen: bool = False) -> nn.Module:
+    """The checks' MLP, with a buffer (as BatchNorm's running statistics: DDP broadcasts buffers too) and, when
+    `frozen`, its first bias frozen (requires_grad=False: no gradient, never bucketed)."""
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(7, 11), nn.Tanh(), nn.Linear(11, 5), nn.Tanh(), nn.Linear(5, 3)).to(DTYPE)
+    net = nn.Sequential(nn.Linear(7, 11), nn.Tanh(), nn.Linear(11, 5), nn.Tanh(), nn.Linear(5, 3)).to(DTYPE)
+    net.register_buffer("running_stat", torch.randn(4, dtype=DTYPE))
+    net[0].bias.requires_grad_(not frozen)
+    return net
 
 
 def _batch(seed: int, step: int, n: int):
@@ -116,9 +121,21 @@ def _params(model) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
 
 
-def _single_process(seed, steps, n):
+def _buffers(model) -> list[torch.Tensor]:
+    return [b.detach().clone() for b in model.buffers()]
+
+
+def _compare_buffers(name: str, got: list, want: list, where: str) -> None:
+    for i, (b, wnt) in enumerate(zip(got, want)):
+        if not torch.equal(b, wnt):
+            raise AssertionError(f"{name}: buffer {i} differs from rank 0's: broadcast the buffers too "
+                                 f"(module.buffers(), e.g. BatchNorm's running statistics), as DDP does at "
+                                 f"construction ({where})")
+
+
+def _single_process(seed, steps, n, frozen=False):
     """The target: one process, the whole global batch, mean loss, same optimizer, rank 0's start."""
-    net = _net(seed + 1)
+    net = _net(seed + 1, frozen)
     opt = _optimizer(net, _lr(seed))
     for s in range(steps):
         x, y = _batch(seed, s, n)
@@ -140,12 +157,12 @@ def _per_rank(seed: int) -> int:
     return random.Random(seed).choice([3, 5, 7])
 
 
-def ddp_parts(seed: int, steps: int, per_rank: int, w: int) -> list[dict]:
-    """What rank r is given, built here on the grader's side: its own random starting weights (the
-    broadcast must replace them with rank 0's), the learning rate and its own slice of each step's
+def ddp_parts(seed: int, steps: int, per_rank: int, w: int, frozen: bool = False) -> list[dict]:
+    """What rank r is given, built here on the grader's side: its own random starting weights and buffers
+    (the broadcast must replace them with rank 0's), the learning rate and its own slice of each step's
     global batch; never the global batch nor the seed."""
     batches = [_batch(seed, s, per_rank * w) for s in range(steps)]
-    return [{"net": _net(seed + 1 + r), "lr": _lr(seed),
+    return [{"net": _net(seed + 1 + r, frozen), "lr": _lr(seed),
              "batches": [(x[r::w].clone(), y[r::w].clone()) for x, y in batches]} for r in range(w)]
 
 
@@ -155,7 +172,7 @@ def _naive_worker(mine: dict, broadcast_parameters, all_reduce_gradients):
     """`mine`: this rank's part (`ddp_parts`)."""
     net = mine["net"]  # each rank starts from its own random weights
     broadcast_parameters(net)
-    start, grads = _params(net), None
+    start, buffers, grads = _params(net), _buffers(net), None
     opt = _optimizer(net, mine["lr"])
     for s, (x, y) in enumerate(mine["batches"]):
         F.cross_entropy(net(x), y).backward()
@@ -164,21 +181,21 @@ def _naive_worker(mine: dict, broadcast_parameters, all_reduce_gradients):
             grads = [None if p.grad is None else p.grad.clone() for p in net.parameters()]
         opt.step()
         opt.zero_grad()
-    return {"start": start, "grads": grads, "params": _params(net)}
+    return {"start": start, "buffers": buffers, "grads": grads, "params": _params(net)}
 
 
 @check(forbid=DDP)
 def check_naive_ddp(broadcast_parameters, all_reduce_gradients, seed: int = 0, world_size: int = 2,
                     steps: int = 3) -> None:
-    """`broadcast_parameters(module)` (rank 0's weights everywhere) and `all_reduce_gradients(module)`
-    (every .grad becomes the mean over ranks): trained on shards of a batch, the parameters must equal
-    one process on the whole batch."""
+    """`broadcast_parameters(module)` (rank 0's parameters and buffers everywhere) and
+    `all_reduce_gradients(module)` (every .grad becomes the mean over ranks): trained on shards of a
+    batch, the parameters must equal one process on the whole batch."""
     secret = case_seed(seed)  # a secret seed when graded
     per_rank = _per_rank(secret)
     n, where = per_rank * world_size, f"world_size={world_size}, {per_rank} samples per rank"
     got = on_ranks(_naive_worker, world_size, broadcast_parameters, all_reduce_gradients,
                    per_rank=ddp_parts(secret, steps, per_rank, world_size))
-    start = _params(_net(secret + 1))
+    start, buffers = _params(_net(secret + 1)), _buffers(_net(secret + 1))
     first = _net(secret + 1)  # the gradient of step 1 on the whole batch
     x, y = _batch(secret, 0, n)
     F.cross_entropy(first(x), y).backward()
@@ -186,6 +203,7 @@ def check_naive_ddp(broadcast_parameters, all_reduce_gradients, seed: int = 0, w
     for r, g in enumerate(got):
         for i, (p, want) in enumerate(zip(g["start"], start)):
             _close("broadcast_parameters", f"parameter {i} on rank {r} (must equal rank 0's)", p, want, where)
+        _compare_buffers("broadcast_parameters", g["buffers"], buffers, f"{where}, rank {r}")
         for i, (p, q) in enumerate(zip(g["grads"], first.parameters())):
             _close("all_reduce_gradients", f"grad of parameter {i} on rank {r} after step 1 (the mean over "
                    f"ranks, not the sum)", p, q.grad, where)
@@ -198,43 +216,62 @@ def check_naive_ddp(broadcast_parameters, all_reduce_gradients, seed: int = 0, w
 SMALL_CAP = 50 * 8 / 2 ** 20  # 50 doubles, in MB
 
 
-def _bucket_worker(mine: dict, cls):
-    """`mine`: this rank's part (`ddp_parts`). Per bucket cap: the all-reduces of each step as (async,
-    during backward), and the parameters."""
+def _bucket_worker(mine: dict, cls, frozen: bool = False):
+    """`mine`: this rank's part (`ddp_parts`). Per bucket cap: the buffers after construction, the
+    all-reduces of each step as (async, during backward), and the parameters. With a frozen parameter,
+    what the student's class raised is reported (to name the mistake), not raised."""
     out = []
     for cap_mb in (SMALL_CAP, 25.0):
-        model = cls(copy.deepcopy(mine["net"]), bucket_cap_mb=cap_mb)
-        opt = _optimizer(model, mine["lr"])
-        calls = []
-        for x, y in mine["batches"]:
-            loss = F.cross_entropy(model(x), y)
-            with CommCounter() as rec:
-                rec.phase = "backward"
-                loss.backward()
-                rec.phase = "after backward"
-                model.finish_gradient_synchronization()
-            calls.append([(c.async_op, c.phase == "backward") for c in rec.calls if c.kind == "all_reduce"])
-            opt.step()
-            opt.zero_grad()
-        out.append({"cap_mb": cap_mb, "calls": calls, "params": _params(model)})
+        try:
+            out.append(_bucket_run(mine, cls, cap_mb))
+        except (RuntimeError, AttributeError, TypeError, KeyError) as e:
+            if not frozen:
+                raise
+            out.append({"cap_mb": cap_mb, "error": f"{type(e).__name__}: {e}"[:300]})
     return out
 
 
+def _bucket_run(mine: dict, cls, cap_mb: float) -> dict:
+    model = cls(copy.deepcopy(mine["net"]), bucket_cap_mb=cap_mb)
+    buffers = _buffers(model.module)  # the exercise's skeleton keeps the wrapped module there
+    opt = _optimizer(model, mine["lr"])
+    calls = []
+    for x, y in mine["batches"]:
+        loss = F.cross_entropy(model(x), y)
+        with CommCounter() as rec:
+            rec.phase = "backward"
+            loss.backward()
+            rec.phase = "after backward"
+            model.finish_gradient_synchronization()
+        calls.append([(c.async_op, c.phase == "backward") for c in rec.calls if c.kind == "all_reduce"])
+        opt.step()
+        opt.zero_grad()
+    return {"cap_mb": cap_mb, "buffers": buffers, "calls": calls, "params": _params(model)}
+
+
 @check(forbid=DDP)
-def check_bucket_ddp(cls, seed: int = 0, world_size: int = 2, steps: int = 3) -> None:
-    """`cls(module, bucket_cap_mb)` with `finish_gradient_synchronization()`: several buckets at a tiny
-    cap and one at 25 MB, each launched async during backward; parameters must equal one process on
-    the whole batch."""
+def check_bucket_ddp(cls, seed: int = 0, world_size: int = 2, steps: int = 3, frozen: bool = False) -> None:
+    """`cls(module, bucket_cap_mb)` with `finish_gradient_synchronization()`: rank 0's parameters and
+    buffers broadcast; several buckets at a tiny cap and one at 25 MB, each launched async during
+    backward; parameters must equal one process on the whole batch. `frozen`: one parameter has
+    requires_grad=False (no gradient: it must be left out of the buckets, as torch DDP does)."""
     secret = case_seed(seed)  # a secret seed when graded
     per_rank = _per_rank(secret)
     n, where = per_rank * world_size, f"world_size={world_size}, {per_rank} samples per rank"
-    got = on_ranks(_bucket_worker, world_size, cls, per_rank=ddp_parts(secret, steps, per_rank, world_size))
-    n_params = len(list(_net(0).parameters()))
-    ref = _single_process(secret, steps, n)  # the same for both caps
+    if frozen:
+        where += ", the first layer's bias frozen (requires_grad=False)"
+    got = on_ranks(_bucket_worker, world_size, cls, frozen,
+                   per_rank=ddp_parts(secret, steps, per_rank, world_size, frozen))
+    n_params = sum(p.requires_grad for p in _net(0, frozen).parameters())
+    ref, buffers = _single_process(secret, steps, n, frozen), _buffers(_net(secret + 1))  # the same for both caps
     for rank_runs in got:
         for run in rank_runs:
             cap_mb = run["cap_mb"]
             here = f"{where}, bucket_cap_mb={cap_mb:.3g}"
+            if "error" in run:
+                raise AssertionError(f"bucket DDP: {run['error']}; a parameter with requires_grad=False never gets "
+                                     f"a gradient (and cannot take a hook): leave it out of the buckets ({here})")
+            _compare_buffers("bucket DDP", run["buffers"], buffers, here)
             for step_calls in run["calls"]:
                 if not all(is_async and during for is_async, during in step_calls):
                     raise AssertionError(f"bucket DDP: every bucket's all-reduce must be launched with async_op=True "
@@ -268,9 +305,10 @@ def _accum_worker(mine: dict, fn, micro: int):
     for x, y in mine["batches"]:
         xs, ys = list(x.tensor_split(micro)), list(y.tensor_split(micro))  # unequal sizes
         with CommCounter() as rec:
-            fn(model, opt, F.cross_entropy, xs, ys)
+            res = fn(model, opt, F.cross_entropy, xs, ys)
         left = max((float(p.grad.abs().max()) for p in model.parameters() if p.grad is not None), default=0.0)
-        steps_seen.append({"all_reduces": rec.count("all_reduce"), "buckets": len(model.buckets), "grad_left": left})
+        steps_seen.append({"all_reduces": rec.count("all_reduce"), "buckets": len(model.buckets), "grad_left": left,
+                           "returned": None if res is None else f"{type(res).__name__}: {res!r}"[:100]})
     return {"steps": steps_seen, "params": _params(model)}
 
 
@@ -290,6 +328,9 @@ def check_accumulation_step(fn, seed: int = 0, world_size: int = 2, steps: int =
                 raise AssertionError(f"accumulation_step: {st['all_reduces']} all-reduce calls for {micro} "
                                      f"micro-batches; expected {st['buckets']} (one per bucket, only on the last "
                                      f"micro-batch: wrap the others in model.no_sync()) ({where})")
+            if st["returned"] is not None:
+                raise AssertionError(f"accumulation_step: returns nothing (None), its work is on the model and the "
+                                     f"optimizer; it returned {st['returned']} ({where})")
             if st["grad_left"] > 0:
                 raise AssertionError(f"accumulation_step: gradients are not zero after the step; call "
                                      f"optimizer.zero_grad() after optimizer.step() ({where})")
@@ -329,11 +370,31 @@ def check_shard_indices(fn, seed: int = 0, trials: int = 6) -> None:
         if n >= 10 and _ints(fn(n, 0, w, seed=s, epoch=e + 1)) == _ints(shards[0]):
             raise AssertionError(f"{name}: epoch {e + 1} gives the same shard as epoch {e}: reshuffle per epoch "
                                  f"({where})")
+        _same_shards(name, shards, n, w, s, e, where)
     ok(name, f"{trials} trials, seed={seed}")
 
 
 def _ints(indices) -> list[int]:
     return [int(i) for i in indices]
+
+
+def _same_shards(name: str, shards: list, n: int, w: int, seed: int, epoch: int, where: str) -> None:
+    """The one right answer the exercise specifies: a list of Python ints, the strided slice perm[rank::w] of
+    torch.randperm(n) drawn from torch.Generator().manual_seed(seed + epoch)."""
+    bad = next((sh for sh in shards if type(sh) is not list or any(type(i) is not int for i in sh)), None)
+    if bad is not None:
+        kind = type(bad).__name__ if type(bad) is not list else f"a list holding {type(bad[0]).__name__}"
+        raise AssertionError(f"{name}: return a list of Python ints (e.g. tensor.tolist()), got {kind} ({where})")
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+    if shards == [perm[r::w] for r in range(w)]:
+        return
+    blocks = [i for sh in shards for i in sh] == perm  # contiguous blocks of the permutation, in rank order
+    if blocks or sorted(map(sorted, shards)) == sorted(sorted(perm[r::w]) for r in range(w)):
+        raise AssertionError(f"{name}: the shards are not the strided slices of the permutation: rank r takes "
+                             f"perm[r::world_size] (every world_size-th index from position r), not a contiguous "
+                             f"block nor another order ({where})")
+    raise AssertionError(f"{name}: not the exercise's permutation: draw it as torch.randperm(n, generator="
+                         f"torch.Generator().manual_seed(seed + epoch)) and take perm[rank::world_size] ({where})")
 
 
 def _metrics_case(seed: int, w: int):
@@ -346,9 +407,10 @@ def _metrics_case(seed: int, w: int):
 def _metrics_worker(mine: tuple, fn):
     """`mine`: this rank's own (loss_sum, correct, count)."""
     got = fn(*mine)
-    if not isinstance(got, (tuple, list)) or len(got) != 2:
-        return {"bad": repr(got)[:200]}
-    return {"got": [float(g) for g in got]}
+    if not isinstance(got, tuple) or len(got) != 2 or any(type(g) is not float for g in got):
+        kinds = ", ".join(type(g).__name__ for g in got) if isinstance(got, (tuple, list)) else ""
+        return {"bad": f"{type(got).__name__}({kinds}): {got!r}"[:200]}
+    return {"got": list(got)}
 
 
 @check(forbid=("dlo.distributed.data.all_reduce_metrics",))
@@ -360,7 +422,8 @@ def check_all_reduce_metrics(fn, seed: int = 0, world_size: int = 2) -> None:
     for r, res in enumerate(got):
         where = f"world_size={world_size}, counts={counts}, rank {r}"
         if "bad" in res:
-            raise AssertionError(f"all_reduce_metrics: return (mean_loss, accuracy), got {res['bad']} ({where})")
+            raise AssertionError(f"all_reduce_metrics: return a tuple of two Python floats (mean_loss, accuracy) "
+                                 f"(e.g. from tensor.tolist()), got {res['bad']} ({where})")
         for label, g, wnt in zip(("mean loss", "accuracy"), res["got"], want):
             if abs(g - wnt) > 1e-9 * (1 + abs(wnt)):
                 raise AssertionError(f"all_reduce_metrics: {label} {g:.6g}, expected {wnt:.6g}: all-reduce the sums "

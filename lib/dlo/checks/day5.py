@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from dlo.checks.day5_fsdp import check_fsdp2
 from dlo.checks.day5_zero import (
+    ALLOWED,
     STEP,
     batch,
     build_engine,
@@ -161,7 +162,8 @@ def check_zero1(cls, seed: int = 0, world_size: int = 2, steps: int = 3) -> None
     verify_every_byte(name, res, 1, psi_b, steps, where, padding_bytes(c, world_size))
     m = verify_memory(name, res, c, 1, world_size, where)
     ok(name, f"{steps} steps on {world_size} ranks, 2 Psi = {2 * psi_b:,} bytes per step, {res[0]['held']:,} bytes "
-             f"held (formula {m['want']:,}), seed={seed}")
+             f"held (formula {m['want']:,} + {res[0]['held'] - m['want']:,} of the {m['slack']:,} allowed for "
+             f"{ALLOWED[1]}), seed={seed}")
 
 
 @check(forbid=ZERO_REFS)
