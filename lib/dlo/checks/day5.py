@@ -171,7 +171,7 @@ def check_zero2(cls, seed: int = 0, world_size: int = 2, steps: int = 3) -> None
     """`cls(module, optimizer_cls, bucket_cap_mb=25.0, **optimizer_kwargs)`: gradients
     reduce-scattered bucket by bucket (async, from gradient hooks, during backward), only the 1/N
     gradient shard kept (also during backward: at most a couple of buckets of full gradients);
-    parameters equal to one process. Run at a tiny bucket cap (several buckets) and at 25 MB (one)."""
+    parameters equal to one process. Run at a tiny bucket cap (several buckets) and at 25 MiB (one)."""
     name, secret = "zero2", case_seed(seed)  # the case's seed: secret when graded
     c = case(secret)
     cap = 60 * 8 / 2 ** 20  # 60 float64 elements: several buckets, whichever side of the cap a bucket closes on
