@@ -230,8 +230,9 @@ def check_zero3(cls, seed: int = 0, world_size: int = 2, steps: int = 3) -> None
     psi_b = 8 * count_psi(c)
     for got in res:
         calls = got["comm"]
-        regather = "free each unit after its forward and gather it again before its backward: keeping the " \
-                   "gathered weights until backward (or until the next step) is not ZeRO-3's memory"
+        regather = "free each unit after its forward and gather it again before its backward (the root too: its " \
+                   "output's hook gathers it again): keeping the gathered weights until backward (or until the next " \
+                   "step) is not ZeRO-3's memory"
         # backward first: a missing re-gather is the slip to name even when forward is off too
         expect_bytes(name, "all-gathers in backward", comm_bytes(calls, "all_gather", "backward"), psi_b, 1, regather,
                      where)
