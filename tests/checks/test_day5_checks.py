@@ -77,6 +77,18 @@ def test_zero1_accepts(sol, ranks):
     day5.check_zero1(sol.ZeRO1, seed=2)
 
 
+def test_zero1_accepts_a_shard_kept_outside_the_engines_parameters(sol, ranks):
+    """The exercise lets the shard be an engine parameter (the solution's `self.shard`) or not: the check reads the
+    model's own parameters."""
+    class Unregistered(sol.ZeRO1):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            shard = self._parameters.pop("shard")  # no longer among the engine's parameters
+            object.__setattr__(self, "shard", shard)
+            assert not any(p is shard for p in self.parameters())
+    day5.check_zero1(Unregistered, seed=3)
+
+
 def test_zero1_rejects_all_reduce(sol, ranks):
     class AllReduce(sol.ZeRO1):
         def step(self):  # right parameters, but 2 Psi for the gradients and Psi more for the weights
@@ -163,6 +175,17 @@ def test_zero2_rejects_reducing_after_backward(sol, ranks):
                 all_gather(b["flat"].data, b["shard"].detach().clone())
     with pytest.raises(AssertionError, match="launched with async_op=True from a gradient hook"):
         day5.check_zero2(AfterBackward)
+
+
+def test_zero3_names_a_root_kept_gathered_into_backward(sol, ranks):
+    """Section 4 says the root stays gathered for the whole forward and backward; the exercise frees it after
+    the forward like every unit and gathers it again at its output's hook: the message says so."""
+    class RootKept(sol.ZeRO3):
+        def _after_forward(self, unit, out):
+            if unit is not self.units[0]:  # the root (the module itself) comes first
+                super()._after_forward(unit, out)
+    with pytest.raises(AssertionError, match=r"all-gathers in backward.*\(the root too"):
+        day5.check_zero3(RootKept)
 
 
 def test_zero3_accepts(sol, ranks):

@@ -22,7 +22,7 @@ from dlo.plan import GIB
 ZERO_PAPER = "Rajbhandari et al. 2020, Sec. 5 and 7"
 # FSDP's MFU beside FSDP figures only: Megatron-LM's table (seed 000, 41-49% on 1.7B-462B models) is 3-D
 # parallelism (tensor, pipeline, data), another recipe (an earlier version compared with it)
-LLM_FOUNDRY = "MosaicML llm-foundry benchmarks (FSDP, 8 H100, bf16; /work/shared/notes-anchors.md)"
+LLM_FOUNDRY = "MosaicML llm-foundry benchmarks (FSDP, 8 H100, bf16)"
 TORCHTITAN = "issue / torchtitan: Llama 3.1 8B, FSDP, 8 H100"
 COMM_FACTOR = {0: 2, 1: 2, 2: 2, 3: 3}
 
