@@ -39,7 +39,7 @@ def ring_sent(n: int) -> float:
 
 
 def tcp_available() -> bool:
-    """Whether `tcp_tx` can read this process's sockets (Linux: TCP_INFO and /proc/self/fd)."""
+    """Whether `tcp_tx_by_socket` can read this process's sockets (Linux: TCP_INFO and /proc/self/fd)."""
     return hasattr(socket, "TCP_INFO") and os.path.isdir("/proc/self/fd")
 
 
@@ -57,12 +57,6 @@ def tcp_tx_by_socket() -> dict[int, tuple[int, int]]:
             continue
         out[int(fd)] = tcp_counters(int(fd))
     return out
-
-
-def tcp_tx() -> tuple[int, int]:
-    """(payload bytes, data segments) sent so far by all of this process's TCP sockets (`tcp_tx_by_socket`)."""
-    counts = tcp_tx_by_socket().values()
-    return sum(b for b, _ in counts), sum(n for _, n in counts)
 
 
 def tcp_sent_by_socket(fn, calls: int) -> dict[int, tuple[float, int]]:
