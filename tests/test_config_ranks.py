@@ -182,7 +182,7 @@ def test_a_claims_table_of_cpu_ranks_says_so(gpus):
     row = next(r for r in rows if "TP=4" in r.claim)  # no t = 4 run: said so, not blamed on a missing run
     assert row.reason == "CPU run: no peak FLOP/s to compare with"
     train = {"mfu": None, "times_s": []}
-    rows = day5_report.training_claims(train, {"ZeRO-3 (ours)": [1.0], "FSDP2 (torch)": [1.0]}, run.ranks.device)
+    rows = day5_report.training_claims(train, {"ZeRO-3 (dlo)": [1.0], "FSDP2 (torch)": [1.0]}, run.ranks.device)
     assert rows[1].verdict == C.NOT_MEASURABLE and rows[1].reason == "no GPU peak here (cpu)"
 
 

@@ -201,7 +201,7 @@ class Day5Preset:
 
     world_size: int = 2            # ranks of the experiments (the checks pick their own)
     model: str = "tiny"            # dlo.models.llama config trained with FSDP2 ("llama3.2-3b" on GPUs)
-    compare_model: str = "tiny"    # config of DDP vs ZeRO-1/2/3 (ours) vs FSDP2 in fp32: memory, bytes, time
+    compare_model: str = "tiny"    # config of DDP vs ZeRO-1/2/3 (dlo) vs FSDP2 in fp32: memory, bytes, time
     compare_seq_len: int = 64      # tokens per sequence of that comparison (fp32, no checkpointing: DDP holds it all)
     model_overrides: tuple = ()    # (field, value) pairs applied to both configs (smoke runs cut them)
     seq_len: int = 64              # tokens per sequence
@@ -214,7 +214,7 @@ class Day5Preset:
     compile: bool = False          # torch.compile each block (GPU runs; minutes per block on a CPU)
     cpu_offload: bool = False      # FSDP2 CPUOffloadPolicy
     bucket_cap_mb: float = 0.05    # ZeRO-2 buckets (several on the tiny model)
-    timing_steps: int = 12         # timed steps of ZeRO-3 (ours) vs FSDP2, interleaved (after 2 warm-up)
+    timing_steps: int = 12         # timed steps of ZeRO-3 (dlo) vs FSDP2, interleaved (after 2 warm-up)
     accum_micro: int = 4           # micro-batches per step of section 6.8 (accumulation + clipping, sharded)
     memory_world_sizes: tuple = (1, 2, 4, 8)  # world sizes of the memory table (fake process group)
     plan_gpus: int = 8             # the planned Llama 3.2 3B run (`dlo plan day5_fsdp`)

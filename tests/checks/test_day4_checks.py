@@ -108,6 +108,12 @@ def test_ring_rejects(fn, match):
 
 def broadcast_ok(module):
     with torch.no_grad():
+        for t in [*module.parameters(), *module.buffers()]:
+            dist.broadcast(t.data, 0)
+
+
+def broadcast_parameters_only(module):
+    with torch.no_grad():
         for p in module.parameters():
             dist.broadcast(p.data, 0)
 
@@ -134,6 +140,7 @@ def test_naive_accepts_correct():
 
 @pytest.mark.parametrize("bcast,reduce,match", [(broadcast_ok, all_reduce_sum, "mean over ranks"),
                                                 (no_broadcast, all_reduce_mean, "rank 0"),
+                                                (broadcast_parameters_only, all_reduce_mean, "buffers too"),
                                                 (ddp.broadcast_parameters, all_reduce_mean, "off limits")])
 def test_naive_rejects(bcast, reduce, match):
     with pytest.raises(AssertionError, match=match):
@@ -150,7 +157,7 @@ class BucketOk(torch.nn.Module):
         self.module, self.world_size = module, dist.get_world_size()
         broadcast_ok(module)
         cap, self.buckets, current, size = bucket_cap_mb * 2 ** 20, [], [], 0
-        for p in reversed(list(module.parameters())):
+        for p in reversed([p for p in module.parameters() if p.requires_grad]):
             if current and size + p.numel() * p.element_size() > cap:
                 self.buckets.append(self._bucket(current))
                 current, size = [], 0
@@ -163,7 +170,7 @@ class BucketOk(torch.nn.Module):
             for p in b["params"]:
                 self.where[p] = (b, offset)
                 offset += p.numel()
-        for p in module.parameters():
+        for p in self.where:
             p.register_post_accumulate_grad_hook(self._hook)
 
     def forward(self, *args):
@@ -229,8 +236,24 @@ class AsyncPerParameter(NaiveOk):
         self.handles = []
 
 
+class BucketsFrozenToo(BucketOk):
+    """Right with every parameter trainable; buckets (and hooks) a frozen parameter too."""
+
+    def __init__(self, module, bucket_cap_mb=25.0):
+        for p in module.parameters():
+            p.requires_grad_(True)  # pretends every parameter trains: the frozen one's bucket never fills
+        super().__init__(module, bucket_cap_mb)
+        module[0].bias.requires_grad_(False)
+
+
 def test_bucket_accepts_correct():
     day4.check_bucket_ddp(BucketOk, seed=1)
+    day4.check_bucket_ddp(BucketOk, seed=2, frozen=True)
+
+
+def test_bucket_names_a_frozen_parameter_in_a_bucket():
+    with pytest.raises(AssertionError, match="requires_grad=False never gets a gradient"):
+        day4.check_bucket_ddp(BucketsFrozenToo, frozen=True)
 
 
 @pytest.mark.parametrize("cls,match", [(SyncAfterBackward, "async_op=True"), (AsyncPerParameter, "fewer than one per"),
@@ -272,11 +295,17 @@ def accumulation_divides_by_k(model, optimizer, loss_fn, xs, ys):
     optimizer.zero_grad()
 
 
+def accumulation_returns_loss(model, optimizer, loss_fn, xs, ys):
+    accumulation_step(model, optimizer, loss_fn, xs, ys)
+    return 1.0
+
+
 def test_accumulation_accepts_reference():
     day4.check_accumulation_step(accumulation_step, seed=1)
 
 
 @pytest.mark.parametrize("fn,match", [(accumulation_without_no_sync, "no_sync"),
+                                      (accumulation_returns_loss, "returns nothing"),
                                       (accumulation_divides_by_k, "differs")])
 def test_accumulation_rejects(fn, match):
     with pytest.raises(AssertionError, match=match):
@@ -313,6 +342,21 @@ def shard_ok(n, rank, world_size, seed=0, epoch=0):
     return perm[rank::world_size].tolist()
 
 
+def shard_contiguous_blocks(n, rank, world_size, seed=0, epoch=0):
+    """Disjoint, covering, sizes within one: right but for the split (blocks, not strides)."""
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+    return perm[rank * n // world_size:(rank + 1) * n // world_size]
+
+
+def shard_tensor(n, rank, world_size, seed=0, epoch=0):
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch))[rank::world_size]
+
+
+def shard_other_generator(n, rank, world_size, seed=0, epoch=0):
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(1000 * seed + epoch)).tolist()
+    return perm[rank::world_size]
+
+
 def test_shard_accepts_correct():
     for seed in range(3):
         day4.check_shard_indices(shard_ok, seed=seed, trials=10)
@@ -320,7 +364,9 @@ def test_shard_accepts_correct():
 
 @pytest.mark.parametrize("fn,match", [(stub, None), (shard_contiguous, "cover"), (shard_padded, "two shards"),
                                       (shard_unshuffled, "epoch"), (shard_seed_per_rank, None),
-                                      (data.shard_indices, "off limits")])
+                                      (data.shard_indices, "off limits"), (shard_contiguous_blocks, "strided"),
+                                      (shard_tensor, "list of Python ints"),
+                                      (shard_other_generator, "not the exercise's permutation")])
 def test_shard_rejects(fn, match):
     with pytest.raises((AssertionError, NotImplementedError), match=match):
         day4.check_shard_indices(fn, trials=10)
@@ -339,8 +385,16 @@ def metrics_ok(loss_sum, correct, count):
     return total_loss / total, total_correct / total
 
 
+def metrics_tensors(loss_sum, correct, count):
+    stats = torch.tensor([float(loss_sum), float(correct), float(count)], dtype=torch.float64)
+    dist.all_reduce(stats)
+    return stats[0] / stats[2], stats[1] / stats[2]
+
+
 def test_metrics():
     day4.check_all_reduce_metrics(metrics_ok, seed=1, world_size=3)
+    with pytest.raises(AssertionError, match="two Python floats"):
+        day4.check_all_reduce_metrics(metrics_tensors)
     with pytest.raises(AssertionError, match="mean of per-rank means"):
         day4.check_all_reduce_metrics(mean_of_means)
     with pytest.raises(AssertionError, match="off limits"):

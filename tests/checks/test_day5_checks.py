@@ -77,6 +77,18 @@ def test_zero1_accepts(sol, ranks):
     day5.check_zero1(sol.ZeRO1, seed=2)
 
 
+def test_zero1_accepts_a_shard_kept_outside_the_engines_parameters(sol, ranks):
+    """The exercise lets the shard be an engine parameter (the solution's `self.shard`) or not: the check reads the
+    model's own parameters."""
+    class Unregistered(sol.ZeRO1):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            shard = self._parameters.pop("shard")  # no longer among the engine's parameters
+            object.__setattr__(self, "shard", shard)
+            assert not any(p is shard for p in self.parameters())
+    day5.check_zero1(Unregistered, seed=3)
+
+
 def test_zero1_rejects_all_reduce(sol, ranks):
     class AllReduce(sol.ZeRO1):
         def step(self):  # right parameters, but 2 Psi for the gradients and Psi more for the weights
@@ -106,6 +118,26 @@ def test_zero1_rejects_gradients_moved_point_to_point(sol, ranks):
     with pytest.raises(AssertionError, match=r"rank 0 sent more than ZeRO-1 needs: recv 1\.\d\d Psi in the "
                                              r"step, send 1\.\d\d Psi in the step"):
         day5.check_zero1(PointToPoint)
+
+
+def test_zero1_memory_allowance_is_what_a_correct_engine_holds_beyond_the_formula():
+    """ZeRO-1's allowance, exactly: the averaged gradient shard its optimizer reads (S fp64 values), the padding
+    of its two flat buffers and AdamW's step counters; it let through 4,224 bytes more before (the slack of
+    ZeRO-2/3, which wait for a bucket), enough for a stray buffer of 400 doubles."""
+    c = day5_zero.case(0)
+    psi, tensors = day5_zero.count_psi(c), len(list(day5_zero.tied_lm(c, 0).parameters()))
+    for n in (2, 3):
+        assert day5_zero.memory_slack(c, n, 1) == 8 * -(-psi // n) + 16 * (n - 1) + 16 * tensors
+    assert "averaged gradient shard" in day5_zero.ALLOWED[1]
+
+
+def test_zero1_rejects_a_buffer_beyond_the_allowance(sol, ranks):
+    class Stray(sol.ZeRO1):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.register_buffer("stray", torch.zeros(400, dtype=torch.float64))  # 3,200 B no ZeRO-1 needs
+    with pytest.raises(AssertionError, match="allowed: the averaged gradient shard"):
+        day5.check_zero1(Stray)
 
 
 def test_zero2_accepts(sol, ranks):
@@ -143,6 +175,17 @@ def test_zero2_rejects_reducing_after_backward(sol, ranks):
                 all_gather(b["flat"].data, b["shard"].detach().clone())
     with pytest.raises(AssertionError, match="launched with async_op=True from a gradient hook"):
         day5.check_zero2(AfterBackward)
+
+
+def test_zero3_names_a_root_kept_gathered_into_backward(sol, ranks):
+    """Section 4 says the root stays gathered for the whole forward and backward; the exercise frees it after
+    the forward like every unit and gathers it again at its output's hook: the message says so."""
+    class RootKept(sol.ZeRO3):
+        def _after_forward(self, unit, out):
+            if unit is not self.units[0]:  # the root (the module itself) comes first
+                super()._after_forward(unit, out)
+    with pytest.raises(AssertionError, match=r"all-gathers in backward.*\(the root too"):
+        day5.check_zero3(RootKept)
 
 
 def test_zero3_accepts(sol, ranks):

@@ -1,5 +1,5 @@
 """Autograder checks for Day 4 (data parallelism: ring all-reduce, naive and bucketed DDP, accumulation with
-no_sync, sharding sampler, metric sync).
+no_sync; the sharding sampler and metric sync are in `day4_data`).
 
 The student's functions run on `world_size` fresh ranks (`dlo.grading.api.on_ranks`, gloo) in workers that
 only run the student's code and return what they observed: outputs, parameters after k steps, gradients, and
@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from dlo.checks.day4_data import check_all_reduce_metrics, check_shard_indices
 from dlo.grading.api import case_seed, check, on_ranks
 from dlo.grading.compare import DTYPE, assert_close, ok
 from dlo.measure import CommCounter
@@ -47,6 +48,9 @@ COLLECTIVES = tuple(f"torch.distributed.{n}" for n in (
     f"_c10d_functional::{op}*" for op in ("all_", "reduce_scatter", "broadcast")) + (
     "_c10d_functional_autograd::*",)
 DDP = ("torch.nn.parallel.DistributedDataParallel", "dlo.distributed.ddp.*")
+
+__all__ = ["check_accumulation_step", "check_all_reduce_metrics", "check_bucket_ddp", "check_naive_ddp",
+           "check_ring_all_reduce", "check_shard_indices"]
 
 
 def _close(name: str, what: str, got, want, where: str) -> None:
@@ -94,9 +98,14 @@ def check_ring_all_reduce(fn, seed: int = 0, world_size: int = 2, trials: int = 
 
 # ----------------------------------------------------------------------------- training helpers
 
-def _net(seed: int) -> nn.Module:
+def _net(seed: int, frozen: bool = False) -> nn.Module:
+    """The checks' MLP, with a buffer (as BatchNorm's running statistics: DDP broadcasts buffers too) and, when
+    `frozen`, its first bias frozen (requires_grad=False: no gradient, never bucketed)."""
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(7, 11), nn.Tanh(), nn.Linear(11, 5), nn.Tanh(), nn.Linear(5, 3)).to(DTYPE)
+    net = nn.Sequential(nn.Linear(7, 11), nn.Tanh(), nn.Linear(11, 5), nn.Tanh(), nn.Linear(5, 3)).to(DTYPE)
+    net.register_buffer("running_stat", torch.randn(4, dtype=DTYPE))
+    net[0].bias.requires_grad_(not frozen)
+    return net
 
 
 def _batch(seed: int, step: int, n: int):
@@ -116,9 +125,21 @@ def _params(model) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
 
 
-def _single_process(seed, steps, n):
+def _buffers(model) -> list[torch.Tensor]:
+    return [b.detach().clone() for b in model.buffers()]
+
+
+def _compare_buffers(name: str, got: list, want: list, where: str) -> None:
+    for i, (b, wnt) in enumerate(zip(got, want)):
+        if not torch.equal(b, wnt):
+            raise AssertionError(f"{name}: buffer {i} differs from rank 0's: broadcast the buffers too "
+                                 f"(module.buffers(), e.g. BatchNorm's running statistics), as DDP does at "
+                                 f"construction ({where})")
+
+
+def _single_process(seed, steps, n, frozen=False):
     """The target: one process, the whole global batch, mean loss, same optimizer, rank 0's start."""
-    net = _net(seed + 1)
+    net = _net(seed + 1, frozen)
     opt = _optimizer(net, _lr(seed))
     for s in range(steps):
         x, y = _batch(seed, s, n)
@@ -140,12 +161,12 @@ def _per_rank(seed: int) -> int:
     return random.Random(seed).choice([3, 5, 7])
 
 
-def ddp_parts(seed: int, steps: int, per_rank: int, w: int) -> list[dict]:
-    """What rank r is given, built here on the grader's side: its own random starting weights (the
-    broadcast must replace them with rank 0's), the learning rate and its own slice of each step's
+def ddp_parts(seed: int, steps: int, per_rank: int, w: int, frozen: bool = False) -> list[dict]:
+    """What rank r is given, built here on the grader's side: its own random starting weights and buffers
+    (the broadcast must replace them with rank 0's), the learning rate and its own slice of each step's
     global batch; never the global batch nor the seed."""
     batches = [_batch(seed, s, per_rank * w) for s in range(steps)]
-    return [{"net": _net(seed + 1 + r), "lr": _lr(seed),
+    return [{"net": _net(seed + 1 + r, frozen), "lr": _lr(seed),
              "batches": [(x[r::w].clone(), y[r::w].clone()) for x, y in batches]} for r in range(w)]
 
 
@@ -155,7 +176,7 @@ def _naive_worker(mine: dict, broadcast_parameters, all_reduce_gradients):
     """`mine`: this rank's part (`ddp_parts`)."""
     net = mine["net"]  # each rank starts from its own random weights
     broadcast_parameters(net)
-    start, grads = _params(net), None
+    start, buffers, grads = _params(net), _buffers(net), None
     opt = _optimizer(net, mine["lr"])
     for s, (x, y) in enumerate(mine["batches"]):
         F.cross_entropy(net(x), y).backward()
@@ -164,21 +185,21 @@ def _naive_worker(mine: dict, broadcast_parameters, all_reduce_gradients):
             grads = [None if p.grad is None else p.grad.clone() for p in net.parameters()]
         opt.step()
         opt.zero_grad()
-    return {"start": start, "grads": grads, "params": _params(net)}
+    return {"start": start, "buffers": buffers, "grads": grads, "params": _params(net)}
 
 
 @check(forbid=DDP)
 def check_naive_ddp(broadcast_parameters, all_reduce_gradients, seed: int = 0, world_size: int = 2,
                     steps: int = 3) -> None:
-    """`broadcast_parameters(module)` (rank 0's weights everywhere) and `all_reduce_gradients(module)`
-    (every .grad becomes the mean over ranks): trained on shards of a batch, the parameters must equal
-    one process on the whole batch."""
+    """`broadcast_parameters(module)` (rank 0's parameters and buffers everywhere) and
+    `all_reduce_gradients(module)` (every .grad becomes the mean over ranks): trained on shards of a
+    batch, the parameters must equal one process on the whole batch."""
     secret = case_seed(seed)  # a secret seed when graded
     per_rank = _per_rank(secret)
     n, where = per_rank * world_size, f"world_size={world_size}, {per_rank} samples per rank"
     got = on_ranks(_naive_worker, world_size, broadcast_parameters, all_reduce_gradients,
                    per_rank=ddp_parts(secret, steps, per_rank, world_size))
-    start = _params(_net(secret + 1))
+    start, buffers = _params(_net(secret + 1)), _buffers(_net(secret + 1))
     first = _net(secret + 1)  # the gradient of step 1 on the whole batch
     x, y = _batch(secret, 0, n)
     F.cross_entropy(first(x), y).backward()
@@ -186,6 +207,7 @@ def check_naive_ddp(broadcast_parameters, all_reduce_gradients, seed: int = 0, w
     for r, g in enumerate(got):
         for i, (p, want) in enumerate(zip(g["start"], start)):
             _close("broadcast_parameters", f"parameter {i} on rank {r} (must equal rank 0's)", p, want, where)
+        _compare_buffers("broadcast_parameters", g["buffers"], buffers, f"{where}, rank {r}")
         for i, (p, q) in enumerate(zip(g["grads"], first.parameters())):
             _close("all_reduce_gradients", f"grad of parameter {i} on rank {r} after step 1 (the mean over "
                    f"ranks, not the sum)", p, q.grad, where)
@@ -198,43 +220,62 @@ def check_naive_ddp(broadcast_parameters, all_reduce_gradients, seed: int = 0, w
 SMALL_CAP = 50 * 8 / 2 ** 20  # 50 doubles, in MB
 
 
-def _bucket_worker(mine: dict, cls):
-    """`mine`: this rank's part (`ddp_parts`). Per bucket cap: the all-reduces of each step as (async,
-    during backward), and the parameters."""
+def _bucket_worker(mine: dict, cls, frozen: bool = False):
+    """`mine`: this rank's part (`ddp_parts`). Per bucket cap: the buffers after construction, the
+    all-reduces of each step as (async, during backward), and the parameters. With a frozen parameter,
+    what the student's class raised is reported (to name the mistake), not raised."""
     out = []
     for cap_mb in (SMALL_CAP, 25.0):
-        model = cls(copy.deepcopy(mine["net"]), bucket_cap_mb=cap_mb)
-        opt = _optimizer(model, mine["lr"])
-        calls = []
-        for x, y in mine["batches"]:
-            loss = F.cross_entropy(model(x), y)
-            with CommCounter() as rec:
-                rec.phase = "backward"
-                loss.backward()
-                rec.phase = "after backward"
-                model.finish_gradient_synchronization()
-            calls.append([(c.async_op, c.phase == "backward") for c in rec.calls if c.kind == "all_reduce"])
-            opt.step()
-            opt.zero_grad()
-        out.append({"cap_mb": cap_mb, "calls": calls, "params": _params(model)})
+        try:
+            out.append(_bucket_run(mine, cls, cap_mb))
+        except (RuntimeError, AttributeError, TypeError, KeyError) as e:
+            if not frozen:
+                raise
+            out.append({"cap_mb": cap_mb, "error": f"{type(e).__name__}: {e}"[:300]})
     return out
 
 
+def _bucket_run(mine: dict, cls, cap_mb: float) -> dict:
+    model = cls(copy.deepcopy(mine["net"]), bucket_cap_mb=cap_mb)
+    buffers = _buffers(model.module)  # the exercise's skeleton keeps the wrapped module there
+    opt = _optimizer(model, mine["lr"])
+    calls = []
+    for x, y in mine["batches"]:
+        loss = F.cross_entropy(model(x), y)
+        with CommCounter() as rec:
+            rec.phase = "backward"
+            loss.backward()
+            rec.phase = "after backward"
+            model.finish_gradient_synchronization()
+        calls.append([(c.async_op, c.phase == "backward") for c in rec.calls if c.kind == "all_reduce"])
+        opt.step()
+        opt.zero_grad()
+    return {"cap_mb": cap_mb, "buffers": buffers, "calls": calls, "params": _params(model)}
+
+
 @check(forbid=DDP)
-def check_bucket_ddp(cls, seed: int = 0, world_size: int = 2, steps: int = 3) -> None:
-    """`cls(module, bucket_cap_mb)` with `finish_gradient_synchronization()`: several buckets at a tiny
-    cap and one at 25 MB, each launched async during backward; parameters must equal one process on
-    the whole batch."""
+def check_bucket_ddp(cls, seed: int = 0, world_size: int = 2, steps: int = 3, frozen: bool = False) -> None:
+    """`cls(module, bucket_cap_mb)` with `finish_gradient_synchronization()`: rank 0's parameters and
+    buffers broadcast; several buckets at a tiny cap and one at 25 MB, each launched async during
+    backward; parameters must equal one process on the whole batch. `frozen`: one parameter has
+    requires_grad=False (no gradient: it must be left out of the buckets, as torch DDP does)."""
     secret = case_seed(seed)  # a secret seed when graded
     per_rank = _per_rank(secret)
     n, where = per_rank * world_size, f"world_size={world_size}, {per_rank} samples per rank"
-    got = on_ranks(_bucket_worker, world_size, cls, per_rank=ddp_parts(secret, steps, per_rank, world_size))
-    n_params = len(list(_net(0).parameters()))
-    ref = _single_process(secret, steps, n)  # the same for both caps
+    if frozen:
+        where += ", the first layer's bias frozen (requires_grad=False)"
+    got = on_ranks(_bucket_worker, world_size, cls, frozen,
+                   per_rank=ddp_parts(secret, steps, per_rank, world_size, frozen))
+    n_params = sum(p.requires_grad for p in _net(0, frozen).parameters())
+    ref, buffers = _single_process(secret, steps, n, frozen), _buffers(_net(secret + 1))  # the same for both caps
     for rank_runs in got:
         for run in rank_runs:
             cap_mb = run["cap_mb"]
             here = f"{where}, bucket_cap_mb={cap_mb:.3g}"
+            if "error" in run:
+                raise AssertionError(f"bucket DDP: {run['error']}; a parameter with requires_grad=False never gets "
+                                     f"a gradient (and cannot take a hook): leave it out of the buckets ({here})")
+            _compare_buffers("bucket DDP", run["buffers"], buffers, here)
             for step_calls in run["calls"]:
                 if not all(is_async and during for is_async, during in step_calls):
                     raise AssertionError(f"bucket DDP: every bucket's all-reduce must be launched with async_op=True "
@@ -268,9 +309,10 @@ def _accum_worker(mine: dict, fn, micro: int):
     for x, y in mine["batches"]:
         xs, ys = list(x.tensor_split(micro)), list(y.tensor_split(micro))  # unequal sizes
         with CommCounter() as rec:
-            fn(model, opt, F.cross_entropy, xs, ys)
+            res = fn(model, opt, F.cross_entropy, xs, ys)
         left = max((float(p.grad.abs().max()) for p in model.parameters() if p.grad is not None), default=0.0)
-        steps_seen.append({"all_reduces": rec.count("all_reduce"), "buckets": len(model.buckets), "grad_left": left})
+        steps_seen.append({"all_reduces": rec.count("all_reduce"), "buckets": len(model.buckets), "grad_left": left,
+                           "returned": None if res is None else f"{type(res).__name__}: {res!r}"[:100]})
     return {"steps": steps_seen, "params": _params(model)}
 
 
@@ -290,80 +332,11 @@ def check_accumulation_step(fn, seed: int = 0, world_size: int = 2, steps: int =
                 raise AssertionError(f"accumulation_step: {st['all_reduces']} all-reduce calls for {micro} "
                                      f"micro-batches; expected {st['buckets']} (one per bucket, only on the last "
                                      f"micro-batch: wrap the others in model.no_sync()) ({where})")
+            if st["returned"] is not None:
+                raise AssertionError(f"accumulation_step: returns nothing (None), its work is on the model and the "
+                                     f"optimizer; it returned {st['returned']} ({where})")
             if st["grad_left"] > 0:
                 raise AssertionError(f"accumulation_step: gradients are not zero after the step; call "
                                      f"optimizer.zero_grad() after optimizer.step() ({where})")
         _compare_params("accumulation_step", g["params"], ref, steps, where)
     ok("accumulation_step", f"{steps} steps on {world_size} ranks, seed={seed}")
-
-
-# ----------------------------------------------------------------------------- 5. sampler and metrics
-
-SAMPLERS = ("dlo.distributed.data.shard_indices", "dlo.distributed.data.ShardSampler",
-            "torch.utils.data.DistributedSampler")
-
-
-@check(forbid=SAMPLERS)
-def check_shard_indices(fn, seed: int = 0, trials: int = 6) -> None:
-    """`fn(n, rank, world_size, seed=0, epoch=0) -> list of indices`: shards disjoint, covering range(n)
-    exactly once, sizes within one, the same on every call, reshuffled when the epoch changes. Runs
-    in one process (it needs no communication)."""
-    name, rng = "shard_indices", random.Random(seed)
-    for _ in range(trials):
-        n, w = rng.choice([1, 2, 10, 17, 33, 100]), rng.choice([2, 3, 4, 5])
-        s, e = rng.randrange(1000), rng.randrange(5)
-        where = f"n={n}, world_size={w}, seed={s}, epoch={e}"
-        shards = [list(fn(n, r, w, seed=s, epoch=e)) for r in range(w)]
-        flat = sorted(int(i) for sh in shards for i in sh)
-        if len(flat) != len(set(flat)):
-            raise AssertionError(f"{name}: some index is in two shards (or twice in one): ranks must not overlap; "
-                                 f"shard sizes {[len(x) for x in shards]} ({where})")
-        if flat != list(range(n)):
-            missing = sorted(set(range(n)) - set(flat))[:5]
-            raise AssertionError(f"{name}: the shards do not cover range(n): missing e.g. {missing} ({where})")
-        if max(map(len, shards)) - min(map(len, shards)) > 1:
-            raise AssertionError(f"{name}: shard sizes {[len(x) for x in shards]} differ by more than one ({where})")
-        if [_ints(fn(n, r, w, seed=s, epoch=e)) for r in range(w)] != [_ints(sh) for sh in shards]:
-            raise AssertionError(f"{name}: two calls with the same arguments gave different shards; draw the "
-                                 f"permutation from a generator seeded with seed and epoch ({where})")
-        if n >= 10 and _ints(fn(n, 0, w, seed=s, epoch=e + 1)) == _ints(shards[0]):
-            raise AssertionError(f"{name}: epoch {e + 1} gives the same shard as epoch {e}: reshuffle per epoch "
-                                 f"({where})")
-    ok(name, f"{trials} trials, seed={seed}")
-
-
-def _ints(indices) -> list[int]:
-    return [int(i) for i in indices]
-
-
-def _metrics_case(seed: int, w: int):
-    counts = [random.Random(seed * 31 + k).randint(1, 40) for k in range(w)]  # unequal shards
-    losses = [random.Random(seed * 31 + k).uniform(0.5, 3.0) * counts[k] for k in range(w)]
-    corrects = [random.Random(seed * 7 + k).randint(0, counts[k]) for k in range(w)]
-    return counts, losses, corrects
-
-
-def _metrics_worker(mine: tuple, fn):
-    """`mine`: this rank's own (loss_sum, correct, count)."""
-    got = fn(*mine)
-    if not isinstance(got, (tuple, list)) or len(got) != 2:
-        return {"bad": repr(got)[:200]}
-    return {"got": [float(g) for g in got]}
-
-
-@check(forbid=("dlo.distributed.data.all_reduce_metrics",))
-def check_all_reduce_metrics(fn, seed: int = 0, world_size: int = 2) -> None:
-    """`fn(loss_sum, correct, count) -> (mean_loss, accuracy)` over all ranks, with unequal shard sizes."""
-    counts, losses, corrects = _metrics_case(case_seed(seed), world_size)  # a secret seed when graded
-    got = on_ranks(_metrics_worker, world_size, fn, per_rank=list(zip(losses, corrects, counts)))
-    want = (sum(losses) / sum(counts), sum(corrects) / sum(counts))
-    for r, res in enumerate(got):
-        where = f"world_size={world_size}, counts={counts}, rank {r}"
-        if "bad" in res:
-            raise AssertionError(f"all_reduce_metrics: return (mean_loss, accuracy), got {res['bad']} ({where})")
-        for label, g, wnt in zip(("mean loss", "accuracy"), res["got"], want):
-            if abs(g - wnt) > 1e-9 * (1 + abs(wnt)):
-                raise AssertionError(f"all_reduce_metrics: {label} {g:.6g}, expected {wnt:.6g}: all-reduce the sums "
-                                     f"and the counts, then divide (a mean of per-rank means weights small shards "
-                                     f"too much) ({where})")
-    ok("all_reduce_metrics", f"{world_size} ranks, seed={seed}")

@@ -30,7 +30,7 @@ from dlo.distributed.current import heartbeat, rank_device
 from dlo.distributed.ddp import DataParallelBucket, DataParallelNaive
 from dlo.distributed.onebit_adam import OneBitAdam
 from dlo.distributed.sync_bn import convert_sync_batchnorm
-from dlo.experiments.day4_comm import powersgd_bytes, ring_peers, ring_sent, tcp_available, tcp_sent, wire_bytes
+from dlo.experiments.day4_comm import powersgd_parts, ring_sent, tcp_available, tcp_sent, wire_bytes
 from dlo.experiments.day4_data import batch, batches, ddp_step, feature_batch, mlp, model
 from dlo.experiments.day4_overlap import exposed_comm, overlap
 from dlo.measure import CommCounter, time_interleaved
@@ -133,7 +133,8 @@ def compression(P, device, log_dir=None) -> dict:
             b = batch(P, P.compress_steps, rank, device)  # thread: only the sockets see all of it
             out[name]["wire sent/step"] = [tcp_sent(lambda: step(net, opt, b), 1)  # noqa: B023 - called now
                                            for _ in range(P.wire_calls)]  # (bytes, segments) per step
-    out["PowerSGD"]["formula bytes"] = powersgd_bytes(model(P, "meta"), P.powersgd_rank)
+    parts = powersgd_parts(model(P, "meta"), P.powersgd_rank)  # what each of its three all-reduces carries
+    out["PowerSGD"]["formula bytes"], out["PowerSGD"]["formula parts"] = sum(parts.values()), parts
     return out
 
 
@@ -217,7 +218,7 @@ def run_all(P, log_dir) -> dict:
     out = {"world": dist.get_world_size(), "device": str(device), "backend": dist.get_backend(),
            "model": P.model, "params": count_parameters(model(P, device)), "bn_batch": P.bn_batch,
            "bandwidth": bus_bandwidth(P.msg_sizes, reps=P.bw_reps, trials=P.bw_trials, device=device),
-           "ring sent": ring_sent(dist.get_world_size() * 4096), "ring peers": ring_peers(dist.get_world_size() * 4096)}
+           "ring sent": ring_sent(dist.get_world_size() * 4096)}
     if dist.get_backend() == "gloo" and tcp_available():
         heartbeat("bytes on this rank's sockets")
         out["wire"] = wire_bytes(P.wire_bytes, P.wire_calls, P.wire_trials)
@@ -231,10 +232,9 @@ def run_all(P, log_dir) -> dict:
 
 
 def wire_only(P) -> dict:
-    """`wire_bytes` and the exercise ring's bytes per connection ("ring peers") at another world size
-    (a ring at N = 2 cannot be told from sending everything, at N = 3 it can)."""
-    return {**wire_bytes(P.wire_bytes, P.wire_calls, P.wire_trials),
-            "ring peers": ring_peers(dist.get_world_size() * 4096)}
+    """`wire_bytes` (in all and per connection) at another world size (a ring at N = 2 cannot be told
+    from sending everything or from a tree, at N = 3 it can)."""
+    return wire_bytes(P.wire_bytes, P.wire_calls, P.wire_trials)
 
 
 def scaling(P) -> dict:

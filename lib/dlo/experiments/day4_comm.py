@@ -4,12 +4,15 @@
   interleaved round by round after an untimed warm-up round: the first calls set up connections and
   buffers, not part of alpha, so not fitted);
 - `ring_sent`: the bytes the ring all-reduce's messages carry, counted by `dlo.measure.CommCounter`
-  on the exercise's algorithm (`dlo.distributed.collectives.ring_all_reduce`);
-- `wire_bytes` (`tcp_sent`): the bytes gloo's own all-reduce hands to this rank's TCP sockets, from
-  the kernel's per-socket counters (TCP_INFO): the algorithm the backend really runs, measured from
-  outside it (also what a DDP hook sends from the backend's callback threads, which `CommCounter`
-  does not see), and only this process's sockets, so other jobs on a shared node do not count;
-- `powersgd_bytes`: PowerSGD's message from its definition, to check the hook's count against.
+  on the exercise's algorithm (`dlo.distributed.collectives.ring_all_reduce`): a count of the course's
+  own code, which sends only to rank + 1, so it restates that code;
+- `wire_bytes` (`tcp_sent`, `tcp_sent_by_socket`): the bytes gloo's own all-reduce hands to this rank's
+  TCP sockets, in all and per connection (gloo keeps one socket per peer), from the kernel's per-socket
+  counters (TCP_INFO): the algorithm the backend really runs, measured from outside it (also what a DDP
+  hook sends from the backend's callback threads, which `CommCounter` does not see), and only this
+  process's sockets, so other jobs on a shared node do not count;
+- `powersgd_parts` / `powersgd_bytes`: PowerSGD's messages from its definition, to judge the bytes
+  the sockets saw against.
 
 All run on every rank inside `dlo.distributed.launch`.
 """
@@ -35,86 +38,100 @@ def ring_sent(n: int) -> float:
     return comm.sent("send") / (4 * n)
 
 
-def ring_peers(n: int) -> dict[int, float]:
-    """The same all-reduce's bytes per connection: {peer: bytes this rank sent it / 4 n}. A ring
-    sends 2(N-1)/N n to one neighbour; a tree or reduce + broadcast moves the same total over
-    several connections, n at most on each (they differ from N = 3 on)."""
-    with CommCounter() as comm:
-        ring_all_reduce(torch.ones(n))
-    return {peer: b / (4 * n) for peer, b in sorted(comm.sent_by_peer().items())}
-
-
 def tcp_available() -> bool:
-    """Whether `tcp_tx` can read this process's sockets (Linux: TCP_INFO and /proc/self/fd)."""
+    """Whether `tcp_tx_by_socket` can read this process's sockets (Linux: TCP_INFO and /proc/self/fd)."""
     return hasattr(socket, "TCP_INFO") and os.path.isdir("/proc/self/fd")
 
 
-def tcp_tx() -> tuple[int, int]:
-    """(payload bytes, data segments) sent so far by this process's TCP sockets (`dlo.measure.tcp_counters`:
-    the kernel's per-socket counters). Every thread's sockets count (gloo sends from its own threads); the
-    payload is what TCP carries: the backend's messages with its own headers, not TCP/IP's."""
-    sent = segs = 0
+def tcp_tx_by_socket() -> dict[int, tuple[int, int]]:
+    """{descriptor: (payload bytes, data segments)} sent so far by each of this process's TCP sockets
+    (`dlo.measure.tcp_counters`: the kernel's per-socket counters). Every thread's sockets count (gloo
+    sends from its own threads); the payload is what TCP carries: the backend's messages with its own
+    headers, not TCP/IP's. gloo keeps one socket per peer, so a socket is a connection."""
+    out = {}
     for fd in os.listdir("/proc/self/fd"):
         try:
             if not os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
                 continue
         except OSError:  # closed since the listing
             continue
-        b, n = tcp_counters(int(fd))
-        sent, segs = sent + b, segs + n
-    return sent, segs
+        out[int(fd)] = tcp_counters(int(fd))
+    return out
 
 
-def tcp_sent(fn, calls: int) -> tuple[float, int]:
-    """(bytes, data segments) this rank's TCP sockets send per call of `fn` (called `calls` times on
-    every rank between barriers). A control window (the barriers only) is subtracted. The counters are
-    this process's own: exact, whatever else runs on the machine (an earlier version read the loopback
-    interface, which every process on the host shares: a loaded node moved the result)."""
+def tcp_sent_by_socket(fn, calls: int) -> dict[int, tuple[float, int]]:
+    """{socket: (bytes, data segments)} this rank's TCP sockets send per call of `fn` (called `calls` times
+    on every rank between barriers), each socket's control window (the barriers only) subtracted. The
+    counters are this process's own: exact, whatever else runs on the machine (an earlier version read the
+    loopback interface, which every process on the host shares: a loaded node moved the result)."""
+    def delta(a, b):
+        return {fd: (b[fd][0] - a.get(fd, (0, 0))[0], b[fd][1] - a.get(fd, (0, 0))[1]) for fd in b}
+
     dist.barrier()
-    b0, s0 = tcp_tx()
+    t0 = tcp_tx_by_socket()
     for _ in range(calls):
         fn()
     dist.barrier()
-    b1, s1 = tcp_tx()
+    t1 = tcp_tx_by_socket()
     dist.barrier()
-    c0, q0 = tcp_tx()
+    c0 = tcp_tx_by_socket()
     dist.barrier()
-    c1, q1 = tcp_tx()
-    return ((b1 - b0) - (c1 - c0)) / calls, ((s1 - s0) - (q1 - q0)) // calls
+    window, control = delta(t0, t1), delta(c0, tcp_tx_by_socket())
+    return {fd: ((b - control.get(fd, (0, 0))[0]) / calls, (n - control.get(fd, (0, 0))[1]) // calls)
+            for fd, (b, n) in window.items()}
+
+
+def tcp_sent(fn, calls: int) -> tuple[float, int]:
+    """(bytes, data segments) all of this rank's TCP sockets send per call of `fn` (`tcp_sent_by_socket`)."""
+    per = tcp_sent_by_socket(fn, calls).values()
+    return sum(b for b, _ in per), sum(n for _, n in per)
 
 
 def wire_bytes(nbytes: int, calls: int, trials: int) -> dict:
-    """What gloo's own all-reduce of `nbytes` hands to this rank's TCP sockets (`tcp_sent`), over
-    nbytes ("ratio", one per trial of `calls` all-reduces), the TCP segments it took ("segments"),
-    and the bytes over the algorithm's 2(N-1)/N n ("excess per call": gloo's message headers). On a
-    real wire each segment also carries ~52-66 bytes of TCP/IP (and Ethernet) headers."""
+    """What gloo's own all-reduce of `nbytes` hands to this rank's TCP sockets (`tcp_sent_by_socket`),
+    over nbytes, per trial of `calls` all-reduces: in all ("ratio"), on each connection ("peers": every
+    socket's share, largest first; a ring puts all of 2(N-1)/N on one, a tree or reduce + broadcast
+    spreads it), the TCP segments it took ("segments"), and the bytes over the algorithm's 2(N-1)/N n
+    ("excess per call": gloo's message headers). On a real wire each segment also carries ~52-66 bytes
+    of TCP/IP (and Ethernet) headers."""
     if not tcp_available():
         raise RuntimeError("wire_bytes reads this process's TCP sockets (Linux only)")
     world_size, x = dist.get_world_size(), torch.ones(nbytes // 4)
     for _ in range(3):
         dist.all_reduce(x)  # connections up, buffers allocated
-    ratios, segments, excess = [], [], []
+    ratios, peers, segments, excess = [], [], [], []
     for _ in range(trials):
-        sent, segs = tcp_sent(lambda: dist.all_reduce(x), calls)
+        per = tcp_sent_by_socket(lambda: dist.all_reduce(x), calls)
+        sent, segs = sum(b for b, _ in per.values()), sum(n for _, n in per.values())
         ratios.append(sent / (4 * x.numel()))
+        peers.append(sorted((b / (4 * x.numel()) for b, _ in per.values()), reverse=True))
         segments.append(segs)
         excess.append(sent - 2 * (world_size - 1) / world_size * 4 * x.numel())
-    return {"world": world_size, "bytes": 4 * x.numel(), "calls": calls, "ratio": ratios, "segments": segments,
-            "excess per call": excess}
+    return {"world": world_size, "bytes": 4 * x.numel(), "calls": calls, "ratio": ratios, "peers": peers,
+            "segments": segments, "excess per call": excess}
 
 
-def powersgd_bytes(net: nn.Module, rank: int, min_compression_rate: float = 2.0) -> int:
-    """What PowerSGD all-reduces per step, from its definition (Vogels et al. 2019): P (n x r) and
-    Q (m x r) for every gradient viewed as an n x m matrix (n = its first dimension), the vectors
-    (biases) uncompressed, in fp32. A matrix whose n m is not more than min_compression_rate times
-    (n + m) r is sent whole, as torch's hook does (PowerSGDState's documented min_compression_rate,
-    default 2): compressing it would save too little."""
-    total = 0
+def powersgd_parts(net: nn.Module, rank: int, min_compression_rate: float = 2.0) -> dict[str, int]:
+    """The bytes of PowerSGD's three all-reduces per step, from its definition (Vogels et al. 2019), in
+    fp32: "uncompressed" (the vectors, biases, and matrices too small to gain, sent whole: one all-reduce
+    on the calling thread), "P" (n x r for every gradient viewed as an n x m matrix, n = its first
+    dimension) and "Q" (m x r), each all-reduced from the previous one's callback. A matrix whose n m is
+    not more than min_compression_rate times (n + m) r is sent whole, as torch's hook does
+    (PowerSGDState's documented min_compression_rate, default 2): compressing it would save too little."""
+    parts = {"uncompressed": 0, "P": 0, "Q": 0}
     for p in net.parameters():
         n, m = (p.shape[0], p.numel() // p.shape[0]) if p.dim() > 1 else (p.numel(), 1)
         r = min(rank, n, m)
-        small = (n + m) * r * min_compression_rate >= n * m
-        total += 4 * (p.numel() if p.dim() <= 1 or small else (n + m) * r)
-    return total
+        if p.dim() <= 1 or (n + m) * r * min_compression_rate >= n * m:
+            parts["uncompressed"] += 4 * p.numel()
+        else:
+            parts["P"], parts["Q"] = parts["P"] + 4 * n * r, parts["Q"] + 4 * m * r
+    return parts
+
+
+def powersgd_bytes(net: nn.Module, rank: int, min_compression_rate: float = 2.0) -> int:
+    """What PowerSGD all-reduces per step (`powersgd_parts`, summed): (n + m) r values per compressed
+    matrix, the rest whole."""
+    return sum(powersgd_parts(net, rank, min_compression_rate).values())
 
 

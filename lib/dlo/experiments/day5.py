@@ -1,4 +1,4 @@
-"""Day 5 experiments: DDP, ZeRO-1/2/3 (ours) and FSDP2 side by side, and FSDP2 training of a Llama.
+"""Day 5 experiments: DDP, ZeRO-1/2/3 (dlo) and FSDP2 side by side, and FSDP2 training of a Llama.
 
 `run_all(P, log_dir)` runs on every rank inside `dlo.distributed.launch` (rank 0's dict is read):
 
@@ -51,8 +51,8 @@ from dlo.measure import (
     transformer_flops_per_token,
 )
 
-ENGINES = ("DDP (torch)", "ZeRO-1 (ours)", "ZeRO-2 (ours)", "ZeRO-3 (ours)", "FSDP2 (torch)")
-STAGE = {"DDP (torch)": 0, "ZeRO-1 (ours)": 1, "ZeRO-2 (ours)": 2, "ZeRO-3 (ours)": 3, "FSDP2 (torch)": 3}
+ENGINES = ("DDP (torch)", "ZeRO-1 (dlo)", "ZeRO-2 (dlo)", "ZeRO-3 (dlo)", "FSDP2 (torch)")
+STAGE = {"DDP (torch)": 0, "ZeRO-1 (dlo)": 1, "ZeRO-2 (dlo)": 2, "ZeRO-3 (dlo)": 3, "FSDP2 (torch)": 3}
 
 
 # ----------------------------------------------------------------------------- the engines
@@ -89,11 +89,11 @@ def engine(name: str, P, cfg, device, replica: bool = False, model=None, mesh=No
         apply_fsdp(model, mesh or _mesh(device), param_dtype=None, reduce_dtype=None)  # fp32 like ours
         opt = torch.optim.AdamW(model.parameters(), **kw)
         return model, opt, opt.step, opt.zero_grad
-    if name == "ZeRO-1 (ours)":
+    if name == "ZeRO-1 (dlo)":
         eng = ZeRO1(model, torch.optim.AdamW, **kw)
-    elif name == "ZeRO-2 (ours)":
+    elif name == "ZeRO-2 (dlo)":
         eng = ZeRO2(model, torch.optim.AdamW, bucket_cap_mb=P.bucket_cap_mb, **kw)
-    elif name == "ZeRO-3 (ours)":
+    elif name == "ZeRO-3 (dlo)":
         eng = ZeRO3(model, torch.optim.AdamW, units=list(model.layers.values()), **kw)
     else:
         raise ValueError(f"unknown engine {name!r}; one of {', '.join(ENGINES)}")
@@ -179,11 +179,11 @@ def step_fn(net, opt_step, zero):
 def timing(P, cfg, device, batch) -> dict:
     """Median step time of our ZeRO-3 and FSDP2 on the same fp32 model, interleaved step by step."""
     fns = {}
-    for name in ("ZeRO-3 (ours)", "FSDP2 (torch)"):
+    for name in ("ZeRO-3 (dlo)", "FSDP2 (torch)"):
         net, opt, step, zero = engine(name, P, cfg, device)
         one_step = step_fn(net, step, zero)
         fns[name] = lambda s=one_step, o=opt: s(None, o, batch)
-    heartbeat("timing ZeRO-3 (ours) vs FSDP2")
+    heartbeat("timing ZeRO-3 (dlo) vs FSDP2")
     timings = time_interleaved(fns, device=device, warmup=2, reps=P.timing_steps)
     fns.clear()
     gc.collect()
@@ -195,7 +195,7 @@ def same_losses(P, cfg, device, batches, log_dir) -> dict:
     from dlo.train import train
 
     out = {}
-    for name, run in (("ZeRO-3 (ours)", "zero3_ours"), ("FSDP2 (torch)", "fsdp2_fp32")):
+    for name, run in (("ZeRO-3 (dlo)", "zero3_dlo"), ("FSDP2 (torch)", "fsdp2_fp32")):
         heartbeat(f"training {name}")
         net, opt, step, zero = engine(name, P, cfg, device)
         writer = tb.writer(log_dir, run, dist.get_rank())

@@ -1,0 +1,107 @@
+"""Autograder checks for Day 4's exercise 5 (the sharding sampler and metric sync), part of `dlo.checks.day4`.
+
+The sampler needs no communication and runs in the grading process; the metrics run on `world_size` fresh
+ranks (`dlo.grading.api.on_ranks`, gloo), each given only its own sums. The exercise specifies one answer:
+the strided slice perm[rank::world_size] of torch.randperm(n) seeded by seed + epoch, as Python ints; the
+metrics as a tuple of two Python floats.
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from dlo.grading.api import case_seed, check, on_ranks
+from dlo.grading.compare import ok
+
+SAMPLERS = ("dlo.distributed.data.shard_indices", "dlo.distributed.data.ShardSampler",
+            "torch.utils.data.DistributedSampler")
+
+
+@check(forbid=SAMPLERS)
+def check_shard_indices(fn, seed: int = 0, trials: int = 6) -> None:
+    """`fn(n, rank, world_size, seed=0, epoch=0) -> list of indices`: shards disjoint, covering range(n)
+    exactly once, sizes within one, the same on every call, reshuffled when the epoch changes. Runs
+    in one process (it needs no communication)."""
+    name, rng = "shard_indices", random.Random(seed)
+    for _ in range(trials):
+        n, w = rng.choice([1, 2, 10, 17, 33, 100]), rng.choice([2, 3, 4, 5])
+        s, e = rng.randrange(1000), rng.randrange(5)
+        where = f"n={n}, world_size={w}, seed={s}, epoch={e}"
+        shards = [list(fn(n, r, w, seed=s, epoch=e)) for r in range(w)]
+        flat = sorted(int(i) for sh in shards for i in sh)
+        if len(flat) != len(set(flat)):
+            raise AssertionError(f"{name}: some index is in two shards (or twice in one): ranks must not overlap; "
+                                 f"shard sizes {[len(x) for x in shards]} ({where})")
+        if flat != list(range(n)):
+            missing = sorted(set(range(n)) - set(flat))[:5]
+            raise AssertionError(f"{name}: the shards do not cover range(n): missing e.g. {missing} ({where})")
+        if max(map(len, shards)) - min(map(len, shards)) > 1:
+            raise AssertionError(f"{name}: shard sizes {[len(x) for x in shards]} differ by more than one ({where})")
+        if [_ints(fn(n, r, w, seed=s, epoch=e)) for r in range(w)] != [_ints(sh) for sh in shards]:
+            raise AssertionError(f"{name}: two calls with the same arguments gave different shards; draw the "
+                                 f"permutation from a generator seeded with seed and epoch ({where})")
+        if n >= 10 and _ints(fn(n, 0, w, seed=s, epoch=e + 1)) == _ints(shards[0]):
+            raise AssertionError(f"{name}: epoch {e + 1} gives the same shard as epoch {e}: reshuffle per epoch "
+                                 f"({where})")
+        _same_shards(name, shards, n, w, s, e, where)
+    ok(name, f"{trials} trials, seed={seed}")
+
+
+def _ints(indices) -> list[int]:
+    return [int(i) for i in indices]
+
+
+def _same_shards(name: str, shards: list, n: int, w: int, seed: int, epoch: int, where: str) -> None:
+    """The one right answer the exercise specifies: a list of Python ints, the strided slice perm[rank::w] of
+    torch.randperm(n) drawn from torch.Generator().manual_seed(seed + epoch)."""
+    bad = next((sh for sh in shards if type(sh) is not list or any(type(i) is not int for i in sh)), None)
+    if bad is not None:
+        kind = type(bad).__name__ if type(bad) is not list else f"a list holding {type(bad[0]).__name__}"
+        raise AssertionError(f"{name}: return a list of Python ints (e.g. tensor.tolist()), got {kind} ({where})")
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+    if shards == [perm[r::w] for r in range(w)]:
+        return
+    blocks = [i for sh in shards for i in sh] == perm  # contiguous blocks of the permutation, in rank order
+    if blocks or sorted(map(sorted, shards)) == sorted(sorted(perm[r::w]) for r in range(w)):
+        raise AssertionError(f"{name}: the shards are not the strided slices of the permutation: rank r takes "
+                             f"perm[r::world_size] (every world_size-th index from position r), not a contiguous "
+                             f"block nor another order ({where})")
+    raise AssertionError(f"{name}: not the exercise's permutation: draw it as torch.randperm(n, generator="
+                         f"torch.Generator().manual_seed(seed + epoch)) and take perm[rank::world_size] ({where})")
+
+
+def _metrics_case(seed: int, w: int):
+    counts = [random.Random(seed * 31 + k).randint(1, 40) for k in range(w)]  # unequal shards
+    losses = [random.Random(seed * 31 + k).uniform(0.5, 3.0) * counts[k] for k in range(w)]
+    corrects = [random.Random(seed * 7 + k).randint(0, counts[k]) for k in range(w)]
+    return counts, losses, corrects
+
+
+def _metrics_worker(mine: tuple, fn):
+    """`mine`: this rank's own (loss_sum, correct, count)."""
+    got = fn(*mine)
+    if not isinstance(got, tuple) or len(got) != 2 or any(type(g) is not float for g in got):
+        kinds = ", ".join(type(g).__name__ for g in got) if isinstance(got, (tuple, list)) else ""
+        return {"bad": f"{type(got).__name__}({kinds}): {got!r}"[:200]}
+    return {"got": list(got)}
+
+
+@check(forbid=("dlo.distributed.data.all_reduce_metrics",))
+def check_all_reduce_metrics(fn, seed: int = 0, world_size: int = 2) -> None:
+    """`fn(loss_sum, correct, count) -> (mean_loss, accuracy)` over all ranks, with unequal shard sizes."""
+    counts, losses, corrects = _metrics_case(case_seed(seed), world_size)  # a secret seed when graded
+    got = on_ranks(_metrics_worker, world_size, fn, per_rank=list(zip(losses, corrects, counts)))
+    want = (sum(losses) / sum(counts), sum(corrects) / sum(counts))
+    for r, res in enumerate(got):
+        where = f"world_size={world_size}, counts={counts}, rank {r}"
+        if "bad" in res:
+            raise AssertionError(f"all_reduce_metrics: return a tuple of two Python floats (mean_loss, accuracy) "
+                                 f"(e.g. from tensor.tolist()), got {res['bad']} ({where})")
+        for label, g, wnt in zip(("mean loss", "accuracy"), res["got"], want):
+            if abs(g - wnt) > 1e-9 * (1 + abs(wnt)):
+                raise AssertionError(f"all_reduce_metrics: {label} {g:.6g}, expected {wnt:.6g}: all-reduce the sums "
+                                     f"and the counts, then divide (a mean of per-rank means weights small shards "
+                                     f"too much) ({where})")
+    ok("all_reduce_metrics", f"{world_size} ranks, seed={seed}")
