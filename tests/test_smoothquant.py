@@ -5,6 +5,7 @@ import pytest
 import torch
 from torch import nn
 
+from dlo import claims as C
 from dlo import smoothquant as sq
 from dlo.experiments import day8_smooth as S
 from dlo.experiments.day5_data import build
@@ -122,4 +123,28 @@ def test_experiment_tables_and_claims_on_a_cut_down_run(monkeypatch):
     assert [r["variant"] for r in rows][:3] == ["fp32", "W8A16 (weight-only)", "W8A8 per-tensor"]
     assert rows[0]["rel. logit error"] < 1e-5
     claims = S.claims(res)
-    assert len(claims) == 6 and all(c.measured is not None for c in claims)
+    assert len(claims) == 8 and all(c.measured is not None for c in claims if "released LLM" not in c.claim)
+    # the injected case demonstrates the mechanism: shown with its numbers, never counted as evidence
+    injected = [c for c in claims if "injected" in c.claim]
+    assert len(injected) == 4 and all(c.verdict == C.BY_CONSTRUCTION and c.measured is not None for c in injected)
+    assert not any("injected" in c.claim for c in C.evidence(claims))
+    assert res["outlier features"]["features"] == []  # LLM.int8()'s criterion: nothing in a 64-wide model
+
+
+def test_outlier_features_are_llm_int8s_criterion():
+    """|x| >= 6 in >= 6% of the tokens of >= 25% of the inputs of wq and w1 (Dettmers et al. 2022, Sec. 4.1):
+    the injected channels (60x: every token above 6) are flagged and nothing else; a random model has none."""
+    model, x = tiny_llama(), tokens(2, n=2, B=4, T=16)
+    assert S.outlier_features(model, x) == {"features": [], "inputs": 4, "tokens": 128}
+    sq.inject_outliers_(model, [3, 40], 60.0)
+    assert S.outlier_features(model, x)["features"] == [3, 40]
+    sq.inject_outliers_(model, [9], 6.0 / 60.0 / 10)  # a channel shrunk: never flagged
+    assert S.outlier_features(model, x)["features"] == [3, 40]
+
+
+def test_the_real_outlier_row_needs_the_weights():
+    row = S.real_outlier_claim(None)
+    assert row.verdict == C.NOT_MEASURABLE and "weights_dir" in row.why
+    row = S.real_outlier_claim({"features": [7, 1415], "inputs": 56, "tokens": 2048, "model": "28 layers"})
+    assert row.verdict == C.AGREES and row.measured.value == 2
+    assert S.real_outlier_claim({"features": [], "inputs": 56, "tokens": 2048, "model": "m"}).verdict == C.DISAGREES
