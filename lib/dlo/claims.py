@@ -10,8 +10,8 @@ The verdict compares the two, the way an equivalence test does:
 - **inconclusive at this scale**: the interval straddles the region's edge (the noise is larger
   than the effect; more seeds, samples or a bigger run would decide);
 - **not measurable here**: no evidence on this run, with the reason (see the rules below);
-- **the control meets it too**: the claim holds, but so does its control (`Claim(control=...)`), so
-  the run cannot credit the claim's cause;
+- **the control meets it too**: the claim holds, but its control (`Claim(control=...)`) does not
+  fail (its interval is not wholly outside the region), so the run cannot credit the claim's cause;
 - **by construction**: the row holds whatever happens (a forced event, a formula restated);
   shown, never counted as evidence (`by_construction`). A measured side computed by a formula
   (`dlo.estimates.formula`, kind FORMULA) is accepted only on such a row or a planned one: a claim
@@ -154,7 +154,7 @@ class Claim:
 
     `claimed` is the source's wording of the value; `region` its testable form with the tolerance
     stated; `measured` None (with `why`) when it cannot be measured on this hardware. `control`: the
-    same quantity for the control arm (the verdict is CONTROL_TOO when it meets the region too).
+    same quantity for the control arm (the verdict is CONTROL_TOO unless the control disagrees).
     `basis`: BY_CONSTRUCTION, PLANNED or NOT_TESTED for rows that are no measurement (`why` says
     what makes them hold, or what was not built); use `by_construction`, `planned`, `not_tested`."""
 
@@ -176,7 +176,9 @@ class Claim:
             raise ValueError(f"claim {self.claim!r}: its measured side is computed by a formula, which restates the "
                              f"claim (circular): make it {BY_CONSTRUCTION!r} or {PLANNED!r}, or measure it")
         self.verdict = self.basis or verdict(self.measured, self.region)
-        if self.verdict == AGREES and self.control is not None and verdict(self.control, self.region) == AGREES:
+        # a control credits the claim's cause only when it fails: one that may meet the region (its interval
+        # reaches into it) leaves the row's agreement unexplained, however wide that interval is
+        if self.verdict == AGREES and self.control is not None and verdict(self.control, self.region) != DISAGREES:
             self.verdict = CONTROL_TOO
         reason = self.measured.reason if self.measured is not None else ""
         if (self.verdict == NOT_MEASURABLE or self.basis) and not (self.why or reason):

@@ -40,7 +40,7 @@ def _find(verdicts: dict, text: str) -> str:
 def test_claims_follow_the_controls_and_the_noise():
     v = _verdicts([_seed(k) for k in range(5)])
     assert _find(v, "random re-init of the same mask") == DISAGREES  # random re-init beats rewinding
-    assert _find(v, "group-wise scales") == AGREES  # judged at int2, where group-wise wins
+    assert _find(v, "(group) scales") == AGREES  # judged at int2, where group-wise wins
     assert _find(v, "gradual pruning") == INCONCLUSIVE  # differences inside the noise
     assert _find(v, "beats the same student on labels only") == INCONCLUSIVE  # the control decides
     # the student keeps 97% of the teacher, but so does the labels-only control: no credit to distillation
@@ -55,7 +55,7 @@ def test_a_clear_effect_agrees_and_a_reversed_one_disagrees():
     assert _find(v, "beats the same student on labels only") == AGREES
     assert _find(v, "random re-init of the same mask") == AGREES
     v = _verdicts([_seed(k, **{"int2 group": 0.20}) for k in range(4)])
-    assert _find(v, "group-wise scales") == DISAGREES
+    assert _find(v, "(group) scales") == DISAGREES
     # a labels-only control well below the teacher: the 97% is then the distillation's
     v = _verdicts([_seed(k, **{"labels only": 0.50 + 0.001 * k}) for k in range(4)])
     assert _find(v, "keeps 97% of the teacher") == AGREES
@@ -102,6 +102,29 @@ def test_results_do_not_depend_on_what_ran_before(one_thread):
            "float ft + PTQ": q["float ft + PTQ"]}
     assert got == {k: want[k] for k in got}
     assert set(want) >= {"fp32", "int8 channel", "int2 tensor", "int2 group", "one-shot + ft"}
+
+
+def test_a_control_that_may_meet_the_claim_credits_nothing():
+    """The labels-only student at 0.997 [0.965, 1.03] of the teacher (the executed tiny run of 2026-11-28):
+    its interval reaches into ">= 0.97", so the distilled student's 97% cannot be credited to distillation,
+    however much wider the control's interval is than the row's own."""
+    wide = [0.63, 0.54, 0.60, 0.552, 0.618]  # labels only, against a teacher at 0.60: [0.90, 1.06] of it
+    v = _verdicts([_seed(k, fp32=0.60, distilled=0.60 + 0.001 * k, **{"labels only": wide[k]}) for k in range(5)])
+    assert _find(v, "keeps 97% of the teacher") == CONTROL_TOO
+
+
+def test_the_tiny_teacher_is_not_overfit(one_thread):
+    """The tiny preset's base model (the distillation teacher), stopped after 1/3, 2/3 and all of its steps
+    (the same seed and data order: the shorter runs are the longer one's checkpoints): its held-out loss
+    is lowest at the end, so early stopping would not have stopped it. With 2048 training images it was
+    0.93 at step 25 and 1.72 at the end (train loss 0.04)."""
+    P = Day8Preset()
+    train_ds, test_ds = cifar10(None, n_train=P.n_train, n_test=P.n_test, seed=0, image_size=P.image_size)
+    held_out = []
+    for steps in (P.max_steps // 3, 2 * P.max_steps // 3, P.max_steps):
+        base, _, _ = E.train_base(dataclasses.replace(P, max_steps=steps), train_ds, "cpu", 0, progress=False)
+        held_out.append(E.fit_report(base, train_ds, test_ds, "cpu")["held-out loss"])
+    assert held_out[-1] <= min(held_out) * 1.02, f"held-out loss at 1/3, 2/3, all of the steps: {held_out}"
 
 
 def test_preset_seeds_are_validated():
