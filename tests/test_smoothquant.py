@@ -148,3 +148,29 @@ def test_the_real_outlier_row_needs_the_weights():
     row = S.real_outlier_claim({"features": [7, 1415], "inputs": 56, "tokens": 2048, "model": "28 layers"})
     assert row.verdict == C.AGREES and row.measured.value == 2
     assert S.real_outlier_claim({"features": [], "inputs": 56, "tokens": 2048, "model": "m"}).verdict == C.DISAGREES
+
+
+def test_real_outliers_read_a_released_checkpoint_and_its_tokens(tmp_path, monkeypatch):
+    """A Hugging Face folder (a tiny Llama with one 60x channel, standing in for Llama 3.2 3B) and data_dir's
+    tokens.npy: the feature is found through the same loading and criterion as at the full profile, and
+    Day 8's preflight refuses, in one line before any work, a weights_dir without the tokens it needs."""
+    from dlo.config import resolve
+    from dlo.data.layout import DataError
+    from tests.data.folders import write_cifar_release, write_tokens
+    from tests.models.test_llama import tiny_model, write_hf_checkpoint
+
+    monkeypatch.setitem(S.REAL, "batches", 1)
+    monkeypatch.setitem(S.REAL, "seq_len", 32)
+    model = tiny_model(seed=0)
+    sq.inject_outliers_(model, [5], 60.0)
+    weights, data = tmp_path / "weights", tmp_path / "data"
+    write_hf_checkpoint(model, weights, shards=1)
+    write_cifar_release(data)
+    with pytest.raises(DataError, match="no tokens.npy"):
+        resolve("day8_quantization_pruning", profile="tiny", data_dir=str(data), weights_dir=str(weights))
+    with pytest.raises(ValueError, match="needs data_dir holding tokens.npy"):
+        resolve("day8_quantization_pruning", profile="tiny", weights_dir=str(weights))
+    write_tokens(data, n=4096, vocab=model.config.vocab_size)
+    run = resolve("day8_quantization_pruning", profile="tiny", data_dir=str(data), weights_dir=str(weights))
+    found = S.real_outliers(run.params["weights_dir"], run.data_dir, "cpu")
+    assert found["features"] == [5] and found["inputs"] == 2 * model.config.n_layers and found["tokens"] == 4 * 32

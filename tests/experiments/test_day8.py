@@ -12,6 +12,7 @@ from dlo.data import cifar10
 from dlo.estimates import exact
 from dlo.experiments import day8 as E
 from dlo.presets import Day8Preset
+from dlo.prune import gradual_sparsity
 
 
 def _seed(k: int, **over) -> dict:
@@ -125,6 +126,19 @@ def test_the_tiny_teacher_is_not_overfit(one_thread):
         base, _, _ = E.train_base(dataclasses.replace(P, max_steps=steps), train_ds, "cpu", 0, progress=False)
         held_out.append(E.fit_report(base, train_ds, test_ds, "cpu")["held-out loss"])
     assert held_out[-1] <= min(held_out) * 1.02, f"held-out loss at 1/3, 2/3, all of the steps: {held_out}"
+
+
+def test_the_gradual_run_measures_the_schedule(one_thread):
+    """The sparsity the notebook compares with its prediction is the weights', measured after every step:
+    at each mask update (every 5 steps) it is the schedule's value, and the final one from gradual_end on."""
+    P = dataclasses.replace(Day8Preset(), n_train=128, n_test=64, batch_size=32, max_steps=2, finetune_steps=20)
+    train_ds, _ = cifar10(None, n_train=P.n_train, n_test=P.n_test, seed=0, image_size=P.image_size)
+    base, _, _ = E.train_base(P, train_ds, "cpu", 0, progress=False)
+    log: list[float] = []
+    E.prune_finetune(P, base, train_ds, 0.8, True, "cpu", 0, progress=False, sparsity_log=log)
+    assert len(log) == P.finetune_steps and E.gradual_end(P) == 15
+    for step in (5, 10, 15, 20):
+        assert abs(log[step - 1] - gradual_sparsity(step, 0.8, 0, 15)) < 1e-4, (step, log)
 
 
 def test_preset_seeds_are_validated():

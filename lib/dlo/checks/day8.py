@@ -76,7 +76,11 @@ def check_quantize(quantize_fn, dequantize_fn, seed: int = 0, trials: int = 6) -
             raise AssertionError(f"{name}: codes differ from round(x / scale) ({fmt(hp)}): at flat index {i} expected "
                                  f"{q_ref.flatten()[i].item()}, got {q.flatten()[i].item()} "
                                  f"(x={x.flatten()[i].item():.6g}); use round-to-nearest, not floor/trunc")
-        x_hat = dequantize_fn(q_ref.clone(), s_ref.clone())
+        x_hat = dequantize_fn(q_ref.clone(), s_ref.clone())  # int8 codes, as dlo.quant stores them
+        if not isinstance(x_hat, torch.Tensor) or x_hat.dtype != torch.float32:
+            got = x_hat.dtype if isinstance(x_hat, torch.Tensor) else type(x_hat).__name__
+            raise AssertionError(f"{name}: dequantize_symmetric returned {got} for int8 codes and a float32 scale; "
+                                 f"return float32 (e.g. q.float() * scale), whatever the codes' dtype ({fmt(hp)})")
         assert_close(name, "dequantize(q, scale)", x_hat, quant.dequantize(q_ref, s_ref), hp, rtol=RTOL, atol=ATOL)
     ok(name, f"{trials} trials, seed={seed}")
 
@@ -96,7 +100,12 @@ def check_calibrate_range(fn, seed: int = 0, trials: int = 4) -> None:
         obs = quant.MinMaxObserver() if method == "minmax" else quant.PercentileObserver(pct)
         for b in batches:
             obs.update(b)
-        lo, hi = fn([b.clone() for b in batches], method, pct)
+        out = fn([b.clone() for b in batches], method, pct)
+        if not (isinstance(out, tuple) and len(out) == 2 and all(type(v) is float for v in out)):
+            got = type(out).__name__ + (f" of {[type(v).__name__ for v in out]}" if isinstance(out, tuple) else "")
+            raise AssertionError(f"{name}: return a tuple (lo, hi) of two Python floats, got {got}: convert a 0-d "
+                                 f"tensor with float(t) or t.item() ({fmt(hp)})")
+        lo, hi = out
         want_lo, want_hi = obs.range()
         assert_close(name, "lo", lo, want_lo, hp, rtol=1e-4, atol=1e-5)
         assert_close(name, "hi", hi, want_hi, hp, rtol=1e-4, atol=1e-5)
@@ -248,6 +257,14 @@ def check_mask_2to4(mask_fn, valid_fn, seed: int = 0, trials: int = 4) -> None:
             if valid_fn(bad) is not False:
                 raise AssertionError(f"{name}: is_2to4 accepted a mask with {n_kept} kept values in one group of 4 "
                                      f"({fmt(hp)})")
+        ragged = w[:, :w.shape[1] - 2].clone()  # a last dimension 2 short of a multiple of 4
+        try:
+            mask_fn(ragged)
+        except ValueError:
+            pass
+        else:
+            raise AssertionError(f"{name}: mask_2to4 accepted a last dimension of {ragged.shape[-1]}, not a multiple "
+                                 f"of 4; raise ValueError saying so (w_shape={tuple(ragged.shape)})")
         sparser = torch.zeros_like(bad)
         sparser[..., ::4] = True  # 1 of 4 kept: still allowed by the hardware
         if valid_fn(sparser) is not True:

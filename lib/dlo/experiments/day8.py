@@ -23,7 +23,7 @@ from dlo.accounting import optimizer_bytes
 from dlo.distill import train_distill
 from dlo.models.small import MLP
 from dlo.plan import activation_bytes, param_bytes, row
-from dlo.prune import apply_masks_, gradual_sparsity, keep_masked, magnitude_masks, prunable, rewind_
+from dlo.prune import apply_masks_, gradual_sparsity, keep_masked, magnitude_masks, prunable, rewind_, sparsity_of
 from dlo.quant import prepare_qat, quantize_model
 from dlo.train import evaluate, make_loader, train
 
@@ -97,11 +97,17 @@ def qat_vs_float(P, base, train_ds, test, device, seed: int, *, log=None, suffix
             "QAT": acc(deployed, test, device), "model": deployed, "curves": curves}
 
 
+def gradual_end(P) -> int:
+    """The step at which `prune_finetune`'s gradual schedule reaches its final sparsity: 3/4 of the steps."""
+    return max(1, int(0.75 * P.finetune_steps))
+
+
 def prune_finetune(P, base, train_ds, target: float, gradual: bool, device, seed: int, *, log=None,
-                   name: str = "", progress: bool = True):
+                   name: str = "", progress: bool = True, sparsity_log: list | None = None):
     """A copy of `base` pruned to `target` (global magnitude) and fine-tuned P.finetune_steps steps
     with the mask held: all at once (one-shot), or along Zhu & Gupta's cubic schedule (masks
-    recomputed every 5 steps, the final sparsity reached at 3/4 of the steps). (model, curve)."""
+    recomputed every 5 steps, the final sparsity reached at `gradual_end`). (model, curve).
+    `sparsity_log`: gets the measured sparsity of the prunable weights after every step."""
     model = copy.deepcopy(base)
     opt = torch.optim.AdamW(model.parameters(), lr=P.lr / 2, weight_decay=0.01)
     weights, n = prunable(model), P.finetune_steps
@@ -114,9 +120,11 @@ def prune_finetune(P, base, train_ds, target: float, gradual: bool, device, seed
         def schedule(*_):  # registered first: runs before keep_masked re-applies the masks
             t[0] += 1
             if t[0] % 5 == 0:
-                masks.update(magnitude_masks(weights, gradual_sparsity(t[0], target, 0, max(1, int(0.75 * n)))))
+                masks.update(magnitude_masks(weights, gradual_sparsity(t[0], target, 0, gradual_end(P))))
         hooks.append(opt.register_step_post_hook(schedule))
     hooks.append(keep_masked(model, opt, masks))
+    if sparsity_log is not None:  # after keep_masked: what the weights are, not what the schedule asked
+        hooks.append(opt.register_step_post_hook(lambda *_: sparsity_log.append(sparsity_of(weights))))
     curve = fit(model, loader(train_ds, P, seed, "prune"), n, device, optimizer=opt, log=log, name=name,
                 progress=progress)
     for h in hooks:

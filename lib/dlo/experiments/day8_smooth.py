@@ -92,7 +92,28 @@ def outlier_features(model, batches) -> dict:
             "tokens": tokens[names[0]]}
 
 
-def real_outliers(weights_dir, data_dir, device, batches: int = 4, batch: int = 4, seq_len: int = 512) -> dict:
+REAL = dict(batches=4, batch=4, seq_len=512)  # real_outliers' calibration: 8192 tokens of tokens.npy
+
+
+def preflight(run) -> None:
+    """Day 8's refusal before any work (`dlo.registry`): a weights_dir that is not a Hugging Face Llama
+    folder with every tensor of its own config, or without data_dir's tokens.npy of that vocabulary
+    (`real_outliers` reads both), one line each (CheckpointError and DataError are ValueErrors)."""
+    from dlo.data.tokens import check_tokens
+    from dlo.models.llama_hf import check_checkpoint, config_from_hf
+
+    weights_dir = run.params.get("weights_dir", "")
+    if not weights_dir:
+        return
+    cfg = config_from_hf(weights_dir)
+    check_checkpoint(weights_dir, cfg, what="its own config.json")
+    if run.data_dir is None:
+        raise ValueError(f"weights_dir={weights_dir!r} needs data_dir holding tokens.npy made with its tokenizer "
+                         "(`dlo data tokens`): the real outliers are measured on text")
+    check_tokens(run.data_dir, cfg.vocab_size, REAL["seq_len"] + 2, model=f"the Llama of {weights_dir}")
+
+
+def real_outliers(weights_dir, data_dir, device) -> dict:
     """`outlier_features` of a released Llama (a Hugging Face folder, e.g. Llama 3.2 3B, loaded in bf16)
     on windows of `data_dir/tokens.npy` made with its tokenizer: the systematic outliers the injected case
     imitates, measured. Needs a GPU's memory for a 3B model (~6.4 GB of weights)."""
@@ -103,9 +124,9 @@ def real_outliers(weights_dir, data_dir, device, batches: int = 4, batch: int = 
     with torch.device("meta"):
         model = Llama(cfg).to(torch.bfloat16)
     load_hf_weights(model, weights_dir, device)
-    P = SimpleNamespace(batch_per_rank=batch, seq_len=seq_len)
+    P = SimpleNamespace(batch_per_rank=REAL["batch"], seq_len=REAL["seq_len"])
     with torch.no_grad():
-        found = outlier_features(model.eval(), token_batches(P, cfg, 0, device, data_dir, n=batches))
+        found = outlier_features(model.eval(), token_batches(P, cfg, 0, device, data_dir, n=REAL["batches"]))
     return {**found, "model": f"{cfg.n_layers} layers, width {cfg.dim}"}
 
 
