@@ -171,6 +171,8 @@ def test_real_outliers_read_a_released_checkpoint_and_its_tokens(tmp_path, monke
     with pytest.raises(ValueError, match="needs data_dir holding tokens.npy"):
         resolve("day8_quantization_pruning", profile="tiny", weights_dir=str(weights))
     write_tokens(data, n=4096, vocab=model.config.vocab_size)
-    run = resolve("day8_quantization_pruning", profile="tiny", data_dir=str(data), weights_dir=str(weights))
-    found = S.real_outliers(run.params["weights_dir"], run.data_dir, "cpu")
+    run = resolve("day8_quantization_pruning", profile="tiny", device="cpu", data_dir=str(data),
+                  weights_dir=str(weights))
+    assert S.real_outliers(resolve("day8_quantization_pruning", profile="tiny", device="cpu")) is None
+    found = S.real_outliers(run)
     assert found["features"] == [5] and found["inputs"] == 2 * model.config.n_layers and found["tokens"] == 4 * 32

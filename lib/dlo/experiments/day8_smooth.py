@@ -113,13 +113,17 @@ def preflight(run) -> None:
     check_tokens(run.data_dir, cfg.vocab_size, REAL["seq_len"] + 2, model=f"the Llama of {weights_dir}")
 
 
-def real_outliers(weights_dir, data_dir, device) -> dict:
-    """`outlier_features` of a released Llama (a Hugging Face folder, e.g. Llama 3.2 3B, loaded in bf16)
-    on windows of `data_dir/tokens.npy` made with its tokenizer: the systematic outliers the injected case
-    imitates, measured. Needs a GPU's memory for a 3B model (~6.4 GB of weights)."""
+def real_outliers(run) -> dict | None:
+    """`outlier_features` of the released Llama of the run's weights_dir (a Hugging Face folder, e.g. Llama
+    3.2 3B, loaded in bf16) on windows of its data_dir's tokens.npy, made with that model's tokenizer (both
+    checked by `preflight`): the systematic outliers the injected case imitates, measured. None without a
+    weights_dir. A 3B model wants a GPU (~6.4 GB of weights)."""
     from dlo.models.llama import Llama
     from dlo.models.llama_hf import config_from_hf, load_hf_weights
 
+    weights_dir, data_dir, device = run.params.get("weights_dir", ""), run.data_dir, run.device
+    if not weights_dir:
+        return None
     cfg = config_from_hf(weights_dir)
     with torch.device("meta"):
         model = Llama(cfg).to(torch.bfloat16)
