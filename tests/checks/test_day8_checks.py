@@ -7,6 +7,7 @@ them with one slip, so it fails for its own reason, not for calling a forbidden 
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -218,6 +219,16 @@ def gradual_no_clamp(step, final, begin, end, initial=0.0):
     return final + (initial - final) * (1 - (step - begin) / (end - begin)) ** 3
 
 
+def gradual_square(step, final, begin, end, initial=0.0):
+    t = min(max(step, begin), end)
+    return final + (initial - final) * (1 - (t - begin) / (end - begin)) ** 2
+
+
+def gradual_p_cubed(step, final, begin, end, initial=0.0):
+    t = min(max(step, begin), end)
+    return initial + (final - initial) * ((t - begin) / (end - begin)) ** 3
+
+
 def prune_pair_mask_only(fc1, fc2, n_keep):
     """Zeroes the pruned units' rows but keeps the layer size: same outputs, not structured pruning."""
     new1, new2 = copy.deepcopy(fc1), copy.deepcopy(fc2)
@@ -323,7 +334,8 @@ CASES = [
     (day8.check_fake_quant_ste, (fake_quant_ok,), [(stub,), (fake_quant_zero_grad,), (fake_quant_unclipped_ste,)]),
     (day8.check_magnitude_masks, (masks_ok,),
      [(stub,), (masks_layer_always,), (masks_signed,), (masks_keep_fraction,)]),
-    (day8.check_gradual_sparsity, (gradual_ok,), [(stub,), (gradual_linear,), (gradual_no_clamp,)]),
+    (day8.check_gradual_sparsity, (gradual_ok,),
+     [(stub,), (gradual_linear,), (gradual_no_clamp,), (gradual_square,), (gradual_p_cubed,)]),
     (day8.check_prune_linear_pair, (prune_pair_ok,),
      [(stub,), (prune_pair_mask_only,), (prune_pair_smallest,), (prune_pair_forgets_fc2,)]),
     (day8.check_mask_2to4, (mask24_ok, is24_ok),
@@ -353,6 +365,20 @@ def test_wrong_versions_fail(check, bad):
     with pytest.raises((AssertionError, NotImplementedError)) as err:
         check(*bad, seed=0)
     assert not isinstance(err.value, ForbiddenCall), "a wrong version must fail for its own slip"
+
+
+@pytest.mark.parametrize("bad,slip", [(gradual_linear, "a linear schedule"), (gradual_no_clamp, "no clamp"),
+                                      (gradual_square, "(1 - p)^2"), (gradual_p_cubed, "p^3 instead")])
+def test_a_wrong_derivation_is_named(bad, slip):
+    with pytest.raises(AssertionError, match=re.escape(slip)):
+        day8.check_gradual_sparsity(bad, seed=0)
+
+
+@pytest.mark.parametrize("bad,slip", [(smooth_swapped, "exponents swapped"), (smooth_product, "a product"),
+                                      (smooth_no_zero_rule, "nothing to balance")])
+def test_a_wrong_smoothing_derivation_is_named(bad, slip):
+    with pytest.raises(AssertionError, match=re.escape(slip)):
+        day8.check_smoothing_factors(bad, seed=0)
 
 
 @pytest.mark.parametrize("check,lib", [(c, lib) for (c, _, _), lib in zip(CASES, LIBRARY)],

@@ -182,9 +182,22 @@ def check_magnitude_masks(fn, seed: int = 0, trials: int = 6) -> None:
     ok(name, f"{trials} trials, seed={seed}")
 
 
+def _schedule_slips(step: int, s_f: float, t0: int, t1: int, s_i: float) -> dict[str, float]:
+    """What the plausible wrong derivations of Exercise 5 give at `step`, each named by its mistake."""
+    raw = (step - t0) / (t1 - t0)
+    p = min(max(raw, 0.0), 1.0)
+    return {"a linear schedule: its slope at p = 1 is not 0; s'(1) = s''(1) = 0 calls for (1 - p)^3":
+            s_i + (s_f - s_i) * p,
+            "(1 - p)^2: s''(1) is then not 0; the conditions call for (1 - p)^3": s_f + (s_i - s_f) * (1 - p) ** 2,
+            "p^3 instead of (1 - p)^3: that starts slowly and lands steeply, the opposite of the conditions":
+            s_i + (s_f - s_i) * p ** 3,
+            "no clamp: s_i before begin_step and s_f after end_step": s_f + (s_i - s_f) * (1 - raw) ** 3}
+
+
 @check(forbid=("dlo.prune.gradual_sparsity",))
 def check_gradual_sparsity(fn, seed: int = 0, trials: int = 4) -> None:
-    """`fn(step, final_sparsity, begin_step, end_step, initial_sparsity) -> float` (Zhu & Gupta cubic)."""
+    """`fn(step, final_sparsity, begin_step, end_step, initial_sparsity) -> float`: the cubic of Zhu & Gupta
+    derived from s(0) = s_i, s(1) = s_f, s'(1) = s''(1) = 0; a wrong value is named by the slip it matches."""
     name, rng = "gradual_sparsity", random.Random(seed)
     for _ in range(trials):
         s_f, s_i = rng.choice([0.5, 0.8, 0.95]), rng.choice([0.0, 0.1])
@@ -192,8 +205,13 @@ def check_gradual_sparsity(fn, seed: int = 0, trials: int = 4) -> None:
         t1 = t0 + rng.choice([10, 33])
         for step in sorted({0, t0, t0 + 1, (t0 + t1) // 2, t1 - 1, t1, t1 + 7}):
             hp = dict(step=step, final=s_f, begin=t0, end=t1, initial=s_i)
-            assert_close(name, "sparsity", float(fn(step, s_f, t0, t1, s_i)),
-                   prune.gradual_sparsity(step, s_f, t0, t1, s_i), hp, rtol=1e-9, atol=1e-12)
+            got, want = float(fn(step, s_f, t0, t1, s_i)), prune.gradual_sparsity(step, s_f, t0, t1, s_i)
+            if abs(got - want) > 1e-12 + 1e-9 * abs(want):
+                for slip, value in _schedule_slips(step, s_f, t0, t1, s_i).items():
+                    if abs(got - value) <= 1e-9:
+                        raise AssertionError(f"{name}: {got:.6g} where the schedule gives {want:.6g}, as {slip} "
+                                             f"would ({fmt(hp)})")
+            assert_close(name, "sparsity", got, want, hp, rtol=1e-9, atol=1e-12)
     ok(name, f"{trials} trials, seed={seed}")
 
 
