@@ -237,8 +237,11 @@ def test_experiment_on_a_cut_down_run(monkeypatch):
     assert len(A.table(res)) == 2 * 6 and len(A.differences(res)) == 2 * len(A.COMPARISONS)
     assert len(A.alpha_table(res)) == 2 * 3 * 2 and len(A.clip_table(res)) == 2 * 5 * 2
     claims = A.claims(res)
-    assert [c.verdict for c in claims[:4]] == ["not measurable here"] * 4  # one seed: no interval
+    # one seed: no interval; the injected case is a demonstration (alpha = 1 undoes the injection), never evidence
+    assert [c.verdict for c in claims if "injected" not in c.claim][:3] == ["not measurable here"] * 3
     assert all(c.verdict == "by construction" for c in claims[4:])
+    (inj,) = [c for c in claims if "injected" in c.claim]
+    assert inj.verdict == "by construction" and "alpha = 1" in inj.why and inj.measured is not None
     assert res["runs"][0]["fold error"] < 1e-5
     # the differences are the scores' own: the clipped variant against its unclipped copy, seed 0
     sc = res["runs"][0]["scores"]["as trained"]

@@ -5,6 +5,7 @@ import pytest
 import torch
 from torch import nn
 
+from dlo import claims as C
 from dlo import smoothquant as sq
 from dlo.experiments import day8_smooth as S
 from dlo.experiments.day5_data import build
@@ -122,4 +123,56 @@ def test_experiment_tables_and_claims_on_a_cut_down_run(monkeypatch):
     assert [r["variant"] for r in rows][:3] == ["fp32", "W8A16 (weight-only)", "W8A8 per-tensor"]
     assert rows[0]["rel. logit error"] < 1e-5
     claims = S.claims(res)
-    assert len(claims) == 6 and all(c.measured is not None for c in claims)
+    assert len(claims) == 8 and all(c.measured is not None for c in claims if "released LLM" not in c.claim)
+    # the injected case demonstrates the mechanism: shown with its numbers, never counted as evidence
+    injected = [c for c in claims if "injected" in c.claim]
+    assert len(injected) == 4 and all(c.verdict == C.BY_CONSTRUCTION and c.measured is not None for c in injected)
+    assert not any("injected" in c.claim for c in C.evidence(claims))
+    assert res["outlier features"]["features"] == []  # LLM.int8()'s criterion: nothing in a 64-wide model
+
+
+def test_outlier_features_are_llm_int8s_criterion():
+    """|x| >= 6 in >= 6% of the tokens of >= 25% of the inputs of wq and w1 (Dettmers et al. 2022, Sec. 4.1):
+    the injected channels (60x: every token above 6) are flagged and nothing else; a random model has none."""
+    model, x = tiny_llama(), tokens(2, n=2, B=4, T=16)
+    assert S.outlier_features(model, x) == {"features": [], "inputs": 4, "tokens": 128}
+    sq.inject_outliers_(model, [3, 40], 60.0)
+    assert S.outlier_features(model, x)["features"] == [3, 40]
+    sq.inject_outliers_(model, [9], 6.0 / 60.0 / 10)  # a channel shrunk: never flagged
+    assert S.outlier_features(model, x)["features"] == [3, 40]
+
+
+def test_the_real_outlier_row_needs_the_weights():
+    row = S.real_outlier_claim(None)
+    assert row.verdict == C.NOT_MEASURABLE and "weights_dir" in row.why
+    row = S.real_outlier_claim({"features": [7, 1415], "inputs": 56, "tokens": 2048, "model": "28 layers"})
+    assert row.verdict == C.AGREES and row.measured.value == 2
+    assert S.real_outlier_claim({"features": [], "inputs": 56, "tokens": 2048, "model": "m"}).verdict == C.DISAGREES
+
+
+def test_real_outliers_read_a_released_checkpoint_and_its_tokens(tmp_path, monkeypatch):
+    """A Hugging Face folder (a tiny Llama with one 60x channel, standing in for Llama 3.2 3B) and data_dir's
+    tokens.npy: the feature is found through the same loading and criterion as at the full profile, and
+    Day 8's preflight refuses, in one line before any work, a weights_dir without the tokens it needs."""
+    from dlo.config import resolve
+    from dlo.data.layout import DataError
+    from tests.data.folders import write_cifar_release, write_tokens
+    from tests.models.test_llama import tiny_model, write_hf_checkpoint
+
+    monkeypatch.setitem(S.REAL, "batches", 1)
+    monkeypatch.setitem(S.REAL, "seq_len", 32)
+    model = tiny_model(seed=0)
+    sq.inject_outliers_(model, [5], 60.0)
+    weights, data = tmp_path / "weights", tmp_path / "data"
+    write_hf_checkpoint(model, weights, shards=1)
+    write_cifar_release(data)
+    with pytest.raises(DataError, match="no tokens.npy"):
+        resolve("day8_quantization_pruning", profile="tiny", data_dir=str(data), weights_dir=str(weights))
+    with pytest.raises(ValueError, match="needs data_dir holding tokens.npy"):
+        resolve("day8_quantization_pruning", profile="tiny", weights_dir=str(weights))
+    write_tokens(data, n=4096, vocab=model.config.vocab_size)
+    run = resolve("day8_quantization_pruning", profile="tiny", device="cpu", data_dir=str(data),
+                  weights_dir=str(weights))
+    assert S.real_outliers(resolve("day8_quantization_pruning", profile="tiny", device="cpu")) is None
+    found = S.real_outliers(run)
+    assert found["features"] == [5] and found["inputs"] == 2 * model.config.n_layers and found["tokens"] == 4 * 32

@@ -154,7 +154,7 @@ class Claim:
 
     `claimed` is the source's wording of the value; `region` its testable form with the tolerance
     stated; `measured` None (with `why`) when it cannot be measured on this hardware. `control`: the
-    same quantity for the control arm (the verdict is CONTROL_TOO when it meets the region too).
+    same quantity for the control arm (the verdict is CONTROL_TOO unless the control disagrees).
     `basis`: BY_CONSTRUCTION, PLANNED or NOT_TESTED for rows that are no measurement (`why` says
     what makes them hold, or what was not built); use `by_construction`, `planned`, `not_tested`."""
 

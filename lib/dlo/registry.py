@@ -90,7 +90,8 @@ DAYS: dict[str, DaySpec] = {d.name: d for d in (
          run_s=43.0),
     _day(7, "day7_tensor_parallel", P.Day7Preset, P.DAY7, planner="dlo.experiments.day7_report:plan",
          grade_cpu_s=60.0, run_s=53.0),
-    _day(8, "day8_quantization_pruning", P.Day8Preset, P.DAY8, data=("cifar10",), grade_cpu_s=30.0, run_s=142.0),
+    _day(8, "day8_quantization_pruning", P.Day8Preset, P.DAY8, preflight="dlo.experiments.day8_smooth:preflight",
+         parameters=("weights_dir",), data=("cifar10",), grade_cpu_s=30.0, run_s=142.0),
 )}
 
 

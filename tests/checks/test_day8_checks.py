@@ -7,6 +7,7 @@ them with one slip, so it fails for its own reason, not for calling a forbidden 
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -44,9 +45,9 @@ def dequantize_ok(q, scale):
 def calibrate_ok(batches, method, percentile):
     v = torch.cat([b.detach().flatten().double() for b in batches])
     if method == "minmax":
-        return v.min(), v.max()
+        return v.min().item(), v.max().item()
     lo, hi = torch.quantile(v, torch.tensor([1 - percentile / 100, percentile / 100], dtype=v.dtype))
-    return lo, hi
+    return float(lo), float(hi)
 
 
 class _FakeQuant(torch.autograd.Function):
@@ -103,6 +104,8 @@ def prune_pair_ok(fc1, fc2, n_keep):
 
 
 def mask24_ok(w):
+    if w.shape[-1] % 4:
+        raise ValueError(f"last dimension {w.shape[-1]} is not a multiple of 4")
     g = w.abs().reshape(-1, 4)
     top = torch.sort(g, dim=1, descending=True, stable=True).indices[:, :2]
     return torch.zeros_like(g, dtype=torch.bool).scatter_(1, top, True).reshape(w.shape)
@@ -153,6 +156,16 @@ def calibrate_with_observers(batches, method, percentile):
     for b in batches:
         obs.update(b)
     return obs.range()
+
+
+def dequantize_float64(q, scale):
+    """Right values, but in float64: the exercise says float32."""
+    return dequantize_ok(q, scale).double()
+
+
+def calibrate_tensors(batches, method, percentile):
+    """Right values as 0-d tensors: the exercise says Python floats."""
+    return tuple(torch.tensor(v) for v in calibrate_ok(batches, method, percentile))
 
 
 def calibrate_last_batch(batches, method, percentile):
@@ -206,6 +219,16 @@ def gradual_no_clamp(step, final, begin, end, initial=0.0):
     return final + (initial - final) * (1 - (step - begin) / (end - begin)) ** 3
 
 
+def gradual_square(step, final, begin, end, initial=0.0):
+    t = min(max(step, begin), end)
+    return final + (initial - final) * (1 - (t - begin) / (end - begin)) ** 2
+
+
+def gradual_p_cubed(step, final, begin, end, initial=0.0):
+    t = min(max(step, begin), end)
+    return initial + (final - initial) * ((t - begin) / (end - begin)) ** 3
+
+
 def prune_pair_mask_only(fc1, fc2, n_keep):
     """Zeroes the pruned units' rows but keeps the layer size: same outputs, not structured pruning."""
     new1, new2 = copy.deepcopy(fc1), copy.deepcopy(fc2)
@@ -237,6 +260,12 @@ def prune_pair_forgets_fc2(fc1, fc2, n_keep):
     with torch.no_grad():
         new2.weight.copy_(fc2.weight[:, :n_keep])
     return new1, new2
+
+
+def mask_pads(w):
+    """Pads a ragged last dimension with zeros instead of refusing it."""
+    pad = -w.shape[-1] % 4
+    return mask24_ok(torch.nn.functional.pad(w, (0, pad)))[..., :w.shape[-1]]
 
 
 def mask_signed(w):
@@ -299,16 +328,18 @@ CASES = [
     (day8.check_quantize, (quantize_ok, dequantize_ok),
      [(stub, dequantize_ok), (quantize_ok, stub), (quantize_floor, dequantize_ok), (quantize_qmax_128, dequantize_ok),
       (quantize_nan_on_zero, dequantize_ok), (quantize_always_per_tensor, dequantize_ok),
-      (quantize_ok, dequantize_ignores_groups)]),
-    (day8.check_calibrate_range, (calibrate_ok,), [(stub,), (calibrate_last_batch,), (calibrate_always_minmax,)]),
+      (quantize_ok, dequantize_ignores_groups), (quantize_ok, dequantize_float64)]),
+    (day8.check_calibrate_range, (calibrate_ok,),
+     [(stub,), (calibrate_last_batch,), (calibrate_always_minmax,), (calibrate_tensors,)]),
     (day8.check_fake_quant_ste, (fake_quant_ok,), [(stub,), (fake_quant_zero_grad,), (fake_quant_unclipped_ste,)]),
     (day8.check_magnitude_masks, (masks_ok,),
      [(stub,), (masks_layer_always,), (masks_signed,), (masks_keep_fraction,)]),
-    (day8.check_gradual_sparsity, (gradual_ok,), [(stub,), (gradual_linear,), (gradual_no_clamp,)]),
+    (day8.check_gradual_sparsity, (gradual_ok,),
+     [(stub,), (gradual_linear,), (gradual_no_clamp,), (gradual_square,), (gradual_p_cubed,)]),
     (day8.check_prune_linear_pair, (prune_pair_ok,),
      [(stub,), (prune_pair_mask_only,), (prune_pair_smallest,), (prune_pair_forgets_fc2,)]),
     (day8.check_mask_2to4, (mask24_ok, is24_ok),
-     [(stub, is24_ok), (mask24_ok, stub), (mask_signed, is24_ok),
+     [(stub, is24_ok), (mask24_ok, stub), (mask_signed, is24_ok), (mask_pads, is24_ok),
       (mask24_ok, valid_exactly_two), (mask24_ok, valid_at_most_three), (mask24_ok, valid_always)]),
     (day8.check_distillation_loss, (distill_ok,),
      [(stub,), (distill_no_t2,), (distill_reversed_kl,), (distill_teacher_grad,), (distill_sum_reduction,)]),
@@ -334,6 +365,20 @@ def test_wrong_versions_fail(check, bad):
     with pytest.raises((AssertionError, NotImplementedError)) as err:
         check(*bad, seed=0)
     assert not isinstance(err.value, ForbiddenCall), "a wrong version must fail for its own slip"
+
+
+@pytest.mark.parametrize("bad,slip", [(gradual_linear, "a linear schedule"), (gradual_no_clamp, "no clamp"),
+                                      (gradual_square, "(1 - p)^2"), (gradual_p_cubed, "p^3 instead")])
+def test_a_wrong_derivation_is_named(bad, slip):
+    with pytest.raises(AssertionError, match=re.escape(slip)):
+        day8.check_gradual_sparsity(bad, seed=0)
+
+
+@pytest.mark.parametrize("bad,slip", [(smooth_swapped, "exponents swapped"), (smooth_product, "a product"),
+                                      (smooth_no_zero_rule, "nothing to balance")])
+def test_a_wrong_smoothing_derivation_is_named(bad, slip):
+    with pytest.raises(AssertionError, match=re.escape(slip)):
+        day8.check_smoothing_factors(bad, seed=0)
 
 
 @pytest.mark.parametrize("check,lib", [(c, lib) for (c, _, _), lib in zip(CASES, LIBRARY)],

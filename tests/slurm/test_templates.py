@@ -1,7 +1,7 @@
 """What the slurm/ templates say and pass on, without SLURM (part of make test): the GPUs each day wants, as
 run_course.sbatch, jupyter.sbatch and the JupyterHub profile print them, are the full presets' world sizes;
 run_course.sbatch passes DATA_DIR to every day and WEIGHTS_DIR only to the days that declare weights_dir
-(Day 5), with `dlo` replaced by a recorder."""
+(Days 5 and 8), with `dlo` replaced by a recorder."""
 
 from __future__ import annotations
 
@@ -57,8 +57,9 @@ def test_weights_go_to_the_day_that_declares_them_data_to_every_day(tmp_path):
         "grade out/submitted --out out/grading --profile auto --require-full"]
     every = _course_job(tmp_path / "all", WEIGHTS_DIR="/weights")
     declaring = [d for d, spec in DAYS.items() if "weights_dir" in spec.parameters]
-    assert declaring == ["day5_fsdp"]
+    assert declaring == ["day5_fsdp", "day8_quantization_pruning"]  # Day 8: a released model's outliers
     assert every[0] == "run " + " ".join(d for d in DAYS if d not in declaring) + \
         " --profile auto --out out/submitted/reference"
-    assert every[1] == "run day5_fsdp --profile auto --out out/submitted/reference -p weights_dir /weights"
+    assert every[1] == ("run day5_fsdp day8_quantization_pruning --profile auto --out out/submitted/reference "
+                        "-p weights_dir /weights")
     assert _course_job(tmp_path / "plain")[0] == "run --all --profile auto --out out/submitted/reference"

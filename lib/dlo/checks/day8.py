@@ -76,7 +76,11 @@ def check_quantize(quantize_fn, dequantize_fn, seed: int = 0, trials: int = 6) -
             raise AssertionError(f"{name}: codes differ from round(x / scale) ({fmt(hp)}): at flat index {i} expected "
                                  f"{q_ref.flatten()[i].item()}, got {q.flatten()[i].item()} "
                                  f"(x={x.flatten()[i].item():.6g}); use round-to-nearest, not floor/trunc")
-        x_hat = dequantize_fn(q_ref.clone(), s_ref.clone())
+        x_hat = dequantize_fn(q_ref.clone(), s_ref.clone())  # int8 codes, as dlo.quant stores them
+        if not isinstance(x_hat, torch.Tensor) or x_hat.dtype != torch.float32:
+            got = x_hat.dtype if isinstance(x_hat, torch.Tensor) else type(x_hat).__name__
+            raise AssertionError(f"{name}: dequantize_symmetric returned {got} for int8 codes and a float32 scale; "
+                                 f"return float32 (e.g. q.float() * scale), whatever the codes' dtype ({fmt(hp)})")
         assert_close(name, "dequantize(q, scale)", x_hat, quant.dequantize(q_ref, s_ref), hp, rtol=RTOL, atol=ATOL)
     ok(name, f"{trials} trials, seed={seed}")
 
@@ -96,7 +100,12 @@ def check_calibrate_range(fn, seed: int = 0, trials: int = 4) -> None:
         obs = quant.MinMaxObserver() if method == "minmax" else quant.PercentileObserver(pct)
         for b in batches:
             obs.update(b)
-        lo, hi = fn([b.clone() for b in batches], method, pct)
+        out = fn([b.clone() for b in batches], method, pct)
+        if not (isinstance(out, tuple) and len(out) == 2 and all(type(v) is float for v in out)):
+            got = type(out).__name__ + (f" of {[type(v).__name__ for v in out]}" if isinstance(out, tuple) else "")
+            raise AssertionError(f"{name}: return a tuple (lo, hi) of two Python floats, got {got}: convert a 0-d "
+                                 f"tensor with float(t) or t.item() ({fmt(hp)})")
+        lo, hi = out
         want_lo, want_hi = obs.range()
         assert_close(name, "lo", lo, want_lo, hp, rtol=1e-4, atol=1e-5)
         assert_close(name, "hi", hi, want_hi, hp, rtol=1e-4, atol=1e-5)
@@ -173,9 +182,22 @@ def check_magnitude_masks(fn, seed: int = 0, trials: int = 6) -> None:
     ok(name, f"{trials} trials, seed={seed}")
 
 
+def _schedule_slips(step: int, s_f: float, t0: int, t1: int, s_i: float) -> dict[str, float]:
+    """What the plausible wrong derivations of Exercise 5 give at `step`, each named by its mistake."""
+    raw = (step - t0) / (t1 - t0)
+    p = min(max(raw, 0.0), 1.0)
+    return {"a linear schedule: its slope at p = 1 is not 0; s'(1) = s''(1) = 0 calls for (1 - p)^3":
+            s_i + (s_f - s_i) * p,
+            "(1 - p)^2: s''(1) is then not 0; the conditions call for (1 - p)^3": s_f + (s_i - s_f) * (1 - p) ** 2,
+            "p^3 instead of (1 - p)^3: that starts slowly and lands steeply, the opposite of the conditions":
+            s_i + (s_f - s_i) * p ** 3,
+            "no clamp: s_i before begin_step and s_f after end_step": s_f + (s_i - s_f) * (1 - raw) ** 3}
+
+
 @check(forbid=("dlo.prune.gradual_sparsity",))
 def check_gradual_sparsity(fn, seed: int = 0, trials: int = 4) -> None:
-    """`fn(step, final_sparsity, begin_step, end_step, initial_sparsity) -> float` (Zhu & Gupta cubic)."""
+    """`fn(step, final_sparsity, begin_step, end_step, initial_sparsity) -> float`: the cubic of Zhu & Gupta
+    derived from s(0) = s_i, s(1) = s_f, s'(1) = s''(1) = 0; a wrong value is named by the slip it matches."""
     name, rng = "gradual_sparsity", random.Random(seed)
     for _ in range(trials):
         s_f, s_i = rng.choice([0.5, 0.8, 0.95]), rng.choice([0.0, 0.1])
@@ -183,8 +205,13 @@ def check_gradual_sparsity(fn, seed: int = 0, trials: int = 4) -> None:
         t1 = t0 + rng.choice([10, 33])
         for step in sorted({0, t0, t0 + 1, (t0 + t1) // 2, t1 - 1, t1, t1 + 7}):
             hp = dict(step=step, final=s_f, begin=t0, end=t1, initial=s_i)
-            assert_close(name, "sparsity", float(fn(step, s_f, t0, t1, s_i)),
-                   prune.gradual_sparsity(step, s_f, t0, t1, s_i), hp, rtol=1e-9, atol=1e-12)
+            got, want = float(fn(step, s_f, t0, t1, s_i)), prune.gradual_sparsity(step, s_f, t0, t1, s_i)
+            if abs(got - want) > 1e-12 + 1e-9 * abs(want):
+                for slip, value in _schedule_slips(step, s_f, t0, t1, s_i).items():
+                    if abs(got - value) <= 1e-9:
+                        raise AssertionError(f"{name}: {got:.6g} where the schedule gives {want:.6g}, as {slip} "
+                                             f"would ({fmt(hp)})")
+            assert_close(name, "sparsity", got, want, hp, rtol=1e-9, atol=1e-12)
     ok(name, f"{trials} trials, seed={seed}")
 
 
@@ -248,6 +275,14 @@ def check_mask_2to4(mask_fn, valid_fn, seed: int = 0, trials: int = 4) -> None:
             if valid_fn(bad) is not False:
                 raise AssertionError(f"{name}: is_2to4 accepted a mask with {n_kept} kept values in one group of 4 "
                                      f"({fmt(hp)})")
+        ragged = w[:, :w.shape[1] - 2].clone()  # a last dimension 2 short of a multiple of 4
+        try:
+            mask_fn(ragged)
+        except ValueError:
+            pass
+        else:
+            raise AssertionError(f"{name}: mask_2to4 accepted a last dimension of {ragged.shape[-1]}, not a multiple "
+                                 f"of 4; raise ValueError saying so (w_shape={tuple(ragged.shape)})")
         sparser = torch.zeros_like(bad)
         sparser[..., ::4] = True  # 1 of 4 kept: still allowed by the hardware
         if valid_fn(sparser) is not True:

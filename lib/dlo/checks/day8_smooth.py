@@ -14,6 +14,29 @@ from dlo.grading.compare import assert_close, ok
 SMOOTH = ("dlo.smoothquant.smoothing_factors", "dlo.smoothquant.smooth_llama", "dlo.smoothquant.fold_")
 
 
+def _name_the_slip(name: str, s, want: torch.Tensor, act: torch.Tensor, w: torch.Tensor, alpha: float, hp) -> None:
+    """AssertionError naming the wrong derivation `s` matches, if it matches one (nothing otherwise)."""
+    if not isinstance(s, torch.Tensor) or s.shape != want.shape or torch.allclose(s.double(), want.double(),
+                                                                                   rtol=1e-4, atol=1e-6):
+        return
+    ok_ = (act > 0) & (w > 0)
+    a, b = act.clamp(min=1e-30), w.clamp(min=1e-30)
+    slips = {"the exponents swapped (alpha on the weights' maximum): solve max|X_j| / s_j = P_j^(1-alpha) for s_j":
+             w ** alpha / a ** (1 - alpha),
+             "1 / s: dividing X_j by s_j must shrink the large activations, so s_j grows with max|X_j|":
+             b ** (1 - alpha) / a ** alpha,
+             "a product max|X_j|^alpha max|W_j|^(1-alpha): solve max|X_j| / s_j = P_j^(1-alpha) for s_j":
+             act ** alpha * w ** (1 - alpha)}
+    matched = [slip for slip, value in slips.items()  # at alpha = 0 or 1 two slips may give the same s
+               if torch.allclose(s.double()[ok_], value.double()[ok_], rtol=1e-4, atol=1e-6)]
+    if matched:
+        raise AssertionError(f"{name}: s looks like {'; or '.join(matched)} "
+                             f"({', '.join(f'{k}={v}' for k, v in hp.items())})")
+    if torch.allclose(s.double()[ok_], want.double()[ok_], rtol=1e-4, atol=1e-6):
+        raise AssertionError(f"{name}: right where both maxima are > 0, wrong where one is 0: such a channel has "
+                             f"nothing to balance, s_j = 1 ({', '.join(f'{k}={v}' for k, v in hp.items())})")
+
+
 @check(forbid=SMOOTH)
 def check_smoothing_factors(fn, seed: int = 0, trials: int = 6) -> None:
     """`fn(act_absmax, weight_absmax, alpha) -> s` (C,): s_j = max|X_j|^alpha / max|W_j|^(1-alpha), and
@@ -28,6 +51,7 @@ def check_smoothing_factors(fn, seed: int = 0, trials: int = 6) -> None:
         w = torch.rand(C, generator=gen) * rng.choice([0.02, 1.0]) + 1e-3
         (act if t % 2 else w)[rng.randrange(C)] = 0.0  # nothing to balance in that channel
         hp = dict(channels=C, alpha=alpha, zero_in="act" if t % 2 else "weight")
-        s = fn(act.clone(), w.clone(), alpha)
-        assert_close(name, "s", s, smoothquant.smoothing_factors(act, w, alpha), hp, rtol=1e-4, atol=1e-6)
+        s, want = fn(act.clone(), w.clone(), alpha), smoothquant.smoothing_factors(act, w, alpha)
+        _name_the_slip(name, s, want, act, w, alpha, hp)
+        assert_close(name, "s", s, want, hp, rtol=1e-4, atol=1e-6)
     ok(name, f"{trials} trials, seed={seed}")
