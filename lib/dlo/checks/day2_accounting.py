@@ -21,7 +21,7 @@ from torch import nn
 from dlo.grading.api import check, run_student
 from dlo.grading.compare import fmt, ok
 
-# ----------------------------------------------------------------------------- matmul parameters and bytes per parameter
+# ----------------------------------------------------------------------------- matmul parameters, bytes per parameter
 
 class _GPT(nn.Module):
     """The check's own decoder (trusted): token (+ position) embeddings, pre-norm blocks whose
