@@ -312,7 +312,7 @@ def flops_claims(counted: float, formula: float, held_per_param: float, mfu=None
     2 + 2 + 4 + 8 split as `mixed_precision_bytes` builds it (`zero_split`: by construction); and
     MFU (an E.Estimate on a GPU with a known peak, else None)."""
     rows = [C.Claim("training FLOPs per token = 6N + 12 l h s", "6N: Kaplan et al. 2020, Sec. 2.1; 12 l h s: "
-                    "PaLM app. B (Kaplan count 6 l h s)", "6N + 12 l h s", C.approx(1.0, rel=0.02),
+                    "PaLM app. B (Kaplan: 6 l h s)", "6N + 12 l h s", C.approx(1.0, rel=0.02),
                     E.exact(counted / formula, "FlopCounterMode count / formula")),
             C.Claim("16 bytes per parameter (mixed-precision AdamW, torch.autocast)", "Lippe 2024", "16 B",
                     C.approx(16.0, rel=0.02),
