@@ -97,3 +97,35 @@ def training_bytes_per_param(precision: str, optimizer: str) -> int:
     if precision not in PRECISIONS:
         raise ValueError(f"unknown precision {precision!r}; choose from {sorted(PRECISIONS)}")
     return model_state_bytes(1, optimizer, PRECISIONS[precision])["total"]
+
+
+def held_after_step(model: nn.Module, optimizer: torch.optim.Optimizer, step, device) -> float:
+    """Model-state bytes per parameter that a real training step leaves held, *measured*: the
+    parameters' storages plus every byte allocated during `step()` and still held after it (the
+    gradients; the optimizer's state, which torch's optimizer creates on its first step). Read from
+    the CUDA allocator on a GPU (`memory_allocated` after minus before) and elsewhere from
+    `dlo.measure.AllocationMeter` (every tensor a torch operator makes, while it lives): neither knows
+    the 4 + 4 + 8 of the formula, so a step that kept one more copy (a master, AMSGrad's third moment)
+    would show it. One untimed `step()` first warms the kernels up (cuBLAS keeps its workspace in the
+    allocator); its gradients and `optimizer`'s state are then dropped, so the measured step creates
+    them afresh."""
+    from dlo.measure import AllocationMeter, sync
+
+    device = torch.device(device)
+    params = list(model.parameters())
+    step()
+    for p in params:
+        p.grad = None
+    optimizer.state.clear()
+    if device.type == "cuda":
+        sync(device)
+        before = torch.cuda.memory_allocated(device)
+        step()
+        sync(device)
+        held = torch.cuda.memory_allocated(device) - before
+    else:
+        with AllocationMeter() as meter:
+            step()
+        held = meter.bytes
+    storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in params}  # a tied one once
+    return (sum(storages.values()) + held) / sum(p.numel() for p in params)

@@ -156,3 +156,17 @@ def test_korthikanti_rows_match_the_meter(one_thread):
     assert {c.verdict for c in M.memory_model_claims(rows)} == {AGREES}
     off = [dict(r, counted=r["counted"] + 4 * r["s"] * r["b"] * P.d_model) for r in rows]  # one more (b, s, h) fp32
     assert {c.verdict for c in M.memory_model_claims(off)} == {DISAGREES}
+
+
+def test_the_whole_step_summary_says_which_way_the_fall_differs():
+    """Issue 34: the text said the H200's peak "fell by 28%, not the seed's 55%" where the log shows
+    20,517 -> 5,743 MiB, a 72% fall: the sentence is made from the numbers now."""
+    from dlo.experiments.day3_report import whole_step_summary
+
+    mib = 2 ** 20
+    rows = [{"policy": "none", "peak_bytes": 20517 * mib, "peak_kind": "cuda max_memory_allocated"},
+            {"policy": "every 1", "peak_bytes": 5743 * mib, "peak_kind": "cuda max_memory_allocated"}]
+    assert whole_step_summary(rows).endswith("20,517 to 5,743 MiB with every block checkpointed: 72% less, more "
+                                             "than the seed's 55%")
+    rows = [dict(r, peak_kind="saved-tensor peak") for r in rows]
+    assert whole_step_summary(rows) == ""

@@ -150,6 +150,38 @@ def _scaler_worker(cls, hp: dict, sub: int, dims: tuple, data: list, inject: dic
     return _scaler_run(cls(**hp), _mlp(sub, *dims), data, inject, unscale_first, lr)
 
 
+def _misuse_worker(cls) -> dict:
+    """The student's scaler misused as GradScaler refuses to be: `unscale_` twice, then `step` twice,
+    before `update()`; and the type `get_scale()` returns. {what: True if it raised RuntimeError}."""
+    model = _mlp(0, 5, 7, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler, out = cls(), {}
+    for what, first, again in (("unscale_", scaler.unscale_, scaler.unscale_), ("step", scaler.step, scaler.step)):
+        opt.zero_grad()
+        scaler.scale(F.cross_entropy(model(torch.ones(2, 5)), torch.tensor([0, 1]))).backward()
+        first(opt)
+        try:
+            again(opt)
+            out[what] = False
+        except RuntimeError:
+            out[what] = True
+        if what == "unscale_":
+            scaler.step(opt)
+        scaler.update()
+    out["get_scale"] = type(scaler.get_scale()).__name__
+    return out
+
+
+def _check_misuse(name: str, cls) -> None:
+    got = run_student(_misuse_worker, cls)
+    for what in ("unscale_", "step"):
+        if not got[what]:
+            raise AssertionError(f"{name}: a second {what}(optimizer) before update() must raise RuntimeError, as "
+                                 f"GradScaler's does (a second unscale_ would divide the gradients by S twice)")
+    if got["get_scale"] != "float":
+        raise AssertionError(f"{name}: get_scale() returned a {got['get_scale']}; return the scale as a Python float")
+
+
 SCALERS = ("torch.amp.GradScaler", "torch.cuda.amp.GradScaler", "torch.amp.grad_scaler.GradScaler",
            "torch._amp_foreach_non_finite_check_and_unscale_", "torch._amp_update_scale_", "dlo.amp.DynamicLossScaler",
            "dlo.kernels.amp_unscale.amp_unscale_", "dlo.kernels.amp_unscale.amp_unscale_ref",
@@ -161,7 +193,8 @@ def check_loss_scaler(cls, seed: int = 0, trials: int = 4, steps: int = 12) -> N
     """`cls(init_scale, growth_factor, backoff_factor, growth_interval)` with scale / unscale_ / step /
     update / get_scale, compared with torch.amp.GradScaler("cpu") on the same model, data and injected
     inf / nan gradients, after every step. Odd trials call unscale_() before step() (which then must
-    not unscale again)."""
+    not unscale again). One optimizer per scaler; a second unscale_ or step before update() must raise
+    RuntimeError, and get_scale() returns a Python float (`_check_misuse`)."""
     name, rng = "loss_scaler", random.Random(seed)
     for t in range(trials):
         hp = dict(init_scale=2.0 ** rng.randint(4, 16), growth_factor=rng.choice([2.0, 4.0]),
@@ -193,6 +226,7 @@ def check_loss_scaler(cls, seed: int = 0, trials: int = 4, steps: int = 12) -> N
                                      f"steps in a row) ({fmt(where)})")
             for i, (a, b) in enumerate(zip(g_params, w_params)):
                 assert_close(name, f"parameter {i} after step {s}", a, b, where, rtol=RTOL, atol=ATOL)
+    _check_misuse(name, cls)  # after the arithmetic: its mistakes are the ones to hear of first
     ok(name, f"{trials} trials, seed={seed}")
 
 
@@ -215,7 +249,8 @@ def _bf16_probe(gen: torch.Generator, n: int) -> torch.Tensor:
 @check()
 def check_round_to_bf16(fn, seed: int = 0, trials: int = 3, n: int = 4099) -> None:
     """`fn(x: fp32 tensor) -> fp32 tensor` of the values rounded to bf16, round-to-nearest-even, compared
-    bit for bit with x.to(torch.bfloat16).float() (nan only needs to stay nan)."""
+    bit for bit with x.to(torch.bfloat16).float(), except nans, compared with isnan: torch turns every
+    nan into one bf16 nan (0x7FC0), the bit trick keeps its payload, and either is right."""
     name, gen = "round_to_bf16", torch.Generator().manual_seed(seed)
     for t in range(trials):
         x = _bf16_probe(gen, n)

@@ -1,10 +1,10 @@
-"""Day 2 experiments: the decoder-only transformer of the memory/speed table, the accuracy runs and
-the fp16 underflow demo with their claims, and the day's plan.
+"""Day 2 experiments: the decoder-only transformer of the memory/speed table, the accuracy runs, the
+fp16 underflow demo, the speed table, a TinyLM step counted and measured, and the day's plan; the
+claims tables made from their numbers are `dlo.experiments.day2_report`.
 
 `TinyLM` is GPT-2's shape at the full profile (12 layers, d_model 768, a 50257-token vocabulary,
 1024 positions: ~160M parameters with its untied head, near the 155M model of the course's float32
-vs bfloat16 case study) and a toy at the tiny one. (Over 300 lines: each runner beside the claims
-it feeds, so that a claim's numbers are read where they are made.)
+vs bfloat16 case study) and a toy at the tiny one.
 """
 
 from __future__ import annotations
@@ -13,13 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dlo import claims as C
-from dlo import estimates as E
 from dlo.accounting import optimizer_bytes
 from dlo.models.small import MLP, SmallCNN
 from dlo.plan import fake_cpu, first_step, param_bytes, row, step_memory
-
-LIPPE, MICIK, KALAM = "Lippe 2024 (case study)", "Micikevicius et al. 2018", "Kalamkar et al. 2019"
 
 
 class TinyLM(nn.Module):
@@ -113,56 +109,6 @@ def fp16_step_times(P, batch, device, reps: int = 3) -> dict:
     return time_interleaved(fns, device=device, warmup=1, reps=reps)
 
 
-# ----------------------------------------------------------------------------- claims
-
-def accuracy_gap(a: list[float], b: list[float], n_test: int) -> E.Estimate:
-    """Accuracy a - b on the same n_test images, paired by seed (training noise included); fewer than
-    3 seeds give no interval (dlo.estimates rule 2)."""
-    if len(a) != len(b):
-        raise ValueError(f"pair the runs by seed: {len(a)} vs {len(b)} accuracies")
-    return E.paired_difference(a, b, f"paired over {len(a)} seeds, {n_test} test images")
-
-
-def precision_claims(act_ratio: dict, accs: dict, n_test: int, demo: dict | None = None, speed: dict | None = None,
-                     tol: float = 0.05) -> list[C.Claim]:
-    """The claims table of the day. act_ratio: {"TinyLM", "SmallCNN"} -> bf16/fp32 saved bytes;
-    accs: {"fp32", "bf16"} -> accuracies per seed; demo: {"fp32", "bf16", "fp16", "fp16 + scaler"} ->
-    accuracies per seed, plus "skipped" -> skipped steps per seed of the scaled run; speed (GPU):
-    {"fp32", "bf16"} -> {"timing": Timing, "peak_bytes"} of the TinyLM step. `tol`: accuracy points."""
-    within = C.between(-tol, tol, f"gap within +-{tol:.0%}")
-    rows = [C.Claim(f"activations 50% smaller in bf16 ({m})", LIPPE, "50% smaller", C.approx(0.5, abs_tol=0.05),
-                    E.exact(act_ratio[m], "saved bytes bf16 / fp32, counted")) for m in ("TinyLM", "SmallCNN")]
-    rows.append(C.Claim("equivalent accuracy, bf16 vs fp32 (SmallCNN)", LIPPE, "equivalent performance", within,
-                        accuracy_gap(accs["bf16"], accs["fp32"], n_test)))
-    if demo is not None:
-        rows += [
-            C.Claim("small gradients: fp16 without loss scaling trains worse", MICIK, "gradients flush to zero",
-                    C.at_most(0.0, "gap < 0"), accuracy_gap(demo["fp16"], demo["fp32"], n_test)),
-            C.Claim("small gradients: loss scaling recovers fp32 accuracy", MICIK, "matches fp32", within,
-                    accuracy_gap(demo["fp16 + scaler"], demo["fp32"], n_test)),
-            C.Claim("small gradients: bf16 needs no loss scaling", KALAM, "fp32's range", within,
-                    accuracy_gap(demo["bf16"], demo["fp32"], n_test)),
-            C.by_construction("dynamic scaling skips overflowing steps and backs off", MICIK, "skip, S x 0.5",
-                              "the demo's scaler starts at 2^40 on purpose: its first fp16 gradients overflow "
-                              "whatever the model (the skips shown, fewest over seeds)",
-                              E.exact(min(demo["skipped"]), "skipped steps"), C.at_least(1.0, ">= 1 skip")),
-        ]
-    if speed is not None:
-        f32, b16 = speed["fp32"], speed["bf16"]
-        rows += [
-            C.Claim("30% memory reduction (20.6 -> 14.6 GB)", LIPPE, "30% less", C.approx(0.30, abs_tol=0.1),
-                    E.exact(1 - b16["peak_bytes"] / f32["peak_bytes"], "1 - peak bf16 / peak fp32 (CUDA allocator)")),
-            C.Claim("2x speed-up (2.1 -> 1.1 s/step)", LIPPE, "2x", C.approx(2.0, rel=0.25),
-                    C.timed(E.ratio(f32["timing"].estimate(), b16["timing"].estimate(), how="ratio of median steps"),
-                            device="cuda", gpu_claim=True)),
-        ]
-    else:
-        why = "no GPU: CPU bf16 kernels say nothing about tensor cores or the CUDA allocator"
-        rows += [C.not_measurable("30% memory reduction (20.6 -> 14.6 GB)", LIPPE, "30% less", why),
-                 C.not_measurable("2x speed-up (2.1 -> 1.1 s/step)", LIPPE, "2x", why)]
-    return rows
-
-
 def speed_table(P, lm_batch, cnn_batch, device) -> list[dict]:
     """GPU only: per model and precision (+ torch.compile, + channels_last for the CNN) the Timing of
     a full AdamW training step and the CUDA allocator's peak bytes."""
@@ -186,13 +132,15 @@ def speed_table(P, lm_batch, cnn_batch, device) -> list[dict]:
 
 def lm_accounting(P, batch, device, reps: int = 5) -> dict:
     """One AdamW training step of the TinyLM (bf16 autocast on a GPU, fp32 elsewhere): its FLOPs
-    counted by FlopCounterMode and by 6N + 12 l h s per token, its time (a Timing) and the bytes of
-    parameters, gradients and optimizer state per parameter."""
+    counted by FlopCounterMode and by 6N + 12 l h s per token, its time (a Timing); "held_per_param":
+    the model-state bytes per parameter a bf16-autocast AdamW step leaves held, measured by the
+    allocator (`dlo.accounting.held_after_step`); "bytes_per_param": ZeRO's split, built
+    (`mixed_precision_bytes`)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from dlo.accounting import matmul_params
+    from dlo.accounting import held_after_step, matmul_params
     from dlo.amp import train_step
-    from dlo.measure import count_flops, optimizer_state_bytes, tensor_bytes, time_fn, transformer_flops_per_token
+    from dlo.measure import count_flops, time_fn, transformer_flops_per_token
 
     device = torch.device(device)
     model = make_lm(P).to(device)
@@ -205,14 +153,14 @@ def lm_accounting(P, batch, device, reps: int = 5) -> dict:
     with sdpa_kernel(SDPBackend.MATH):  # FlopCounterMode has no formula for the CPU's fused attention kernel:
         flops = count_flops(step)       # the math backend runs the same FLOPs as matmuls it does count
     timing = time_fn(step, device=device, warmup=2, reps=reps)
-    params = list(model.parameters())
-    n = sum(p.numel() for p in params)
-    state = tensor_bytes(params) + tensor_bytes(p.grad for p in params) + optimizer_state_bytes(opt)
+    n = sum(p.numel() for p in model.parameters())
     n_matmul = matmul_params(model)
+    zero_split = mixed_precision_bytes(model, x, y, P.lr)
+    held = held_after_step(model, opt, lambda: train_step(model, opt, x, y, dtype=torch.bfloat16), device)
     return {"flops_per_step": flops, "tokens": x.numel(), "counted_per_token": flops / x.numel(),
             "formula_per_token": transformer_flops_per_token(n_matmul, P.lm_layers, P.lm_d_model, P.lm_seq),
-            "matmul_params": n_matmul, "params": n, "fp32_bytes_per_param": state / n, "timing": timing,
-            "bytes_per_param": mixed_precision_bytes(model, x, y, P.lr), "dtype": "bf16" if dtype else "fp32"}
+            "matmul_params": n_matmul, "params": n, "timing": timing, "held_per_param": held,
+            "bytes_per_param": zero_split, "dtype": "bf16" if dtype else "fp32"}
 
 
 def mixed_precision_bytes(model: nn.Module, x, y, lr: float) -> float:
@@ -238,64 +186,6 @@ def mixed_precision_bytes(model: nn.Module, x, y, lr: float) -> float:
             p.copy_(m)  # round the master weights to the bf16 weights the next forward uses
             m.grad = None
     return held_bytes(low, master, opt) / sum(p.numel() for p in params)
-
-
-def kernel_claims(attn_rows: list[dict], compiled: dict, on_gpu: bool) -> list[C.Claim]:
-    """Fused attention and torch.compile: attn_rows from dlo.attention.attention_costs, compiled from
-    dlo.attention.compile_speedup. Memory exponents are exact counts; times have their intervals."""
-    from dlo.attention import loglog_slope
-
-    dao = "Dao et al. 2022 (FlashAttention)"
-    by = {impl: [r for r in attn_rows if r["impl"] == impl] for impl in ("naive", "sdpa")}
-    slope = {impl: loglog_slope([r["T"] for r in rs], [r["saved_bytes"] for r in rs]) for impl, rs in by.items()}
-    rows = [C.Claim("fused attention saves memory linear in T", dao, "O(T), not O(T^2)", C.approx(1.0, abs_tol=0.1),
-                    E.exact(slope["sdpa"], "exponent of saved bytes vs T, last two lengths")),
-            C.Claim("naive attention keeps the T x T scores", dao, "O(T^2)", C.approx(2.0, abs_tol=0.1),
-                    E.exact(slope["naive"], "exponent of saved bytes vs T, last two lengths"))]
-    if on_gpu:
-        naive, fused = by["naive"][-1]["timing"].estimate(), by["sdpa"][-1]["timing"].estimate()
-        rows.append(C.Claim(f"fused attention ~3x faster (T={by['sdpa'][-1]['T']})", LIPPE, "3x over eager",
-                            C.approx(3.0, rel=0.5), C.timed(E.ratio(naive, fused, how="ratio of median fwd+bwd"),
-                                                            device="cuda", gpu_claim=True)))
-    else:
-        rows.append(C.not_measurable("fused attention ~3x faster", LIPPE, "3x over eager", "a GPU claim (HBM traffic "
-                                     "saved); the CPU times above are shown for information"))
-    if "error" in compiled:
-        rows.append(C.not_measurable("compiling fuses pointwise ops: faster", LIPPE, "fewer kernel calls",
-                                     f"torch.compile failed here: {compiled['error']}"))
-        return rows
-    speedup = E.ratio(compiled["eager"].estimate(), compiled["compiled"].estimate(),
-                      how=f"eager / compiled, medians of {compiled['eager'].n} interleaved calls")
-    shape = " x ".join(map(str, compiled["shape"])) if "shape" in compiled else "its input"
-    rows.append(C.Claim(f"compiling fuses pointwise ops: faster ({shape})", LIPPE, "fewer kernel calls",
-                        C.at_least(1.0, "> 1x"),
-                        C.timed(speedup, device="cuda" if on_gpu else "cpu", gpu_claim=True,
-                                threads=torch.get_num_threads())))
-    if "eager_kernels" in compiled:  # the CPU-measurable part: launches per call, counted
-        e, c = compiled["eager_kernels"], compiled["compiled_kernels"]
-        rows.append(C.Claim("compiling fuses pointwise ops: fewer kernel launches", LIPPE, "fewer kernel calls",
-                            C.at_most(0.5, "<= half"), E.exact(c / e, f"{c} compiled / {e} eager launches per call, "
-                                                                       "counted")))
-    return rows
-
-
-def flops_claims(counted: float, formula: float, bytes_per_param: float, mfu=None) -> list[C.Claim]:
-    """FLOPs per token counted by FlopCounterMode vs 6N + 12 l h s, measured model-state bytes per
-    parameter vs 16, and MFU (a E.Estimate on a GPU with a known peak, else None)."""
-    rows = [C.Claim("training FLOPs per token = 6N + 12 l h s", "Kaplan et al. 2020; PaLM app. B", "6N + 12 l h s",
-                    C.approx(1.0, rel=0.02), E.exact(counted / formula, "FlopCounterMode count / formula")),
-            C.Claim("16 bytes per parameter (mixed-precision Adam)", "Lippe 2024; ZeRO (Rajbhandari et al. 2020)",
-                    "16 B", C.approx(16.0, rel=0.02),
-                    E.exact(bytes_per_param, "bf16 weights + grads, fp32 master + AdamW state held after a "
-                            "step, / parameters"))]
-    megatron = "Megatron-LM / Nemotron (seeds)"
-    if mfu is None:
-        rows.append(C.not_measurable("MFU of a well-tuned large-model run", megatron, "41-48%",
-                                     "no known peak FLOP/s here (CPU): the achieved GFLOP/s are shown instead"))
-    else:
-        rows.append(C.Claim("MFU of a well-tuned large-model run", megatron, "41-48%", C.at_least(0.3, ">= 30%"),
-                            C.timed(mfu, device="cuda", gpu_claim=True)))
-    return rows
 
 
 def plan(P, *, gpus: int, gpu_mem_gb: float) -> list[dict]:

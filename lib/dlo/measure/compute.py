@@ -25,8 +25,9 @@ def transformer_flops_per_token(n_params: int, n_layers: int, d_model: int, seq_
 
     N counts the parameters a token multiplies through: every matmul weight, the LM head included;
     leave out embeddings that are only looked up (a tied embedding is counted once, as the head).
-    The attention term is QK^T and AV over a context of s (Kaplan et al. 2020, Sec. 2.1; PaLM,
-    Chowdhery et al. 2022, appendix B); no causal halving, as both papers count it.
+    6 N is Kaplan et al. 2020, Sec. 2.1; the attention term, QK^T and AV over a context of s with no
+    causal halving, is PaLM's (Chowdhery et al. 2022, appendix B). Kaplan et al. count half of it
+    (2 l s d per forward token, eq. 2.2: 6 l h s in training).
     """
     per = 6 if training else 2
     return per * n_params + per * 2 * n_layers * d_model * seq_len
