@@ -99,8 +99,9 @@ def claims(res: dict) -> list[C.Claim]:
             rows.append(C.not_measurable(claim, WANG, "(t-1)/t n", "the TCP counters need Linux (TCP_INFO)"))
             continue
         rows.append(C.Claim(claim, WANG, "(t-1)/t n", C.approx(1.0, rel=WIRE_TOL, text=f"1 +- {WIRE_TOL:g}"),
-                            E.exact(wire[kind] / want, "rank 0's TCP bytes (kernel counters) / ((t-1)/t n), "
-                                                       "forward alone; gloo's headers < 1%")))
+                            E.exact(wire[kind] / want, f"rank 0's TCP bytes (kernel counters), forward alone, "
+                                                       f"{wire[kind]:,.0f} / (t-1)/t n = {want:,.0f}: gloo's headers "
+                                                       f"< 1%")))
     rows += [C.by_construction("over a step, the ring's 4 passes send 4/5 of the one-collective version's 5 "
                                "(the ring keeps the gathered chunks, t x the memory)", OURS, "4/5",
                                "how the two were written: AllGatherLinear gathers its input again in backward, the "
