@@ -19,7 +19,8 @@ Both count matmul FLOPs only (attention scores add 4 s h per token and layer, so
 bounds are conservative) and assume the overlap is perfect (FSDP) or absent (TP: the next matmul
 needs the sum). Day 7's exercise 7 asks for these two functions; `dlo.checks.day7_scale` grades it.
 
-Volumes (Day 7's exercise 7b, graded by `dlo.checks.day7_volumes`), per micro-batch of b sequences of
+Volumes (Day 7's exercise 7b asks for the pipeline's and the bucket, graded by `dlo.checks.day7_volumes`;
+TP's is section 4's equation 5), per micro-batch of b sequences of
 s tokens, hidden size h, in bytes:
 
 - **Pipeline** (Day 6). A stage boundary carries the activation forward and its gradient backward,
@@ -37,6 +38,17 @@ s tokens, hidden size h, in bytes:
 from __future__ import annotations
 
 import math
+
+# A bound that is a whole number (the A100's NVLink at N = 8: exactly 910 tokens) comes out of float
+# arithmetic as 909.9999999999999 or 910.0000000000001 depending on the order of the operations. The
+# "fewest whole" tokens or bytes are therefore the smallest whole number >= x (1 - WHOLE_RTOL), x the real
+# bound: an exact bound stays itself, and 1e-12 is far below one unit at any size used here (x < 1e10).
+WHOLE_RTOL = 1e-12
+
+
+def fewest_whole(x: float) -> int:
+    """The smallest whole number >= x (1 - WHOLE_RTOL) (0 for x <= 0)."""
+    return max(0, math.ceil(x * (1 - WHOLE_RTOL)))
 
 
 def allgather_time(n_bytes: float, world_size: int, alpha: float, beta: float) -> float:
@@ -56,7 +68,7 @@ def fsdp_min_tokens(layer_params: int, world_size: int, peak_flops: float, link_
         raise ValueError(f"fsdp_min_tokens: need layer_params >= 1 and peak_flops > 0, got {layer_params}, "
                          f"{peak_flops}")
     gather = allgather_time(layer_params * param_bytes, world_size, alpha, 1.0 / link_bytes_per_s)
-    return math.ceil(round(gather * peak_flops / (2 * layer_params), 6))  # round: float noise is not a token
+    return fewest_whole(gather * peak_flops / (2 * layer_params))
 
 
 def tp_comm_ratio(layer_params: int, hidden: int, t: int, tokens: int, peak_flops: float,
@@ -101,8 +113,8 @@ def ddp_bucket_bytes(world_size: int, alpha: float, link_bytes_per_s: float, lat
                          f"0 < latency_share <= 1; got {world_size}, {alpha}, {link_bytes_per_s}, {latency_share}")
     if world_size == 1:
         return 0
-    n = world_size * alpha * link_bytes_per_s * (1 - latency_share) / latency_share
-    return math.ceil(round(n, 6))  # round: float noise is not a byte
+    return fewest_whole(world_size * alpha * link_bytes_per_s * (1 - latency_share) / latency_share)
 
 
-__all__ = ["allgather_time", "ddp_bucket_bytes", "fsdp_min_tokens", "pp_p2p_bytes", "tp_bytes", "tp_comm_ratio"]
+__all__ = ["WHOLE_RTOL", "allgather_time", "ddp_bucket_bytes", "fewest_whole", "fsdp_min_tokens", "pp_p2p_bytes",
+           "tp_bytes", "tp_comm_ratio"]

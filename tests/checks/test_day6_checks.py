@@ -56,17 +56,38 @@ def gpipe_schedule_via_library(p, m):
     return [[(a.kind, a.mb) for a in acts] for acts in S.gpipe_schedule(p, m)]
 
 
+def bubble_equal_stages(t_f, t_b, m):
+    """Section 2's formula, blind to the stages' durations."""
+    p = len(t_f)
+    return (p - 1) / (m + p - 1)
+
+
+def bubble_slowest_slots(t_f, t_b, m):
+    """(m + p - 1) slots of the slowest stage's forward + backward: 1F1B's rough pace, not GPipe's step."""
+    p, slow = len(t_f), max(f + b for f, b in zip(t_f, t_b))
+    return 1 - m * sum(t_f + t_b) / p / ((m + p - 1) * slow)
+
+
+def bubble_over_ideal(t_f, t_b, m):
+    p = len(t_f)
+    return (p - 1) / m
+
+
 def test_schedules_accept_the_reference(sol):
-    day6.check_schedules(sol.gpipe_schedule, sol.one_f_one_b_schedule, sol.bubble_fraction, seed=1, trials=6)
+    day6.check_schedules(sol.gpipe_schedule, sol.one_f_one_b_schedule, sol.gpipe_bubble, seed=1, trials=6)
 
 
 @pytest.mark.parametrize("slot,wrong,match", [
     (0, gpipe_backwards_reversed, "gpipe: rank 0's actions differ"),
     (1, one_f_one_b_warmup_p_minus_r, "1f1b: rank 0's actions differ from 1F1B's"),
-    (2, lambda p, m: (p - 1) / m, "bubble_fraction"),
+    (2, bubble_over_ideal, "gpipe_bubble: .*against \\(p - 1\\)/\\(m \\+ p - 1\\)"),
+    (2, bubble_equal_stages, "replayed with these durations.*the equal-stage formula"),
+    (2, bubble_slowest_slots, "replayed with these durations.*two phases, each paced by its own slowest stage"),
     (0, gpipe_schedule_via_library, "off limits")])
 def test_schedules_reject(sol, slot, wrong, match):
-    fns = [sol.gpipe_schedule, sol.one_f_one_b_schedule, sol.bubble_fraction]
+    """Exercise 1's bubble is GPipe's at unequal stages, derived (issue 34: it copied section 2's formula):
+    the formula itself, or (m + p - 1) slots of the slowest stage, fail with the model they used named."""
+    fns = [sol.gpipe_schedule, sol.one_f_one_b_schedule, sol.gpipe_bubble]
     fns[slot] = wrong  # the solution's other two functions alongside the mistake
     with pytest.raises(AssertionError, match=match):
         day6.check_schedules(*fns)
@@ -74,7 +95,7 @@ def test_schedules_reject(sol, slot, wrong, match):
 
 def test_schedules_reject_a_stub(sol):
     with pytest.raises(NotImplementedError):
-        day6.check_schedules(stub, sol.one_f_one_b_schedule, sol.bubble_fraction)
+        day6.check_schedules(stub, sol.one_f_one_b_schedule, sol.gpipe_bubble)
 
 
 # ----------------------------------------------------------------------------- 2. stage partition

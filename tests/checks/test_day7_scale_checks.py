@@ -48,6 +48,11 @@ def fsdp_rounded(P, N, F, B, alpha=0.0, param_bytes=2):
     return round(_tokens(P, N, F, B, alpha, param_bytes))
 
 
+def fsdp_floor_plus_one(P, N, F, B, alpha=0.0, param_bytes=2):
+    """One token past the floor: 911 where the A100's NVLink at N = 8 needs exactly 910."""
+    return 0 if N == 1 else math.floor(_tokens(P, N, F, B, alpha, param_bytes)) + 1
+
+
 def fsdp_float(P, N, F, B, alpha=0.0, param_bytes=2):
     return _tokens(P, N, F, B, alpha, param_bytes)
 
@@ -76,6 +81,7 @@ def test_rejects_a_stub(sol):
     (fsdp_allreduce, "x2 the reference: an all-reduce"),
     (fsdp_no_alpha, "too few"),
     (fsdp_rounded, "too few"),
+    (fsdp_floor_plus_one, "521 tokens is not the fewest.*a bound that is a whole number is that number"),  # 520 exactly
     (fsdp_float, "an int")])
 def test_rejects_fsdp_slips(sol, wrong, match):
     with pytest.raises(AssertionError, match=match):
@@ -89,6 +95,20 @@ def test_rejects_fsdp_slips(sol, wrong, match):
 def test_rejects_tp_slips(sol, wrong, match):
     with pytest.raises(AssertionError, match=match):
         day7_scale.check_comm_compute(sol.fsdp_min_tokens, wrong, seed=0, trials=12)
+
+
+def test_a_whole_token_bound_is_that_number():
+    """Issue 34: the A100's NVLink at N = 8 needs exactly 910 tokens, which float arithmetic gives as
+    909.9999999999999; the check used to accept 910 and 911 alike, so "the fewest whole tokens" sat on a
+    rounding edge. Now the reference, the solution and the check all say 910."""
+    from dlo.hardware import link_bytes_per_s, peak_for_name
+
+    F, B = peak_for_name("A100 80GB SXM")["bf16_tflops"] * 1e12, link_bytes_per_s("A100 80GB SXM", "nvlink")
+    P = day7_scale.LLAMA_3B_LAYER
+    assert comm_compute.fsdp_min_tokens(P, 8, F, B) == 910
+    with pytest.raises(AssertionError, match="911 tokens is not the fewest"):
+        day7_scale._hold_tokens(911, P, F, comm_compute.allgather_time(2 * P, 8, 0.0, 1 / B), {})
+    day7_scale._hold_tokens(910, P, F, comm_compute.allgather_time(2 * P, 8, 0.0, 1 / B), {})
 
 
 def test_the_engines_bytes_are_checked_first(sol):
@@ -156,6 +176,24 @@ def test_layout_search_rejects_a_stub_and_the_mistakes(sol):
 
     with pytest.raises(AssertionError, match="off limits"):
         day7_scale.check_layout_search(lambda *a: layout.search(*a))
+
+
+def test_layout_search_must_raise_when_nothing_fits(sol):
+    """Issue 34: what to return when no layout fits was unspecified; it is ValueError, and the check tries
+    Llama 3.1 70B on 8 H100s (140 GB of model states per GPU)."""
+    from dlo.layout import Cluster
+
+    with pytest.raises(ValueError):
+        sol.search_layout(day7_scale._model("llama3.1-70b", 4096), Cluster("H100 SXM", 8), 8)
+
+    def none_when_nothing_fits(model, cluster, batch):
+        try:
+            return sol.search_layout(model, cluster, batch)
+        except ValueError:
+            return None
+
+    with pytest.raises(AssertionError, match="must raise ValueError; it returned None"):
+        day7_scale.check_layout_search(none_when_nothing_fits, seed=1, trials=1)
 
 
 def test_both_checks_pass_under_the_grader(sandbox, sol, capsys):

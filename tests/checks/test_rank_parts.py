@@ -165,8 +165,8 @@ def test_row_layer_finds_no_full_input_on_its_rank(tp, ranks):
         the whole weight (this rank's columns kept): the output with no sum over ranks, and an
         all-reduce of a number for show."""
 
-        def __init__(self, linear, group=None, input_is_parallel=True):
-            super().__init__(linear, group, input_is_parallel=input_is_parallel)
+        def __init__(self, linear, group=None):
+            super().__init__(linear, group)
             self.whole = linear.weight.detach().clone()
 
         def forward(self, x):

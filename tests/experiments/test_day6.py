@@ -68,7 +68,10 @@ def test_run_all_on_two_ranks_and_its_report():
     assert len(timed) == 6 + 3 and all(c.verdict == NOT_MEASURABLE and c.row()["how"] == report.ONE_STEP
                                        for c in timed)
     assert sum(c.verdict == NOT_MEASURABLE for c in claims) == 6 + 3 + 3  # and the three 4-GPU rows
-    assert all(c.verdict == AGREES for c in report.zero_bubble_claims())
+    # our lists in our simulator: arithmetic on the course's own code, shown by construction (issue 34), the
+    # simulated bubbles still Table 1's
+    zb = report.zero_bubble_claims()
+    assert [c.verdict for c in zb] == [BY_CONSTRUCTION] * 2 and [c.measured.value for c in zb] == [9.0, 3.0]
     assert report.split_rows(R)[0]["balanced by"] == "params" and report.stage_rows(R["splits"]["blocks"])
     # the recorded timelines are steps of the schedules the simulator replays (6.2's fit)
     lists = {"gpipe": S.gpipe_schedule(2, 2), "1f1b": S.one_f_one_b_schedule(2, 2),

@@ -2,7 +2,7 @@
 
 1. schedules: the student's GPipe and 1F1B action lists against the library's and against
    torch.distributed.pipelining's own (`get_schedule_ops`), replayed by the simulator (no deadlock),
-   and the bubble fraction they imply;
+   and GPipe's bubble with unequal stages (derived) against the student's own list replayed;
 2. stage partition: contiguous, covering, non-empty, and as balanced as the best partition;
 3. and 4. GPipe and 1F1B training steps on `world_size` ranks (`on_ranks`): the check cuts a
    float64 CoAtNet into stages at seeded places (a secret seed when graded: `case_seed`) and gives

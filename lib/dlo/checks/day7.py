@@ -19,7 +19,7 @@ The checks live in five modules along the exercises' seams and are re-exported h
 notebook's test cells call them: `dlo.checks.day7_layers` (1, 2 and the shared helpers),
 `dlo.checks.day7_model` (3, 6: the Llama's attention and its DTensor plan),
 `dlo.checks.day7_sequence` (4, 5), `dlo.checks.day7_scale` (7, 8: compute against communication,
-the layout search) and `dlo.checks.day7_volumes` (7b: the pipeline's bytes against TP's, DDP's
+the layout search) and `dlo.checks.day7_volumes` (7b: a stage boundary's bytes, DDP's
 bucket). The test cells call them through this module, the day's one checks module
 (`dlo.registry`), which the grader imports.
 """
@@ -28,8 +28,8 @@ from dlo.checks.day7_layers import check_tp_linears, check_tp_swiglu
 from dlo.checks.day7_model import check_dtensor_plan, check_tp_attention
 from dlo.checks.day7_scale import check_comm_compute, check_layout_search
 from dlo.checks.day7_sequence import check_sequence_parallel, check_vocab_parallel_cross_entropy
-from dlo.checks.day7_volumes import check_pp_tp_bucket
+from dlo.checks.day7_volumes import check_pp_bucket
 
-__all__ = ["check_comm_compute", "check_dtensor_plan", "check_layout_search", "check_pp_tp_bucket",
+__all__ = ["check_comm_compute", "check_dtensor_plan", "check_layout_search", "check_pp_bucket",
            "check_sequence_parallel", "check_tp_attention", "check_tp_linears", "check_tp_swiglu",
            "check_vocab_parallel_cross_entropy"]

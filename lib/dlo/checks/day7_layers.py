@@ -185,7 +185,7 @@ def _linears_worker(mine, f, g, col_cls, row_cls):
         res["dw"], res["db"] = param_grad(layer, "weight", "ColumnParallelLinear"), \
             param_grad(layer, "bias", "ColumnParallelLinear")
         out[f"col_gather={gather}"] = res
-    layer = row_cls(mine["row"], None, input_is_parallel=True)
+    layer = row_cls(mine["row"], None)  # its input: this rank's block of the features
     res = fwd_bwd(layer, mine["h"], mine["up_in"])
     res["dw"], res["db"] = (param_grad(layer, w, "RowParallelLinear") for w in ("weight", "bias"))
     out["row"] = res
@@ -196,7 +196,8 @@ def _linears_worker(mine, f, g, col_cls, row_cls):
 def check_tp_linears(f, g, column_cls, row_cls, seed: int = 0, world_size: int = 2) -> None:
     """`f(x, group=None)` (identity forward, all-reduce backward), `g(x, group=None)` (all-reduce
     forward, identity backward), `ColumnParallelLinear(linear, group=None, gather_output=False)` and
-    `RowParallelLinear(linear, group=None, input_is_parallel=True)`: rank r keeps the r-th contiguous
+    `RowParallelLinear(linear, group=None)` (its input is always this rank's block of the input features,
+    as a column layer leaves it: no `input_is_parallel` to guess): rank r keeps the r-th contiguous
     block of the output (column) or input (row) features (the only block it is given: the others are
     NaN on its rank). Outputs, input and weight gradients and the collectives of forward and
     backward, against nn.Linear on one process."""

@@ -1,8 +1,10 @@
 """Day 7's exercises 7 (compute against communication) and 8 (choosing a layout): no ranks needed,
 numbers only.
 
-`fsdp_min_tokens` is held to its definition rather than to one rounding: the returned T must let
-the layer's forward matmuls (2 P T / F) cover the ring all-gather, and T - 1 must not. `tp_comm_ratio`
+`fsdp_min_tokens` is held to its definition rather than to one rounding: the smallest whole T whose
+forward matmuls (2 P T / F) cover the ring all-gather to a relative 1e-12 (T >= x (1 - 1e-12), x the real
+bound: `dlo.comm_compute.WHOLE_RTOL`), so that a bound that is a whole number (the A100's NVLink at N = 8:
+exactly 910) is that number whatever the order of the student's float operations: 911 fails. `tp_comm_ratio`
 is compared with the reference (`dlo.comm_compute`, off limits while the student's code runs) to
 1e-9. First, both are held to the bytes the days' engines send, counted by `dlo.measure.CommCounter`
 on a fake process group (`dlo.plan.fake_world`; alpha = 0, so time = bytes / B): the forward
@@ -19,6 +21,8 @@ not split t ways, alpha left out).
 measured once per model and sequence length, a few seconds), and accepts any valid layout that fits
 (`dlo.layout.fits`) and is as fast (`dlo.layout.step_time`) as the reference `dlo.layout.search`'s,
 whose search and enumeration are off limits (the memory and time models are the student's tools).
+Where no layout fits (Llama 3.1 70B on 8 H100: its model states alone need 140 GB per GPU), the search
+must raise ValueError.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from dlo.checks.day7_volumes import LLAMA_3B_HIDDEN, tp_measured
-from dlo.comm_compute import allgather_time, tp_comm_ratio
+from dlo.comm_compute import WHOLE_RTOL, allgather_time, tp_comm_ratio
 from dlo.grading.api import check
 from dlo.grading.compare import assert_close, assert_number, fmt, ok
 from dlo.hardware import LINKS, link_bytes_per_s, peak_for_name
@@ -79,9 +83,11 @@ def _hold_tokens(got, P: int, F: float, gather: float, where: dict, of: str = "t
         raise AssertionError(f"fsdp_min_tokens: return a whole number of tokens (an int), got {got!r} "
                              f"({fmt(where)})")
     per_token = 2 * P / F  # seconds of the layer's forward matmuls per token, at peak
-    if got * per_token < gather * (1 - 1e-9) or (got > 0 and (got - 1) * per_token >= gather * (1 + 1e-9)):
+    need = gather * (1 - WHOLE_RTOL)  # float noise is not a token
+    if got * per_token < need or (got > 0 and (got - 1) * per_token >= need):
         detail = ("too few: the all-gather still takes longer than the layer's forward"
-                  if got * per_token < gather else "not the fewest: one token less still hides the all-gather")
+                  if got * per_token < need else "not the fewest: one token less still hides the all-gather "
+                  "(to a relative 1e-12: a bound that is a whole number is that number)")
         raise AssertionError(f"fsdp_min_tokens: {got} tokens is {detail}: {of} takes {gather:.4g} s, "
                              f"{got} tokens compute in {got * per_token:.4g} s"
                              f"{_slip(got * per_token / max(gather, 1e-30), FSDP_SLIPS)} ({fmt(where)})")
@@ -270,7 +276,22 @@ def check_layout_search(search_fn, seed: int = 0, trials: int = 4) -> None:
         if t_got > t_want * (1 + 1e-9):
             raise AssertionError(f"layout_search: {got} takes {t_got:.4g} s per step; a faster one fits "
                                  f"({t_want:.4g} s) ({fmt(where)})")
-    ok("layout_search", f"{len(cases)} cases, seed={seed}")
+    _nothing_fits(search_fn)
+    ok("layout_search", f"{len(cases)} cases and one where nothing fits, seed={seed}")
+
+
+def _nothing_fits(search_fn) -> None:
+    """Llama 3.1 70B on 8 H100 of 80 GiB: 16 bytes per parameter are 140 GB per GPU fully sharded."""
+    from dlo.layout import Cluster
+
+    cluster, batch = Cluster("H100 SXM", 8), 8
+    where = dict(model="llama3.1-70b", seq=4096, gpus=8, gpu=cluster.gpu, mem_gib=cluster.mem_gib, batch=batch)
+    try:
+        got = search_fn(_model("llama3.1-70b", 4096), cluster, batch)
+    except ValueError:
+        return
+    raise AssertionError(f"layout_search: no layout fits here (the model states alone need 140 GB per GPU), "
+                         f"so the search must raise ValueError; it returned {got!r} ({fmt(where)})")
 
 
 __all__ = ["check_comm_compute", "check_layout_search"]
