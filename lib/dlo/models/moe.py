@@ -36,7 +36,7 @@ from torch import Tensor, nn
 from dlo.errors import BadInput
 
 __all__ = ["expert_capacity", "Routing", "route", "dispatch", "run_experts", "combine", "switch_aux_loss",
-           "gshard_aux_loss", "MoEOutput", "MoE", "moe_ref", "moe_flops_per_token"]
+           "gshard_aux_loss", "aux_loss", "MoEOutput", "MoE", "moe_ref", "moe_flops_per_token"]
 
 
 def expert_capacity(tokens: int, n_experts: int, top_k: int, capacity_factor: float | None) -> int:
@@ -117,6 +117,11 @@ def gshard_aux_loss(probs: Tensor, top1: Tensor) -> Tensor:
     return (c / top1.numel() * probs.mean(0)).mean()
 
 
+def aux_loss(routing: Routing, kind: str) -> Tensor:
+    """The auxiliary loss named `kind` ("switch" or "gshard") of a routing."""
+    return (switch_aux_loss if kind == "switch" else gshard_aux_loss)(routing.probs, routing.top1)
+
+
 @dataclass
 class MoEOutput:
     y: Tensor                  # the layer's output, x's shape (no residual)
@@ -151,15 +156,12 @@ class MoE(nn.Module):
         cap = expert_capacity(x.shape[0], self.n_experts, self.top_k, self.capacity_factor)
         return route(x, self.router.weight, self.top_k, cap, self.renormalize)
 
-    def aux_loss(self, routing: Routing) -> Tensor:
-        return (switch_aux_loss if self.aux == "switch" else gshard_aux_loss)(routing.probs, routing.top1)
-
     def forward(self, x: Tensor) -> MoEOutput:
         flat = x.reshape(-1, x.shape[-1])  # (S, dim)
         r = self.route(flat)
         y = run_experts(dispatch(flat, r), r.kept.tolist(), self.w1, self.w3, self.w2)
         out = combine(y, r, flat.shape[0]).view_as(x)
-        return MoEOutput(out, self.aux_loss(r), r.kept, r.routed, r.dropped, r.capacity)
+        return MoEOutput(out, aux_loss(r, self.aux), r.kept, r.routed, r.dropped, r.capacity)
 
 
 def moe_ref(layer: MoE, x: Tensor) -> Tensor:
