@@ -12,7 +12,8 @@ from dlo.attention import naive_attention
 from dlo.distributed import context_parallel as cp
 from dlo.distributed import launch, ulysses
 from dlo.errors import BadInput
-from dlo.measure import CommCounter
+from dlo.experiments.day4_comm import tcp_available, tcp_sent
+from dlo.measure import CommCounter, gloo_wire_bytes
 from tests.rank_pool import one_thread  # noqa: F401 - a fixture
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -56,7 +57,28 @@ def _worker():
                 (o * up).sum().backward()
             out[name, causal, zigzag] = (o.detach(), q1.grad, k1.grad, v1.grad, fwd.by_kind("sent"),
                                          bwd.by_kind("sent"))
+    if tcp_available():
+        out["wire"] = {name: _wire(IMPLS[name]) for name in ("ring", "ulysses")}
     return out
+
+
+def _wire(fn):
+    """(bytes this rank's TCP sockets sent, what gloo sends for the collectives counted) over one forward
+    and backward at T/N = 64, D = 16 (a K/V block of 98 kB)."""
+    n, r = dist.get_world_size(), dist.get_rank()
+    T = 64 * n
+    q, k, v = (x[..., cp.contiguous_positions(T, n, r), :] for x in torch.randn(3, B, H, T, 16, dtype=D))
+    counted = []
+
+    def step():
+        q1 = q.clone().requires_grad_(True)
+        with CommCounter() as c:
+            fn(q1, k, v.clone().requires_grad_(True)).sum().backward()
+        counted.append(c.records())
+
+    step()  # warm-up
+    sent, _ = tcp_sent(step, 1)
+    return sent, gloo_wire_bytes(counted[-1])
 
 
 @pytest.fixture(scope="module", params=[2, 3])
@@ -99,6 +121,17 @@ def test_bytes_per_rank_match_the_formulas(results):
     T = 2 * 3 * 8
     ratio = cp.ring_bytes_per_rank(B, H, T, HD, n, s) / ulysses.ulysses_bytes_per_rank(B, H, T, HD, n, s)
     assert ratio == pytest.approx(n / 2)
+
+
+def test_bytes_on_the_wire(results):
+    """The kernel's TCP counters on every rank (`dlo.experiments.day4_comm.tcp_sent`) against what gloo
+    sends for the counted calls (`dlo.measure.gloo_wire_bytes`: payload and gloo's headers)."""
+    n, res = results
+    if "wire" not in res[0]:
+        pytest.skip("no TCP counters here (Linux TCP_INFO)")
+    for out in res:
+        for name, (sent, (payload, headers)) in out["wire"].items():
+            assert 0.99 * payload <= sent <= 1.01 * payload + headers + 400, (name, sent, payload, headers)
 
 
 # ----------------------------------------------------------------------------- one process: the pieces
