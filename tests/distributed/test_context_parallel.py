@@ -152,6 +152,19 @@ def test_merge_of_two_key_halves_is_attention_over_both():
             assert torch.isinf(b[1][..., :4]).all() and not torch.isnan(o).any()
 
 
+@pytest.mark.parametrize("impl", list(IMPLS))
+def test_one_rank_without_a_process_group_is_plain_attention(impl):
+    """World 1 (no process group): no message, the same outputs and gradients (what NCCL world 1 runs)."""
+    for causal in (True, False):
+        want = reference(7, causal)
+        q, k, v, up = full_inputs(7)
+        q, k, v = (x.clone().requires_grad_(True) for x in (q, k, v))
+        o = IMPLS[impl](q, k, v, causal=causal)
+        (o * up).sum().backward()
+        for got, full in zip((o.detach(), q.grad, k.grad, v.grad), want):
+            torch.testing.assert_close(got, full, rtol=1e-12, atol=1e-12)
+
+
 def test_zigzag_split_and_its_inverse():
     n, T = 3, 18
     x = torch.arange(T).view(1, 1, T, 1)
