@@ -13,7 +13,7 @@ from dlo.distributed import context_parallel as cp
 from dlo.distributed import launch, ulysses
 from dlo.errors import BadInput
 from dlo.experiments.day4_comm import tcp_available, tcp_sent
-from dlo.measure import CommCounter, gloo_wire_bytes
+from dlo.measure import CommCounter, gloo_wire_bytes, saved_bytes
 from tests.rank_pool import one_thread  # noqa: F401 - a fixture
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -57,9 +57,16 @@ def _worker():
                 (o * up).sum().backward()
             out[name, causal, zigzag] = (o.detach(), q1.grad, k1.grad, v1.grad, fwd.by_kind("sent"),
                                          bwd.by_kind("sent"))
+    out["saved"] = {name: [_saved(fn, T) for T in (8 * n, 16 * n)] for name, fn in IMPLS.items()}
     if tcp_available():
         out["wire"] = {name: _wire(IMPLS[name]) for name in ("ring", "ulysses")}
     return out
+
+
+def _saved(fn, T):
+    """Bytes autograd keeps for backward on this rank beyond q, k, v (causal, contiguous)."""
+    q, k, v = (torch.randn(B, H, T // dist.get_world_size(), HD, dtype=D, requires_grad=True) for _ in range(3))
+    return saved_bytes(lambda: fn(q, k, v), exclude=(q, k, v), backward=False)["saved_bytes"]
 
 
 def _wire(fn):
@@ -121,6 +128,16 @@ def test_bytes_per_rank_match_the_formulas(results):
     T = 2 * 3 * 8
     ratio = cp.ring_bytes_per_rank(B, H, T, HD, n, s) / ulysses.ulysses_bytes_per_rank(B, H, T, HD, n, s)
     assert ratio == pytest.approx(n / 2)
+
+
+def test_memory_saved_per_rank(results):
+    """Ring attention keeps this rank's output and log-sum-exp only (linear in T/N); the all-gather version
+    keeps all T keys and values and T/N x T scores, Ulysses T x T scores for H/N heads: both grow faster."""
+    n, res = results
+    for out in res:
+        ring, gathered, uly = out["saved"]["ring"], out["saved"]["allgather"], out["saved"]["ulysses"]
+        assert ring == [cp.ring_saved_bytes(B, H, T, HD, n, 8) for T in (8 * n, 16 * n)]
+        assert gathered[1] / gathered[0] > 3 and uly[1] / uly[0] > 3 and ring[1] / ring[0] == 2
 
 
 def test_bytes_on_the_wire(results):

@@ -50,7 +50,7 @@ from dlo.errors import BadInput
 
 __all__ = ["merge_partials", "block_attention", "zigzag_positions", "contiguous_positions", "rank_positions",
            "zigzag_split", "zigzag_unsplit", "causal_pairs", "ring_work", "RingAttention", "ring_attention",
-           "allgather_attention", "ring_bytes_per_rank", "allgather_bytes_per_rank"]
+           "allgather_attention", "ring_bytes_per_rank", "ring_saved_bytes", "allgather_bytes_per_rank"]
 
 
 # ----------------------------------------------------------------------------- the online-softmax pieces
@@ -284,6 +284,13 @@ def ring_bytes_per_rank(B: int, H_kv: int, T: int, D: int, n: int, itemsize: int
     N-1 times; backward, K/V again N-1 times and their gradients N times."""
     block = 2 * B * H_kv * (T // n) * D * itemsize
     return (n - 1) * block + ((n - 1) * block + n * block if backward else 0)
+
+
+def ring_saved_bytes(B: int, H: int, T: int, D: int, n: int, itemsize: int) -> int:
+    """Bytes ring attention saves for backward beyond its inputs q, k, v: this rank's output and
+    log-sum-exp, B H T/N (D + 1): linear in T/N, where the all-gather version also keeps all T keys and
+    values and the T/N x T scores."""
+    return B * H * (T // n) * (D + 1) * itemsize
 
 
 def allgather_bytes_per_rank(B: int, H_kv: int, T: int, D: int, n: int, itemsize: int) -> float:
