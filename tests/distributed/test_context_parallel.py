@@ -57,6 +57,14 @@ def _worker():
                 (o * up).sum().backward()
             out[name, causal, zigzag] = (o.detach(), q1.grad, k1.grad, v1.grad, fwd.by_kind("sent"),
                                          bwd.by_kind("sent"))
+    sub = dist.new_group([0, 2]) if n == 3 else None  # every rank creates it; ranks 0 and 2 run a ring on it
+    if sub is not None and r in (0, 2):
+        T, mine = 2 * 7, r // 2  # global rank 2 is rank 1 of the subgroup
+        pos = cp.contiguous_positions(T, 2, mine)
+        q, k, v, up = (x[..., pos, :].clone().requires_grad_(True) for x in full_inputs(T))
+        o = cp.ring_attention(q, k, v, causal=True, group=sub)
+        (o * up.detach()).sum().backward()
+        out["subgroup"] = (mine, o.detach(), q.grad, k.grad, v.grad)
     out["saved"] = {name: [_saved(fn, T) for T in (8 * n, 16 * n)] for name, fn in IMPLS.items()}
     if tcp_available():
         out["wire"] = {name: _wire(IMPLS[name]) for name in ("ring", "ulysses")}
@@ -105,6 +113,18 @@ def test_equal_to_one_process(results, impl):
             pos = cp.rank_positions(T, n, r, zigzag)
             for got, full in zip(out[impl, causal, zigzag][:4], want):
                 torch.testing.assert_close(got, full[..., pos, :], rtol=1e-12, atol=1e-12)
+
+
+def test_ring_on_a_subgroup(results):
+    """Ranks 0 and 2 of three as a context-parallel group of two (group ranks, not global ones)."""
+    n, res = results
+    if n != 3:
+        pytest.skip("a subgroup of two needs three ranks")
+    want = reference(14, True)
+    for out in (res[0], res[2]):
+        mine, *got = out["subgroup"]
+        for g, full in zip(got, want):
+            torch.testing.assert_close(g, full[..., cp.contiguous_positions(14, 2, mine), :], rtol=1e-12, atol=1e-12)
 
 
 def test_bytes_per_rank_match_the_formulas(results):

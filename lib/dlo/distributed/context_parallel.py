@@ -49,7 +49,8 @@ from dlo.distributed.tp_comms import gather_from_sp, tp_rank, tp_size
 from dlo.errors import BadInput
 
 __all__ = ["merge_partials", "block_attention", "zigzag_positions", "contiguous_positions", "rank_positions",
-           "zigzag_split", "zigzag_unsplit", "causal_pairs", "ring_work", "RingAttention", "ring_attention",
+           "zigzag_split", "zigzag_unsplit", "causal_pairs", "ring_work", "ring_forward", "ring_backward",
+           "RingAttention", "ring_attention",
            "allgather_attention", "ring_bytes_per_rank", "ring_saved_bytes", "allgather_bytes_per_rank"]
 
 
@@ -173,7 +174,8 @@ def _wait(ops: list) -> None:
         op.wait()
 
 
-def _ring_forward(q, k, v, causal, zigzag, group):
+def ring_forward(q, k, v, causal, zigzag, group=None) -> tuple[Tensor, Tensor]:
+    """Ring attention's forward without autograd: this rank's (O, L) after N blocks (Liu et al. 2023, Alg. 1)."""
     n, r = tp_size(group), tp_rank(group)
     T = q.shape[-2] * n
     pos = [rank_positions(T, n, j, zigzag).to(q.device) for j in range(n)]
@@ -206,7 +208,8 @@ def _block_grads(q, k, v, o, lse, do, q_pos, k_pos, causal):
     return ds @ k * scale, ds.transpose(-2, -1) @ q * scale, dv
 
 
-def _ring_backward(q, k, v, o, lse, do, causal, zigzag, group):
+def ring_backward(q, k, v, o, lse, do, causal, zigzag, group=None) -> tuple[Tensor, Tensor, Tensor]:
+    """Ring attention's backward: this rank's dq, dk, dv (K/V and their gradients around the ring)."""
     n, r = tp_size(group), tp_rank(group)
     T = q.shape[-2] * n
     pos = [rank_positions(T, n, j, zigzag).to(q.device) for j in range(n)]
@@ -239,7 +242,7 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, causal, zigzag, group):
-        o, lse = _ring_forward(q, k, v, causal, zigzag, group)
+        o, lse = ring_forward(q, k, v, causal, zigzag, group)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.causal, ctx.zigzag, ctx.group = causal, zigzag, group
         return o
@@ -247,7 +250,7 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = _ring_backward(q, k, v, o, lse, do.contiguous(), ctx.causal, ctx.zigzag, ctx.group)
+        dq, dk, dv = ring_backward(q, k, v, o, lse, do.contiguous(), ctx.causal, ctx.zigzag, ctx.group)
         return dq, dk, dv, None, None, None
 
 
