@@ -126,7 +126,8 @@ class Study:
             return finished
         work = self.trial_dir(job.trial) / "work"
         work.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(self.trial_dir(job.trial) / "config.json", job.config)
+        if not (self.trial_dir(job.trial) / "config.json").exists():  # a trial's config is fixed (PBT: new id)
+            write_json_atomic(self.trial_dir(job.trial) / "config.json", job.config)
         metrics = list(trial(dict(job.config), job.steps, work))
         if not metrics:
             raise ValueError(f"trial {job.trial} returned no metric for steps={job.steps}: return one per step run")
