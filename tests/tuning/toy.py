@@ -64,3 +64,20 @@ def moving_optimum(halving: float = 50.0, start_best: float = 0.1, width: float 
         return losses
 
     return trial
+
+
+def dying_curve_trial(config: dict, steps: int, workdir: Path) -> list[float]:
+    """`curve_trial`, except that the trial named in the file $DLO_TEST_KILL (if it exists) is killed by
+    SIGKILL once, mid-way, as a node failure or an out-of-memory kill would end it; the file is removed first."""
+    import os
+    import signal
+
+    marker = Path(os.environ.get("DLO_TEST_KILL", "/nonexistent"))
+    if marker.is_file() and marker.read_text().strip() == Path(workdir).parent.name:
+        marker.unlink()
+        (Path(workdir) / "state.json").write_text('{"steps": 1')      # a checkpoint cut short by the kill
+        os.kill(os.getpid(), signal.SIGKILL)
+    state = Path(workdir) / "state.json"
+    if state.exists() and not state.read_text().endswith("}"):
+        state.unlink()                                                 # the cut checkpoint: start this job again
+    return curve_trial(config, steps, workdir)
