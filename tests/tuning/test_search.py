@@ -90,3 +90,14 @@ def test_space_from_yaml_and_json(tmp_path):
     (tmp_path / "bad.json").write_text("{")
     with pytest.raises(BadInput, match="not valid json"):
         Space.load(tmp_path / "bad.json")
+
+
+def test_the_same_jobs_on_launch_ranks_give_the_inline_results(tmp_path):
+    """Trials as processes: two `dlo.distributed.launch` ranks share the jobs (rank r runs jobs r, r + 2, ...)."""
+    from dlo.tuning.store import Job, run_inline, run_on_ranks
+
+    jobs = [Job(f"j{i}", SPACE.config(1, i), 3) for i in range(5)]
+    spread = run_on_ranks(Study(tmp_path / "ranks"), curve_trial, jobs, world_size=2, timeout=120)
+    inline = run_inline(Study(tmp_path / "inline"), curve_trial, jobs)
+    assert [(r.trial, r.value) for r in spread] == [(r.trial, r.value) for r in inline]
+    assert len(Study(tmp_path / "ranks").results()) == 5
