@@ -27,7 +27,7 @@ def test_rapl_packages_summed_subdomains_skipped_wraparound_counted(tmp_path):
         (core / "energy_uj").write_text("999999999\n")
     [reading] = meter.readings
     assert reading.source == "rapl" and reading.measured and reading.joules == pytest.approx(5.0)
-    assert "intel-rapl:0, intel-rapl:1" in reading.how
+    assert "intel-rapl:0, intel-rapl:1" in reading.how and meter.missing == []
 
 
 def _fake_smi(tmp_path, rows_per_call):
@@ -62,6 +62,7 @@ def test_nothing_readable_gives_a_stated_estimate(tmp_path, monkeypatch):
     assert reading.source == "estimate" and not reading.measured and not meter.measured
     assert reading.joules == pytest.approx(4.0 * 100 / 4)
     assert "stated, not measured" in reading.how and "ESTIMATE" in reading.line(400)
+    assert meter.missing == ["GPU: neither NVML nor nvidia-smi's total_energy_consumption answered"]
 
 
 def test_kwh_and_co2e_with_a_stated_intensity():

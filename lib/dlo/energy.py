@@ -131,7 +131,8 @@ def cpu_seconds() -> float:
 
 @dataclass
 class EnergyMeter:
-    """`with EnergyMeter() as m: ...` then `m.readings`: one Reading per source that could tell.
+    """`with EnergyMeter() as m: ...` then `m.readings`: one Reading per source that could tell, and
+    `m.missing`: what is here but could not be measured (a GPU without an energy counter), said, not guessed.
 
     `tdp_watts` and `cores` state the CPU estimate's assumption (the package's thermal design power shared by
     its cores); it is used only when neither RAPL nor a GPU counter is readable.
@@ -153,6 +154,7 @@ class EnergyMeter:
         if gpu is None:
             from dlo.nvidia import driver
             gpu = driver() is not None
+        self.gpu_here = gpu
         self.nvml = _nvml_counter() if gpu else None
         self.smi_start = smi_energy(self.smi) if gpu and self.nvml is None else None
         self.gpu_start = self.nvml() if self.nvml else None
@@ -172,6 +174,9 @@ class EnergyMeter:
         elif self.smi_start is not None and (end := smi_energy(self.smi)) is not None:
             self.readings.append(Reading("nvidia-smi", end[0] - self.smi_start[0], seconds,
                                          f"total_energy_consumption, every GPU (power.draw {end[1]:.0f} W at the end)"))
+        self.missing = []
+        if self.gpu_here and not any(r.source in ("nvml", "nvidia-smi") for r in self.readings):
+            self.missing.append("GPU: neither NVML nor nvidia-smi's total_energy_consumption answered")
         if not self.readings:
             cpu = cpu_seconds() - self.cpu_start
             self.readings.append(Reading("estimate", cpu * self.tdp_watts / self.cores, seconds,
