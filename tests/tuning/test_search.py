@@ -101,3 +101,11 @@ def test_the_same_jobs_on_launch_ranks_give_the_inline_results(tmp_path):
     inline = run_inline(Study(tmp_path / "inline"), curve_trial, jobs)
     assert [(r.trial, r.value) for r in spread] == [(r.trial, r.value) for r in inline]
     assert len(Study(tmp_path / "ranks").results()) == 5
+
+
+def test_integers_are_drawn_uniformly_ends_included():
+    space = Space({"layers": {"int": [1, 3]}})
+    counts = [0, 0, 0]
+    for i in range(3000):
+        counts[space.config(0, i)["layers"] - 1] += 1
+    assert min(counts) > 900, counts        # rounding a uniform draw would give the ends ~750 each

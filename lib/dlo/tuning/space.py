@@ -59,6 +59,14 @@ class Param:
         return [self.from_unit(u) for u in np.linspace(0, 1, points)]
 
 
+def _draw(p: Param, rng: np.random.Generator):
+    if p.kind == "choice":
+        return p.values[rng.integers(len(p.values))]
+    if p.kind == "int":   # every integer equally likely (rounding a uniform draw would halve the two ends)
+        return int(rng.integers(p.values[0], p.values[1] + 1))
+    return p.from_unit(rng.random())
+
+
 def _param(name: str, spec) -> Param:
     where = f"search space: {name!r}"
     if not isinstance(spec, dict) or len(spec) != 1 or next(iter(spec)) not in KINDS:
@@ -91,8 +99,7 @@ class Space:
         return cls(read_config(path))
 
     def sample(self, rng: np.random.Generator) -> dict:
-        return {p.name: p.from_unit(rng.random()) if p.kind != "choice" else p.values[rng.integers(len(p.values))]
-                for p in self.params}
+        return {p.name: _draw(p, rng) for p in self.params}
 
     def config(self, seed: int, index: int) -> dict:
         """Trial `index`'s random config: drawn from (seed, index) only, whatever ran before."""
