@@ -113,6 +113,9 @@ def drive(study: Study, width: int | None, sbatch: list[str]) -> None:
 
 
 def report(study: Study) -> None:
+    if not study.results():
+        print("no results yet: run `python -m dlo.tuning drive` (or the waves by hand)")
+        return
     top = best(study.results())
     print(f"best: {top.trial} {top.config} {study.metric} {top.value:.6g} at {top.steps} steps; "
           f"{study.steps_run()} steps run in all")
