@@ -1,0 +1,3 @@
+from dlo.tuning.cli import main
+
+raise SystemExit(main())
