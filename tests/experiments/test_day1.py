@@ -218,7 +218,7 @@ def test_critical_batch_is_judged_at_the_end_of_training():
     assert "end of training" in row.claim and "step 128" in row.measured.how
 
 
-def test_profiling_labels_the_chosen_bottleneck_and_tests_the_workers():
+def test_profiling_labels_the_chosen_bottleneck_and_tests_the_workers(monkeypatch):
     before = _profile([0.90, 0.91, 0.92, 0.90, 0.93, 0.91], [100, 101, 99, 100, 102, 100])
     after = _profile([0.01, 0.02, 0.01, 0.01, 0.02, 0.01], [10, 10, 11, 10, 10, 9])
     workers = _profile([0.15, 0.14, 0.16, 0.15, 0.13, 0.14], [12, 12, 13, 12, 12, 11])
@@ -227,6 +227,9 @@ def test_profiling_labels_the_chosen_bottleneck_and_tests_the_workers():
     assert _find(v, "dominates the step") == BY_CONSTRUCTION  # the notebook chose the JPEG size
     assert "512-px" in next(c.why for c in rows if "dominates" in c.claim)
     assert _find(v, "worker processes") in (DISAGREES, NOT_MEASURABLE)  # 14.7% > 10%, or too few cores
+    monkeypatch.setenv("DLO_CORES", "1")  # one core for the loop and 2 workers: no verdict on the workers
+    (row,) = [c for c in day1_profile.profiling_claims(before, after, workers=workers) if "worker" in c.claim]
+    assert row.verdict == NOT_MEASURABLE and "> 1 cores" in row.reason
     text = day1_profile.describe({"decode per sample": _profile([0.147] * 3, [30.0] * 3),
                                   "decoded once": _profile([0.02] * 3, [27.0] * 3),
                                   "decode in 2 workers": _profile([0.05] * 3, [25.0] * 3)})

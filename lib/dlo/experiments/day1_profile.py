@@ -78,8 +78,10 @@ def profiling_claims(before: dict, after: dict, on_gpu: bool = False, *, workers
         C.Claim("the fix speeds the step up by 1 / (1 - share)", "Amdahl's law", f"{amdahl:.2g}x",
                 C.approx(amdahl, rel=0.25), speedup),
     ]
-    if workers is not None:  # FIDLE's advice itself; the workers need cores beside the loop's threads
-        share_w = C.timed(E.median_interval(workers["share"]), device=where["device"], threads=threads + num_workers)
+    if workers is not None:  # FIDLE's advice itself; the workers need cores beside the training loop's:
+        # its torch threads on a CPU, which computes there; one on a GPU, where the loop only launches kernels
+        loop = 1 if on_gpu else threads
+        share_w = C.timed(E.median_interval(workers["share"]), device=where["device"], threads=loop + num_workers)
         rows.append(C.Claim(f"decoding in {num_workers} worker processes hides the decode", FIDLE,
                             "you could try to set num_workers", C.at_most(WORKERS_SHARE, f"<= {WORKERS_SHARE:.0%}"),
                             share_w))
