@@ -235,3 +235,29 @@ def test_profiling_labels_the_chosen_bottleneck_and_tests_the_workers(monkeypatc
                                   "decode in 2 workers": _profile([0.05] * 3, [25.0] * 3)})
     assert "14.7%" in text and "not the larger part" in text and 'fastest pipeline on this machine was "decode ' \
         'in 2 workers"' in text
+
+
+def test_amdahl_speedup_is_read_on_paired_rounds():
+    """Profiles taken one after the other see different loads (a tiny run's fixed pipeline took 225 ms a step
+    against the slow one's 56 ms when the machine got busier in between): with interleaved step times the
+    speed-up is the ratio within each round."""
+    before = _profile([0.90, 0.91, 0.92, 0.90, 0.93, 0.91], [100, 101, 99, 100, 102, 100])
+    after_busy = _profile([0.01] * 6, [400, 410, 390, 400, 405, 395])  # profiled while the machine was busy
+    slow = Timing([0.10, 0.40, 0.20, 0.30, 0.15, 0.25])  # the load drifts 4x across rounds
+    fast = Timing([x / 10 for x in slow.times_s])
+    unpaired = [c for c in day1_profile.profiling_claims(before, after_busy) if "1 / (1 - share)" in c.claim]
+    assert unpaired[0].verdict == DISAGREES
+    (row,) = [c for c in day1_profile.profiling_claims(before, after_busy, times=(slow, fast))
+              if "1 / (1 - share)" in c.claim]
+    assert row.verdict == AGREES and row.measured.value == pytest.approx(10.0) and "paired" in row.measured.how
+
+
+def test_interleaved_steps_time_every_pipeline_each_round(one_thread):
+    import torch
+
+    from dlo.models.small import SmallCNN
+
+    ds = torch.utils.data.TensorDataset(torch.randn(16, 3, 8, 8), torch.randint(0, 10, (16,)))
+    loaders = {n: torch.utils.data.DataLoader(ds, batch_size=4) for n in ("a", "b")}
+    times = day1_profile.interleaved_steps(lambda: SmallCNN(width=4), loaders, device="cpu", reps=3)
+    assert set(times) == {"a", "b"} and all(t.n == 3 for t in times.values())

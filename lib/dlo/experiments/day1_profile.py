@@ -52,19 +52,43 @@ def profile_steps(model, optimizer, loader, *, device, active: int = 6, trace_di
             "step_ms": [s.duration_us / 1e3 for s in st]}
 
 
+def interleaved_steps(make_model, loaders: dict, *, device, reps: int = 6) -> dict:
+    """Step times of each pipeline in `loaders` ({name: DataLoader}) taken side by side, outside the
+    profiler: round r runs one training step (next batch, forward, backward, SGD step) of every
+    pipeline, each with its own `make_model()`, so a phase in which the machine is busier hits every
+    pipeline of that round alike (profiles taken one after the other do not share it). {name: Timing}."""
+    from dlo.measure import time_interleaved
+    from dlo.train import cross_entropy_step, cycle
+
+    step, fns = cross_entropy_step(), {}
+    for name, loader in loaders.items():
+        model = make_model().to(device)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        batches = iter(cycle(loader))
+        fns[name] = lambda m=model, o=opt, it=batches: step(m, o, tuple(t.to(device) for t in next(it)))
+    return time_interleaved(fns, device=device, warmup=2, reps=reps)
+
+
 def profiling_claims(before: dict, after: dict, on_gpu: bool = False, *, workers: dict | None = None,
-                     num_workers: int = 2, jpeg_size: int | None = None) -> list[C.Claim]:
+                     num_workers: int = 2, jpeg_size: int | None = None, times: tuple | None = None) -> list[C.Claim]:
     """Claims about the data-loading bottleneck from `profile_steps` results: `before` (decode per
-    sample), `after` (decoded once) and `workers` (the decode in `num_workers` processes). On a GPU the
-    "GPU idle" row reads the GPU-kernel lane of the slow pipeline's trace; on a CPU it and the
+    sample), `after` (decoded once) and `workers` (the decode in `num_workers` processes). The measured
+    speed-up is the paired ratio per round of `times` = (slow, fixed) Timings of `interleaved_steps`
+    when given, else the ratio of the two profiles' medians (unpaired: taken at different times). On a
+    GPU the "GPU idle" row reads the GPU-kernel lane of the slow pipeline's trace; on a CPU it and the
     memory-snapshot row are kept as "not measurable here"."""
     from dlo.profiling import DEVICE_LANE, lane_shares
 
     threads = torch.get_num_threads()
     where = dict(device="cuda" if on_gpu else "cpu", threads=threads)  # one process, its threads
     share_b, share_a = (C.timed(E.median_interval(p["share"]), **where) for p in (before, after))
-    speedup = C.timed(E.ratio(E.median_interval(before["step_ms"]), E.median_interval(after["step_ms"]),
-                              how="ratio of median profiled steps"), **where)
+    if times is not None:  # paired: both pipelines' steps of one round share the machine's load
+        rounds = [a / b for a, b in zip(times[0].times_s, times[1].times_s)]
+        fix = E.median_interval(rounds, how=f"slow / fixed step, median of {len(rounds)} paired interleaved rounds")
+    else:
+        fix = E.ratio(E.median_interval(before["step_ms"]), E.median_interval(after["step_ms"]),
+                      how="ratio of median profiled steps")
+    speedup = C.timed(fix, **where)
     amdahl = 1 / (1 - share_b.value)
     size = f"{jpeg_size}-px " if jpeg_size else ""
     rows = [
