@@ -250,6 +250,10 @@ def test_amdahl_speedup_is_read_on_paired_rounds():
     (row,) = [c for c in day1_profile.profiling_claims(before, after_busy, times=(slow, fast))
               if "1 / (1 - share)" in c.claim]
     assert row.verdict == AGREES and row.measured.value == pytest.approx(10.0) and "paired" in row.measured.how
+    # the profile's share (0.91: 11x) came from another moment than the rounds, whose fetch share was 0.5 (2x)
+    (row,) = [c for c in day1_profile.profiling_claims(before, after_busy, times=(slow, fast), fetch_share=[0.5] * 6)
+              if "1 / (1 - share)" in c.claim]
+    assert row.claimed == "2x" and row.verdict == DISAGREES
 
 
 def test_interleaved_steps_time_every_pipeline_each_round(one_thread):
@@ -259,5 +263,6 @@ def test_interleaved_steps_time_every_pipeline_each_round(one_thread):
 
     ds = torch.utils.data.TensorDataset(torch.randn(16, 3, 8, 8), torch.randint(0, 10, (16,)))
     loaders = {n: torch.utils.data.DataLoader(ds, batch_size=4) for n in ("a", "b")}
-    times = day1_profile.interleaved_steps(lambda: SmallCNN(width=4), loaders, device="cpu", reps=3)
+    times, shares = day1_profile.interleaved_steps(lambda: SmallCNN(width=4), loaders, device="cpu", reps=3)
     assert set(times) == {"a", "b"} and all(t.n == 3 for t in times.values())
+    assert all(len(s) == 3 and all(0 < x < 1 for x in s) for s in shares.values())

@@ -52,29 +52,43 @@ def profile_steps(model, optimizer, loader, *, device, active: int = 6, trace_di
             "step_ms": [s.duration_us / 1e3 for s in st]}
 
 
-def interleaved_steps(make_model, loaders: dict, *, device, reps: int = 6) -> dict:
+def interleaved_steps(make_model, loaders: dict, *, device, reps: int = 6) -> tuple[dict, dict]:
     """Step times of each pipeline in `loaders` ({name: DataLoader}) taken side by side, outside the
     profiler: round r runs one training step (next batch, forward, backward, SGD step) of every
     pipeline, each with its own `make_model()`, so a phase in which the machine is busier hits every
-    pipeline of that round alike (profiles taken one after the other do not share it). {name: Timing}."""
+    pipeline of that round alike (profiles taken one after the other do not share it). Returns
+    ({name: Timing}, {name: [per round, the share of the step spent fetching the batch]})."""
+    import time
+
     from dlo.measure import time_interleaved
     from dlo.train import cross_entropy_step, cycle
 
-    step, fns = cross_entropy_step(), {}
+    step, fns, fetch = cross_entropy_step(), {}, {}
     for name, loader in loaders.items():
         model = make_model().to(device)
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-        batches = iter(cycle(loader))
-        fns[name] = lambda m=model, o=opt, it=batches: step(m, o, tuple(t.to(device) for t in next(it)))
-    return time_interleaved(fns, device=device, warmup=2, reps=reps)
+        fetch[name], batches = [], iter(cycle(loader))
+
+        def one_step(m=model, o=opt, it=batches, log=fetch[name]):
+            t0 = time.perf_counter()
+            batch = tuple(t.to(device) for t in next(it))
+            log.append(time.perf_counter() - t0)
+            step(m, o, batch)
+        fns[name] = one_step
+    times = time_interleaved(fns, device=device, warmup=2, reps=reps)
+    shares = {name: [f / t for f, t in zip(fetch[name][2:], times[name].times_s)] for name in fns}  # 2 warm-up rounds
+    return times, shares
 
 
 def profiling_claims(before: dict, after: dict, on_gpu: bool = False, *, workers: dict | None = None,
-                     num_workers: int = 2, jpeg_size: int | None = None, times: tuple | None = None) -> list[C.Claim]:
+                     num_workers: int = 2, jpeg_size: int | None = None, times: tuple | None = None,
+                     fetch_share: list[float] | None = None) -> list[C.Claim]:
     """Claims about the data-loading bottleneck from `profile_steps` results: `before` (decode per
     sample), `after` (decoded once) and `workers` (the decode in `num_workers` processes). The measured
     speed-up is the paired ratio per round of `times` = (slow, fixed) Timings of `interleaved_steps`
-    when given, else the ratio of the two profiles' medians (unpaired: taken at different times). On a
+    when given, else the ratio of the two profiles' medians (unpaired: taken at different times); Amdahl's
+    prediction uses `fetch_share` (the slow pipeline's per-round fetch shares from the same rounds) when
+    given, so prediction and measurement come from the same moments, else the profile's share. On a
     GPU the "GPU idle" row reads the GPU-kernel lane of the slow pipeline's trace; on a CPU it and the
     memory-snapshot row are kept as "not measurable here"."""
     from dlo.profiling import DEVICE_LANE, lane_shares
@@ -89,7 +103,7 @@ def profiling_claims(before: dict, after: dict, on_gpu: bool = False, *, workers
         fix = E.ratio(E.median_interval(before["step_ms"]), E.median_interval(after["step_ms"]),
                       how="ratio of median profiled steps")
     speedup = C.timed(fix, **where)
-    amdahl = 1 / (1 - share_b.value)
+    amdahl = 1 / (1 - (E.median_interval(fetch_share).value if fetch_share else share_b.value))
     size = f"{jpeg_size}-px " if jpeg_size else ""
     rows = [
         C.by_construction("a per-sample decode in __getitem__ dominates the step", FIDLE,
