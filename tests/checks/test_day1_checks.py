@@ -30,6 +30,9 @@ def stub(*args, **kwargs):
 
 def sgd_ok(param, grad, buf, *, lr, momentum=0.9, weight_decay=0.0, dampening=0.0, nesterov=False):
     d = grad + weight_decay * param
+    if momentum == 0:  # plain SGD: no buffer
+        param.sub_(lr * d)
+        return None
     buf = d.clone() if buf is None else buf.mul_(momentum).add_(d, alpha=1 - dampening)
     param.sub_(lr * (d + momentum * buf if nesterov else buf))
     return buf
@@ -43,6 +46,14 @@ def adamw_ok(param, grad, m, v, step, *, lr, beta1=0.9, beta2=0.999, eps=1e-8, w
 
 
 def warmup_ok(step, *, base_lr, warmup_steps, total_steps, min_lr=0.0, start_factor=0.01):
+    if not 0 <= warmup_steps < total_steps:
+        raise ValueError(f"need 0 <= warmup_steps < total_steps, got {warmup_steps}, {total_steps}")
+    return warmup_divides_by_zero(step, base_lr=base_lr, warmup_steps=warmup_steps, total_steps=total_steps,
+                                  min_lr=min_lr, start_factor=start_factor)
+
+
+def warmup_divides_by_zero(step, *, base_lr, warmup_steps, total_steps, min_lr=0.0, start_factor=0.01):
+    """Right for every valid input; warmup_steps == total_steps is not refused (ZeroDivisionError at the end)."""
     if step < warmup_steps:
         return base_lr * (start_factor + (1 - start_factor) * step / warmup_steps)
     progress = (step - warmup_steps) / (total_steps - warmup_steps)
@@ -65,6 +76,8 @@ def _total_norm(grads, norm_type):
 
 def clip_ok(parameters, max_norm, norm_type=2.0):
     grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
+        return torch.tensor(0.0)
     total = _total_norm(grads, norm_type)
     for g in grads:
         g.mul_(torch.clamp(max_norm / (total + 1e-6), max=1.0))
@@ -87,6 +100,15 @@ def sgd_dampened_first_step(param, grad, buf, *, lr, momentum=0.9, weight_decay=
                             nesterov=False):
     d = grad + weight_decay * param
     buf = (1 - dampening) * d if buf is None else buf.mul_(momentum).add_((1 - dampening) * d)
+    param.sub_(lr * (d + momentum * buf if nesterov else buf))
+    return buf
+
+
+def sgd_buffer_at_momentum_0(param, grad, buf, *, lr, momentum=0.9, weight_decay=0.0, dampening=0.0,
+                             nesterov=False):
+    """Keeps a (dampened) buffer even at momentum=0, as the momentum formula read literally does."""
+    d = grad + weight_decay * param
+    buf = d.clone() if buf is None else buf.mul_(momentum).add_(d, alpha=1 - dampening)
     param.sub_(lr * (d + momentum * buf if nesterov else buf))
     return buf
 
@@ -163,6 +185,8 @@ def lamb_returns_nothing(*a, **kw):
 @pytest.mark.parametrize("fn,match", [(sgd_dampened_first_step, r"param after step 1 differs.*dampening=0.1"),
                                       (sgd_no_nesterov, r"param after step 1 differs.*nesterov=True"),
                                       (sgd_new_tensor, "param did not change"),
+                                      (sgd_buffer_at_momentum_0, r"with momentum=0 there is no momentum buffer.*"
+                                                                 r"return None, got Tensor"),
                                       (sgd_mutates_grad, "grad tensor was modified")])
 def test_sgd_rejects_wrong(fn, match):
     with pytest.raises(AssertionError, match=match):
@@ -228,7 +252,18 @@ def one_cycle_tensor(step, **kw):
     return torch.tensor([one_cycle_ok(step, **kw)] * 2)
 
 
+def warmup_returns_at_step_0(step, *, base_lr, warmup_steps, total_steps, min_lr=0.0, start_factor=0.01):
+    """Refuses the bad input only where it would divide by zero, not before any work."""
+    if step < warmup_steps:
+        return base_lr * (start_factor + (1 - start_factor) * step / warmup_steps)
+    return warmup_ok(step, base_lr=base_lr, warmup_steps=warmup_steps, total_steps=total_steps, min_lr=min_lr,
+                     start_factor=start_factor)
+
+
 @pytest.mark.parametrize("fn,match", [(warmup_off_by_one, r"wrong lr at step 0 .*warmup_steps=14"),
+                                      (warmup_divides_by_zero, r"leaves no step for the cosine \(step \d+\): raise "
+                                                               r"ValueError, got ZeroDivisionError"),
+                                      (warmup_returns_at_step_0, r"\(step 0\): raise ValueError, got a return value"),
                                       (cosine_over_total, r"wrong lr at step 15 .*warmup_steps=14")])
 def test_warmup_cosine_rejects_wrong(fn, match):
     with pytest.raises(AssertionError, match=match):
@@ -246,7 +281,7 @@ def test_one_cycle_rejects_wrong(fn, match):
 # ----------------------------------------------------------------------------- wrong LR range tests
 
 def _range_test(step_fn, *, min_lr=1e-7, max_lr=10.0, num_steps=100, beta=0.98, diverge=4.0,
-                bias_correction=True, keep_last=False, decade=10.0):
+                bias_correction=True, keep_last=False, decade=10.0, prefix_slope=False):
     lrs, losses, smoothed, avg, best = [], [], [], 0.0, math.inf
     for i in range(num_steps):
         lr = min_lr * (max_lr / min_lr) ** (i / (num_steps - 1))
@@ -261,8 +296,14 @@ def _range_test(step_fn, *, min_lr=1e-7, max_lr=10.0, num_steps=100, beta=0.98, 
         if smooth > diverge * best:
             break
         best = min(best, smooth)
+    if not lrs:
+        raise ValueError("no point kept: the first loss is not finite")
     lo = int(np.argmin(smoothed))
-    lr_min = lrs[int(np.argmin(np.gradient(smoothed, np.log10(lrs))[:lo]))] if lo > 0 else lrs[0]
+    if prefix_slope:  # np.gradient over the points before the minimum only: its last point is one-sided
+        slope = np.gradient(smoothed[:lo], np.log10(lrs[:lo])) if lo > 1 else np.zeros(lo)
+    else:
+        slope = np.gradient(smoothed, np.log10(lrs))[:lo]
+    lr_min = lrs[int(np.argmin(slope))] if lo > 0 else lrs[0]
     return lr_finder.LRFinderResult(lrs=lrs, losses=losses, smoothed=smoothed, lr_max=lrs[lo] / decade, lr_min=lr_min)
 
 
@@ -276,6 +317,18 @@ def range_test_keeps_diverging_point(step_fn, **kw):
 
 def range_test_lr_max_at_minimum(step_fn, **kw):
     return _range_test(step_fn, decade=1.0, **kw)
+
+
+def range_test_prefix_slope(step_fn, **kw):
+    return _range_test(step_fn, prefix_slope=True, **kw)
+
+
+def range_test_empty_result(step_fn, **kw):
+    """Returns an empty result when no point is kept, instead of refusing."""
+    try:
+        return _range_test(step_fn, **kw)
+    except ValueError:
+        return lr_finder.LRFinderResult(lrs=[], losses=[], smoothed=[], lr_max=math.nan, lr_min=math.nan)
 
 
 def range_test_ignores_nan(step_fn, *, min_lr=1e-7, max_lr=10.0, num_steps=100, **kw):
@@ -293,7 +346,10 @@ def test_range_test_wrong_variants_agree_with_reference_when_fixed():
 @pytest.mark.parametrize("fn,match", [(range_test_no_bias_correction, r"step_fn was called 4 times.*trial=0"),
                                       (range_test_keeps_diverging_point, r"result\.lrs .*has shape \(32,\)"),
                                       (range_test_lr_max_at_minimum, r"result\.lr_max"),
-                                      (range_test_ignores_nan, r"step_fn was called 53 times.*trial=1")])
+                                      (range_test_ignores_nan, r"step_fn was called 53 times.*trial=1"),
+                                      (range_test_prefix_slope, r"result\.lr_min .*every kept point"),
+                                      (range_test_empty_result, r"first loss is nan: no point is kept.*raise "
+                                                                r"ValueError, got a return value")])
 def test_lr_range_test_rejects_wrong(fn, match):
     with pytest.raises(AssertionError, match=match):
         day1.check_lr_range_test(fn, seed=0)
@@ -327,6 +383,20 @@ def clip_returns_after(parameters, max_norm, norm_type=2.0):
     params = list(parameters)
     clip_ok(params, max_norm, norm_type)
     return _total_norm([p.grad for p in params if p.grad is not None], norm_type)
+
+
+def clip_stacks_nothing(parameters, max_norm, norm_type=2.0):
+    """Right whenever some parameter has a gradient; torch.stack([]) fails when none has."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    total = _total_norm(grads, norm_type)
+    for g in grads:
+        g.mul_(torch.clamp(max_norm / (total + 1e-6), max=1.0))
+    return total
+
+
+def clip_none_when_no_grad(parameters, max_norm, norm_type=2.0):
+    params = list(parameters)
+    return clip_ok(params, max_norm, norm_type) if any(p.grad is not None for p in params) else None
 
 
 def accum_no_division(model, loss_fn, x, y, micro_batches):
@@ -370,7 +440,11 @@ def accum_no_zero_grad(model, loss_fn, x, y, micro_batches):
 @pytest.mark.parametrize("fn,match", [(clip_no_eps, r"after clipping .*max abs error"),
                                       (clip_per_parameter, r"after clipping .*trial=0\): max abs error"),
                                       (clip_iterates_twice, r"after clipping .*trial=1"),  # the generator trial
-                                      (clip_returns_after, r"returned total norm \(before clipping\)")])
+                                      (clip_returns_after, r"returned total norm \(before clipping\)"),
+                                      (clip_stacks_nothing, r"no parameter has a gradient, return torch.tensor\(0.0\), "
+                                                           r"got RuntimeError: stack expects a non-empty"),
+                                      (clip_none_when_no_grad, r"no parameter has a gradient, return "
+                                                               r"torch.tensor\(0.0\).*got None")])
 def test_clip_rejects_wrong(fn, match):
     with pytest.raises(AssertionError, match=match):
         day1.check_clip_grad_norm(fn, seed=0)
@@ -474,6 +548,9 @@ def test_reference_passes_sandboxed(sandbox, check, ref, capsys):
     (day1.check_lr_range_test, range_test_ignores_nan, AssertionError, r"step_fn was called 53 times.*trial=1"),
     (day1.check_one_cycle, one_cycle_tensor, AssertionError, "must return a float, got Tensor"),
     (day1.check_accumulate_gradients, accum_whole_batch, AssertionError, r"saw sizes \[31\]"),
+    (day1.check_warmup_cosine, warmup_divides_by_zero, AssertionError, "raise ValueError, got ZeroDivisionError"),
+    (day1.check_lr_range_test, range_test_empty_result, AssertionError, "no point is kept.*got a return value"),
+    (day1.check_sgd_momentum_step, sgd_buffer_at_momentum_0, AssertionError, "no momentum buffer"),
     (day1.check_adamw_step, reference.adamw_step, ForbiddenCall, "off limits"),
     (day1.check_adamw_step, adamw_via_reexport, ForbiddenCall, "off limits"),
     (day1.check_warmup_cosine, stub, NotImplementedError, None)])

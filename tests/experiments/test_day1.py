@@ -7,8 +7,10 @@ import math
 
 import pytest
 
-from dlo.claims import AGREES, DISAGREES, INCONCLUSIVE, NOT_MEASURABLE
+from dlo.claims import AGREES, BY_CONSTRUCTION, DISAGREES, INCONCLUSIVE, NOT_MEASURABLE
 from dlo.experiments import day1 as E
+from dlo.experiments import day1_profile
+from dlo.measure.timing import Timing
 from dlo.presets import Day1Preset
 from dlo.profiling import DEVICE_LANE, Span
 
@@ -24,14 +26,18 @@ def _rec(cfg: E.Config, seed: int, acc: float, peak: float = 2.5, samples: int |
 
 
 def _grid(large: float, *, noise: float = 0.002, unscaled: float = 0.40, nowarm: float = 0.45,
-          lamb_drop: float = 0.02, adamw_drop: float = 0.10, seeds: int = 3) -> list[dict]:
-    """Per-seed records: the small batch at 0.70, the large batch at `large`; `noise` wiggles each seed."""
+          lamb_drop: float = 0.02, adamw_drop: float = 0.10, seeds: int = 3, noclip_peaks=(2.5, 4.0),
+          noclip_accs=(0.50, 0.40)) -> list[dict]:
+    """Per-seed records: the small batch at 0.70, the large batch at `large`; `noise` wiggles each seed.
+    The unclipped large-batch pair: early peaks and accuracies (with warmup, without)."""
     out = []
     for s in range(seeds):
         j = noise * (s - (seeds - 1) / 2)
         out += [_rec(E.Config("sgd", S), s, 0.70 + j), _rec(E.Config("sgd", L), s, large - j),
                 _rec(E.Config("sgd", L, scale_lr=False), s, unscaled + j),
-                _rec(E.Config("sgd", L, warmup=False), s, nowarm + j, peak=4.0 + j),
+                _rec(E.Config("sgd", L, warmup=False), s, nowarm + j, peak=3.0 + j),
+                _rec(E.Config("sgd", L, clip=False), s, noclip_accs[0] + j, peak=noclip_peaks[0] + j),
+                _rec(E.Config("sgd", L, warmup=False, clip=False), s, noclip_accs[1] - j, peak=noclip_peaks[1] + j),
                 _rec(E.Config("adamw", S), s, 0.70 + j), _rec(E.Config("adamw", L), s, 0.70 - adamw_drop - j),
                 _rec(E.Config("lamb", S), s, 0.70 + j), _rec(E.Config("lamb", L), s, 0.70 - lamb_drop)]
     return out + [_rec(E.Config("lamb", L, warmup=False), 0, 0.5)]
@@ -109,18 +115,19 @@ def _profile(shares, step_ms) -> dict:
 def test_profiling_claims():
     before = _profile([0.90, 0.91, 0.92, 0.90, 0.93, 0.91], [100, 101, 99, 100, 102, 100])
     after = _profile([0.01, 0.02, 0.01, 0.01, 0.02, 0.01], [10, 10, 11, 10, 10, 9])
-    v = {c.claim: c.verdict for c in E.profiling_claims(before, after)}
-    assert _find(v, "dominates the step") == AGREES
+    v = {c.claim: c.verdict for c in day1_profile.profiling_claims(before, after)}
+    assert _find(v, "dominates the step") == BY_CONSTRUCTION
     assert _find(v, "removes the bottleneck") == AGREES
     assert _find(v, "1 / (1 - share)") == AGREES  # 1 / (1 - 0.91) = 11x vs a 10x measured speed-up
     assert _find(v, "GPU idle") == NOT_MEASURABLE and _find(v, "memory snapshot") == NOT_MEASURABLE
     gpu_busy = [Span("step", "s", 100 * i, 100 * i + 100) for i in range(6)]
     before_gpu = {**before, "steps": gpu_busy, "spans": [Span(DEVICE_LANE, "k", 100 * i + 90, 100 * i + 98)
                                                        for i in range(6)]}
-    v = {c.claim: c.verdict for c in E.profiling_claims(before_gpu, after, on_gpu=True)}
+    v = {c.claim: c.verdict for c in day1_profile.profiling_claims(before_gpu, after, on_gpu=True)}
     assert _find(v, "GPU idle") == AGREES and not any("memory snapshot" in k for k in v)  # 8% busy
     slow_fix = _profile([0.01] * 6, [80, 81, 79, 80, 80, 82])  # share gone but the step barely faster
-    assert _find({c.claim: c.verdict for c in E.profiling_claims(before, slow_fix)}, "1 / (1 - share)") == DISAGREES
+    v = {c.claim: c.verdict for c in day1_profile.profiling_claims(before, slow_fix)}
+    assert _find(v, "1 / (1 - share)") == DISAGREES
 
 
 def test_validate_and_smoke():
@@ -153,3 +160,109 @@ def test_noise_probe_measures_without_changing_the_run(one_thread):
         assert len(r["b_simple_per_seed"]) == 3
         assert r["estimate"].n == sum(not math.isnan(b) for b in r["b_simple_per_seed"])
     assert len(day1_noise.noise_claims(rows, Q)) == 2
+
+
+def test_warmup_is_judged_without_clipping_and_clipping_on_its_own_arm():
+    """Clipping bounds every early update, much of warmup's job: the warmup rows compare the unclipped
+    pair (Goyal et al. do not clip), so a clipped run without warmup that peaks higher decides nothing."""
+    assert E.Config("sgd", L, warmup=False, clip=False).name == f"sgd_b{L}_nowarmup_noclip"
+    assert {c.name for c, _ in E.grid(P)} >= {f"sgd_b{L}_noclip", f"sgd_b{L}_nowarmup_noclip"}
+    # the clipped pair would say "warmup lowers the peak" (3.0 vs 2.5); the unclipped pair the opposite (2 vs 4)
+    v = _verdicts(_grid(large=0.55, noclip_peaks=(4.0, 2.0), noclip_accs=(0.40, 0.50)))
+    assert _find(v, "early loss peaks higher") == DISAGREES and "no clipping" in next(k for k in v if "peaks" in k)
+    assert _find(v, "accuracy ends lower") == DISAGREES
+    assert _find(v, "clipping at 1 alone") == DISAGREES  # clipped 3.0 vs unclipped 2.0: not lower
+    v = _verdicts(_grid(large=0.55, noclip_peaks=(4.0, 6.0)))
+    assert _find(v, "early loss peaks higher") == AGREES and _find(v, "clipping at 1 alone") == AGREES
+
+
+def test_a_run_that_diverged_early_is_named_not_averaged():
+    recs = _grid(large=0.55)
+    for r in recs:
+        if r["name"] == f"sgd_b{L}_nowarmup_noclip" and r["seed"] == 1:
+            r["early_peak"] = math.inf
+    (row,) = [c for c in E.grid_claims(recs, P, n_test=P.n_test) if "peaks higher" in c.claim]
+    assert row.verdict == NOT_MEASURABLE and "nowarmup_noclip: 1 of 3 seeds" in row.reason
+
+
+def _timings(small_ms, large_ms) -> dict:
+    return {S: Timing([t / 1e3 for t in small_ms]), L: Timing([t / 1e3 for t in large_ms])}
+
+
+def test_step_cost_is_a_gpu_claim_judged_on_paired_rounds():
+    """k small steps against one large step: "not measurable here" on a CPU (a GPU-utilisation claim), and
+    on a GPU the ratio per interleaved round, so a slow phase that hits both steps of a round cancels."""
+    k = L // S
+    # every round's large step costs 0.8 of its k small ones, while the machine's speed drifts 3x across rounds
+    small = [1.0, 2.0, 3.0, 1.5, 2.5, 1.2, 2.8, 1.8]
+    large = [k * t * 0.8 for t in small]
+    cpu = [c for c in E.grid_claims(_grid(large=0.55), P, n_test=P.n_test, times=_timings(small, large))
+           if "step costs less" in c.claim]
+    assert cpu[0].verdict == NOT_MEASURABLE and "GPU claim" in cpu[0].reason
+    (gpu,) = [c for c in E.grid_claims(_grid(large=0.55), P, n_test=P.n_test, times=_timings(small, large),
+                                       device="cuda") if "step costs less" in c.claim]
+    assert gpu.verdict == AGREES and gpu.measured.value == pytest.approx(1.25)
+    assert "paired" in gpu.measured.how
+
+
+def test_critical_batch_is_judged_at_the_end_of_training():
+    """B_simple below the large batch early and straddling it at the end: the mean over the run would
+    agree, the end of training (where critical batches are quoted) is inconclusive."""
+    from dlo.estimates import from_samples
+    from dlo.experiments import day1_noise
+
+    per_step = {0: [40.0, 60.0, 80.0], 64: [120.0, 160.0, 200.0], 128: [80.0, 300.0, 520.0]}
+    rows = [{"step": st, "b_simple_per_seed": b, "estimate": from_samples(b)} for st, b in per_step.items()]
+    (row,) = [c for c in day1_noise.noise_claims(rows, P) if "critical batch" in c.claim]
+    assert row.verdict == INCONCLUSIVE and row.measured.value == pytest.approx(300.0)
+    assert "end of training" in row.claim and "step 128" in row.measured.how
+
+
+def test_profiling_labels_the_chosen_bottleneck_and_tests_the_workers(monkeypatch):
+    before = _profile([0.90, 0.91, 0.92, 0.90, 0.93, 0.91], [100, 101, 99, 100, 102, 100])
+    after = _profile([0.01, 0.02, 0.01, 0.01, 0.02, 0.01], [10, 10, 11, 10, 10, 9])
+    workers = _profile([0.15, 0.14, 0.16, 0.15, 0.13, 0.14], [12, 12, 13, 12, 12, 11])
+    rows = day1_profile.profiling_claims(before, after, workers=workers, jpeg_size=512)
+    v = {c.claim: c.verdict for c in rows}
+    assert _find(v, "dominates the step") == BY_CONSTRUCTION  # the notebook chose the JPEG size
+    assert "512-px" in next(c.why for c in rows if "dominates" in c.claim)
+    assert _find(v, "worker processes") in (DISAGREES, NOT_MEASURABLE)  # 14.7% > 10%, or too few cores
+    monkeypatch.setenv("DLO_CORES", "1")  # one core for the loop and 2 workers: no verdict on the workers
+    (row,) = [c for c in day1_profile.profiling_claims(before, after, workers=workers) if "worker" in c.claim]
+    assert row.verdict == NOT_MEASURABLE and "> 1 cores" in row.reason
+    text = day1_profile.describe({"decode per sample": _profile([0.147] * 3, [30.0] * 3),
+                                  "decoded once": _profile([0.02] * 3, [27.0] * 3),
+                                  "decode in 2 workers": _profile([0.05] * 3, [25.0] * 3)})
+    assert "14.7%" in text and "not the larger part" in text and 'fastest pipeline on this machine was "decode ' \
+        'in 2 workers"' in text
+
+
+def test_amdahl_speedup_is_read_on_paired_rounds():
+    """Profiles taken one after the other see different loads (a tiny run's fixed pipeline took 225 ms a step
+    against the slow one's 56 ms when the machine got busier in between): with interleaved step times the
+    speed-up is the ratio within each round."""
+    before = _profile([0.90, 0.91, 0.92, 0.90, 0.93, 0.91], [100, 101, 99, 100, 102, 100])
+    after_busy = _profile([0.01] * 6, [400, 410, 390, 400, 405, 395])  # profiled while the machine was busy
+    slow = Timing([0.10, 0.40, 0.20, 0.30, 0.15, 0.25])  # the load drifts 4x across rounds
+    fast = Timing([x / 10 for x in slow.times_s])
+    unpaired = [c for c in day1_profile.profiling_claims(before, after_busy) if "1 / (1 - share)" in c.claim]
+    assert unpaired[0].verdict == DISAGREES
+    (row,) = [c for c in day1_profile.profiling_claims(before, after_busy, times=(slow, fast))
+              if "1 / (1 - share)" in c.claim]
+    assert row.verdict == AGREES and row.measured.value == pytest.approx(10.0) and "paired" in row.measured.how
+    # the profile's share (0.91: 11x) came from another moment than the rounds, whose fetch share was 0.5 (2x)
+    (row,) = [c for c in day1_profile.profiling_claims(before, after_busy, times=(slow, fast), fetch_share=[0.5] * 6)
+              if "1 / (1 - share)" in c.claim]
+    assert row.claimed == "2x" and row.verdict == DISAGREES
+
+
+def test_interleaved_steps_time_every_pipeline_each_round(one_thread):
+    import torch
+
+    from dlo.models.small import SmallCNN
+
+    ds = torch.utils.data.TensorDataset(torch.randn(16, 3, 8, 8), torch.randint(0, 10, (16,)))
+    loaders = {n: torch.utils.data.DataLoader(ds, batch_size=4) for n in ("a", "b")}
+    times, shares = day1_profile.interleaved_steps(lambda: SmallCNN(width=4), loaders, device="cpu", reps=3)
+    assert set(times) == {"a", "b"} and all(t.n == 3 for t in times.values())
+    assert all(len(s) == 3 and all(0 < x < 1 for x in s) for s in shares.values())

@@ -62,13 +62,16 @@ def _unchanged(name: str, grad: torch.Tensor, grad_before: torch.Tensor, hp: dic
 
 @check(forbid=SGD)
 def check_sgd_momentum_step(fn, seed: int = 0, trials: int = 5, steps: int = 4) -> None:
-    """`fn(param, grad, buf, *, lr, momentum, weight_decay, dampening, nesterov) -> buf` vs torch.optim.SGD."""
+    """`fn(param, grad, buf, *, lr, momentum, weight_decay, dampening, nesterov) -> buf` vs torch.optim.SGD.
+    Trial 2 has momentum=0: plain SGD, no buffer (None returned, dampening unused), as torch keeps none."""
     name, rng, gen = "sgd_momentum_step", random.Random(seed), torch.Generator().manual_seed(seed)
     for t in range(trials):
         nesterov = t % 2 == 1
         hp = dict(lr=10 ** rng.uniform(-3, -0.5), momentum=rng.choice([0.5, 0.9, 0.95]),
                   weight_decay=rng.choice([0.0, 1e-3, 0.05]), dampening=0.0 if nesterov else rng.choice([0.0, 0.1]),
                   nesterov=nesterov)
+        if t == 2:
+            hp.update(momentum=0.0, dampening=0.1)  # a dampened buffer would scale the step by 0.9
         shape = odd_shape(rng)
         param = rand(shape, gen)
         ref = param.clone().requires_grad_(True)
@@ -81,9 +84,15 @@ def check_sgd_momentum_step(fn, seed: int = 0, trials: int = 5, steps: int = 4) 
             before, grad_before = param.clone(), grad.clone()
             buf = fn(param, grad, buf, **hp)
             where = dict(hp, step=s, shape=shape)
+            if hp["momentum"] == 0 and buf is not None:
+                raise AssertionError(f"{name}: with momentum=0 there is no momentum buffer (plain SGD: param -= "
+                                     f"lr * d, dampening unused, torch.optim.SGD stores none): return None, got "
+                                     f"{type(buf).__name__} ({fmt(where)})")
             _stepped_in_place(name, "param", before, param, where)
             _unchanged(name, grad, grad_before, where)
             assert_close(name, f"param after step {s}", param, ref.detach(), where)
+            if hp["momentum"] == 0:
+                continue
             if not isinstance(buf, torch.Tensor):
                 raise AssertionError(f"{name}: must return the momentum buffer (a tensor), got {type(buf).__name__}")
             assert_close(name, f"returned momentum buffer after step {s}", buf,

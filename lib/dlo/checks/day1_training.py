@@ -58,7 +58,9 @@ def _check_schedule(name: str, fn, kw: dict, want: list[float]) -> None:
 @check(forbid=SCHEDULES)
 def check_warmup_cosine(fn, seed: int = 0, trials: int = 6) -> None:
     """`fn(step, *, base_lr, warmup_steps, total_steps, min_lr, start_factor)` vs torch
-    SequentialLR(LinearLR, CosineAnnealingLR) at every step 0..total_steps. Trial 1 has no warmup."""
+    SequentialLR(LinearLR, CosineAnnealingLR) at every step 0..total_steps. Trial 1 has no warmup. Then
+    warmup_steps >= total_steps (no step left for the cosine: a division by zero) must raise ValueError,
+    at step 0 as at the last step."""
     sch = torch.optim.lr_scheduler
     name, rng = "warmup_cosine", random.Random(seed)
     for t in range(trials):
@@ -73,7 +75,23 @@ def check_warmup_cosine(fn, seed: int = 0, trials: int = 6) -> None:
                                           sch.CosineAnnealingLR(opt, T_max=total - warm, eta_min=kw["min_lr"])],
                                     milestones=[warm])
         _check_schedule(name, fn, kw, torch_scheduler_lrs(make, kw["base_lr"], total + 1))
+    total = rng.randint(9, 61)
+    for warm, step in ((total, total), (total, 0), (total + 3, 1)):
+        kw = dict(base_lr=0.1, warmup_steps=warm, total_steps=total, min_lr=0.0, start_factor=0.1)
+        _expect_value_error(name, lambda kw=kw, step=step: fn(step, **kw), f"warmup_steps={warm} >= "
+                            f"total_steps={total} leaves no step for the cosine (step {step})")
     ok(name, f"{trials} trials, seed={seed}")
+
+
+def _expect_value_error(name: str, call, what: str) -> None:
+    """call() must raise ValueError (bad input refused before any work): say what it did instead."""
+    try:
+        got = call()
+    except ValueError:
+        return
+    except Exception as e:  # noqa: BLE001 - the student's error, named in the message
+        raise AssertionError(f"{name}: {what}: raise ValueError, got {type(e).__name__}: {e}") from None
+    raise AssertionError(f"{name}: {what}: raise ValueError, got a return value {got!r}")
 
 
 @check(forbid=SCHEDULES)
@@ -130,14 +148,47 @@ def _recording(step_fn, log: list):
     return wrapped
 
 
+# beta = 0: smoothed = loss. Falls 4 -> 3 -> 1 into its minimum 0.9 (point 11), then blows up at point 14. The
+# slope over every kept point is steepest at point 9 (central: (1 - 4) / 2 per step), the slope of the
+# prefix before the minimum at point 10 (its one-sided end: 1 - 3): the two readings give different lr_min.
+V_CURVE = [5.0] * 8 + [4.0, 3.0, 1.0, 0.9, 1.2, 2.5, 5.0, 5.0]
+
+
+def _replay_step_fn(losses: list[float]):
+    """A step_fn that returns `losses` in order (then nan)."""
+    it = iter(losses)
+    return lambda lr: next(it, math.nan)
+
+
+def _check_range_case(name: str, fn, make, kw: dict, where: dict) -> None:
+    """fn against dlo.lr_finder.lr_range_test on two fresh copies of the step_fn `make()` builds."""
+    from dlo.lr_finder import lr_range_test
+
+    calls_ref, calls = [], []
+    want = lr_range_test(_recording(make(), calls_ref), **kw)
+    got = fn(_recording(make(), calls), **kw)
+    if len(calls) != len(calls_ref):
+        raise AssertionError(f"{name}: step_fn was called {len(calls)} times, expected {len(calls_ref)} "
+                             f"(stop when the loss is not finite or smoothed > diverge * best) ({fmt(where)})")
+    assert_close(name, "lrs passed to step_fn (geometric from min_lr to max_lr)", calls, calls_ref, where)
+    for field in ("lrs", "losses", "smoothed"):
+        if not hasattr(got, field):
+            raise AssertionError(f"{name}: the result has no field {field!r}; return dlo.lr_finder.LRFinderResult")
+        assert_close(name, f"result.{field} (the diverging point is not kept)", list(getattr(got, field)),
+                     list(getattr(want, field)), where)
+    assert_close(name, "result.lr_max (lr at min smoothed loss / 10)", got.lr_max, want.lr_max, where)
+    assert_close(name, "result.lr_min (steepest descent of smoothed vs log10 lr: np.gradient over every kept "
+                       "point, then its argmin before the minimum)", got.lr_min, want.lr_min, where)
+
+
 @check(forbid=("dlo.lr_finder.lr_range_test", "dlo.lr_finder.suggest_lrs"))
 def check_lr_range_test(fn, seed: int = 0, trials: int = 4) -> None:
     """`fn(step_fn, *, min_lr, max_lr, num_steps, beta, diverge) -> LRFinderResult` vs dlo.lr_finder.
     Even trials train a least-squares model until it diverges; trials 1, 5, ... inject nan/inf into a
-    U-shaped curve, trials 3, 7, ... let that curve blow up (the smoothed-loss stop). The student's
-    function calls `step_fn`, which stays with the grader (each call comes back to it)."""
-    from dlo.lr_finder import lr_range_test
-
+    U-shaped curve, trials 3, 7, ... let that curve blow up (the smoothed-loss stop). Then two fixed
+    cases: `V_CURVE` (the slope is taken over every kept point, not over the prefix before the minimum)
+    and a first loss that is not finite (no point kept: ValueError). The student's function calls
+    `step_fn`, which stays with the grader (each call comes back to it)."""
     name, rng = "lr_range_test", random.Random(seed)
     for t in range(trials):
         kw = dict(min_lr=10 ** rng.uniform(-6, -4), max_lr=rng.choice([1.0, 3.0, 10.0]),
@@ -149,22 +200,15 @@ def check_lr_range_test(fn, seed: int = 0, trials: int = 4) -> None:
             bad_at = rng.randint(kw["num_steps"] // 3, kw["num_steps"] // 2) if t % 4 == 1 else -1
             bad = rng.choice([math.nan, math.inf])
             make = lambda sub=sub, bad_at=bad_at, bad=bad: _curve_step_fn(sub, bad_at, bad)  # noqa: E731
-        calls_ref, calls = [], []
-        want = lr_range_test(_recording(make(), calls_ref), **kw)
-        got = fn(_recording(make(), calls), **kw)
-        where = dict(kw, trial=t)
-        if len(calls) != len(calls_ref):
-            raise AssertionError(f"{name}: step_fn was called {len(calls)} times, expected {len(calls_ref)} "
-                                 f"(stop when the loss is not finite or smoothed > diverge * best) ({fmt(where)})")
-        assert_close(name, "lrs passed to step_fn (geometric from min_lr to max_lr)", calls, calls_ref, where)
-        for field in ("lrs", "losses", "smoothed"):
-            if not hasattr(got, field):
-                raise AssertionError(f"{name}: the result has no field {field!r}; return dlo.lr_finder.LRFinderResult")
-            assert_close(name, f"result.{field} (the diverging point is not kept)", list(getattr(got, field)),
-                         list(getattr(want, field)), where)
-        assert_close(name, "result.lr_max (lr at min smoothed loss / 10)", got.lr_max, want.lr_max, where)
-        assert_close(name, "result.lr_min (steepest descent of smoothed vs log10 lr)", got.lr_min, want.lr_min,
-                     where)
+        _check_range_case(name, fn, make, kw, dict(kw, trial=t))
+    kw = dict(min_lr=1e-4, max_lr=1.0, num_steps=len(V_CURVE), beta=0.0, diverge=4.0)
+    _check_range_case(name, fn, lambda: _replay_step_fn(V_CURVE), kw, dict(kw, curve="V_CURVE"))
+    for bad in (math.nan, math.inf):
+        calls: list = []
+        _expect_value_error(name, lambda bad=bad, calls=calls: fn(_recording(_replay_step_fn([bad, 1.0]), calls), **kw),
+                            f"the first loss is {bad}: no point is kept, there is no curve to read")
+        if len(calls) != 1:
+            raise AssertionError(f"{name}: the first loss is {bad}: stop at once (step_fn called {len(calls)} times)")
     ok(name, f"{trials} trials, seed={seed}")
 
 
@@ -174,7 +218,8 @@ def check_lr_range_test(fn, seed: int = 0, trials: int = 4) -> None:
 def check_clip_grad_norm(fn, seed: int = 0, trials: int = 6) -> None:
     """`fn(parameters, max_norm, norm_type=2.0) -> total_norm` vs torch.nn.utils.clip_grad_norm_. Odd trials
     pass a generator (like model.parameters()); some params have no grad; total norms are small so
-    that a missing 1e-6 in max_norm / (total + 1e-6) shows."""
+    that a missing 1e-6 in max_norm / (total + 1e-6) shows. Last, parameters none of which has a
+    gradient: tensor(0.) returned, nothing changed."""
     name, rng, gen = "clip_grad_norm", random.Random(seed), torch.Generator().manual_seed(seed)
     for t in range(trials):
         norm_type = [2.0, 2.0, math.inf, 1.0, 2.0, 3.0][t % 6]
@@ -199,6 +244,19 @@ def check_clip_grad_norm(fn, seed: int = 0, trials: int = 6) -> None:
                 continue
             assert_close(name, f"grad of parameter {i} after clipping (in place, coef = max_norm/(total+1e-6) "
                                f"clamped at 1)", p.grad, r.grad, hp)
+    for norm_type in (2.0, math.inf):  # no parameter has a gradient: torch returns tensor(0.) and changes nothing
+        params = [torch.nn.Parameter(rand(odd_shape(rng), gen)) for _ in range(2)]
+        hp = dict(max_norm=1.0, norm_type=norm_type, grads="all None")
+        try:
+            got = fn((p for p in params), 1.0, norm_type=norm_type)
+        except Exception as e:  # noqa: BLE001 - the student's error, named in the message
+            raise AssertionError(f"{name}: when no parameter has a gradient, return torch.tensor(0.0), got "
+                                 f"{type(e).__name__}: {e} ({fmt(hp)})") from None
+        if not isinstance(got, torch.Tensor) or got.numel() != 1 or got.item() != 0.0:
+            raise AssertionError(f"{name}: when no parameter has a gradient, return torch.tensor(0.0) (the norm of "
+                                 f"no gradients, as clip_grad_norm_), got {got!r} ({fmt(hp)})")
+        if any(p.grad is not None for p in params):
+            raise AssertionError(f"{name}: a parameter without grad got one; skip grad=None ({fmt(hp)})")
     ok(name, f"{trials} trials, seed={seed}")
 
 

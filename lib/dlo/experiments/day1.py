@@ -1,5 +1,5 @@
-"""Day 1 experiments: the optimizer grid at equal samples, its claims, the profiled data-loading
-bottleneck, and the plan of the full profile.
+"""Day 1 experiments: the optimizer grid at equal samples, its claims, and the plan of the full profile
+(the gradient noise scale is `day1_noise`, the profiled data-loading bottleneck `day1_profile`).
 
 Every run of the grid sees the same number of *samples* (epochs): the small-batch runs take
 `P.max_steps` steps, a run at batch B takes `P.max_steps * P.small_batch / B`. That is the
@@ -14,7 +14,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch.profiler import ProfilerActivity, profile, record_function, schedule, tensorboard_trace_handler
 
 from dlo import claims as C
 from dlo import estimates as E
@@ -30,16 +29,19 @@ OPTIMIZERS = {"sgd": "sgd_momentum", "adamw": "adamw", "lamb": "lamb"}
 
 @dataclass(frozen=True)
 class Config:
-    """One configuration of the grid: optimizer, batch, warmup or not, lr scaled with the batch or not."""
+    """One configuration of the grid: optimizer, batch, warmup or not, lr scaled with the batch or not,
+    global-norm clipping at P.clip or none."""
 
     opt: str
     batch: int
     warmup: bool = True
     scale_lr: bool = True
+    clip: bool = True
 
     @property
     def name(self) -> str:  # the TensorBoard run folder: one per configuration
-        suffix = ("" if self.warmup else "_nowarmup") + ("" if self.scale_lr else "_unscaled")
+        suffix = ("" if self.warmup else "_nowarmup") + ("" if self.scale_lr else "_unscaled") + \
+            ("" if self.clip else "_noclip")
         return f"{self.opt}_b{self.batch}{suffix}"
 
 
@@ -71,9 +73,12 @@ def make_optimizer(P, name: str, params, lr: float) -> torch.optim.Optimizer:
 def grid(P) -> list[tuple[Config, int]]:
     """(config, seed) pairs: the SGD linear-scaling runs, their control, AdamW and LAMB at both batches
     over P.seeds seeds (every compared pair is paired by seed: dlo.estimates rule 2); LAMB without
-    warmup with seed 0 (a curve to look at, no claim)."""
+    warmup with seed 0 (a curve to look at, no claim). SGD at the large batch also runs warmup x clipping
+    as a 2 x 2: clipping bounds every early update, which is much of warmup's job, so warmup is judged
+    on the unclipped pair and clipping on its own arm (both without warmup)."""
     S, L = P.small_batch, P.large_batch
-    sgd = [Config("sgd", S), Config("sgd", L), Config("sgd", L, scale_lr=False), Config("sgd", L, warmup=False)]
+    sgd = [Config("sgd", S), Config("sgd", L), Config("sgd", L, scale_lr=False), Config("sgd", L, warmup=False),
+           Config("sgd", L, clip=False), Config("sgd", L, warmup=False, clip=False)]
     adaptive = [Config(o, b) for o in ("adamw", "lamb") for b in (S, L)]
     return [(c, s) for s in range(P.seeds) for c in sgd + adaptive] + [(Config("lamb", L, warmup=False), 0)]
 
@@ -81,7 +86,8 @@ def grid(P) -> list[tuple[Config, int]]:
 def train_config(P, cfg: Config, seed: int, train_ds, test_ds, device, writer=None, progress: bool = True,
                  probe=None) -> dict:
     """Train a fresh SmallCNN (initial weights from `seed`) with cfg at equal samples; warmup + cosine
-    schedule (warmup: P.warmup_steps small-batch steps' worth of samples), global-norm clipping.
+    schedule (warmup: P.warmup_steps small-batch steps' worth of samples), global-norm clipping at
+    P.clip unless cfg.clip is False.
     BatchNorm's running statistics are recomputed on training images before the test (see
     `recalibrate_batchnorm`). Returns the run's record: accuracy and loss on test_ds (and before the
     recalibration), the mean training loss of the last steps, the early loss peak, time, history.
@@ -99,8 +105,9 @@ def train_config(P, cfg: Config, seed: int, train_ds, test_ds, device, writer=No
     model = SmallCNN(width=P.width).to(device)
     opt = make_optimizer(P, cfg.opt, model.parameters(), lr)
     loader = make_loader(train_ds, cfg.batch, seed=seed)
-    step_fn = None if probe is None else _probed(cross_entropy_step(P.clip), probe)
-    hist = train(model, opt, loader, steps=steps, device=device, clip=None if probe else P.clip, step_fn=step_fn,
+    clip = P.clip if cfg.clip else None
+    step_fn = None if probe is None else _probed(cross_entropy_step(clip), probe)
+    hist = train(model, opt, loader, steps=steps, device=device, clip=None if probe else clip, step_fn=step_fn,
                  writer=writer, eval_data=test_ds, tag=f"{cfg.name} seed {seed}", progress=progress,
                  lr_fn=lambda s: warmup_cosine(s, base_lr=lr, warmup_steps=warm, total_steps=steps))
     if probe is not None:
@@ -114,7 +121,8 @@ def train_config(P, cfg: Config, seed: int, train_ds, test_ds, device, writer=No
     return {"name": cfg.name, "config": cfg, "seed": seed, "lr": lr, "steps": steps, "warmup": warm,
             "samples": steps * cfg.batch, "acc": hist["eval_acc"], "loss": hist["eval_loss"],
             "stale_acc": stale_acc, "train_loss": sum(tail) / len(tail),
-            "early_peak": max(early), "time_s": hist["time_s"], "hist": hist}
+            "early_peak": max(early) if all(map(math.isfinite, early)) else math.inf,  # inf: diverged early
+            "time_s": hist["time_s"], "hist": hist}
 
 
 def _probed(step_fn, probe):
@@ -142,7 +150,8 @@ def recalibrate_batchnorm(model, train_ds, device, n: int) -> None:
 
 
 def step_times(P, train_ds, device, reps: int = 8) -> dict:
-    """Interleaved timings of one SGD training step at the small and at the large batch."""
+    """Interleaved timings of one SGD training step at the small and at the large batch: round r times
+    one step of each, so `times[S].times_s[r]` and `times[L].times_s[r]` are a pair (`step_cost_ratio`)."""
     from dlo.measure import time_interleaved
     from dlo.train import cross_entropy_step
 
@@ -170,10 +179,17 @@ def gap(a: list[dict], b: list[dict], n_test: int, key: str = "acc") -> E.Estima
     """a - b of `key`, paired by seed (the t-interval holds the training noise and the test images'
     noise of each seed); fewer than 3 seeds give no interval ("not measurable here", dlo.estimates rule 2).
     How the estimate was obtained names the `n_test` test images for the accuracy, the training loss
-    for another key (the early peak)."""
+    for another key (the early peak). A run whose early loss was not finite (early_peak inf: it
+    diverged) has no peak to subtract: the estimate then says which arm diverged, as its reason."""
     pairs = list(_paired(a, b, key).values())
     on = f"{n_test} test images" if key == "acc" else f"the training loss ({key})"  # what was measured
-    return E.paired_difference(*zip(*pairs), how=f"paired over {len(pairs)} seeds, {on}")
+    how = f"paired over {len(pairs)} seeds, {on}"
+    diverged = [f"{arm[0]['name']}: {sum(not math.isfinite(p[i]) for p in pairs)} of {len(pairs)} seeds"
+                for i, arm in enumerate((a, b)) if any(not math.isfinite(p[i]) for p in pairs)]
+    if diverged:  # e.g. the unclipped run without warmup blew up: shown, not averaged
+        return E.Estimate(math.nan, math.nan, math.nan, len(pairs), how, E.REPEATS,
+                          f"loss not finite early ({'; '.join(diverged)})", pairing=E.PAIRED_BY_SEED)
+    return E.paired_difference(*zip(*pairs), how=how)
 
 
 def gap_of_gaps(a: tuple[list[dict], list[dict]], b: tuple[list[dict], list[dict]], n_test: int) -> E.Estimate:
@@ -195,95 +211,45 @@ def grid_claims(results: list[dict], P, n_test: int, times: dict | None = None, 
     S, L = P.small_batch, P.large_batch
     k = L // S
     goyal, lamb = "Goyal et al. 2017", "You et al. 2019"
+    nowarm, nowarm_noclip, warm_noclip = (R[f"sgd_b{L}{sfx}"] for sfx in ("_nowarmup", "_nowarmup_noclip",
+                                                                          "_noclip"))
     rows = [
         C.Claim(f"linear scaling: SGD b{L} (lr x{k}, warmup) = b{S} accuracy at equal epochs", goyal,
                 "same accuracy", C.between(-tol, tol, f"gap within +-{tol:.0%}"),
                 gap(R[f"sgd_b{L}"], R[f"sgd_b{S}"], n_test)),
         C.Claim(f"control: lr x{k} beats the unscaled lr at b{L}", goyal, "the scaled lr is needed",
                 C.at_least(0.0, "gap > 0"), gap(R[f"sgd_b{L}"], R[f"sgd_b{L}_unscaled"], n_test)),
-        C.Claim(f"warmup: without it, early loss peaks higher (SGD b{L})", goyal, "early instability",
-                C.at_least(0.0, "peak gap > 0"), gap(R[f"sgd_b{L}_nowarmup"], R[f"sgd_b{L}"], n_test, "early_peak")),
-        C.Claim(f"warmup: without it, accuracy ends lower (SGD b{L})", goyal, "worse result",
-                C.at_most(0.0, "gap < 0"), gap(R[f"sgd_b{L}_nowarmup"], R[f"sgd_b{L}"], n_test)),
+        # Goyal et al. do not clip: warmup is judged on the unclipped pair, clipping on its own arm
+        C.Claim(f"warmup: without it, early loss peaks higher (SGD b{L}, no clipping)", goyal, "early instability",
+                C.at_least(0.0, "peak gap > 0"), gap(nowarm_noclip, warm_noclip, n_test, "early_peak")),
+        C.Claim(f"warmup: without it, accuracy ends lower (SGD b{L}, no clipping)", goyal, "worse result",
+                C.at_most(0.0, "gap < 0"), gap(nowarm_noclip, warm_noclip, n_test)),
+        C.Claim(f"clipping at {P.clip:g} alone lowers the early loss peak (SGD b{L}, no warmup)", "Pascanu et al. 2013",
+                "clipping bounds exploding updates", C.at_most(0.0, "peak gap < 0"),
+                gap(nowarm, nowarm_noclip, n_test, "early_peak")),
         C.Claim(f"LAMB loses less than AdamW going b{S} -> b{L}", lamb, "large batches stay efficient",
                 C.at_least(0.0, "gap > 0"),
                 gap_of_gaps((R[f"lamb_b{L}"], R[f"lamb_b{S}"]), (R[f"adamw_b{L}"], R[f"adamw_b{S}"]), n_test)),
     ]
-    if times is not None:
-        t_small, t_large = times[S].estimate(1e3), times[L].estimate(1e3)
+    if times is not None:  # a GPU-utilisation claim: judged on a GPU only (dlo.claims rule 3)
         rows.append(C.Claim(f"one b{L} step costs less than {k} b{S} steps", goyal,
                             "large batches use the hardware better", C.at_least(1.0, "ratio > 1"),
-                            C.timed(E.ratio(t_small.scaled(k), t_large, how=f"medians of {t_small.n} interleaved "
-                                            "steps"), device=str(device), threads=torch.get_num_threads())))
+                            C.timed(step_cost_ratio(times, S, L), device=str(device), gpu_claim=True,
+                                    threads=torch.get_num_threads())))
     rows.append(C.not_measurable("linear scaling up to batch 8k on ImageNet (ResNet-50, 8 to 256 GPUs)", goyal,
                                  "23.74% vs 23.60% top-1 error", "needs ImageNet and 256 GPUs: the full profile "
                                  "tests the same rule on CIFAR-10 at batch 4096"))
     return rows
 
 
-# ----------------------------------------------------------------------------- profiling a training step
-
-def profile_steps(model, optimizer, loader, *, device, active: int = 6, trace_dir=None, name: str = "step") -> dict:
-    """Profile `active` SGD-style training steps (after one skipped and one warm-up step) of `model`
-    on `loader`, each labelled forward / backward / optimizer with record_function. Returns
-    {"spans", "steps", "share" (per step, of the DataLoader's __next__), "step_ms" (per step)} and
-    writes the Chrome trace to `trace_dir` (TensorBoard's profiler plugin, Perfetto) when given."""
-    from dlo.profiling import lane_shares, quiet_profiler, spans, steps
-    from dlo.train import cycle
-
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.device(device).type == "cuda" else [])
-    handler = tensorboard_trace_handler(str(trace_dir), worker_name=name) if trace_dir else None
-    batches = iter(cycle(loader))
-    with quiet_profiler(), profile(activities=acts, schedule=schedule(wait=1, warmup=1, active=active),
-                                   on_trace_ready=handler) as prof:
-        for _ in range(active + 2):
-            x, y = (t.to(device, non_blocking=True) for t in next(batches))  # DataLoader.__next__
-            with record_function("forward"):
-                loss = F.cross_entropy(model(x), y)
-            with record_function("backward"):
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-            with record_function("optimizer"):
-                optimizer.step()
-            prof.step()
-    events = prof.events()
-    sp, st = spans(events), steps(events)
-    return {"spans": sp, "steps": st, "share": lane_shares(sp, st, "data loading"),
-            "step_ms": [s.duration_us / 1e3 for s in st]}
-
-
-def profiling_claims(before: dict, after: dict, on_gpu: bool = False) -> list[C.Claim]:
-    """Claims about the data-loading bottleneck from two `profile_steps` results (before/after the fix).
-    On a GPU the "GPU idle" row reads the GPU-kernel lane of the slow pipeline's trace; on a CPU it and
-    the memory-snapshot row are kept as "not measurable here"."""
-    from dlo.profiling import DEVICE_LANE, lane_shares
-
-    fidle, lippe = "FIDLE seq. 16 (PyTorch profiler)", "Lippe 2024 (profiling)"
-    where = dict(device="cuda" if on_gpu else "cpu", threads=torch.get_num_threads())  # one process, its threads
-    share_b, share_a = (C.timed(E.median_interval(p["share"]), **where) for p in (before, after))
-    speedup = C.timed(E.ratio(E.median_interval(before["step_ms"]), E.median_interval(after["step_ms"]),
-                              how="ratio of median profiled steps"), **where)
-    amdahl = 1 / (1 - share_b.value)
-    rows = [
-        C.Claim("a per-sample decode in __getitem__ dominates the step", fidle, "92.2% of the step in the DataLoader",
-                C.at_least(0.5, ">= 50%"), share_b),
-        C.Claim("decoding once (tensors in memory) removes the bottleneck", fidle, "set num_workers / fix the input",
-                C.at_most(0.1, "<= 10%"), share_a),
-        C.Claim("the fix speeds the step up by 1 / (1 - share)", "Amdahl's law", f"{amdahl:.2g}x",
-                C.approx(amdahl, rel=0.25), speedup),
-    ]
-    if on_gpu:
-        busy = C.timed(E.median_interval(lane_shares(before["spans"], before["steps"], DEVICE_LANE),
-                                         how="median share of the step with a GPU kernel running"), **where)
-        rows.append(C.Claim("GPU idle while the CPU loads data", fidle, "GPU 0 has low utilization",
-                            C.at_most(0.5, "kernels <= 50% of the step"), busy))
-    else:
-        rows += [C.not_measurable("GPU idle while the CPU loads data", fidle, "GPU 0 has low utilization",
-                                  "no GPU here: on a GPU the trace's CUDA lane measures it"),
-                 C.not_measurable("a memory snapshot shows the biggest tensors and when they live", lippe,
-                                  "memory profiling", "no CUDA allocator on a CPU: on a GPU section 9.2 writes "
-                                  "the snapshot")]
-    return rows
+def step_cost_ratio(times: dict, small: int, large: int) -> E.Estimate:
+    """k small steps over one large step (k = large / small), paired per interleaved round of `step_times`:
+    the median of the rounds' ratios with its order-statistics interval (a slow phase of the machine
+    hits both steps of a round alike and cancels)."""
+    k = large // small
+    pairs = list(zip(times[small].times_s, times[large].times_s))
+    return E.median_interval([k * a / b for a, b in pairs],
+                             how=f"{k} x b{small} / b{large} step, median of {len(pairs)} paired interleaved rounds")
 
 
 # ----------------------------------------------------------------------------- plan of the full profile
