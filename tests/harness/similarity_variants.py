@@ -68,6 +68,8 @@ VARIANTS = {
     ],
     ("day1_optimizers", "warmup_cosine"): [
         '''def warmup_cosine(step, *, base_lr, warmup_steps, total_steps, min_lr=0.0, start_factor=0.01):
+    if warmup_steps >= total_steps:
+        raise ValueError("no steps left for the cosine")
     if warmup_steps > 0 and step < warmup_steps:
         frac = step / warmup_steps
         return base_lr * start_factor + (base_lr - base_lr * start_factor) * frac
@@ -77,6 +79,8 @@ VARIANTS = {
     return min_lr + (base_lr - min_lr) * cosine
 ''',
         '''def warmup_cosine(step, *, base_lr, warmup_steps, total_steps, min_lr=0.0, start_factor=0.01):
+    if total_steps <= warmup_steps:
+        raise ValueError(f"total_steps={total_steps} must exceed warmup_steps={warmup_steps}")
     in_warmup = step < warmup_steps
     if in_warmup:
         scale = start_factor + (1.0 - start_factor) * (step / warmup_steps)
@@ -87,6 +91,8 @@ VARIANTS = {
     return min_lr + (base_lr - min_lr) * 0.5 * (1.0 + math.cos(angle))
 ''',
         '''def warmup_cosine(step, *, base_lr, warmup_steps, total_steps, min_lr=0.0, start_factor=0.01):
+    if not warmup_steps < total_steps:
+        raise ValueError("warmup must end before training does")
     def linear(s):
         return start_factor + (1 - start_factor) * s / warmup_steps
 
@@ -98,6 +104,8 @@ VARIANTS = {
     return base_lr * factor
 ''',
         '''def warmup_cosine(step, *, base_lr, warmup_steps, total_steps, min_lr=0.0, start_factor=0.01):
+    if total_steps - warmup_steps <= 0:
+        raise ValueError("empty decay phase")
     lr_start = base_lr * start_factor
     if step >= warmup_steps:
         done = (step - warmup_steps) / float(total_steps - warmup_steps)
@@ -107,6 +115,9 @@ VARIANTS = {
     return lr_start + slope * step
 ''',
         '''def warmup_cosine(step, *, base_lr, warmup_steps, total_steps, min_lr=0.0, start_factor=0.01):
+    span_ok = total_steps > warmup_steps
+    if not span_ok:
+        raise ValueError("warmup_steps >= total_steps")
     phase = "warmup" if step < warmup_steps else "decay"
     if phase == "warmup":
         weight = step / warmup_steps
@@ -120,6 +131,8 @@ VARIANTS = {
     ("day1_optimizers", "clip_grad_norm"): [
         '''def clip_grad_norm(parameters, max_norm, norm_type=2.0):
     grads = [p.grad.detach() for p in list(parameters) if p.grad is not None]
+    if not grads:
+        return torch.tensor(0.0)
     if math.isinf(norm_type):
         norms = [g.abs().max() for g in grads]
         total = max(norms)
@@ -136,6 +149,8 @@ VARIANTS = {
     for p in parameters:
         if p.grad is not None:
             with_grad.append(p)
+    if len(with_grad) == 0:
+        return torch.zeros(())
     flat = torch.cat([p.grad.reshape(-1) for p in with_grad])
     total_norm = flat.abs().max() if norm_type == float("inf") else torch.linalg.vector_norm(flat, norm_type)
     factor = (max_norm / (total_norm + 1e-6)).clamp(max=1.0)
@@ -145,6 +160,8 @@ VARIANTS = {
 ''',
         '''def clip_grad_norm(parameters, max_norm, norm_type=2.0):
     gs = [q.grad for q in parameters if q.grad is not None]
+    if gs == []:
+        return torch.tensor(0.)
     per_tensor = torch.stack([torch.linalg.vector_norm(g, ord=norm_type) for g in gs])
     total = torch.linalg.vector_norm(per_tensor, ord=norm_type)
     ratio = torch.clamp(max_norm / (total + 1e-6), max=1.0)
@@ -154,6 +171,8 @@ VARIANTS = {
 ''',
         '''def clip_grad_norm(parameters, max_norm, norm_type=2.0):
     params = [p for p in parameters]
+    if all(p.grad is None for p in params):
+        return torch.tensor(0.0)
     total = torch.zeros(())
     if norm_type == math.inf:
         for p in params:
@@ -173,6 +192,8 @@ VARIANTS = {
 ''',
         '''def clip_grad_norm(parameters, max_norm, norm_type=2.0):
     grads = list(filter(lambda g: g is not None, (p.grad for p in parameters)))
+    if len(grads) < 1:
+        return torch.as_tensor(0.0)
     norms = torch.stack([g.norm(p=norm_type) for g in grads])
     total = norms.max() if norm_type == math.inf else norms.norm(p=norm_type)
     clip = max_norm / (float(total) + 1e-6)
