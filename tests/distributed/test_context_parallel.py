@@ -12,8 +12,7 @@ from dlo.attention import naive_attention
 from dlo.distributed import context_parallel as cp
 from dlo.distributed import launch, ulysses
 from dlo.errors import BadInput
-from dlo.experiments.day4_comm import tcp_available, tcp_sent
-from dlo.measure import CommCounter, gloo_wire_bytes, saved_bytes
+from dlo.measure import CommCounter, gloo_wire_bytes, saved_bytes, tcp_available, tcp_sent
 from tests.rank_pool import one_thread  # noqa: F401 - a fixture
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -161,7 +160,7 @@ def test_memory_saved_per_rank(results):
 
 
 def test_bytes_on_the_wire(results):
-    """The kernel's TCP counters on every rank (`dlo.experiments.day4_comm.tcp_sent`) against what gloo
+    """The kernel's TCP counters on every rank (`dlo.measure.tcp_sent`) against what gloo
     sends for the counted calls (`dlo.measure.gloo_wire_bytes`: payload and gloo's headers)."""
     n, res = results
     if "wire" not in res[0]:

@@ -30,10 +30,10 @@ from dlo.distributed.current import heartbeat, rank_device
 from dlo.distributed.ddp import DataParallelBucket, DataParallelNaive
 from dlo.distributed.onebit_adam import OneBitAdam
 from dlo.distributed.sync_bn import convert_sync_batchnorm
-from dlo.experiments.day4_comm import powersgd_parts, ring_sent, tcp_available, tcp_sent, wire_bytes
+from dlo.experiments.day4_comm import powersgd_parts, ring_sent, wire_bytes
 from dlo.experiments.day4_data import batch, batches, ddp_step, feature_batch, mlp, model
 from dlo.experiments.day4_overlap import exposed_comm, overlap
-from dlo.measure import CommCounter, time_interleaved
+from dlo.measure import CommCounter, tcp_available, tcp_sent, time_interleaved
 from dlo.models import count_parameters
 from dlo.train import evaluate, train
 

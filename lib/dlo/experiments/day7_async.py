@@ -5,7 +5,7 @@ row-parallel one, forward and backward, twice: as `tp_comms.all_gather_linear` +
 (one collective, then the matmul), and as `async_tp.all_gather_matmul` + `matmul_reduce_scatter` (the
 ring, chunk by chunk). It returns the largest difference of outputs and gradients, the bytes each rank
 handed to the backend in each (`dlo.measure.CommCounter`), and what each decomposed collective alone put
-on rank 0's TCP sockets (the kernel's counters, `day4_comm.tcp_sent`: outside our code and the counter).
+on rank 0's TCP sockets (the kernel's counters, `dlo.measure.tcp_sent`: outside our code and the counter).
 
 What is whose (the claims): Wang et al. 2023 describe the decomposition (an all-gather becomes t - 1
 permutes of one chunk each, so it sends the collective's bytes; a reduce-scatter the same), measured here on
@@ -34,8 +34,7 @@ def _worker() -> dict:
 
     from dlo.distributed.async_tp import all_gather_matmul, matmul_reduce_scatter
     from dlo.distributed.tp_comms import all_gather_linear, reduce_scatter_to_sp
-    from dlo.experiments.day4_comm import tcp_available, tcp_sent
-    from dlo.measure import CommCounter
+    from dlo.measure import CommCounter, tcp_available, tcp_sent
 
     r, t = dist.get_rank(), dist.get_world_size()
     g = torch.Generator().manual_seed(0)

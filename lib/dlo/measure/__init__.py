@@ -14,9 +14,11 @@ same thing on every day:
 - communication: `CommCounter` is a dispatch mode that sees every collective that reaches the
   dispatcher (`dist.all_reduce` and friends, torch's functional collectives used by DTensor/FSDP2,
   point-to-point sends): calls, payload bytes and the bytes this rank sends under the ring model;
-  `tally` and `comm_bytes` sum its `records()` by kind and phase.
-- compute: `count_flops(fn)` (torch's FlopCounterMode), `transformer_flops_per_token` (6N + 12 l h s,
-  Kaplan et al. 2020 / PaLM appendix B), and `mfu(...)` against `dlo.hardware` peaks.
+  `tally` and `comm_bytes` sum its `records()` by kind and phase; `tcp_sent` / `tcp_sent_by_socket`
+  (`dlo.measure.wire`): what this process's TCP sockets send per call, as the kernel counts it.
+- compute: `count_flops(fn)` (torch's FlopCounterMode), `transformer_flops_per_token` (6N + 12 l h s:
+  6N from Kaplan et al. 2020, 12 l h s from PaLM appendix B; Kaplan counts half the attention term), and
+  `mfu(...)` against `dlo.hardware` peaks.
 """
 
 from dlo.measure.comm import (
@@ -44,9 +46,10 @@ from dlo.measure.memory import (
     tensor_bytes,
 )
 from dlo.measure.timing import Timing, sync, time_fn, time_interleaved
+from dlo.measure.wire import tcp_available, tcp_sent, tcp_sent_by_socket, tcp_tx_by_socket
 
 __all__ = ["sync", "Timing", "time_fn", "time_interleaved", "SavedTensorMeter", "AllocationMeter", "allocated_peak",
            "PeakMemory", "peak_memory", "saved_bytes", "measure_step", "tensor_bytes", "optimizer_state_bytes",
            "held_bytes", "CommCall", "CommCounter", "tally", "comm_bytes", "collective_kind", "count_flops",
            "transformer_flops_per_token", "mfu", "fmt_bytes", "tcp_bytes_sent", "tcp_counters", "gloo_wire_bytes",
-           "wire_agrees"]
+           "wire_agrees", "tcp_available", "tcp_tx_by_socket", "tcp_sent_by_socket", "tcp_sent"]
