@@ -134,22 +134,31 @@ def _fsync_dir(folder: Path) -> None:
     os.close(fd)
 
 
-def save_atomic(obj, path) -> Path:
-    """torch.save `obj` to `path` so that a crash leaves either the old file or the new one, never half."""
+def write_atomic(path, write, *, mode: str = "wb", durable: bool = True) -> Path:
+    """`write(f)` into a temporary file beside `path`, then renamed onto it: a crash leaves either the old
+    file or the new one, never half. durable=False skips the fsyncs: the rename stays atomic for a killed
+    process (the bytes are in the page cache), only not for a machine that loses power."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)  # same filesystem
     try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
+        with os.fdopen(fd, mode) as f:
+            write(f)
             f.flush()
-            os.fsync(f.fileno())
+            if durable:
+                os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:  # unpicklable object, full disk, Ctrl-C: no half-written file left behind
         Path(tmp).unlink(missing_ok=True)
         raise
-    _fsync_dir(path.parent)
+    if durable:
+        _fsync_dir(path.parent)
     return path
+
+
+def save_atomic(obj, path) -> Path:
+    """torch.save `obj` to `path` so that a crash leaves either the old file or the new one, never half."""
+    return write_atomic(path, lambda f: torch.save(obj, f))
 
 
 class CheckpointManager:

@@ -23,35 +23,21 @@ from __future__ import annotations
 
 import importlib
 import json
-import os
-import tempfile
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from dlo.checkpoint import write_atomic
 from dlo.errors import BadInput
 
 Trial = Callable[[dict, int, Path], list]
 
 
 def write_json_atomic(path, data, durable: bool = True) -> Path:
-    """`data` as JSON at `path`: a reader (or a resumed search) sees the old file or the new one, never half.
-    durable=False skips the fsync: the rename is still atomic for a killed process (the bytes are in the page
-    cache), only not for a machine that loses power; worth it for thousands of tiny trials on a slow disk."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=1, sort_keys=True)
-            f.flush()
-            if durable:
-                os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    """`data` as JSON at `path`: a reader (or a resumed search) sees the old file or the new one, never half
+    (`dlo.checkpoint.write_atomic`). durable=False skips the fsync: worth it for thousands of tiny trials on a
+    slow disk."""
+    return write_atomic(path, lambda f: json.dump(data, f, indent=1, sort_keys=True), mode="w", durable=durable)
 
 
 def metric_value(point, metric: str = "loss") -> float:
