@@ -5,7 +5,8 @@ student's engine) and read what its TCP sockets sent from outside it (`dlo.gradi
 counters, read by the process that launched the ranks). An engine that rewrites the counter on the rank
 - here plain DDP (an all-reduce of the gradients, the whole optimizer on every rank) reporting ZeRO-1's
 reduce-scatter and all-gather, with the held-bytes meter scaled to match - passed the check; the sockets
-now tell. The instructors' ZeRO engines agree with their sockets. These run real launches (not the
+now tell. The instructors' ZeRO engines and FSDP2 recipe agree with their sockets; bytes an FSDP2 recipe sends
+beside a patched counter fail. These run real launches (not the
 tests' reused ranks, which have no meter), as a notebook's check and through the grader's sandbox.
 """
 
@@ -124,3 +125,29 @@ def test_the_instructors_engines_agree_with_their_sockets(stage):
     sol = load_solution("day5_fsdp")
     check = {1: day5.check_zero1, 2: day5.check_zero2, 3: day5.check_zero3}[stage]
     check(getattr(sol, f"ZeRO{stage}"))
+
+
+HIDDEN_FSDP = '''
+import torch
+import torch.distributed as dist
+from dlo.measure import comm
+
+def parallelize_hiding(model, mesh, **kw):
+    """The instructors' FSDP2 recipe, plus an all-reduce of 400 kB the rank's counter is patched not to report."""
+    real = comm.CommCounter.records
+    comm.CommCounter.records = lambda self: [r for r in real(self) if r["kind"] != "all_reduce"]
+    dist.all_reduce(torch.ones(100_000))
+    return parallelize(model, mesh, **kw)
+'''
+
+
+def test_fsdp2_bytes_the_counter_does_not_report_fail_the_check():
+    """Issue 33: the FSDP2 check compared the collectives its ranks counted with nothing outside them."""
+    ns = {"__name__": "meters_student", "parallelize": load_solution("day5_fsdp").parallelize}
+    exec(compile(HIDDEN_FSDP, "student cell", "exec"), ns)
+    with pytest.raises(AssertionError, match=r"fsdp2: the ranks' sockets sent [\d,]+ bytes, the collectives counted"):
+        day5.check_fsdp2(ns["parallelize_hiding"])
+
+
+def test_the_instructors_fsdp2_recipe_agrees_with_its_sockets():
+    day5.check_fsdp2(load_solution("day5_fsdp").parallelize)

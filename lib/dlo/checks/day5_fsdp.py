@@ -16,9 +16,9 @@ import torch.distributed as dist
 from torch import nn
 
 from dlo.checks.day5_zero import BYTES_TOL, STEP, batch, lm_loss, optimizer_for, train_on_full_batch
-from dlo.grading.api import case_seed, check, on_ranks
+from dlo.grading.api import case_seed, check, on_ranks, wire_sent
 from dlo.grading.compare import DTYPE, assert_close, ok
-from dlo.measure import CommCounter, comm_bytes
+from dlo.measure import CommCounter, comm_bytes, wire_agrees
 
 FSDP_REFS = ("dlo.distributed.fsdp.apply_fsdp", "dlo.distributed.fsdp.apply_ac", "dlo.distributed.fsdp.apply_compile",
              "dlo.distributed.parallelize.parallelize_llama")
@@ -95,7 +95,6 @@ def _fsdp_run(fn, mine, kind, steps, policy, ac_mode, compile_):
 
     n, c = dist.get_world_size(), mine["c"]
     model = copy.deepcopy(mine["model"])
-    mesh = init_device_mesh("cpu", (n,))
     compiled, real = [], torch.compile
 
     def recording_compile(obj=None, *args, **kwargs):  # compiling costs minutes on a CPU: record instead
@@ -105,9 +104,12 @@ def _fsdp_run(fn, mine, kind, steps, policy, ac_mode, compile_):
         return obj
     torch.compile = recording_compile
     try:
-        ret = fn(model, mesh, param_dtype=policy[0], reduce_dtype=policy[1], ac_mode=ac_mode, compile=compile_)
+        with CommCounter() as setup:  # the wire check below needs every byte the rank sends, setup included
+            mesh = init_device_mesh("cpu", (n,))
+            ret = fn(model, mesh, param_dtype=policy[0], reduce_dtype=policy[1], ac_mode=ac_mode, compile=compile_)
     finally:
         torch.compile = real
+    wire = setup.records()
     model = ret if isinstance(ret, nn.Module) else model
     out = {"structure": _structure(model, compiled)}
     ffn_calls, dtypes = [0], []
@@ -131,7 +133,10 @@ def _fsdp_run(fn, mine, kind, steps, policy, ac_mode, compile_):
         if s == 0:
             out["comm"], out["ffn_calls"], out["dtypes"] = comm.records(), ffn_calls[0], sorted(set(dtypes))
         out.setdefault("other", set()).update(other_comms(comm.records()))
-    out["params"] = {_clean(k): p.full_tensor().detach().clone() for k, p in model.named_parameters()}
+        wire += comm.records()
+    with CommCounter() as gather:
+        out["params"] = {_clean(k): p.full_tensor().detach().clone() for k, p in model.named_parameters()}
+    out["wire"] = wire + gather.records()
     out["other"] = sorted(out["other"])
     return out
 
@@ -174,6 +179,21 @@ def _check_fsdp_structure(name: str, s: dict, n_layers: int, where: str) -> None
                              f"checkpointing and before fully_shard (torchtitan's order); seen: {comp} ({where})")
 
 
+def verify_fsdp_wire(name: str, res: list, sent: list[int] | None, n: int, where: str) -> None:
+    """What each rank's counters recorded over its three runs (the device mesh, `fn`, every step and the
+    final gather) against what its TCP sockets sent, read outside the ranks (`api.wire_sent`), as the ZeRO
+    checks do: collectives issued around the counter (the C++ process group called directly, a socket of
+    one's own) or a patched counter disagree. Not measured on the tests' reused ranks (None)."""
+    if sent is None:
+        return
+    problem = wire_agrees([[rec for run in ("sgd", "adamw", "bf16") for rec in got[run]["wire"]] for got in res],
+                          sent, n)
+    if problem:
+        raise AssertionError(f"{name}: {problem}. The grader counts every byte twice: by the collectives your "
+                             f"ranks issue and by what their sockets send, read outside them; bytes the count does "
+                             f"not see fail ({where})")
+
+
 @check(forbid=FSDP_REFS)
 def check_fsdp2(fn, seed: int = 0, world_size: int = 2, steps: int = 3) -> None:
     """`fn(model, mesh, *, param_dtype, reduce_dtype, ac_mode, compile)` on a Llama: activation
@@ -185,6 +205,7 @@ def check_fsdp2(fn, seed: int = 0, world_size: int = 2, steps: int = 3) -> None:
     cfg, c = llama_case(secret)
     res = on_ranks(_fsdp_worker, world_size, fn, steps, per_rank=fsdp_parts(cfg, c, secret, world_size, steps))
     where = f"world_size={world_size}, n_layers={cfg.n_layers}, seed={seed}"
+    verify_fsdp_wire(name, res, wire_sent(), world_size, where)
     sgd, adamw = (llama_reference(cfg, c, secret, k, s, world_size) for k, s in (("sgd", 1), ("adamw", steps)))
     for r, got in enumerate(res):
         _check_fsdp_structure(name, got["sgd"]["structure"], cfg.n_layers, f"{where}, rank {r}")
