@@ -15,10 +15,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dlo.checks.day5_zero import BYTES_TOL, STEP, batch, lm_loss, optimizer_for, train_on_full_batch
+from dlo.checks.day5_zero import BYTES_TOL, STEP, batch, lm_loss, optimizer_for, train_on_full_batch, verify_wire
 from dlo.grading.api import case_seed, check, on_ranks, wire_sent
 from dlo.grading.compare import DTYPE, assert_close, ok
-from dlo.measure import CommCounter, comm_bytes, wire_agrees
+from dlo.measure import CommCounter, comm_bytes
 
 FSDP_REFS = ("dlo.distributed.fsdp.apply_fsdp", "dlo.distributed.fsdp.apply_ac", "dlo.distributed.fsdp.apply_compile",
              "dlo.distributed.parallelize.parallelize_llama")
@@ -179,21 +179,6 @@ def _check_fsdp_structure(name: str, s: dict, n_layers: int, where: str) -> None
                              f"checkpointing and before fully_shard (torchtitan's order); seen: {comp} ({where})")
 
 
-def verify_fsdp_wire(name: str, res: list, sent: list[int] | None, n: int, where: str) -> None:
-    """What each rank's counters recorded over its three runs (the device mesh, `fn`, every step and the
-    final gather) against what its TCP sockets sent, read outside the ranks (`api.wire_sent`), as the ZeRO
-    checks do: collectives issued around the counter (the C++ process group called directly, a socket of
-    one's own) or a patched counter disagree. Not measured on the tests' reused ranks (None)."""
-    if sent is None:
-        return
-    problem = wire_agrees([[rec for run in ("sgd", "adamw", "bf16") for rec in got[run]["wire"]] for got in res],
-                          sent, n)
-    if problem:
-        raise AssertionError(f"{name}: {problem}. The grader counts every byte twice: by the collectives your "
-                             f"ranks issue and by what their sockets send, read outside them; bytes the count does "
-                             f"not see fail ({where})")
-
-
 @check(forbid=FSDP_REFS)
 def check_fsdp2(fn, seed: int = 0, world_size: int = 2, steps: int = 3) -> None:
     """`fn(model, mesh, *, param_dtype, reduce_dtype, ac_mode, compile)` on a Llama: activation
@@ -205,7 +190,8 @@ def check_fsdp2(fn, seed: int = 0, world_size: int = 2, steps: int = 3) -> None:
     cfg, c = llama_case(secret)
     res = on_ranks(_fsdp_worker, world_size, fn, steps, per_rank=fsdp_parts(cfg, c, secret, world_size, steps))
     where = f"world_size={world_size}, n_layers={cfg.n_layers}, seed={seed}"
-    verify_fsdp_wire(name, res, wire_sent(), world_size, where)
+    counted = [[rec for run in ("sgd", "adamw", "bf16") for rec in got[run]["wire"]] for got in res]
+    verify_wire(name, counted, wire_sent(), world_size, where)
     sgd, adamw = (llama_reference(cfg, c, secret, k, s, world_size) for k, s in (("sgd", 1), ("adamw", steps)))
     for r, got in enumerate(res):
         _check_fsdp_structure(name, got["sgd"]["structure"], cfg.n_layers, f"{where}, rank {r}")
