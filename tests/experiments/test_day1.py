@@ -266,3 +266,26 @@ def test_interleaved_steps_time_every_pipeline_each_round(one_thread):
     times, shares = day1_profile.interleaved_steps(lambda: SmallCNN(width=4), loaders, device="cpu", reps=3)
     assert set(times) == {"a", "b"} and all(t.n == 3 for t in times.values())
     assert all(len(s) == 3 and all(0 < x < 1 for x in s) for s in shares.values())
+
+
+def test_the_grid_shared_over_processes_gives_the_records_of_one_process(one_thread, tmp_path):
+    """Issue 38 (both cores used): the grid's runs are independent trials, so a CPU shares them over its cores;
+    records, noise probes and TensorBoard folders are those of one run after another."""
+    import dlo.data
+    from dlo.experiments import day1_grid
+
+    Q = dataclasses.replace(P.smoke(), seeds=2)
+    train_ds, test_ds = dlo.data.cifar10(None, n_train=Q.n_train, n_test=Q.n_test, seed=0, image_size=Q.image_size)
+    configs = [(E.Config("sgd", Q.small_batch), 0), (E.Config("adamw", Q.large_batch), 0),
+               (E.Config("sgd", Q.small_batch), 1)]
+    one, one_probes = day1_grid.train_grid(Q, configs, 5, train_ds, test_ds, "cpu", tmp_path / "one")
+    two, two_probes = day1_grid.train_grid(Q, configs, 5, train_ds, test_ds, "cpu", tmp_path / "two", workers=2)
+    assert [(r["name"], r["seed"]) for r in two] == [(c.name, s) for c, s in configs]
+    for a, b in zip(one, two):
+        assert a["hist"]["loss"] == b["hist"]["loss"] and a["acc"] == b["acc"] and a["early_peak"] == b["early_peak"]
+    assert sorted(two_probes) == [0, 1] and two_probes[1].ds is train_ds
+    assert all(one_probes[s].small == two_probes[s].small and one_probes[s].big == two_probes[s].big for s in (0, 1))
+    folders = sorted(p.parent.relative_to(tmp_path / "two").as_posix() for p in (tmp_path / "two").rglob("events.*"))
+    assert folders == ["adamw_b" + str(Q.large_batch) + "/seed0", f"sgd_b{Q.small_batch}/seed0",
+                       f"sgd_b{Q.small_batch}/seed1"]
+    assert day1_grid.workers_for("cuda", 31) == 1 and day1_grid.workers_for("cpu", 1) == 1
