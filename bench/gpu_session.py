@@ -86,7 +86,7 @@ STEPS = [
          exclusive=True),
     Step("grade", "`dlo grade` of one notebook on the GPU (the student's kernel and the checks' runner in the "
                   "sandbox, the full profile's smoke sizes): full marks", 120, 360),
-    Step("day4_ddp", "Day 4's data-parallel versions (ours naive and bucketed, torch DDP) on NCCL at world 1, "
+    Step("day4_ddp", "Day 4's data-parallel versions (dlo's naive and bucketed, torch DDP) on NCCL at world 1, "
                      "ResNet-18 at 224 px", 45, 180),
     Step("day3_resume", "Day 3 at the full profile (155M model, 8 x 1024 tokens) with a 15-step resume: "
                         "bit-identical losses after preemption on a GPU", 150, 360, ["--max-steps", "15"]),

@@ -32,18 +32,31 @@ def test_matmul_params_counts_weights_and_a_tied_head_once():
     assert matmul_params(tied) == 3 * d * d + vocab * d  # the tied table counts once, as the head
 
 
-@pytest.mark.parametrize("precision, optimizer, want", [("fp32", "adamw", 16), ("mixed", "adamw", 16),
-                                                        ("bf16", "adamw", 8), ("fp32", "sgd", 8),
-                                                        ("mixed", "sgd_momentum", 12), ("mixed", "lamb", 16)])
-def test_training_bytes_per_param(precision, optimizer, want):
-    assert training_bytes_per_param(precision, optimizer) == want
+BF16, F32 = torch.bfloat16, torch.float32
+
+
+@pytest.mark.parametrize("dtypes, optimizer, want", [((F32, None), "adamw", 16), ((BF16, F32), "adamw", 16),
+                                                     ((BF16, None), "adamw", 8), ((F32, None), "sgd", 8),
+                                                     ((BF16, F32), "sgd_momentum", 12), ((BF16, F32), "lamb", 16),
+                                                     ((torch.float64, None), "adamw", 32),
+                                                     ((torch.float16, F32), "adamw", 16)])
+def test_training_bytes_per_param_from_the_dtypes(dtypes, optimizer, want):
+    assert training_bytes_per_param(dtypes[0], optimizer, master_dtype=dtypes[1]) == want
+
+
+def test_the_precisions_table_is_three_pairs_of_dtypes():
+    from dlo.accounting import copy_widths
+
+    assert PRECISIONS == {"fp32": copy_widths(F32), "mixed": copy_widths(BF16, F32), "bf16": copy_widths(BF16)}
 
 
 def test_bad_names_are_refused():
-    with pytest.raises(ValueError, match="precision"):
+    with pytest.raises(ValueError, match="param_dtype must be a floating torch.dtype"):
         training_bytes_per_param("fp8", "adamw")
+    with pytest.raises(ValueError, match="master_dtype"):
+        training_bytes_per_param(BF16, "adamw", master_dtype=torch.int8)
     with pytest.raises(ValueError, match="optimizer"):
-        training_bytes_per_param("fp32", "lion")
+        training_bytes_per_param(F32, "lion")
     with pytest.raises(ValueError, match="optimizer 'adam'; choose from sgd, sgd_momentum, adamw, lamb"):
         optimizer_bytes("adam", 4)  # one vocabulary: AdamW's name for Adam's two moments
     with pytest.raises(ValueError, match="stage"):
@@ -56,7 +69,7 @@ def test_one_accountant_for_plans_zero_and_the_exercise():
     for opt in OPTIMIZER_STATES:
         whole = model_state_bytes(10, opt)  # fp32
         assert whole["optimizer"] == optimizer_bytes(opt, whole["params"])
-        assert whole["total"] == 10 * training_bytes_per_param("fp32", opt)
+        assert whole["total"] == 10 * training_bytes_per_param(F32, opt)
     zero3 = model_state_bytes(10, "adamw", precision_of(torch.bfloat16), world_size=4, stage=3)
     assert zero3 == {"params": 2 * 3, "grads": 2 * 3, "optimizer": 12 * 3, "total": 16 * 3}
     assert precision_of(torch.float64) == (8, 8, 0, 8) and precision_of(torch.float16) == PRECISIONS["mixed"]

@@ -87,6 +87,17 @@ def test_regions_say_their_tolerance_and_refuse_nonsense():
         E.Estimate(1.0, 2.0, 3.0)
 
 
+def test_a_number_near_a_whole_one_shows_the_digits_that_tell_it_apart():
+    # 3 significant digits, more where the rounding would read as a whole number x is not
+    assert E.format_number(1.0044) == "1.004" and E.format_number(0.9996) == "0.9996"
+    assert str(E.Estimate(1.0044, 1.001, 1.0078)) == "1.004 [1.001, 1.01]"
+    assert E.format_number(1.0) == "1" and E.format_number(1.0000001) == "1"  # float noise stays hidden
+    assert E.format_number(1.23456) == "1.23" and E.format_number(2.004) == "2.004"
+    assert E.format_number(1234.5) == "1,234" and E.format_number(0.00123) == "1.23e-03"
+    from dlo.tables import format_cell
+    assert format_cell(1.0044) == "1.004" and format_cell(0.5) == "0.5"
+
+
 def test_claims_table_keeps_not_measurable_rows_and_summary_counts_all_verdicts():
     rows = [C.Claim("bf16 matches fp32", "slides", "same accuracy", C.between(-0.01, 0.01), E.exact(0.0)),
             C.not_measurable("H100 bf16 speed-up", "slides", "2x", "no GPU in this run")]

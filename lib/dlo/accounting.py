@@ -7,10 +7,11 @@ Two numbers every plan of Days 5-7 starts from (with `dlo.measure.transformer_fl
   matrix a token is multiplied by, the output head included; embedding tables that are only looked
   up are left out, a table tied to the head counts once (as the head); vectors (biases, norms) are
   left out, their FLOPs are a rounding error and FlopCounterMode does not count them either.
-- `training_bytes_per_param(precision, optimizer)`: weights + gradients + fp32 master copy +
-  optimizer state, per parameter. Mixed-precision Adam costs 2 + 2 + 4 + 4 + 4 = 16 bytes (ZeRO,
-  Rajbhandari et al. 2020, Sec. 3.1), the same as fp32 Adam's 4 + 4 + 8: mixed precision saves
-  activations and time, not model-state memory ("16 bytes per parameter", Lippe 2024).
+- `training_bytes_per_param(param_dtype, optimizer, master_dtype=None)`: weights + gradients + master
+  copy + optimizer state, per parameter, derived from the dtypes (`copy_widths`). Mixed-precision Adam
+  costs 2 + 2 + 4 + 4 + 4 = 16 bytes (ZeRO, Rajbhandari et al. 2020, Sec. 3.1), the same as fp32 Adam's
+  4 + 4 + 8: mixed precision saves activations and time, not model-state memory ("16 bytes per
+  parameter", Lippe 2024).
 
 The one accountant of model state: `model_state_bytes` (per rank, replicated or partitioned by ZeRO's
 stages; `dlo.distributed.zero.memory_per_rank` is it for a parameter dtype) and `optimizer_bytes` (the
@@ -56,7 +57,7 @@ def precision_of(param_dtype: torch.dtype) -> tuple[int, int, int, int]:
     means mixed precision (an fp32 master copy, fp32 optimizer state); a 32- or 64-bit one keeps
     everything at its own width, without a master copy."""
     b = torch.empty((), dtype=param_dtype).element_size()
-    return PRECISIONS["mixed"] if b < 4 else (b, b, 0, b)
+    return copy_widths(param_dtype, torch.float32 if b < 4 else None)
 
 
 def _state_values(optimizer: str) -> int:
@@ -91,12 +92,26 @@ def model_state_bytes(n_params: int, optimizer: str, widths: tuple[int, int, int
     return {"params": params, "grads": grads, "optimizer": opt, "total": params + grads + opt}
 
 
-def training_bytes_per_param(precision: str, optimizer: str) -> int:
-    """Bytes of model state per parameter while training: weights, gradients, master weights (mixed
-    precision only) and the optimizer's state (`OPTIMIZER_STATES` values, at the state's width)."""
-    if precision not in PRECISIONS:
-        raise ValueError(f"unknown precision {precision!r}; choose from {sorted(PRECISIONS)}")
-    return model_state_bytes(1, optimizer, PRECISIONS[precision])["total"]
+def copy_widths(param_dtype: torch.dtype, master_dtype: torch.dtype | None = None) -> tuple[int, int, int, int]:
+    """(weight, gradient, master copy, state value) bytes, derived from the dtypes: a gradient has its
+    parameter's dtype; the optimizer steps the master copy when there is one (else the parameters) and
+    torch keeps its state in the dtype of the tensor it steps. `PRECISIONS`' rows are three of these:
+    fp32 = (float32, None), mixed = (bfloat16, float32), bf16 = (bfloat16, None)."""
+    for what, dt in (("param_dtype", param_dtype), ("master_dtype", master_dtype)):
+        if dt is not None and not (isinstance(dt, torch.dtype) and dt.is_floating_point):
+            raise ValueError(f"{what} must be a floating torch.dtype (e.g. torch.bfloat16), got {dt!r}")
+    if param_dtype is None:
+        raise ValueError("param_dtype must be a floating torch.dtype (e.g. torch.bfloat16), got None")
+    p = torch.finfo(param_dtype).bits // 8
+    m = 0 if master_dtype is None else torch.finfo(master_dtype).bits // 8
+    return p, p, m, m or p
+
+
+def training_bytes_per_param(param_dtype: torch.dtype, optimizer: str, master_dtype: torch.dtype | None = None) -> int:
+    """Bytes of model state per parameter while training with weights of `param_dtype` (and an optional master
+    copy of `master_dtype`): weights, gradients, master copy and the optimizer's state (`OPTIMIZER_STATES`
+    values), each at the width `copy_widths` derives."""
+    return model_state_bytes(1, optimizer, copy_widths(param_dtype, master_dtype))["total"]
 
 
 def held_after_step(model: nn.Module, optimizer: torch.optim.Optimizer, step, device) -> float:

@@ -108,8 +108,19 @@ def format_number(x: float) -> str:
     if mag >= 1000:
         return f"{x:,.0f}"
     if mag >= 0.01:
-        return f"{x:.3g}"
+        return significant(x)
     return f"{x:.2e}"
+
+
+def significant(x: float, digits: int = 3, most: int = 6) -> str:
+    """x in `digits` significant digits, more (up to `most`) while the rounding shows a whole number that x is
+    not: a ratio of 1.0044 prints "1.004", never "1", which a reader would take for no effect at all."""
+    for d in range(digits, most + 1):
+        text = f"{x:.{d}g}"
+        shown = float(text)
+        if shown != round(shown) or math.isclose(shown, x, rel_tol=1e-9):
+            return text
+    return text
 
 
 def _too_few(n: int, what: str = "samples") -> str:

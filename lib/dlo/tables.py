@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dlo.estimates import significant
+
 
 def format_cell(value) -> str:
     if value is None:
@@ -9,7 +11,7 @@ def format_cell(value) -> str:
     if isinstance(value, bool):
         return str(value)
     if isinstance(value, float):
-        return f"{value:.3g}" if abs(value) < 100 else f"{value:.0f}"
+        return significant(value) if abs(value) < 100 else f"{value:.0f}"
     return str(value)
 
 

@@ -372,9 +372,29 @@ def matmul_params_linears_only(model):  # misses raw projection parameters (nn.M
     return sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
 
 
-def bytes_ok(precision, optimizer):
-    w, g, master, state = {"fp32": (4, 4, 0, 4), "mixed": (2, 2, 4, 4), "bf16": (2, 2, 0, 2)}[precision]
+def _size(dtype):
+    return 0 if dtype is None else torch.empty((), dtype=dtype).element_size()
+
+
+def bytes_ok(param_dtype, optimizer, master_dtype=None):
+    """Derived: weights and gradients at the parameters' width, the master copy at its own, and the state
+    at the width of what the optimizer steps (the master copy when there is one)."""
+    p, m = _size(param_dtype), _size(master_dtype)
+    return 2 * p + m + {"sgd": 0, "sgd_momentum": 1, "adamw": 2}[optimizer] * (m or p)
+
+
+def bytes_from_the_table(param_dtype, optimizer, master_dtype=None):
+    """Issue 34: the old exercise's table copied (fp32, mixed, bf16 by name): no row for float16 without a
+    master copy or for float64."""
+    row = {(torch.float32, None): "fp32", (torch.bfloat16, torch.float32): "mixed", (torch.bfloat16, None): "bf16",
+           (torch.float16, torch.float32): "mixed"}.get((param_dtype, master_dtype), "fp32")
+    w, g, master, state = {"fp32": (4, 4, 0, 4), "mixed": (2, 2, 4, 4), "bf16": (2, 2, 0, 2)}[row]
     return w + g + master + {"sgd": 0, "sgd_momentum": 1, "adamw": 2}[optimizer] * state
+
+
+def bytes_state_at_weights(param_dtype, optimizer, master_dtype=None):
+    p, m = _size(param_dtype), _size(master_dtype)
+    return 2 * p + m + {"sgd": 0, "sgd_momentum": 1, "adamw": 2}[optimizer] * p
 
 
 OK4 = (matmul_params_ok, bytes_ok)
@@ -398,9 +418,10 @@ def test_flops_accounting_asks_for_no_formula_the_text_gives_in_full():
 @pytest.mark.parametrize("i,wrong,match", [
     (0, matmul_params_with_tables, "looked-up (embedding )?table counted"),
     (0, matmul_params_linears_only, "matmul_params = "),
-    (1, lambda precision, optimizer: bytes_ok(precision, optimizer) - 4 * (precision == "mixed"),
-     "master copy, 4 bytes, missing"),
-    (1, lambda precision, optimizer: bytes_ok(precision, "adamw"), "training_bytes_per_param")])
+    (1, lambda p, o, master_dtype=None: bytes_ok(p, o), "master copy left out"),
+    (1, lambda p, o, master_dtype=None: bytes_ok(p, "adamw", master_dtype), "two state values for every optimizer"),
+    (1, bytes_state_at_weights, "state at the weights' width"),
+    (1, bytes_from_the_table, r"training_bytes_per_param\(torch.float16, 'sgd', master_dtype=None\) = 8, expected 4")])
 def test_flops_accounting_rejects(i, wrong, match):
     fns = list(OK4)
     fns[i] = wrong
@@ -413,9 +434,9 @@ def test_flops_accounting_stub_and_references():
         day2.check_flops_accounting(stub, *OK4[1:])
     from dlo.accounting import matmul_params, training_bytes_per_param
 
-    def via_the_accountant(precision, optimizer):
-        from dlo.accounting import PRECISIONS, model_state_bytes
-        return model_state_bytes(1, optimizer, PRECISIONS[precision])["total"]
+    def via_the_accountant(param_dtype, optimizer, master_dtype=None):
+        from dlo.accounting import copy_widths, model_state_bytes
+        return model_state_bytes(1, optimizer, copy_widths(param_dtype, master_dtype))["total"]
 
     for i, ref in ((0, matmul_params), (1, training_bytes_per_param), (1, via_the_accountant)):
         fns = list(OK4)

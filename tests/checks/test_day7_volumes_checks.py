@@ -1,7 +1,9 @@
 """Day 7's exercise 7b (a stage boundary's bytes, DDP's bucket, both derived): the check accepts the solution
 notebook's functions, under the grader too, and rejects a stub, the reference itself and the plausible slips
 (one direction of the boundary, the stage's 1/t forgotten, the bucket without N or with the latency held to
-the bandwidth term only, a plain ceiling that adds a byte where the bound is a whole number)."""
+the bandwidth term only, a plain ceiling that adds a byte where the bound is a whole number), and the two
+guesses a student trial met (issue 34): whole bytes where t does not divide the boundary's bytes, and
+latency_share = 0 answered (0, inf, a ZeroDivisionError) instead of refused with ValueError."""
 
 from __future__ import annotations
 
@@ -59,6 +61,25 @@ def bucket_float(N, alpha, B, latency_share=0.1):
     return 0.0 if N == 1 else N * alpha * B * (1 - latency_share) / latency_share
 
 
+def pp_whole_bytes(batch, seq, hidden, t=1, act_bytes=2):
+    """Issue 34's guess: floor division, whole bytes per rank, where t does not divide the bytes."""
+    return 2 * batch * seq * hidden * act_bytes // t
+
+
+def _with_share(f_zero):
+    """The reference, but latency_share = 0 answered by `f_zero` instead of refused."""
+    def fn(N, alpha, B, latency_share=0.1):
+        if latency_share == 0:
+            return f_zero()
+        return math.ceil(N * alpha * B * (1 - latency_share) / latency_share * (1 - 1e-12)) if N > 1 else 0
+    return fn
+
+
+def bucket_share_zero_divides(N, alpha, B, latency_share=0.1):
+    """The formula as derived: latency_share = 0 divides by zero (ZeroDivisionError, not ValueError)."""
+    return 0 if N == 1 else math.ceil(N * alpha * B * (1 - latency_share) / latency_share * (1 - 1e-12))
+
+
 def test_accepts_the_solution(sol):
     day7_volumes.check_pp_bucket(sol.pp_p2p_bytes, sol.ddp_bucket_bytes, seed=1, trials=40)
 
@@ -72,6 +93,7 @@ def test_rejects_a_stub(sol):
 @pytest.mark.parametrize("wrong,match", [
     (pp_one_way, "sends .* per micro-batch.*one direction only"),  # caught by Day 6's engine
     (pp_unsplit, "not divided by t"),
+    (pp_whole_bytes, "rounded to whole bytes: return the exact quotient"),
     (lambda *a, **k: comm_compute.pp_p2p_bytes(*a, **k), "off limits")])
 def test_rejects_pipeline_slips(sol, wrong, match):
     with pytest.raises(AssertionError, match=match):
@@ -84,6 +106,9 @@ def test_rejects_pipeline_slips(sol, wrong, match):
     (bucket_rounded, "ddp_bucket_bytes"),
     (bucket_float, "an int"),
     (bucket_plain_ceiling, "108,000,001 bytes is not the smallest.*a bound that is a whole number"),
+    (bucket_share_zero_divides, r"latency_share=0.0 is outside \(0, 1\].*got ZeroDivisionError"),
+    (_with_share(lambda: 0), r"latency_share=0.0 is outside \(0, 1\].*got a return value 0"),
+    (_with_share(lambda: math.inf), r"latency_share=0.0 .*got a return value inf"),
     (lambda *a, **k: comm_compute.ddp_bucket_bytes(*a, **k), "off limits")])
 def test_rejects_bucket_slips(sol, wrong, match):
     with pytest.raises(AssertionError, match=match):

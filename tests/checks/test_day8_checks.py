@@ -31,6 +31,8 @@ def _groups(x, granularity, group_size):
 
 
 def quantize_ok(x, bits, granularity, group_size):
+    if granularity == "group" and x.shape[1] % group_size:
+        raise ValueError(f"group_size {group_size} does not divide {x.shape[1]} columns")
     g = _groups(x, granularity, group_size)
     q_max = 2 ** (bits - 1) - 1
     s = g.abs().amax(dim=-1) / q_max
@@ -146,6 +148,20 @@ def quantize_always_per_tensor(x, bits, granularity, group_size):
     return quantize_ok(x, bits, "tensor", group_size)
 
 
+def quantize_reshape_error(x, bits, granularity, group_size):
+    """Issue 34's guess: a group size that does not divide C left to reshape's RuntimeError."""
+    g = _groups(x, granularity, group_size)
+    s = g.abs().amax(-1) / (2 ** (bits - 1) - 1)
+    return torch.round(g / torch.where(s > 0, s, 1.0)[..., None]).reshape(x.shape), s
+
+
+def quantize_pads(x, bits, granularity, group_size):
+    """Issue 34's other guess: the last group padded with zeros (scale (R, ceil(C / G)))."""
+    pad = -x.shape[1] % group_size if granularity == "group" else 0
+    q, s = quantize_ok(F.pad(x, (0, pad)), bits, granularity, group_size)
+    return q[:, :x.shape[1]], s
+
+
 def dequantize_ignores_groups(q, scale):
     return q.float() * scale[:, :1]
 
@@ -166,6 +182,15 @@ def dequantize_float64(q, scale):
 def calibrate_tensors(batches, method, percentile):
     """Right values as 0-d tensors: the exercise says Python floats."""
     return tuple(torch.tensor(v) for v in calibrate_ok(batches, method, percentile))
+
+
+def calibrate_float32(batches, method, percentile):
+    """Issue 34's guess: the batches' own dtype (float32), whose quantile interpolation is off by ~1e-7."""
+    v = torch.cat([b.detach().flatten() for b in batches])
+    if method == "minmax":
+        return v.min().item(), v.max().item()
+    lo, hi = torch.quantile(v, torch.tensor([1 - percentile / 100, percentile / 100], dtype=v.dtype))
+    return float(lo), float(hi)
 
 
 def calibrate_last_batch(batches, method, percentile):
@@ -284,6 +309,11 @@ def valid_always(mask):
     return True
 
 
+def valid_sums_values(mask):
+    """Issue 34's guess: sums the mask, right for a bool mask, not for a pruned float weight."""
+    return mask.shape[-1] % 4 == 0 and bool((mask.reshape(-1, 4).sum(1) <= 2).all())
+
+
 def distill_no_t2(s, t, y, temperature, lam):
     return distill_ok(s, t, y, temperature, 0.0) / temperature ** 2 + lam * F.cross_entropy(s, y)
 
@@ -328,9 +358,10 @@ CASES = [
     (day8.check_quantize, (quantize_ok, dequantize_ok),
      [(stub, dequantize_ok), (quantize_ok, stub), (quantize_floor, dequantize_ok), (quantize_qmax_128, dequantize_ok),
       (quantize_nan_on_zero, dequantize_ok), (quantize_always_per_tensor, dequantize_ok),
-      (quantize_ok, dequantize_ignores_groups), (quantize_ok, dequantize_float64)]),
+      (quantize_ok, dequantize_ignores_groups), (quantize_ok, dequantize_float64),
+      (quantize_reshape_error, dequantize_ok), (quantize_pads, dequantize_ok)]),
     (day8.check_calibrate_range, (calibrate_ok,),
-     [(stub,), (calibrate_last_batch,), (calibrate_always_minmax,), (calibrate_tensors,)]),
+     [(stub,), (calibrate_last_batch,), (calibrate_always_minmax,), (calibrate_tensors,), (calibrate_float32,)]),
     (day8.check_fake_quant_ste, (fake_quant_ok,), [(stub,), (fake_quant_zero_grad,), (fake_quant_unclipped_ste,)]),
     (day8.check_magnitude_masks, (masks_ok,),
      [(stub,), (masks_layer_always,), (masks_signed,), (masks_keep_fraction,)]),
@@ -340,7 +371,8 @@ CASES = [
      [(stub,), (prune_pair_mask_only,), (prune_pair_smallest,), (prune_pair_forgets_fc2,)]),
     (day8.check_mask_2to4, (mask24_ok, is24_ok),
      [(stub, is24_ok), (mask24_ok, stub), (mask_signed, is24_ok), (mask_pads, is24_ok),
-      (mask24_ok, valid_exactly_two), (mask24_ok, valid_at_most_three), (mask24_ok, valid_always)]),
+      (mask24_ok, valid_exactly_two), (mask24_ok, valid_at_most_three), (mask24_ok, valid_always),
+      (mask24_ok, valid_sums_values)]),
     (day8.check_distillation_loss, (distill_ok,),
      [(stub,), (distill_no_t2,), (distill_reversed_kl,), (distill_teacher_grad,), (distill_sum_reduction,)]),
     (day8.check_smoothing_factors, (smooth_ok,),
@@ -372,6 +404,18 @@ def test_wrong_versions_fail(check, bad):
 def test_a_wrong_derivation_is_named(bad, slip):
     with pytest.raises(AssertionError, match=re.escape(slip)):
         day8.check_gradual_sparsity(bad, seed=0)
+
+
+@pytest.mark.parametrize("check,bad,slip", [
+    (day8.check_quantize, (quantize_reshape_error, dequantize_ok),
+     r"group_size=\d does not divide the \d+ columns: refuse it, never pad .* raise ValueError, got RuntimeError"),
+    (day8.check_quantize, (quantize_pads, dequantize_ok), "does not divide .* raise ValueError, got a return value"),
+    (day8.check_calibrate_range, (calibrate_float32,), "to float32's precision only.*compute in float64"),
+    (day8.check_mask_2to4, (mask24_ok, valid_sums_values), "count the entries != 0 of a mask of any dtype")])
+def test_the_guesses_of_a_student_trial_are_named(check, bad, slip):
+    """Issue 34: a group size that does not divide C, calibrate_range's precision, is_2to4 on a float mask."""
+    with pytest.raises(AssertionError, match=slip):
+        check(*bad, seed=0)
 
 
 @pytest.mark.parametrize("bad,slip", [(smooth_swapped, "exponents swapped"), (smooth_product, "a product"),

@@ -15,7 +15,7 @@ from dlo.presets import Day3Preset
 N_LAYERS = 8
 PLAN = [{"config": "policy: none", "activations": 100}, {"config": "policy: every 1", "activations": 9}]
 OFFLOAD = {"plain_state_bytes": 8 * 1000 + 4 * 10, "offload_bytes": {"device": 0, "host": 16_000}, "n_params": 1000,
-           "ratios": [1.1] * 6}
+           "ratios": [1.1] * 6, "held_per_param": {"adamw": 16.04, "adamw_offload": 8.0}}
 
 
 SQRT = f"sqrt(n): {E.segments(N_LAYERS)} segments"
@@ -126,6 +126,47 @@ def test_exact_rows_and_gpu_only_rows():
     assert _one(g, "8 bytes per parameter").verdict == AGREES
 
 
+def test_offload_frees_is_read_from_the_allocator_not_from_the_optimizer():
+    """Issue 34: on a GPU the row's measured side was CPUOffloadOptimizer.bytes_by_side, the code under test's
+    account of itself. It is now the allocator's bytes held after a step (AdamW minus offloaded); an offload
+    that reports "device 0" while the allocator still holds its state on the device disagrees."""
+    from dlo.estimates import SELF_REPORTED
+
+    g = _claims(1.3, 1.05, cuda=True)
+    row = _one(g, "8 bytes per parameter").row()
+    assert _one(g, "8 bytes per parameter").verdict == AGREES and "CUDA allocator" in row["how"]
+    leaky = dict(OFFLOAD, held_per_param={"adamw": 16.0, "adamw_offload": 16.0})  # reports 0 on the device
+    rows = _rows(MIB, {n: 1.0 for n in MIB})
+    for r in rows:
+        r["peak_bytes"] = 2**20
+    c = {c.claim: c for c in report.claims(rows, N_LAYERS, PLAN, leaky, cuda=True)}
+    assert _one(c, "8 bytes per parameter").verdict == DISAGREES
+    cpu = _one(_claims(1.3, 1.05), "8 bytes per parameter")  # the host is the device: the report, by construction
+    assert cpu.verdict == BY_CONSTRUCTION and cpu.measured.provenance == SELF_REPORTED
+    old = dict(OFFLOAD)
+    del old["held_per_param"]  # a GPU result without the allocator's reading: never evidence
+    c = {c.claim: c for c in report.claims(rows, N_LAYERS, PLAN, old, cuda=True)}
+    assert _one(c, "8 bytes per parameter").verdict == BY_CONSTRUCTION
+
+
+def test_held_after_step_reads_cudas_allocator_on_a_gpu(monkeypatch):
+    """The GPU branch of `held_after_step` (the offload row's measured side) on a CPU: torch.cuda's allocator
+    mocked by a counter that the step moves, so the branch's arithmetic is checked without a device."""
+    import dlo.measure
+    from dlo.accounting import held_after_step
+
+    allocated = [0]
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: allocated[0])
+    monkeypatch.setattr(dlo.measure, "sync", lambda device=None: None)
+    model = torch.nn.Linear(10, 10)  # 110 parameters, 440 B of fp32 storage
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step():  # what the allocator would see: 8 B per parameter more after each step (grads + a state)
+        allocated[0] += 8 * 110
+
+    assert held_after_step(model, opt, step, "cuda") == (440 + 8 * 110) / 110
+
+
 def test_block_sizes_and_offload_comparison_on_a_small_stack(one_thread):
     P = dataclasses.replace(Day3Preset(), vocab=32, d_model=16, n_heads=2, n_layers=4, seq_len=8, batch_size=2)
     torch.manual_seed(0)
@@ -137,6 +178,8 @@ def test_block_sizes_and_offload_comparison_on_a_small_stack(one_thread):
     n = off["n_params"]
     assert off["equal"] and len(off["ratios"]) == 3 and off["losses"]["adamw"] == off["losses"]["adamw_offload"]
     assert off["offload_bytes"]["device"] == 0 and off["plain_state_bytes"] >= 8 * n
+    # the allocator's side (here AllocationMeter: the host is the device, so the offload's host copies count)
+    assert off["held_per_param"]["adamw"] >= 16 and off["held_per_param"]["adamw_offload"] > 0
     rows = {r["config"]: r for r in E.plan(P, gpus=1, gpu_mem_gb=80)}
     assert rows["AdamW state offloaded (ZeRO-Offload)"]["optimizer"] == 0
     assert rows["resume run (AdamW, GradScaler)"]["optimizer"] == 8 * n

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from dlo.grading.api import check, run_student
-from dlo.grading.compare import DTYPE, assert_close, fmt, odd_shape, ok, rand
+from dlo.grading.compare import DTYPE, assert_close, expect_value_error, fmt, odd_shape, ok, rand
 from dlo.schedules import torch_scheduler_lrs
 
 SCHEDULES = ("torch.optim.lr_scheduler.*", "dlo.schedules.*", "dlo.schedules._cos_anneal")
@@ -78,20 +78,9 @@ def check_warmup_cosine(fn, seed: int = 0, trials: int = 6) -> None:
     total = rng.randint(9, 61)
     for warm, step in ((total, total), (total, 0), (total + 3, 1)):
         kw = dict(base_lr=0.1, warmup_steps=warm, total_steps=total, min_lr=0.0, start_factor=0.1)
-        _expect_value_error(name, lambda kw=kw, step=step: fn(step, **kw), f"warmup_steps={warm} >= "
+        expect_value_error(name, lambda kw=kw, step=step: fn(step, **kw), f"warmup_steps={warm} >= "
                             f"total_steps={total} leaves no step for the cosine (step {step})")
     ok(name, f"{trials} trials, seed={seed}")
-
-
-def _expect_value_error(name: str, call, what: str) -> None:
-    """call() must raise ValueError (bad input refused before any work): say what it did instead."""
-    try:
-        got = call()
-    except ValueError:
-        return
-    except Exception as e:  # noqa: BLE001 - the student's error, named in the message
-        raise AssertionError(f"{name}: {what}: raise ValueError, got {type(e).__name__}: {e}") from None
-    raise AssertionError(f"{name}: {what}: raise ValueError, got a return value {got!r}")
 
 
 @check(forbid=SCHEDULES)
@@ -205,7 +194,7 @@ def check_lr_range_test(fn, seed: int = 0, trials: int = 4) -> None:
     _check_range_case(name, fn, lambda: _replay_step_fn(V_CURVE), kw, dict(kw, curve="V_CURVE"))
     for bad in (math.nan, math.inf):
         calls: list = []
-        _expect_value_error(name, lambda bad=bad, calls=calls: fn(_recording(_replay_step_fn([bad, 1.0]), calls), **kw),
+        expect_value_error(name, lambda bad=bad, calls=calls: fn(_recording(_replay_step_fn([bad, 1.0]), calls), **kw),
                             f"the first loss is {bad}: no point is kept, there is no curve to read")
         if len(calls) != 1:
             raise AssertionError(f"{name}: the first loss is {bad}: stop at once (step_fn called {len(calls)} times)")

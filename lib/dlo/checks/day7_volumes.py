@@ -13,11 +13,13 @@ also measures.
 - `ddp_bucket_bytes` is held to its definition, like exercise 7's token count: the latency term of
   the ring all-reduce of the returned n (Day 4's alpha-beta model) is at most the share f of its time,
   that of n - 1 more, to a relative 1e-12 (`dlo.comm_compute.WHOLE_RTOL`: a bound that is a whole number
-  of bytes is that number, whatever the float noise).
+  of bytes is that number, whatever the float noise); a latency_share outside (0, 1] raises ValueError.
+  `pp_p2p_bytes` is the exact quotient 2 b s h e / t, a float when t does not divide it (rounding is named).
 """
 
 from __future__ import annotations
 
+import math
 import random
 from types import SimpleNamespace
 
@@ -27,7 +29,7 @@ import torch.distributed as dist
 from dlo.comm_compute import WHOLE_RTOL, pp_p2p_bytes
 from dlo.distributed.collectives import allreduce_time
 from dlo.grading.api import case_seed, check
-from dlo.grading.compare import assert_number, fmt, ok
+from dlo.grading.compare import assert_number, expect_value_error, fmt, ok
 from dlo.hardware import LINKS, link_bytes_per_s
 
 REFERENCE = ("dlo.comm_compute.*",)
@@ -50,9 +52,11 @@ def _compare(name: str, got, want: float, wrongs: dict[str, float], where: dict)
 
 def _pp_wrongs(b, s, h, t, e) -> dict[str, float]:
     one_way = b * s * h * e / t
+    rounded = "rounded to whole bytes: return the exact quotient, a float when t does not divide the bytes"
     return {"one direction only: backward sends the activation's gradient back across the boundary": one_way,
             "not divided by t: each of the stage's t ranks sends its 1/t (Megatron's scatter/gather)": 2 * one_way * t,
-            "the b s h elements not multiplied by the bytes per element": 2 * b * s * h / t}
+            "the b s h elements not multiplied by the bytes per element": 2 * b * s * h / t,
+            rounded: math.floor(2 * one_way), rounded + " (rounded up)": math.ceil(2 * one_way)}
 
 
 # ----------------------------------------------------------------------------- measured on the days' engines
@@ -103,8 +107,8 @@ def _against_the_engines(pp_fn, rng: random.Random, seed: int) -> int:
 # ----------------------------------------------------------------------------- seeded cases
 
 def _cases(rng: random.Random, trials: int) -> list[dict]:
-    """Llama 3.2 3B at t = 8, then random sizes, degrees and dtypes."""
-    out = [dict(b=1, s=4096, h=LLAMA_3B_HIDDEN, t=8, e=2)]
+    """Llama 3.2 3B at t = 8, a t that does not divide the bytes, then random sizes, degrees and dtypes."""
+    out = [dict(b=1, s=4096, h=LLAMA_3B_HIDDEN, t=8, e=2), dict(b=1, s=7, h=1000, t=3, e=1)]  # 14,000 / 3 bytes
     for _ in range(trials):
         out.append(dict(b=rng.choice([1, 3, 5]), s=rng.choice([7, 513, 4095]), h=rng.choice([96, 1000, 3072, 5120]),
                         t=rng.choice([1, 2, 3, 4, 8]), e=rng.choice([1, 2, 4])))
@@ -146,6 +150,16 @@ def _check_bucket(fn, c: dict, seed: int) -> None:
                              f"is a whole number is that number){_bucket_slip(got, c)} ({fmt(where)})")
 
 
+def _check_bucket_refuses(fn, seed: int) -> None:
+    """latency_share outside (0, 1] is refused: at f = 0 no bucket is large enough (the latency 2(N-1) alpha
+    never becomes 0% of the time), and a share above 1 is no share."""
+    for f in (0.0, 1.5):
+        where = dict(N=8, alpha=5e-6, B=450e9, f=f, seed=seed)
+        expect_value_error("ddp_bucket_bytes", lambda f=f: fn(8, 5e-6, 450e9, latency_share=f),
+                           f"latency_share={f} is outside (0, 1]: no bucket spends that share on latency "
+                           f"({fmt(where)})")
+
+
 def _bucket_slip(got: int, c: dict) -> str:
     """The usual slip, when the student's bytes are a wrong closed form's (to the byte)."""
     N, x, f = c["N"], c["alpha"] * c["B"], c["f"]
@@ -170,6 +184,7 @@ def check_pp_bucket(pp_p2p_bytes_fn, ddp_bucket_bytes_fn, seed: int = 0, trials:
     buckets = _bucket_cases(rng, trials)
     for c in buckets:
         _check_bucket(ddp_bucket_bytes_fn, c, seed)
+    _check_bucket_refuses(ddp_bucket_bytes_fn, seed)
     ok("pp_bucket", f"{measured} byte count of Day 6's engine, {len(cases)} boundary and {len(buckets)} bucket "
                     f"cases, seed={seed}")
 

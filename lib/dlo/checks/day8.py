@@ -23,9 +23,10 @@ from torch import nn
 from dlo import distill, prune, quant
 from dlo.checks.day8_smooth import check_smoothing_factors  # noqa: F401 (the notebook calls it from here)
 from dlo.grading.api import check, run_student
-from dlo.grading.compare import assert_close, fmt, ok
+from dlo.grading.compare import assert_close, expect_value_error, fmt, ok
 
 RTOL, ATOL = 1e-5, 1e-6  # float32 references: correct code agrees to a few ulps
+CALIBRATION_RTOL = 1e-10  # calibrate_range works in float64: float32's interpolation is off by ~1e-7
 QUANT = ("dlo.quant.quantize", "dlo.quant.dequantize", "dlo.quant.group_view", "dlo.quant.quantize_affine",
          "dlo.quant.dequantize_affine", "dlo.quant.scale_zero_point", "dlo.quant.fake_quantize_tensor",
          "dlo.kernels.quantize.quantize_weight", "dlo.kernels.quantize.quantize_ref",
@@ -82,6 +83,11 @@ def check_quantize(quantize_fn, dequantize_fn, seed: int = 0, trials: int = 6) -
             raise AssertionError(f"{name}: dequantize_symmetric returned {got} for int8 codes and a float32 scale; "
                                  f"return float32 (e.g. q.float() * scale), whatever the codes' dtype ({fmt(hp)})")
         assert_close(name, "dequantize(q, scale)", x_hat, quant.dequantize(q_ref, s_ref), hp, rtol=RTOL, atol=ATOL)
+    ragged = _matrix(rng, gen, cols_multiple=8)[:, :-3]  # 8k - 3 columns: no group size of 4 or 8 divides them
+    G = rng.choice([4, 8])
+    expect_value_error(name, lambda: quantize_fn(ragged.clone(), 8, "group", G),
+                       f"group_size={G} does not divide the {ragged.shape[1]} columns: refuse it, never pad or "
+                       f"truncate the last group (x_shape={tuple(ragged.shape)})")
     ok(name, f"{trials} trials, seed={seed}")
 
 
@@ -97,19 +103,26 @@ def check_calibrate_range(fn, seed: int = 0, trials: int = 4) -> None:
         batches = [torch.randn(rng.choice([3, 5]), 17, generator=gen) * 2 + 0.5 for _ in range(rng.choice([2, 3]))]
         batches[0][0, 0] = 60.0  # one outlier: min-max follows it, the percentile ignores it
         hp = dict(method=method, percentile=pct, batches=len(batches))
-        obs = quant.MinMaxObserver() if method == "minmax" else quant.PercentileObserver(pct)
-        for b in batches:
-            obs.update(b)
         out = fn([b.clone() for b in batches], method, pct)
         if not (isinstance(out, tuple) and len(out) == 2 and all(type(v) is float for v in out)):
             got = type(out).__name__ + (f" of {[type(v).__name__ for v in out]}" if isinstance(out, tuple) else "")
             raise AssertionError(f"{name}: return a tuple (lo, hi) of two Python floats, got {got}: convert a 0-d "
                                  f"tensor with float(t) or t.item() ({fmt(hp)})")
-        lo, hi = out
-        want_lo, want_hi = obs.range()
-        assert_close(name, "lo", lo, want_lo, hp, rtol=1e-4, atol=1e-5)
-        assert_close(name, "hi", hi, want_hi, hp, rtol=1e-4, atol=1e-5)
+        values = torch.cat([b.flatten() for b in batches]).double()
+        want = ((values.min(), values.max()) if method == "minmax" else
+                quant.quantiles(values, [1 - pct / 100, pct / 100]))
+        for what, got, w in zip(("lo", "hi"), out, want):
+            _float64_close(name, what, got, float(w), hp)
     ok(name, f"{trials} trials, seed={seed}")
+
+
+def _float64_close(name: str, what: str, got: float, want: float, hp: dict) -> None:
+    """got == want to float64's precision; an error of float32's size names the dtype the text rules out."""
+    assert_close(name, what, got, want, hp, rtol=1e-4, atol=1e-5)
+    if abs(got - want) > CALIBRATION_RTOL * abs(want):
+        raise AssertionError(f"{name}: {what} = {got!r} is {want!r} to float32's precision only (relative error "
+                             f"{abs(got / want - 1):.2g}): compute in float64 (e.g. torch.cat(...).double()), "
+                             f"whatever the batches' dtype, as the exercise says ({fmt(hp)})")
 
 
 # ----------------------------------------------------------------------------- exercise 3
@@ -287,7 +300,22 @@ def check_mask_2to4(mask_fn, valid_fn, seed: int = 0, trials: int = 4) -> None:
         sparser[..., ::4] = True  # 1 of 4 kept: still allowed by the hardware
         if valid_fn(sparser) is not True:
             raise AssertionError(f"{name}: is_2to4 rejected a mask with 1 kept per group; at most 2 is the rule")
+        _check_float_masks(valid_fn, prune.mask_2to4(w), row, hp)
     ok(name, f"{trials} trials, seed={seed}")
+
+
+def _check_float_masks(valid_fn, mask: torch.Tensor, row: int, hp: dict) -> None:
+    """is_2to4 on a pruned float weight: it counts the entries != 0, whatever their values (a sum of the
+    values is no count: 3 and -2 kept sum to 1, three of 0.5, -0.25 and 0.25 to 0.5)."""
+    kept = mask * torch.tensor([3.0, -2.0, 3.0, -2.0]).repeat(mask.shape[-1] // 4)  # 2 kept per group, float
+    if valid_fn(kept) is not True:
+        raise AssertionError(f"is_2to4: rejected a pruned float weight with 2 non-zeros per group (values 3 and -2): "
+                             f"count the entries != 0 of a mask of any dtype, do not sum its values ({fmt(hp)})")
+    three = kept.clone()
+    three[row, :4] = torch.tensor([0.5, -0.25, 0.25, 0.0])
+    if valid_fn(three) is not False:
+        raise AssertionError(f"is_2to4: accepted a float weight with 3 non-zeros (0.5, -0.25, 0.25) in one group of 4: "
+                             f"count the entries != 0 of a mask of any dtype, do not sum its values ({fmt(hp)})")
 
 
 # ----------------------------------------------------------------------------- exercise 6

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dlo import estimates as E
-from dlo.accounting import optimizer_bytes
+from dlo.accounting import held_after_step, optimizer_bytes
 from dlo.activation_ckpt import cpu_offload, every_kth
 from dlo.measure import count_flops, optimizer_state_bytes, peak_memory, saved_bytes, tensor_bytes, time_interleaved
 from dlo.models import count_parameters
@@ -137,8 +137,9 @@ def block_sizes(model: TransformerStack, inputs: Tensor) -> dict:
 def offload_comparison(P, inputs: Tensor, targets: Tensor, device, *, steps: int, log=None) -> dict:
     """The same model trained `steps` steps with AdamW and with `CPUOffloadOptimizer(AdamW)`
     (interleaved step by step): losses, whether the parameters are equal afterwards (and their largest
-    difference), the optimizer
-    bytes by side (exact accounting), and each step's time ratio offload / plain."""
+    difference), the optimizer bytes by side (the offload optimizer's own accounting), the model-state
+    bytes per parameter a step leaves held on the device, read from the allocator (`held_after_step`:
+    CUDA's memory_allocated on a GPU), and each step's time ratio offload / plain."""
     torch.manual_seed(0)
     models = {"adamw": build_model(P).to(device)}
     models["adamw_offload"] = build_model(P).to(device)
@@ -171,11 +172,22 @@ def offload_comparison(P, inputs: Tensor, targets: Tensor, device, *, steps: int
     # on a GPU not bit-equal: torch's CUDA AdamW (foreach) and the host's loop round in another order
     max_abs_diff = max(float((a - b).abs().max()) for a, b in pairs)
     t_plain, t_off = timings["adamw"].times_s, timings["adamw_offload"].times_s
-    return {"losses": losses, "equal": equal, "max_abs_diff": max_abs_diff,
+    # the allocator's side (not the optimizer's report of itself): bytes per parameter a step leaves held
+    held = {name: held_after_step(models[name], opts[name], lambda name=name: _plain_step(models[name], opts[name],
+                                                                                          inputs, targets), device)
+            for name in models}
+    return {"losses": losses, "equal": equal, "max_abs_diff": max_abs_diff, "held_per_param": held,
             "n_params": count_parameters(models["adamw"]),
             "plain_state_bytes": optimizer_state_bytes(opts["adamw"]),
             "offload_bytes": opts["adamw_offload"].bytes_by_side(), "ratios": [b / a for a, b in zip(t_plain, t_off)],
             "ms": {k: 1e3 * t.median_s for k, t in timings.items()}}
+
+
+def _plain_step(model: nn.Module, opt, inputs: Tensor, targets: Tensor) -> None:
+    model.eval()
+    opt.zero_grad()
+    lm_loss(model, inputs, targets).backward()
+    opt.step()
 
 
 def plan(P, *, gpus: int, gpu_mem_gb: float) -> list[dict]:

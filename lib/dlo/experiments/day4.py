@@ -31,6 +31,7 @@ from dlo.distributed.ddp import DataParallelBucket, DataParallelNaive
 from dlo.distributed.onebit_adam import OneBitAdam
 from dlo.distributed.sync_bn import convert_sync_batchnorm
 from dlo.experiments.day4_comm import powersgd_parts, ring_sent, wire_bytes
+from dlo.experiments.day4_controls import sync_bn_gap, update_gap
 from dlo.experiments.day4_data import batch, batches, ddp_step, feature_batch, mlp, model
 from dlo.experiments.day4_overlap import exposed_comm, overlap
 from dlo.measure import CommCounter, tcp_available, tcp_sent, time_interleaved
@@ -42,8 +43,8 @@ def wrappers(P, device) -> dict:
     """The three data-parallel versions of the comparison, with the same bucket cap."""
     ddp_kw = {"device_ids": [device.index]} if device.type == "cuda" else {}
     cap = P.bucket_cap_mb
-    return {"naive (ours)": lambda m: DataParallelNaive(m),
-            "bucketed (ours)": lambda m: DataParallelBucket(m, bucket_cap_mb=cap),
+    return {"naive DDP (dlo)": lambda m: DataParallelNaive(m),
+            "bucketed DDP (dlo)": lambda m: DataParallelBucket(m, bucket_cap_mb=cap),
             "torch DDP": lambda m: nn.parallel.DistributedDataParallel(m, bucket_cap_mb=cap, **ddp_kw)}
 
 
@@ -60,11 +61,12 @@ def log_curve(log_dir, name: str, values, tag: str = "loss") -> None:
 def step_times(P, device, versions: dict, warmup: int = 2, log_dir=None) -> dict:
     """Median step time ("time_s"), every round's time ("times_s": rounds paired across versions)
     and throughput of each version, interleaved step by step on one fixed batch per rank (the data
-    do not change a step's time). Rank 0 logs each version's step times ("throughput/<version>")."""
+    do not change a step's time), and each version's "update gap" against torch DDP's weights after the
+    same steps (`day4_controls.update_gap`). Rank 0 logs each version's step times ("throughput/<version>")."""
     b = batch(P, 0, dist.get_rank(), device)
-    fns = {}
+    fns, nets = {}, {}
     for name, wrap in versions.items():
-        net = wrap(model(P, device))
+        net = nets[name] = wrap(model(P, device))
         opt = torch.optim.SGD(net.parameters(), lr=P.lr, momentum=0.9)
         step = ddp_step(f"throughput, {name}")
         fns[name] = lambda net=net, opt=opt, step=step: step(net, opt, b)
@@ -72,15 +74,17 @@ def step_times(P, device, versions: dict, warmup: int = 2, log_dir=None) -> dict
     world_size = dist.get_world_size()
     for name, t in timings.items():
         log_curve(log_dir, f"throughput/{FOLDERS[name]}", [1e3 * x for x in t.times_s], "step_ms")
+    gaps = update_gap(nets) if "torch DDP" in nets else {}  # the same steps: torch DDP's weights are the control
     return {name: {"time_s": t.median_s, "times_s": t.times_s, "spread": t.spread,
-                   "samples/s": world_size * P.batch_per_rank / t.median_s} for name, t in timings.items()}
+                   "samples/s": world_size * P.batch_per_rank / t.median_s}
+            | ({"update gap": gaps[name]} if name in gaps else {}) for name, t in timings.items()}
 
 
 # ----------------------------------------------------------------------------- compression
 
-FOLDERS = {"naive (ours)": "naive_ours", "bucketed (ours)": "bucketed_ours", "torch DDP": "torch_ddp",
+FOLDERS = {"naive DDP (dlo)": "naive_dlo", "bucketed DDP (dlo)": "bucketed_dlo", "torch DDP": "torch_ddp",
            "fp32 (no compression)": "fp32", "fp16 compress": "fp16", "PowerSGD": "powersgd",
-           "bf16 compress": "bf16", "local BatchNorm": "local", "SyncBatchNorm (ours)": "sync_ours",
+           "bf16 compress": "bf16", "local BatchNorm": "local", "SyncBatchNorm (dlo)": "sync_dlo",
            "torch SyncBatchNorm": "sync_torch", "Adam (fp32 all-reduce)": "adam_fp32", "1-bit Adam": "onebit_adam",
            "frozen variance, fp32 momentum": "frozen_v_fp32", "Adam, no BatchNorm": "adam_no_bn",
            "frozen variance, no BatchNorm": "frozen_v_no_bn"}
@@ -188,7 +192,7 @@ def batchnorm(P, device, log_dir=None) -> dict:
     acc", "correct" (per example, 0/1: McNemar's paired test within a seed) and the training "losses"
     (TensorBoard: seed 0)."""
     r = dist.get_rank()
-    variants = {"local BatchNorm": lambda m: m, "SyncBatchNorm (ours)": convert_sync_batchnorm}
+    variants = {"local BatchNorm": lambda m: m, "SyncBatchNorm (dlo)": convert_sync_batchnorm}
     if device.type == "cuda":  # torch's SyncBatchNorm supports CUDA (NCCL) only
         variants["torch SyncBatchNorm"] = nn.SyncBatchNorm.convert_sync_batchnorm
     x_test, y_test = feature_batch(P, 10 ** 6, 0, device, n=512)
@@ -228,6 +232,7 @@ def run_all(P, log_dir) -> dict:
     out["compression"] = compression(P, device, log_dir)
     out["onebit"] = onebit_adam(P, device, log_dir)
     out["batchnorm"] = batchnorm(P, device, log_dir)
+    out["sync_bn_gap"] = sync_bn_gap(P.hidden, P.bn_batch, device)  # torch's BatchNorm on the global batch
     return out
 
 
@@ -238,9 +243,9 @@ def wire_only(P) -> dict:
 
 
 def scaling(P) -> dict:
-    """Step times of bucketed (ours) and torch DDP at this world size (weak scaling: fixed per-rank batch)."""
+    """Step times of bucketed DDP (dlo) and torch DDP at this world size (weak scaling: fixed per-rank batch)."""
     device = rank_device()
-    versions = {k: v for k, v in wrappers(P, device).items() if k != "naive (ours)"}
+    versions = {k: v for k, v in wrappers(P, device).items() if k != "naive DDP (dlo)"}
     return step_times(P, device, versions)
 
 
@@ -267,7 +272,7 @@ def plan(P, *, gpus: int, gpu_mem_gb: float) -> list[dict]:
     what = f"{P.model}, {P.batch_per_rank} samples per rank"
     rows = [row("throughput: naive + bucketed + torch DDP", gpus, params=3 * n, grads=3 * n,
                 optimizer=3 * momentum + bucket + n, activations=acts, gpu_mem_gb=gpu_mem_gb, main=True,
-                note=f"{what}; three replicas alive together, buckets of ours and of torch DDP in optimizer"),
+                note=f"{what}; three replicas alive together, dlo's buckets and torch DDP's in optimizer"),
             row("exposed communication: 3 x bucketed", gpus, params=3 * n, grads=3 * n,
                 optimizer=3 * (momentum + bucket), activations=acts, gpu_mem_gb=gpu_mem_gb,
                 note=f"{what}; overlapped, after backward, no all-reduce, alive together"),

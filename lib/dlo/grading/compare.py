@@ -66,6 +66,17 @@ def assert_number(name: str, what: str, got, where=None) -> float:
     return float(got)
 
 
+def expect_value_error(name: str, call, what: str) -> None:
+    """call() must raise ValueError (bad input refused before any work): say what it did instead."""
+    try:
+        got = call()
+    except ValueError:
+        return
+    except Exception as e:  # noqa: BLE001 - the student's error, named in the message
+        raise AssertionError(f"{name}: {what}: raise ValueError, got {type(e).__name__}: {e}") from None
+    raise AssertionError(f"{name}: {what}: raise ValueError, got a return value {got!r}")
+
+
 def odd_shape(rng: random.Random) -> tuple[int, ...]:
     """A 1-3 dimensional shape of odd sizes (nothing divides evenly; 1 appears)."""
     dims = rng.choice([1, 2, 3])
