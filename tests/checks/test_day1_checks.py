@@ -281,7 +281,9 @@ def test_one_cycle_rejects_wrong(fn, match):
 # ----------------------------------------------------------------------------- wrong LR range tests
 
 def _range_test(step_fn, *, min_lr=1e-7, max_lr=10.0, num_steps=100, beta=0.98, diverge=4.0,
-                bias_correction=True, keep_last=False, decade=10.0, prefix_slope=False):
+                bias_correction=True, keep_last=False, decade=10.0, prefix_slope=False, one_step=False):
+    if num_steps < 2 and not one_step:
+        raise ValueError("num_steps must be >= 2: the exponent i / (num_steps - 1)")
     lrs, losses, smoothed, avg, best = [], [], [], 0.0, math.inf
     for i in range(num_steps):
         lr = min_lr * (max_lr / min_lr) ** (i / (num_steps - 1))
@@ -323,6 +325,11 @@ def range_test_prefix_slope(step_fn, **kw):
     return _range_test(step_fn, prefix_slope=True, **kw)
 
 
+def range_test_one_step(step_fn, **kw):
+    """No guard for num_steps=1: 0 / 0 in the exponent (issue 34: the text did not say)."""
+    return _range_test(step_fn, one_step=True, **kw)
+
+
 def range_test_empty_result(step_fn, **kw):
     """Returns an empty result when no point is kept, instead of refusing."""
     try:
@@ -349,7 +356,9 @@ def test_range_test_wrong_variants_agree_with_reference_when_fixed():
                                       (range_test_ignores_nan, r"step_fn was called 53 times.*trial=1"),
                                       (range_test_prefix_slope, r"result\.lr_min .*every kept point"),
                                       (range_test_empty_result, r"first loss is nan: no point is kept.*raise "
-                                                                r"ValueError, got a return value")])
+                                                                r"ValueError, got a return value"),
+                                      (range_test_one_step, r"num_steps=1 .*needs num_steps >= 2.*raise ValueError, "
+                                                            r"got ZeroDivisionError")])
 def test_lr_range_test_rejects_wrong(fn, match):
     with pytest.raises(AssertionError, match=match):
         day1.check_lr_range_test(fn, seed=0)
