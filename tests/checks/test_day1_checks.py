@@ -566,3 +566,19 @@ def test_reference_passes_sandboxed(sandbox, check, ref, capsys):
 def test_wrong_fails_sandboxed(sandbox, check, fn, exc, match):
     with pytest.raises(exc, match=match):
         sandbox.run(check, fn, seed=0)
+
+
+def lamb_tensor_norms(param, grad, m, v, step, *, lr, beta1, beta2, eps, weight_decay):
+    """Norms kept as 0-d tensors and the ratio returned as one (issue 34: the text now says both are fine)."""
+    m.mul_(beta1).add_((1 - beta1) * grad)
+    v.mul_(beta2).add_((1 - beta2) * grad * grad)
+    u = (m / (1 - beta1 ** step)) / ((v / (1 - beta2 ** step)).sqrt() + eps) + weight_decay * param
+    w_norm, u_norm = param.norm(), u.norm()
+    trust = w_norm / u_norm if w_norm > 0 and u_norm > 0 else torch.ones((), dtype=param.dtype)
+    param.sub_(lr * trust * u)
+    return trust
+
+
+def test_lamb_accepts_tensor_norms():
+    day1.check_lamb_step(lamb_tensor_norms, seed=0)
+    day1.check_lamb_step(lamb_tensor_norms, seed=1, trials=10)
