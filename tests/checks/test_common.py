@@ -177,3 +177,14 @@ def test_the_sandbox_reports_a_check_s_own_error_as_the_grader_s(sandbox, grader
         sandbox.run(check_looks_up, _returns_wire)
     with pytest.raises(ZeroDivisionError):
         sandbox.run(check_divides, _divides)
+
+
+def test_a_worker_s_own_error_on_the_ranks_is_reported_as_the_grader_s():
+    """A rank's worker that fails before the student's code runs (here: a part of the case it lacks) is the
+    grader's bug: the student used to read `rank 0 raised KeyError: 'net'`."""
+    from dlo.checks import day4
+    from dlo.grading.frames import GraderError
+
+    with pytest.raises(GraderError, match=r"bucket_ddp: internal error of the check, not of your code \(KeyError: "
+                                          r"'net', raised by the grader at day4.py:\d+, in _bucket_run\)"):
+        DirectSession("bucket_ddp", ()).on_ranks(day4._bucket_worker, 2, (dict,), {}, 120, "gloo", per_rank=[{}, {}])

@@ -52,7 +52,7 @@ import torch
 
 from dlo.grading import identity
 from dlo.grading.forbid import Guarded, blocker, forbidden, forbidden_targets, plan
-from dlo.grading.frames import as_grader_error, fold_exception, fold_traceback_text
+from dlo.grading.frames import GraderError, as_grader_error, fold_exception, fold_traceback_text, grader_error_text
 from dlo.grading.meter import SocketMeter
 from dlo.grading.ranks import rank_payload, run_on_rank, worker_ref, write_shards
 from dlo.grading.seal import sealed
@@ -134,6 +134,9 @@ class DirectSession:
                              rank_payload(args, kwargs), shards, meter and meter.path, True, backend=backend,
                              timeout=timeout)
         except RankError as e:  # the rank's own message (assertion or exception) is the useful part
+            own = grader_error_text(e.remote_traceback or "")
+            if own:  # the worker's own bug (`ranks.run_on_rank`): the grader's, as on this side
+                raise GraderError(own) from None
             if e.remote_traceback:
                 raise AssertionError(f"{self.name}: rank {e.rank} raised "
                                      f"{fold_traceback_text(e.remote_traceback)}") from None

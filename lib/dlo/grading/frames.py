@@ -160,3 +160,10 @@ def as_grader_error(exc: BaseException, name: str) -> GraderError | None:
         return None
     return GraderError(f"{name}: internal error of the check, not of your code ({type(exc).__name__}: {exc}, raised "
                        f"by the grader at {where}): tell your instructor; your code may well be right")
+
+
+def grader_error_text(text: str) -> str:
+    """The message of a GraderError a rank raised, from its traceback text ("" if it raised another)."""
+    prefix = f"{GraderError.__module__}.{GraderError.__qualname__}: "
+    last = next((line for line in reversed(text.rstrip().splitlines()) if line.startswith(prefix)), "")
+    return last.removeprefix(prefix)
