@@ -3,7 +3,8 @@
 A check's failure names the student's code (the test cell's line, the student's frames, the libraries
 it called); the frames of the grader (`grader_files`: the grading runtime, the checks, the launcher that
 runs a check's ranks) are folded into a count. Used where the check raises (`fold_exception`), on a
-rank's traceback text (`fold_traceback_text`) and in the sandboxed runner (`fold_frames`).
+rank's traceback text (`fold_traceback_text`) and in the sandboxed runner (`fold_frames`). A failure that
+is the grader's own (`grader_fault`: no student frame below the check) becomes a `GraderError` that says so.
 """
 
 from __future__ import annotations
