@@ -112,3 +112,79 @@ def test_a_rank_s_error_names_the_exception_then_the_student_s_frames():
     assert re.fullmatch(r"folded: rank \d raised ZeroDivisionError: division by zero", lines[0]), lines
     assert lines[1] == "in your code (most recent call last):" and any("_divides" in x for x in lines[2:])
     assert re.fullmatch(r"  \(\d+ grader frames? hidden\)", lines[-1]) and not _grader_paths(str(err.value))
+
+
+# ----------------------------------------------------------------------------- the grader's own errors
+
+def _student(source: str, name: str):
+    """A function as a notebook cell defines it (its frames are the student's: "<cell>")."""
+    ns: dict = {}
+    exec(compile(source, "<cell 7>", "exec"), ns)  # noqa: S102 - the test's own source
+    return ns[name]
+
+
+@check()
+def check_looks_up(fn):
+    """A check with a bug of its own: it looks the student's (right) answer up in a table that lacks it."""
+    return {"tcp": 1}[fn(0)]
+
+
+@pytest.fixture
+def grader_here(monkeypatch):
+    """This file's frames count as the grader's (as dlo/checks/'s do), so that its checks can have bugs."""
+    from dlo.grading import frames
+
+    files = frames.grader_files()
+    monkeypatch.setattr(frames, "grader_files", lambda: files | {__file__.removesuffix("c")})
+
+
+def _returns_wire(x):
+    return "wire"
+
+
+def test_a_check_s_own_error_is_reported_as_the_grader_s_not_the_student_s(grader_here):
+    """A KeyError in a check's comparison used to reach the student as `KeyError: 'wire'`, "(5 grader
+    frames hidden)": the message now says that the check failed, not the student's code."""
+    from dlo.grading.frames import GraderError
+
+    with pytest.raises(GraderError, match=r"looks_up: internal error of the check, not of your code \(KeyError: "
+                                          r"'wire', raised by the grader at test_common.py:\d+, in check_looks_up\): "
+                                          r"tell your instructor"):
+        check_looks_up(_student("def answer(x):\n    return 'wire'\n", "answer"))
+
+
+def test_the_student_s_own_exception_stays_the_student_s(grader_here):
+    with pytest.raises(KeyError, match="mine"):
+        check_looks_up(_student("def answer(x):\n    return {}['mine']\n", "answer"))
+    with pytest.raises(AssertionError):  # a verdict is never relabelled
+        check_divides(_student("def answer(x):\n    assert x, 'zero'\n", "answer"))
+
+
+def test_what_the_student_s_code_returned_is_not_the_grader_s_fault(grader_here):
+    from dlo.grading.api import run_student
+
+    @check()
+    def check_worker(fn):
+        return run_student(_calls, fn)
+    with pytest.raises(TypeError, match="plain data only"):
+        check_worker(_student("def answer(x):\n    return object()\n", "answer"))
+
+
+def test_the_sandbox_reports_a_check_s_own_error_as_the_grader_s(sandbox, grader_here):
+    from dlo.grading.frames import GraderError
+
+    with pytest.raises(GraderError, match="internal error of the check, not of your code"):
+        sandbox.run(check_looks_up, _returns_wire)
+    with pytest.raises(ZeroDivisionError):
+        sandbox.run(check_divides, _divides)
+
+
+def test_a_worker_s_own_error_on_the_ranks_is_reported_as_the_grader_s():
+    """A rank's worker that fails before the student's code runs (here: a part of the case it lacks) is the
+    grader's bug: the student used to read `rank 0 raised KeyError: 'net'`."""
+    from dlo.checks import day4
+    from dlo.grading.frames import GraderError
+
+    with pytest.raises(GraderError, match=r"bucket_ddp: internal error of the check, not of your code \(KeyError: "
+                                          r"'net', raised by the grader at day4.py:\d+, in _bucket_run\)"):
+        DirectSession("bucket_ddp", ()).on_ranks(day4._bucket_worker, 2, (dict,), {}, 120, "gloo", per_rank=[{}, {}])

@@ -281,7 +281,9 @@ def test_one_cycle_rejects_wrong(fn, match):
 # ----------------------------------------------------------------------------- wrong LR range tests
 
 def _range_test(step_fn, *, min_lr=1e-7, max_lr=10.0, num_steps=100, beta=0.98, diverge=4.0,
-                bias_correction=True, keep_last=False, decade=10.0, prefix_slope=False):
+                bias_correction=True, keep_last=False, decade=10.0, prefix_slope=False, one_step=False):
+    if num_steps < 2 and not one_step:
+        raise ValueError("num_steps must be >= 2: the exponent i / (num_steps - 1)")
     lrs, losses, smoothed, avg, best = [], [], [], 0.0, math.inf
     for i in range(num_steps):
         lr = min_lr * (max_lr / min_lr) ** (i / (num_steps - 1))
@@ -323,6 +325,11 @@ def range_test_prefix_slope(step_fn, **kw):
     return _range_test(step_fn, prefix_slope=True, **kw)
 
 
+def range_test_one_step(step_fn, **kw):
+    """No guard for num_steps=1: 0 / 0 in the exponent (issue 34: the text did not say)."""
+    return _range_test(step_fn, one_step=True, **kw)
+
+
 def range_test_empty_result(step_fn, **kw):
     """Returns an empty result when no point is kept, instead of refusing."""
     try:
@@ -349,7 +356,9 @@ def test_range_test_wrong_variants_agree_with_reference_when_fixed():
                                       (range_test_ignores_nan, r"step_fn was called 53 times.*trial=1"),
                                       (range_test_prefix_slope, r"result\.lr_min .*every kept point"),
                                       (range_test_empty_result, r"first loss is nan: no point is kept.*raise "
-                                                                r"ValueError, got a return value")])
+                                                                r"ValueError, got a return value"),
+                                      (range_test_one_step, r"num_steps=1 .*needs num_steps >= 2.*raise ValueError, "
+                                                            r"got ZeroDivisionError")])
 def test_lr_range_test_rejects_wrong(fn, match):
     with pytest.raises(AssertionError, match=match):
         day1.check_lr_range_test(fn, seed=0)
@@ -557,3 +566,19 @@ def test_reference_passes_sandboxed(sandbox, check, ref, capsys):
 def test_wrong_fails_sandboxed(sandbox, check, fn, exc, match):
     with pytest.raises(exc, match=match):
         sandbox.run(check, fn, seed=0)
+
+
+def lamb_tensor_norms(param, grad, m, v, step, *, lr, beta1, beta2, eps, weight_decay):
+    """Norms kept as 0-d tensors and the ratio returned as one (issue 34: the text now says both are fine)."""
+    m.mul_(beta1).add_((1 - beta1) * grad)
+    v.mul_(beta2).add_((1 - beta2) * grad * grad)
+    u = (m / (1 - beta1 ** step)) / ((v / (1 - beta2 ** step)).sqrt() + eps) + weight_decay * param
+    w_norm, u_norm = param.norm(), u.norm()
+    trust = w_norm / u_norm if w_norm > 0 and u_norm > 0 else torch.ones((), dtype=param.dtype)
+    param.sub_(lr * trust * u)
+    return trust
+
+
+def test_lamb_accepts_tensor_norms():
+    day1.check_lamb_step(lamb_tensor_norms, seed=0)
+    day1.check_lamb_step(lamb_tensor_norms, seed=1, trials=10)

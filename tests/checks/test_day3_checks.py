@@ -252,3 +252,17 @@ def test_wrong_fails_sandboxed(sandbox, check, fns, match):
 def test_no_exercise_only_copies_the_rule_the_text_gives():
     """Issue 34: checkpoint_every (blocks 0, k, 2k, ...) copied a rule given in full; it is the text's now."""
     assert not hasattr(day3, "check_checkpoint_every")
+
+
+def save_atomic_by_hand(path, *, model, optimizer, scheduler, scaler, loader, step):
+    """A temporary file in the same folder, renamed over `path` (issue 34: the text says atomic or not)."""
+    import os
+
+    tmp = f"{path}.tmp"
+    torch.save(_state(model, optimizer, scheduler, scaler, loader, step), tmp)
+    os.replace(tmp, path)
+
+
+def test_resume_accepts_a_plain_or_an_atomic_save():
+    day3.check_resume(save_ok, load_ok, seed=1)
+    day3.check_resume(save_atomic_by_hand, load_ok, seed=1)

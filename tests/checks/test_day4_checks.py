@@ -199,6 +199,28 @@ class BucketOk(torch.nn.Module):
             b["ready"], b["handle"] = 0, None
 
 
+class BucketReachesCap(BucketOk):
+    """The other rule the exercise accepts: close a bucket once it reaches the cap (torch's Reducer)."""
+
+    def __init__(self, module, bucket_cap_mb=25.0):
+        torch.nn.Module.__init__(self)
+        self.module, self.world_size = module, dist.get_world_size()
+        broadcast_ok(module)
+        cap, self.buckets, current, size = bucket_cap_mb * 2 ** 20, [], [], 0
+        for p in reversed([p for p in module.parameters() if p.requires_grad]):
+            current.append(p)
+            size += p.numel() * p.element_size()
+            if size >= cap:
+                self.buckets.append(self._bucket(current))
+                current, size = [], 0
+        if current:
+            self.buckets.append(self._bucket(current))
+        self.where = {p: (b, sum(q.numel() for q in b["params"][:i])) for b in self.buckets
+                      for i, p in enumerate(b["params"])}
+        for p in self.where:
+            p.register_post_accumulate_grad_hook(self._hook)
+
+
 class NaiveOk(torch.nn.Module):
     def __init__(self, module):
         super().__init__()
@@ -249,6 +271,13 @@ class BucketsFrozenToo(BucketOk):
 def test_bucket_accepts_correct():
     day4.check_bucket_ddp(BucketOk, seed=1)
     day4.check_bucket_ddp(BucketOk, seed=2, frozen=True)
+
+
+def test_bucket_accepts_either_side_of_the_cap():
+    """Issue 34: the exercise lets a bucket close before it would exceed the cap or once it reaches it;
+    the check accepts both (the hidden case, frozen, at 3 ranks, included)."""
+    day4.check_bucket_ddp(BucketReachesCap, seed=0)
+    day4.check_bucket_ddp(BucketReachesCap, seed=1, world_size=3, frozen=True)
 
 
 def test_bucket_names_a_frozen_parameter_in_a_bucket():
@@ -389,6 +418,20 @@ def metrics_tensors(loss_sum, correct, count):
     stats = torch.tensor([float(loss_sum), float(correct), float(count)], dtype=torch.float64)
     dist.all_reduce(stats)
     return stats[0] / stats[2], stats[1] / stats[2]
+
+
+def metrics_float32(loss_sum, correct, count):
+    stats = torch.tensor([loss_sum, correct, count])  # torch's default dtype: float32
+    dist.all_reduce(stats)
+    total_loss, total_correct, total = stats.tolist()
+    return total_loss / total, total_correct / total
+
+
+def test_metrics_in_float32_are_named_as_such():
+    """Issue 34: the sums right but reduced in float32 failed with "a mean of per-rank means weights small
+    shards too much", which sent the student after the wrong mistake; the message names the dtype."""
+    with pytest.raises(AssertionError, match="float32 rounding; reduce the sums in a float64 tensor"):
+        day4.check_all_reduce_metrics(metrics_float32, seed=0)
 
 
 def test_metrics():

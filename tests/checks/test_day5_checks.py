@@ -245,3 +245,43 @@ def test_fsdp2_rejects_fsdp_before_checkpointing(sol, ranks):
         return model
     with pytest.raises(AssertionError, match="wrap for activation checkpointing first"):
         day5.check_fsdp2(wrong_order)
+
+
+# ----------------------------------------------------------------------------- issue 34: what the text says either way
+
+def test_zero1_accepts_a_zero_grad_that_keeps_the_shard_s_grad(sol, ranks):
+    """The exercise says dropping the shard's .grad in zero_grad is optional (step() sets it afresh)."""
+    class KeepsShardGrad(sol.ZeRO1):
+        def zero_grad(self):
+            self.grads.data.zero_()
+    day5.check_zero1(KeepsShardGrad, seed=2)
+
+
+def test_zero2_accepts_a_wait_that_adds_to_the_shard_s_grad(sol, ranks):
+    """The exercise says `_wait` may set the mean as the shard's .grad or add it to one there (None after zero_grad)."""
+    class Adds(sol.ZeRO2):
+        def _wait(self):
+            if self.pending is not None:
+                b, out, handle = self.pending
+                handle.wait()
+                mean = out.div_(self.world_size)
+                b["shard"].grad = mean if b["shard"].grad is None else b["shard"].grad.add_(mean)
+                b["grads"], b["ready"], self.pending = None, 0, None
+    day5.check_zero2(Adds, seed=2)
+
+
+def test_zero3_solution_gives_a_weight_of_two_units_to_the_root(sol):
+    """The exercise's rule (issue 34): a parameter found in two units' modules is the root's, as §4 says of a
+    weight tied across units; the check's units share none, so the solution is held to it here."""
+    from torch import nn
+
+    from dlo.plan import fake_world
+
+    a, b = nn.Linear(3, 3), nn.Linear(3, 3)
+    b.weight = a.weight  # tied across the two units
+    model = nn.Sequential(a, b, nn.LayerNorm(3))
+    with fake_world(2):
+        engine = sol.ZeRO3(model, torch.optim.SGD, units=[a, b], lr=0.1)
+    root = engine.unit_of[a.weight]
+    assert root is engine.unit_of[model[2].weight] and a.weight in root["params"]
+    assert [len(u["params"]) for u in engine.units] == [3, 1, 1]  # root: tied weight + norm; each unit its bias

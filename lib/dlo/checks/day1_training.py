@@ -176,7 +176,8 @@ def check_lr_range_test(fn, seed: int = 0, trials: int = 4) -> None:
     Even trials train a least-squares model until it diverges; trials 1, 5, ... inject nan/inf into a
     U-shaped curve, trials 3, 7, ... let that curve blow up (the smoothed-loss stop). Then two fixed
     cases: `V_CURVE` (the slope is taken over every kept point, not over the prefix before the minimum)
-    and a first loss that is not finite (no point kept: ValueError). The student's function calls
+    and a first loss that is not finite (no point kept: ValueError); num_steps=1 refused (ValueError, before
+    any step: the exponent i / (num_steps - 1) needs two). The student's function calls
     `step_fn`, which stays with the grader (each call comes back to it)."""
     name, rng = "lr_range_test", random.Random(seed)
     for t in range(trials):
@@ -198,6 +199,11 @@ def check_lr_range_test(fn, seed: int = 0, trials: int = 4) -> None:
                             f"the first loss is {bad}: no point is kept, there is no curve to read")
         if len(calls) != 1:
             raise AssertionError(f"{name}: the first loss is {bad}: stop at once (step_fn called {len(calls)} times)")
+    calls = []  # one step: the exponent i / (num_steps - 1) divides by zero; refuse before any step
+    _expect_value_error(name, lambda: fn(_recording(_replay_step_fn([1.0]), calls), **dict(kw, num_steps=1)),
+                        "num_steps=1 (lr_i's exponent i / (num_steps - 1) needs num_steps >= 2)")
+    if calls:
+        raise AssertionError(f"{name}: num_steps=1 is refused before any step (step_fn called {len(calls)} times)")
     ok(name, f"{trials} trials, seed={seed}")
 
 

@@ -101,6 +101,10 @@ def check_all_reduce_metrics(fn, seed: int = 0, world_size: int = 2) -> None:
                                  f"(e.g. from tensor.tolist()), got {res['bad']} ({where})")
         for label, g, wnt in zip(("mean loss", "accuracy"), res["got"], want):
             if abs(g - wnt) > 1e-9 * (1 + abs(wnt)):
+                if abs(g - wnt) <= 1e-6 * (1 + abs(wnt)):  # right sums, rounded to fp32 (torch.tensor's default)
+                    raise AssertionError(f"all_reduce_metrics: {label} {g!r}, expected {wnt!r}: off by float32 "
+                                         f"rounding; reduce the sums in a float64 tensor (torch.tensor(..., "
+                                         f"dtype=torch.float64)), compared within 1e-9 ({where})")
                 raise AssertionError(f"all_reduce_metrics: {label} {g:.6g}, expected {wnt:.6g}: all-reduce the sums "
                                      f"and the counts, then divide (a mean of per-rank means weights small shards "
                                      f"too much) ({where})")

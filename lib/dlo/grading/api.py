@@ -52,7 +52,7 @@ import torch
 
 from dlo.grading import identity
 from dlo.grading.forbid import Guarded, blocker, forbidden, forbidden_targets, plan
-from dlo.grading.frames import fold_exception, fold_traceback_text
+from dlo.grading.frames import GraderError, as_grader_error, fold_exception, fold_traceback_text, grader_error_text
 from dlo.grading.meter import SocketMeter
 from dlo.grading.ranks import rank_payload, run_on_rank, worker_ref, write_shards
 from dlo.grading.seal import sealed
@@ -71,7 +71,9 @@ def safe_data(obj, what: str = "the result"):
     (numpy's scalars) become Python ints and floats, as the sandbox's wire format makes them."""
     if isinstance(obj, torch.Tensor):
         if type(obj) not in (torch.Tensor, torch.nn.Parameter):
-            raise TypeError(f"{what}: a tensor subclass ({type(obj).__name__}) cannot be returned; use a plain tensor")
+            err = TypeError(f"{what}: a tensor subclass ({type(obj).__name__}) cannot be returned; use a plain tensor")
+            err.student_side = True
+            raise err
         return obj
     if isinstance(obj, (SAFE_SCALARS, torch.dtype, torch.Size)):
         return obj
@@ -84,8 +86,10 @@ def safe_data(obj, what: str = "the result"):
         return items if isinstance(obj, list) else tuple(items)
     if isinstance(obj, dict):
         return {safe_data(k, f"a key of {what}"): safe_data(v, f"{what}[{k!r}]") for k, v in obj.items()}
-    raise TypeError(f"{what} is a {type(obj).__name__}; a check worker returns plain data only (tensors, numbers, "
+    err = TypeError(f"{what} is a {type(obj).__name__}; a check worker returns plain data only (tensors, numbers, "
                     f"strings, lists, tuples, dicts)")
+    err.student_side = True  # what the student's code gave back: not the grader's fault (`frames.grader_fault`)
+    raise err
 
 
 # ----------------------------------------------------------------------------- the two backends
@@ -130,6 +134,9 @@ class DirectSession:
                              rank_payload(args, kwargs), shards, meter and meter.path, True, backend=backend,
                              timeout=timeout)
         except RankError as e:  # the rank's own message (assertion or exception) is the useful part
+            own = grader_error_text(e.remote_traceback or "")
+            if own:  # the worker's own bug (`ranks.run_on_rank`): the grader's, as on this side
+                raise GraderError(own) from None
             if e.remote_traceback:
                 raise AssertionError(f"{self.name}: rank {e.rank} raised "
                                      f"{fold_traceback_text(e.remote_traceback)}") from None
@@ -223,6 +230,9 @@ def check(*, forbid: tuple[str, ...] = (), hint: str = "") -> Callable:
                     return f(*(session.bind(a) for a in args), **kwargs)
             except BaseException as exc:
                 if outer is None:  # the outermost check: what the notebook shows
+                    own = as_grader_error(exc, session.name)  # the check's own bug: never the student's to fix
+                    if own is not None:
+                        raise own from exc
                     fold_exception(exc)
                 raise
             finally:

@@ -3,7 +3,8 @@
 A check's failure names the student's code (the test cell's line, the student's frames, the libraries
 it called); the frames of the grader (`grader_files`: the grading runtime, the checks, the launcher that
 runs a check's ranks) are folded into a count. Used where the check raises (`fold_exception`), on a
-rank's traceback text (`fold_traceback_text`) and in the sandboxed runner (`fold_frames`).
+rank's traceback text (`fold_traceback_text`) and in the sandboxed runner (`fold_frames`). A failure that
+is the grader's own (`grader_fault`: no student frame below the check) becomes a `GraderError` that says so.
 """
 
 from __future__ import annotations
@@ -107,3 +108,63 @@ def fold_exception(exc: BaseException) -> None:
     with contextlib.suppress(Exception):
         exc.__dlo_folded__ = True
 
+
+
+# ----------------------------------------------------------------------------- the grader's own errors
+
+class GraderError(RuntimeError):
+    """A check failed by its own fault (a KeyError in its comparison, a reference that raised), not by
+    the student's code: the message says so, so that a student does not rewrite correct code."""
+
+
+def _library_dirs() -> tuple[str, ...]:
+    """Where code that is neither the student's nor the grader's lives: the standard library, the
+    installed packages, and dlo itself (a reference the check calls is the grader's side too)."""
+    import sysconfig
+
+    import dlo
+
+    paths = {sysconfig.get_path(k) for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+    return tuple(os.path.abspath(p) + os.sep for p in paths | {os.path.dirname(dlo.__file__)} if p)
+
+
+def _is_students(filename: str) -> bool:
+    if filename.startswith("<frozen") or filename == "<test cell>":
+        return False
+    path = os.path.abspath(filename) if not filename.startswith("<") else filename
+    return not is_grader_frame(filename) and not path.startswith(_library_dirs())
+
+
+def grader_fault(exc: BaseException) -> str | None:
+    """Where the grader's own code raised `exc`, or None when the failure is the student's: an
+    assertion (a check's verdict), an exception the student's code raised (a frame of it below the
+    check, or one rebuilt from the sandbox: `remote_traceback`), a timeout, memory, or one the grader
+    raised about the student's objects on purpose (`student_side`). What is left was raised with no
+    student frame between the check and the raise: the check's own bug."""
+    if not isinstance(exc, Exception) or isinstance(exc, (AssertionError, TimeoutError, MemoryError, EOFError,
+                                                          NotImplementedError)):
+        return None
+    if hasattr(exc, "remote_traceback") or getattr(exc, "student_side", False):
+        return None
+    frames = traceback.extract_tb(exc.__traceback__)
+    first = next((i for i, f in enumerate(frames) if is_grader_frame(f.filename)), None)
+    if first is None or any(_is_students(f.filename) for f in frames[first:]):
+        return None
+    last = next(f for f in reversed(frames) if is_grader_frame(f.filename))
+    return f"{os.path.basename(last.filename)}:{last.lineno}, in {last.name}"
+
+
+def as_grader_error(exc: BaseException, name: str) -> GraderError | None:
+    """`exc` as the student reads it when it is the grader's fault (`grader_fault`), else None."""
+    where = grader_fault(exc)
+    if where is None:
+        return None
+    return GraderError(f"{name}: internal error of the check, not of your code ({type(exc).__name__}: {exc}, raised "
+                       f"by the grader at {where}): tell your instructor; your code may well be right")
+
+
+def grader_error_text(text: str) -> str:
+    """The message of a GraderError a rank raised, from its traceback text ("" if it raised another)."""
+    prefix = f"{GraderError.__module__}.{GraderError.__qualname__}: "
+    last = next((line for line in reversed(text.rstrip().splitlines()) if line.startswith(prefix)), "")
+    return last.removeprefix(prefix)

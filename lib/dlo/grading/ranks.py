@@ -16,6 +16,7 @@ import sys
 import tempfile
 
 from dlo.grading.forbid import forbidden, no_threads
+from dlo.grading.frames import as_grader_error
 from dlo.grading.meter import hand_over
 from dlo.grading.seal import sealed
 
@@ -85,9 +86,15 @@ def run_on_rank(worker, forbid, name, hint, payload: bytes, shards: str | None =
         import torch.distributed as dist
 
         hand_over(meter, dist.get_rank())
-    with forbidden(forbid, name, hint, for_good), sealed() as sealing, no_threads(name):
-        args, kwargs = load_captures(sealing.loads(payload))
-        result = worker(*mine, *args, **kwargs)
+    try:
+        with forbidden(forbid, name, hint, for_good), sealed() as sealing, no_threads(name):
+            args, kwargs = load_captures(sealing.loads(payload))
+            result = worker(*mine, *args, **kwargs)
+    except Exception as exc:
+        own = as_grader_error(exc, name)  # the worker's own bug, not the student's: say so (`on_ranks`)
+        if own is None:
+            raise
+        raise own from None
     if meter is not None:
         hand_over(meter, dist.get_rank(), end=True)
     return result

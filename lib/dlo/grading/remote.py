@@ -40,6 +40,8 @@ class CheckTimeout(TimeoutError):
 class RunnerDied(RuntimeError):
     """The sandboxed runner itself went away (not just one check's child)."""
 
+    student_side = True  # the student's code took it down (memory, a signal): not a bug of the check
+
 
 # ----------------------------------------------------------------------------- processes
 

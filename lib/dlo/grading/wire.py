@@ -92,6 +92,8 @@ def tensor_from_bytes(dtype: str, shape, raw: bytes) -> torch.Tensor:
 class Unsafe(TypeError):
     """A value that may not cross from the sandbox as data (and no handle was allowed)."""
 
+    student_side = True  # the student's value: not the grader's fault (`frames.grader_fault`)
+
 
 class Encoder:
     """A value as (JSON skeleton, tensors). `handle(obj)` gives a handle id for a non-plain object;
