@@ -200,8 +200,8 @@ def check_lr_range_test(fn, seed: int = 0, trials: int = 4) -> None:
         if len(calls) != 1:
             raise AssertionError(f"{name}: the first loss is {bad}: stop at once (step_fn called {len(calls)} times)")
     calls = []  # one step: the exponent i / (num_steps - 1) divides by zero; refuse before any step
-    _expect_value_error(name, lambda: fn(_recording(_replay_step_fn([1.0]), calls), **dict(kw, num_steps=1)),
-                        "num_steps=1 (lr_i's exponent i / (num_steps - 1) needs num_steps >= 2)")
+    expect_value_error(name, lambda: fn(_recording(_replay_step_fn([1.0]), calls), **dict(kw, num_steps=1)),
+                       "num_steps=1 (lr_i's exponent i / (num_steps - 1) needs num_steps >= 2)")
     if calls:
         raise AssertionError(f"{name}: num_steps=1 is refused before any step (step_fn called {len(calls)} times)")
     ok(name, f"{trials} trials, seed={seed}")
