@@ -160,10 +160,12 @@ def burn(pairs: Iterable[tuple[types.FunctionType, object]]) -> list[tuple[types
 # ----------------------------------------------------------------------------- the audit hook
 
 def _audit(event, args, watched, ids, shapes, labels, protected, error, prefix, code_type, type_, id_, getattr_,
-           len_, shape_, kept):
+           len_, shape_, kept, library_):
     """The hook's body. Every name it uses is a parameter bound to a default (`arm_for_good`): no global or
     builtin lookup that the student's code could rebind. `kept` holds the forbidden originals alive, so
-    that their ids stay theirs."""
+    that their ids stay theirs. A library module imported while the check runs (torch imports
+    `torch._dynamo` at a first optimizer) may hold a generic idiom with a forbidden reference's bytecode
+    (torch's `no_sync`: save a flag, set it, yield, restore): its code is not the student's (`library_`)."""
     if event not in watched:
         return
     if event == "object.__setattr__":
@@ -177,6 +179,7 @@ def _audit(event, args, watched, ids, shapes, labels, protected, error, prefix, 
     else:
         code = args[0] if len_(args) else None
     todo = [code] if type_(code) is code_type else []
+    library = None  # decided once, at the first match: is `code` a library module's, read from its file?
     while todo:
         c = todo.pop()
         if id_(c) in ids:
@@ -184,16 +187,49 @@ def _audit(event, args, watched, ids, shapes, labels, protected, error, prefix, 
                         f"the exercise asks for your own implementation")
         key = shape_(c)
         if key in shapes:
-            raise error(f"{prefix}this code is a copy of {labels.get(key, 'a forbidden reference')}, off "
-                        f"limits while this check runs: the exercise asks for your own implementation")
+            if library is None:
+                library = event == "exec" and library_(code)
+            if not library:
+                raise error(f"{prefix}this code is a copy of {labels.get(key, 'a forbidden reference')}, off "
+                            f"limits while this check runs: the exercise asks for your own implementation")
         for k in c.co_consts:
             if type_(k) is code_type:
                 todo.append(k)
 
 
+def _library_module(code, roots, own_files, shape_, open_, compile_, str_, type_, error_) -> bool:
+    """Whether `code` is the module code of a library file, as that file compiles: under `roots` (the
+    interpreter's prefixes and dlo's package: read-only where the grader runs student code), not the file
+    of a forbidden reference (`own_files`: an `importlib.reload` of it stays refused), and with the
+    bytecode its source compiles to (a copy compiled under a library file's name is not). Bound with its
+    helpers as defaults (`library_module`), as the hook itself."""
+    filename = code.co_filename
+    if code.co_name != "<module>" or type_(filename) is not str_ or not filename.startswith(roots) \
+            or filename in own_files:
+        return False
+    try:
+        with open_(filename, "rb") as f:
+            return shape_(compile_(f.read(), filename, "exec", 0, True)) == shape_(code)
+    except error_:
+        return False
+
+
+def library_module(codes: Codes):
+    """`_library_module` bound for this check's forbidden codes (its state in its defaults: no global)."""
+    import os
+
+    import dlo
+
+    roots = tuple(dict.fromkeys(os.path.join(os.path.realpath(p), "") for p in
+                                (sys.prefix, sys.base_prefix, sys.exec_prefix, os.path.dirname(dlo.__file__))))
+    own = frozenset(c.co_filename for c in codes.kept)
+    return types.FunctionType(_library_module.__code__, {"__builtins__": {}}, "library_module",
+                              (roots, own, shape, open, compile, str, type, Exception))
+
+
 def _state(codes: Codes, protected: frozenset, error, exercise: str) -> tuple:
     return (WATCHED, codes.ids, codes.shapes, dict(codes.labels), protected, error, f"{exercise}: ",
-            types.CodeType, type, id, getattr, len, shape, codes.kept)
+            types.CodeType, type, id, getattr, len, shape, codes.kept, library_module(codes))
 
 
 def arm_for_good(codes: Codes, protected: frozenset, error, exercise: str) -> None:
@@ -201,7 +237,8 @@ def arm_for_good(codes: Codes, protected: frozenset, error, exercise: str) -> No
     builtins: it could not look one up): the originals it keeps can be reached, never run again; its own
     code and defaults, and the `protected` functions', cannot be changed."""
     hook = types.FunctionType(_audit.__code__, {"__builtins__": {}}, "dlo_forbidden_code",
-                              _state(codes, protected | {id(_audit.__code__)}, error, exercise))
+                              _state(codes, protected | {id(_audit.__code__), id(_library_module.__code__)}, error,
+                                     exercise))
     sys.addaudithook(hook)
 
 
