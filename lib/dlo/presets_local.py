@@ -200,13 +200,13 @@ class Day9Preset:
 
     model: str = "tiny"            # dlo.models.llama config served ("llama3.2-3b" on GPUs)
     dtype: str = "float32"         # the served weights' and cache's dtype ("bfloat16" on GPUs)
-    train_steps: int = 120         # the target's training on the synthetic corpus (so that it has something to say)
+    train_steps: int = 100         # the target's training on the synthetic corpus (so that it has something to say)
     distill_steps: int = 120       # the draft's distillation from the target (Day 8's loss)
     batch_size: int = 16           # sequences per training step
     seq_len: int = 64              # tokens per training sequence
     lr: float = 3e-3               # AdamW
-    decode_lengths: tuple = (16, 64, 128, 192)  # cached tokens L at which one decode step is timed
-    reps: int = 5                  # timings per length (a median and its interval)
+    decode_lengths: tuple = (16, 64, 128, 240)  # cached tokens L at which one decode step is timed
+    reps: int = 15                 # timings per length (a median and its order-statistics interval)
     block_size: int = 16           # tokens per block of the paged cache (vLLM's default)
     max_len: int = 256             # the server's max sequence length: what a contiguous cache reserves
     n_sequences: int = 64          # sequences of random lengths in the reserved-vs-used comparison
@@ -215,8 +215,8 @@ class Day9Preset:
     max_batch: int = 8             # sequences a step runs at most
     num_blocks: int = 48           # the scheduler's block budget
     spec_k: int = 4                # draft tokens per speculative round
-    spec_tokens: int = 24          # tokens generated per prompt by speculative decoding
-    spec_prompts: int = 4          # prompts (samples of alpha and of tokens per round)
+    spec_tokens: int = 32          # tokens generated per prompt by speculative decoding
+    spec_prompts: int = 8          # prompts (samples of alpha and of tokens per round)
     seeds: int = 3                 # repeats of the random-length draws (the waste's interval)
 
     def validate(self) -> None:
@@ -226,6 +226,10 @@ class Day9Preset:
         if max(self.decode_lengths) >= self.max_len or self.block_size < 1 or self.spec_k < 1:
             raise ValueError(f"need decode_lengths below max_len={self.max_len}, block_size >= 1 and spec_k >= 1; got "
                              f"{self.decode_lengths}, {self.block_size}, {self.spec_k}")
+
+    def with_max_steps(self, max_steps: int) -> Day9Preset:
+        """The parameters cell's max_steps: the target's training and the draft's distillation."""
+        return replace(self, train_steps=max_steps, distill_steps=max_steps)
 
     def smoke(self) -> Day9Preset:
         """The same model; the fewest steps, lengths, requests and prompts the notebook runs with."""
