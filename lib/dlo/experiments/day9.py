@@ -117,7 +117,7 @@ def kv_rows(names=("tiny", "llama3.2-3b"), dtype: torch.dtype = torch.bfloat16, 
 def cache_equality(model: Llama, prompt: torch.Tensor, n_new: int) -> dict:
     """Greedy decode of `n_new` tokens with the cache; the logits of every step against the model's own
     forward over the whole sequence (no cache), and the control: each new token alone, without context.
-    Returns max |difference| of each, and the tokens."""
+    Returns max |difference| / max |logit| of each, and the tokens."""
     cache = KVCache.for_model(model, prompt.shape[0], prompt.shape[1] + n_new)
     logits = [forward_cached(model, prompt, cache)[:, -1]]
     tokens = prompt
@@ -127,8 +127,9 @@ def cache_equality(model: Llama, prompt: torch.Tensor, n_new: int) -> dict:
     full = model(tokens)[:, prompt.shape[1] - 1:]  # (B, n_new, vocab): the no-cache logits of the same steps
     alone = torch.stack([model(tokens[:, t:t + 1])[:, 0] for t in range(prompt.shape[1] - 1, tokens.shape[1])], 1)
     cached = torch.stack(logits, dim=1)
-    return {"max_diff": (cached - full).abs().max().item(), "control_diff": (alone - full).abs().max().item(),
-            "tokens": tokens}
+    scale = full.float().abs().max().item()  # differences relative to the largest logit: bf16 rounds at 2^-8
+    return {"max_diff": (cached - full).float().abs().max().item() / scale,
+            "control_diff": (alone - full).float().abs().max().item() / scale, "tokens": tokens}
 
 
 def decode_times(model: Llama, lengths, reps: int) -> dict[str, list]:
@@ -190,9 +191,13 @@ def measured_reservation(model: Llama, lengths: list[int], block_size: int, max_
         forward_cached(model, tokens, contiguous, rows=[b])
         paged.add(b)
         forward_cached(model, tokens, paged, rows=[b])
-    # contiguous k: (layers, B, Hkv, max_len, D) -> slots (B, max_len); paged: (layers, blocks, size, Hkv, D)
-    c_written = contiguous.k.ne(0).any(dim=(0, 2, 4))
-    p_written = paged.k.ne(0).any(dim=(0, 3, 4))  # (blocks, size)
+    # contiguous k: (layers, B, Hkv, max_len, D) -> slots (B, max_len); paged: (layers, blocks, size, Hkv, D) ->
+    # (blocks, size); a layer at a time (at 3B and 8k tokens a whole-cache mask would take gigabytes)
+    c_written = torch.zeros(contiguous.k.shape[1], max_len, dtype=torch.bool, device=device)
+    p_written = torch.zeros(paged.k.shape[1:3], dtype=torch.bool, device=device)
+    for layer in range(model.config.n_layers):
+        c_written |= contiguous.k[layer].ne(0).any(dim=1).any(dim=-1)
+        p_written |= paged.k[layer].ne(0).flatten(2).any(dim=-1)
     blocks_touched = int(p_written.any(-1).sum())
     return dict(tokens=sum(lengths), contiguous_reserved=c_written.numel(), contiguous_written=int(c_written.sum()),
                 paged_reserved=blocks_touched * block_size, paged_written=int(p_written.sum()),
