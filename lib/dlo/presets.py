@@ -109,7 +109,7 @@ DAY9: dict[str, Day9Preset] = {  # day9_inference
     "tiny": Day9Preset(),
     # Llama 3.2 3B in bf16 on one GPU: decode timed to 8k cached tokens, 2k-token requests, a 16k-block budget
     "full": Day9Preset(model="llama3.2-3b", dtype="bfloat16", train_steps=200, distill_steps=200,
-                       decode_lengths=(512, 2048, 8192), reps=15, max_len=8192, n_sequences=32,
+                       decode_lengths=(512, 2048, 8000), reps=15, max_len=8192, n_sequences=32,
                        budget_tokens=262_144, n_requests=64, max_batch=32, num_blocks=16_384, spec_tokens=64,
                        spec_prompts=8),
 }

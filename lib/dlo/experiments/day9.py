@@ -34,10 +34,12 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # ----------------------------------------------------------------------------- models and their language
 
 def make_model(name: str, seed: int, device, dtype: str = "float32", **overrides) -> Llama:
-    """A `dlo.models.llama` config, initialised from `seed`, on `device` in `dtype`, in eval mode."""
-    model = Llama(LlamaConfig.from_name(name, **overrides))
-    model.init_weights(seed=seed)
-    return model.to(device=device, dtype=DTYPES[dtype]).eval()
+    """A `dlo.models.llama` config, initialised from `seed` on `device` (built on the meta device first: a
+    3B model is not initialised twice, nor on the host), in `dtype`, in eval mode."""
+    with torch.device("meta"):
+        model = Llama(LlamaConfig.from_name(name, **overrides))
+    model.to_empty(device=device).init_weights(seed=seed)
+    return model.to(dtype=DTYPES[dtype]).eval()
 
 
 def markov_corpus(vocab: int, n_tokens: int, seed: int, fanout: int = 3) -> torch.Tensor:
