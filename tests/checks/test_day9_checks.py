@@ -12,7 +12,7 @@ import re
 import pytest
 import torch
 
-from dlo.checks import day9
+from dlo.checks import day9, day9_schedule
 from dlo.grading.forbid import ForbiddenCall
 from dlo.inference import paged, speculative
 from dlo.kernels import paged_attention as pa
@@ -265,6 +265,49 @@ def paged_floor_blocks(q, k_cache, v_cache, tables, lens):
                   * k_cache.shape[1])
 
 
+# ----------------------------------------------------------------------------- exercise 5: one scheduler step
+
+def _schedule(running, waiting, num_free, block_size, max_batch, victim=-1, fcfs=True, reserve=True, wait=True):
+    def new_block(n):  # the next token (index n) opens a block
+        return int(n % block_size == 0)
+    decode, preempted, free = [list(r) for r in running], [], num_free
+    while decode and sum(new_block(n) for _, n in decode) > free:
+        rid, n = decode.pop(victim)
+        free += -(-n // block_size)
+        preempted.append(rid)
+    budget = free - (sum(new_block(n) for _, n in decode) if reserve else 0)
+    prefill = []
+    for rid, tokens in waiting if not (preempted and wait) else []:
+        need = -(-tokens // block_size)
+        if len(decode) + len(prefill) >= max_batch or need > budget:
+            if fcfs:
+                break
+            continue
+        budget -= need
+        prefill.append(rid)
+    return [r for r, _ in decode], prefill, preempted
+
+
+def schedule_ok(running, waiting, num_free, block_size, max_batch):
+    return _schedule(running, waiting, num_free, block_size, max_batch)
+
+
+def schedule_earliest_victim(running, waiting, num_free, block_size, max_batch):
+    return _schedule(running, waiting, num_free, block_size, max_batch, victim=0)
+
+
+def schedule_skips_ahead(running, waiting, num_free, block_size, max_batch):
+    return _schedule(running, waiting, num_free, block_size, max_batch, fcfs=False)
+
+
+def schedule_no_reserve(running, waiting, num_free, block_size, max_batch):
+    return _schedule(running, waiting, num_free, block_size, max_batch, reserve=False)
+
+
+def schedule_admits_after_preempting(running, waiting, num_free, block_size, max_batch):
+    return _schedule(running, waiting, num_free, block_size, max_batch, wait=False)
+
+
 CASES = [
     (day9.check_attend_with_cache, (attend_ok,),
      [((stub,), "NotImplementedError"), ((attend_before_append,), "attended before appending"),
@@ -283,6 +326,10 @@ CASES = [
      [((stub,), "NotImplementedError"), ((paged_off_by_one,), "off-by-one block index"),
       ((paged_no_length_mask,), "read past the sequence's length"), ((paged_wrong_head,), "the wrong KV head"),
       ((paged_floor_blocks,), "the last, partial block left out")]),
+    (day9.check_schedule_step, (schedule_ok,),
+     [((stub,), "NotImplementedError"), ((schedule_earliest_victim,), "preempt the latest admitted"),
+      ((schedule_skips_ahead,), "first come, first served"), ((schedule_no_reserve,), "the budget"),
+      ((schedule_admits_after_preempting,), "admit nothing in a step that preempted")]),
 ]
 
 
@@ -305,8 +352,9 @@ def test_wrong_versions_fail_and_are_named(check, bad, slip):
 
 @pytest.mark.parametrize("check,lib", [(day9.check_block_manager, (paged.BlockManager,)),
                                        (day9.check_accept_draft, (speculative.accept_draft,)),
-                                       (day9.check_paged_attention, (pa.paged_attention_ref,))],
-                         ids=["blocks", "accept", "paged"])
+                                       (day9.check_paged_attention, (pa.paged_attention_ref,)),
+                                       (day9.check_schedule_step, (day9_schedule.reference_step,))],
+                         ids=["blocks", "accept", "paged", "schedule"])
 def test_library_is_refused(check, lib):
     with pytest.raises(ForbiddenCall, match="off limits"):
         check(*lib, seed=0)

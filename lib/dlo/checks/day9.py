@@ -12,7 +12,8 @@ manager (a class) and the acceptance rule (with its generator) run in workers. T
 is random: it is judged by what it must preserve, the target's distribution (Pearson's chi-square over
 20,000 rounds, at a quantile a correct rule exceeds once in ~10^5 cases, so a secret seed cannot fail
 it by chance), and a wrong rule's distribution is named when the counts fit it instead. The block
-manager's exercise and the acceptance rule's check live in `dlo.checks.day9_blocks` (re-exported).
+manager's exercise and the acceptance rule's check live in `dlo.checks.day9_blocks`, the scheduler step's in
+`dlo.checks.day9_schedule` (re-exported).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import random
 import torch
 
 from dlo.checks.day9_blocks import check_accept_draft, check_block_manager  # noqa: F401 (the notebook's)
+from dlo.checks.day9_schedule import check_schedule_step  # noqa: F401 (the notebook's)
 from dlo.grading.api import case_seed, check, run_student
 from dlo.grading.compare import assert_close, fmt, ok
 from dlo.inference.kv_cache import cached_attention, forward_cached
