@@ -107,8 +107,9 @@ DAY8: dict[str, Day8Preset] = {  # day8_quantization_pruning
 
 DAY9: dict[str, Day9Preset] = {  # day9_inference
     "tiny": Day9Preset(),
-    # Llama 3.2 3B in bf16 on one GPU: decode timed to 8k cached tokens, 2k-token requests, a 16k-block budget
-    "full": Day9Preset(model="llama3.2-3b", dtype="bfloat16", train_steps=200, distill_steps=200,
+    # Llama 3.2 3B in bf16 on one GPU (lr 3e-4: AdamW on bf16 weights): decode timed to 8k cached tokens,
+    # sequences of up to 8k tokens reserved vs used, 64 requests served, a 16k-block budget
+    "full": Day9Preset(model="llama3.2-3b", dtype="bfloat16", train_steps=200, distill_steps=200, lr=3e-4,
                        decode_lengths=(512, 2048, 8000), reps=15, max_len=8192, n_sequences=32,
                        budget_tokens=262_144, n_requests=64, max_batch=32, num_blocks=16_384, spec_tokens=64,
                        spec_prompts=8),
