@@ -232,6 +232,8 @@ class Day9Preset:
         return replace(self, train_steps=max_steps, distill_steps=max_steps)
 
     def smoke(self) -> Day9Preset:
-        """The same model; the fewest steps, lengths, requests and prompts the notebook runs with."""
-        return replace(self, train_steps=4, distill_steps=4, decode_lengths=self.decode_lengths[:3], n_requests=6,
-                       spec_tokens=8, spec_prompts=3, n_sequences=16)
+        """The same model; the fewest steps, lengths, requests and prompts the notebook runs with, a batch of at
+        most 4 sequences of at most 4096 tokens (the 3B model's cut run fits a 24 GB box: `dlo plan`)."""
+        return replace(self, train_steps=4, distill_steps=4, decode_lengths=self.decode_lengths[:2], n_requests=6,
+                       spec_tokens=8, spec_prompts=3, n_sequences=8, max_batch=min(self.max_batch, 4),
+                       max_len=min(self.max_len, 4096))

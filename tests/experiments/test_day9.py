@@ -56,7 +56,6 @@ def test_the_plan_reserves_max_len_contiguously_and_less_paged():
     per_token = 2 * 28 * 8 * 128 * 2
     assert rows["contiguous cache at max_len"]["activations"] == 32 * 8192 * per_token
     assert rows["paged cache"]["activations"] < rows["contiguous cache at max_len"]["activations"] / 3
-    assert rows["one sequence at 128k tokens"]["activations"] == 131072 * per_token
 
 
 def _steps(nc0, nc1, c1):

@@ -223,8 +223,9 @@ def prefix_sharing(model: Llama, prompt_len: int, n: int, max_new: int, block_si
 
 def plan(P, *, gpus: int, gpu_mem_gb: float) -> list[dict]:
     """Rows: the served model's weights (P.dtype) with the KV cache of P.max_batch sequences at P.max_len
-    reserved contiguously, the same batch paged at the mean of `random_lengths`, and the cache at 128k
-    tokens for one sequence. Inference: no gradients, no optimizer. One GPU: `gpus` does not change them."""
+    reserved contiguously, and the same batch paged at the mean of `random_lengths` (the cache of one
+    sequence at 128k tokens is `kv_rows`'). Inference: no gradients, no optimizer. One GPU: `gpus` does not
+    change them."""
     cfg, dtype = LlamaConfig.from_name(P.model), DTYPES[P.dtype]
     with torch.device("meta"):
         weights = param_bytes(Llama(cfg).to(dtype))
@@ -235,8 +236,7 @@ def plan(P, *, gpus: int, gpu_mem_gb: float) -> list[dict]:
     for name, tokens, note, main in (
             ("contiguous cache at max_len", P.max_batch * P.max_len, f"{P.max_batch} x {P.max_len} tokens reserved",
              True),
-            ("paged cache", paged, f"{P.max_batch} sequences of random lengths in blocks of {P.block_size}", False),
-            ("one sequence at 128k tokens", min(131072, cfg.max_seq_len), "the longest context", False)):
+            ("paged cache", paged, f"{P.max_batch} sequences of random lengths in blocks of {P.block_size}", False)):
         rows.append(row(name, 1, params=weights, grads=0, optimizer=0, activations=tokens * per_token,
                         gpu_mem_gb=gpu_mem_gb, main=main, note=f"{note}; {per_token:,} B of K and V per token"))
     return rows
