@@ -92,6 +92,9 @@ STEPS = [
                         "bit-identical losses after preemption on a GPU", 150, 360, ["--max-steps", "15"]),
     *[Step(f"smoke_{d.split('_')[0]}", f"{d} at the full profile with cut steps (`dlo run {d} --profile full "
                                        f"--smoke`)", 90, 300, ["--day", d]) for d in DAYS_BY_RISK],
+    Step("day9_serve", "Day 9 at the full profile (Llama 3.2 3B, bf16): decode with and without the cache, "
+                       "reserved vs used paged vs contiguous, continuous vs static tokens/s, speculative speed-up",
+         240, 600, exclusive=True),
     Step("gpu_tests", "the kernel, optimizer, AMP and quantization tests on the GPU (Triton compiled, "
                       "not interpreted)", 60, 240, cpu=False),
     Step("bench", "`dlo bench`: every kernel beside torch and its roofline on this GPU", 60, 240, cpu=False,

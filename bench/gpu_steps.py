@@ -345,11 +345,17 @@ def step_smoke(a) -> int:
     return run_day(a.day, a, [], smoke=True)[0]
 
 
+def step_day9_serve(a) -> int:
+    """Day 9's GPU claims (the cache's decode times, continuous batching's tokens/s, speculative decoding's
+    speed-up) at the real sizes: its notebook at the full profile, uncut."""
+    return run_day("day9_inference", a, [], smoke=False)[0]
+
+
 # ----------------------------------------------------------------------------- GPU only
 
 def step_gpu_tests(a) -> int:
     files = ["tests/kernels", "tests/test_bench.py", "tests/optim/test_fused_adamw.py", "tests/test_amp.py",
-             "tests/test_quant.py", "tests/test_smoothquant.py", "tests/test_attention.py"]
+             "tests/test_quant.py", "tests/test_smoothquant.py", "tests/test_attention.py", "tests/inference"]
     code, out = run_tee([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
                          "-m", "not browser and not smoke and not solutions and not slurm and not compile",
                          *files, "--maxfail=30", "-rfE"])
@@ -370,7 +376,7 @@ def step_bench(a) -> int:
 
 STEPS = {"env": step_env, "doctor": step_doctor, "launch": step_launch, "sandbox": step_sandbox,
          "day5_3b": step_day5_3b, "grade": step_grade, "day4_ddp": step_day4_ddp, "day3_resume": step_day3_resume,
-         "gpu_tests": step_gpu_tests, "bench": step_bench}
+         "day9_serve": step_day9_serve, "gpu_tests": step_gpu_tests, "bench": step_bench}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -40,11 +40,12 @@ NAME = re.compile(r"^(\d{4}-\d{2}-\d{2})T(\d{2})(\d{2})_([a-z0-9-]+?)(?:_([\w.-]
 KERNEL_DAYS = {"fused_adamw": "day1_optimizers", "amp_unscale": "day2_mixed_precision",
                "flash_attention": "day2_mixed_precision", "quantize": "day8_quantization_pruning",
                "weight_only_matmul": "day8_quantization_pruning", "int8_gemm": "day8_quantization_pruning",
-               "sparse24": "day8_quantization_pruning"}
+               "sparse24": "day8_quantization_pruning", "paged_attention": "day9_inference"}
 # kernels `dlo bench` times whose day has no notebook yet: their rows are in no day's table until it has one
-NO_DAY_YET = {"paged_attention": "day9_inference (issue 35: library only)"}
+NO_DAY_YET: dict[str, str] = {}
 MODULE_DAYS = {"amp": "day2_mixed_precision", "attention": "day2_mixed_precision",
-               "quant": "day8_quantization_pruning", "smoothquant": "day8_quantization_pruning"}
+               "quant": "day8_quantization_pruning", "smoothquant": "day8_quantization_pruning",
+               "inference": "day9_inference"}
 PRINTED = "printed"  # the verdict of a log cell's other output, shown verbatim under the file's rows
 _STEP_DAYS = {"day5_3b": "day5_fsdp", "day4_ddp": "day4_ddp"}  # session steps measured for one day
 

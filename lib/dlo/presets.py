@@ -15,10 +15,10 @@ name no preset class: they get their day's instance as `run.preset` from `dlo.se
 from __future__ import annotations
 
 from dlo.presets_distributed import Day4Preset, Day5Preset, Day6Preset, Day7Preset
-from dlo.presets_local import Day1Preset, Day2Preset, Day3Preset, Day8Preset
+from dlo.presets_local import Day1Preset, Day2Preset, Day3Preset, Day8Preset, Day9Preset
 
-__all__ = ["DAY1", "DAY2", "DAY3", "DAY4", "DAY5", "DAY6", "DAY7", "DAY8", "Day1Preset", "Day2Preset", "Day3Preset",
-           "Day4Preset", "Day5Preset", "Day6Preset", "Day7Preset", "Day8Preset"]
+__all__ = ["DAY1", "DAY2", "DAY3", "DAY4", "DAY5", "DAY6", "DAY7", "DAY8", "DAY9", "Day1Preset", "Day2Preset",
+           "Day3Preset", "Day4Preset", "Day5Preset", "Day6Preset", "Day7Preset", "Day8Preset", "Day9Preset"]
 
 
 DAY1: dict[str, Day1Preset] = {  # day1_optimizers
@@ -102,4 +102,15 @@ DAY8: dict[str, Day8Preset] = {  # day8_quantization_pruning
     "full": Day8Preset(n_train=50_000, n_test=10_000, image_size=32, hidden=1024, student_hidden=256,
                        batch_size=256, max_steps=3000, finetune_steps=500, calib_batches=32,
                        llama_d_model=4096, llama_hidden=11008, llama_tokens=2048, seeds=3),
+}
+
+
+DAY9: dict[str, Day9Preset] = {  # day9_inference
+    "tiny": Day9Preset(),
+    # Llama 3.2 3B in bf16 on one GPU (lr 3e-4: AdamW on bf16 weights): decode timed to 8k cached tokens,
+    # sequences of up to 8k tokens reserved vs used, 64 requests served, a 16k-block budget
+    "full": Day9Preset(model="llama3.2-3b", dtype="bfloat16", train_steps=200, distill_steps=200, lr=3e-4,
+                       decode_lengths=(512, 2048, 8000), reps=15, max_len=8192, n_sequences=32,
+                       budget_tokens=262_144, n_requests=64, max_batch=32, num_blocks=16_384, spec_tokens=64,
+                       spec_prompts=8),
 }

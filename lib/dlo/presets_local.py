@@ -1,5 +1,5 @@
 """Presets of the days that run in one process (1: optimizers, 2: mixed precision, 3: checkpointing,
-8: quantization and pruning): one frozen dataclass per day, its defaults the `tiny` scale.
+8: quantization and pruning, 9: inference): one frozen dataclass per day, its defaults the `tiny` scale.
 
 `dlo.presets` holds their instances per profile; import the classes from there.
 """
@@ -191,3 +191,49 @@ class Day8Preset:
         batches, 16 tokens through the block."""
         return replace(self, n_train=256, n_test=128, batch_size=32, max_steps=5, finetune_steps=5,
                        calib_batches=2, sparsities=self.sparsities[:2], llama_tokens=16, seeds=1)
+
+
+@dataclass(frozen=True)
+class Day9Preset:
+    """Day 9 (serving: KV cache, paged attention, continuous batching, speculative decoding). Defaults are the
+    `tiny` scale: the CPU-sized Llama (`dlo.models.llama` "tiny"), short sequences."""
+
+    model: str = "tiny"            # dlo.models.llama config served ("llama3.2-3b" on GPUs)
+    dtype: str = "float32"         # the served weights' and cache's dtype ("bfloat16" on GPUs)
+    train_steps: int = 100         # the target's training on the synthetic corpus (so that it has something to say)
+    distill_steps: int = 120       # the draft's distillation from the target (Day 8's loss)
+    batch_size: int = 16           # sequences per training step
+    seq_len: int = 64              # tokens per training sequence
+    lr: float = 3e-3               # AdamW
+    decode_lengths: tuple = (16, 64, 128, 240)  # cached tokens L at which one decode step is timed
+    reps: int = 15                 # timings per length (a median and its order-statistics interval)
+    block_size: int = 16           # tokens per block of the paged cache (vLLM's default)
+    max_len: int = 256             # the server's max sequence length: what a contiguous cache reserves
+    n_sequences: int = 64          # sequences of random lengths in the reserved-vs-used comparison
+    budget_tokens: int = 4096      # the cache budget (token slots) of "the batch that fits"
+    n_requests: int = 24           # requests of the continuous-vs-static trace
+    max_batch: int = 8             # sequences a step runs at most
+    num_blocks: int = 48           # the scheduler's block budget
+    spec_k: int = 4                # draft tokens per speculative round
+    spec_tokens: int = 32          # tokens generated per prompt by speculative decoding
+    spec_prompts: int = 8          # prompts (samples of alpha and of tokens per round)
+    seeds: int = 3                 # repeats of the random-length draws (the waste's interval)
+
+    def validate(self) -> None:
+        if self.seeds < 3 or self.spec_prompts < 3 or self.reps < 3:
+            raise ValueError(f"seeds, spec_prompts and reps must be >= 3 (a claim's interval), got {self.seeds}, "
+                             f"{self.spec_prompts}, {self.reps}")
+        if max(self.decode_lengths) >= self.max_len or self.block_size < 1 or self.spec_k < 1:
+            raise ValueError(f"need decode_lengths below max_len={self.max_len}, block_size >= 1 and spec_k >= 1; got "
+                             f"{self.decode_lengths}, {self.block_size}, {self.spec_k}")
+
+    def with_max_steps(self, max_steps: int) -> Day9Preset:
+        """The parameters cell's max_steps: the target's training and the draft's distillation."""
+        return replace(self, train_steps=max_steps, distill_steps=max_steps)
+
+    def smoke(self) -> Day9Preset:
+        """The same model; the fewest steps, lengths, requests and prompts the notebook runs with, a batch of at
+        most 4 sequences of at most 4096 tokens (the 3B model's cut run fits a 24 GB box: `dlo plan`)."""
+        return replace(self, train_steps=4, distill_steps=4, decode_lengths=self.decode_lengths[:2], n_requests=6,
+                       spec_tokens=8, spec_prompts=3, n_sequences=8, max_batch=min(self.max_batch, 4),
+                       max_len=min(self.max_len, 4096))

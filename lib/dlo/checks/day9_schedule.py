@@ -1,0 +1,96 @@
+"""Day 9's check of one continuous-batching scheduler step (Yu et al. 2022, Orca; Kwon et al. 2023, Sec. 4.5),
+re-exported by `dlo.checks.day9`: the student's plain function against `dlo.inference.batching.Scheduler`
+put in the same state (running sequences holding their blocks, a waiting queue, free blocks), on hidden states
+that make it preempt, stop at the batch limit, and stop at a request that does not fit.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+from dlo.grading.api import case_seed, check
+from dlo.grading.compare import fmt, ok
+from dlo.inference.batching import Request, Scheduler, Sequence
+from dlo.inference.paged import BlockManager
+
+SCHEDULERS = ("dlo.inference.batching.Scheduler", "dlo.inference.batching.serve", "dlo.inference.batching.simulate")
+
+
+def reference_step(running, waiting, num_free: int, block_size: int, max_batch: int) -> tuple[list, list, list]:
+    """The library's scheduler in the same state: running [rid, cached tokens] in admission order (each holding
+    ceil(cached / block_size) blocks), waiting [rid, tokens to prefill] in queue order."""
+    held = sum(math.ceil(c / block_size) for _, c in running)
+    manager = BlockManager(held + num_free, block_size)
+    scheduler = Scheduler(manager, max_batch)
+    for rid, cached in running:
+        manager.add(rid)
+        manager.append_slots(rid, cached)
+        scheduler.running.append(Sequence(Request(rid, (0,) * cached, 1 << 20)))
+    scheduler.waiting.extend(Sequence(Request(rid, (0,) * tokens, 1 << 20)) for rid, tokens in waiting)
+    plan = scheduler.schedule(now=0)
+    return tuple([s.request.rid for s in part] for part in (plan.decode, plan.prefill, plan.preempted))
+
+
+def _state(rng: random.Random, t: int) -> dict:
+    """A hidden state, by t % 4: short of blocks (preemption); just enough blocks for the running sequences'
+    new ones plus the head request (the budget); a head request that does not fit while a later one would
+    (first come, first served); anything."""
+    bs = rng.choice([2, 3, 4])
+    running = [[rid, rng.randint(1, 4 * bs)] for rid in range(rng.randint(1, 5))]
+    waiting = [[10 + i, rng.randint(1, 5 * bs)] for i in range(rng.randint(2, 6))]
+    num_free = rng.randint(len(running) + 1, len(running) + 8)
+    if t % 4 in (0, 1):  # at block boundaries: each running sequence needs a new block
+        running = [[rid, bs * rng.randint(1, 3)] for rid, _ in running]
+    if t % 4 == 0:  # one short: the victim frees 2-3 blocks, enough for a one-block head it must not admit
+        running = [[rid, bs * rng.randint(2, 3)] for rid, _ in running]
+        num_free, waiting[0][1] = len(running) - 1, 1
+    elif t % 4 == 1:  # the head takes what is left after the running sequences' blocks; the next needs one more
+        k = rng.randint(1, 3)
+        num_free, waiting[0][1], waiting[1][1] = len(running) + k, k * bs, 1
+    elif t % 4 == 2:  # the head does not fit, the next one would
+        waiting[0][1], waiting[1][1] = 40 * bs, 1
+    return dict(running=running, waiting=waiting, num_free=num_free, block_size=bs,
+                max_batch=rng.randint(len(running) + 2, len(running) + 4))
+
+
+def _slip(got: tuple, want: tuple, s: dict) -> str:
+    """What the first difference says about the student's step."""
+    (g_dec, g_pre, g_out), (w_dec, _, w_out) = got, want
+    if g_out != w_out:
+        if sorted(g_out) == sorted(w_out) or (g_out and g_out[0] == s["running"][0][0] and w_out):
+            return ("preempt the latest admitted sequence first (the end of `running`), one at a time, until the rest "
+                    "fit, and list them in the order you preempted them")
+        return ("preempt while the blocks the running sequences need for one more token exceed the free blocks "
+                "(a sequence of n cached tokens needs a new block when n % block_size == 0), freeing each victim's")
+    if g_dec != w_dec:
+        return "decode every running sequence that was not preempted, in admission order"
+    if w_out and g_pre:
+        return "admit nothing in a step that preempted: the victims wait at the queue's head at least one step"
+    if len(g_dec) + len(g_pre) > s["max_batch"]:
+        return f"at most max_batch={s['max_batch']} sequences per step, running and admitted together"
+    order = [rid for rid, _ in s["waiting"]]
+    if g_pre != order[:len(g_pre)]:
+        return "first come, first served: admit from the head of the queue and stop at the first that does not fit"
+    return ("the budget: the running sequences' new blocks for this step come first, then each admitted request "
+            "takes ceil(tokens / block_size) blocks")
+
+
+@check(forbid=SCHEDULERS)
+def check_schedule_step(fn, seed: int = 0, trials: int = 8) -> None:
+    """`fn(running, waiting, num_free, block_size, max_batch) -> (decode, prefill, preempted)` lists of rids,
+    against `dlo.inference.batching.Scheduler.schedule` in the same state."""
+    name, rng = "schedule_step", random.Random(case_seed(seed))
+    for t in range(trials):
+        s = _state(rng, t)
+        out = fn([list(r) for r in s["running"]], [list(w) for w in s["waiting"]], s["num_free"], s["block_size"],
+                 s["max_batch"])
+        if not (isinstance(out, (tuple, list)) and len(out) == 3 and all(isinstance(x, list) for x in out)):
+            raise AssertionError(f"{name}: return a tuple of three lists (decode, prefill, preempted), got "
+                                 f"{type(out).__name__} ({fmt(s)})")
+        got = tuple([int(r) for r in x] for x in out)
+        want = reference_step(s["running"], s["waiting"], s["num_free"], s["block_size"], s["max_batch"])
+        if got != want:
+            raise AssertionError(f"{name}: {_slip(got, want, s)}. Got (decode, prefill, preempted) = {got}, expected "
+                                 f"{want} ({fmt(s)})")
+    ok(name, f"{trials} hidden states, seed={seed}")

@@ -1,0 +1,387 @@
+"""The Day 9 checks accept correct solutions and reject stubs, plausible mistakes (each named in the
+message) and the library's own references (off limits while a check runs).
+
+The correct versions below are written out as a student writes them; each wrong version is one of
+them with one slip, so it fails for its own reason, not for calling a forbidden reference."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+import torch
+
+from dlo.checks import day9, day9_schedule
+from dlo.grading.forbid import ForbiddenCall
+from dlo.inference import paged, speculative
+from dlo.kernels import paged_attention as pa
+from tests.rank_pool import one_thread  # noqa: F401 - a fixture
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def stub(*args, **kwargs):
+    raise NotImplementedError()
+
+
+# ----------------------------------------------------------------------------- exercise 1: attention with a cache
+
+def _softmax_attend(q, k, v, mask_past):
+    H, Hkv = q.shape[1], k.shape[1]
+    k, v = k.repeat_interleave(H // Hkv, dim=1), v.repeat_interleave(H // Hkv, dim=1)
+    s = (q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])).masked_fill(mask_past, float("-inf"))
+    return torch.softmax(s, dim=-1) @ v
+
+
+def attend_ok(q, k_new, v_new, k_cache, v_cache, length):
+    T = q.shape[2]
+    k_cache[:, :, length:length + T], v_cache[:, :, length:length + T] = k_new, v_new
+    L = length + T
+    past = torch.arange(L)[None, :] > (length + torch.arange(T))[:, None]  # (T, L): key j after query's position
+    return _softmax_attend(q, k_cache[:, :, :L], v_cache[:, :, :L], past)
+
+
+def attend_before_append(q, k_new, v_new, k_cache, v_cache, length):
+    T = q.shape[2]
+    o = _softmax_attend(q, k_cache[:, :, :length], v_cache[:, :, :length], torch.zeros(T, length, dtype=torch.bool))
+    k_cache[:, :, length:length + T], v_cache[:, :, length:length + T] = k_new, v_new
+    return o
+
+
+def attend_no_offset(q, k_new, v_new, k_cache, v_cache, length):
+    T = q.shape[2]
+    k_cache[:, :, length:length + T], v_cache[:, :, length:length + T] = k_new, v_new
+    L = length + T
+    return _softmax_attend(q, k_cache[:, :, :L], v_cache[:, :, :L], torch.arange(L)[None] > torch.arange(T)[:, None])
+
+
+def attend_repeat(q, k_new, v_new, k_cache, v_cache, length):  # KV head h % Hkv: repeat, not repeat_interleave
+    T, H, Hkv = q.shape[2], q.shape[1], k_new.shape[1]
+    k_cache[:, :, length:length + T], v_cache[:, :, length:length + T] = k_new, v_new
+    L = length + T
+    k, v = k_cache[:, :, :L].repeat(1, H // Hkv, 1, 1), v_cache[:, :, :L].repeat(1, H // Hkv, 1, 1)
+    return _softmax_attend(q, k, v, torch.arange(L)[None] > (length + torch.arange(T))[:, None])
+
+
+def attend_not_written(q, k_new, v_new, k_cache, v_cache, length):  # attends to a concatenated copy
+    T = q.shape[2]
+    k, v = torch.cat([k_cache[:, :, :length], k_new], 2), torch.cat([v_cache[:, :, :length], v_new], 2)
+    return _softmax_attend(q, k, v, torch.arange(length + T)[None] > (length + torch.arange(T))[:, None])
+
+
+# ----------------------------------------------------------------------------- exercise 2: the block manager
+
+class BlocksOk:
+    def __init__(self, num_blocks, block_size):
+        self.block_size = block_size
+        self.free_list = list(range(num_blocks - 1, -1, -1))
+        self.ref_counts = [0] * num_blocks
+        self.tables, self.lengths = {}, {}
+
+    def _allocate(self):
+        if not self.free_list:
+            raise RuntimeError("out of blocks")
+        b = self.free_list.pop()
+        self.ref_counts[b] = 1
+        return b
+
+    def _release(self, b):
+        self.ref_counts[b] -= 1
+        if self.ref_counts[b] == 0:
+            self.free_list.append(b)
+
+    def add(self, seq):
+        self.tables[seq], self.lengths[seq] = [], 0
+
+    def _needed(self, seq, T):
+        table, n, bs = self.tables[seq], self.lengths[seq], self.block_size
+        cow = n % bs != 0 and self.ref_counts[table[-1]] > 1
+        return -(-(n + T) // bs) - len(table) + cow
+
+    def append(self, seq, T):
+        if self._needed(seq, T) > len(self.free_list):
+            raise RuntimeError("not enough free blocks")
+        table, n, bs, copies = self.tables[seq], self.lengths[seq], self.block_size, []
+        if n % bs and self.ref_counts[table[-1]] > 1:
+            old, table[-1] = table[-1], self._allocate()
+            self._release(old)
+            copies.append((old, table[-1]))
+        while len(table) * bs < n + T:
+            table.append(self._allocate())
+        self.lengths[seq] = n + T
+        return [table[t // bs] * bs + t % bs for t in range(n, n + T)], copies
+
+    def fork(self, parent, child):
+        for b in self.tables[parent]:
+            self.ref_counts[b] += 1
+        self.tables[child], self.lengths[child] = list(self.tables[parent]), self.lengths[parent]
+
+    def free(self, seq):
+        for b in self.tables.pop(seq):
+            self._release(b)
+        del self.lengths[seq]
+
+
+class BlocksNoCopyOnWrite(BlocksOk):
+    def _needed(self, seq, T):
+        return -(-(self.lengths[seq] + T) // self.block_size) - len(self.tables[seq])
+
+    def append(self, seq, T):
+        if self._needed(seq, T) > len(self.free_list):
+            raise RuntimeError("not enough free blocks")
+        table, n, bs = self.tables[seq], self.lengths[seq], self.block_size
+        while len(table) * bs < n + T:
+            table.append(self._allocate())
+        self.lengths[seq] = n + T
+        return [table[t // bs] * bs + t % bs for t in range(n, n + T)], []
+
+
+class BlocksFreeIgnoresCount(BlocksOk):
+    def _release(self, b):
+        self.ref_counts[b] = max(0, self.ref_counts[b] - 1)
+        self.free_list.append(b)  # back to the free list while another table still points at it
+
+
+class BlocksOffByOne(BlocksOk):
+    def append(self, seq, T):
+        slots, copies = super().append(seq, T)
+        table, bs = self.tables[seq], self.block_size
+        n = self.lengths[seq] - T
+        return [table[min((t + 1) // bs, len(table) - 1)] * bs + (t + 1) % bs for t in range(n, n + T)], copies
+
+
+class BlocksFifo(BlocksOk):  # the free list used as a queue: the blocks allocated differ
+    def _allocate(self):
+        if not self.free_list:
+            raise RuntimeError("out of blocks")
+        b = self.free_list.pop(0)
+        self.ref_counts[b] = 1
+        return b
+
+
+class BlocksNoCheck(BlocksOk):  # allocates what it can, then fails half-way
+    def _needed(self, seq, T):
+        return 0
+
+
+# ----------------------------------------------------------------------------- exercise 3: the acceptance rule
+
+def accept_ok(p, q, drafts, generator):
+    B, k = drafts.shape
+    p_x = p[:, :k].gather(-1, drafts[..., None])[..., 0]
+    q_x = q.gather(-1, drafts[..., None])[..., 0]
+    r = torch.rand(B, k, generator=generator, dtype=torch.float64)
+    n = (r < p_x / q_x).long().cumprod(dim=1).sum(dim=1)
+    rows = torch.arange(B)
+    q_after = torch.cat([q, torch.zeros_like(p[:, :1])], dim=1)
+    residual = (p[rows, n] - q_after[rows, n]).clamp(min=0)
+    return n, torch.multinomial(residual / residual.sum(-1, keepdim=True), 1, generator=generator)[:, 0]
+
+
+def accept_always(p, q, drafts, generator):
+    B, k = drafts.shape
+    return torch.full((B,), k), torch.multinomial(p[:, k], 1, generator=generator)[:, 0]
+
+
+def accept_resample_p(p, q, drafts, generator):
+    B, k = drafts.shape
+    r = torch.rand(B, k, generator=generator, dtype=torch.float64)
+    ok = r < p[:, :k].gather(-1, drafts[..., None])[..., 0] / q.gather(-1, drafts[..., None])[..., 0]
+    n = ok.long().cumprod(1).sum(1)
+    return n, torch.multinomial(p[torch.arange(B), n], 1, generator=generator)[:, 0]
+
+
+def accept_no_bonus(p, q, drafts, generator):  # after k accepted, the token comes from p_k
+    B, k = drafts.shape
+    n, _ = accept_ok(p, q, drafts, generator)
+    at = n.clamp(max=k - 1)
+    residual = (p[torch.arange(B), at] - q[torch.arange(B), at] * (n < k)[:, None]).clamp(min=0)
+    return n, torch.multinomial(residual / residual.sum(-1, keepdim=True), 1, generator=generator)[:, 0]
+
+
+def accept_inverted(p, q, drafts, generator):  # min(1, q/p): the ratio upside down
+    return _accept_ratio(p, q, drafts, generator, lambda px, qx: qx / px)
+
+
+def _accept_ratio(p, q, drafts, generator, ratio):
+    B, k = drafts.shape
+    p_x = p[:, :k].gather(-1, drafts[..., None])[..., 0]
+    q_x = q.gather(-1, drafts[..., None])[..., 0]
+    n = (torch.rand(B, k, generator=generator, dtype=torch.float64) < ratio(p_x, q_x)).long().cumprod(1).sum(1)
+    rows = torch.arange(B)
+    residual = (p[rows, n] - torch.cat([q, torch.zeros_like(p[:, :1])], 1)[rows, n]).clamp(min=0)
+    return n, torch.multinomial(residual / residual.sum(-1, keepdim=True), 1, generator=generator)[:, 0]
+
+
+def accept_count_not_prefix(p, q, drafts, generator):  # n = all accepted drafts, not the prefix
+    B, k = drafts.shape
+    p_x = p[:, :k].gather(-1, drafts[..., None])[..., 0]
+    q_x = q.gather(-1, drafts[..., None])[..., 0]
+    n = (torch.rand(B, k, generator=generator, dtype=torch.float64) < p_x / q_x).long().sum(1)
+    rows = torch.arange(B)
+    residual = (p[rows, n] - torch.cat([q, torch.zeros_like(p[:, :1])], 1)[rows, n]).clamp(min=0)
+    return n, torch.multinomial(residual / residual.sum(-1, keepdim=True), 1, generator=generator)[:, 0]
+
+
+# ----------------------------------------------------------------------------- exercise 4: through the block table
+
+def _paged(q, k_cache, v_cache, tables, lens, block=lambda t, bs: t // bs, visible=lambda L, n: L < n,
+           head=lambda h, g, Hkv: h // g):
+    B, H, D = q.shape
+    bs, Hkv = k_cache.shape[1], k_cache.shape[2]
+    out = torch.empty_like(q)
+    for b in range(B):
+        L = int(-(-int(lens[b]) // bs) * bs)
+        t = torch.arange(L)
+        idx = tables[b].long()[block(t, bs).clamp(max=tables.shape[1] - 1)]
+        k, v = k_cache[idx, t % bs], v_cache[idx, t % bs]  # (L, Hkv, D)
+        keep = visible(t, int(lens[b]))
+        for h in range(H):
+            kv = head(h, H // Hkv, Hkv)
+            s = (k[keep, kv] @ q[b, h]) / math.sqrt(D)
+            out[b, h] = torch.softmax(s, 0) @ v[keep, kv]
+    return out
+
+
+def paged_ok(q, k_cache, v_cache, tables, lens):
+    return _paged(q, k_cache, v_cache, tables, lens)
+
+
+def paged_off_by_one(q, k_cache, v_cache, tables, lens):
+    return _paged(q, k_cache, v_cache, tables, lens, block=lambda t, bs: t // bs + 1)
+
+
+def paged_no_length_mask(q, k_cache, v_cache, tables, lens):
+    return _paged(q, k_cache, v_cache, tables, lens, visible=lambda t, n: torch.ones_like(t, dtype=torch.bool))
+
+
+def paged_wrong_head(q, k_cache, v_cache, tables, lens):
+    return _paged(q, k_cache, v_cache, tables, lens, head=lambda h, g, Hkv: h % Hkv)
+
+
+def paged_floor_blocks(q, k_cache, v_cache, tables, lens):
+    return _paged(q, k_cache, v_cache, tables, lens, visible=lambda t, n: t < max(n // k_cache.shape[1], 1)
+                  * k_cache.shape[1])
+
+
+# ----------------------------------------------------------------------------- exercise 5: one scheduler step
+
+def _schedule(running, waiting, num_free, block_size, max_batch, victim=-1, fcfs=True, reserve=True, wait=True):
+    def new_block(n):  # the next token (index n) opens a block
+        return int(n % block_size == 0)
+    decode, preempted, free = [list(r) for r in running], [], num_free
+    while decode and sum(new_block(n) for _, n in decode) > free:
+        rid, n = decode.pop(victim)
+        free += -(-n // block_size)
+        preempted.append(rid)
+    budget = free - (sum(new_block(n) for _, n in decode) if reserve else 0)
+    prefill = []
+    for rid, tokens in waiting if not (preempted and wait) else []:
+        need = -(-tokens // block_size)
+        if len(decode) + len(prefill) >= max_batch or need > budget:
+            if fcfs:
+                break
+            continue
+        budget -= need
+        prefill.append(rid)
+    return [r for r, _ in decode], prefill, preempted
+
+
+def schedule_ok(running, waiting, num_free, block_size, max_batch):
+    return _schedule(running, waiting, num_free, block_size, max_batch)
+
+
+def schedule_earliest_victim(running, waiting, num_free, block_size, max_batch):
+    return _schedule(running, waiting, num_free, block_size, max_batch, victim=0)
+
+
+def schedule_skips_ahead(running, waiting, num_free, block_size, max_batch):
+    return _schedule(running, waiting, num_free, block_size, max_batch, fcfs=False)
+
+
+def schedule_no_reserve(running, waiting, num_free, block_size, max_batch):
+    return _schedule(running, waiting, num_free, block_size, max_batch, reserve=False)
+
+
+def schedule_admits_after_preempting(running, waiting, num_free, block_size, max_batch):
+    return _schedule(running, waiting, num_free, block_size, max_batch, wait=False)
+
+
+CASES = [
+    (day9.check_attend_with_cache, (attend_ok,),
+     [((stub,), "NotImplementedError"), ((attend_before_append,), "attended before appending"),
+      ((attend_no_offset,), "no causal offset"), ((attend_repeat,), "the wrong KV head"),
+      ((attend_not_written,), "the cache was not appended")]),
+    (day9.check_block_manager, (BlocksOk,),
+     [((stub,), "NotImplementedError"), ((BlocksNoCopyOnWrite,), "no copy-on-write"),
+      ((BlocksFreeIgnoresCount,), "a freed block is still referenced"),
+      ((BlocksOffByOne,), "token t is at table[t // block_size]"), ((BlocksFifo,), "free_list.pop()"),
+      ((BlocksNoCheck,), "all or nothing")]),
+    (day9.check_accept_draft, (accept_ok,),
+     [((stub,), "NotImplementedError"), ((accept_always,), "accepted every draft"),
+      ((accept_resample_p,), "sampled from p"), ((accept_no_bonus,), "no +1 bonus token"),
+      ((accept_inverted,), "upside down"), ((accept_count_not_prefix,), "the accepted prefix")]),
+    (day9.check_paged_attention, (paged_ok,),
+     [((stub,), "NotImplementedError"), ((paged_off_by_one,), "off-by-one block index"),
+      ((paged_no_length_mask,), "read past the sequence's length"), ((paged_wrong_head,), "the wrong KV head"),
+      ((paged_floor_blocks,), "the last, partial block left out")]),
+    (day9.check_schedule_step, (schedule_ok,),
+     [((stub,), "NotImplementedError"), ((schedule_earliest_victim,), "preempt the latest admitted"),
+      ((schedule_skips_ahead,), "first come, first served"), ((schedule_no_reserve,), "the budget"),
+      ((schedule_admits_after_preempting,), "admit nothing in a step that preempted")]),
+]
+
+
+@pytest.mark.parametrize("check,good", [(c, g) for c, g, _ in CASES], ids=lambda v: getattr(v, "__name__", ""))
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_reference_passes(check, good, seed, capsys):
+    check(*good, seed=seed)
+    assert "ok" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("check,bad,slip", [(c, b, s) for c, _, bads in CASES for b, s in bads],
+                         ids=lambda v: "-".join(f.__name__ for f in v) if isinstance(v, tuple) else
+                         getattr(v, "__name__", str(v)[:20]))
+def test_wrong_versions_fail_and_are_named(check, bad, slip):
+    with pytest.raises((AssertionError, NotImplementedError)) as err:
+        check(*bad, seed=0)
+    assert not isinstance(err.value, ForbiddenCall), "a wrong version must fail for its own slip"
+    assert re.search(re.escape(slip), f"{type(err.value).__name__}: {err.value}"), str(err.value)
+
+
+@pytest.mark.parametrize("check,lib", [(day9.check_block_manager, (paged.BlockManager,)),
+                                       (day9.check_accept_draft, (speculative.accept_draft,)),
+                                       (day9.check_paged_attention, (pa.paged_attention_ref,)),
+                                       (day9.check_schedule_step, (day9_schedule.reference_step,))],
+                         ids=["blocks", "accept", "paged", "schedule"])
+def test_library_is_refused(check, lib):
+    with pytest.raises(ForbiddenCall, match="off limits"):
+        check(*lib, seed=0)
+
+
+def test_cached_attention_is_refused():
+    from dlo.inference.kv_cache import cached_attention
+
+    def via_library(q, k_new, v_new, k_cache, v_cache, length):
+        T = q.shape[2]
+        k_cache[:, :, length:length + T], v_cache[:, :, length:length + T] = k_new, v_new
+        return cached_attention(q, k_cache[:, :, :length + T], v_cache[:, :, :length + T],
+                                (length + torch.arange(T)).expand(q.shape[0], T))
+
+    with pytest.raises(ForbiddenCall, match="off limits"):
+        day9.check_attend_with_cache(via_library, seed=0)
+
+
+@pytest.mark.parametrize("check,good", [(c, g) for c, g, _ in CASES], ids=[c.__name__ for c, _, _ in CASES])
+def test_reference_passes_sandboxed(sandbox, check, good, capsys):
+    sandbox.run(check, *good, seed=1)
+    assert ": ok (" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("check,bad", [(day9.check_block_manager, (BlocksNoCopyOnWrite,)),
+                                       (day9.check_accept_draft, (accept_resample_p,))], ids=["blocks", "accept"])
+def test_wrong_fails_sandboxed(sandbox, check, bad):
+    with pytest.raises(AssertionError) as err:
+        sandbox.run(check, *bad, seed=0)
+    assert not isinstance(err.value, ForbiddenCall)
