@@ -16,9 +16,10 @@ from __future__ import annotations
 
 from dlo.presets_distributed import Day4Preset, Day5Preset, Day6Preset, Day7Preset
 from dlo.presets_local import Day1Preset, Day2Preset, Day3Preset, Day8Preset
+from dlo.presets_tuning import Day11Preset
 
 __all__ = ["DAY1", "DAY2", "DAY3", "DAY4", "DAY5", "DAY6", "DAY7", "DAY8", "Day1Preset", "Day2Preset", "Day3Preset",
-           "Day4Preset", "Day5Preset", "Day6Preset", "Day7Preset", "Day8Preset"]
+           "Day4Preset", "Day5Preset", "Day6Preset", "Day7Preset", "Day8Preset", "DAY11", "Day11Preset"]
 
 
 DAY1: dict[str, Day1Preset] = {  # day1_optimizers
@@ -102,4 +103,15 @@ DAY8: dict[str, Day8Preset] = {  # day8_quantization_pruning
     "full": Day8Preset(n_train=50_000, n_test=10_000, image_size=32, hidden=1024, student_hidden=256,
                        batch_size=256, max_steps=3000, finetune_steps=500, calib_batches=32,
                        llama_d_model=4096, llama_hidden=11008, llama_tokens=2048, seeds=3),
+}
+
+
+DAY11: dict[str, Day11Preset] = {  # day11_learning_faster
+    "tiny": Day11Preset(),
+    # real CIFAR-10 at 32x32 (classes 0-4 pretrain, 5-9 transfer), SmallCNN of width 32; a study of 81 trials
+    # (9 x 9 grid) of 2025 steps each as a SLURM array, ASHA's rungs 25, 75, 225, 675, 2025
+    "full": Day11Preset(image_size=32, width=32, batch_size=128, n_test=5000, n_pretrain=25_000, pretrain_steps=3000,
+                        labelled=(100, 1000, 5000, 25_000), transfer_steps=1000, es_train=25_000, max_epochs=60,
+                        patience=5, n_search_train=50_000, n_search_test=5000, trials=81, trial_steps=2025,
+                        min_steps=25, eta=3, search_seeds=3, seeds=3),
 }
