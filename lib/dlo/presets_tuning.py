@@ -35,7 +35,7 @@ class Day11Preset:
     trial_steps: int = 27          # full budget R of a trial; ASHA's rungs min_steps x eta^k up to it
     min_steps: int = 3
     eta: int = 3
-    search_seeds: int = 5          # the searches repeated with another data and initialisation seed
+    search_seeds: int = 4          # the searches repeated with another data and initialisation seed
     seeds: int = 5                 # repeats of the transfer and early-stopping trainings (paired)
     grid_g_per_kwh: float = 300.0  # stated grid intensity (gCO2e / kWh): a parameter, not a measurement
     tdp_watts: float = 65.0        # stated CPU package TDP for the estimate when no counter is readable
@@ -56,9 +56,12 @@ class Day11Preset:
             raise ValueError(f"labelled needs sizes >= 5 (one image per class of task B), got {self.labelled}")
 
     def smoke(self) -> Day11Preset:
-        """The same models at the preset's sizes; a handful of steps and the smallest study."""
-        return replace(self, pretrain_steps=5, transfer_steps=3, labelled=self.labelled[:2], max_epochs=4,
-                       patience=1, trials=4, trial_steps=4, min_steps=1, eta=2)
+        """The same models at the preset's image size and width; a few thousand images, a handful of steps and
+        the smallest study (every trial makes its data anew: 50k images each would be the step's whole time)."""
+        return replace(self, n_pretrain=min(self.n_pretrain, 2048), pretrain_steps=5, transfer_steps=3,
+                       labelled=self.labelled[:2], es_train=min(self.es_train, 1024), max_epochs=4, patience=1,
+                       n_search_train=min(self.n_search_train, 1024), n_search_test=min(self.n_search_test, 512),
+                       n_test=min(self.n_test, 512), trials=4, trial_steps=4, min_steps=1, eta=2)
 
     def with_max_steps(self, steps: int) -> Day11Preset:
         """`max_steps` sets the pretraining's steps (the other trainings keep theirs)."""

@@ -160,6 +160,15 @@ def _early_one(P, train: TensorDataset, val: TensorDataset, test: TensorDataset,
             "val losses": val_losses}
 
 
+def successive_halving_steps(min_steps: int, max_steps: int, eta: int, n: int) -> int:
+    """Steps synchronous successive halving runs: rung k holds floor(n / eta^k) configs, each resumed from the
+    previous rung, so it trains r_k - r_(k-1) more steps (Li et al. 2020, 3.1)."""
+    from dlo.tuning.search import rung_steps
+
+    rungs = rung_steps(min_steps, max_steps, eta)
+    return sum(n // eta ** k * (r - prev) for k, (r, prev) in enumerate(zip(rungs, [0] + rungs[:-1])))
+
+
 def plan(preset, *, gpus: int, gpu_mem_gb: float) -> list[dict]:
     """`dlo plan day11_learning_faster`: one trial's memory (SmallCNN, AdamW, fp32, one batch, on the meta device)
     and the study's steps: every trial is one process on one GPU, so `gpus` sets the array's waves, not the rows'
@@ -176,14 +185,13 @@ def plan(preset, *, gpus: int, gpu_mem_gb: float) -> list[dict]:
     acts = activation_bytes(lambda: nn.functional.cross_entropy(model(x), y), exclude=list(model.parameters()))
     rungs = rung_steps(preset.min_steps, preset.trial_steps, preset.eta)
     alive = [preset.trials // preset.eta ** k for k in range(len(rungs))]
-    asha = sum(a * (r - prev) for a, r, prev in zip(alive, rungs, [0] + rungs[:-1]))
+    asha = successive_halving_steps(preset.min_steps, preset.trial_steps, preset.eta, preset.trials)
     waves = -(-preset.trials // gpus)
-    return [row("one trial (SmallCNN, AdamW, fp32)", 1, params=n, grads=n, optimizer=optimizer_bytes("adamw", n),
-                activations=acts, gpu_mem_gb=gpu_mem_gb, main=True,
+    per_gpu = dict(params=n, grads=n, optimizer=optimizer_bytes("adamw", n), activations=acts, gpu_mem_gb=gpu_mem_gb)
+    return [row("one trial (SmallCNN, AdamW, fp32)", 1, **per_gpu, main=True,
                 note=f"width {preset.width}, {preset.image_size}x{preset.image_size} images, "
                      f"batch {preset.batch_size}"),
-            {"config": f"random or grid, {preset.trials} trials",
-             "note": f"{preset.trials * preset.trial_steps} steps; {waves} wave(s) of {min(gpus, preset.trials)} "
-                     f"array tasks on {gpus} GPU(s)"},
-            {"config": f"ASHA, {preset.trials} configs, eta {preset.eta}",
-             "note": f"{asha} steps; rungs {rungs}, at most {alive} configs each"}]
+            row(f"random or grid, {preset.trials} trials", gpus, **per_gpu,
+                note=f"one trial per GPU: {preset.trials * preset.trial_steps} steps in {waves} wave(s)"),
+            row(f"ASHA, {preset.trials} configs, eta {preset.eta}", gpus, **per_gpu,
+                note=f"one trial per GPU: {asha} steps; rungs {rungs}, at most {alive} configs each")]

@@ -29,9 +29,9 @@ METRIC = "val_loss"
 STRATEGIES = ("grid", "random", "successive halving", "random, ASHA's budget")
 
 
-def trial_for(P, data_dir, seed: int):
+def trial_for(P, data_dir, seed: int, device="cpu"):
     """The trial of one search seed: small_cnn_trial with the preset's sizes fixed, only lr and decay searched."""
-    fixed = {"width": P.width, "image_size": P.image_size, "batch_size": P.batch_size, "n_train": P.n_search_train,
+    fixed = {"device": str(device), "width": P.width, "image_size": P.image_size, "batch_size": P.batch_size, "n_train": P.n_search_train,
              "n_test": P.n_search_test, "data_dir": data_dir or None, "seed": seed}
     return partial(_trial, fixed)
 
@@ -45,9 +45,9 @@ def _acc(result: Result) -> float:
     return result.metrics[-1]["val_acc"]
 
 
-def one_seed(P, data_dir, seed: int, folder: Path) -> dict:
+def one_seed(P, data_dir, seed: int, folder: Path, device="cpu") -> dict:
     """The three searches for one seed, each inside an EnergyMeter; results, best, steps run, energy."""
-    space, trial = Space(SPACE), trial_for(P, data_dir, seed)
+    space, trial = Space(SPACE), trial_for(P, data_dir, seed, device)
     out = {}
     for name in STRATEGIES[:3]:
         study = Study(Path(folder) / f"seed{seed}" / name.replace(" ", "_"), metric=METRIC, durable=False)
@@ -69,8 +69,8 @@ def one_seed(P, data_dir, seed: int, folder: Path) -> dict:
     return out
 
 
-def searches(P, data_dir, seeds: list[int], folder: Path) -> dict[int, dict]:
-    return {s: one_seed(P, data_dir, s, folder) for s in tqdm(seeds, desc="searches")}
+def searches(P, data_dir, seeds: list[int], folder: Path, device="cpu") -> dict[int, dict]:
+    return {s: one_seed(P, data_dir, s, folder, device) for s in tqdm(seeds, desc="searches")}
 
 
 def best_so_far(results: list[Result], top_steps: int) -> list[float]:
@@ -130,10 +130,10 @@ class Killed(RuntimeError):
     """What the killed job raises: its checkpoint is on disk, its result is not."""
 
 
-def killed_and_resumed(P, data_dir, seed: int, folder: Path, reference: Result) -> dict:
+def killed_and_resumed(P, data_dir, seed: int, folder: Path, reference: Result, device="cpu") -> dict:
     """Successive halving with one job killed after its checkpoint and before its result file (the worst moment),
     then the study resumed from its folder; its best against the uninterrupted run's (`reference`)."""
-    space, trial = Space(SPACE), trial_for(P, data_dir, seed)
+    space, trial = Space(SPACE), trial_for(P, data_dir, seed, device)
     study = Study(Path(folder) / f"seed{seed}" / "killed_and_resumed", metric=METRIC, durable=False)
     victim = {"job": None}
 
