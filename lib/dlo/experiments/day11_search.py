@@ -31,8 +31,8 @@ STRATEGIES = ("grid", "random", "successive halving", "random, ASHA's budget")
 
 def trial_for(P, data_dir, seed: int, device="cpu"):
     """The trial of one search seed: small_cnn_trial with the preset's sizes fixed, only lr and decay searched."""
-    fixed = {"device": str(device), "width": P.width, "image_size": P.image_size, "batch_size": P.batch_size, "n_train": P.n_search_train,
-             "n_test": P.n_search_test, "data_dir": data_dir or None, "seed": seed}
+    fixed = {"device": str(device), "width": P.width, "image_size": P.image_size, "batch_size": P.batch_size,
+             "n_train": P.n_search_train, "n_test": P.n_search_test, "data_dir": data_dir or None, "seed": seed}
     return partial(_trial, fixed)
 
 
