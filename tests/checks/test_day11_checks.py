@@ -15,7 +15,7 @@ from torch import nn
 
 from dlo.checks import day11
 from dlo.grading.forbid import ForbiddenCall
-from dlo.tuning import space, transfer
+from dlo.tuning import early, space, transfer
 
 
 def stub(*args, **kwargs):
@@ -204,7 +204,69 @@ def groups_skip_frozen_depth(blocks, lr, factor=2.6):  # L counts only the block
     return [{"params": ps, "lr": lr / factor ** (len(kept) - 1 - k)} for k, ps in enumerate(kept)]
 
 
+# ----------------------------------------------------------------------------- exercise 5: early stopping
+
+def _early(history, patience, min_delta=0.0, mode="min", *, late=0, ties=False, delta=True, last=False,
+           through=False, nan=True, use_mode=True):
+    sign = -1.0 if mode == "max" and use_mode else 1.0
+    best, best_epoch, bad, stop = math.inf, None, 0, False
+    for epoch, metric in enumerate(history):
+        if nan and not math.isfinite(metric):
+            bad = patience
+        elif sign * metric < best - (min_delta if delta else 0.0) or (ties and sign * metric == best - min_delta):
+            best, best_epoch, bad = sign * metric, epoch, 0
+        else:
+            bad += 1
+        if bad >= patience + late:
+            stop = True
+            if not through:
+                return True, epoch if last else best_epoch
+    return stop, (len(history) - 1 if last else best_epoch)
+
+
+def early_ok(history, patience, min_delta=0.0, mode="min"):
+    return _early(history, patience, min_delta, mode)
+
+
+def early_late(history, patience, min_delta=0.0, mode="min"):
+    return _early(history, patience, min_delta, mode, late=1)
+
+
+def early_ties(history, patience, min_delta=0.0, mode="min"):
+    return _early(history, patience, min_delta, mode, ties=True)
+
+
+def early_no_delta(history, patience, min_delta=0.0, mode="min"):
+    return _early(history, patience, min_delta, mode, delta=False)
+
+
+def early_last(history, patience, min_delta=0.0, mode="min"):
+    return _early(history, patience, min_delta, mode, last=True)
+
+
+def early_through(history, patience, min_delta=0.0, mode="min"):
+    return _early(history, patience, min_delta, mode, through=True)
+
+
+def early_nan(history, patience, min_delta=0.0, mode="min"):
+    return _early(history, patience, min_delta, mode, nan=False)
+
+
+def early_no_mode(history, patience, min_delta=0.0, mode="min"):
+    return _early(history, patience, min_delta, mode, use_mode=False)
+
+
 # ----------------------------------------------------------------------------- tests
+
+def early_through_the_library(history, patience, min_delta=0.0, mode="min"):
+    import tempfile
+
+    stopper = early.EarlyStopping(tempfile.mkdtemp(), patience=patience, min_delta=min_delta, mode=mode)
+    for epoch, metric in enumerate(history):
+        if stopper.step(epoch, metric, nn.Linear(1, 1)):
+            return True, stopper.best_epoch
+    return False, stopper.best_epoch
+
 
 CASES = [
     (day11.check_promote, promote_ok, [
@@ -235,9 +297,19 @@ CASES = [
         (groups_weights_only, "is in no group"),
         (groups_cumulative, "is in two groups"),
         (groups_skip_frozen_depth, "a frozen block still counts")]),
+    (day11.check_early_stop, early_ok, [
+        (stub, "NotImplementedError"),
+        (early_late, "stopped one evaluation late"),
+        (early_ties, "counted an equal value as an improvement"),
+        (early_no_delta, "ignored min_delta"),
+        (early_last, "returned the last epoch"),
+        (early_through, "kept going after the stop"),
+        (early_nan, "a nan or inf metric must stop training at once"),
+        (early_no_mode, "ignored `mode`")]),
 ]
 LIBRARY = [(day11.check_sample_config, lambda spec, seed, i: space.Space(spec).config(seed, i)),
-           (day11.check_freeze, transfer.freeze), (day11.check_discriminative_groups, transfer.discriminative_groups)]
+           (day11.check_freeze, transfer.freeze), (day11.check_discriminative_groups, transfer.discriminative_groups),
+           (day11.check_early_stop, early_through_the_library)]
 
 
 @pytest.mark.parametrize("check,good", [(c, g) for c, g, _ in CASES], ids=lambda v: getattr(v, "__name__", ""))
@@ -257,7 +329,7 @@ def test_a_wrong_version_fails_naming_its_mistake(check, bad, slip):
         assert re.search(re.escape(slip), str(err.value)), str(err.value)
 
 
-@pytest.mark.parametrize("check,lib", LIBRARY, ids=["sample_config", "freeze", "discriminative_groups"])
+@pytest.mark.parametrize("check,lib", LIBRARY, ids=["sample_config", "freeze", "discriminative_groups", "early_stop"])
 def test_library_is_refused(check, lib):
     with pytest.raises(ForbiddenCall, match="off limits"):
         check(lib, seed=0)

@@ -6,7 +6,8 @@ graded), runs the student's function and the library reference (`dlo.tuning.sear
 `dlo.tuning.space.Space`, `dlo.tuning.transfer`), and raises AssertionError naming the mistake: the wrong
 answers a plausible slip gives are computed here too, and a result equal to one of them is named as that slip.
 While the student's code runs, the library references of the exercise are off limits. The freezing and
-parameter-group checks live in `dlo.checks.day11_transfer` and are re-exported here.
+parameter-group checks live in `dlo.checks.day11_transfer`, the early-stopping one in `dlo.checks.day11_early`;
+they are re-exported here.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import random
 
 import numpy as np
 
+from dlo.checks.day11_early import check_early_stop  # noqa: F401 (the notebook calls it from here)
 from dlo.checks.day11_transfer import check_discriminative_groups, check_freeze  # noqa: F401 (the notebook's)
 from dlo.errors import BadInput
 from dlo.grading.api import case_seed, check
