@@ -71,7 +71,8 @@ class Step:
 
 
 DAYS_BY_RISK = ["day5_fsdp", "day7_tensor_parallel", "day6_pipeline", "day4_ddp", "day8_quantization_pruning",
-                "day1_optimizers", "day2_mixed_precision", "day3_checkpointing"]  # never run on a GPU first
+                "day1_optimizers", "day2_mixed_precision", "day3_checkpointing",
+                "day11_learning_faster"]  # never run on a GPU first; Day 11: its studies on the GPU, NVML's energy
 
 STEPS = [
     Step("env", "the node's torch/CUDA/NCCL/Triton (the locked versions cannot be carried), the carried packages "

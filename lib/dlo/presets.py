@@ -16,9 +16,11 @@ from __future__ import annotations
 
 from dlo.presets_distributed import Day4Preset, Day5Preset, Day6Preset, Day7Preset
 from dlo.presets_local import Day1Preset, Day2Preset, Day3Preset, Day8Preset, Day9Preset
+from dlo.presets_tuning import Day11Preset
 
-__all__ = ["DAY1", "DAY2", "DAY3", "DAY4", "DAY5", "DAY6", "DAY7", "DAY8", "DAY9", "Day1Preset", "Day2Preset",
-           "Day3Preset", "Day4Preset", "Day5Preset", "Day6Preset", "Day7Preset", "Day8Preset", "Day9Preset"]
+__all__ = ["DAY1", "DAY2", "DAY3", "DAY4", "DAY5", "DAY6", "DAY7", "DAY8", "DAY9", "DAY11", "Day1Preset",
+           "Day2Preset", "Day3Preset", "Day4Preset", "Day5Preset", "Day6Preset", "Day7Preset", "Day8Preset",
+           "Day9Preset", "Day11Preset"]
 
 
 DAY1: dict[str, Day1Preset] = {  # day1_optimizers
@@ -113,4 +115,15 @@ DAY9: dict[str, Day9Preset] = {  # day9_inference
                        decode_lengths=(512, 2048, 8000), reps=15, max_len=8192, n_sequences=32,
                        budget_tokens=262_144, n_requests=64, max_batch=32, num_blocks=16_384, spec_tokens=64,
                        spec_prompts=8),
+}
+
+
+DAY11: dict[str, Day11Preset] = {  # day11_learning_faster
+    "tiny": Day11Preset(),
+    # real CIFAR-10 at 32x32 (classes 0-4 pretrain, 5-9 transfer), SmallCNN of width 32; a study of 81 trials
+    # (9 x 9 grid) of 2025 steps each as a SLURM array, ASHA's rungs 25, 75, 225, 675, 2025
+    "full": Day11Preset(image_size=32, width=32, batch_size=128, n_test=5000, n_pretrain=25_000, pretrain_steps=3000,
+                        labelled=(100, 1000, 5000, 25_000), transfer_steps=1000, es_train=25_000, max_epochs=60,
+                        patience=5, n_search_train=50_000, n_search_test=5000, trials=81, trial_steps=2025,
+                        min_steps=25, eta=3, search_seeds=3, seeds=3),
 }

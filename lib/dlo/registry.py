@@ -93,6 +93,7 @@ DAYS: dict[str, DaySpec] = {d.name: d for d in (
     _day(8, "day8_quantization_pruning", P.Day8Preset, P.DAY8, preflight="dlo.experiments.day8_smooth:preflight",
          parameters=("weights_dir",), data=("cifar10",), grade_cpu_s=30.0, run_s=142.0),
     _day(9, "day9_inference", P.Day9Preset, P.DAY9, grade_cpu_s=15.0, run_s=60.0),
+    _day(11, "day11_learning_faster", P.Day11Preset, P.DAY11, data=("cifar10",), grade_cpu_s=22.0, run_s=50.0),
 )}
 
 

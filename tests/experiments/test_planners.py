@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dlo.experiments import day1, day2, day3, day8
+from dlo.experiments import day1, day2, day3, day8, day11
 from dlo.measure import saved_bytes
 from dlo.models.small import MLP, SmallCNN
 from dlo.plan import GIB, gpu_kernels
@@ -112,7 +112,7 @@ def test_day8_rows():
     assert rows["MLP block bf16 dense"]["activations"] == 5 * (8 + 3 * 256) * 2
 
 
-@pytest.mark.parametrize("planner", [day1.plan, day2.plan, day3.plan, day8.plan])
+@pytest.mark.parametrize("planner", [day1.plan, day2.plan, day3.plan, day8.plan, day11.plan])
 def test_rows_have_every_column(planner):
     from dlo.registry import DAYS
 

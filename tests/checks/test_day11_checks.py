@@ -1,0 +1,363 @@
+"""The Day 11 checks accept correct solutions and reject stubs, plausible mistakes (each named by its message)
+and the library's own references (off limits while a check runs).
+
+The correct versions below are written out as a student writes them; each wrong version is one of them with one
+slip, so it fails for its own reason, not for calling a forbidden reference."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import numpy as np
+import pytest
+from torch import nn
+
+from dlo.checks import day11
+from dlo.grading.forbid import ForbiddenCall
+from dlo.tuning import early, space, transfer
+
+
+def stub(*args, **kwargs):
+    raise NotImplementedError()
+
+
+# ----------------------------------------------------------------------------- exercise 1: promotion
+
+def _promote(results, rung, eta, promoted, mode="min", *, pool=False, worst=False, count=None, skip=True,
+             ignore_mode=False, filter_first=False):
+    sign = 1.0 if mode == "min" or ignore_mode else -1.0
+    here = [r for r in results if pool or r["steps"] == rung]
+    if filter_first:
+        here = [r for r in here if r["trial"] not in promoted]
+    ranked = sorted(here, key=lambda r: ((-sign if worst else sign) * r["value"], r["trial"]))
+    n = (count or (lambda n: n // eta))(len(here))
+    return [r["trial"] for r in ranked[:n] if not skip or r["trial"] not in promoted]
+
+
+def promote_ok(results, rung, eta, promoted, mode="min"):
+    return _promote(results, rung, eta, promoted, mode)
+
+
+def promote_every_rung(results, rung, eta, promoted, mode="min"):  # ranks the results of all rungs together
+    return _promote(results, rung, eta, promoted, mode, pool=True)
+
+
+def promote_worst(results, rung, eta, promoted, mode="min"):
+    return _promote(results, rung, eta, promoted, mode, worst=True)
+
+
+def promote_ceil(results, rung, eta, promoted, mode="min"):
+    return _promote(results, rung, eta, promoted, mode, count=lambda n: math.ceil(n / eta))
+
+
+def promote_twice(results, rung, eta, promoted, mode="min"):
+    return _promote(results, rung, eta, promoted, mode, skip=False)
+
+
+def promote_ignores_mode(results, rung, eta, promoted, mode="min"):
+    return _promote(results, rung, eta, promoted, mode, ignore_mode=True)
+
+
+def promote_filter_first(results, rung, eta, promoted, mode="min"):  # the top of the not-yet-promoted
+    return _promote(results, rung, eta, promoted, mode, filter_first=True, skip=False)
+
+
+# ----------------------------------------------------------------------------- exercise 2: sampling a space
+
+def _sample(space, seed, i, *, log_uniform=True, int_high=1, rng=None):
+    for name, spec in space.items():
+        kind, values = next(iter(spec.items())) if isinstance(spec, dict) and len(spec) == 1 else (None, None)
+        if kind not in ("choice", "uniform", "log_uniform", "int") or not values:
+            raise ValueError(f"bad {name}")
+        if kind != "choice" and (len(values) != 2 or not values[0] < values[1]):
+            raise ValueError(f"bad bounds {name}")
+        if (kind == "log_uniform" and values[0] <= 0) or (kind == "int" and not all(type(v) is int for v in values)):
+            raise ValueError(f"bad {name}")
+    rng = rng or np.random.default_rng([seed, i])
+    out = {}
+    for name, spec in space.items():
+        kind, v = next(iter(spec.items()))
+        if kind == "choice":
+            out[name] = v[rng.integers(len(v))]
+        elif kind == "int":
+            out[name] = int(rng.integers(v[0], v[1] + int_high))
+        elif kind == "log_uniform" and log_uniform:
+            out[name] = math.exp(math.log(v[0]) + rng.random() * (math.log(v[1]) - math.log(v[0])))
+        else:
+            out[name] = v[0] + rng.random() * (v[1] - v[0])
+    return out
+
+
+def sample_ok(space, seed, i):
+    return _sample(space, seed, i)
+
+
+def sample_log_as_uniform(space, seed, i):
+    return _sample(space, seed, i, log_uniform=False)
+
+
+def sample_int_exclusive(space, seed, i):
+    return _sample(space, seed, i, int_high=0)
+
+
+def sample_unseeded(space, seed, i):  # not reproducible: a fresh generator each call
+    return _sample(space, seed, i, rng=np.random.default_rng())
+
+
+def sample_seed_only(space, seed, i):  # the stream of the trials before it: trial i depends on the order of calls
+    return _sample(space, seed, i, rng=np.random.default_rng(seed))
+
+
+def sample_no_validation(space, seed, i):
+    rng, out = np.random.default_rng([seed, i]), {}
+    for name, spec in space.items():
+        kind, v = next(iter(spec.items()))
+        if kind == "choice":
+            out[name] = v[rng.integers(len(v))] if v else None
+        elif kind == "int":
+            out[name] = int(rng.integers(v[0], v[1] + 1))
+        else:
+            u = rng.random()
+            out[name] = (math.exp(math.log(v[0]) + u * (math.log(v[1]) - math.log(v[0]))) if kind == "log_uniform"
+                         and v[0] > 0 else v[0] + u * (v[1] - v[0]))
+    return out
+
+
+# ----------------------------------------------------------------------------- exercise 3: freezing
+
+def freeze_ok(module):
+    count = 0
+    for p in module.parameters():
+        p.requires_grad_(False)
+        count += p.numel()
+    for m in module.modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            m.eval()
+    return count
+
+
+def freeze_keeps_norms_training(module):  # requires_grad only: the running statistics still move
+    for p in module.parameters():
+        p.requires_grad_(False)
+    return sum(p.numel() for p in module.parameters())
+
+
+def freeze_top_level_weights(module):  # only the direct children's weights: biases and nested blocks still train
+    for m in module.children():
+        if getattr(m, "weight", None) is not None:
+            m.weight.requires_grad_(False)
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            m.eval()
+    return sum(p.numel() for p in module.parameters())
+
+
+def freeze_whole_eval(module):  # module.eval(): the Dropout stops dropping too
+    freeze_ok(module)
+    module.eval()
+    return sum(p.numel() for p in module.parameters())
+
+
+def freeze_counts_tensors(module):
+    freeze_ok(module)
+    return len(list(module.parameters()))
+
+
+# ----------------------------------------------------------------------------- exercise 4: parameter groups
+
+def groups_ok(blocks, lr, factor=2.6):
+    groups, L = [], len(blocks)
+    for k, b in enumerate(blocks):
+        params = [p for p in b.parameters() if p.requires_grad]
+        if params:
+            groups.append({"params": params, "lr": lr / factor ** (L - 1 - k)})
+    return groups
+
+
+def groups_swapped(blocks, lr, factor=2.6):  # the input's block gets lr
+    return [{"params": g["params"], "lr": lr / factor ** k} for k, g in enumerate(groups_ok(blocks, lr, factor))]
+
+
+def groups_with_frozen(blocks, lr, factor=2.6):
+    L = len(blocks)
+    return [{"params": list(b.parameters()), "lr": lr / factor ** (L - 1 - k)} for k, b in enumerate(blocks)]
+
+
+def groups_weights_only(blocks, lr, factor=2.6):  # biases and LayerNorms in no group
+    out = groups_ok(blocks, lr, factor)
+    for g in out:
+        g["params"] = [p for p in g["params"] if p.dim() > 1]
+    return [g for g in out if g["params"]]
+
+
+def groups_cumulative(blocks, lr, factor=2.6):  # each group holds its block and every block below: two groups
+    out, seen = [], []
+    for g in groups_ok(blocks, lr, factor):
+        seen += g["params"]
+        out.append({"params": list(seen), "lr": g["lr"]})
+    return out
+
+
+def groups_skip_frozen_depth(blocks, lr, factor=2.6):  # L counts only the blocks kept
+    kept = [[p for p in b.parameters() if p.requires_grad] for b in blocks]
+    kept = [ps for ps in kept if ps]
+    return [{"params": ps, "lr": lr / factor ** (len(kept) - 1 - k)} for k, ps in enumerate(kept)]
+
+
+# ----------------------------------------------------------------------------- exercise 5: early stopping
+
+def _early(history, patience, min_delta=0.0, mode="min", *, late=0, ties=False, delta=True, last=False,
+           through=False, nan=True, use_mode=True):
+    sign = -1.0 if mode == "max" and use_mode else 1.0
+    best, best_epoch, bad, stop = math.inf, None, 0, False
+    for epoch, metric in enumerate(history):
+        if nan and not math.isfinite(metric):
+            bad = patience
+        elif sign * metric < best - (min_delta if delta else 0.0) or (ties and sign * metric == best - min_delta):
+            best, best_epoch, bad = sign * metric, epoch, 0
+        else:
+            bad += 1
+        if bad >= patience + late:
+            stop = True
+            if not through:
+                return True, epoch if last else best_epoch
+    return stop, (len(history) - 1 if last else best_epoch)
+
+
+def early_ok(history, patience, min_delta=0.0, mode="min"):
+    return _early(history, patience, min_delta, mode)
+
+
+def early_late(history, patience, min_delta=0.0, mode="min"):
+    return _early(history, patience, min_delta, mode, late=1)
+
+
+def early_ties(history, patience, min_delta=0.0, mode="min"):
+    return _early(history, patience, min_delta, mode, ties=True)
+
+
+def early_no_delta(history, patience, min_delta=0.0, mode="min"):
+    return _early(history, patience, min_delta, mode, delta=False)
+
+
+def early_last(history, patience, min_delta=0.0, mode="min"):
+    return _early(history, patience, min_delta, mode, last=True)
+
+
+def early_through(history, patience, min_delta=0.0, mode="min"):
+    return _early(history, patience, min_delta, mode, through=True)
+
+
+def early_nan(history, patience, min_delta=0.0, mode="min"):
+    return _early(history, patience, min_delta, mode, nan=False)
+
+
+def early_no_mode(history, patience, min_delta=0.0, mode="min"):
+    return _early(history, patience, min_delta, mode, use_mode=False)
+
+
+# ----------------------------------------------------------------------------- tests
+
+def early_through_the_library(history, patience, min_delta=0.0, mode="min"):
+    import tempfile
+
+    stopper = early.EarlyStopping(tempfile.mkdtemp(), patience=patience, min_delta=min_delta, mode=mode)
+    for epoch, metric in enumerate(history):
+        if stopper.step(epoch, metric, nn.Linear(1, 1)):
+            return True, stopper.best_epoch
+    return False, stopper.best_epoch
+
+
+CASES = [
+    (day11.check_promote, promote_ok, [
+        (stub, "NotImplementedError"),
+        (promote_every_rung, "ranked the results of every rung together"),
+        (promote_worst, "kept the worst trials"),
+        (promote_ceil, "rounded the count up"),
+        (promote_twice, "promoted a trial already promoted"),
+        (promote_ignores_mode, "ignored `mode`"),
+        (promote_filter_first, "rank all n results first")]),
+    (day11.check_sample_config, sample_ok, [
+        (stub, "NotImplementedError"),
+        (sample_log_as_uniform, "sampled log_uniform uniformly"),
+        (sample_int_exclusive, "int's high bound is inclusive"),
+        (sample_unseeded, "not reproducible"),
+        (sample_seed_only, "seeded with seed only"),
+        (sample_no_validation, "must raise ValueError")]),
+    (day11.check_freeze, freeze_ok, [
+        (stub, "NotImplementedError"),
+        (freeze_keeps_norms_training, "BatchNorm statistics still moving"),
+        (freeze_top_level_weights, "frozen parameters still updated"),
+        (freeze_whole_eval, "only the BatchNorm layers change mode"),
+        (freeze_counts_tensors, "sum of p.numel()")]),
+    (day11.check_discriminative_groups, groups_ok, [
+        (stub, "NotImplementedError"),
+        (groups_swapped, "the learning rates are swapped"),
+        (groups_with_frozen, "is in a group: leave out the parameters with requires_grad=False"),
+        (groups_weights_only, "is in no group"),
+        (groups_cumulative, "is in two groups"),
+        (groups_skip_frozen_depth, "a frozen block still counts")]),
+    (day11.check_early_stop, early_ok, [
+        (stub, "NotImplementedError"),
+        (early_late, "stopped one evaluation late"),
+        (early_ties, "counted an equal value as an improvement"),
+        (early_no_delta, "ignored min_delta"),
+        (early_last, "returned the last epoch"),
+        (early_through, "kept going after the stop"),
+        (early_nan, "a nan or inf metric must stop training at once"),
+        (early_no_mode, "ignored `mode`")]),
+]
+LIBRARY = [(day11.check_sample_config, lambda spec, seed, i: space.Space(spec).config(seed, i)),
+           (day11.check_freeze, transfer.freeze), (day11.check_discriminative_groups, transfer.discriminative_groups),
+           (day11.check_early_stop, early_through_the_library)]
+
+
+@pytest.mark.parametrize("check,good", [(c, g) for c, g, _ in CASES], ids=lambda v: getattr(v, "__name__", ""))
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_reference_passes(check, good, seed, capsys):
+    check(good, seed=seed)
+    assert ": ok (" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("check,bad,slip", [(c, b, s) for c, _, bads in CASES for b, s in bads],
+                         ids=lambda v: getattr(v, "__name__", "") if callable(v) else "")
+def test_a_wrong_version_fails_naming_its_mistake(check, bad, slip):
+    with pytest.raises((AssertionError, NotImplementedError)) as err:
+        check(bad, seed=0)
+    assert not isinstance(err.value, ForbiddenCall), "a wrong version must fail for its own slip"
+    if bad is not stub:
+        assert re.search(re.escape(slip), str(err.value)), str(err.value)
+
+
+@pytest.mark.parametrize("check,lib", LIBRARY, ids=["sample_config", "freeze", "discriminative_groups", "early_stop"])
+def test_library_is_refused(check, lib):
+    with pytest.raises(ForbiddenCall, match="off limits"):
+        check(lib, seed=0)
+
+
+def test_promote_refuses_the_library():
+    from dlo.tuning.search import promotable
+    from dlo.tuning.store import Result
+
+    def through_library(results, rung, eta, promoted, mode="min"):
+        sign = 1.0 if mode == "min" else -1.0
+        here = [Result(r["trial"], {}, r["steps"], [], 0, sign * r["value"]) for r in results if r["steps"] == rung]
+        return promotable(here, eta, promoted)
+
+    with pytest.raises(ForbiddenCall, match="off limits"):
+        day11.check_promote(through_library, seed=0)
+
+
+@pytest.mark.parametrize("check,good", [(c, g) for c, g, _ in CASES], ids=[c.__name__ for c, _, _ in CASES])
+def test_reference_passes_sandboxed(sandbox, check, good, capsys):
+    sandbox.run(check, good, seed=1)
+    assert ": ok (" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("check,bad", [(day11.check_freeze, freeze_keeps_norms_training),
+                                       (day11.check_discriminative_groups, groups_swapped)],
+                         ids=["freeze", "groups"])
+def test_wrong_fails_sandboxed(sandbox, check, bad):
+    with pytest.raises(AssertionError) as err:
+        sandbox.run(check, bad, seed=0)
+    assert not isinstance(err.value, ForbiddenCall)
