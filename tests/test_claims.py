@@ -243,3 +243,14 @@ def test_a_timing_beside_another_notebook_counts_on_its_share_of_the_cores(monke
         assert C.cpu_cores() == cores
     monkeypatch.setenv("DLO_CORES", "1")
     assert C.timed(est, device="cpu", kernel=True).reason == "1 rank(s) x 1 thread(s) + kernel > 1 cores"
+
+
+def test_the_control_column_is_printed_once_whichever_row_has_one():
+    """Days 9 and 11 ordered their rows to dodge it: a first row with a control printed the column twice."""
+    est = E.Estimate(0.97, 0.96, 0.98, 5, kind=E.REPEATS)
+    with_control = C.Claim("with a control", "s", ">= 0.95", C.at_least(0.95), est,
+                           control=E.Estimate(0.5, 0.4, 0.6, 5, kind=E.REPEATS))
+    plain = C.Claim("without", "s", ">= 0.95", C.at_least(0.95), est)
+    for rows in ([with_control, plain], [plain, with_control]):
+        header = C.claims_table(rows).splitlines()[0].split()
+        assert header.count("control") == 1 and header[-1] == "verdict"

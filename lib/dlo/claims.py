@@ -236,8 +236,8 @@ def claims_table(claims: list[Claim]) -> str:
     from dlo.tables import format_table
 
     rows = [c.row() for c in claims]
-    columns = [k for k in rows[0] if k != "verdict"] if rows else None
-    if columns is not None:
+    columns = [k for k in rows[0] if k not in ("verdict", "control")] if rows else None
+    if columns is not None:  # a control column wherever a row has one (the first row may not), once
         columns += ["control"] * any("control" in r for r in rows) + ["verdict"]
     return format_table(rows, columns)
 
