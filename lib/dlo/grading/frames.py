@@ -160,7 +160,8 @@ def as_grader_error(exc: BaseException, name: str) -> GraderError | None:
     if where is None:
         return None
     return GraderError(f"{name}: internal error of the check, not of your code ({type(exc).__name__}: {exc}, raised "
-                       f"by the grader at {where}): tell your instructor; your code may well be right")
+                       f"by the grader at {where}): if what your code returns is of the type and shape the exercise "
+                       f"asks, tell your instructor; your code may well be right")
 
 
 def grader_error_text(text: str) -> str:
