@@ -149,7 +149,8 @@ def test_a_check_s_own_error_is_reported_as_the_grader_s_not_the_student_s(grade
 
     with pytest.raises(GraderError, match=r"looks_up: internal error of the check, not of your code \(KeyError: "
                                           r"'wire', raised by the grader at test_common.py:\d+, in check_looks_up\): "
-                                          r"tell your instructor"):
+                                          r"if what your code returns is of the type and shape the exercise "
+                                          r"asks, tell your instructor"):
         check_looks_up(_student("def answer(x):\n    return 'wire'\n", "answer"))
 
 
