@@ -42,6 +42,14 @@ def attend_ok(q, k_new, v_new, k_cache, v_cache, length):
     return _softmax_attend(q, k_cache[:, :, :L], v_cache[:, :, :L], past)
 
 
+def attend_in_float32(q, k_new, v_new, k_cache, v_cache, length):  # `.float()` rounds the float64 inputs down
+    T = q.shape[2]
+    k_cache[:, :, length:length + T], v_cache[:, :, length:length + T] = k_new, v_new
+    L = length + T
+    past = torch.arange(L)[None, :] > (length + torch.arange(T))[:, None]
+    return _softmax_attend(q.float(), k_cache[:, :, :L].float(), v_cache[:, :, :L].float(), past).to(q.dtype)
+
+
 def attend_before_append(q, k_new, v_new, k_cache, v_cache, length):
     T = q.shape[2]
     o = _softmax_attend(q, k_cache[:, :, :length], v_cache[:, :, :length], torch.zeros(T, length, dtype=torch.bool))
@@ -248,6 +256,14 @@ def paged_ok(q, k_cache, v_cache, tables, lens):
     return _paged(q, k_cache, v_cache, tables, lens)
 
 
+def paged_in_float32(q, k_cache, v_cache, tables, lens):  # a student trial's first answer
+    return _paged(q.float(), k_cache.float(), v_cache.float(), tables, lens).to(q.dtype)
+
+
+def paged_returns_float32(q, k_cache, v_cache, tables, lens):  # not cast back to q's dtype
+    return _paged(q, k_cache, v_cache, tables, lens).float()
+
+
 def paged_off_by_one(q, k_cache, v_cache, tables, lens):
     return _paged(q, k_cache, v_cache, tables, lens, block=lambda t, bs: t // bs + 1)
 
@@ -312,7 +328,8 @@ CASES = [
     (day9.check_attend_with_cache, (attend_ok,),
      [((stub,), "NotImplementedError"), ((attend_before_append,), "attended before appending"),
       ((attend_no_offset,), "no causal offset"), ((attend_repeat,), "the wrong KV head"),
-      ((attend_not_written,), "the cache was not appended")]),
+      ((attend_not_written,), "the cache was not appended"),
+      ((attend_in_float32,), "right to float32's rounding only")]),
     (day9.check_block_manager, (BlocksOk,),
      [((stub,), "NotImplementedError"), ((BlocksNoCopyOnWrite,), "no copy-on-write"),
       ((BlocksFreeIgnoresCount,), "a freed block is still referenced"),
@@ -325,7 +342,9 @@ CASES = [
     (day9.check_paged_attention, (paged_ok,),
      [((stub,), "NotImplementedError"), ((paged_off_by_one,), "off-by-one block index"),
       ((paged_no_length_mask,), "read past the sequence's length"), ((paged_wrong_head,), "the wrong KV head"),
-      ((paged_floor_blocks,), "the last, partial block left out")]),
+      ((paged_floor_blocks,), "the last, partial block left out"),
+      ((paged_in_float32,), "right to float32's rounding only"),
+      ((paged_returns_float32,), "returned torch.float32, expected q's dtype")]),
     (day9.check_schedule_step, (schedule_ok,),
      [((stub,), "NotImplementedError"), ((schedule_earliest_victim,), "preempt the latest admitted"),
       ((schedule_skips_ahead,), "first come, first served"), ((schedule_no_reserve,), "the budget"),

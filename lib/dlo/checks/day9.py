@@ -77,6 +77,21 @@ def _name_mistake(name: str, got, mistakes: dict, where: dict) -> None:
             raise AssertionError(f"{name}: {slip} ({fmt(where)})")
 
 
+def _dtype(name: str, got, want, where: dict) -> None:
+    if isinstance(got, torch.Tensor) and got.dtype != want.dtype:
+        raise AssertionError(f"{name}: returned {got.dtype}, expected q's dtype {want.dtype} ({fmt(where)})")
+
+
+def _float32_slip(name: str, got, want, where: dict) -> None:
+    """The inputs are float64: an answer right to float32's rounding only was computed in float32 (`.float()`
+    rounds float64 down); a student trial met it."""
+    if isinstance(got, torch.Tensor) and got.shape == want.shape and got.is_floating_point() \
+            and torch.allclose(got.to(want.dtype), want, 1e-5, 1e-6) and not torch.allclose(got, want, RTOL, ATOL):
+        raise AssertionError(f"{name}: right to float32's rounding only: the check's inputs are float64 and the "
+                             f"answer must keep their precision (compute in the inputs' dtype: `.float()` rounds "
+                             f"float64 down to float32) ({fmt(where)})")
+
+
 @check(forbid=ATTENTION)
 def check_attend_with_cache(fn, seed: int = 0, trials: int = 6) -> None:
     """`fn(q, k_new, v_new, k_cache, v_cache, length) -> o`: k_new, v_new (B, Hkv, T, D) written into the
@@ -108,9 +123,11 @@ def check_attend_with_cache(fn, seed: int = 0, trials: int = 6) -> None:
         if isinstance(o, torch.Tensor) and o.shape != want.shape:
             raise AssertionError(f"{name}: returned shape {tuple(o.shape)}, expected (B, H, T, D) = "
                                  f"{tuple(want.shape)} ({fmt(where)})")
+        _dtype(name, o, want, where)
         if not (isinstance(o, torch.Tensor) and torch.allclose(o, want, RTOL, ATOL)):
             _name_mistake(name, o, _cache_mistakes(q, k_want[:, :, :length + T], v_want[:, :, :length + T], length),
                           where)
+            _float32_slip(name, o, want, where)
         assert_close(name, "attention output", o, want, where, rtol=RTOL, atol=ATOL)
     _check_decode(name, fn, rng)
     ok(name, f"{trials} trials and a Llama's decode, seed={seed}")
@@ -206,7 +223,9 @@ def check_paged_attention(fn, seed: int = 0, trials: int = 5) -> None:
         where = dict(B=B, H=Hkv * g, Hkv=Hkv, D=D, block_size=page, seq_lens=lens)
         o = fn(q.clone(), k_cache.clone(), v_cache.clone(), tables.clone(), seq_lens.clone())
         want = paged_attention_ref(q, k_cache, v_cache, tables, seq_lens)
+        _dtype(name, o, want, where)
         if not (isinstance(o, torch.Tensor) and o.shape == want.shape and torch.allclose(o, want, RTOL, ATOL)):
             _name_mistake(name, o, _block_mistakes(q, k_cache, v_cache, tables, seq_lens), where)
+            _float32_slip(name, o, want, where)
         assert_close(name, "attention output", o, want, where, rtol=RTOL, atol=ATOL)
     ok(name, f"{trials} trials, seed={seed}")
