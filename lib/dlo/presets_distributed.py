@@ -1,5 +1,5 @@
 """Presets of the days that launch several ranks (4: DDP, 5: ZeRO and FSDP2, 6: pipeline, 7: tensor
-parallelism): one frozen dataclass per day, its defaults the `tiny` scale (gloo ranks on a CPU).
+parallelism, 10: context and expert parallelism): one frozen dataclass per day, its defaults the `tiny` scale (gloo ranks on a CPU).
 
 Apart from the one-process days because these carry what a launch needs (`world_size`, the world
 sizes of sweeps, launch timeouts) and validate against the distributed engines. `dlo.presets` holds
@@ -280,8 +280,9 @@ class Day10Preset:
     launch_timeout_s: float = 300.0
 
     def sizes(self) -> str:
-        return (f"attention B={self.batch} H={self.heads} D={self.head_dim}, T in {self.seq_lens}; MoE E={self.n_experts} "
-                f"top-{self.top_k}, dim {self.moe_dim}, hidden {self.moe_hidden}, {self.moe_tokens} tokens per rank")
+        return (f"attention B={self.batch} H={self.heads} D={self.head_dim}, T in {self.seq_lens}; "
+                f"MoE E={self.n_experts} top-{self.top_k}, dim {self.moe_dim}, hidden {self.moe_hidden}, "
+                f"{self.moe_tokens} tokens per rank")
 
     def validate(self) -> None:
         n = self.world_size

@@ -239,12 +239,12 @@ def check_route(fn, seed: int = 0, trials: int = 6) -> None:
         if not _same(g_experts, experts):
             assert_close(name, "experts (the top-k, most probable first)", g_experts, experts, hp)
         if not _same(g_gates, gates):
-            probs = torch.softmax(logits, -1).topk(top_k, -1)[0]
+            probs, raw = torch.softmax(logits, -1).topk(top_k, -1)[0], logits.topk(top_k, -1)[0]
             _named(name, g_gates, {"the top-k gates are not renormalised: with k > 1 they are divided by their sum "
                                    "(GShard)": probs,
                                    "the gates are renormalised with k = 1: Switch keeps the router's probability":
                                        torch.ones_like(probs),
-                                   "the gates are the logits: they are softmax probabilities": logits.topk(top_k, -1)[0]},
+                                   "the gates are the logits: they are softmax probabilities": raw},
                    hp)
             assert_close(name, "gates", g_gates, gates, hp)
         if not _same(g_kept, kept):
