@@ -1,5 +1,5 @@
 """Presets of the days that launch several ranks (4: DDP, 5: ZeRO and FSDP2, 6: pipeline, 7: tensor
-parallelism, 10: context and expert parallelism): one frozen dataclass per day, its defaults the `tiny` scale (gloo ranks on a CPU).
+parallelism): one frozen dataclass per day, its defaults the `tiny` scale (gloo ranks on a CPU).
 
 Apart from the one-process days because these carry what a launch needs (`world_size`, the world
 sizes of sweeps, launch timeouts) and validate against the distributed engines. `dlo.presets` holds
