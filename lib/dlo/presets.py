@@ -112,5 +112,5 @@ DAY10: dict[str, Day10Preset] = {  # day10_context_experts
     # at 8k-32k tokens, an MoE of 8 experts top-2 at its width 3072 (experts of 2048: 4 x 3B's MLP total)
     "full": Day10Preset(world_size=8, batch=1, heads=24, head_dim=128, seq_lens=(8192, 16384, 32768),
                         work_seq=32768, timing_reps=10, moe_dim=3072, moe_hidden=2048, n_experts=8, top_k=2,
-                        moe_tokens=8192, max_steps=200, lr=1e-3, launch_timeout_s=3600.0),
+                        moe_tokens=8192, max_steps=500, aux_weight=0.01, lr=1e-3, launch_timeout_s=3600.0),
 }
