@@ -4,7 +4,7 @@ all-gather version, DeepSpeed-Ulysses) and expert parallelism on `world_size` ra
 What each rank measures (`dlo.distributed.context_parallel`, `ulysses`, `expert_parallel` are the code under
 test; every measurement comes from outside it):
 
-- equality: each implementation against one process on the full sequence (`dlo.attention.naive_attention`),
+- equality: each implementation against one process on the full sequence (torch's `scaled_dot_product_attention`),
   outputs and q/k/v gradients, float64, odd shards (T/N = 7 contiguous, zig-zag chunks of 3), causal and not;
   the control: a ring told the contiguous positions while it holds zig-zag shards (the causal mask on the
   wrong positions), which must differ;
@@ -25,8 +25,8 @@ import math
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
-from dlo.attention import naive_attention
 from dlo.distributed import context_parallel as cp
 from dlo.distributed import expert_parallel as ep
 from dlo.distributed import ulysses
@@ -60,7 +60,7 @@ def equality(n: int, r: int, device) -> dict:
         for zigzag in (False, True):
             T = 2 * n * 3 if zigzag else n * 7
             q, k, v, up = _full(T, EQ_B, EQ_H, EQ_D, torch.float64, device, seed=T)
-            want = _fwd_bwd(naive_attention, q, k, v, up, causal=causal)
+            want = _fwd_bwd(F.scaled_dot_product_attention, q, k, v, up, is_causal=causal)  # torch's own
             pos = cp.rank_positions(T, n, r, zigzag).to(device)
             mine = [x[..., pos, :] for x in (q, k, v, up)]
             for name, fn in IMPLS.items():
