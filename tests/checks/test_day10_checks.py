@@ -7,6 +7,7 @@ them with one slip."""
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -15,6 +16,18 @@ from dlo.checks import day10
 from dlo.distributed import context_parallel as cp
 from dlo.grading.forbid import ForbiddenCall
 from dlo.models import moe
+from tests.checks.day10_students import (
+    merge_no_rescale,
+    merge_ok,
+    ring_all_gather,
+    ring_hop_short,
+    ring_local_mask,
+    ring_no_rescale,
+    ring_ok,
+    ring_sends_twice,
+    ring_stub,
+    ring_wrong_owner,
+)
 
 
 def stub(*args, **kwargs):
@@ -22,16 +35,6 @@ def stub(*args, **kwargs):
 
 
 # ----------------------------------------------------------------------------- exercise 1: the merge
-
-def merge_ok(o1, lse1, o2, lse2):
-    lse = torch.logaddexp(lse1, lse2)
-    ref = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
-    return torch.exp(lse1 - ref)[..., None] * o1 + torch.exp(lse2 - ref)[..., None] * o2, lse
-
-
-def merge_no_rescale(o1, lse1, o2, lse2):
-    return o1 + o2, torch.logaddexp(lse1, lse2)
-
 
 def merge_overflow(o1, lse1, o2, lse2):
     s = torch.exp(lse1) + torch.exp(lse2)
@@ -186,3 +189,23 @@ def test_wrong_fails_sandboxed(sandbox, check, bad):
     with pytest.raises(AssertionError) as err:
         sandbox.run(check, *bad, seed=0)
     assert not isinstance(err.value, ForbiddenCall)
+
+
+@pytest.mark.parametrize("world_size,seed", [(2, 0), (3, 1)])
+def test_ring_forward_accepts_correct(ranks, one_thread, world_size, seed, capsys):
+    day10.check_ring_forward(ring_ok, seed=seed, world_size=world_size)
+    assert ": ok (" in capsys.readouterr().out
+
+
+SLOW = pytest.mark.slow  # a check on 3 ranks each: the first two run in make test, the rest with -m slow
+
+
+@pytest.mark.parametrize("bad,slip", [(ring_local_mask, "local positions"), (ring_all_gather, "off limits"),
+                                      pytest.param(ring_hop_short, "a block is missing", marks=SLOW),
+                                      pytest.param(ring_wrong_owner, "the wrong way round", marks=SLOW),
+                                      pytest.param(ring_no_rescale, "without rescaling", marks=SLOW),
+                                      pytest.param(ring_sends_twice, "bytes; passing its K and V", marks=SLOW),
+                                      pytest.param(ring_stub, "NotImplementedError", marks=SLOW)])
+def test_ring_forward_names_the_slip(ranks, one_thread, bad, slip):
+    with pytest.raises(AssertionError, match=re.escape(slip)):
+        day10.check_ring_forward(bad, seed=1, world_size=3)

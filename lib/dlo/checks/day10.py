@@ -2,8 +2,9 @@
 
 Each `check_<exercise>(fn, ..., seed=0, trials=...)` draws odd shapes from `seed` (`case_seed`: a
 secret one under `dlo grade`), calls the student's function (a plain call: tensors in, plain data
-back) and compares with the library's reference (`dlo.distributed.context_parallel`,
-`dlo.models.moe`), which is off limits while the student's code runs. A mismatch is named: the
+back; exercise 4's ring runs on ranks: `dlo.checks.day10_ring`) and compares with the library's
+reference (`dlo.distributed.context_parallel`, `dlo.models.moe`), which is off limits while the
+student's code runs. A mismatch is named: the
 check computes the usual slips on its own side (no rescale, a contiguous split, a capacity rounded
 down, ...) and says which one the answer matches, else where it differs.
 """
@@ -15,6 +16,7 @@ import random
 
 import torch
 
+from dlo.checks.day10_ring import check_ring_forward  # noqa: F401 (exercise 4: the notebook calls it from here)
 from dlo.distributed import context_parallel as cp
 from dlo.grading.api import case_seed, check
 from dlo.grading.compare import assert_close, fmt, ok
