@@ -1,7 +1,7 @@
 """Day 10's mixture-of-experts experiments in one process (`dlo.models.moe` is the code under test).
 
-- `train`: the MoE layer (E SwiGLU experts, top-k, capacity factor) fitted to a fixed random SwiGLU
-  teacher on tokens with a shared mean direction (as a transformer's activations have: a router starts
+- `train`: the MoE layer (E SwiGLU experts, top-k, no capacity limit while training) fitted to a fixed
+  random SwiGLU teacher on tokens with a shared mean direction (as a transformer's activations have: a router starts
   biased), with and without Switch's auxiliary loss (Fedus et al. 2021, Eq. 4: alpha E sum_i f_i P_i),
   paired by seed (same data, same initial layer). Logged to TensorBoard (loss, aux, imbalance).
 - `loads`: the assignments per expert of held-out tokens, counted here from the router's softmax and
@@ -25,19 +25,25 @@ from dlo.models.moe import MoE
 from dlo.progress import tqdm
 
 
-def data(P, seed: int, device) -> dict:
-    """Training and held-out tokens (S, dim) and the teacher's targets."""
-    g = torch.Generator().manual_seed(1000 + seed)
-    mean = torch.randn(P.moe_dim, generator=g)  # the shared direction: one expert is favoured at first
-    teacher = [torch.randn(P.moe_dim, P.moe_hidden, generator=g) / math.sqrt(P.moe_dim) for _ in range(2)]
-    teacher.append(torch.randn(P.moe_hidden, P.moe_dim, generator=g) / math.sqrt(P.moe_hidden))
+def data(P, seed: int, device):
+    """`batch(n) -> (x (n, dim), teacher(x))`: tokens drawn on `device` from a generator seeded by `seed`, one
+    batch at a time (the full profile's 500 steps of 8192 x 3072 tokens would be 50 GB at once). Both arms of
+    a seed draw the same sequence of batches."""
+    g = torch.Generator(device=device).manual_seed(1000 + seed)
 
-    def tokens(n):
-        x = torch.randn(n, P.moe_dim, generator=g) + mean
-        return x.to(device), ((F.silu(x @ teacher[0]) * (x @ teacher[1])) @ teacher[2]).to(device)
+    def randn(*shape):
+        return torch.randn(*shape, generator=g, device=device)
 
-    train = [tokens(P.moe_tokens) for _ in range(P.max_steps)]
-    return {"train": train, "held_out": tokens(4 * P.moe_tokens)}
+    mean = randn(P.moe_dim)  # the shared direction: one expert is favoured at first
+    w1, w3 = (randn(P.moe_dim, P.moe_hidden) / math.sqrt(P.moe_dim) for _ in range(2))  # the teacher's SwiGLU
+    w2 = randn(P.moe_hidden, P.moe_dim) / math.sqrt(P.moe_hidden)
+
+    def batch(n: int):
+        x = randn(n, P.moe_dim) + mean
+        with torch.no_grad():
+            return x, (F.silu(x @ w1) * (x @ w3)) @ w2
+
+    return batch
 
 
 def loads(layer: MoE, x: torch.Tensor, top_k: int) -> torch.Tensor:
@@ -62,14 +68,15 @@ def dropped_share(load: torch.Tensor, top_k: int, factor: float) -> float:
 def train(P, seed: int, aux: bool, device, writer=None) -> dict:
     """One arm of the pair: the layer after P.max_steps Adam steps on the teacher's targets (MSE, plus
     P.aux_weight x Switch's loss when `aux`); its losses, and the loads of held-out tokens."""
-    d = data(P, seed, device)
+    batch = data(P, seed, device)
     torch.manual_seed(seed)
     layer = MoE(P.moe_dim, P.moe_hidden, P.n_experts, top_k=P.top_k, capacity_factor=None).to(device)
     opt = torch.optim.Adam(layer.parameters(), lr=P.lr)
-    x_held = d["held_out"][0]
+    x_held = batch(4 * P.moe_tokens)[0]  # held out: drawn first, never trained on
     start = loads(layer, x_held, P.top_k)
     losses = []
-    for i, (x, y) in enumerate(d["train"]):
+    for i in range(P.max_steps):
+        x, y = batch(P.moe_tokens)
         out = layer(x)
         mse = F.mse_loss(out.y, y)
         loss = mse + P.aux_weight * out.aux_loss if aux else mse
@@ -111,15 +118,16 @@ class DenseSwiGLU(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
-def flops(P, tokens: int = 64) -> dict:
+def flops(P, device="cpu", tokens: int = 64) -> dict:
     """Forward FLOPs per token counted by torch: the MoE layer (no capacity: no token dropped), a dense SwiGLU
     of the same active parameters (k x hidden) and one holding all the experts' parameters (E x hidden);
     and the parameters of each."""
     torch.manual_seed(0)
-    x = torch.randn(tokens, P.moe_dim)
+    x = torch.randn(tokens, P.moe_dim, device=device)
     layers = {"moe": MoE(P.moe_dim, P.moe_hidden, P.n_experts, top_k=P.top_k, capacity_factor=None),
               "dense, same active": DenseSwiGLU(P.moe_dim, P.top_k * P.moe_hidden),
               "dense, all parameters": DenseSwiGLU(P.moe_dim, P.n_experts * P.moe_hidden)}
+    layers = {k: layer.to(device) for k, layer in layers.items()}
     out = {}
     with torch.no_grad():
         for name, layer in layers.items():
