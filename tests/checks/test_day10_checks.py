@@ -136,6 +136,56 @@ def route_not_renormalised(logits, top_k, capacity_factor):
     return _route(logits, top_k, capacity_factor, renorm=False)
 
 
+# ----------------------------------------------------------------------------- exercise 5: dispatch and combine
+
+def _priority(experts, kept):
+    """(token, choice) of the kept assignments, every first choice before any second, grouped by expert."""
+    S, k = experts.shape
+    pairs = [(s, j) for j in range(k) for s in range(S) if kept[s, j]]
+    return sorted(pairs, key=lambda sj: int(experts[sj]))  # sorted() is stable: priority order within an expert
+
+
+def dispatch_ok(x, experts, kept, n_experts):
+    pairs = _priority(experts, kept)
+    counts = torch.bincount(experts[kept], minlength=n_experts)
+    return x[[s for s, _ in pairs]], counts
+
+
+def combine_ok(y, experts, gates, kept, n_tokens):
+    pairs = _priority(experts, kept)
+    out = y.new_zeros((n_tokens, y.shape[1]))
+    for row, (s, j) in enumerate(pairs):
+        out[s] += gates[s, j] * y[row]
+    return out
+
+
+def dispatch_token_order(x, experts, kept, n_experts):
+    pairs = sorted(_priority(experts, kept), key=lambda sj: (int(experts[sj]), sj[0]))
+    return x[[s for s, _ in pairs]], torch.bincount(experts[kept], minlength=n_experts)
+
+
+def dispatch_not_grouped(x, experts, kept, n_experts):
+    S, k = experts.shape
+    return x[[s for j in range(k) for s in range(S) if kept[s, j]]], torch.bincount(experts[kept], minlength=n_experts)
+
+
+def dispatch_no_minlength(x, experts, kept, n_experts):
+    return dispatch_ok(x, experts, kept, n_experts)[0], torch.bincount(experts[kept])
+
+
+def combine_no_gates(y, experts, gates, kept, n_tokens):
+    return combine_ok(y, experts, torch.ones_like(gates), kept, n_tokens)
+
+
+def combine_priority_order(y, experts, gates, kept, n_tokens):
+    S, k = experts.shape
+    pairs = [(s, j) for j in range(k) for s in range(S) if kept[s, j]]
+    out = y.new_zeros((n_tokens, y.shape[1]))
+    for row, (s, j) in enumerate(pairs):
+        out[s] += gates[s, j] * y[row]
+    return out
+
+
 CASES = [
     (day10.check_merge_partials, (merge_ok,), [
         ((merge_no_rescale,), "without rescaling"), ((merge_overflow,), "overflows"),
@@ -148,9 +198,14 @@ CASES = [
         ((route_floor,), "rounded down"), ((route_plus_one,), "one assignment too many"),
         ((route_by_score,), "priority by score"), ((route_token_major,), "token by token"),
         ((route_not_renormalised,), "not renormalised"), ((stub,), "")]),
+    (day10.check_dispatch_combine, (dispatch_ok, combine_ok), [
+        ((dispatch_token_order, combine_ok), "token order"), ((dispatch_not_grouped, combine_ok), "not grouped"),
+        ((dispatch_no_minlength, combine_ok), "minlength"), ((dispatch_ok, combine_no_gates), "gates are not applied"),
+        ((dispatch_ok, combine_priority_order), "reads y in priority order"), ((dispatch_ok, stub), "")]),
 ]
 LIBRARY = [(lambda *a: cp.merge_partials(*a),), (lambda x, n, r: cp.zigzag_split(x, n, r), unsplit_ok),
-           (lambda lg, k, f: moe.route(lg, torch.eye(lg.shape[1], dtype=lg.dtype), k, 3),)]
+           (lambda lg, k, f: moe.route(lg, torch.eye(lg.shape[1], dtype=lg.dtype), k, 3),),
+           (lambda x, e, kept, n: moe.dispatch(x, None), combine_ok)]
 
 
 @pytest.mark.parametrize("check,good", [(c, g) for c, g, _ in CASES], ids=[c.__name__ for c, _, _ in CASES])

@@ -16,36 +16,18 @@ import random
 
 import torch
 
-from dlo.checks.day10_ring import check_ring_forward  # noqa: F401 (exercise 4: the notebook calls it from here)
+from dlo.checks.day10_moe import check_dispatch_combine, check_route  # noqa: F401 (the notebook calls them here)
+from dlo.checks.day10_moe import named as _named
+from dlo.checks.day10_moe import same as _same
+from dlo.checks.day10_ring import check_ring_forward  # noqa: F401 (exercise 3: the notebook calls it from here)
 from dlo.distributed import context_parallel as cp
 from dlo.grading.api import case_seed, check
 from dlo.grading.compare import assert_close, fmt, ok
-from dlo.models import moe
 
 MERGE = ("dlo.distributed.context_parallel.merge_partials", "dlo.distributed.context_parallel.ring_forward",
          "dlo.distributed.context_parallel.ring_attention", "dlo.distributed.context_parallel.RingAttention")
 ZIGZAG = ("dlo.distributed.context_parallel.zigzag_split", "dlo.distributed.context_parallel.zigzag_unsplit",
           "dlo.distributed.context_parallel.zigzag_positions", "dlo.distributed.context_parallel.rank_positions")
-ROUTE = ("dlo.models.moe.route", "dlo.models.moe.expert_capacity", "dlo.models.moe.MoE", "dlo.models.moe.moe_ref",
-         "dlo.distributed.expert_parallel.ExpertParallelMoE")
-
-
-def _same(got, want) -> bool:
-    """got equals want (shapes and values, nan and inf where want has them), never raising."""
-    try:
-        g = torch.as_tensor(got).detach().to("cpu", torch.float64)
-    except (TypeError, ValueError, RuntimeError):
-        return False
-    w = torch.as_tensor(want).detach().to("cpu", torch.float64)
-    return g.shape == w.shape and bool(torch.allclose(g, w, rtol=1e-6, atol=1e-9, equal_nan=True))
-
-
-def _named(name: str, got, slips: dict, where: dict, want=None) -> None:
-    """AssertionError naming the first slip (a message -> its wrong result) that `got` reproduces, of
-    those that differ from the right answer `want` on this case."""
-    for message, wrong in slips.items():
-        if _same(got, wrong) and (want is None or not _same(wrong, want)):
-            raise AssertionError(f"{name}: {message} ({fmt(where)})")
 
 
 # ----------------------------------------------------------------------------- exercise 1: the merge
@@ -172,87 +154,3 @@ def check_zigzag(split_fn, unsplit_fn, seed: int = 0, trials: int = 4) -> None:
             raise AssertionError(f"{name}: a sequence of {bad_T} positions cannot be cut into 2N = {2 * n} equal "
                                  f"chunks; split_fn must raise ValueError, not return unequal shards")
     ok(name, f"{trials} sequences, N = 2..5, odd chunks, lengths not divisible by 2N refused, seed={seed}")
-
-
-# ----------------------------------------------------------------------------- exercise 3: the router
-
-def _reference_route(logits: torch.Tensor, top_k: int, factor: float) -> tuple[torch.Tensor, ...]:
-    """(experts (S, k), gates (S, k), kept (S, k)) of the library's router with the identity as weight."""
-    S, E = logits.shape
-    cap = moe.expert_capacity(S, E, top_k, factor)
-    r = moe.route(logits, torch.eye(E, dtype=logits.dtype), top_k, cap)
-    gates, experts = r.probs.topk(top_k, dim=-1)
-    if top_k > 1:
-        gates = gates / gates.sum(-1, keepdim=True)
-    kept = torch.zeros(S, top_k, dtype=torch.bool)
-    for tok, e in zip(r.token.tolist(), r.expert.tolist()):
-        kept[tok, (experts[tok] == e).nonzero()[0, 0]] = True
-    return experts, gates, kept
-
-
-def _kept_with(experts: torch.Tensor, E: int, cap: int, order: list[tuple[int, int]]) -> torch.Tensor:
-    """Which assignments fit `cap` per expert when taken in `order` ((token, choice) pairs)."""
-    used, kept = [0] * E, torch.zeros(experts.shape, dtype=torch.bool)
-    for s, j in order:
-        e = int(experts[s, j])
-        if used[e] < cap:
-            used[e], kept[s, j] = used[e] + 1, True
-    return kept
-
-
-def _route_slips(logits, experts, gates, top_k, factor) -> dict:
-    S, E = logits.shape
-    cap = math.ceil(top_k * S * factor / E)
-    choice_major = [(s, j) for j in range(top_k) for s in range(S)]
-    by_score = sorted(choice_major, key=lambda sj: -float(gates[sj]))
-    return {
-        f"the capacity is rounded down (floor(k S f / E) = {math.floor(top_k * S * factor / E)}): it is "
-        f"ceil(k S f / E) = {cap}": _kept_with(experts, E, math.floor(top_k * S * factor / E), choice_major),
-        f"one assignment too many per expert (C + 1 = {cap + 1}): an expert keeps at most C = ceil(k S f / E)":
-            _kept_with(experts, E, cap + 1, choice_major),
-        "priority by score: the rule is by position, every token's first choice before any second choice, "
-        "in token order": _kept_with(experts, E, cap, by_score),
-        "priority token by token (token 0's choices, then token 1's): every first choice comes before any second "
-        "choice": _kept_with(experts, E, cap, [(s, j) for s in range(S) for j in range(top_k)]),
-    }
-
-
-@check(forbid=ROUTE, hint="softmax, topk and a count per expert in plain torch")
-def check_route(fn, seed: int = 0, trials: int = 6) -> None:
-    """`fn(logits (S, E), top_k, capacity_factor) -> (experts (S, k) int64, gates (S, k), kept (S, k) bool)`."""
-    name, rng = "route", random.Random(case_seed(seed))
-    gen = torch.Generator().manual_seed(case_seed(seed))
-    for t in range(trials):
-        E = rng.choice([3, 4, 5, 7])
-        top_k = 1 if t % 3 == 0 else rng.choice([2, min(3, E)])
-        S = rng.choice([7, 9, 13, 17])
-        # a fractional k S f / E (ceil matters) except in trial 1, where it is an integer (C + 1 shows)
-        factor = E / (top_k * S) * rng.choice([2, 3]) if t % 3 == 1 else rng.choice([0.5, 0.75, 1.0, 1.25])
-        skew = torch.zeros(E, dtype=torch.float64)
-        skew[rng.randrange(E)] = 1.5  # one popular expert: drops happen
-        logits = torch.randn(S, E, generator=gen, dtype=torch.float64) + skew
-        hp = dict(S=S, E=E, top_k=top_k, capacity_factor=round(factor, 4),
-                  capacity=math.ceil(top_k * S * factor / E))
-        experts, gates, kept = _reference_route(logits, top_k, factor)
-        got = fn(logits.clone(), top_k, factor)
-        if not isinstance(got, (tuple, list)) or len(got) != 3:
-            raise AssertionError(f"{name}: return (experts, gates, kept), got {type(got).__name__} ({fmt(hp)})")
-        g_experts, g_gates, g_kept = got
-        if not _same(g_experts, experts):
-            assert_close(name, "experts (the top-k, most probable first)", g_experts, experts, hp)
-        if not _same(g_gates, gates):
-            probs, raw = torch.softmax(logits, -1).topk(top_k, -1)[0], logits.topk(top_k, -1)[0]
-            _named(name, g_gates, {"the top-k gates are not renormalised: with k > 1 they are divided by their sum "
-                                   "(GShard)": probs,
-                                   "the gates are renormalised with k = 1: Switch keeps the router's probability":
-                                       torch.ones_like(probs),
-                                   "the gates are the logits: they are softmax probabilities": raw},
-                   hp)
-            assert_close(name, "gates", g_gates, gates, hp)
-        if not _same(g_kept, kept):
-            _named(name, g_kept, _route_slips(logits, experts, gates, top_k, factor), hp)
-            assert_close(name, "kept", torch.as_tensor(g_kept).to(torch.float64), kept.to(torch.float64), hp)
-        g_kept_t = torch.as_tensor(g_kept)
-        if g_kept_t.dtype != torch.bool:
-            raise AssertionError(f"{name}: kept must be a bool tensor, got {g_kept_t.dtype} ({fmt(hp)})")
-    ok(name, f"{trials} routings, k = 1..3, capacities with and without rounding, seed={seed}")
