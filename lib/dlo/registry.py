@@ -92,7 +92,7 @@ DAYS: dict[str, DaySpec] = {d.name: d for d in (
          grade_cpu_s=60.0, run_s=53.0),
     _day(8, "day8_quantization_pruning", P.Day8Preset, P.DAY8, preflight="dlo.experiments.day8_smooth:preflight",
          parameters=("weights_dir",), data=("cifar10",), grade_cpu_s=30.0, run_s=142.0),
-    _day(10, "day10_context_experts", P.Day10Preset, P.DAY10, grade_cpu_s=16.0, run_s=45.0),
+    _day(10, "day10_context_experts", P.Day10Preset, P.DAY10, grade_cpu_s=15.0, run_s=45.0),
 )}
 
 
