@@ -184,7 +184,7 @@ def plan(P, *, gpus: int, gpu_mem_gb: float) -> list[dict]:
     layer (bf16 q, k, v, o and what each keeps; the largest score block as transient), and the MoE layer
     over `gpus` expert-parallel ranks (fp32 weights, gradients and AdamW; its k S rows of activations)."""
     T, B, H, D = P.seq_lens[-1], P.batch, P.heads, P.head_dim
-    split_evenly("the zig-zag split's 2N chunks: N must divide T/2", {f"half the sequence of {T}": T // 2}, gpus)
+    split_evenly(f"the zig-zag split cuts T = {T} into 2N chunks", {"T/2": T // 2}, gpus)
     split_evenly("the experts", {"experts": P.n_experts}, gpus)
     t, s = T // gpus, 2
     qkvo = 4 * B * H * t * D * s
