@@ -56,7 +56,7 @@ def test_no_cycle_through_the_registrys_strings():
 
 
 def test_an_unknown_day_is_one_line():
-    with pytest.raises(ValueError, match=r"^no planner for 'day9'; days with one: .*day1_optimizers, "):
+    with pytest.raises(ValueError, match=r"^no planner for 'day9'; days with one: day1_optimizers, "):
         plan_day("day9")
     with pytest.raises(ValueError, match=r"^day1_optimizers: dlo.experiments.nope cannot be loaded"):
         DAYS["day1_optimizers"].load("dlo.experiments.nope")

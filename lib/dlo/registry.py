@@ -108,7 +108,8 @@ def plan_day(day: str, gpus: int | None = None, gpu_mem_gb: float = 80.0) -> lis
     single-process days) of `gpu_mem_gb` GB each. ValueError (one line) for an unknown day or a bad
     number, and from a planner whose work cannot be split over `gpus` ranks (`dlo.plan.split_evenly`)."""
     if day not in DAYS:
-        raise ValueError(f"no planner for {day!r}; days with one: {', '.join(sorted(DAYS)) or '(none)'}")
+        # in the registry's order (by number): sorted names would put day10 before day1
+        raise ValueError(f"no planner for {day!r}; days with one: {', '.join(DAYS) or '(none)'}")
     if (gpus is not None and gpus < 1) or gpu_mem_gb <= 0:
         raise ValueError(f"need gpus >= 1 and gpu_mem_gb > 0, got gpus={gpus}, gpu_mem_gb={gpu_mem_gb}")
     day_spec = DAYS[day]
