@@ -94,8 +94,7 @@ def cp_claims(R: list[dict], P) -> list[C.Claim]:
            for s, w in work.items()}
     out.append(C.Claim("zig-zag balances the causal work: the busiest rank does the mean work", STRIPED,
                        "every rank (N+1)/2 blocks", C.approx(1.0, rel=0.02), bal["zig-zag"], control=bal["contiguous"]))
-    # first: claims_table takes its columns from the first row, which must not carry a control (it would
-    # print the control column twice)
+    # first: the imbalance the zig-zag split removes, before the equality rows and the fix
     out.insert(0, C.Claim("contiguous split: the last rank does 2N/(N+1) times the mean work", STRIPED,
                           f"{2 * n / (n + 1):.3g} at N = {n}", C.approx(2 * n / (n + 1), rel=0.05), bal["contiguous"]))
     steps = {s: E.median_interval([max(ts) for ts in zip(*(r["work"][s]["times"] for r in R))])
