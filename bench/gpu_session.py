@@ -70,9 +70,10 @@ class Step:
     cmd: list[str] | None = None  # the command, when not `bench/gpu_steps.py NAME ARGS` (tests)
 
 
-DAYS_BY_RISK = ["day5_fsdp", "day7_tensor_parallel", "day6_pipeline", "day4_ddp", "day8_quantization_pruning",
-                "day1_optimizers", "day2_mixed_precision", "day3_checkpointing",
-                "day11_learning_faster"]  # never run on a GPU first; Day 11: its studies on the GPU, NVML's energy
+DAYS_BY_RISK = ["day5_fsdp", "day7_tensor_parallel", "day10_context_experts", "day6_pipeline", "day4_ddp",
+                "day8_quantization_pruning", "day1_optimizers", "day2_mixed_precision", "day3_checkpointing",
+                "day11_learning_faster", "day9_inference"]  # never run on a GPU first; Day 11: its studies on the
+                                                            # GPU, NVML's energy; Day 9: its day9_serve step too
 
 STEPS = [
     Step("env", "the node's torch/CUDA/NCCL/Triton (the locked versions cannot be carried), the carried packages "
@@ -89,6 +90,9 @@ STEPS = [
                   "sandbox, the full profile's smoke sizes): full marks", 120, 360),
     Step("day4_ddp", "Day 4's data-parallel versions (dlo's naive and bucketed, torch DDP) on NCCL at world 1, "
                      "ResNet-18 at 224 px", 45, 180),
+    Step("day10_cp", "Day 10's ring attention on NCCL (world = the GPUs) against SDPA on one process and torch's "
+                     "context_parallel (GPU only); the MoE layer's step against a dense one of its active parameters",
+         60, 240),
     Step("day3_resume", "Day 3 at the full profile (155M model, 8 x 1024 tokens) with a 15-step resume: "
                         "bit-identical losses after preemption on a GPU", 150, 360, ["--max-steps", "15"]),
     *[Step(f"smoke_{d.split('_')[0]}", f"{d} at the full profile with cut steps (`dlo run {d} --profile full "

@@ -293,6 +293,29 @@ def step_day4_ddp(a) -> int:
     return 0
 
 
+def step_day10_cp(a) -> int:
+    """Ring attention on NCCL at world = the GPUs (gloo world 2 in the dry run) against one process and torch's
+    context_parallel; the MoE layer's step against the dense one (`dlo.experiments.day10_gpu`)."""
+    import torch
+
+    from dlo.distributed.launch import launch
+    from dlo.experiments.day10_gpu import moe_vs_dense, ring_probe
+    from dlo.presets import DAY10
+
+    P = DAY10["tiny" if a.cpu else "full"]
+    world = 2 if a.cpu else max(1, torch.cuda.device_count())
+    rows = launch(ring_probe, world, P, backend="gloo" if a.cpu else "nccl", timeout=600)
+    result(day="day10_context_experts", ring=rows)
+    print(json.dumps(rows, indent=1, default=str))
+    moe = moe_vs_dense(P, torch.device("cpu" if a.cpu else "cuda"))
+    result(moe_vs_dense=moe)
+    print(json.dumps({k: v for k, v in moe.items() if k != "times_ms"}, indent=1, default=str))
+    bad = [r for r in rows if not r["ring_max_err"] < 1e-3]
+    if bad:
+        result(failure=f"ring attention differs from SDPA by {max(r['ring_max_err'] for r in bad):.3g}")
+    return 1 if bad else 0
+
+
 def notebook_numbers(nb_path: Path) -> dict:
     """What an executed notebook says: its error (if any), every claims row (claimed, measured, verdict:
     agreeing or not), the audit's problems, Day 3's resume verdict."""
@@ -376,7 +399,8 @@ def step_bench(a) -> int:
 
 STEPS = {"env": step_env, "doctor": step_doctor, "launch": step_launch, "sandbox": step_sandbox,
          "day5_3b": step_day5_3b, "grade": step_grade, "day4_ddp": step_day4_ddp, "day3_resume": step_day3_resume,
-         "day9_serve": step_day9_serve, "gpu_tests": step_gpu_tests, "bench": step_bench}
+         "day9_serve": step_day9_serve, "day10_cp": step_day10_cp, "gpu_tests": step_gpu_tests,
+         "bench": step_bench}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,9 +17,9 @@
 # GPUs each day wants at the full profile (one rank per GPU: the full presets' world_size, dlo.presets):
 #   1: day1_optimizers day2_mixed_precision day3_checkpointing day8_quantization_pruning
 #   4: day4_ddp day6_pipeline
-#   8: day5_fsdp day7_tensor_parallel
-# One GPU runs Days 1-3 and 8 at their size; on fewer GPUs than a day's ranks, Days 4-7 run their multi-rank
-# parts on CPU ranks at the tiny sizes and their single-GPU parts on the GPU (the notebook prints what runs
+#   8: day5_fsdp day7_tensor_parallel day10_context_experts
+# One GPU runs Days 1-3 and 8 at their size; on fewer GPUs than a day's ranks, Days 4-7 and 10 run their
+# multi-rank parts on CPU ranks at the tiny sizes and their single-GPU parts on the GPU (the notebook prints what runs
 # where). req_gres = "gpu:4" runs Days 4 and 6 at their size, "gpu:8" every day.
 
 import os  # noqa: E402 - JupyterHub's loader runs this file as code

@@ -251,3 +251,23 @@ def test_an_unknown_day_is_refused_in_one_line(capsys):
         gpu_table("day2")
     assert main(["day9_nothing"]) == 2 and capsys.readouterr().err.startswith("dlo.gpu_results: no day 'day9_nothing'")
     assert main(["day3_checkpointing"]) == 0 and "0.414 [0.41, 0.419]" in capsys.readouterr().out
+
+
+def test_day10_session_step_gives_its_rows_to_day10(tmp_path):
+    """bench/gpu_steps.py day10_cp: every rank's ring check (passing or not), torch's context_parallel as it
+    ran, and the MoE step against the dense one, in Day 10's table."""
+    folder = tmp_path / "results"
+    folder.mkdir()
+    ring = [{"world": 1, "backend": "nccl", "T": 8192, "ring_max_err": 2e-6, "ring_step_ms": 3.5,
+             "torch_cp_max_err": {"zig-zag": 0.004}},
+            {"world": 1, "backend": "nccl", "T": 8192, "ring_max_err": 0.5, "ring_step_ms": 3.6,
+             "torch_cp_error": "NotImplementedError: x"}]
+    moe = {"moe": {"median_ms": 6.0}, "dense, same active": {"median_ms": 2.0}, "ratio": 3.0}
+    session = {"session": {"device": "NVIDIA H200", "commit": "0123456789abcdef"}, "steps": [
+        {"name": "day10_cp", "status": "failed", "numbers": {"day": "day10_context_experts", "ring": ring,
+                                                             "moe_vs_dense": moe}}]}
+    (folder / "2026-12-02T1100_nvidia-h200_gpu-session.json").write_text(json.dumps(session))
+    rows = [r for r in gpu_rows(folder=folder) if r.day == "day10_context_experts"]
+    assert [r.verdict for r in rows if "vs SDPA" in r.what and "torch" not in r.what] == ["passes", "fails"]
+    assert any("NotImplementedError" in r.value for r in rows) and any("zig-zag" in r.value for r in rows)
+    assert any(r.what.startswith("MoE step") and r.value.startswith("3 (6 / 2 ms)") for r in rows)

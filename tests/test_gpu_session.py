@@ -104,7 +104,7 @@ def test_the_entry_point_lists_its_steps_and_refuses_without_a_gpu(tmp_path):
     assert [ln.split()[0] for ln in proc.stdout.splitlines()] == [s.name for s in gs.STEPS]
     names = [s.name for s in gs.STEPS]
     assert names[:5] == ["env", "doctor", "launch", "sandbox", "day5_3b"] and len(names) == len(set(names))
-    assert sum(1 for n in names if n.startswith("smoke_")) == 9
+    assert sum(1 for n in names if n.startswith("smoke_")) == len(gs.DAYS_BY_RISK)
     proc = subprocess.run([sys.executable, str(BENCH / "gpu_session.py"), "--out", str(tmp_path)], capture_output=True,
                           text=True, timeout=120, env={"PATH": str(tmp_path)})  # no nvidia-smi on this PATH
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [

@@ -259,7 +259,7 @@ def get_preset(day: str, profile: str, max_steps: int = 0, smoke: bool | None = 
     from dlo.registry import DAYS
 
     if day not in DAYS:
-        raise ValueError(f"no presets for day {day!r}; known days: {', '.join(sorted(DAYS))}")
+        raise ValueError(f"no presets for day {day!r}; known days: {', '.join(DAYS)}")  # by number
     presets = DAYS[day].presets
     if profile not in presets:
         raise ValueError(f"{day} has no profile {profile!r}; choose one of {', '.join(presets)}")

@@ -47,7 +47,8 @@ MODULE_DAYS = {"amp": "day2_mixed_precision", "attention": "day2_mixed_precision
                "quant": "day8_quantization_pruning", "smoothquant": "day8_quantization_pruning",
                "inference": "day9_inference"}
 PRINTED = "printed"  # the verdict of a log cell's other output, shown verbatim under the file's rows
-_STEP_DAYS = {"day5_3b": "day5_fsdp", "day4_ddp": "day4_ddp"}  # session steps measured for one day
+_STEP_DAYS = {"day5_3b": "day5_fsdp", "day4_ddp": "day4_ddp",
+              "day10_cp": "day10_context_experts"}  # session steps measured for one day
 
 
 @dataclass(frozen=True)
@@ -171,6 +172,8 @@ def _from_session(d: dict) -> list[tuple]:
         if name == "day4_ddp" and nums.get("versions"):
             out += [(day, f"{v} step (median of {len(t.get('times_ms', []))})", "-", f"{_n(t.get('median_ms'))} ms",
                      "measured") for v, t in nums["versions"].items()]
+        if name == "day10_cp":
+            out += _day10_rows(day, nums)
         if name == "grade" and nums.get("scores"):
             out += [(day, "dlo grade on the GPU", s.get("max_score", "-"), s.get("score", "-"), s.get("status", "-"))
                     for s in nums["scores"]]
@@ -200,6 +203,24 @@ def _tests(summary: str, failures: list[str]) -> list[tuple]:
         m = re.search(r"tests/(?:\w+/)*test_(\w+)\.py", line)
         day = m and (kernel_day(m.group(1)) or MODULE_DAYS.get(m.group(1)))
         out += [(day, line.strip(), "passes", "fails", "disagrees")] if day else []
+    return out
+
+
+def _day10_rows(day: str, nums: dict) -> list[tuple]:
+    """Day 10's GPU step: ring attention against SDPA and torch's context_parallel per rank, the MoE step."""
+    out = []
+    for r in nums.get("ring", []):
+        where = f"ring attention, rank of world {r.get('world')} ({r.get('backend')}), T={r.get('T')}"
+        out.append((day, f"{where}: max |error| vs SDPA", "< 1e-3", _n(r.get("ring_max_err")),
+                    "passes" if (r.get("ring_max_err") or 1.0) < 1e-3 else "fails"))
+        out.append((day, f"{where}: step (median)", "-", f"{_n(r.get('ring_step_ms'))} ms", "measured"))
+        torch_cp = r.get("torch_cp_max_err") or r.get("torch_cp_error", "-")
+        out.append((day, f"{where}: torch context_parallel vs SDPA", "-", str(torch_cp)[:120], "measured"))
+    moe = nums.get("moe_vs_dense") or {}
+    if moe:
+        out.append((day, "MoE step / dense step of the same active parameters", "-",
+                    f"{_n(moe.get('ratio'))} ({_n(moe['moe'].get('median_ms'))} / "
+                    f"{_n(moe['dense, same active'].get('median_ms'))} ms)", "measured"))
     return out
 
 

@@ -14,13 +14,13 @@ name no preset class: they get their day's instance as `run.preset` from `dlo.se
 
 from __future__ import annotations
 
-from dlo.presets_distributed import Day4Preset, Day5Preset, Day6Preset, Day7Preset
+from dlo.presets_distributed import Day4Preset, Day5Preset, Day6Preset, Day7Preset, Day10Preset
 from dlo.presets_local import Day1Preset, Day2Preset, Day3Preset, Day8Preset, Day9Preset
 from dlo.presets_tuning import Day11Preset
 
-__all__ = ["DAY1", "DAY2", "DAY3", "DAY4", "DAY5", "DAY6", "DAY7", "DAY8", "DAY9", "DAY11", "Day1Preset",
+__all__ = ["DAY1", "DAY2", "DAY3", "DAY4", "DAY5", "DAY6", "DAY7", "DAY8", "DAY9", "DAY10", "DAY11", "Day1Preset",
            "Day2Preset", "Day3Preset", "Day4Preset", "Day5Preset", "Day6Preset", "Day7Preset", "Day8Preset",
-           "Day9Preset", "Day11Preset"]
+           "Day9Preset", "Day10Preset", "Day11Preset"]
 
 
 DAY1: dict[str, Day1Preset] = {  # day1_optimizers
@@ -104,6 +104,16 @@ DAY8: dict[str, Day8Preset] = {  # day8_quantization_pruning
     "full": Day8Preset(n_train=50_000, n_test=10_000, image_size=32, hidden=1024, student_hidden=256,
                        batch_size=256, max_steps=3000, finetune_steps=500, calib_batches=32,
                        llama_d_model=4096, llama_hidden=11008, llama_tokens=2048, seeds=3),
+}
+
+
+DAY10: dict[str, Day10Preset] = {  # day10_context_experts
+    "tiny": Day10Preset(),
+    # one 8-GPU node: Llama 3.2 3B's attention (24 heads of 128; Ulysses at N = 8 needs 8 | H: 24 heads do)
+    # at 8k-32k tokens, an MoE of 8 experts top-2 at its width 3072 (experts of 2048: 4 x 3B's MLP total)
+    "full": Day10Preset(world_size=8, batch=1, heads=24, head_dim=128, seq_lens=(8192, 16384, 32768),
+                        work_seq=32768, timing_reps=10, moe_dim=3072, moe_hidden=2048, n_experts=8, top_k=2,
+                        moe_tokens=8192, max_steps=500, aux_weight=0.01, lr=1e-3, launch_timeout_s=3600.0),
 }
 
 

@@ -253,3 +253,54 @@ class Day5Preset:
         return replace(self, world_size=2, model_overrides=(("n_layers", 1), ("vocab_size", 4096)), seq_len=32,
                        compare_seq_len=32, batch_per_rank=1, max_steps=2, timing_steps=1, memory_world_sizes=(2,),
                        compile=False, param_dtype="float32", reduce_dtype="float32", accum_micro=2)
+
+
+@dataclass(frozen=True)
+class Day10Preset:
+    """Day 10 (context and expert parallelism). Defaults are the `tiny` scale: 2 gloo ranks, 4 heads of 16,
+    sequences of 64-256 positions, an MoE of 4 small SwiGLU experts."""
+
+    world_size: int = 2            # ranks of the launches: the context- and expert-parallel degree N
+    batch: int = 1                 # sequences B of the attention runs
+    heads: int = 4                 # H (Ulysses needs N | H)
+    head_dim: int = 16             # D
+    seq_lens: tuple = (64, 128, 256)  # T of the memory sweep (2N | T: zig-zag)
+    work_seq: int = 256            # T of the timed causal-imbalance run
+    timing_reps: int = 5           # timed repeats per rank and split (intervals need >= 3)
+    moe_dim: int = 32              # the MoE layer: model width
+    moe_hidden: int = 64           # each expert's SwiGLU width
+    n_experts: int = 4             # E (N | E: expert parallelism)
+    top_k: int = 2
+    moe_tokens: int = 256          # S tokens per rank and step
+    capacity_factors: tuple = (0.5, 1.0, 1.25, 2.0)
+    max_steps: int = 40            # steps of the auxiliary-loss training, per arm and seed
+    aux_weight: float = 0.1        # Switch uses 0.01 over long trainings; 40 steps need more
+    lr: float = 0.01               # Adam
+    seeds: int = 5                 # paired seeds of the auxiliary-loss comparison (t(2) = 4.3 is too wide)
+    launch_timeout_s: float = 300.0
+
+    def sizes(self) -> str:
+        return (f"attention B={self.batch} H={self.heads} D={self.head_dim}, T in {self.seq_lens}; "
+                f"MoE E={self.n_experts} top-{self.top_k}, dim {self.moe_dim}, hidden {self.moe_hidden}, "
+                f"{self.moe_tokens} tokens per rank")
+
+    def validate(self) -> None:
+        n = self.world_size
+        for T in (*self.seq_lens, self.work_seq):
+            if T % (2 * n):
+                raise ValueError(f"sequence length {T} must be a multiple of 2 x world_size = {2 * n} (zig-zag)")
+        if self.heads % n:
+            raise ValueError(f"heads={self.heads} must be divisible by world_size={n} (Ulysses)")
+        if self.n_experts % n:
+            raise ValueError(f"n_experts={self.n_experts} must be divisible by world_size={n} (expert parallelism)")
+        if not 1 <= self.top_k <= self.n_experts:
+            raise ValueError(f"top_k={self.top_k} must lie in 1..n_experts={self.n_experts}")
+        if self.timing_reps < 3 or self.seeds < 3:
+            raise ValueError(f"timing_reps={self.timing_reps} and seeds={self.seeds}: intervals need >= 3 samples")
+
+    def smoke(self) -> Day10Preset:
+        """Two ranks, the two shortest sequences (the timed one too: at the full profile's 32k tokens on 2 ranks
+        one score block of 24 heads would be 26 GB, and backward holds four), a few training steps."""
+        lens = self.seq_lens[:2]
+        return replace(self, world_size=2, seq_lens=lens, work_seq=min(self.work_seq, lens[-1]), max_steps=4,
+                       timing_reps=3, seeds=3)

@@ -93,6 +93,7 @@ DAYS: dict[str, DaySpec] = {d.name: d for d in (
     _day(8, "day8_quantization_pruning", P.Day8Preset, P.DAY8, preflight="dlo.experiments.day8_smooth:preflight",
          parameters=("weights_dir",), data=("cifar10",), grade_cpu_s=30.0, run_s=142.0),
     _day(9, "day9_inference", P.Day9Preset, P.DAY9, grade_cpu_s=15.0, run_s=60.0),
+    _day(10, "day10_context_experts", P.Day10Preset, P.DAY10, grade_cpu_s=15.0, run_s=45.0),
     _day(11, "day11_learning_faster", P.Day11Preset, P.DAY11, data=("cifar10",), grade_cpu_s=22.0, run_s=50.0),
 )}
 
@@ -109,7 +110,8 @@ def plan_day(day: str, gpus: int | None = None, gpu_mem_gb: float = 80.0) -> lis
     single-process days) of `gpu_mem_gb` GB each. ValueError (one line) for an unknown day or a bad
     number, and from a planner whose work cannot be split over `gpus` ranks (`dlo.plan.split_evenly`)."""
     if day not in DAYS:
-        raise ValueError(f"no planner for {day!r}; days with one: {', '.join(sorted(DAYS)) or '(none)'}")
+        # in the registry's order (by number): sorted names would put day10 before day1
+        raise ValueError(f"no planner for {day!r}; days with one: {', '.join(DAYS) or '(none)'}")
     if (gpus is not None and gpus < 1) or gpu_mem_gb <= 0:
         raise ValueError(f"need gpus >= 1 and gpu_mem_gb > 0, got gpus={gpus}, gpu_mem_gb={gpu_mem_gb}")
     day_spec = DAYS[day]

@@ -1,0 +1,156 @@
+"""Autograder checks for Day 10 (context and expert parallelism).
+
+Each `check_<exercise>(fn, ..., seed=0, trials=...)` draws odd shapes from `seed` (`case_seed`: a
+secret one under `dlo grade`), calls the student's function (a plain call: tensors in, plain data
+back; exercise 4's ring runs on ranks: `dlo.checks.day10_ring`) and compares with the library's
+reference (`dlo.distributed.context_parallel`, `dlo.models.moe`), which is off limits while the
+student's code runs. A mismatch is named: the
+check computes the usual slips on its own side (no rescale, a contiguous split, a capacity rounded
+down, ...) and says which one the answer matches, else where it differs.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import torch
+
+from dlo.checks.day10_moe import check_dispatch_combine, check_route  # noqa: F401 (the notebook calls them here)
+from dlo.checks.day10_moe import named as _named
+from dlo.checks.day10_moe import same as _same
+from dlo.checks.day10_ring import check_ring_forward  # noqa: F401 (exercise 3: the notebook calls it from here)
+from dlo.distributed import context_parallel as cp
+from dlo.grading.api import case_seed, check
+from dlo.grading.compare import assert_close, fmt, ok
+
+MERGE = ("dlo.distributed.context_parallel.merge_partials", "dlo.distributed.context_parallel.ring_forward",
+         "dlo.distributed.context_parallel.ring_attention", "dlo.distributed.context_parallel.RingAttention")
+ZIGZAG = ("dlo.distributed.context_parallel.zigzag_split", "dlo.distributed.context_parallel.zigzag_unsplit",
+          "dlo.distributed.context_parallel.zigzag_positions", "dlo.distributed.context_parallel.rank_positions")
+
+
+# ----------------------------------------------------------------------------- exercise 1: the merge
+
+def _merge_case(rng: random.Random, gen: torch.Generator, t: int) -> tuple[list[torch.Tensor], dict]:
+    """Two partial results (o, lse) of odd shapes; trial 1 has huge log-sum-exps (exp overflows), trial 2
+    float32 ones past exp's range (88), trial 3 rows that saw no key on one side and on both."""
+    B, H, T, D = rng.choice([1, 2]), rng.choice([1, 3]), rng.choice([5, 7, 9]), rng.choice([3, 4, 5])
+    dtype = torch.float32 if t == 2 else torch.float64
+    o1, o2 = (torch.randn(B, H, T, D, generator=gen, dtype=dtype) for _ in range(2))
+    shift = {1: 800.0, 2: 120.0}.get(t, 0.0)
+    lse1, lse2 = (torch.randn(B, H, T, generator=gen, dtype=dtype) * 3 + shift for _ in range(2))
+    if t == 3:
+        lse1[..., 0], o1[..., 0, :] = -math.inf, 0.0  # row 0 saw no key in block 1
+        lse1[..., 1], o1[..., 1, :] = -math.inf, 0.0  # row 1 saw none in either block
+        lse2[..., 1], o2[..., 1, :] = -math.inf, 0.0
+    return [o1, lse1, o2, lse2], dict(shape=(B, H, T, D), dtype=str(dtype).removeprefix("torch."), lse_shift=shift,
+                                      empty_rows=t == 3)
+
+
+def _merge_slips(o1, lse1, o2, lse2, lse_ref) -> tuple[dict, dict]:
+    """The usual wrong outputs and log-sum-exps, with what each message says."""
+    with torch.no_grad():
+        naive = torch.exp(lse1) + torch.exp(lse2)
+        w1, w2 = (torch.exp(x).unsqueeze(-1) / naive.unsqueeze(-1) for x in (lse1, lse2))
+        outs = {"the outputs are added without rescaling: weight O1 by exp(L1 - L) and O2 by exp(L2 - L)": o1 + o2,
+                "the outputs are averaged: each weight is exp(L_i - L), the share of its block's softmax mass, not 1/2":
+                    (o1 + o2) / 2,
+                "exp(L1) / (exp(L1) + exp(L2)) overflows (inf / inf = nan) for large log-sum-exps: subtract the "
+                "maximum first (exp(L_i - L) with L from torch.logaddexp, or L = m + log(exp(L1-m) + exp(L2-m)))":
+                    w1 * o1 + w2 * o2}
+        lses = {"lse is max(L1, L2): the merged log-sum-exp is log(exp(L1) + exp(L2)) (torch.logaddexp)":
+                    torch.maximum(lse1, lse2),
+                "lse is L1 + L2: log-sum-exps add as log(exp(L1) + exp(L2)), not as numbers": lse1 + lse2,
+                "lse is computed as log(exp(L1) + exp(L2)) directly, which overflows to inf: subtract the maximum "
+                "(or use torch.logaddexp)": torch.log(naive)}
+    lses = {k: v for k, v in lses.items() if not _same(v, lse_ref)}
+    return outs, lses
+
+
+@check(forbid=MERGE, hint="merge with torch.logaddexp and the weights exp(L_i - L) yourself")
+def check_merge_partials(fn, seed: int = 0, trials: int = 4) -> None:
+    """`fn(o1, lse1, o2, lse2) -> (o, lse)`: two partial attention results over disjoint key sets merged
+    (o (B, H, T, D), lse (B, H, T), x's dtype; rows with no key: o = 0, lse = -inf)."""
+    name, rng = "merge_partials", random.Random(case_seed(seed))
+    gen = torch.Generator().manual_seed(case_seed(seed))
+    for t in range(trials):
+        args, hp = _merge_case(rng, gen, t % 4)
+        o_ref, lse_ref = cp.merge_partials(*args)
+        got = fn(*(a.clone() for a in args))
+        if not isinstance(got, (tuple, list)) or len(got) != 2:
+            raise AssertionError(f"{name}: return a pair (o, lse), got {type(got).__name__} ({fmt(hp)})")
+        o, lse = got
+        outs, lses = _merge_slips(*args, lse_ref)
+        _named(name, lse, lses, hp, lse_ref)
+        if lse is None or not _same(lse, lse_ref):
+            if hp["empty_rows"]:
+                lse_t = torch.as_tensor(lse)
+                if lse_t.shape == lse_ref.shape and torch.isnan(lse_t[..., 1]).any():
+                    raise AssertionError(f"{name}: a row that saw no key in either block must keep lse = -inf, got "
+                                         f"nan ({fmt(hp)})")
+            assert_close(name, "lse", lse, lse_ref, hp, rtol=1e-5 if t % 4 == 2 else 1e-9)
+        if hp["empty_rows"] and isinstance(o, torch.Tensor) and o.shape == o_ref.shape and torch.isnan(o).any():
+            raise AssertionError(f"{name}: nan in the output: a row with lse = -inf on both sides must give o = 0; "
+                                 f"exp(-inf - (-inf)) is nan, so use 0 as L where L = -inf ({fmt(hp)})")
+        _named(name, o, outs, hp, o_ref)
+        assert_close(name, "o", o, o_ref, hp, rtol=1e-5 if t % 4 == 2 else 1e-9, atol=1e-6 if t % 4 == 2 else 1e-12)
+        if isinstance(o, torch.Tensor) and o.dtype != o_ref.dtype:
+            raise AssertionError(f"{name}: o is {o.dtype}, expected the inputs' {o_ref.dtype} ({fmt(hp)})")
+    ok(name, f"{trials} trials (large log-sum-exps, float32, empty rows), seed={seed}")
+
+
+# ----------------------------------------------------------------------------- exercise 2: the zig-zag split
+
+def _contiguous(x, n, r):
+    return x.chunk(n, 2)[r]
+
+
+def _zigzag_slips(x, n, r) -> dict:
+    c = x.chunk(2 * n, 2)
+    slips = {"a contiguous split: rank r gets chunks r and 2N-1-r of 2N equal chunks (head and tail)":
+             _contiguous(x, n, r),
+             "head and tail swapped: the head chunk r comes first, then the tail chunk 2N-1-r": torch.cat(
+                 [c[2 * n - 1 - r], c[r]], 2)}
+    slips["the tail is chunk 2N-r: it is chunk 2N-1-r (chunks are numbered 0..2N-1)"] = torch.cat(
+        [c[r], c[(2 * n - r) % (2 * n)]], 2)  # rank 0's "chunk 2N" wraps to chunk 0
+    return {k: v for k, v in slips.items() if not _same(v, cp.zigzag_split(x, n, r))}
+
+
+@check(forbid=ZIGZAG, hint="chunk the sequence into 2N pieces yourself (torch.chunk / slicing)")
+def check_zigzag(split_fn, unsplit_fn, seed: int = 0, trials: int = 4) -> None:
+    """`split_fn(x, n, rank)`: rank r's zig-zag shard of x (B, H, T, D) along dim 2; `unsplit_fn(shards)`:
+    the full x from the N shards in rank order; a ValueError when 2N does not divide T."""
+    name, rng = "zigzag", random.Random(case_seed(seed))
+    gen = torch.Generator().manual_seed(case_seed(seed))
+    for t in range(trials):
+        n = (2, 3, 4, 5)[t % 4] if t < 4 else rng.choice([2, 3, 4, 5])
+        chunk = rng.choice([1, 3, 5])
+        B, H, D = rng.choice([1, 2]), rng.choice([1, 3]), rng.choice([2, 3])
+        x = torch.randn(B, H, 2 * n * chunk, D, generator=gen, dtype=torch.float64)
+        hp = dict(n=n, T=x.shape[2], shape=tuple(x.shape))
+        shards = []
+        for r in range(n):
+            got = split_fn(x.clone(), n, r)
+            want = cp.zigzag_split(x, n, r)
+            if not _same(got, want):
+                _named(name, got, _zigzag_slips(x, n, r), {**hp, "rank": r})
+                assert_close(name, f"rank {r}'s shard", got, want, {**hp, "rank": r})
+            shards.append(want)
+        full = unsplit_fn([s.clone() for s in shards])
+        if not _same(full, x):
+            tails_in_order = torch.cat([*(s.chunk(2, 2)[0] for s in shards), *(s.chunk(2, 2)[1] for s in shards)], 2)
+            _named(name, full, {"unsplit puts the tails in rank order: they come back in reverse, rank N-1's tail "
+                                "first (chunk 2N-1-r is rank r's)": tails_in_order,
+                                "unsplit concatenates the shards as they are: each shard is a head and a tail, "
+                                "which go to the two ends": torch.cat(shards, 2)}, hp)
+            assert_close(name, "unsplit(split(x))", full, x, hp)
+        bad_T = 2 * n * chunk + rng.choice([1, n]) if n > 1 else 3
+        try:
+            split_fn(torch.randn(1, 1, bad_T, 2, generator=gen, dtype=torch.float64), n, 0)
+        except ValueError:
+            pass
+        else:
+            raise AssertionError(f"{name}: a sequence of {bad_T} positions cannot be cut into 2N = {2 * n} equal "
+                                 f"chunks; split_fn must raise ValueError, not return unequal shards")
+    ok(name, f"{trials} sequences, N = 2..5, odd chunks, lengths not divisible by 2N refused, seed={seed}")

@@ -1,0 +1,111 @@
+"""Day 10's exercise 4: ring attention's forward on ranks, re-exported by `dlo.checks.day10`.
+
+The case is drawn here (a secret seed under `dlo grade`); each rank is given only its contiguous shard of
+q, k, v (float64, odd sizes) and runs the student's function in a trusted worker that counts what it
+sends (`dlo.measure.CommCounter`). The comparison with one process on the whole sequence
+(`dlo.distributed.context_parallel.block_attention` over all T keys) is made here, outside the ranks; a
+mismatch is named by simulating the usual slips on the same shards here (a causal mask on each block's
+local positions, a hop short, the blocks' owners counted the wrong way round the ring, no rescale).
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from dlo.checks.day4 import COLLECTIVES
+from dlo.distributed import context_parallel as cp
+from dlo.grading.api import case_seed, check, on_ranks
+from dlo.grading.compare import assert_close, fmt, ok
+from dlo.measure import CommCounter
+
+RING = ("dlo.distributed.context_parallel.*", "dlo.distributed.ulysses.*", "dlo.distributed.tp_comms.*",
+        "dlo.distributed.expert_parallel.*") + COLLECTIVES
+RING_HINT = ("pass the K/V blocks with dist.isend/dist.irecv (point-to-point) and merge the partial results "
+             "with your merge_partials")
+
+
+def _ring_case(seed: int, n: int) -> dict:
+    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
+    B, H, t, D = rng.choice([1, 2]), rng.choice([1, 3]), rng.choice([3, 5, 7]), rng.choice([3, 4, 5])
+    q, k, v = (torch.randn(B, H, n * t, D, generator=gen, dtype=torch.float64) for _ in range(3))
+    return {"q": q, "k": k, "v": v, "causal": seed % 2 == 0 or n > 2, "where": dict(B=B, H=H, T=n * t, D=D, N=n)}
+
+
+def _ring_worker(mine: dict, fn, causal: bool):
+    with CommCounter() as counter:
+        got = fn(mine["q"], mine["k"], mine["v"], causal)
+    if not isinstance(got, (tuple, list)) or len(got) != 2:
+        return {"error": f"returned {type(got).__name__}, expected a pair (o, lse)"}
+    return {"o": got[0], "lse": got[1], "sent": counter.by_kind("sent")}
+
+
+def _simulated(c: dict, n: int, r: int, blocks, positions, merge=cp.merge_partials):
+    """Rank r's (o, lse) from the blocks `blocks` ((owner, labelled-as) ranks), each attended with the
+    positions `positions(rank)` and merged by `merge`: the usual slips, replayed on the same shards."""
+    T, t = c["q"].shape[2], c["q"].shape[2] // n
+    shard = [slice(j * t, (j + 1) * t) for j in range(n)]
+    q = c["q"][:, :, shard[r]]
+    o = torch.zeros_like(q)
+    lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype)
+    for owner, label in blocks:
+        o_j, l_j = cp.block_attention(q, c["k"][:, :, shard[owner]], c["v"][:, :, shard[owner]], positions(r, T, n),
+                                      positions(label, T, n), c["causal"])
+        o, lse = merge(o, lse, o_j, l_j)
+    return o, lse
+
+
+def _slips(c: dict, n: int, r: int) -> dict:
+    def global_pos(j, T, n):
+        return cp.contiguous_positions(T, n, j)
+
+    def local_pos(j, T, n):
+        return torch.arange(T // n)
+
+    def no_rescale(o1, l1, o2, l2):
+        return o1 + o2, torch.logaddexp(l1, l2)
+
+    ring = [((r - s) % n, (r - s) % n) for s in range(n)]
+    return {"the causal mask is applied to each block with local positions: mask with global positions (a key "
+            "of an earlier rank is always visible, of a later rank never)": _simulated(c, n, r, ring, local_pos),
+            "a block is missing: after N-1 hops every rank has seen all N blocks, its own included":
+                _simulated(c, n, r, ring[:-1], global_pos),
+            "the blocks' owners are counted the wrong way round the ring: receiving from rank r-1, after step s "
+            "this rank holds the block of rank r-s": _simulated(c, n, r, [(o, (r + s) % n) for s, (o, _) in
+                                                                           enumerate(ring)], global_pos),
+            "the partial outputs are added without rescaling: merge with weights exp(L_i - L)":
+                _simulated(c, n, r, ring, global_pos, no_rescale)}
+
+
+@check(forbid=RING, hint=RING_HINT)
+def check_ring_forward(fn, seed: int = 0, world_size: int = 2) -> None:
+    """`fn(q, k, v, causal) -> (o, lse)` on every rank: this rank's contiguous shard (B, H, T/N, D) in, its
+    queries' attention over the whole sequence out, K/V passed around the ring with point-to-point messages."""
+    name, n = "ring_forward", world_size
+    c = _ring_case(case_seed(seed), n)
+    t = c["q"].shape[2] // n
+    parts = [{x: c[x][:, :, r * t:(r + 1) * t].clone() for x in ("q", "k", "v")} for r in range(n)]
+    got = on_ranks(_ring_worker, n, fn, c["causal"], per_rank=parts)
+    T = c["q"].shape[2]
+    everything = torch.arange(T)
+    o_all, lse_all = cp.block_attention(c["q"], c["k"], c["v"], everything, everything, c["causal"])
+    B, H, _, D = c["q"].shape
+    for r, res in enumerate(got):
+        here = {**c["where"], "causal": c["causal"], "rank": r}
+        if "error" in res:
+            raise AssertionError(f"{name}: rank {r} {res['error']} ({fmt(here)})")
+        want_o, want_lse = o_all[:, :, r * t:(r + 1) * t], lse_all[:, :, r * t:(r + 1) * t]
+        for slip, (o_s, _) in _slips(c, n, r).items():
+            if torch.allclose(o_s, want_o, atol=1e-9):  # the slip changes nothing on this rank
+                continue
+            g = torch.as_tensor(res["o"]).to(torch.float64)
+            if g.shape == o_s.shape and torch.allclose(g, o_s, atol=1e-9):
+                raise AssertionError(f"{name}: {slip} ({fmt(here)})")
+        assert_close(name, f"rank {r}'s output o", res["o"], want_o, here)
+        assert_close(name, f"rank {r}'s log-sum-exp", res["lse"], want_lse, here)
+        sent, ring = sum(res["sent"].values()), cp.ring_bytes_per_rank(B, H, T, D, n, 8)
+        if sent != ring:
+            raise AssertionError(f"{name}: rank {r} sent {sent:,.0f} bytes; passing its K and V blocks N-1 = {n - 1} "
+                                 f"times around the ring sends {ring:,} (2 B H T/N D x 8 bytes per hop) ({fmt(here)})")
+    ok(name, f"{n} ranks, T={T}, causal={c['causal']}, seed={seed}")

@@ -1,0 +1,266 @@
+"""The Day 10 checks accept correct solutions and reject stubs, plausible mistakes (each failing with the
+message that names it) and the library's own references (off limits while a check runs).
+
+The correct versions below are written out as a student writes them; each wrong version is one of
+them with one slip."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+import torch
+
+from dlo.checks import day10
+from dlo.distributed import context_parallel as cp
+from dlo.grading.forbid import ForbiddenCall
+from dlo.models import moe
+from tests.checks.day10_students import (
+    merge_no_rescale,
+    merge_ok,
+    ring_all_gather,
+    ring_hop_short,
+    ring_local_mask,
+    ring_no_rescale,
+    ring_ok,
+    ring_sends_twice,
+    ring_stub,
+    ring_wrong_owner,
+)
+
+
+def stub(*args, **kwargs):
+    raise NotImplementedError()
+
+
+# ----------------------------------------------------------------------------- exercise 1: the merge
+
+def merge_overflow(o1, lse1, o2, lse2):
+    s = torch.exp(lse1) + torch.exp(lse2)
+    return (torch.exp(lse1) / s)[..., None] * o1 + (torch.exp(lse2) / s)[..., None] * o2, torch.logaddexp(lse1, lse2)
+
+
+def merge_lse_max(o1, lse1, o2, lse2):
+    return merge_ok(o1, lse1, o2, lse2)[0], torch.maximum(lse1, lse2)
+
+
+def merge_nan_on_empty(o1, lse1, o2, lse2):
+    lse = torch.logaddexp(lse1, lse2)
+    return torch.exp(lse1 - lse)[..., None] * o1 + torch.exp(lse2 - lse)[..., None] * o2, lse
+
+
+# ----------------------------------------------------------------------------- exercise 2: the zig-zag split
+
+def split_ok(x, n, rank):
+    if x.shape[2] % (2 * n):
+        raise ValueError(f"{x.shape[2]} positions do not split into {2 * n} equal chunks")
+    c = x.shape[2] // (2 * n)
+    return torch.cat([x[:, :, rank * c:(rank + 1) * c], x[:, :, (2 * n - 1 - rank) * c:(2 * n - rank) * c]], 2)
+
+
+def unsplit_ok(shards):
+    heads = [s[:, :, :s.shape[2] // 2] for s in shards]
+    tails = [s[:, :, s.shape[2] // 2:] for s in shards]
+    return torch.cat(heads + tails[::-1], 2)
+
+
+def split_contiguous(x, n, rank):
+    split_ok(x, n, rank)
+    return x.chunk(n, 2)[rank]
+
+
+def split_swapped(x, n, rank):
+    s = split_ok(x, n, rank)
+    return torch.cat(s.chunk(2, 2)[::-1], 2)
+
+
+def split_no_check(x, n, rank):
+    c = x.chunk(2 * n, 2)
+    return torch.cat([c[rank], c[2 * n - 1 - rank]], 2)
+
+
+def split_tail_off_by_one(x, n, rank):
+    split_ok(x, n, rank)
+    c = x.chunk(2 * n, 2)
+    return torch.cat([c[rank], c[(2 * n - rank) % (2 * n)]], 2)
+
+
+def unsplit_tails_in_order(shards):
+    return torch.cat([s.chunk(2, 2)[0] for s in shards] + [s.chunk(2, 2)[1] for s in shards], 2)
+
+
+# ----------------------------------------------------------------------------- exercise 3: the router
+
+def _route(logits, top_k, capacity_factor, *, cap_fn=math.ceil, extra=0, order="choice", renorm=True):
+    S, E = logits.shape
+    probs = torch.softmax(logits, -1)
+    gates, experts = probs.topk(top_k, -1)
+    if top_k > 1 and renorm:
+        gates = gates / gates.sum(-1, keepdim=True)
+    cap = cap_fn(top_k * S * capacity_factor / E) + extra
+    pairs = {"choice": [(s, j) for j in range(top_k) for s in range(S)],
+             "token": [(s, j) for s in range(S) for j in range(top_k)]}.get(order)
+    if order == "score":
+        pairs = sorted([(s, j) for j in range(top_k) for s in range(S)], key=lambda sj: -float(gates[sj]))
+    used, kept = [0] * E, torch.zeros(S, top_k, dtype=torch.bool)
+    for s, j in pairs:
+        e = int(experts[s, j])
+        if used[e] < cap:
+            used[e] += 1
+            kept[s, j] = True
+    return experts, gates, kept
+
+
+def route_ok(logits, top_k, capacity_factor):
+    return _route(logits, top_k, capacity_factor)
+
+
+def route_floor(logits, top_k, capacity_factor):
+    return _route(logits, top_k, capacity_factor, cap_fn=math.floor)
+
+
+def route_plus_one(logits, top_k, capacity_factor):
+    return _route(logits, top_k, capacity_factor, extra=1)
+
+
+def route_by_score(logits, top_k, capacity_factor):
+    return _route(logits, top_k, capacity_factor, order="score")
+
+
+def route_token_major(logits, top_k, capacity_factor):
+    return _route(logits, top_k, capacity_factor, order="token")
+
+
+def route_not_renormalised(logits, top_k, capacity_factor):
+    return _route(logits, top_k, capacity_factor, renorm=False)
+
+
+# ----------------------------------------------------------------------------- exercise 5: dispatch and combine
+
+def _priority(experts, kept):
+    """(token, choice) of the kept assignments, every first choice before any second, grouped by expert."""
+    S, k = experts.shape
+    pairs = [(s, j) for j in range(k) for s in range(S) if kept[s, j]]
+    return sorted(pairs, key=lambda sj: int(experts[sj]))  # sorted() is stable: priority order within an expert
+
+
+def dispatch_ok(x, experts, kept, n_experts):
+    pairs = _priority(experts, kept)
+    counts = torch.bincount(experts[kept], minlength=n_experts)
+    return x[[s for s, _ in pairs]], counts
+
+
+def combine_ok(y, experts, gates, kept, n_tokens):
+    pairs = _priority(experts, kept)
+    out = y.new_zeros((n_tokens, y.shape[1]))
+    for row, (s, j) in enumerate(pairs):
+        out[s] += gates[s, j] * y[row]
+    return out
+
+
+def dispatch_token_order(x, experts, kept, n_experts):
+    pairs = sorted(_priority(experts, kept), key=lambda sj: (int(experts[sj]), sj[0]))
+    return x[[s for s, _ in pairs]], torch.bincount(experts[kept], minlength=n_experts)
+
+
+def dispatch_not_grouped(x, experts, kept, n_experts):
+    S, k = experts.shape
+    return x[[s for j in range(k) for s in range(S) if kept[s, j]]], torch.bincount(experts[kept], minlength=n_experts)
+
+
+def dispatch_no_minlength(x, experts, kept, n_experts):
+    return dispatch_ok(x, experts, kept, n_experts)[0], torch.bincount(experts[kept])
+
+
+def combine_no_gates(y, experts, gates, kept, n_tokens):
+    return combine_ok(y, experts, torch.ones_like(gates), kept, n_tokens)
+
+
+def combine_priority_order(y, experts, gates, kept, n_tokens):
+    S, k = experts.shape
+    pairs = [(s, j) for j in range(k) for s in range(S) if kept[s, j]]
+    out = y.new_zeros((n_tokens, y.shape[1]))
+    for row, (s, j) in enumerate(pairs):
+        out[s] += gates[s, j] * y[row]
+    return out
+
+
+CASES = [
+    (day10.check_merge_partials, (merge_ok,), [
+        ((merge_no_rescale,), "without rescaling"), ((merge_overflow,), "overflows"),
+        ((merge_lse_max,), "max(L1, L2)"), ((merge_nan_on_empty,), "nan in the output"), ((stub,), "")]),
+    (day10.check_zigzag, (split_ok, unsplit_ok), [
+        ((split_contiguous, unsplit_ok), "a contiguous split"), ((split_swapped, unsplit_ok), "head and tail swapped"),
+        ((split_tail_off_by_one, unsplit_ok), "chunk 2N-r"), ((split_no_check, unsplit_ok), "must raise ValueError"),
+        ((split_ok, unsplit_tails_in_order), "tails in rank order"), ((stub, unsplit_ok), "")]),
+    (day10.check_route, (route_ok,), [
+        ((route_floor,), "rounded down"), ((route_plus_one,), "one assignment too many"),
+        ((route_by_score,), "priority by score"), ((route_token_major,), "token by token"),
+        ((route_not_renormalised,), "not renormalised"), ((stub,), "")]),
+    (day10.check_dispatch_combine, (dispatch_ok, combine_ok), [
+        ((dispatch_token_order, combine_ok), "token order"), ((dispatch_not_grouped, combine_ok), "not grouped"),
+        ((dispatch_no_minlength, combine_ok), "minlength"), ((dispatch_ok, combine_no_gates), "gates are not applied"),
+        ((dispatch_ok, combine_priority_order), "reads y in priority order"), ((dispatch_ok, stub), "")]),
+]
+LIBRARY = [(lambda *a: cp.merge_partials(*a),), (lambda x, n, r: cp.zigzag_split(x, n, r), unsplit_ok),
+           (lambda lg, k, f: moe.route(lg, torch.eye(lg.shape[1], dtype=lg.dtype), k, 3),),
+           (lambda x, e, kept, n: moe.dispatch(x, None), combine_ok)]
+
+
+@pytest.mark.parametrize("check,good", [(c, g) for c, g, _ in CASES], ids=[c.__name__ for c, _, _ in CASES])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_reference_passes(check, good, seed, capsys):
+    check(*good, seed=seed)
+    assert ": ok (" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("check,bad,slip", [(c, b, s) for c, _, bads in CASES for b, s in bads],
+                         ids=lambda v: "-".join(f.__name__ for f in v) if isinstance(v, tuple) else
+                         getattr(v, "__name__", v))
+def test_wrong_versions_fail_and_are_named(check, bad, slip):
+    with pytest.raises((AssertionError, NotImplementedError)) as err:
+        check(*bad, seed=0)
+    assert not isinstance(err.value, ForbiddenCall), "a wrong version must fail for its own slip"
+    assert slip in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize("check,lib", [(c, lib) for (c, _, _), lib in zip(CASES, LIBRARY)],
+                         ids=[c.__name__ for c, _, _ in CASES])
+def test_library_is_refused(check, lib):
+    with pytest.raises(ForbiddenCall, match="off limits"):
+        check(*lib, seed=0)
+
+
+@pytest.mark.parametrize("check,good", [(c, g) for c, g, _ in CASES], ids=[c.__name__ for c, _, _ in CASES])
+def test_reference_passes_sandboxed(sandbox, check, good, capsys):
+    sandbox.run(check, *good, seed=1)
+    assert ": ok (" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("check,bad", [(day10.check_merge_partials, (merge_overflow,)),
+                                       (day10.check_route, (route_by_score,))], ids=["merge", "route"])
+def test_wrong_fails_sandboxed(sandbox, check, bad):
+    with pytest.raises(AssertionError) as err:
+        sandbox.run(check, *bad, seed=0)
+    assert not isinstance(err.value, ForbiddenCall)
+
+
+@pytest.mark.parametrize("world_size,seed", [(2, 0), (3, 1)])
+def test_ring_forward_accepts_correct(ranks, one_thread, world_size, seed, capsys):
+    day10.check_ring_forward(ring_ok, seed=seed, world_size=world_size)
+    assert ": ok (" in capsys.readouterr().out
+
+
+SLOW = pytest.mark.slow  # a check on 3 ranks each: the first two run in make test, the rest with -m slow
+
+
+@pytest.mark.parametrize("bad,slip", [(ring_local_mask, "local positions"), (ring_all_gather, "off limits"),
+                                      pytest.param(ring_hop_short, "a block is missing", marks=SLOW),
+                                      pytest.param(ring_wrong_owner, "the wrong way round", marks=SLOW),
+                                      pytest.param(ring_no_rescale, "without rescaling", marks=SLOW),
+                                      pytest.param(ring_sends_twice, "bytes; passing its K and V", marks=SLOW),
+                                      pytest.param(ring_stub, "NotImplementedError", marks=SLOW)])
+def test_ring_forward_names_the_slip(ranks, one_thread, bad, slip):
+    with pytest.raises(AssertionError, match=re.escape(slip)):
+        day10.check_ring_forward(bad, seed=1, world_size=3)
