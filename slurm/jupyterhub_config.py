@@ -15,7 +15,8 @@
 # (tests/slurm/test_jupyterhub_config.py); a hub itself is not run.
 #
 # GPUs each day wants at the full profile (one rank per GPU: the full presets' world_size, dlo.presets):
-#   1: day1_optimizers day2_mixed_precision day3_checkpointing day8_quantization_pruning
+#   1: day1_optimizers day2_mixed_precision day3_checkpointing day8_quantization_pruning day9_inference
+#   1: day11_learning_faster
 #   4: day4_ddp day6_pipeline
 #   8: day5_fsdp day7_tensor_parallel day10_context_experts
 # One GPU runs Days 1-3 and 8 at their size; on fewer GPUs than a day's ranks, Days 4-7 and 10 run their

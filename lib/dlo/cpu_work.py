@@ -88,7 +88,8 @@ def _nothing(P) -> dict:
 
 WORK = {"day1_optimizers": day1, "day2_mixed_precision": _nothing, "day3_checkpointing": day3, "day4_ddp": _nothing,
         "day5_fsdp": day5, "day6_pipeline": _nothing, "day7_tensor_parallel": _nothing,
-        "day8_quantization_pruning": _nothing, "day10_context_experts": _nothing}
+        "day8_quantization_pruning": _nothing, "day9_inference": _nothing, "day10_context_experts": _nothing,
+        "day11_learning_faster": _nothing}
 
 
 def cpu_work(day: str, preset) -> dict:
