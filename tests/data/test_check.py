@@ -16,17 +16,34 @@ from dlo.registry import DAYS
 from tests.data.folders import write_cifar_python, write_cifar_release, write_tokens
 from tests.harness.test_run_parameters import REPO, dlo_cli
 
-IMAGE_DAYS = ["day1_optimizers", "day2_mixed_precision", "day8_quantization_pruning"]
+IMAGE_DAYS = ["day1_optimizers", "day2_mixed_precision", "day8_quantization_pruning", "day11_learning_faster"]
+
+
+def _cifar_loaders(short: str) -> list[str]:
+    """The functions of a day's experiments modules that call `cifar10(` on a `data_dir` they are given
+    (Day 11's `tasks`): `day11.tasks(P, run.data_dir, ...)` in its notebook reads CIFAR-10 too."""
+    out = []
+    for path in sorted((REPO / "lib" / "dlo" / "experiments").glob(f"{short}*.py")):
+        text = path.read_text()
+        out += [f"{path.stem}.{fn}(" for fn in re.findall(r"^def (\w+)\(P, data_dir", text, re.M)
+                if re.search(rf"^def {fn}\(.*?(?=^def |\Z)", text, re.M | re.S).group(0).count("cifar10(data_dir")]
+    return out
 
 
 def test_the_registry_names_what_each_notebook_reads():
-    """DaySpec.data is the one place: the notebooks that load CIFAR-10 from run.data_dir are exactly the
-    "cifar10" days, the one that hands run.data_dir to its ranks (token_batches) the "tokens" day."""
+    """DaySpec.data is the one place: the notebooks that load CIFAR-10 from run.data_dir (themselves, or through
+    a function of their experiments that calls cifar10(data_dir)) are exactly the "cifar10" days, the one that
+    hands run.data_dir to its ranks (token_batches) the "tokens" day."""
     for name, spec in DAYS.items():
         source = (REPO / "solutions" / name / f"{name}.ipynb").read_text()
         assert set(spec.data) <= set(KINDS)
-        assert ("cifar10",) == spec.data if "dlo.data.cifar10(run.data_dir" in source else "cifar10" not in spec.data
-        reads = re.search(r"run\.data_dir(?!\s*=)", source.replace("dlo.data.cifar10(run.data_dir", "")) is not None
+        loaders = ["dlo.data.cifar10(run.data_dir", *(f"{f}P, run.data_dir" for f in _cifar_loaders(spec.short))]
+        cifar = any(x in source for x in loaders)
+        assert ("cifar10",) == spec.data if cifar else "cifar10" not in spec.data, name
+        rest = source
+        for x in loaders:
+            rest = rest.replace(x, "")
+        reads = re.search(r"run\.data_dir(?!\s*=)", rest) is not None
         assert reads == ("tokens" in spec.data), name
 
 
@@ -118,14 +135,15 @@ def test_doctor_reports_the_python_version_and_missing_tokens(tmp_path, monkeypa
     write_cifar_python(tmp_path)
     ok, topic, text = doctor.data_line(tmp_path)
     assert not ok and topic == "data"
-    assert text.startswith("day1_optimizers, day2_mixed_precision, day8_quantization_pruning: ")
+    assert text.startswith(", ".join(IMAGE_DAYS) + ": ")
     assert "CIFAR-10's Python version" in text and "day5_fsdp: " in text and "has no tokens.npy" in text
     ok, _, text = doctor.data_line(tmp_path, ["day5_fsdp"])  # only the days asked for
     assert not ok and text.startswith("day5_fsdp: ") and "cifar" not in text
     write_cifar_release(tmp_path)
     write_tokens(tmp_path)
     ok, _, text = doctor.data_line(tmp_path)
-    assert ok and "what day1_optimizers, day2_mixed_precision, day5_fsdp, day8_quantization_pruning read(s)" in text
+    readers = "day1_optimizers, day2_mixed_precision, day5_fsdp, day8_quantization_pruning, day11_learning_faster"
+    assert ok and f"what {readers} read(s)" in text
     assert doctor.data_line(None) == (True, "data", "no --data-dir: notebooks use deterministic synthetic data "
                                                     "(data_dir \"\")")
 
