@@ -20,14 +20,14 @@ IMAGE_DAYS = ["day1_optimizers", "day2_mixed_precision", "day8_quantization_prun
 
 
 def _cifar_loaders(short: str) -> list[str]:
-    """The functions of a day's experiments modules that call `cifar10(` on a `data_dir` they are given
-    (Day 11's `tasks`): `day11.tasks(P, run.data_dir, ...)` in its notebook reads CIFAR-10 too."""
-    out = []
-    for path in sorted((REPO / "lib" / "dlo" / "experiments").glob(f"{short}*.py")):
-        text = path.read_text()
-        out += [f"{path.stem}.{fn}(" for fn in re.findall(r"^def (\w+)\(P, data_dir", text, re.M)
-                if re.search(rf"^def {fn}\(.*?(?=^def |\Z)", text, re.M | re.S).group(0).count("cifar10(data_dir")]
-    return out
+    """`module.fn(` for each function of a day's experiments modules that takes `(P, data_dir` when one of those
+    modules loads CIFAR-10 (`cifar10(data_dir`, Day 11's `tasks`) or hands `data_dir` to a CIFAR trial
+    (`dlo.tuning.trials`: Day 11's searches): `day11.tasks(P, run.data_dir, ...)` in a notebook reads CIFAR-10."""
+    paths = sorted((REPO / "lib" / "dlo" / "experiments").glob(f"{short}*.py"))
+    texts = {p.stem: p.read_text() for p in paths}
+    if not any("cifar10(data_dir" in t or '"data_dir": data_dir' in t for t in texts.values()):
+        return []
+    return [f"{stem}.{fn}(" for stem, t in texts.items() for fn in re.findall(r"^def (\w+)\(P, data_dir", t, re.M)]
 
 
 def test_the_registry_names_what_each_notebook_reads():
