@@ -52,8 +52,8 @@ class DaySpec:
     grade_cpu_s: float = UNKNOWN_GRADE_CPU_S
     # wall seconds to run its whole solution notebook at the tiny profile, two notebooks at a time on 2 idle
     # cores (`make run`, 2026-11-29 04:12; Day 10 from a 3-at-a-time run); `dlo run --jobs` starts the longest
-    # first, so the longest runs
-    # beside the others instead of alone at the end with half the cores idle: only the order matters
+    # first, so the longest runs beside the others instead of alone at the end with half the cores idle: only
+    # the order matters
     run_s: float = 0.0
 
     @property
