@@ -45,6 +45,7 @@ def _submissions(db: Path) -> list[tuple[str, str]]:
                                   "JOIN assignment a ON a.id = s.assignment_id"))
 
 
+@pytest.mark.scale
 def test_jobs_and_shards_give_the_bytes_of_one_at_a_time(toy_root, tmp_path):
     """--jobs 2 on the whole class, and --jobs 1 in two shards merged: the same CSV and feedback bytes."""
     sub = tmp_path / "sub"
@@ -122,6 +123,7 @@ def _grade(toy_root, sub, out, *extra) -> subprocess.Popen:
                             env={**os.environ, "DLO_PROFILE": "tiny", **toy_days(toy_root)})
 
 
+@pytest.mark.scale
 def test_killed_workers_and_interrupts_cost_only_their_submission(toy_root, tmp_path):
     sub, out = tmp_path / "sub", tmp_path / "g"
     _class(toy_root, sub, names=("blank", "sol"))

@@ -83,6 +83,7 @@ def test_the_progress_line_from_the_start(monkeypatch):
 
 
 @pytest.mark.slow
+@pytest.mark.scale
 def test_both_modes_give_the_same_scores_on_the_toy_course(toy_root, tmp_path):
     sub = tmp_path / "sub"
     # the solution, the release and a half-solved notebook of two real days are compared in `-m solutions`

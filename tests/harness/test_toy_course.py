@@ -280,6 +280,7 @@ def test_grade_holds_against_every_attack(toy_root, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.scale
 def test_grade_twice_gives_identical_csvs_and_require_full(toy_root, tmp_path):
     one = tmp_path / "one"
     _student(toy_root, one, "student", SOLVE_ALL)  # correct, own words
