@@ -17,12 +17,10 @@ import random
 import torch
 
 from dlo.checks.day10_moe import check_dispatch_combine, check_route  # noqa: F401 (the notebook calls them here)
-from dlo.checks.day10_moe import named as _named
-from dlo.checks.day10_moe import same as _same
 from dlo.checks.day10_ring import check_ring_forward  # noqa: F401 (exercise 3: the notebook calls it from here)
 from dlo.distributed import context_parallel as cp
 from dlo.grading.api import case_seed, check
-from dlo.grading.compare import assert_close, fmt, ok
+from dlo.grading.compare import assert_close, fmt, name_slip, ok, same
 
 MERGE = ("dlo.distributed.context_parallel.merge_partials", "dlo.distributed.context_parallel.ring_forward",
          "dlo.distributed.context_parallel.ring_attention", "dlo.distributed.context_parallel.RingAttention")
@@ -64,7 +62,7 @@ def _merge_slips(o1, lse1, o2, lse2, lse_ref) -> tuple[dict, dict]:
                 "lse is L1 + L2: log-sum-exps add as log(exp(L1) + exp(L2)), not as numbers": lse1 + lse2,
                 "lse is computed as log(exp(L1) + exp(L2)) directly, which overflows to inf: subtract the maximum "
                 "(or use torch.logaddexp)": torch.log(naive)}
-    lses = {k: v for k, v in lses.items() if not _same(v, lse_ref)}
+    lses = {k: v for k, v in lses.items() if not same(v, lse_ref)}
     return outs, lses
 
 
@@ -82,8 +80,8 @@ def check_merge_partials(fn, seed: int = 0, trials: int = 4) -> None:
             raise AssertionError(f"{name}: return a pair (o, lse), got {type(got).__name__} ({fmt(hp)})")
         o, lse = got
         outs, lses = _merge_slips(*args, lse_ref)
-        _named(name, lse, lses, hp, lse_ref)
-        if lse is None or not _same(lse, lse_ref):
+        name_slip(name, lse, lses, hp, lse_ref)
+        if lse is None or not same(lse, lse_ref):
             if hp["empty_rows"]:
                 lse_t = torch.as_tensor(lse)
                 if lse_t.shape == lse_ref.shape and torch.isnan(lse_t[..., 1]).any():
@@ -93,7 +91,7 @@ def check_merge_partials(fn, seed: int = 0, trials: int = 4) -> None:
         if hp["empty_rows"] and isinstance(o, torch.Tensor) and o.shape == o_ref.shape and torch.isnan(o).any():
             raise AssertionError(f"{name}: nan in the output: a row with lse = -inf on both sides must give o = 0; "
                                  f"exp(-inf - (-inf)) is nan, so use 0 as L where L = -inf ({fmt(hp)})")
-        _named(name, o, outs, hp, o_ref)
+        name_slip(name, o, outs, hp, o_ref)
         assert_close(name, "o", o, o_ref, hp, rtol=1e-5 if t % 4 == 2 else 1e-9, atol=1e-6 if t % 4 == 2 else 1e-12)
         if isinstance(o, torch.Tensor) and o.dtype != o_ref.dtype:
             raise AssertionError(f"{name}: o is {o.dtype}, expected the inputs' {o_ref.dtype} ({fmt(hp)})")
@@ -114,7 +112,7 @@ def _zigzag_slips(x, n, r) -> dict:
                  [c[2 * n - 1 - r], c[r]], 2)}
     slips["the tail is chunk 2N-r: it is chunk 2N-1-r (chunks are numbered 0..2N-1)"] = torch.cat(
         [c[r], c[(2 * n - r) % (2 * n)]], 2)  # rank 0's "chunk 2N" wraps to chunk 0
-    return {k: v for k, v in slips.items() if not _same(v, cp.zigzag_split(x, n, r))}
+    return {k: v for k, v in slips.items() if not same(v, cp.zigzag_split(x, n, r))}
 
 
 @check(forbid=ZIGZAG, hint="chunk the sequence into 2N pieces yourself (torch.chunk / slicing)")
@@ -133,14 +131,14 @@ def check_zigzag(split_fn, unsplit_fn, seed: int = 0, trials: int = 4) -> None:
         for r in range(n):
             got = split_fn(x.clone(), n, r)
             want = cp.zigzag_split(x, n, r)
-            if not _same(got, want):
-                _named(name, got, _zigzag_slips(x, n, r), {**hp, "rank": r})
+            if not same(got, want):
+                name_slip(name, got, _zigzag_slips(x, n, r), {**hp, "rank": r})
                 assert_close(name, f"rank {r}'s shard", got, want, {**hp, "rank": r})
             shards.append(want)
         full = unsplit_fn([s.clone() for s in shards])
-        if not _same(full, x):
+        if not same(full, x):
             tails_in_order = torch.cat([*(s.chunk(2, 2)[0] for s in shards), *(s.chunk(2, 2)[1] for s in shards)], 2)
-            _named(name, full, {"unsplit puts the tails in rank order: they come back in reverse, rank N-1's tail "
+            name_slip(name, full, {"unsplit puts the tails in rank order: they come back in reverse, rank N-1's tail "
                                 "first (chunk 2N-1-r is rank r's)": tails_in_order,
                                 "unsplit concatenates the shards as they are: each shard is a head and a tail, "
                                 "which go to the two ends": torch.cat(shards, 2)}, hp)

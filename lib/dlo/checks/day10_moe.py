@@ -14,31 +14,11 @@ import random
 import torch
 
 from dlo.grading.api import case_seed, check
-from dlo.grading.compare import assert_close, fmt, ok
+from dlo.grading.compare import assert_close, fmt, name_slip, ok, same
 from dlo.models import moe
 
 ROUTE = ("dlo.models.moe.*", "dlo.distributed.expert_parallel.*")
 
-
-def same(got, want) -> bool:
-    """got equals want (shapes and values, nan and inf where want has them), never raising."""
-    try:
-        g = torch.as_tensor(got).detach().to("cpu", torch.float64)
-    except (TypeError, ValueError, RuntimeError):
-        return False
-    w = torch.as_tensor(want).detach().to("cpu", torch.float64)
-    return g.shape == w.shape and bool(torch.allclose(g, w, rtol=1e-6, atol=1e-9, equal_nan=True))
-
-
-def named(name: str, got, slips: dict, where: dict, want=None) -> None:
-    """AssertionError naming the first slip (a message -> its wrong result) that `got` reproduces, of
-    those that differ from the right answer `want` on this case."""
-    for message, wrong in slips.items():
-        if same(got, wrong) and (want is None or not same(wrong, want)):
-            raise AssertionError(f"{name}: {message} ({fmt(where)})")
-
-
-# ----------------------------------------------------------------------------- exercise 3: the router
 
 def _reference_route(logits: torch.Tensor, top_k: int, factor: float) -> tuple[torch.Tensor, ...]:
     """(experts (S, k), gates (S, k), kept (S, k)) of the library's router with the identity as weight."""
@@ -106,7 +86,7 @@ def check_route(fn, seed: int = 0, trials: int = 6) -> None:
             assert_close(name, "experts (the top-k, most probable first)", g_experts, experts, hp)
         if not same(g_gates, gates):
             probs, raw = torch.softmax(logits, -1).topk(top_k, -1)[0], logits.topk(top_k, -1)[0]
-            named(name, g_gates, {"the top-k gates are not renormalised: with k > 1 they are divided by their sum "
+            name_slip(name, g_gates, {"the top-k gates are not renormalised: with k > 1 they are divided by their sum "
                                    "(GShard)": probs,
                                    "the gates are renormalised with k = 1: Switch keeps the router's probability":
                                        torch.ones_like(probs),
@@ -114,7 +94,7 @@ def check_route(fn, seed: int = 0, trials: int = 6) -> None:
                    hp)
             assert_close(name, "gates", g_gates, gates, hp)
         if not same(g_kept, kept):
-            named(name, g_kept, _route_slips(logits, experts, gates, top_k, factor), hp)
+            name_slip(name, g_kept, _route_slips(logits, experts, gates, top_k, factor), hp)
             assert_close(name, "kept", torch.as_tensor(g_kept).to(torch.float64), kept.to(torch.float64), hp)
         g_kept_t = torch.as_tensor(g_kept)
         if g_kept_t.dtype != torch.bool:
@@ -177,12 +157,12 @@ def check_dispatch_combine(dispatch_fn, combine_fn, seed: int = 0, trials: int =
         assert_close(name, "counts (rows per expert)", counts_t, routing.kept, hp)
         want_rows = moe.dispatch(x, routing)
         if not same(rows, want_rows):
-            named(name, rows, _dispatch_slips(x, experts, kept, E), hp, want_rows)
+            name_slip(name, rows, _dispatch_slips(x, experts, kept, E), hp, want_rows)
             assert_close(name, "dispatched rows", rows, want_rows, hp)
         y = torch.randn(want_rows.shape[0], x.shape[1] + 1, generator=gen, dtype=torch.float64)  # an expert's output
         out = combine_fn(y.clone(), experts.clone(), gates.clone(), kept.clone(), S)
         want = moe.combine(y, routing, S)
         if not same(out, want):
-            named(name, out, _combine_slips(y, experts, gates, kept, routing, S), hp, want)
+            name_slip(name, out, _combine_slips(y, experts, gates, kept, routing, S), hp, want)
             assert_close(name, "combined output", out, want, hp)
     ok(name, f"{trials} routings (k = 1..3, drops, idle experts), seed={seed}")

@@ -86,3 +86,21 @@ def odd_shape(rng: random.Random) -> tuple[int, ...]:
 def rand(shape, gen: torch.Generator, scale: float = 1.0, dtype: torch.dtype = DTYPE) -> torch.Tensor:
     return torch.randn(shape, generator=gen, dtype=dtype) * scale
 
+
+def same(got, want, rtol: float = 1e-6, atol: float = 1e-9) -> bool:
+    """got equals want (shapes and values, nan and inf where want has them), never raising: what a check
+    uses to tell which wrong answer a student's result reproduces (`name_slip`)."""
+    try:
+        g = torch.as_tensor(got).detach().to("cpu", torch.float64)
+    except (TypeError, ValueError, RuntimeError):
+        return False
+    w = torch.as_tensor(want).detach().to("cpu", torch.float64)
+    return g.shape == w.shape and bool(torch.allclose(g, w, rtol=rtol, atol=atol, equal_nan=True))
+
+
+def name_slip(name: str, got, slips: dict, where, want=None) -> None:
+    """AssertionError naming the first slip (a message -> its wrong result) that `got` reproduces, of those
+    that differ from the right answer `want` on this case (all of them when `want` is None)."""
+    for message, wrong in slips.items():
+        if same(got, wrong) and (want is None or not same(wrong, want)):
+            raise AssertionError(f"{name}: {message} ({fmt(where)})")
