@@ -159,8 +159,9 @@ def memory_vs_world(P, world_sizes=None) -> list[dict]:
     for world_size in tqdm(list(world_sizes or P.memory_world_sizes), desc="world sizes (fake process group)"):
         with fake_world(world_size):
             for name in ENGINES:
+                # no gc.collect() after each engine (0.3 s a call in a notebook's heap, 20 calls): fake
+                # tensors hold no storage, so the engines' reference cycles can wait for the collector
                 rows.append({"engine": name, **measure_engine(name, P, cfg, torch.device("cpu"), x, y, fake=True)})
-                gc.collect()  # the engine's reference cycles (hooks on its own parameters): free it now
     return rows
 
 
