@@ -1,6 +1,13 @@
 """The split-K W4A16 decode kernel against Day 8's dequantize-then-matmul reference: in the interpreter on a CPU
 (8 x 16 tiles, so N and K cross tile edges), compiled on a GPU (the `device` fixture); and its split heuristic."""
 
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import triton
@@ -98,3 +105,50 @@ def test_split_k_fills_the_sms_without_empty_slices(N, K, sms):
     room = max(1, steps // wod.MIN_STEPS)
     assert tiles * split >= min(wod.WAVES * sms, tiles * room) // 2 or split == room
     assert split_k(N, K, 2 * sms, block_n, block_k) >= split  # more SMs, never fewer programs
+
+
+# ----------------------------------------------------------------------------- the GPU session's step
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_session_step_dry_run_checks_the_kernel_and_times_nothing(tmp_path):
+    """bench/gpu_steps.py day9_decode --cpu, as the session's dry run starts it: the kernel against its reference
+    in the interpreter, its numbers in $DLO_STEP_RESULT, no timing from a CPU."""
+    out = tmp_path / "step.json"
+    env = {**os.environ, "DLO_STEP_RESULT": str(out), "DLO_STEP_WORK": str(tmp_path), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_steps.py"), "day9_decode", "--cpu"], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    got = json.loads(out.read_text())
+    assert got["day"] == "day9_inference" and got["check"]["ran"] and got["rows"] == []
+    assert got["check"]["max_diff"] <= 2 ** -6 * got["check"]["y_ref_max"]
+    assert "day9_decode" in [s.name for s in _session_steps()]
+
+
+def _session_steps():
+    spec = importlib.util.spec_from_file_location("gpu_session_for_decode", ROOT / "bench" / "gpu_session.py")
+    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # its dataclasses look it up there
+    spec.loader.exec_module(module)
+    return module.STEPS
+
+
+def test_session_step_rows_are_in_day9s_gpu_table(tmp_path):
+    """A GPU session's day9_decode step: every timing it kept, in Day 9's "measured on a GPU" table (and none in
+    Day 8's), a failed step as a row too."""
+    from dlo.gpu_results import gpu_rows
+
+    rows = [{"op": "weight_only_decode", "impl": impl, "size": "1x3072x8192", "M": 1, "K": 3072, "N": 8192, "ms": ms,
+             "speed-up": 0.0305 / ms, "layer": "Llama 3.2 3B gate,up"}
+            for impl, ms in (("torch bf16", 0.0305), ("dlo W4A16 (Day 8)", 0.0712), ("dlo W4A16 split-K 8", 0.0191))]
+    session = {"session": {"device": "NVIDIA H200", "commit": "0123456789abcdef"}, "steps": [
+        {"name": "day9_decode", "status": "ok", "numbers": {"day": "day9_inference", "rows": {"rows": rows}}},
+        {"name": "day9_decode", "status": "failed", "reason": "the split-K kernel against its reference: ...",
+         "numbers": {"day": "day9_inference"}}]}
+    folder = tmp_path / "results"
+    folder.mkdir()
+    (folder / "2026-12-02T1100_nvidia-h200_gpu-session.json").write_text(json.dumps(session))
+    day9 = gpu_rows("day9_inference", folder)
+    assert [r.value.split(" ms")[0] for r in day9 if r.verdict == "benchmark"] == ["0.0305", "0.0712", "0.0191"]
+    assert any(r.verdict == "failed" and "against its reference" in r.value for r in day9)
+    assert not gpu_rows("day8_quantization_pruning", folder)

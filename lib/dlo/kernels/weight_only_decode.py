@@ -3,15 +3,16 @@
 At M = 1 a matmul reads every weight once and does 2 FLOPs with it: bound by HBM bytes, not by the tensor cores.
 bf16 reads 2 bytes per weight; Day 8's W4A16 format (`dlo.kernels.quantize.pack_int4`: two codes per byte,
 even k in the low nibble, +8 offset, one fp32 scale per group of G inputs, symmetric, no zero point) reads
-1/2 + 4/G bytes: 0.53 at G = 128, 3.8x fewer. Those bytes only turn into time if enough loads are in flight to
-fill HBM, and at M = 1 the output has only N values: Day 8's GEMM-shaped tiles give one program per 32 or 64
-outputs, ~100-250 programs for Llama's projections on a 132-SM H200, each walking all of K (0.41x bf16 at one
-token). Here each program owns BLOCK_N outputs and one of SPLIT slices of K, so N / BLOCK_N x SPLIT programs
-run (`split_k` picks SPLIT from N, K and the SM count), and each multiplies its codes by x with fp32 FMAs
-(no tensor core: 16-row MMA tiles would waste 15/16 of their work at one token), scaling each group's partial
-dot product once. The SPLIT fp32 partial results are then added by a second small launch in a fixed order:
-the same y bit for bit on every run (atomic adds into y would be one launch less, but their order, and so the
-rounding, changes from run to run, and a bf16 y cannot take fp32 atomics).
+1/2 + 4/G bytes: 0.53 at G = 128, 3.8x fewer. Day 8's kernel (dlo.kernels.weight_only_matmul) decodes with its
+GEMM tiles made narrow: 16-row tensor-core tiles (15/16 padding at one token), nibbles interleaved back into k
+order, up to 8 K slices chosen by the autotuner and added by two torch launches; it ran at 0.41x bf16 at one
+token on an H200, 1.17x at 16 tokens with the same tiles. This kernel is laid out for one token instead: each
+program owns BLOCK_N outputs and one of SPLIT slices of K, so N / BLOCK_N x SPLIT programs run (`split_k` picks
+SPLIT from N, K and the SM count, no autotuning), and multiplies the low and high nibbles by the even and odd
+inputs with fp32 FMAs, scaling each group's partial dot product once. The SPLIT fp32 partial results are added
+by a second small launch in a fixed order: the same y bit for bit on every run (atomic adds into y would be one
+launch less, but their order, and so the rounding, changes from run to run, and a bf16 y cannot take fp32
+atomics).
 
 Order: kernels, heuristic and launcher, `w4a16_decode_ref` (torch), compile cases, benchmark.
 """
@@ -26,6 +27,7 @@ import triton.language as tl
 from torch import Tensor
 
 from dlo.kernels.aot import CompileCase
+from dlo.kernels.quantize import pack_int4, quantize_ref
 from dlo.kernels.runtime import bench_matmuls, kernel_available
 from dlo.kernels.weight_only_matmul import (
     ACT_DTYPES,
@@ -159,6 +161,13 @@ def w4a16_decode(x: Tensor, w: Tensor, scale: Tensor, split: int | None = None) 
     return y
 
 
+def pack_weight(w: Tensor, group_size: int = 128) -> tuple[Tensor, Tensor]:
+    """Day 8's W4A16 format of a float weight (N, K): (packed int4 codes (N, K // 2) uint8, fp32 scales (N, K // G)),
+    by its torch reference quantizer (the same codes and scales as its Triton kernel) and `pack_int4`."""
+    q, scale = quantize_ref(w.float(), 4, group_size)
+    return pack_int4(q), scale
+
+
 def w4a16_decode_ref(x: Tensor, w: Tensor, scale: Tensor) -> Tensor:
     """torch: Day 8's reference, dequantize the whole weight to x's dtype, then one matmul in fp32."""
     return weight_only_matmul_ref(x, w, scale, 4)
@@ -206,29 +215,35 @@ LLAMA_LAYERS = {"1B": {"q,o": (2048, 2048), "k,v": (2048, 512), "gate,up": (2048
                 "3B": {"q,o": (3072, 3072), "k,v": (3072, 1024), "gate,up": (3072, 8192), "down": (8192, 3072)}}
 
 
+def decode_impls(x: Tensor, w: Tensor, packed: Tensor, scale: Tensor, split: int | None = None) -> dict:
+    """The three ways to compute y = x @ W^T that a decode measurement compares, as name -> call: torch bf16 on
+    the unquantized `w`, Day 8's W4A16 kernel and this split-K kernel on the same codes and scales."""
+    return {"torch bf16": lambda: x @ w.T, "W4A16 Day 8 (GEMM tiles)": lambda: weight_only_matmul(x, packed, scale, 4),
+            "W4A16 split-K": lambda: w4a16_decode(x, packed, scale, split)}
+
+
 def bench(ms: tuple[int, ...] = (1, 4, 16), group_size: int = 128, models: tuple[str, ...] = ("1B", "3B"),
           splits: tuple[float, ...] = (0.5, 2.0)) -> list[dict]:
     """GPU: x (M, K) @ W^T on Llama 3.2's layers: torch bf16, Day 8's W4A16 kernel, this split-K kernel at
     `split_k`'s choice, and at that choice x each factor of `splits` (what the heuristic left on the table)."""
     if not torch.cuda.is_available():
         raise RuntimeError("the W4A16 decode benchmark needs a CUDA GPU")
-    from dlo.kernels.quantize import pack_int4, quantize_weight
     rows = []
     for model in models:
         for layer, (K, N) in LLAMA_LAYERS[model].items():
             w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) / K ** 0.5
-            q4, s4 = quantize_weight(w, 4, group_size)
-            p4 = pack_int4(q4)
+            p4, s4 = pack_weight(w, group_size)
             for M in ms:
                 x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
                 _, block_n, block_k = blocks_for(M, group_size)
                 best = split_k(N, K, sm_count(x.device), block_n, block_k)
                 steps = triton.cdiv(K, block_k)
                 others = sorted({min(steps, max(1, round(best * f))) for f in splits} - {best})
-                impls = {"torch bf16": (lambda: x @ w.T, "bf16_tflops", 2 * (M * K + N * K + M * N)),
-                         "dlo W4A16 (Day 8)": (lambda: weight_only_matmul(x, p4, s4, 4), "bf16_tflops",
+                calls = decode_impls(x, w, p4, s4)
+                impls = {"torch bf16": (calls["torch bf16"], "bf16_tflops", 2 * (M * K + N * K + M * N)),
+                         "dlo W4A16 (Day 8)": (calls["W4A16 Day 8 (GEMM tiles)"], "bf16_tflops",
                                                moved_bytes(M, K, N, 4, group_size)),
-                         f"dlo W4A16 split-K {best}": (lambda s=best: w4a16_decode(x, p4, s4, s), "bf16_tflops",
+                         f"dlo W4A16 split-K {best}": (calls["W4A16 split-K"], "bf16_tflops",
                                                        decode_bytes(M, K, N, group_size, best))}
                 impls.update({f"dlo W4A16 split-K {s}": (lambda s=s: w4a16_decode(x, p4, s4, s), "bf16_tflops",
                                                          decode_bytes(M, K, N, group_size, s)) for s in others})
