@@ -38,11 +38,11 @@ from dlo.kernels.weight_only_matmul import (
     weight_only_matmul_ref,
 )
 
-# (BLOCK_N outputs, BLOCK_K inputs) of a program by BLOCK_M = next_power_of_2(M): the (BLOCK_M, BLOCK_N,
-# BLOCK_K / 2) products of a K step, twice (low and high nibbles), stay at 4096 fp32 values or fewer (32 a
-# thread of 4 warps). Compiled for sm_90 (tests/kernels/test_compile.py), none spills; at M = 1, 64 x 128
-# took 109 registers (4 programs an SM), 64 x 64 and 32 x 128 54 and 63 (8-9 programs an SM, the same codes
-# in flight a step): 64 x 64, two 16-byte loads a row. num_stages changes nothing (no tl.dot to pipeline).
+# (BLOCK_N outputs, BLOCK_K inputs) of a program by BLOCK_M = next_power_of_2(M): the accumulator, (BLOCK_M,
+# BLOCK_N, BLOCK_K / 2) fp32, stays at 4096 values or fewer (32 a thread of 4 warps). Compiled for sm_90
+# (tests/kernels/test_compile.py), none spills; at M = 1, 64 x 64 took 63 registers (8 programs an SM, 16 KB of
+# codes in flight a step), 64 x 128 96 (5 programs, 20 KB): 64 x 64, more programs for narrow N, two 8-byte
+# loads a row. num_stages changes nothing (no tl.dot to pipeline).
 BLOCKS = {1: (64, 64), 2: (64, 64), 4: (32, 64), 8: (32, 32), 16: (16, 32)}
 CPU_BLOCKS = (8, 16)  # the interpreter: small tiles, so tests cross tile edges in N and K
 NUM_WARPS = 4
@@ -62,35 +62,53 @@ def _w4a16_splitk_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr,  # x (M, K), w (N
     rm = tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rb = tl.arange(0, BLOCK_K // 2)  # bytes of a row's step: codes k0 + 2j (low nibble) and k0 + 2j + 1 (high)
-    ra = tl.arange(0, BLOCK_K)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # Products are summed over K once, after the loop, into an accumulator of the step's shape: a tl.sum every
+    # step compiled for sm_90 into 80 warp shuffles and 10 barriers a step beside 16 FMAs (K runs across a
+    # warp's lanes). One token keeps everything in the codes' (BN, BK/2) layout, x broadcast down the rows;
+    # several go through a (BM, BN, BK/2) one, whose broadcasts cost shared-memory layout conversions a step.
+    if BLOCK_M == 1:
+        acc = tl.zeros((BLOCK_N, BLOCK_K // 2), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K // 2), dtype=tl.float32)
     k_end = tl.minimum(K, (pid_k + 1) * k_split)
     for k0 in range(pid_k * k_split, k_end, BLOCK_K):  # k_split is whole steps: a step never spans two splits
+        k_even = k0 + 2 * rb  # (BK/2,)
         byte = tl.load(w_ptr + rn[:, None].to(tl.int64) * (K // 2) + (k0 // 2 + rb)[None, :],
                        mask=(rn[:, None] < N) & (k0 // 2 + rb[None, :] < K // 2), other=0x88).to(tl.int32)
         # a code as fp32 without an int-to-float conversion (a quarter of the FMA rate): 2^23 + b holds the
         # integer b in its mantissa bits, so one OR and one exact subtraction of 2^23 + 8 give b - 8
         lo = ((byte & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0  # (BN, BK/2)
         hi = ((byte >> 4) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
-        x = tl.load(x_ptr + rm[:, None] * K + (k0 + ra)[None, :],
-                    mask=(rm[:, None] < M) & (k0 + ra[None, :] < K), other=0.0).to(tl.float32)  # (BM, BK)
-        x_even, x_odd = tl.split(tl.reshape(x, (BLOCK_M, BLOCK_K // 2, 2)))  # (BM, BK/2) each
-        if G % BLOCK_K == 0:  # the step lies in one group: scale its dot products once, (BM, BN) multiplies
-            dot = tl.sum(x_even[:, None, :] * lo[None, :, :] + x_odd[:, None, :] * hi[None, :, :], axis=2)
-            s = tl.load(s_ptr + rn.to(tl.int64) * n_groups + k0 // G, mask=rn < N, other=0.0)
-            acc += dot * s[None, :]
+        if G % BLOCK_K == 0:  # the step lies in one group: one scale per row
+            s_even = tl.load(s_ptr + rn.to(tl.int64) * n_groups + k0 // G, mask=rn < N, other=0.0)[:, None]
+            s_odd = s_even
         else:  # groups narrower than a step: each code gathers its scale
-            k_even = k0 + 2 * rb
             s_row = s_ptr + rn[:, None].to(tl.int64) * n_groups
             ok = (rn[:, None] < N) & (k_even[None, :] < K)
-            w_even = lo * tl.load(s_row + (k_even // G)[None, :], mask=ok, other=0.0)
-            w_odd = hi * tl.load(s_row + ((k_even + 1) // G)[None, :], mask=ok, other=0.0)
-            acc += tl.sum(x_even[:, None, :] * w_even[None, :, :] + x_odd[:, None, :] * w_odd[None, :, :], axis=2)
+            s_even = tl.load(s_row + (k_even // G)[None, :], mask=ok, other=0.0)
+            s_odd = tl.load(s_row + ((k_even + 1) // G)[None, :], mask=ok, other=0.0)
+        # x's even and odd inputs loaded apart (2-byte loads, from L1: x is only M x K x 2 bytes)
+        x_at = x_ptr + rm[:, None] * K + k_even[None, :]
+        x_ok = (rm[:, None] < M) & (k_even[None, :] < K)
+        x_even = tl.load(x_at, mask=x_ok, other=0.0).to(tl.float32)  # (BM, BK/2)
+        x_odd = tl.load(x_at + 1, mask=x_ok, other=0.0).to(tl.float32)
+        if BLOCK_M == 1:
+            if G % BLOCK_K == 0:
+                acc += (lo * x_even + hi * x_odd) * s_even  # 5 fp32 operations a byte, its 2 subtractions included
+            else:
+                acc += lo * s_even * x_even + hi * s_odd * x_odd
+        else:
+            w_even, w_odd = lo * s_even, hi * s_odd
+            acc += x_even[:, None, :] * w_even[None, :, :] + x_odd[:, None, :] * w_odd[None, :, :]
+    if BLOCK_M == 1:
+        y = tl.sum(acc, axis=1)[None, :]  # (1, BN)
+    else:
+        y = tl.sum(acc, axis=2)  # (BM, BN)
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     if not PARTIAL:
-        tl.store(y_ptr + rm[:, None] * N + rn[None, :], acc.to(ACT), mask=mask)
+        tl.store(y_ptr + rm[:, None] * N + rn[None, :], y.to(ACT), mask=mask)
     else:
-        tl.store(part_ptr + (pid_k * M + rm[:, None]).to(tl.int64) * N + rn[None, :], acc, mask=mask)
+        tl.store(part_ptr + (pid_k * M + rm[:, None]).to(tl.int64) * N + rn[None, :], y, mask=mask)
 
 
 @triton.jit
