@@ -419,9 +419,14 @@ def step_gpu_tests(a) -> int:
     return code
 
 
+ALONE = ("weight_only_decode",)  # ops a step of their own times (day9_decode): not twice in one session
+
+
 def step_bench(a) -> int:
+    from dlo.bench import registry
+
     out = WORK / "bench"
-    code, _ = dlo_cmd("bench", "--out", str(out))
+    code, _ = dlo_cmd("bench", *[op for op in sorted(registry()) if op not in ALONE], "--out", str(out))
     for p in sorted(out.glob("*.json")):
         keep(p)
         result(file=p.name, rows=json.loads(p.read_text()))

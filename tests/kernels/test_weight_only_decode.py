@@ -152,3 +152,21 @@ def test_session_step_rows_are_in_day9s_gpu_table(tmp_path):
     assert [r.value.split(" ms")[0] for r in day9 if r.verdict == "benchmark"] == ["0.0305", "0.0712", "0.0191"]
     assert any(r.verdict == "failed" and "against its reference" in r.value for r in day9)
     assert not gpu_rows("day8_quantization_pruning", folder)
+
+
+def test_session_times_the_decode_kernel_once(monkeypatch, tmp_path):
+    """The session's bench step runs `dlo bench` on every op but the one day9_decode times (not twice in one
+    session's minutes)."""
+    from dlo.bench import registry
+
+    spec = importlib.util.spec_from_file_location("gpu_steps_for_decode", ROOT / "bench" / "gpu_steps.py")
+    steps = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(steps)
+    calls = []
+    monkeypatch.setattr(steps, "dlo_cmd", lambda *args, **kw: (calls.append(args), (0, ""))[1])
+    monkeypatch.setattr(steps, "WORK", tmp_path)
+    assert steps.step_bench(None) == 0
+    ops = calls[0][1:calls[0].index("--out")]
+    assert calls[0][0] == "bench" and "weight_only_decode" not in ops
+    assert set(ops) == set(registry()) - {"weight_only_decode"} and "weight_only_matmul" in ops
+    assert steps.STEPS["day9_decode"] is steps.step_day9_decode
