@@ -39,20 +39,39 @@ def _times(split_k_ms: float, day8_ms: float) -> dict:
                              "W4A16 split-K": [split_k_ms * j for j in jitter]}}
 
 
+LOOP = {"agree": [0.97, 1.0, 0.98, 0.95]}  # decode_loop's on a CPU: no step times
+
+
 def test_claims_without_a_gpu_are_not_measurable():
-    rows = d.decode_claims(None, "cpu")
-    assert [r.verdict for r in rows] == [C.BY_CONSTRUCTION, C.NOT_MEASURABLE, C.NOT_MEASURABLE]
+    rows = d.decode_claims(None, LOOP, "cpu")
+    assert [r.verdict for r in rows] == [C.BY_CONSTRUCTION, C.AGREES] + [C.NOT_MEASURABLE] * 3
+    assert d.decode_claims(None, {"agree": [0.5, 0.6, 0.55]}, "cpu")[1].verdict == C.DISAGREES
+
+
+def test_the_decode_loop_on_a_cpu():
+    """A small Llama (fp32, converted to bf16 in a copy) against its W4A16 copy: agreement per sequence, the bytes,
+    no step timed on a CPU."""
+    from dlo.experiments.day9 import make_model
+
+    model = make_model("tiny", 0, "cpu", "float32")
+    seqs = torch.randint(0, 256, (3, 12), generator=torch.Generator().manual_seed(0))
+    got = d.decode_loop(model, seqs, length=8, rounds=3, reps=3, impl="reference")  # the kernels: test_w4a16.py
+    assert got["impl"] == "reference" and len(got["agree"]) == 3 and all(0 <= a <= 1 for a in got["agree"])
+    assert 3.4 < got["bf16 bytes"] / got["W4A16 bytes"] < 4 and "step_s" not in got
+    assert next(model.parameters()).dtype == torch.float32  # the caller's model is untouched
 
 
 def test_claims_from_gpu_timings_agreeing_or_not():
-    faster, as_bytes = d.decode_claims(_times(0.012, 0.07), "cuda")[1:]
+    loop = {**LOOP, "step_s": {"bf16": [10.0, 10.2, 9.9], "W4A16": [9.0, 9.1, 9.2]}, "length": 512}
+    agree, step, faster, as_bytes = d.decode_claims(_times(0.012, 0.07), loop, "cuda")[1:]
+    assert agree.verdict == step.verdict == C.AGREES and "GPU claim" in step.row()["evidence"]
     assert faster.verdict == C.AGREES  # 2.5x, and Day 8's layout (the control: same bytes) 0.43x
     assert as_bytes.verdict == C.DISAGREES  # 2.5x is not 3.76x +- 25%
     assert "GPU claim" in faster.row()["evidence"]
-    faster, as_bytes = d.decode_claims(_times(0.0081, 0.02), "cuda")[1:]
+    faster, as_bytes = d.decode_claims(_times(0.0081, 0.02), LOOP, "cuda")[3:]
     assert faster.verdict == C.CONTROL_TOO and as_bytes.verdict == C.AGREES  # Day 8's tiles beat bf16 too
-    assert d.decode_claims(_times(0.04, 0.07), "cuda")[1].verdict == C.DISAGREES
-    assert d.decode_claims(_times(0.012, 0.07), "cpu")[1].verdict == C.NOT_MEASURABLE  # a GPU claim on a CPU
+    assert d.decode_claims(_times(0.04, 0.07), LOOP, "cuda")[3].verdict == C.DISAGREES
+    assert d.decode_claims(_times(0.012, 0.07), LOOP, "cpu")[3].verdict == C.NOT_MEASURABLE  # a GPU claim on a CPU
 
 
 def test_timing_rows_list_every_implementation():

@@ -4,11 +4,15 @@ torch bf16, Day 8's W4A16 kernel and the split-K kernel timed side by side, with
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import triton
 
 from dlo.claims import Claim, approx, at_least, by_construction, not_measurable, timed
-from dlo.estimates import formula, median_interval
+from dlo.estimates import formula, from_samples, median_interval
+from dlo.inference.kv_cache import decode_step_times
+from dlo.inference.w4a16 import linear_bytes, quantize_linears
 from dlo.kernels.runtime import kernel_available, time_ms
 from dlo.kernels.weight_only_decode import (
     LLAMA_LAYERS,
@@ -106,8 +110,35 @@ def timing_rows(times: dict) -> list[dict]:
     return rows
 
 
-def decode_claims(times: dict | None, device: str, model: str = "3B", G: int = 128) -> list[Claim]:
-    """times: `time_decode`'s, or None where there is no GPU (the claims are then "not measurable here")."""
+def decode_loop(target: torch.nn.Module, sequences: torch.Tensor, *, length: int, rounds: int, reps: int,
+                impl: str | None = None) -> dict:
+    """`target` (a trained Llama) against its copy with W4A16 projections (`quantize_linears`: the split-K kernel
+    at decode where the kernels run, else Day 8's reference), both in bf16: top-1 agreement of their next-token
+    predictions at every position of `sequences` (B, T) (teacher forcing, so one difference does not cascade),
+    the projections' bytes, and on a GPU one decode step after `length` cached tokens, the two interleaved over
+    `rounds` (each the median of `reps` steps). `impl`: W4A16Linear's, to choose it."""
+    device = sequences.device
+    dense = target if next(target.parameters()).dtype in (torch.bfloat16, torch.float16) else \
+        copy.deepcopy(target).to(torch.bfloat16)
+    impl = impl or ("kernel" if kernel_available(device) else "reference")
+    quantized = quantize_linears(dense, impl=impl)
+    with torch.no_grad():
+        a, b = dense(sequences).float(), quantized(sequences).float()
+    out = {"impl": impl, "agree": (a.argmax(-1) == b.argmax(-1)).float().mean(dim=1).tolist(),
+           "logit_diff": ((a - b).abs().amax() / a.abs().amax()).item(), "bf16 bytes": linear_bytes(dense)["dense"],
+           "W4A16 bytes": linear_bytes(quantized)["W4A16"]}
+    if device.type == "cuda":
+        steps = {"bf16": [], "W4A16": []}
+        for _ in range(rounds):
+            for name, model in (("bf16", dense), ("W4A16", quantized)):
+                steps[name].append(decode_step_times(model, [length], reps=reps)[0].median_s)
+        out["step_s"], out["length"] = steps, length
+    return out
+
+
+def decode_claims(times: dict | None, loop: dict, device: str, model: str = "3B", G: int = 128) -> list[Claim]:
+    """times: `time_decode`'s, or None where there is no GPU (the timed claims are then "not measurable here");
+    loop: `decode_loop`'s."""
     K, N = LLAMA_LAYERS[model]["gate,up"]
     b = weight_bytes(K, N, G)
     bytes_ratio = b["bf16"] / b["W4A16"]
@@ -118,8 +149,20 @@ def decode_claims(times: dict | None, device: str, model: str = "3B", G: int = 1
     faster = ("W4A16 at one token is faster than bf16 (split-K layout)", SRC, "weight-only int4 speeds up decoding")
     bytes_claim = ("W4A16 at one token is as much faster as its bytes are fewer", "memory-bound: time = bytes / "
                    "bandwidth", f"{bytes_ratio:.2f}x (the bytes' ratio)")
+    step_claim = ("W4A16 projections speed up a whole decode step", SRC, "weight-only int4 speeds up decoding")
+    rows.append(Claim("W4A16 keeps the model's next-token choice", SRC, "int4 with groups of 128 loses little",
+                      at_least(0.9, ">= 90% of positions"),
+                      from_samples(loop["agree"], "top-1 agreement with the bf16 model, teacher-forced, per sequence",
+                                   "sequences")))
+    why = "a GPU's HBM against its SMs: on a CPU the kernel only runs in Triton's interpreter (numpy)"
+    if "step_s" in loop:
+        s = loop["step_s"]
+        rows.append(Claim(*step_claim, at_least(1.0), timed(median_interval(
+            [x / y for x, y in zip(s["bf16"], s["W4A16"])], f"bf16 / W4A16 decode step after {loop['length']} "
+            "tokens, per interleaved round"), device=device, gpu_claim=True)))
+    else:
+        rows.append(not_measurable(*step_claim, why, at_least(1.0)))
     if times is None:
-        why = "a GPU's HBM against its SMs: on a CPU the kernel only runs in Triton's interpreter (numpy)"
         return rows + [not_measurable(*faster, why, at_least(1.0)), not_measurable(*bytes_claim, why)]
     t = times["gate,up", 1]
 
@@ -131,4 +174,5 @@ def decode_claims(times: dict | None, device: str, model: str = "3B", G: int = 1
                    Claim(*bytes_claim, approx(bytes_ratio, rel=0.25), speedup("W4A16 split-K"))]
 
 
-__all__ = ["decode_claims", "kernel_check", "programs_rows", "time_decode", "timing_rows", "weight_bytes_rows"]
+__all__ = ["decode_claims", "decode_loop", "kernel_check", "programs_rows", "time_decode", "timing_rows",
+           "weight_bytes_rows"]
