@@ -100,9 +100,13 @@ STEPS = [
     Step("day9_serve", "Day 9 at the full profile (Llama 3.2 3B, bf16): decode with and without the cache, "
                        "reserved vs used paged vs contiguous, continuous vs static tokens/s, speculative speed-up",
          240, 600, exclusive=True),
+    Step("day9_decode", "Day 9's split-K W4A16 decode kernel against Day 8's W4A16 kernel and torch bf16 at M = 1, "
+                        "4, 16 on Llama 3.2 1B/3B's projections: does int4 beat bf16 at one token (never run on a GPU)",
+         90, 300, exclusive=True),
     Step("gpu_tests", "the kernel, optimizer, AMP and quantization tests on the GPU (Triton compiled, "
                       "not interpreted)", 60, 240, cpu=False),
-    Step("bench", "`dlo bench`: every kernel beside torch and its roofline on this GPU", 60, 240, cpu=False,
+    Step("bench", "`dlo bench`: every kernel beside torch and its roofline on this GPU (Day 9's decode kernel: its "
+                  "own step)", 60, 240, cpu=False,
          exclusive=True),
 ]
 

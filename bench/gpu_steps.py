@@ -374,6 +374,37 @@ def step_day9_serve(a) -> int:
     return run_day("day9_inference", a, [], smoke=False)[0]
 
 
+def step_day9_decode(a) -> int:
+    """Day 9's quantized decoding: the split-K W4A16 kernel against Day 8's W4A16 kernel and torch bf16 at M = 1,
+    4 and 16 on Llama 3.2 1B and 3B's projections (`dlo.kernels.weight_only_decode.bench`), every timing kept,
+    faster or not; first the kernel against its reference. The dry run checks it in Triton's interpreter and
+    times nothing (a CPU says nothing of HBM)."""
+    if a.cpu:
+        os.environ["TRITON_INTERPRET"] = "1"  # before dlo.kernels is imported: triton.jit reads it then
+    import torch
+
+    from dlo.experiments.day9_decode import kernel_check
+
+    result(day="day9_inference")
+    check = kernel_check(torch.device("cpu" if a.cpu else "cuda"))
+    result(check=check)
+    print(json.dumps(check), flush=True)
+    if not (check["ran"] and check["max_diff"] <= 2 ** -6 * check["y_ref_max"]):  # 2 bf16 ulps of |y|max
+        result(failure=f"the split-K kernel against its reference: {check}")
+        return 1
+    if a.cpu:
+        result(rows=[], timed="not measurable here: no GPU (the dry run)")
+        return 0
+    from dlo.bench import add_ratios, format_table
+    from dlo.hardware import device_name
+    from dlo.kernels.weight_only_decode import bench
+
+    rows = add_ratios([{"op": "weight_only_decode", **r} for r in bench()])
+    result(rows={"device": device_name(), "rows": rows})
+    print(format_table(rows))
+    return 0
+
+
 # ----------------------------------------------------------------------------- GPU only
 
 def step_gpu_tests(a) -> int:
@@ -388,9 +419,14 @@ def step_gpu_tests(a) -> int:
     return code
 
 
+ALONE = ("weight_only_decode",)  # ops a step of their own times (day9_decode): not twice in one session
+
+
 def step_bench(a) -> int:
+    from dlo.bench import registry
+
     out = WORK / "bench"
-    code, _ = dlo_cmd("bench", "--out", str(out))
+    code, _ = dlo_cmd("bench", *[op for op in sorted(registry()) if op not in ALONE], "--out", str(out))
     for p in sorted(out.glob("*.json")):
         keep(p)
         result(file=p.name, rows=json.loads(p.read_text()))
@@ -399,8 +435,8 @@ def step_bench(a) -> int:
 
 STEPS = {"env": step_env, "doctor": step_doctor, "launch": step_launch, "sandbox": step_sandbox,
          "day5_3b": step_day5_3b, "grade": step_grade, "day4_ddp": step_day4_ddp, "day3_resume": step_day3_resume,
-         "day9_serve": step_day9_serve, "day10_cp": step_day10_cp, "gpu_tests": step_gpu_tests,
-         "bench": step_bench}
+         "day9_serve": step_day9_serve, "day9_decode": step_day9_decode, "day10_cp": step_day10_cp,
+         "gpu_tests": step_gpu_tests, "bench": step_bench}
 
 
 def main(argv: list[str] | None = None) -> int:

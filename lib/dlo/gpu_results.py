@@ -40,7 +40,8 @@ NAME = re.compile(r"^(\d{4}-\d{2}-\d{2})T(\d{2})(\d{2})_([a-z0-9-]+?)(?:_([\w.-]
 KERNEL_DAYS = {"fused_adamw": "day1_optimizers", "amp_unscale": "day2_mixed_precision",
                "flash_attention": "day2_mixed_precision", "quantize": "day8_quantization_pruning",
                "weight_only_matmul": "day8_quantization_pruning", "int8_gemm": "day8_quantization_pruning",
-               "sparse24": "day8_quantization_pruning", "paged_attention": "day9_inference"}
+               "sparse24": "day8_quantization_pruning", "paged_attention": "day9_inference",
+               "weight_only_decode": "day9_inference"}
 # kernels `dlo bench` times whose day has no notebook yet: their rows are in no day's table until it has one
 NO_DAY_YET: dict[str, str] = {}
 MODULE_DAYS = {"amp": "day2_mixed_precision", "attention": "day2_mixed_precision",
@@ -177,7 +178,7 @@ def _from_session(d: dict) -> list[tuple]:
         if name == "grade" and nums.get("scores"):
             out += [(day, "dlo grade on the GPU", s.get("max_score", "-"), s.get("score", "-"), s.get("status", "-"))
                     for s in nums["scores"]]
-        if name == "bench":
+        if name in ("bench", "day9_decode"):  # dlo bench's record of every kernel, or of Day 9's decode kernel
             out += _from_bench(bench_records(nums))
         if name == "gpu_tests" and status != "skipped":
             counts = ", ".join(f"{nums[k]} {k}" for k in ("passed", "failed", "skipped") if k in nums)

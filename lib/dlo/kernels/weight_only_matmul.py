@@ -174,7 +174,8 @@ _weight_only_matmul_tuned = triton.autotune([_config(c) for c in DECODE_CONFIGS 
                                             )(_weight_only_matmul_kernel)
 
 
-def _check(x: Tensor, w: Tensor, scale: Tensor, bits: int) -> tuple[int, int, int]:
+def check_args(x: Tensor, w: Tensor, scale: Tensor, bits: int) -> tuple[int, int, int]:
+    """(M, N, K) of a weight-only product, or the one-line error of what is wrong (shared with the decode kernel)."""
     if bits not in (4, 8):
         raise ValueError(f"bits must be 4 or 8, got {bits}")
     if x.dim() != 2 or w.dim() != 2 or scale.dim() != 2:
@@ -197,7 +198,7 @@ def _check(x: Tensor, w: Tensor, scale: Tensor, bits: int) -> tuple[int, int, in
 
 def weight_only_matmul(x: Tensor, w: Tensor, scale: Tensor, bits: int = 8) -> Tensor:
     """y (M, N) = x (M, K) @ (codes * scale)^T in x's dtype; w: int8 (N, K) or packed int4 uint8 (N, K // 2)."""
-    M, N, K = _check(x, w, scale, bits)
+    M, N, K = check_args(x, w, scale, bits)
     if not kernel_available(x.device):
         raise RuntimeError(f"the Triton kernel cannot run on {x.device} here: it needs CUDA tensors, or CPU "
                            f"tensors with TRITON_INTERPRET=1 (use weight_only_matmul_ref otherwise)")
@@ -223,7 +224,7 @@ def weight_only_matmul(x: Tensor, w: Tensor, scale: Tensor, bits: int = 8) -> Te
 
 def weight_only_matmul_ref(x: Tensor, w: Tensor, scale: Tensor, bits: int = 8) -> Tensor:
     """torch: dequantize the whole weight to x's dtype, then one matmul with fp32 accumulation."""
-    _check(x, w, scale, bits)
+    check_args(x, w, scale, bits)
     w_hat = dequantize_weight(unpack_int4(w) if bits == 4 else w, scale.float(), x.dtype)
     return (x.float() @ w_hat.float().T).to(x.dtype)
 
