@@ -14,6 +14,8 @@ resumes where it stopped and makes the same choices again.
 
 from __future__ import annotations
 
+import json
+import math
 import shutil
 
 import numpy as np
@@ -29,8 +31,12 @@ def member_id(member: int, generation: int) -> str:
 
 def exploit_and_explore(space: Space, results: list[Result], fraction: float,
                         rng: np.random.Generator) -> list[tuple[int, dict]]:
-    """For each member (results in member order): (the member whose weights it continues from, its next config)."""
-    order = sorted(range(len(results)), key=lambda i: (results[i].value, i))
+    """For each member (results in member order): (the member whose weights it continues from, its next config).
+    A member whose objective is nan or inf (diverged) ranks last: it is replaced, never copied."""
+    def rank(i):
+        return results[i].value if math.isfinite(results[i].value) else math.inf, i
+
+    order = sorted(range(len(results)), key=rank)
     cut = max(1, int(len(results) * fraction))
     top, bottom = order[:cut], set(order[-cut:])
     plan = []
@@ -72,3 +78,19 @@ def pbt(study: Study, trial: Trial, space: Space, *, population: int, steps: int
         rng = np.random.default_rng([seed, g])
         plan = exploit_and_explore(space, results, fraction, rng)
     return generations
+
+
+def schedule(study: Study, trial: str) -> list[tuple[int, int, dict]]:
+    """The hyperparameters a final member trained with, generation by generation, following `parent.json`
+    back through every exploit: [(first step, last step, config), ...] from step 0. What PBT discovered is
+    this schedule, not one config."""
+    chain = []
+    while trial is not None:
+        folder = study.trial_dir(trial)
+        steps = int(json.loads(max(folder.glob("steps-*.json")).read_text())["steps"])
+        chain.append((steps, json.loads((folder / "config.json").read_text())))
+        parent = folder / "parent.json"
+        trial = json.loads(parent.read_text())["parent"] if parent.is_file() else None
+    chain.reverse()
+    starts = [0] + [steps for steps, _ in chain[:-1]]
+    return [(start, steps, config) for start, (steps, config) in zip(starts, chain)]
