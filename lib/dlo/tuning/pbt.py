@@ -29,6 +29,11 @@ def member_id(member: int, generation: int) -> str:
     return f"m{member:02d}g{generation:03d}"
 
 
+def member_of(trial: str) -> int:
+    """The member a trial id belongs to (m03g005 -> 3)."""
+    return int(trial[1:trial.index("g")])
+
+
 def exploit_and_explore(space: Space, results: list[Result], fraction: float,
                         rng: np.random.Generator) -> list[tuple[int, dict]]:
     """For each member (results in member order): (the member whose weights it continues from, its next config).
@@ -80,17 +85,24 @@ def pbt(study: Study, trial: Trial, space: Space, *, population: int, steps: int
     return generations
 
 
-def schedule(study: Study, trial: str) -> list[tuple[int, int, dict]]:
-    """The hyperparameters a final member trained with, generation by generation, following `parent.json`
-    back through every exploit: [(first step, last step, config), ...] from step 0. What PBT discovered is
-    this schedule, not one config."""
+def lineage(study: Study, trial: str) -> list[str]:
+    """The trials a final member descends from, generation 0 first, following `parent.json` through every
+    exploit (a member that was never exploited: its own generations, m03g000, m03g001, ...)."""
     chain = []
     while trial is not None:
-        folder = study.trial_dir(trial)
-        steps = int(json.loads(max(folder.glob("steps-*.json")).read_text())["steps"])
-        chain.append((steps, json.loads((folder / "config.json").read_text())))
-        parent = folder / "parent.json"
+        chain.append(trial)
+        parent = study.trial_dir(trial) / "parent.json"
         trial = json.loads(parent.read_text())["parent"] if parent.is_file() else None
-    chain.reverse()
-    starts = [0] + [steps for steps, _ in chain[:-1]]
-    return [(start, steps, config) for start, (steps, config) in zip(starts, chain)]
+    return chain[::-1]
+
+
+def schedule(study: Study, trial: str) -> list[tuple[int, int, dict]]:
+    """The hyperparameters a final member trained with, generation by generation: [(first step, last step,
+    config), ...] from step 0. What PBT discovers is this schedule, not one config."""
+    out, start = [], 0
+    for t in lineage(study, trial):
+        folder = study.trial_dir(t)
+        steps = int(json.loads(max(folder.glob("steps-*.json")).read_text())["steps"])
+        out.append((start, steps, json.loads((folder / "config.json").read_text())))
+        start = steps
+    return out
