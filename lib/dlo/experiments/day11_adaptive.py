@@ -85,8 +85,7 @@ def log(out: dict[int, dict], writer_for) -> None:
         w.close()
         for m, (final, steps) in enumerate(zip(o["pbt"], o["schedules"])):
             w = writer_for(f"pbt/seed{seed}/member{m}")
-            for start, end, config in steps:
+            for start, _, config in steps:     # the lr each generation trained with, at its first step
                 w.add_scalar("lr", config["lr"], start)
-                w.add_scalar("lr", config["lr"], end)
             w.add_scalar("val_loss", final.value, steps[-1][1])
             w.close()
