@@ -131,9 +131,11 @@ DAY9: dict[str, Day9Preset] = {  # day9_inference
 DAY11: dict[str, Day11Preset] = {  # day11_learning_faster
     "tiny": Day11Preset(),
     # real CIFAR-10 at 32x32 (classes 0-4 pretrain, 5-9 transfer), SmallCNN of width 32; a study of 81 trials
-    # (9 x 9 grid) of 2025 steps each as a SLURM array, ASHA's rungs 25, 75, 225, 675, 2025
+    # (9 x 9 grid) of 2025 steps each as a SLURM array, ASHA's rungs 25, 75, 225, 675, 2025; BO 27 trials,
+    # PBT 16 members exploiting every 225 steps (9 generations)
     "full": Day11Preset(image_size=32, width=32, batch_size=128, n_test=5000, n_pretrain=25_000, pretrain_steps=3000,
                         labelled=(100, 1000, 5000, 25_000), transfer_steps=1000, es_train=25_000, max_epochs=60,
                         patience=5, n_search_train=50_000, n_search_test=5000, trials=81, trial_steps=2025,
-                        min_steps=25, eta=3, search_seeds=3, seeds=3),
+                        min_steps=25, eta=3, search_seeds=3, seeds=3, bayes_trials=27, bayes_init=5,
+                        pbt_population=16, pbt_interval=225),
 }

@@ -36,6 +36,12 @@ class Day11Preset:
     min_steps: int = 3
     eta: int = 3
     search_seeds: int = 4          # the searches repeated with another data and initialisation seed
+    # the searches that adapt (run on the first adaptive_seeds search seeds), each against random search's trials
+    bayes_trials: int = 9          # BO's budget (random search's): its first bayes_init trials are random's first ones
+    bayes_init: int = 3
+    pbt_population: int = 4        # PBT's members: random search's first configs, trained to trial_steps
+    pbt_interval: int = 9          # steps between exploit/explore (trial_steps / pbt_interval generations)
+    adaptive_seeds: int = 3
     seeds: int = 5                 # repeats of the transfer and early-stopping trainings (paired)
     grid_g_per_kwh: float = 300.0  # stated grid intensity (gCO2e / kWh): a parameter, not a measurement
     tdp_watts: float = 65.0        # stated CPU package TDP for the estimate when no counter is readable
@@ -47,6 +53,12 @@ class Day11Preset:
         if not 1 <= self.min_steps <= self.trial_steps or self.eta < 2 or self.trials < 4:
             raise ValueError(f"need 1 <= min_steps <= trial_steps, eta >= 2 and trials >= 4; got {self.min_steps}, "
                              f"{self.trial_steps}, {self.eta}, {self.trials}")
+        if not (1 <= self.bayes_init <= self.bayes_trials <= self.trials and 2 <= self.pbt_population <= self.trials
+                and self.trial_steps % self.pbt_interval == 0 and 3 <= self.adaptive_seeds <= self.search_seeds):
+            raise ValueError(f"need 1 <= bayes_init <= bayes_trials <= trials, 2 <= pbt_population <= trials, "
+                             f"trial_steps a multiple of pbt_interval and 3 <= adaptive_seeds <= search_seeds; got "
+                             f"{self.bayes_init}, {self.bayes_trials}, {self.pbt_population}, {self.pbt_interval}, "
+                             f"{self.adaptive_seeds}")
         if round(self.trials ** 0.5) ** 2 != self.trials:
             raise ValueError(f"trials must be a square (the grid is sqrt(trials) x sqrt(trials)), got {self.trials}")
         if self.es_train < self.batch_size or self.patience < 1 or self.max_epochs <= self.patience:
@@ -61,7 +73,9 @@ class Day11Preset:
         return replace(self, n_pretrain=min(self.n_pretrain, 2048), pretrain_steps=5, transfer_steps=3,
                        labelled=self.labelled[:2], es_train=min(self.es_train, 1024), max_epochs=4, patience=1,
                        n_search_train=min(self.n_search_train, 1024), n_search_test=min(self.n_search_test, 512),
-                       n_test=min(self.n_test, 512), trials=4, trial_steps=4, min_steps=1, eta=2)
+                       n_test=min(self.n_test, 512), trials=4, trial_steps=4, min_steps=1, eta=2,
+                       bayes_trials=min(self.bayes_trials, 4), bayes_init=min(self.bayes_init, 2),
+                       pbt_population=min(self.pbt_population, 4), pbt_interval=2)
 
     def with_max_steps(self, steps: int) -> Day11Preset:
         """`max_steps` sets the pretraining's steps (the other trainings keep theirs)."""

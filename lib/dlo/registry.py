@@ -95,7 +95,7 @@ DAYS: dict[str, DaySpec] = {d.name: d for d in (
          parameters=("weights_dir",), data=("cifar10",), grade_cpu_s=30.0, run_s=61.0),
     _day(9, "day9_inference", P.Day9Preset, P.DAY9, grade_cpu_s=15.0, run_s=16.0),
     _day(10, "day10_context_experts", P.Day10Preset, P.DAY10, grade_cpu_s=15.0, run_s=20.0),
-    _day(11, "day11_learning_faster", P.Day11Preset, P.DAY11, data=("cifar10",), grade_cpu_s=22.0, run_s=39.0),
+    _day(11, "day11_learning_faster", P.Day11Preset, P.DAY11, data=("cifar10",), grade_cpu_s=22.0, run_s=45.0),
 )}
 
 

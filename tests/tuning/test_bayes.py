@@ -70,3 +70,64 @@ def test_bayes_search_resumes_from_its_files(tmp_path):
     calls = []
     again = bayes_search(Study(tmp_path), lambda c, s, w: calls.append(c) or [wavy(c)], space, steps=1, n=6, seed=2)
     assert [r.config for r in again[:5]] == [r.config for r in first] and len(calls) == 1
+
+
+def matern(r):   # Matern 5/2 of a scaled distance r, written out (Rasmussen & Williams 2006, eq. 4.17)
+    return (1 + math.sqrt(5) * r + 5 * r * r / 3) * math.exp(-math.sqrt(5) * r)
+
+
+def test_gp_posterior_mean_and_variance_match_the_closed_form_on_two_points():
+    x, y = np.array([[0.2], [0.6]]), np.array([1.0, 3.0])
+    gp = GP().fit(x, y)
+    # standardised targets z = (y - 2) / 1; K = [[1 + e, c], [c, 1 + e]] inverted by hand
+    e, z = 1e-6, np.array([-1.0, 1.0])
+
+    def evidence(length):
+        c = matern(0.4 / length)
+        det = (1 + e) ** 2 - c * c
+        quad = ((1 + e) * (z @ z) - 2 * c * z[0] * z[1]) / det
+        return -0.5 * quad - 0.5 * math.log(det)
+
+    from dlo.tuning.bayes import LENGTH_SCALES
+    assert gp.length == max(LENGTH_SCALES, key=evidence)          # the marginal likelihood's choice
+    c = matern(0.4 / gp.length)
+    det = (1 + e) ** 2 - c * c
+    for xs in (0.0, 0.3, 0.45, 1.0):
+        k = np.array([matern(abs(xs - 0.2) / gp.length), matern(abs(xs - 0.6) / gp.length)])
+        kinv_k = np.array([(1 + e) * k[0] - c * k[1], (1 + e) * k[1] - c * k[0]]) / det
+        mu, sigma = gp.predict(np.array([[xs]]))
+        assert math.isclose(mu[0], 2.0 + kinv_k @ z, rel_tol=1e-9, abs_tol=1e-9), xs
+        assert math.isclose(sigma[0] ** 2, 1.0 - kinv_k @ k, rel_tol=1e-7, abs_tol=1e-12), xs
+
+
+def test_expected_improvement_is_the_expected_gain_over_the_best():
+    # E[max(best - f, 0)], f ~ N(mu, sigma^2), by quadrature: independent of the closed form
+    for mu, sigma, best in [(0.0, 1.0, 0.0), (0.5, 0.2, 0.3), (-1.0, 2.0, 0.5), (2.0, 0.5, -1.0)]:
+        f = np.linspace(mu - 12 * sigma, mu + 12 * sigma, 400001)
+        density = np.exp(-0.5 * ((f - mu) / sigma) ** 2) / (sigma * math.sqrt(2 * math.pi))
+        gain = np.maximum(best - f, 0) * density
+        expected = float(((gain[1:] + gain[:-1]) / 2 * np.diff(f)).sum())
+        got = float(expected_improvement(np.array([mu]), np.array([sigma]), best)[0])
+        assert math.isclose(got, expected, rel_tol=1e-6, abs_tol=1e-12), (mu, sigma, best, got, expected)
+
+
+def test_a_diverged_trial_does_not_turn_the_search_into_random_search():
+    space = CASES["1-D"][1]
+    xs = [-0.8, -0.3, 0.2, 0.7, 1.2, 1.7]
+    results = [Result(f"b{i}", {"x": x}, 1, [(x - 0.45) ** 2], 1, (x - 0.45) ** 2) for i, x in enumerate(xs)]
+    results.append(Result("b9", {"x": 1.95}, 1, [math.nan], 1, math.nan))     # lr too high: the loss is nan
+    for seed in range(5):
+        proposed = propose(space, results, np.random.default_rng(seed))["x"]
+        assert abs(proposed - 0.45) < 0.3, (seed, proposed)                   # where the model says, not anywhere
+
+
+def test_bayes_search_takes_results_already_paid_for_as_its_first_trials(tmp_path):
+    space = CASES["1-D"][1]
+    trial = lambda c, s, w: [wavy(c)]  # noqa: E731
+    alone = bayes_search(Study(tmp_path / "alone"), trial, space, steps=1, n=6, seed=4)
+    from dlo.tuning.search import random_search
+    first = random_search(Study(tmp_path / "random"), trial, space, steps=1, n=3, seed=4)
+    calls = []
+    reused = bayes_search(Study(tmp_path / "reused"), lambda c, s, w: calls.append(c) or [wavy(c)], space, steps=1,
+                          n=6, seed=4, init=first)
+    assert len(calls) == 3 and [r.config for r in reused] == [r.config for r in alone]

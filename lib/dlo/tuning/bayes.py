@@ -9,7 +9,9 @@ best f*, posterior mean mu and deviation s, z = (f* - mu) / s):
 
     EI(x) = (f* - mu) Phi(z) + s phi(z)
 
-is maximised over random candidates and small moves around the best points so far.
+is maximised over random candidates and small moves around the best points so far. A trial that diverged
+(a nan or inf objective) enters the model as the worst finite value seen: it still tells the GP "not here"
+instead of turning every posterior into nan (and the search into a random one).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import math
 
 import numpy as np
 
+from dlo.errors import BadInput
 from dlo.tuning.space import Space
 from dlo.tuning.store import Job, Result, Study, Trial
 
@@ -57,16 +60,24 @@ class GP:
 
 
 def expected_improvement(mu: np.ndarray, sigma: np.ndarray, best: float) -> np.ndarray:
+    """E[max(best - f, 0)] for f ~ N(mu, sigma^2): Jones et al. 1998, eq. 15; Snoek et al. 2012, eq. 2."""
     z = (best - mu) / sigma
     cdf = 0.5 * (1 + np.vectorize(math.erf)(z / math.sqrt(2)))
     pdf = np.exp(-0.5 * z ** 2) / math.sqrt(2 * math.pi)
     return (best - mu) * cdf + sigma * pdf
 
 
+def finite_objectives(values) -> np.ndarray:
+    """The objectives as float64, a nan or inf (a diverged trial) replaced by the worst finite one (0 if none)."""
+    y = np.array(values, dtype=np.float64)
+    ok = np.isfinite(y)
+    return np.where(ok, y, y[ok].max() if ok.any() else 0.0)
+
+
 def propose(space: Space, results: list[Result], rng: np.random.Generator, candidates: int = 2000) -> dict:
     """The config of highest expected improvement given the finished results."""
-    x = np.array([space.to_unit(r.config) for r in results])
-    y = np.array([r.value for r in results])
+    x = np.array([space.to_unit(r.config) for r in results], dtype=np.float64)
+    y = finite_objectives([r.value for r in results])
     gp = GP().fit(x, y)
     dims = len(space.params)
     near = x[np.argsort(y)[:3]]
@@ -78,11 +89,16 @@ def propose(space: Space, results: list[Result], rng: np.random.Generator, candi
 
 
 def bayes_search(study: Study, trial: Trial, space: Space, steps: int, n: int, n_init: int = 3,
-                 seed: int = 0) -> list[Result]:
+                 seed: int = 0, init: list[Result] = ()) -> list[Result]:
     """`n` trials (ids b0000, ...): `n_init` random configs, then one EI proposal after each result.
-    Resumable: finished trials are read back, and proposal i draws from (seed, i), so it is the same again."""
-    results = []
-    for i in range(n):
+    Resumable: finished trials are read back, and proposal i draws from (seed, i), so it is the same again.
+    `init`: results already paid for that stand for the first trials (random search's first `n_init` trials
+    of the same seed and steps are exactly the configs drawn here): they count in `n` and are not run again."""
+    results = list(init)
+    if len(results) > n or any(r.steps != steps for r in results):
+        raise BadInput(f"bayes_search: init needs at most n={n} results at steps={steps}, got "
+                       f"{[(r.trial, r.steps) for r in results]}")
+    for i in range(len(results), n):
         if i < n_init:
             config = space.config(seed, i)
         else:

@@ -14,6 +14,8 @@ resumes where it stopped and makes the same choices again.
 
 from __future__ import annotations
 
+import json
+import math
 import shutil
 
 import numpy as np
@@ -27,10 +29,19 @@ def member_id(member: int, generation: int) -> str:
     return f"m{member:02d}g{generation:03d}"
 
 
+def member_of(trial: str) -> int:
+    """The member a trial id belongs to (m03g005 -> 3)."""
+    return int(trial[1:trial.index("g")])
+
+
 def exploit_and_explore(space: Space, results: list[Result], fraction: float,
                         rng: np.random.Generator) -> list[tuple[int, dict]]:
-    """For each member (results in member order): (the member whose weights it continues from, its next config)."""
-    order = sorted(range(len(results)), key=lambda i: (results[i].value, i))
+    """For each member (results in member order): (the member whose weights it continues from, its next config).
+    A member whose objective is nan or inf (diverged) ranks last: it is replaced, never copied."""
+    def rank(i):
+        return results[i].value if math.isfinite(results[i].value) else math.inf, i
+
+    order = sorted(range(len(results)), key=rank)
     cut = max(1, int(len(results) * fraction))
     top, bottom = order[:cut], set(order[-cut:])
     plan = []
@@ -72,3 +83,26 @@ def pbt(study: Study, trial: Trial, space: Space, *, population: int, steps: int
         rng = np.random.default_rng([seed, g])
         plan = exploit_and_explore(space, results, fraction, rng)
     return generations
+
+
+def lineage(study: Study, trial: str) -> list[str]:
+    """The trials a final member descends from, generation 0 first, following `parent.json` through every
+    exploit (a member that was never exploited: its own generations, m03g000, m03g001, ...)."""
+    chain = []
+    while trial is not None:
+        chain.append(trial)
+        parent = study.trial_dir(trial) / "parent.json"
+        trial = json.loads(parent.read_text())["parent"] if parent.is_file() else None
+    return chain[::-1]
+
+
+def schedule(study: Study, trial: str) -> list[tuple[int, int, dict]]:
+    """The hyperparameters a final member trained with, generation by generation: [(first step, last step,
+    config), ...] from step 0. What PBT discovers is this schedule, not one config."""
+    out, start = [], 0
+    for t in lineage(study, trial):
+        folder = study.trial_dir(t)
+        steps = int(json.loads(max(folder.glob("steps-*.json")).read_text())["steps"])
+        out.append((start, steps, json.loads((folder / "config.json").read_text())))
+        start = steps
+    return out

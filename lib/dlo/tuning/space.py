@@ -118,15 +118,21 @@ class Space:
 
     def perturb(self, config: dict, rng: np.random.Generator, factors=(0.8, 1.2)) -> dict:
         """PBT's explore (Jaderberg et al. 2017, 4.1 "perturb"): each range multiplied by one of `factors`,
-        kept inside its bounds; a choice moves to a neighbouring value."""
+        kept inside its bounds; a choice moves to a neighbouring value; an int that the factor would round back
+        to itself (1 x 1.2, 2 x 0.8) moves by one in the factor's direction, or small ints would never move."""
         out = dict(config)
         for p in self.params:
             if p.kind == "choice":
                 i = p.values.index(config[p.name]) + int(rng.choice([-1, 1]))
                 out[p.name] = p.values[min(max(i, 0), len(p.values) - 1)]
-            else:
-                value = min(max(config[p.name] * float(rng.choice(factors)), p.values[0]), p.values[1])
-                out[p.name] = int(round(value)) if p.kind == "int" else value
+                continue
+            factor = float(rng.choice(factors))
+            value = config[p.name] * factor
+            if p.kind == "int":
+                value = int(round(value))
+                if value == config[p.name] and factor != 1:
+                    value += 1 if (factor > 1) == (value >= 0) else -1
+            out[p.name] = min(max(value, p.values[0]), p.values[1])
         return out
 
 
