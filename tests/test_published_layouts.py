@@ -34,4 +34,14 @@ def test_compare_gives_the_published_run_its_layout_modelled_and_the_search():
 def test_rows_without_a_library_model_are_listed_not_compared():
     rows, skipped = compare_all([r for r in PUBLISHED if r.model == "llama3.1-405b"])
     assert rows == [] and "405b" in skipped[0]
-    assert compare(replace(PUBLISHED[0], cp=2, fsdp=4, global_batch=8)) is None  # context parallelism is not modelled
+
+
+
+def test_the_context_parallel_rows_are_compared():
+    """Issue 36: torchtitan's Table 2 (the 8B at FSDP x CP = 8, 32k to 262k tokens) is compared like the others;
+    at 262,144 tokens the search picks their layout, FSDP 1 x CP 8 (FSDP over the cp ranks)."""
+    rows = [r for r in PUBLISHED if r.cp > 1]
+    assert [r.seq for r in rows] == [65536, 131072, 262144] and all("Table 2" in r.source for r in rows)
+    published, theirs, ours = compare(rows[-1])
+    assert published["layout"] == theirs["layout"] == ours["layout"] == "FSDP 1 x TP 1 x PP 1 x CP 8"
+    assert theirs["fits"] and published["tokens/s/GPU"] == 548

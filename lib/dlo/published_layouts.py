@@ -16,7 +16,8 @@ the 70B and 405B tables have no plain run: they include torch.compile, Float8 an
 model on the meta device, `dlo.layout.Model.measure`), and evaluates the published layout with the same
 two models (`memory_bytes`, `step_time`): `dlo.layout` knows no selective checkpointing, so a
 "selective" row is evaluated with full checkpointing (its memory then a lower bound, its time an upper
-bound), and no context parallelism (rows with cp > 1 are not compared).
+bound). Context parallelism's rows (Table 2: the 8B at FSDP x CP = 8, one sequence per FSDP rank, 32k to
+262k tokens) are compared too: FSDP shards over dp x cp there, as in `dlo.layout`.
 """
 
 from __future__ import annotations
@@ -58,6 +59,11 @@ PUBLISHED: list[Published] = [
               extras="none", tokens_per_s_gpu=5605, mem_gib=67.0, **_H100_96),
     Published(f"{TORCHTITAN}, Table 4 (row 2D)", "llama3.1-70b", 256, 32, 8, 1, 1, 16, 512, ac="full",
               extras="torch.compile, Float8", tokens_per_s_gpu=829, mem_gib=71.9, **_H100_96),
+    *(Published(f"{TORCHTITAN}, Table 2 (row FSDP {8 // cp}, CP {cp})", "llama3.1-8b", 8, 8 // cp, 1, 1, cp, 1,
+                8 // cp, ac="full", extras="torch.compile, Float8", tokens_per_s_gpu=tps, mem_gib=mem,
+                **{**_H100_96, "seq": seq})
+      for cp, seq, tps, mem in ((1, 32768, 3890, 83.9), (2, 65536, 2540, 84.2), (4, 131072, 1071, 84.0),
+                                (8, 262144, 548, 84.5))),
     Published(f"{TORCHTITAN}, Table 5 (row 1F1B)", "llama3.1-405b", 512, 8, 8, 8, 1, 32, 256, ac="full",
               extras="torch.compile, Float8, async TP, 1F1B", tokens_per_s_gpu=100, mem_gib=82.5, **_H100_96),
 ]
@@ -76,8 +82,8 @@ def check_row(row: Published) -> None:
         raise BadInput(f"{row.source}: checkpointing {row.ac!r} is not one of none, selective, full")
 
 
-def layout_text(dp: int, fsdp: bool, tp: int, pp: int) -> str:
-    return f"{'FSDP' if fsdp else 'DP'} {dp} x TP {tp} x PP {pp}"
+def layout_text(dp: int, fsdp: bool, tp: int, pp: int, cp: int = 1) -> str:
+    return f"{'FSDP' if fsdp else 'DP'} {dp} x TP {tp} x PP {pp}" + (f" x CP {cp}" if cp > 1 else "")
 
 
 def attention_share(model, seq: int) -> float:
@@ -88,8 +94,8 @@ def attention_share(model, seq: int) -> float:
 
 def compare(row: Published, model=None) -> list[dict] | None:
     """Three rows for `row`: the published run (measured), its layout in `dlo.layout`'s models, and
-    `dlo.layout.search`'s choice; None where the library has no such model or the row uses context
-    parallelism. `model`: a `dlo.layout.Model` measured already (else measured here, meta device)."""
+    `dlo.layout.search`'s choice; None where the library has no such model. `model`: a `dlo.layout.Model`
+    measured already (else measured here, meta device)."""
     from dlo.layout import Cluster, Layout, Model, fits, memory_bytes, search, step_time
     from dlo.models.llama import LlamaConfig
 
@@ -98,24 +104,23 @@ def compare(row: Published, model=None) -> list[dict] | None:
         LlamaConfig.from_name(row.model)
     except (KeyError, ValueError):
         return None
-    if row.cp > 1:
-        return None
     model = model or Model.measure(row.model, row.seq)
     cluster = Cluster(row.gpu, row.gpus, mem_gib=row.gpu_mem_gib)
-    theirs = Layout(row.fsdp, row.tp, row.pp, row.fsdp > 1, max(1, row.pp), row.ac != "none")
+    theirs = Layout(row.fsdp, row.tp, row.pp, row.fsdp * row.cp > 1, max(1, row.pp), row.ac != "none", row.cp)
     ours = search(model, cluster, row.global_batch)
     tokens = row.global_batch * row.seq
     case = f"{row.model}, {row.gpus} GPUs, {row.global_batch} x {row.seq}"
 
     def modelled(lay, who, ac):
-        return {"case": case, "layout by": who, "layout": layout_text(lay.dp, lay.fsdp, lay.tp, lay.pp), "m": lay.m,
+        return {"case": case, "layout by": who, "layout": layout_text(lay.dp, lay.fsdp, lay.tp, lay.pp, lay.cp),
+                "m": lay.m,
                 "AC": ac, "GiB/GPU": round(memory_bytes(model, lay, cluster, row.global_batch) / 2**30, 1),
                 "fits": fits(model, lay, cluster, row.global_batch),
                 "tokens/s/GPU": round(tokens / step_time(model, lay, cluster, row.global_batch) / row.gpus),
                 "source": "dlo.layout (at peak bf16)"}
 
     published = {"case": case, "layout by": "published (measured)",
-                 "layout": layout_text(row.fsdp, row.fsdp > 1, row.tp, row.pp), "m": "-", "AC": row.ac,
+                 "layout": layout_text(row.fsdp, row.fsdp * row.cp > 1, row.tp, row.pp, row.cp), "m": "-", "AC": row.ac,
                  "GiB/GPU": row.mem_gib, "fits": "ran", "tokens/s/GPU": row.tokens_per_s_gpu,
                  "source": row.source + (f"; {row.extras}" if row.extras != "none" else "")}
     ac_theirs = "full" + (" (for selective)" if row.ac == "selective" else "") if theirs.ac else "none"
@@ -138,11 +143,7 @@ def compare_all(rows: list[Published] = PUBLISHED) -> tuple[list[dict], list[str
             continue
         key = (row.model, row.seq)
         models[key] = models.get(key) or Model.measure(*key)
-        got = compare(row, models[key])
-        if got is None:
-            skipped.append(f"{row.source}: context parallelism (cp {row.cp}) is not in dlo.layout")
-            continue
-        out += got
+        out += compare(row, models[key])
     return out, skipped
 
 

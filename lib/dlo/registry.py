@@ -47,11 +47,13 @@ class DaySpec:
     data: tuple[str, ...] = field(default=())  # what it reads from data_dir (`dlo.data.layout.KINDS`), checked by
                                                # `dlo.data.check` (`dlo.config.resolve`, `dlo data check`)
     # CPU seconds to grade its solution at the tiny profile (cells up to the last graded one) on a loaded
-    # 2-core machine (bench/grade_class.py: bench/results/grade-profile-*-after*.json); `dlo grade` and
+    # 2-core machine (bench/grade_class.py: bench/results/grade-profile-*-after*.json; Days 7 and 10: `dlo grade
+    # --jobs 1`'s seconds at a load of 5, after the layout capstone moved to Day 10); `dlo grade` and
     # `dlo run --jobs` start the longest first (`dlo.harness.schedule`): only the order matters
     grade_cpu_s: float = UNKNOWN_GRADE_CPU_S
     # wall seconds to run its whole solution notebook at the tiny profile, two notebooks at a time on 2 idle
-    # cores (`make run`, 2026-11-29 04:12; Day 10 from a 3-at-a-time run); `dlo run --jobs` starts the longest
+    # cores (`make run`, 2026-11-29 04:12; Day 10 from a 3-at-a-time run; Days 7 and 10 then less / plus the
+    # capstone's cells, 3.5 s / 7.7 s by papermill at a load of 5); `dlo run --jobs` starts the longest
     # first, so the longest runs beside the others instead of alone at the end with half the cores idle: only
     # the order matters
     run_s: float = 0.0
@@ -90,11 +92,11 @@ DAYS: dict[str, DaySpec] = {d.name: d for d in (
     _day(6, "day6_pipeline", P.Day6Preset, P.DAY6, planner="dlo.experiments.day6_report:plan", grade_cpu_s=218.0,
          run_s=44.0),
     _day(7, "day7_tensor_parallel", P.Day7Preset, P.DAY7, planner="dlo.experiments.day7_report:plan",
-         grade_cpu_s=60.0, run_s=39.0),
+         grade_cpu_s=35.0, run_s=36.0),
     _day(8, "day8_quantization_pruning", P.Day8Preset, P.DAY8, preflight="dlo.experiments.day8_smooth:preflight",
          parameters=("weights_dir",), data=("cifar10",), grade_cpu_s=30.0, run_s=61.0),
     _day(9, "day9_inference", P.Day9Preset, P.DAY9, grade_cpu_s=15.0, run_s=16.0),
-    _day(10, "day10_context_experts", P.Day10Preset, P.DAY10, grade_cpu_s=15.0, run_s=20.0),
+    _day(10, "day10_context_experts", P.Day10Preset, P.DAY10, grade_cpu_s=43.0, run_s=28.0),
     _day(11, "day11_learning_faster", P.Day11Preset, P.DAY11, data=("cifar10",), grade_cpu_s=22.0, run_s=45.0),
 )}
 

@@ -2,7 +2,8 @@
 
 Each `check_<exercise>(fn, ..., seed=0, trials=...)` draws odd shapes from `seed` (`case_seed`: a
 secret one under `dlo grade`), calls the student's function (a plain call: tensors in, plain data
-back; exercise 4's ring runs on ranks: `dlo.checks.day10_ring`) and compares with the library's
+back; exercise 3's ring runs on ranks: `dlo.checks.day10_ring`; exercise 6, the layout search, is in
+`dlo.checks.day10_layout`) and compares with the library's
 reference (`dlo.distributed.context_parallel`, `dlo.models.moe`), which is off limits while the
 student's code runs. A mismatch is named: the
 check computes the usual slips on its own side (no rescale, a contiguous split, a capacity rounded
@@ -16,6 +17,7 @@ import random
 
 import torch
 
+from dlo.checks.day10_layout import check_layout_search  # noqa: F401 (exercise 6: the notebook calls it here)
 from dlo.checks.day10_moe import check_dispatch_combine, check_route  # noqa: F401 (the notebook calls them here)
 from dlo.checks.day10_ring import check_ring_forward  # noqa: F401 (exercise 3: the notebook calls it from here)
 from dlo.distributed import context_parallel as cp

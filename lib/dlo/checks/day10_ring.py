@@ -1,4 +1,4 @@
-"""Day 10's exercise 4: ring attention's forward on ranks, re-exported by `dlo.checks.day10`.
+"""Day 10's exercise 3: ring attention's forward on ranks, re-exported by `dlo.checks.day10`.
 
 The case is drawn here (a secret seed under `dlo grade`); each rank is given only its contiguous shard of
 q, k, v (float64, odd sizes) and runs the student's function in a trusted worker that counts what it

@@ -18,18 +18,18 @@ number, since Megatron's layers need equal shards.
 The checks live in five modules along the exercises' seams and are re-exported here, where the
 notebook's test cells call them: `dlo.checks.day7_layers` (1, 2 and the shared helpers),
 `dlo.checks.day7_model` (3, 6: the Llama's attention and its DTensor plan),
-`dlo.checks.day7_sequence` (4, 5), `dlo.checks.day7_scale` (7, 8: compute against communication,
-the layout search) and `dlo.checks.day7_volumes` (7b: a stage boundary's bytes, DDP's
-bucket). The test cells call them through this module, the day's one checks module
+`dlo.checks.day7_sequence` (4, 5), `dlo.checks.day7_scale` (7: compute against communication) and
+`dlo.checks.day7_volumes` (7b: a stage boundary's bytes, DDP's bucket); the layout search, once
+exercise 8, is Day 10's exercise 6 (`dlo.checks.day10_layout`). The test cells call them through this
+module, the day's one checks module
 (`dlo.registry`), which the grader imports.
 """
 
 from dlo.checks.day7_layers import check_tp_linears, check_tp_swiglu
 from dlo.checks.day7_model import check_dtensor_plan, check_tp_attention
-from dlo.checks.day7_scale import check_comm_compute, check_layout_search
+from dlo.checks.day7_scale import check_comm_compute
 from dlo.checks.day7_sequence import check_sequence_parallel, check_vocab_parallel_cross_entropy
 from dlo.checks.day7_volumes import check_pp_bucket
 
-__all__ = ["check_comm_compute", "check_dtensor_plan", "check_layout_search", "check_pp_bucket",
-           "check_sequence_parallel", "check_tp_attention", "check_tp_linears", "check_tp_swiglu",
-           "check_vocab_parallel_cross_entropy"]
+__all__ = ["check_comm_compute", "check_dtensor_plan", "check_pp_bucket", "check_sequence_parallel",
+           "check_tp_attention", "check_tp_linears", "check_tp_swiglu", "check_vocab_parallel_cross_entropy"]

@@ -1,5 +1,5 @@
-"""Day 7's exercises 7 (compute against communication) and 8 (choosing a layout): no ranks needed,
-numbers only.
+"""Day 7's exercise 7 (compute against communication): no ranks needed, numbers only. (Exercise 8, the
+layout search, moved to Day 10 with the context and expert degrees: `dlo.checks.day10_layout`.)
 
 `fsdp_min_tokens` is held to its definition rather than to one rounding: the smallest whole T whose
 forward matmuls (2 P T / F) cover the ring all-gather to a relative 1e-12 (T >= x (1 - 1e-12), x the real
@@ -15,19 +15,10 @@ table's GPUs and links (`dlo.hardware`), then seeded random sizes, world sizes, 
 dtypes. A mismatch names the usual slip when the ratio to the reference gives it away (an
 all-reduce's 2(N-1)/N for an all-gather's (N-1)/N, one all-reduce per layer instead of two, FLOPs
 not split t ways, alpha left out).
-
-`check_layout_search` runs the student's search of exercise 8 on Llama 3.1 8B on 8 H100 and 70B on
-64 H100 (the notebook's cases), then seeded models, GPU counts, GPUs and batches (`dlo.layout.Model`
-measured once per model and sequence length, a few seconds), and accepts any valid layout that fits
-(`dlo.layout.fits`) and is as fast (`dlo.layout.step_time`) as the reference `dlo.layout.search`'s,
-whose search and enumeration are off limits (the memory and time models are the student's tools).
-Where no layout fits (Llama 3.1 70B on 8 H100: its model states alone need 140 GB per GPU), the search
-must raise ValueError.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import random
 
@@ -189,109 +180,4 @@ def check_comm_compute(fsdp_min_tokens_fn, tp_comm_ratio_fn, seed: int = 0, tria
                        f"Llama 3.2 3B's layer on {len(LINKS)} GPUs' links and random ones, seed={seed}")
 
 
-
-
-# ----------------------------------------------------------------------------- 8. choosing a layout
-
-LAYOUT_REFERENCE = ("dlo.layout.search", "dlo.layout.layouts")
-LAYOUT_MODELS = ("llama3.2-3b", "llama3.1-8b", "llama3.1-70b")
-
-
-@functools.lru_cache(maxsize=None)
-def _model(name: str, seq: int):
-    from dlo.layout import Model
-
-    return Model.measure(name, seq)
-
-
-def _layout_cases(rng: random.Random, trials: int) -> list[tuple]:
-    """(model name, seq, Cluster, batch): the notebook's cases, then seeded ones that fit somewhere."""
-    from dlo.layout import Cluster
-
-    out = [("llama3.1-8b", 8192, Cluster("H100 SXM", 8), 8), ("llama3.1-70b", 8192, Cluster("H100 SXM", 64), 64)]
-    for _ in range(trials):
-        name = rng.choice(LAYOUT_MODELS)
-        gpus = rng.choice([8, 16, 32, 64] if name != "llama3.1-70b" else [32, 64, 128])
-        gpu, mem = rng.choice([("A100 80GB SXM", 80.0), ("H100 SXM", 80.0), ("H200 SXM", 141.0)])
-        out.append((name, rng.choice([4096, 8192]), Cluster(gpu, gpus, mem), gpus * rng.choice([1, 2, 4])))
-    return out
-
-
-def _valid(lay, model, cluster, batch) -> str:
-    """What makes `lay` no layout of this problem ('' if it is one)."""
-    if lay.dp * lay.tp * lay.pp != cluster.gpus:
-        return f"dp x tp x pp = {lay.dp * lay.tp * lay.pp}, not the {cluster.gpus} GPUs"
-    if model.kv_heads % lay.tp:
-        return f"tp = {lay.tp} does not divide the {model.kv_heads} KV heads"
-    if model.layers % lay.pp:
-        return f"pp = {lay.pp} does not divide the {model.layers} layers"
-    if batch % (lay.dp * lay.m):
-        return f"the batch of {batch} does not split into dp x m = {lay.dp * lay.m} micro-batches of whole sequences"
-    if lay.pp > 1 and lay.m < lay.pp:
-        return f"m = {lay.m} < pp = {lay.pp}: 1F1B needs at least one micro-batch per stage"
-    if lay.fsdp and lay.dp == 1:
-        return "fsdp with dp = 1 shards over one rank"
-    return ""
-
-
-def _as_layout(obj, where: dict):
-    """The answer as the grader's own `Layout`, read field by field: under the grader the student's object
-    stays in the sandbox and only plain values come back (a dataclass arrives as a handle), and the
-    grader must not trust methods of an object it did not make."""
-    from dlo.layout import Layout
-
-    values = {}
-    for f in dataclasses.fields(Layout):
-        value = getattr(obj, f.name, None)
-        want = bool if f.type in (bool, "bool") else int
-        if type(value) is not want:  # exactly: a bool is no degree, a numpy int no bool
-            raise AssertionError(f"layout_search: return a dlo.layout.Layout (its {f.name} a {want.__name__}), "
-                                 f"got {obj!r} ({fmt(where)})")
-        values[f.name] = value
-    return Layout(**values)
-
-
-@check(forbid=LAYOUT_REFERENCE)
-def check_layout_search(search_fn, seed: int = 0, trials: int = 4) -> None:
-    """`search_fn(model, cluster, batch)`: the fastest `dlo.layout.Layout` by `dlo.layout.step_time`
-    among those that fit by `dlo.layout.fits` (module docstring of `dlo.layout`); compared with the
-    reference search's time on the notebook's two cases and seeded others (hidden: more)."""
-    from dlo.layout import fits, memory_bytes, search, step_time
-
-    cases = _layout_cases(random.Random(seed), trials)
-    for name, seq, cluster, batch in cases:
-        model = _model(name, seq)
-        where = dict(model=name, seq=seq, gpus=cluster.gpus, gpu=cluster.gpu, mem_gib=cluster.mem_gib, batch=batch,
-                     seed=seed)
-        got = _as_layout(search_fn(model, cluster, batch), where)
-        bad = _valid(got, model, cluster, batch)
-        if bad:
-            raise AssertionError(f"layout_search: {got} is not a layout of this problem: {bad} ({fmt(where)})")
-        if not fits(model, got, cluster, batch):
-            need = memory_bytes(model, got, cluster, batch) / 2**30
-            raise AssertionError(f"layout_search: {got} does not fit: {need:.1f} GiB per GPU of {cluster.mem_gib} "
-                                 f"(activations included?) ({fmt(where)})")
-        want = search(model, cluster, batch)
-        t_got, t_want = step_time(model, got, cluster, batch), step_time(model, want, cluster, batch)
-        if t_got > t_want * (1 + 1e-9):
-            raise AssertionError(f"layout_search: {got} takes {t_got:.4g} s per step; a faster one fits "
-                                 f"({t_want:.4g} s) ({fmt(where)})")
-    _nothing_fits(search_fn)
-    ok("layout_search", f"{len(cases)} cases and one where nothing fits, seed={seed}")
-
-
-def _nothing_fits(search_fn) -> None:
-    """Llama 3.1 70B on 8 H100 of 80 GiB: 16 bytes per parameter are 140 GB per GPU fully sharded."""
-    from dlo.layout import Cluster
-
-    cluster, batch = Cluster("H100 SXM", 8), 8
-    where = dict(model="llama3.1-70b", seq=4096, gpus=8, gpu=cluster.gpu, mem_gib=cluster.mem_gib, batch=batch)
-    try:
-        got = search_fn(_model("llama3.1-70b", 4096), cluster, batch)
-    except ValueError:
-        return
-    raise AssertionError(f"layout_search: no layout fits here (the model states alone need 140 GB per GPU), "
-                         f"so the search must raise ValueError; it returned {got!r} ({fmt(where)})")
-
-
-__all__ = ["check_comm_compute", "check_layout_search"]
+__all__ = ["check_comm_compute"]

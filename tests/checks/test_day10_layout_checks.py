@@ -1,0 +1,143 @@
+"""Day 10's exercise 6 (the 5-D layout search, moved from Day 7): the check accepts the solution notebook's
+search and rejects a stub, the library's reference, layouts that break a rule, and the usual slips, each
+failing with the message that names it (context or expert parallelism never tried, ring attention's K/V
+traffic left out, the activations not divided by cp, the experts' weights counted on every rank)."""
+
+from __future__ import annotations
+
+import dataclasses
+from itertools import product
+
+import pytest
+
+from dlo.checks import day10_layout
+from dlo.layout import Cluster, Layout, fits, memory_bytes, step_time
+from tests.checks.conftest import load_solution
+
+
+@pytest.fixture(scope="module")
+def sol():
+    return load_solution("day10_context_experts")
+
+
+def stub(*args, **kwargs):
+    raise NotImplementedError()
+
+
+def _candidates(model, cluster, batch):
+    """The rules, written out as a student writes them (the library's enumeration is off limits)."""
+    n = cluster.gpus
+    degrees = [d for d in range(1, n + 1) if n % d == 0]
+    for tp, cp, pp in product(degrees, repeat=3):
+        if n % (tp * cp * pp) or model.kv_heads % tp or model.layers % pp or (cp > 1 and model.seq % (2 * cp)):
+            continue
+        dp = n // (tp * cp * pp)
+        if batch % dp:
+            continue
+        eps = [e for e in range(1, dp + 1) if dp % e == 0 and model.n_experts % e == 0] if model.n_experts else [1]
+        ms = [k for k in range(max(pp, 1), batch // dp + 1) if (batch // dp) % k == 0]
+        for ep, m, fsdp, ac in product(eps, ms, (False, True) if dp * cp > 1 else (False,), (False, True)):
+            yield Layout(dp, tp, pp, fsdp, m, ac, cp, ep)
+
+
+def _search_with(keep=lambda lay: True, memory=memory_bytes, time_model=lambda model: model):
+    def search(model, cluster, batch):
+        ok = [lay for lay in _candidates(model, cluster, batch)
+              if keep(lay) and memory(model, lay, cluster, batch) <= cluster.mem_gib * 2**30]
+        if not ok:
+            raise ValueError("nothing fits")
+        return min(ok, key=lambda lay: step_time(time_model(model), lay, cluster, batch))
+    return search
+
+
+def no_kv_traffic(model):
+    return dataclasses.replace(model, kv_heads=0)  # ring_bytes_per_rank of 0 K/V heads: nothing travels
+
+
+def undivided_activations(model, lay, cluster, batch):
+    whole = dataclasses.replace(model, seq=model.seq * lay.cp, act_layer=model.act_layer * lay.cp,
+                                act_head=model.act_head * lay.cp)
+    return memory_bytes(whole, lay, cluster, batch)
+
+
+def experts_everywhere(model, lay, cluster, batch):
+    return memory_bytes(model, dataclasses.replace(lay, ep=1), cluster, batch)
+
+
+def states_only(model, lay, cluster, batch):
+    """Plausible and wrong (Day 7's slip): the model states fit, the activations forgotten."""
+    return memory_bytes(dataclasses.replace(model, act_layer=0, act_head=0, hidden=0), lay, cluster, batch)
+
+
+def test_the_check_accepts_the_solution_and_a_student_written_search(sol):
+    day10_layout.check_layout_search(sol.search_layout, seed=1, trials=6)
+    day10_layout.check_layout_search(_search_with(), seed=0)
+
+
+@pytest.mark.parametrize("wrong, says", [
+    (_search_with(keep=lambda lay: lay.cp == 1), "context parallelism never tried"),
+    (_search_with(keep=lambda lay: lay.ep == 1), "expert parallelism never tried"),
+    (_search_with(time_model=no_kv_traffic), "K/V traffic left out"),
+    (_search_with(memory=undivided_activations), "activations not divided by cp"),
+    (_search_with(memory=experts_everywhere), "weights counted whole on every rank"),
+    (_search_with(memory=states_only), "does not fit"),
+])
+def test_each_slip_fails_with_its_name(wrong, says):
+    with pytest.raises(AssertionError, match=says):
+        day10_layout.check_layout_search(wrong, seed=0)
+
+
+def test_a_stub_the_reference_and_broken_rules_are_refused():
+    from dlo import layout
+
+    with pytest.raises(NotImplementedError):
+        day10_layout.check_layout_search(stub)
+    with pytest.raises(AssertionError, match="off limits"):
+        day10_layout.check_layout_search(lambda *a: layout.search(*a))
+    with pytest.raises(AssertionError, match="on a dense model"):
+        day10_layout.check_layout_search(lambda model, cluster, batch: Layout(16, 1, 1, True, 1, False, 1, 2))
+
+
+def test_the_zigzag_rule_is_checked_on_the_sequence():
+    """2 cp must divide the sequence; a layout at cp = 3 on 131,072 positions is no layout."""
+    model = day10_layout.layout_model("llama3.1-8b", 131072)
+    bad = day10_layout._valid(Layout(1, 1, 1, True, 8, True, 3, 1), model, Cluster("H100 SXM", 3), 8)
+    assert "2 cp = 6 does not divide the 131072 positions" in bad
+
+
+def test_the_search_must_raise_when_nothing_fits(sol):
+    def none_when_nothing_fits(model, cluster, batch):
+        try:
+            return sol.search_layout(model, cluster, batch)
+        except ValueError:
+            return None
+
+    with pytest.raises(AssertionError, match="must raise ValueError; it returned None"):
+        day10_layout.check_layout_search(none_when_nothing_fits, seed=1, trials=1)
+
+
+def test_the_check_passes_under_the_grader(sandbox, sol, capsys):
+    """Under the grader the layout arrives as a handle to the student's object, read field by field."""
+    sandbox.run(day10_layout.check_layout_search, sol.search_layout, seed=1, trials=1)
+    assert capsys.readouterr().out.count(": ok (") == 1
+
+
+def test_a_layout_with_a_wrong_field_type_is_refused(sol):
+    def bool_degree(model, cluster, batch):
+        lay = sol.search_layout(model, cluster, batch)
+        return dataclasses.replace(lay, cp=True)  # True == 1, but no degree
+
+    with pytest.raises(AssertionError, match="its cp a int"):
+        day10_layout.check_layout_search(bool_degree, trials=1)
+
+
+def test_the_notebooks_cases_need_the_new_axes():
+    """The 8B at 131,072 tokens on 16 H100 runs faster with context parallelism, the 8-expert MoE on Llama 3.2 3B
+    on 16 H100 with expert parallelism: the two visible cases each exercise one new axis."""
+    from dlo.layout import search
+
+    long = day10_layout.layout_model("llama3.1-8b", 131072)
+    assert search(long, Cluster("H100 SXM", 16), 16).cp > 1
+    moe = day10_layout.layout_model("llama3.2-3b", 4096, 8, 2)
+    best = search(moe, Cluster("H100 SXM", 16), 16)
+    assert best.ep > 1 and fits(moe, best, Cluster("H100 SXM", 16), 16)
