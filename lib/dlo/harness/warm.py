@@ -48,9 +48,11 @@ import time
 START_ENV = "DLO_GRADE_START"  # "warm" (default) or "exec": a fresh interpreter per submission
 START_TIMEOUT = 120.0  # seconds for the warm process's imports on a loaded machine
 # what every per-submission process imports (the checks' references and the sandbox's trusted side)
+# (torch._dynamo: torch imports it at the first optimizer a process makes, 1.4 CPU s, which a check's
+# reference makes in every submission otherwise)
 PRELOAD = ("sqlalchemy", "alembic.script", "nbgrader.apps.api", "nbgrader.converters", "nbgrader.preprocessors",
-           "nbconvert.exporters", "jupyter_client.manager", "torch", "dlo.harness.execute", "dlo.grading.trusted",
-           "dlo.grading.remote", "dlo.checks")
+           "nbconvert.exporters", "jupyter_client.manager", "torch", "torch._dynamo", "dlo.harness.execute",
+           "dlo.grading.trusted", "dlo.grading.remote", "dlo.checks")
 
 COMMAND = [sys.executable, "-m", "dlo.harness.nbgrader_cli", "--warm"]  # + the socket's fd
 
