@@ -109,3 +109,20 @@ def test_integers_are_drawn_uniformly_ends_included():
     for i in range(3000):
         counts[space.config(0, i)["layers"] - 1] += 1
     assert min(counts) > 900, counts        # rounding a uniform draw would give the ends ~750 each
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_a_diverged_trial_is_never_the_best_nor_promoted_wherever_it_is_listed(bad):
+    # nan compares false both ways: sorted() and min() left it where it was, so listed first it won
+    for place in (0, 2, 5):
+        values = [0.5, 0.1, 0.9, 0.3, 0.2]
+        values.insert(place, bad)
+        rung = [Result(f"t{i}", {}, 1, [v], 1, v) for i, v in enumerate(values)]
+        diverged = f"t{place}"
+        assert best(rung).trial != diverged
+        assert best(rung).value == 0.1
+        assert diverged not in promotable(rung, 2, set())
+        assert promotable(rung, 2, set()) == [r.trial for r in sorted(rung[:place] + rung[place + 1:],
+                                                                     key=lambda r: r.value)][:3]
+    only = [Result("t0", {}, 1, [bad], 1, bad)]
+    assert best(only).trial == "t0"  # every trial diverged: one of them is still returned

@@ -14,6 +14,7 @@ not yet promoted), so a worker never waits for a rung to fill; with every config
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 from dlo.errors import BadInput
@@ -23,12 +24,20 @@ from dlo.tuning.store import Job, Result, Study, Trial, run_inline
 Runner = Callable[[Study, Trial, list], list]
 
 
+def rank_key(r: Result) -> tuple:
+    """Best first: the lowest objective, ties by trial id; a diverged trial (nan or +-inf) after every finite
+    one, whatever its place in the list (`nan` compares false both ways: sorted() would leave it where it was)."""
+    finite = math.isfinite(r.value)
+    return (not finite, r.value if finite else 0.0, r.trial)
+
+
 def best(results: list[Result]) -> Result:
-    """The lowest objective among the results at the most steps any trial reached (ties: the lower trial id)."""
+    """The lowest objective among the results at the most steps any trial reached (ties: the lower trial id;
+    a diverged trial only if every one diverged)."""
     if not results:
         raise ValueError("no results yet: run the search first")
     top = max(r.steps for r in results)
-    return min((r for r in results if r.steps == top), key=lambda r: (r.value, r.trial))
+    return min((r for r in results if r.steps == top), key=rank_key)
 
 
 def grid_search(study: Study, trial: Trial, space: Space, steps: int, points: int = 3,
@@ -58,8 +67,9 @@ def rung_steps(min_steps: int, max_steps: int, eta: int) -> list[int]:
 
 def promotable(rung: list[Result], eta: int, promoted: set[str]) -> list[str]:
     """ASHA's promotion rule at one rung: the trials in the top floor(n / eta) of the n results there
-    (lowest objective first, ties by trial id) that have not been promoted yet, best first."""
-    ranked = sorted(rung, key=lambda r: (r.value, r.trial))
+    (lowest objective first, ties by trial id, a diverged trial last) that have not been promoted yet, best
+    first."""
+    ranked = sorted(rung, key=rank_key)
     return [r.trial for r in ranked[:len(rung) // eta] if r.trial not in promoted]
 
 
