@@ -14,8 +14,8 @@ import torch
 
 from dlo.checks import day10
 from dlo.distributed import context_parallel as cp
-from dlo.grading.forbid import ForbiddenCall
 from dlo.models import moe
+from tests.checks import cases
 from tests.checks.day10_students import (
     merge_no_rescale,
     merge_ok,
@@ -208,42 +208,13 @@ LIBRARY = [(lambda *a: cp.merge_partials(*a),), (lambda x, n, r: cp.zigzag_split
            (lambda x, e, kept, n: moe.dispatch(x, None), combine_ok)]
 
 
-@pytest.mark.parametrize("check,good", [(c, g) for c, g, _ in CASES], ids=[c.__name__ for c, _, _ in CASES])
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_reference_passes(check, good, seed, capsys):
-    check(*good, seed=seed)
-    assert ": ok (" in capsys.readouterr().out
-
-
-@pytest.mark.parametrize("check,bad,slip", [(c, b, s) for c, _, bads in CASES for b, s in bads],
-                         ids=lambda v: "-".join(f.__name__ for f in v) if isinstance(v, tuple) else
-                         getattr(v, "__name__", v))
-def test_wrong_versions_fail_and_are_named(check, bad, slip):
-    with pytest.raises((AssertionError, NotImplementedError)) as err:
-        check(*bad, seed=0)
-    assert not isinstance(err.value, ForbiddenCall), "a wrong version must fail for its own slip"
-    assert slip in str(err.value), str(err.value)
-
-
-@pytest.mark.parametrize("check,lib", [(c, lib) for (c, _, _), lib in zip(CASES, LIBRARY)],
-                         ids=[c.__name__ for c, _, _ in CASES])
-def test_library_is_refused(check, lib):
-    with pytest.raises(ForbiddenCall, match="off limits"):
-        check(*lib, seed=0)
-
-
-@pytest.mark.parametrize("check,good", [(c, g) for c, g, _ in CASES], ids=[c.__name__ for c, _, _ in CASES])
-def test_reference_passes_sandboxed(sandbox, check, good, capsys):
-    sandbox.run(check, *good, seed=1)
-    assert ": ok (" in capsys.readouterr().out
-
-
-@pytest.mark.parametrize("check,bad", [(day10.check_merge_partials, (merge_overflow,)),
-                                       (day10.check_route, (route_by_score,))], ids=["merge", "route"])
-def test_wrong_fails_sandboxed(sandbox, check, bad):
-    with pytest.raises(AssertionError) as err:
-        sandbox.run(check, *bad, seed=0)
-    assert not isinstance(err.value, ForbiddenCall)
+test_reference_passes = cases.reference_passes(CASES)
+test_wrong_versions_fail_and_are_named = cases.wrong_versions_fail(CASES)
+test_library_is_refused = cases.library_refused([(c, lib) for (c, _, _), lib in zip(CASES, LIBRARY)],
+                                                ids=[c.__name__ for c, _, _ in CASES])
+test_reference_passes_sandboxed = cases.reference_passes_sandboxed(CASES)
+test_wrong_fails_sandboxed = cases.wrong_fails_sandboxed(
+    [(day10.check_merge_partials, merge_overflow), (day10.check_route, route_by_score)], ids=["merge", "route"])
 
 
 @pytest.mark.parametrize("world_size,seed", [(2, 0), (3, 1)])

@@ -7,7 +7,6 @@ slip, so it fails for its own reason, not for calling a forbidden reference."""
 from __future__ import annotations
 
 import math
-import re
 
 import numpy as np
 import pytest
@@ -16,6 +15,7 @@ from torch import nn
 from dlo.checks import day11
 from dlo.grading.forbid import ForbiddenCall
 from dlo.tuning import early, space, transfer
+from tests.checks import cases
 
 
 def stub(*args, **kwargs):
@@ -312,27 +312,10 @@ LIBRARY = [(day11.check_sample_config, lambda spec, seed, i: space.Space(spec).c
            (day11.check_early_stop, early_through_the_library)]
 
 
-@pytest.mark.parametrize("check,good", [(c, g) for c, g, _ in CASES], ids=lambda v: getattr(v, "__name__", ""))
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_reference_passes(check, good, seed, capsys):
-    check(good, seed=seed)
-    assert ": ok (" in capsys.readouterr().out
-
-
-@pytest.mark.parametrize("check,bad,slip", [(c, b, s) for c, _, bads in CASES for b, s in bads],
-                         ids=lambda v: getattr(v, "__name__", "") if callable(v) else "")
-def test_a_wrong_version_fails_naming_its_mistake(check, bad, slip):
-    with pytest.raises((AssertionError, NotImplementedError)) as err:
-        check(bad, seed=0)
-    assert not isinstance(err.value, ForbiddenCall), "a wrong version must fail for its own slip"
-    if bad is not stub:
-        assert re.search(re.escape(slip), str(err.value)), str(err.value)
-
-
-@pytest.mark.parametrize("check,lib", LIBRARY, ids=["sample_config", "freeze", "discriminative_groups", "early_stop"])
-def test_library_is_refused(check, lib):
-    with pytest.raises(ForbiddenCall, match="off limits"):
-        check(lib, seed=0)
+test_reference_passes = cases.reference_passes(CASES)
+test_wrong_versions_fail_and_are_named = cases.wrong_versions_fail(CASES)
+test_library_is_refused = cases.library_refused(LIBRARY, ids=["sample_config", "freeze", "discriminative_groups",
+                                                              "early_stop"])
 
 
 def test_promote_refuses_the_library():
@@ -348,16 +331,7 @@ def test_promote_refuses_the_library():
         day11.check_promote(through_library, seed=0)
 
 
-@pytest.mark.parametrize("check,good", [(c, g) for c, g, _ in CASES], ids=[c.__name__ for c, _, _ in CASES])
-def test_reference_passes_sandboxed(sandbox, check, good, capsys):
-    sandbox.run(check, good, seed=1)
-    assert ": ok (" in capsys.readouterr().out
-
-
-@pytest.mark.parametrize("check,bad", [(day11.check_freeze, freeze_keeps_norms_training),
-                                       (day11.check_discriminative_groups, groups_swapped)],
-                         ids=["freeze", "groups"])
-def test_wrong_fails_sandboxed(sandbox, check, bad):
-    with pytest.raises(AssertionError) as err:
-        sandbox.run(check, bad, seed=0)
-    assert not isinstance(err.value, ForbiddenCall)
+test_reference_passes_sandboxed = cases.reference_passes_sandboxed(CASES)
+test_wrong_fails_sandboxed = cases.wrong_fails_sandboxed(
+    [(day11.check_freeze, freeze_keeps_norms_training), (day11.check_discriminative_groups, groups_swapped)],
+    ids=["freeze", "groups"])

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from dlo import distill, prune, quant, smoothquant
 from dlo.checks import day8
-from dlo.grading.forbid import ForbiddenCall
+from tests.checks import cases
 
 
 def stub(*args, **kwargs):
@@ -384,19 +384,8 @@ LIBRARY = [(quant.quantize, quant.dequantize), (calibrate_with_observers,), (qua
            (smoothquant.smoothing_factors,)]
 
 
-@pytest.mark.parametrize("check,good", [(c, g) for c, g, _ in CASES], ids=lambda v: getattr(v, "__name__", ""))
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_reference_passes(check, good, seed, capsys):
-    check(*good, seed=seed)
-    assert "ok" in capsys.readouterr().out
-
-
-@pytest.mark.parametrize("check,bad", [(c, b) for c, _, bads in CASES for b in bads],
-                         ids=lambda v: "-".join(f.__name__ for f in v) if isinstance(v, tuple) else v.__name__)
-def test_wrong_versions_fail(check, bad):
-    with pytest.raises((AssertionError, NotImplementedError)) as err:
-        check(*bad, seed=0)
-    assert not isinstance(err.value, ForbiddenCall), "a wrong version must fail for its own slip"
+test_reference_passes = cases.reference_passes(CASES)
+test_wrong_versions_fail = cases.wrong_versions_fail(CASES)  # the slips' names: the tests below
 
 
 @pytest.mark.parametrize("bad,slip", [(gradual_linear, "a linear schedule"), (gradual_no_clamp, "no clamp"),
@@ -425,25 +414,11 @@ def test_a_wrong_smoothing_derivation_is_named(bad, slip):
         day8.check_smoothing_factors(bad, seed=0)
 
 
-@pytest.mark.parametrize("check,lib", [(c, lib) for (c, _, _), lib in zip(CASES, LIBRARY)],
-                         ids=[c.__name__ for c, _, _ in CASES])
-def test_library_is_refused(check, lib):
-    with pytest.raises(ForbiddenCall, match="off limits"):
-        check(*lib, seed=0)
-
-
-@pytest.mark.parametrize("check,good", [(c, g) for c, g, _ in CASES], ids=[c.__name__ for c, _, _ in CASES])
-def test_reference_passes_sandboxed(sandbox, check, good, capsys):
-    sandbox.run(check, *good, seed=1)
-    assert ": ok (" in capsys.readouterr().out
-
-
-@pytest.mark.parametrize("check,bad", [(day8.check_fake_quant_ste, (fake_quant_zero_grad,)),
-                                       (day8.check_prune_linear_pair, (prune_pair_mask_only,)),
-                                       (day8.check_distillation_loss, (distill_teacher_grad,)),
-                                       (day8.check_quantize, (quantize_nan_on_zero, dequantize_ok))],
-                         ids=["fake_quant", "prune_pair", "distill", "quantize"])
-def test_wrong_fails_sandboxed(sandbox, check, bad):
-    with pytest.raises(AssertionError) as err:
-        sandbox.run(check, *bad, seed=0)
-    assert not isinstance(err.value, ForbiddenCall)
+test_library_is_refused = cases.library_refused([(c, lib) for (c, _, _), lib in zip(CASES, LIBRARY)],
+                                                ids=[c.__name__ for c, _, _ in CASES])
+test_reference_passes_sandboxed = cases.reference_passes_sandboxed(CASES)
+test_wrong_fails_sandboxed = cases.wrong_fails_sandboxed(
+    [(day8.check_fake_quant_ste, fake_quant_zero_grad), (day8.check_prune_linear_pair, prune_pair_mask_only),
+     (day8.check_distillation_loss, distill_teacher_grad),
+     (day8.check_quantize, (quantize_nan_on_zero, dequantize_ok))],
+    ids=["fake_quant", "prune_pair", "distill", "quantize"])

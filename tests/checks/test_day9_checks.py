@@ -7,7 +7,6 @@ them with one slip, so it fails for its own reason, not for calling a forbidden 
 from __future__ import annotations
 
 import math
-import re
 
 import pytest
 import torch
@@ -16,6 +15,7 @@ from dlo.checks import day9, day9_schedule
 from dlo.grading.forbid import ForbiddenCall
 from dlo.inference import paged, speculative
 from dlo.kernels import paged_attention as pa
+from tests.checks import cases
 from tests.rank_pool import one_thread  # noqa: F401 - a fixture
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -352,31 +352,12 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("check,good", [(c, g) for c, g, _ in CASES], ids=lambda v: getattr(v, "__name__", ""))
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_reference_passes(check, good, seed, capsys):
-    check(*good, seed=seed)
-    assert "ok" in capsys.readouterr().out
-
-
-@pytest.mark.parametrize("check,bad,slip", [(c, b, s) for c, _, bads in CASES for b, s in bads],
-                         ids=lambda v: "-".join(f.__name__ for f in v) if isinstance(v, tuple) else
-                         getattr(v, "__name__", str(v)[:20]))
-def test_wrong_versions_fail_and_are_named(check, bad, slip):
-    with pytest.raises((AssertionError, NotImplementedError)) as err:
-        check(*bad, seed=0)
-    assert not isinstance(err.value, ForbiddenCall), "a wrong version must fail for its own slip"
-    assert re.search(re.escape(slip), f"{type(err.value).__name__}: {err.value}"), str(err.value)
-
-
-@pytest.mark.parametrize("check,lib", [(day9.check_block_manager, (paged.BlockManager,)),
-                                       (day9.check_accept_draft, (speculative.accept_draft,)),
-                                       (day9.check_paged_attention, (pa.paged_attention_ref,)),
-                                       (day9.check_schedule_step, (day9_schedule.reference_step,))],
-                         ids=["blocks", "accept", "paged", "schedule"])
-def test_library_is_refused(check, lib):
-    with pytest.raises(ForbiddenCall, match="off limits"):
-        check(*lib, seed=0)
+test_reference_passes = cases.reference_passes(CASES)
+test_wrong_versions_fail_and_are_named = cases.wrong_versions_fail(CASES)
+test_library_is_refused = cases.library_refused(
+    [(day9.check_block_manager, paged.BlockManager), (day9.check_accept_draft, speculative.accept_draft),
+     (day9.check_paged_attention, pa.paged_attention_ref), (day9.check_schedule_step, day9_schedule.reference_step)],
+    ids=["blocks", "accept", "paged", "schedule"])
 
 
 def test_cached_attention_is_refused():
@@ -392,15 +373,7 @@ def test_cached_attention_is_refused():
         day9.check_attend_with_cache(via_library, seed=0)
 
 
-@pytest.mark.parametrize("check,good", [(c, g) for c, g, _ in CASES], ids=[c.__name__ for c, _, _ in CASES])
-def test_reference_passes_sandboxed(sandbox, check, good, capsys):
-    sandbox.run(check, *good, seed=1)
-    assert ": ok (" in capsys.readouterr().out
-
-
-@pytest.mark.parametrize("check,bad", [(day9.check_block_manager, (BlocksNoCopyOnWrite,)),
-                                       (day9.check_accept_draft, (accept_resample_p,))], ids=["blocks", "accept"])
-def test_wrong_fails_sandboxed(sandbox, check, bad):
-    with pytest.raises(AssertionError) as err:
-        sandbox.run(check, *bad, seed=0)
-    assert not isinstance(err.value, ForbiddenCall)
+test_reference_passes_sandboxed = cases.reference_passes_sandboxed(CASES)
+test_wrong_fails_sandboxed = cases.wrong_fails_sandboxed(
+    [(day9.check_block_manager, BlocksNoCopyOnWrite), (day9.check_accept_draft, accept_resample_p)],
+    ids=["blocks", "accept"])
