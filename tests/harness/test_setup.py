@@ -128,6 +128,7 @@ def test_validate_runs_what_the_grader_runs_not_the_experiments_after_it(tmp_pat
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert not result.get("failed") and not result.get("changed"), result
     assert not ran.exists(), "an experiment after the last graded cell ran under Validate"
+    assert "over TCP" not in out.stderr, out.stderr[-2000:]  # its kernel on Unix sockets (dlo.harness.kernels)
 
 
 def test_the_terminal_keeps_the_course_environment(tmp_path):

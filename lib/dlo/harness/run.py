@@ -1,6 +1,7 @@
 """`dlo run`: execute day notebooks headlessly with papermill and report a status table.
 
-Each notebook runs in its own `python -m papermill` child process (its own session), so a
+Each notebook runs in its own papermill child process (`python -m dlo.harness.kernels`: papermill with its
+kernel on Unix sockets; its own session), so a
 per-notebook timeout can stop it together with its kernel, and a crash in one day never stops
 the others. Executed notebooks land in OUT/<day>/<day>.ipynb, and run with OUT/<day> as working
 directory so their logs (runs/, TensorBoard) stay out of the checkout.
@@ -171,7 +172,8 @@ def run_notebook(src: Path, dest: Path, params: dict, timeout: float, cell_timeo
                  smoke: bool = False, env: dict | None = None) -> tuple[str, float]:
     """Execute one notebook; returns (status, seconds). Status: ok, failed (rc, cell) or timeout."""
     dest.parent.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "papermill", str(src), str(dest), "-y", json.dumps(params),
+    # papermill's command line, its kernel on Unix sockets rather than localhost TCP (dlo.harness.kernels)
+    cmd = [sys.executable, "-m", "dlo.harness.kernels", str(src), str(dest), "-y", json.dumps(params),
            "--cwd", str(dest.parent), "--execution-timeout", str(int(cell_timeout)),
            "--progress-bar" if bars_wanted() else "--no-progress-bar", "--log-level", "WARNING"]
     # DLO_HEADLESS: dlo.progress draws text bars, whose last state is what the saved notebook shows

@@ -66,6 +66,8 @@ c = get_config()  # noqa: F821 (provided by traitlets)
 import dlo.harness.validate  # noqa: E402
 dlo.harness.validate.install()
 c.Execute.timeout = {int(cell_timeout)}
+# Its kernel on Unix sockets in a private folder, not on TCP ports of localhost that anyone on the node can reach.
+c.Execute.kernel_manager_class = "dlo.harness.kernels.IPCKernelManager"
 # The folder assignments are released to and collected from (nbgrader's default one usually does not exist).
 c.Exchange.root = {str(exchange)!r}
 # nbgrader's submit, then the submission readable by the instructor's group only (nbgrader leaves it 0777).
