@@ -113,7 +113,7 @@ c.SlurmSpawner.batchspawner_singleuser_cmd = "python -m batchspawner.singleuser"
 c.SlurmSpawner.args = ["--ServerApp.terminado_settings=shell_command=${SHELL:-/bin/bash}"]
 c.SlurmSpawner.req_prologue = f"""\
 cd {DLO_CHECKOUT}
-export DLO_ENV={DLO_ENV!r} JUPYTER_PREFER_ENV_PATH=0
+export DLO_CHECKOUT={DLO_CHECKOUT!r} DLO_ENV={DLO_ENV!r} JUPYTER_PREFER_ENV_PATH=0
 source slurm/env.sh
 {_singleuser_env(DLO_SINGLEUSER_ENV)}
 dlo setup student --user

@@ -47,8 +47,8 @@ def log_in(driver, name: str, password: str) -> float:
 
 
 def jobs() -> list[dict]:
-    """The test cluster's queue: id, user, state, node of every job."""
-    out = subprocess.run(["squeue", "-h", "-o", "%i %u %T %N"], capture_output=True, text=True, check=True,
+    """The test cluster's queue: id, user, state, node (or why it waits) of every job."""
+    out = subprocess.run(["squeue", "-h", "-o", "%i %u %T %R"], capture_output=True, text=True, check=True,
                          timeout=30).stdout
     return [dict(zip(("id", "user", "state", "node"), line.split())) for line in out.splitlines() if line.strip()]
 

@@ -5,17 +5,20 @@ kept apart, the server on the node's address, and a job that dies failing the sp
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from pathlib import Path
 
 import pytest
 
 from tests.browser.test_lab import click_menu, wait_for
+from tests.harness.conftest import REPO
 
-from .conftest import jobs, listening, log_in
+from .conftest import HUB_URL, jobs, listening, log_in
 
 pytestmark = pytest.mark.hub
 
+DAY = "day1_optimizers"
 STUDENTS = ("dlohub-a", "dlohub-b")
 BROKEN = "dlohub-c"  # the hub's config gives this student's job a command that does not exist
 LAB_WITHIN = 60  # s from the login's submit to JupyterLab's menu bar (the issue measured 20-26 s)
@@ -67,18 +70,28 @@ def test_each_student_has_a_job_and_the_servers_listen_on_the_nodes_address():
         assert all(a.startswith("127.0.0.1:") for a in addresses), (student, addresses)
 
 
-def test_a_terminal_has_the_course_and_a_student_cannot_read_anothers_home(browser, passwords, shots):
+def test_a_notebook_has_validate_and_a_terminal_has_the_course_and_not_anothers_home(browser, passwords, shots):
     student, other = STUDENTS
     home = Path(os.path.expanduser(f"~{student}"))
+    notebook = home / f"{DAY}.ipynb"  # the student's copy of a released day, as the README has them make
+    shutil.copy(REPO / "course" / DAY / f"{DAY}.ipynb", notebook)
+    shutil.chown(notebook, student, student)
     out = home / "hub-terminal-check.txt"
     out.unlink(missing_ok=True)
     log_in(browser, student, passwords[student])
-    wait_for(browser, "[...document.querySelectorAll('.jp-LauncherCard')].find(c => c.innerText.trim() === 'Terminal')",
-             what="the launcher's Terminal card").click()
+    wait_for(browser, f"location.pathname.startsWith('/user/{student}/lab')", what="JupyterLab")
+    browser.get(f"{HUB_URL}/user/{student}/lab/tree/{DAY}.ipynb?reset")  # ?reset: not the last test's tabs
+    wait_for(browser, "[...document.querySelectorAll('.lm-DockPanel .jp-Toolbar *')]"
+                      ".some(b => b.textContent.trim() === 'Validate')", what="the notebook's Validate button")
+    browser.save_screenshot(str(shots / "hub-notebook.png"))
+
+    click_menu(browser, "File", "New")
+    wait_for(browser, "[...document.querySelectorAll('.lm-Menu-item')].find(e => e.innerText.trim() === 'Terminal')",
+             what="File > New > Terminal").click()
     area = wait_for(browser, "document.querySelector('.jp-Terminal .xterm-helper-textarea')", what="a terminal")
     time.sleep(3)  # the shell's prompt
-    area.send_keys(f"{{ id -un; command -v dlo nbgrader jupyter; ls ~{other}; echo ls-exit=$?; }}"
-                   f" > {out.name}.part 2>&1; mv {out.name}.part {out.name}\n")
+    area.send_keys(f"{{ id -un; command -v dlo nbgrader jupyter; ls ~{other}; echo ls-exit=$?;"
+                   f" ls $DLO_CHECKOUT/course; }} > {out.name}.part 2>&1; mv {out.name}.part {out.name}\n")
     end = time.monotonic() + 60
     while not out.exists() and time.monotonic() < end:
         time.sleep(1)
@@ -89,12 +102,16 @@ def test_a_terminal_has_the_course_and_a_student_cannot_read_anothers_home(brows
     found = {Path(p).name: Path(p) for p in lines[1:4]}
     assert set(found) == {"dlo", "nbgrader", "jupyter"}, lines  # all three on the terminal's PATH
     assert "Permission denied" in out.read_text() and "ls-exit=2" in lines, lines
+    assert DAY in lines, lines  # the README's `cp -r $DLO_CHECKOUT/course/DAY ~/` finds the released days
 
 
 def test_a_job_that_dies_at_once_fails_the_spawn_within_seconds(browser, passwords, shots):
     submitted = log_in(browser, BROKEN, passwords[BROKEN])
-    wait_for(browser, "/ended before JupyterLab started/.test(document.body.innerText)", timeout=FAIL_WITHIN,
-             what=f"the spawn's failure within {FAIL_WITHIN} s")
+    try:
+        wait_for(browser, "/ended before JupyterLab started/.test(document.body.innerText)", timeout=FAIL_WITHIN,
+                 what=f"the spawn's failure within {FAIL_WITHIN} s")
+    except TimeoutError as e:
+        raise AssertionError(f"{e}; the queue: {jobs()}") from None
     seconds = time.monotonic() - submitted
     with TIMES.open("a") as f:
         f.write(f"{BROKEN} (job dies at once): spawn failed {seconds:.1f} s after the login\n")

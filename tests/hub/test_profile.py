@@ -7,10 +7,14 @@ from __future__ import annotations
 import asyncio
 import os
 import subprocess
+import sys
 import time
+from pathlib import Path
 
 import jinja2
 import pytest
+
+from tests.harness.conftest import REPO
 
 from .profile import StandInSlurmSpawner, run_profile
 
@@ -75,3 +79,29 @@ def test_a_terminal_is_the_students_shell_without_login():
     """jupyter_server adds -l when it has no tty: /etc/profile then reset PATH (no dlo in the hub's terminal)."""
     c, _ = run_profile()
     assert c.SlurmSpawner.args == ["--ServerApp.terminado_settings=shell_command=${SHELL:-/bin/bash}"]
+
+
+def test_a_singleuser_env_adds_its_packages_to_the_courses_python(tmp_path, monkeypatch):
+    """batchspawner and jupyterhub from a venv layered on the course's (DLO_SINGLEUSER_ENV): the hub's run found
+    JupyterLab missing ("No default url found") when its own python ran the server with its own Jupyter paths."""
+    overlay = tmp_path / "singleuser"
+    (overlay / "lib" / "python3.11" / "site-packages").mkdir(parents=True)
+    (overlay / "lib" / "python3.11" / "site-packages" / "dlo_hub_probe.py").write_text("")
+    (overlay / "bin").mkdir()
+    monkeypatch.setenv("DLO_CHECKOUT", str(REPO))
+    monkeypatch.setenv("DLO_ENV", sys.prefix)
+    monkeypatch.setenv("DLO_SINGLEUSER_ENV", str(overlay))
+    c, _ = run_profile()
+    assert c.SlurmSpawner.batchspawner_singleuser_cmd == "python -m batchspawner.singleuser"
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("VIRTUAL_ENV", "JUPYTER", "DLO_", "PYTHON"))}
+    env.update(HOME=str(home))
+    done = subprocess.run(["bash", "-c", f"set -euo pipefail\n{c.SlurmSpawner.req_prologue}\n"
+                                         "command -v python; python -c 'import dlo_hub_probe'; echo $PATH; "
+                                         "echo $DLO_CHECKOUT"],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    python, path, checkout = done.stdout.strip().splitlines()[-3:]
+    assert Path(python).parent == Path(sys.prefix) / "bin"  # the course's python, the overlay's packages
+    assert path.endswith(f":{overlay}/bin") and checkout == str(REPO)
