@@ -61,16 +61,18 @@ class CourseSlurmSpawner(SlurmSpawner):
 
     async def start(self):
         starting = asyncio.ensure_future(super().start())
-        while True:
-            done, _ = await asyncio.wait([starting], timeout=self.job_check_interval)
-            if done:
-                return starting.result()
-            job_id = self.job_id
-            if job_id and await self.poll() is not None:  # poll: None while the job is pending or running
-                starting.cancel()
-                log = os.path.join(self.req_homedir, f"jupyterhub_slurmspawner_{job_id}.log")
-                raise RuntimeError(f"the server's job {job_id} ended before JupyterLab started; its log: {log}"
-                                   f"{_log_tail(log)}")
+        try:
+            while True:
+                done, _ = await asyncio.wait([starting], timeout=self.job_check_interval)
+                if done:
+                    return starting.result()
+                job_id = self.job_id
+                if job_id and await self.poll() is not None:  # poll: None while the job is pending or running
+                    log = os.path.join(self.req_homedir, f"jupyterhub_slurmspawner_{job_id}.log")
+                    raise RuntimeError(f"the server's job {job_id} ended before JupyterLab started; its log: {log}"
+                                       f"{_log_tail(log)}")
+        finally:
+            starting.cancel()  # a failed or timed-out (cancelled) start leaves no batchspawner wait behind
 
 
 def _log_tail(path: str, lines: int = 5) -> str:

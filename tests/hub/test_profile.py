@@ -105,3 +105,15 @@ def test_a_singleuser_env_adds_its_packages_to_the_courses_python(tmp_path, monk
     python, path, checkout = done.stdout.strip().splitlines()[-3:]
     assert Path(python).parent == Path(sys.prefix) / "bin"  # the course's python, the overlay's packages
     assert path.endswith(f":{overlay}/bin") and checkout == str(REPO)
+
+
+def test_a_start_cancelled_by_the_hubs_timeout_stops_batchspawners_wait():
+    spawner = _spawner()  # the job runs, the server never answers: the hub's start_timeout cancels the start
+
+    async def timed_out():
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(spawner.start(), timeout=0.3)
+        await asyncio.sleep(0.05)  # the inner start's cancellation runs
+        return spawner.cancelled  # asked here: asyncio.run would cancel a leftover task on its way out
+
+    assert asyncio.run(timed_out())
