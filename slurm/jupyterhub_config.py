@@ -15,7 +15,8 @@
 # server, kernels and terminals stay the course's python (its Jupyter paths, JupyterLab, nbgrader), with the
 # two packages and their few dependencies added. .ci/hub-step builds one that way. Neither is in requirements/
 # (only a hub needs them). batchspawner runs sbatch/squeue/scancel as the student with `sudo -E -u <student>`
-# (its exec_prefix): the hub's host needs sudo and that rule.
+# (its exec_prefix): the hub's host needs sudo and that rule. The jobs reach the hub's API from the nodes: set
+# c.JupyterHub.hub_bind_url (or hub_ip/hub_connect_ip) to an address they reach (the default is 127.0.0.1).
 #
 # What a student gets: a job of its own on a GPU node (req_gres below: one GPU, common for a class),
 # JupyterLab started by the hub in the course's environment, with `dlo setup student --user` applied first
@@ -24,7 +25,7 @@
 # is a plain (not login) shell, so that it keeps the course's PATH (a login shell reads /etc/profile, which
 # resets it); a job that ends before its server answers fails the spawn at the next check (seconds), with the
 # job's log named, instead of after start_timeout. Tested for real by .ci/hub-step (JupyterHub, PAM logins
-# of two students, the test SLURM of slurm/testing/, tests/hub) and by rendering the job script
+# of students, the test SLURM of slurm/testing/, tests/hub) and by rendering the job script
 # (tests/slurm/test_jupyterhub_config.py).
 #
 # GPUs each day wants at the full profile (one rank per GPU: the full presets' world_size, dlo.presets):
