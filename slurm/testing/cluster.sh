@@ -28,7 +28,9 @@ export SLURM_CONF=$CONF
 die() { echo "cluster.sh: $*" >&2; exit 1; }
 
 write_conf() {
-    local host; host=$(hostname -s)
+    # the CPUs this host gives us; nproc alone honours OMP_NUM_THREADS: a cluster brought up from a shell with
+    # OMP_NUM_THREADS=1 (the house rule for hand runs) had 1 CPU a node, and a third 1-CPU job waited (issue 38)
+    local host cpus; host=$(hostname -s); cpus=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)
     cat > "$CONF" <<EOF
 # Written by slurm/testing/cluster.sh: a two-node test cluster on 127.0.0.1 (state in $DIR).
 ClusterName=dlotest
@@ -59,8 +61,8 @@ KillWait=5
 SchedulerParameters=bf_interval=2
 JobRequeue=1
 GresTypes=gpu
-NodeName=${NODES[0]} NodeHostname=$host NodeAddr=127.0.0.1 Port=${NODE_PORTS[0]} CPUs=$(nproc) RealMemory=4000 Gres=gpu:$GPUS
-NodeName=${NODES[1]} NodeHostname=$host NodeAddr=127.0.0.1 Port=${NODE_PORTS[1]} CPUs=$(nproc) RealMemory=4000 Gres=gpu:$GPUS
+NodeName=${NODES[0]} NodeHostname=$host NodeAddr=127.0.0.1 Port=${NODE_PORTS[0]} CPUs=$cpus RealMemory=4000 Gres=gpu:$GPUS
+NodeName=${NODES[1]} NodeHostname=$host NodeAddr=127.0.0.1 Port=${NODE_PORTS[1]} CPUs=$cpus RealMemory=4000 Gres=gpu:$GPUS
 PartitionName=debug Nodes=${NODES[0]},${NODES[1]} Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
 EOF
 }

@@ -39,7 +39,9 @@ def test_a_user_who_is_not_root_can_use_the_cluster(slurm, tmp_path):
 
 
 def _script(state: Path, *args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, DLO_SLURM_DIR=str(state), DLO_SLURM_CTLD_PORT="16917", DLO_SLURM_NODE_PORTS="17101 17102")
+    # OMP_NUM_THREADS=1, as the house rule sets it in a shell for hand runs (nproc honours it)
+    env = dict(os.environ, DLO_SLURM_DIR=str(state), DLO_SLURM_CTLD_PORT="16917", DLO_SLURM_NODE_PORTS="17101 17102",
+               OMP_NUM_THREADS="1")
     return subprocess.run([str(SCRIPT), *args], capture_output=True, text=True, env=env, timeout=180)
 
 
@@ -61,6 +63,8 @@ def test_down_leaves_no_daemon_behind(tmp_path):
     try:
         assert up.returncode == 0, up.stdout + up.stderr
         assert "idle n[1-2]" in up.stdout
+        # every CPU of the host on each node, whatever OMP_NUM_THREADS says (issue 38: a third student's job waited)
+        assert f"CPUs={len(os.sched_getaffinity(0))} " in (state / "slurm.conf").read_text()
         daemons = [int(p) for p in _script(state, "pids").stdout.split()]
         assert len(daemons) >= 4  # munged, slurmctld, two slurmd
         # a running job: its slurmstepd and its process must go too

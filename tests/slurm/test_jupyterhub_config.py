@@ -13,16 +13,13 @@ import pytest
 from traitlets.config import Config
 
 from tests.harness.conftest import REPO
-
-PROFILE = REPO / "slurm" / "jupyterhub_config.py"
+from tests.hub.profile import PROFILE, run_profile
 
 
 def _load(checkout: Path, env: str) -> Config:
     source = PROFILE.read_text().replace('"/path/to/checkout"', repr(str(checkout)), 1)
     source = source.replace('os.environ.get("DLO_ENV", "")', repr(env), 1)
-    c = Config()
-    exec(compile(source, str(PROFILE), "exec"), {"get_config": lambda: c})  # as JupyterHub's loader does
-    return c
+    return run_profile(source)[0]
 
 
 def _render(c: Config) -> str:
@@ -36,14 +33,13 @@ def _render(c: Config) -> str:
 def test_a_site_sets_the_checkout_in_the_hubs_environment_not_in_a_tracked_file(monkeypatch):
     monkeypatch.setenv("DLO_CHECKOUT", "/srv/dlo")
     monkeypatch.setenv("DLO_ENV", "dlo")
-    c = Config()
-    exec(compile(PROFILE.read_text(), str(PROFILE), "exec"), {"get_config": lambda: c})
+    c, _ = run_profile()
     assert "cd /srv/dlo\n" in c.SlurmSpawner.req_prologue and "DLO_ENV='dlo'" in c.SlurmSpawner.req_prologue
 
 
 def test_the_job_script_asks_for_the_course_resources_and_is_bash(tmp_path):
     c = _load(REPO, "")
-    assert c.JupyterHub.spawner_class == "batchspawner.SlurmSpawner"
+    assert c.JupyterHub.spawner_class.__name__ == "CourseSlurmSpawner"
     script = _render(c)
     for line in ("#SBATCH --gres=gpu:1", "#SBATCH --partition=gpu", "#SBATCH --time=04:00:00",
                  "#SBATCH --job-name=dlo-jupyterhub", "source slurm/env.sh", "dlo setup student --user",
