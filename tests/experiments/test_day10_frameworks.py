@@ -27,7 +27,8 @@ def test_dlo_ddp_is_one_process_and_the_control_differs(result):
 
 
 @pytest.mark.parametrize("engine,module", [("Accelerate DDP", "accelerate"), ("Fabric DDP", "lightning_fabric"),
-                                           ("DeepSpeed ZeRO-1", "deepspeed"), ("DeepSpeed ZeRO-3", "deepspeed")])
+                                           ("DeepSpeed ZeRO-1", "deepspeed"), ("DeepSpeed ZeRO-3", "deepspeed"),
+                                           ("DeepSpeed ZeRO-2 + optimizer offload", "deepspeed")])
 def test_a_framework_makes_the_same_updates(result, engine, module):
     pytest.importorskip(module)
     res, names = result

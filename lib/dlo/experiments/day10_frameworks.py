@@ -40,7 +40,8 @@ from dlo.presets import DAY4
 PACKAGES = {"accelerate": ("accelerate", "accelerate"), "fabric": ("lightning_fabric", "lightning-fabric"),
             "deepspeed": ("deepspeed", "deepspeed")}
 ENGINES = {"Accelerate DDP": "accelerate", "Fabric DDP": "fabric", "DeepSpeed ZeRO-1": "deepspeed",
-           "DeepSpeed ZeRO-2": "deepspeed", "DeepSpeed ZeRO-3": "deepspeed"}
+           "DeepSpeed ZeRO-2": "deepspeed", "DeepSpeed ZeRO-3": "deepspeed",
+           "DeepSpeed ZeRO-2 + optimizer offload": "deepspeed"}
 REFERENCE = "dlo DDP (Day 4)"
 TOLERANCE = 1e-12  # float64: rounding in a different reduction order is ~1e-16 of a weight; a missing average ~1e-2
 # DeepSpeed reduces gradients in its "communication_data_type", fp32 at most (fp16, bf16 or fp32; the weights stay
@@ -128,12 +129,14 @@ def _fabric(P, rank):
     return flat(net), f"{type(model).__name__} over {type(fab.strategy).__name__}"
 
 
-def _deepspeed(P, rank, stage):
+def _deepspeed(P, rank, stage, offload=False):
     import deepspeed
     deepspeed.init_distributed(dist_backend="gloo")  # keeps the initialised group
     net = mlp(P, "cpu")
+    zero = {"stage": stage, **({"offload_optimizer": {"device": "cpu"}} if offload else {})}
     config = {"train_micro_batch_size_per_gpu": P.batch_per_rank, "gradient_accumulation_steps": 1,
-              "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True}  # torch's SGD
+              "zero_optimization": zero, "zero_allow_untested_optimizer": True,  # torch's SGD, not DeepSpeed's
+              "zero_force_ds_cpu_optimizer": False}  # offload refuses a torch optimizer unless told
     engine, *_ = deepspeed.initialize(model=net, optimizer=torch.optim.SGD(net.parameters(), lr=P.lr), config=config)
     _train(P, engine, engine.backward, engine.step, rank)
     with deepspeed.zero.GatheredParameters(list(net.parameters()), enabled=stage == 3):  # ZeRO-3 holds shards
@@ -146,7 +149,8 @@ def run_ranks(P, names) -> dict:
     initial weights and batches; {engine: (weights, what wrapped the model)}."""
     rank, out = dist.get_rank(), {}
     runners = {"Accelerate DDP": _accelerate, "Fabric DDP": _fabric,
-               **{f"DeepSpeed ZeRO-{s}": (lambda P, r, s=s: _deepspeed(P, r, s)) for s in (1, 2, 3)}}
+               **{f"DeepSpeed ZeRO-{s}": (lambda P, r, s=s: _deepspeed(P, r, s)) for s in (1, 2, 3)},
+               "DeepSpeed ZeRO-2 + optimizer offload": lambda P, r: _deepspeed(P, r, 2, offload=True)}
     with float64(), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the frameworks' advice (srun seen, deprecations) is not today's subject
         out[REFERENCE] = _dlo(P, rank)
