@@ -43,9 +43,16 @@ def test_an_absent_framework_is_skipped_with_its_reason():
     assert found == {"accelerate": None, "deepspeed": None}
     assert fw.engines(found) == []
     lines = fw.skipped(found)
-    assert lines[0] == "accelerate: skipped: not installed (pip install -e .[frameworks] adds it)"
+    assert lines[0] == ("accelerate: skipped: not installed (the course's lock has it: `make venv` installs it into an "
+                        "older .venv)")
     assert lines[1].startswith("deepspeed: skipped: not installed (not in the course's lock")
     assert fw.engines({"fabric": "2.6.6"}) == ["Fabric DDP"]
+    # each engine that did not run is a row with its reason, never dropped
+    res = {"control": 0.08, "engines": {"Fabric DDP": {"wrapped as": "-", "vs one process": 0.0, "vs dlo DDP": 0.0}}}
+    rows = fw.claims(res, 2, 3, {"accelerate": None, "fabric": "2.6.6", "deepspeed": None})
+    verdicts = {c.claim.split("'s updates")[0]: c.verdict for c in rows}
+    assert verdicts == {"Fabric DDP": C.AGREES, **{n: C.NOT_MEASURABLE for n in fw.ENGINES if n != "Fabric DDP"}}
+    assert "deepspeed is not installed here" in rows[-1].why
 
 
 def test_a_framework_that_does_not_average_gradients_disagrees():

@@ -65,10 +65,14 @@ def installed(packages=PACKAGES) -> dict[str, str | None]:
 
 def skipped(found: dict[str, str | None]) -> list[str]:
     """One line per framework that will not run here, with why."""
-    why = {"deepspeed": "not in the course's lock (an sdist that compiles C++ ops; README, Day 10): "
-                        "it runs where a cluster provides it"}
-    return [f"{name}: skipped: not installed ({why.get(name, 'pip install -e .[frameworks] adds it')})"
+    return [f"{name}: skipped: not installed ({_why_absent(name)})"
             for name, version in found.items() if version is None]
+
+
+def _why_absent(package: str) -> str:
+    if package == "deepspeed":
+        return "not in the course's lock: source only, compiles C++ ops (README); runs where a cluster provides it"
+    return "the course's lock has it: `make venv` installs it into an older .venv"
 
 
 def engines(found: dict[str, str | None]) -> list[str]:
@@ -200,16 +204,20 @@ def _region(name: str) -> C.Region:
     return C.at_most(TOLERANCE, f"<= {TOLERANCE:g} of the largest weight (float64)")
 
 
-def claims(result: dict, world_size: int, steps: int) -> list[C.Claim]:
-    """One row per engine but dlo's: its updates equal dlo's DDP and one process on the global batch."""
+def claims(result: dict, world_size: int, steps: int, found: dict[str, str | None] | None = None) -> list[C.Claim]:
+    """One row per engine but dlo's: its updates equal dlo's DDP and one process on the global batch; an engine
+    whose package `found` lacks is a "not measurable here" row with the reason."""
     control = E.exact(result["control"], CONTROL)
-    return [C.Claim(f"{name}'s updates = dlo's DDP = one process ({world_size} gloo ranks, {steps} SGD steps)",
-                    "the framework's documentation (data parallelism averages gradients); Day 4's DDP",
-                    "the same weights", _region(name),
+    claim = "{}'s updates = dlo's DDP = one process ({} gloo ranks, {} SGD steps)"
+    source = "the framework's documentation (data parallelism averages gradients); Day 4's DDP"
+    absent = [C.not_measurable(claim.format(name, world_size, steps), source, "the same weights",
+                               f"{package} is not installed here ({_why_absent(package)})", _region(name))
+              for name, package in ENGINES.items() if found is not None and not found.get(package)]
+    return [C.Claim(claim.format(name, world_size, steps), source, "the same weights", _region(name),
                     E.exact(max(v["vs one process"], v["vs dlo DDP"]),
                             "max over ranks of max |w - w_ref| / max |w_ref|, w_ref: one process on the global "
                             "batch and dlo's DDP, the same initial weights and batches"), control=control)
-            for name, v in result["engines"].items() if name != REFERENCE]
+            for name, v in result["engines"].items() if name != REFERENCE] + absent
 
 
 __all__ = ["CONTROL", "ENGINES", "PACKAGES", "REFERENCE", "TOLERANCE", "TOLERANCE_FP32_WIRE", "claims", "compare",
