@@ -283,6 +283,32 @@ def test_torchrun_path(tmp_path):
     assert got[0][2] == got[1][2] == expected
 
 
+def test_a_backend_other_than_the_jobs_group_is_refused_in_one_line(tmp_path):
+    """Under torchrun, a second launch asking for another backend ran on the first one's group regardless
+    (Day 10's frameworks cell asks for gloo: on a job's NCCL group its CPU tensors failed inside a collective)."""
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent("""
+        import os, torch.distributed as dist
+        from dlo.distributed import launch
+
+        launch(dist.get_rank, 2, backend="gloo")
+        try:
+            launch(dist.get_rank, 2, backend="nccl")
+            said = "ran"
+        except ValueError as e:
+            said = str(e)
+        with open(f"rank{os.environ['RANK']}.txt", "w") as f:
+            f.write(said)
+    """))
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    done = subprocess.run([PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)],
+                          capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    for r in (0, 1):
+        said = (tmp_path / f"rank{r}.txt").read_text()
+        assert said.startswith("launch(..., backend='nccl'): this job's process group is already 'gloo'"), said
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
 def test_nccl_results_come_back_on_cpu():

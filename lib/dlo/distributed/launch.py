@@ -42,6 +42,12 @@ __all__ = ["RankError", "launch", "start_fork_server"]
 
 def _run_here(fn, world_size, backend, args, kwargs):
     """fn on this rank of a torchrun/srun job; every rank returns the gathered results."""
+    if dist.is_initialized() and backend is not None and dist.get_backend() != backend:
+        # the job's one default group stays what the first launch made: fn would run on it regardless
+        # (CPU tensors on NCCL fail deep inside a collective): refused here, before fn starts
+        raise ValueError(f"launch(..., backend={backend!r}): this job's process group is already "
+                         f"{dist.get_backend()!r} (made by an earlier launch) and a job has one; launch with "
+                         f"backend={dist.get_backend()!r} or None, or run this part in a job of its own")
     owned = not dist.is_initialized()
     init_from_env(backend)
     blob = dumps(fn(*args, **kwargs))
