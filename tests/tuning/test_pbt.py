@@ -69,6 +69,15 @@ def test_a_diverged_member_is_replaced_and_never_copied():
             assert plan[sick][0] != sick and all(parent != sick for parent, _ in plan), (values, plan)
 
 
+def test_explore_moves_a_float_off_zero():
+    # a product never left 0: a weight decay drawn at its lower bound stayed 0 for the whole population's life
+    space = Space({"wd": {"uniform": [0.0, 0.1]}, "shift": {"uniform": [-1.0, 1.0]}})
+    rng = np.random.default_rng(0)
+    outs = [space.perturb({"wd": 0.0, "shift": 0.0}, rng) for _ in range(40)]
+    assert {round(o["wd"], 12) for o in outs} == {0.0, 0.02}      # x0.8: held at the bound; x1.2: +0.2 of the range
+    assert {round(o["shift"], 12) for o in outs} == {-0.4, 0.4}   # both directions where the range allows
+
+
 def test_explore_stays_in_bounds_and_moves_every_kind():
     space = Space({"lr": {"log_uniform": [1e-4, 0.3]}, "wd": {"uniform": [0.0, 0.1]}, "layers": {"int": [1, 6]},
                    "width": {"choice": [8, 16, 32]}})

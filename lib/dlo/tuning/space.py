@@ -119,7 +119,8 @@ class Space:
     def perturb(self, config: dict, rng: np.random.Generator, factors=(0.8, 1.2)) -> dict:
         """PBT's explore (Jaderberg et al. 2017, 4.1 "perturb"): each range multiplied by one of `factors`,
         kept inside its bounds; a choice moves to a neighbouring value; an int that the factor would round back
-        to itself (1 x 1.2, 2 x 0.8) moves by one in the factor's direction, or small ints would never move."""
+        to itself (1 x 1.2, 2 x 0.8) moves by one in the factor's direction, or small ints would never move; a
+        float at 0 moves by (factor - 1) of its range, or it would never leave 0."""
         out = dict(config)
         for p in self.params:
             if p.kind == "choice":
@@ -128,6 +129,9 @@ class Space:
                 continue
             factor = float(rng.choice(factors))
             value = config[p.name] * factor
+            if value == config[p.name] == 0 and p.kind != "int":
+                # a product never leaves 0 (weight decay at its lower bound): step by (factor - 1) of the range
+                value = (factor - 1) * (p.values[1] - p.values[0])
             if p.kind == "int":
                 value = int(round(value))
                 if value == config[p.name] and factor != 1:
