@@ -175,10 +175,8 @@ def fits(model: Model, lay: Layout, cluster: Cluster, batch: int) -> bool:
 
 def cp_bytes(model: Model, lay: Layout, batch: int) -> float:
     """Bytes a rank sends per micro-batch for ring attention in its stage's layers: K/V blocks of its tp
-    share of the KV heads forward, again and their gradients backward, the forward again with checkpointing;
-    0 at cp = 1 (no ring)."""
-    if lay.cp == 1:
-        return 0.0
+    share of the KV heads forward, again and their gradients backward, the forward again with checkpointing
+    (0 at cp = 1: no ring)."""
     b, layers = batch / (lay.dp * lay.m), model.layers // lay.pp
     kv, d = model.kv_heads // lay.tp, model.hidden // model.heads
     once = ring_bytes_per_rank(b, kv, model.seq, d, lay.cp, BF16, backward=True)

@@ -126,6 +126,10 @@ def test_ring_on_a_subgroup(results):
             torch.testing.assert_close(g, full[..., cp.contiguous_positions(14, 2, mine), :], rtol=1e-12, atol=1e-12)
 
 
+def test_one_rank_sends_nothing():
+    assert cp.ring_bytes_per_rank(B, H, 16, HD, 1, 8, backward=True) == cp.ring_bytes_per_rank(B, H, 16, HD, 1, 8) == 0
+
+
 def test_bytes_per_rank_match_the_formulas(results):
     """Counted at the dispatcher on every rank: ring sends K/V N-1 times forward (K/V again and their
     gradients N times backward), Ulysses four all-to-alls each way, the naive version two all-gathers."""

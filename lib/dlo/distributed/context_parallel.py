@@ -284,7 +284,10 @@ def allgather_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True, zi
 
 def ring_bytes_per_rank(B: int, H_kv: int, T: int, D: int, n: int, itemsize: int, backward: bool = False) -> int:
     """Bytes one rank sends in ring attention: forward, its K/V block (2 B H_kv T/N D) to the next rank
-    N-1 times; backward, K/V again N-1 times and their gradients N times."""
+    N-1 times; backward, K/V again N-1 times and their gradients N times (back to their owner); one rank
+    (n = 1) sends nothing."""
+    if n == 1:
+        return 0
     block = 2 * B * H_kv * (T // n) * D * itemsize
     return (n - 1) * block + ((n - 1) * block + n * block if backward else 0)
 

@@ -15,12 +15,12 @@ resumes where it stopped and makes the same choices again.
 from __future__ import annotations
 
 import json
-import math
 import shutil
 
 import numpy as np
 
 from dlo.errors import BadInput
+from dlo.tuning.search import rank_key
 from dlo.tuning.space import Space
 from dlo.tuning.store import Job, Result, Study, Trial, run_inline, write_json_atomic
 
@@ -38,10 +38,7 @@ def exploit_and_explore(space: Space, results: list[Result], fraction: float,
                         rng: np.random.Generator) -> list[tuple[int, dict]]:
     """For each member (results in member order): (the member whose weights it continues from, its next config).
     A member whose objective is nan or inf (diverged) ranks last: it is replaced, never copied."""
-    def rank(i):
-        return results[i].value if math.isfinite(results[i].value) else math.inf, i
-
-    order = sorted(range(len(results)), key=rank)
+    order = sorted(range(len(results)), key=lambda i: rank_key(results[i]))  # ids m00g.., m01g..: member order
     cut = max(1, int(len(results) * fraction))
     top, bottom = order[:cut], set(order[-cut:])
     plan = []
