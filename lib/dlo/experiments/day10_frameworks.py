@@ -29,6 +29,7 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.nn.utils import parameters_to_vector
 
 from dlo import claims as C
 from dlo import estimates as E
@@ -93,7 +94,7 @@ def float64():
 
 
 def flat(module) -> torch.Tensor:
-    return torch.cat([p.detach().flatten() for p in module.parameters()]).cpu()
+    return parameters_to_vector(module.parameters()).detach().cpu()
 
 
 def _train(P, forward, backward, step, rank):
