@@ -10,6 +10,7 @@ import os
 import shlex
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -139,8 +140,19 @@ class Job:
 
     def __init__(self, *hogs: tuple[int, bool]):
         lines = [f"{sys.executable} -c {shlex.quote(HOG.format(mib=mib, fork=fork))} &" for mib, fork in hogs]
-        self.root = subprocess.Popen(["bash", "-c", "\n".join([*lines, "wait"])], stdout=subprocess.PIPE, text=True)
-        self.pids = [int(self.root.stdout.readline().split()[1]) for _ in hogs]  # in the order they got ready
+        # the hogs' stderr kept: once in make test a hog ended before it was ready, and nothing said why
+        self.err = tempfile.TemporaryFile("w+")
+        self.root = subprocess.Popen(["bash", "-c", "\n".join([*lines, "wait"])], stdout=subprocess.PIPE,
+                                     stderr=self.err, text=True)
+        self.pids = [self._ready() for _ in hogs]  # in the order they got ready
+
+    def _ready(self) -> int:
+        line = self.root.stdout.readline()
+        if not line.startswith("ready "):
+            self.close()
+            self.err.seek(0)
+            raise RuntimeError(f"a hog ended before it was ready (bash: {self.root.returncode}): {self.err.read()}")
+        return int(line.split()[1])
 
     def close(self) -> None:
         for pid in [*reaper.descendants(self.root.pid), self.root.pid]:
