@@ -4,7 +4,9 @@ or other children it waits for), at the tiny profile.
     .venv/bin/python bench/cell_cpu.py [--day day2_mixed_precision ...] [--notebooks solutions|course]
 
 After every cell the kernel is asked, silently, for getrusage(SELF) + getrusage(CHILDREN); the
-difference is the cell's. Cells are labelled as the grader sees them (`dlo.harness.graded`): graded
+difference is the cell's. It is also asked for the machine's busy CPU seconds (/proc/stat), which on
+an otherwise idle machine include the ranks a fork server started (their CPU never reaches the
+kernel's getrusage): `machine_cpu_s`, wrong on a shared machine. Cells are labelled as the grader sees them (`dlo.harness.graded`): graded
 (solution or test), before the last graded cell, or after it (what `dlo grade` skips unless
 --full-notebook). The result goes to bench/results/cell-cpu-<date>.json and is printed; not a test.
 """
@@ -26,8 +28,13 @@ from dlo.harness.graded import last_graded_index
 from dlo.registry import names
 
 REPO = Path(__file__).resolve().parents[1]
-PROBE = ("import resource as _r\n_a, _b = _r.getrusage(_r.RUSAGE_SELF), _r.getrusage(_r.RUSAGE_CHILDREN)\n"
-         "print(_a.ru_utime + _a.ru_stime + _b.ru_utime + _b.ru_stime)\ndel _r, _a, _b")
+# the kernel's own CPU (with the children it waited for), then the machine's busy CPU seconds from /proc/stat
+# (user+nice+system+irq+softirq+steal): on an otherwise idle machine the latter also counts the ranks a
+# fork server started, whose CPU never reaches the kernel's getrusage
+PROBE = ("import resource as _r, os as _o\n_a, _b = _r.getrusage(_r.RUSAGE_SELF), _r.getrusage(_r.RUSAGE_CHILDREN)\n"
+         "_s = [int(x) for x in open('/proc/stat').readline().split()[1:9]]\n"
+         "print(_a.ru_utime + _a.ru_stime + _b.ru_utime + _b.ru_stime,"
+         " (sum(_s) - _s[3] - _s[4]) / _o.sysconf('SC_CLK_TCK'))\ndel _r, _o, _a, _b, _s")
 
 
 class Probing(NotebookClient):
@@ -45,7 +52,7 @@ class Probing(NotebookClient):
             probe = nbformat.v4.new_code_cell(PROBE)
             await super().async_execute_cell(probe, cell_index, store_history=False)
             text = "".join(o.get("text", "") for o in probe.outputs if o.get("output_type") == "stream")
-            self.cpu.append((cell_index, float(text.split()[-1])))
+            self.cpu.append((cell_index, *map(float, text.split()[-2:])))
         return out
 
 
@@ -58,17 +65,23 @@ def profile(day: str, notebooks: str) -> dict:
                          resources={"metadata": {"path": tmp}})
         client.execute()
     cells, prev = [], 0.0
-    for index, cpu in client.cpu:
+    machine0 = client.cpu[0][2] if client.cpu else 0.0
+    prev_machine = machine0
+    for index, cpu, machine in client.cpu:
         source, meta = client.seen[index]
         where = ("graded" if meta.get("solution") or meta.get("grade") else
                  "after the last graded cell" if index > last else "before the last graded cell")
         cells.append({"index": index, "where": where, "cpu_s": round(cpu - prev, 2),
+                      "machine_cpu_s": round(machine - prev_machine, 2),
                       "first_line": source.strip().splitlines()[0][:60] if source.strip() else ""})
-        prev = cpu
-    sums = {}
+        prev, prev_machine = cpu, machine
+    sums, machine_sums = {}, {}
     for c in cells:
         sums[c["where"]] = round(sums.get(c["where"], 0) + c["cpu_s"], 1)
-    return {"day": day, "notebooks": notebooks, "kernel_cpu_s": round(prev, 1), "by_place": sums, "cells": cells}
+        machine_sums[c["where"]] = round(machine_sums.get(c["where"], 0) + c["machine_cpu_s"], 1)
+    # the machine's count starts at the first cell's end: the kernel's start is in neither
+    return {"day": day, "notebooks": notebooks, "kernel_cpu_s": round(prev, 1), "by_place": sums,
+            "machine_cpu_s": round(prev_machine - machine0, 1), "machine_by_place": machine_sums, "cells": cells}
 
 
 def main() -> int:

@@ -101,3 +101,15 @@ def test_lib_dlo_has_no_import_cycle():
     known = modules()
     assert len(known) > 100  # the whole library was read
     assert cycles({m: imports(m, p, known) for m, p in known.items()}) == []
+
+
+def test_a_notebooks_imports_leave_out_dtensor():
+    """Every day's first cell imports `dlo.checks` (every day's checks, the Llama among them): DTensor's
+    module (torch.distributed.tensor, 0.9 CPU s on this machine's cores) is imported only by the days and
+    checks that use it, not by each of the 22 kernels of `make run` (`dlo.models.llama._is_dtensor`)."""
+    import subprocess
+    import sys
+
+    code = "import sys, dlo.checks, dlo.models.llama; print('torch.distributed.tensor' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "False", out.stderr[-800:]

@@ -113,8 +113,8 @@ class Model:
 
         cfg = LlamaConfig.from_name(name)
         cfg = replace(cfg, max_seq_len=max(seq, cfg.max_seq_len))  # torchtitan's CP runs go past 128k (Table 2)
-        with torch.device("meta"):
-            layer = count_parameters(Llama(cfg).layers["0"])
+        with torch.device("meta"):  # one block is every block: the other n_layers - 1 need not be built
+            layer = count_parameters(Llama(replace(cfg, n_layers=1)).layers["0"])
         if not n_experts:
             act = activation_estimate(cfg, 1, seq)
             return cls(name, cfg.n_layers, cfg.dim, cfg.n_heads, cfg.n_kv_heads, layer,

@@ -5,7 +5,8 @@ timeout can stop them), and jupyter_client starts each kernel in yet another ses
 reaches only the kernel). Killing papermill's group used to leave its kernel running, re-parented to
 init. So the command becomes a child subreaper (orphaned descendants are re-parented to it, not to
 init, and stay findable), and a stop kills its whole tree of descendants, read from /proc, until none
-is left (`kill_tree`). `stopping()` turns SIGTERM and SIGHUP into KeyboardInterrupt, as Ctrl-C is,
+is left (`kill_tree`); at its end, it waits for the orphans it was handed (`collect_orphans`), so their
+CPU time counts where `time` looks. `stopping()` turns SIGTERM and SIGHUP into KeyboardInterrupt, as Ctrl-C is,
 so the commands' own clean-up runs (the grading records kept, the status table printed).
 
 The one place that reads process trees from /proc (`children`, `descendants`, `comm`) and kills them:
@@ -118,6 +119,19 @@ def reap_orphans(spare: int | None = None) -> None:
                 os.waitpid(pid, os.WNOHANG)
 
 
+def collect_orphans(timeout: float = 2.0) -> None:
+    """At a command's end: wait for every child this subreaper still has (its descendants' orphans, e.g.
+    a rank fork server that ends when its kernel has), up to `timeout` seconds for those still ending.
+    A reaped orphan's CPU time joins this process's RUSAGE_CHILDREN, so `time dlo ...` (and `time make
+    run`) count the ranks' and sandboxes' CPU; left for init, a zombie's CPU time is lost with it."""
+    deadline = time.monotonic() + timeout
+    while True:
+        reap_orphans()
+        if not _ppids(zombies=True).get(os.getpid()) or time.monotonic() > deadline:  # one that just ended too
+            return
+        time.sleep(0.02)
+
+
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -177,4 +191,5 @@ def stopping() -> Iterator[list[int]]:
     finally:
         for s, h in old.items():
             signal.signal(s, h)
+        collect_orphans()
         subreaper(was)

@@ -533,3 +533,38 @@ def test_a_process_that_has_only_imported_forks_its_server(tmp_path):
            for how in ("imports", "thread")]
     lines = [o.stdout.strip().splitlines()[-1] if o.stdout.strip() else o.stderr[-800:] for o in out]
     assert lines == ["True False True", "False False True"]
+
+
+def test_the_ranks_cpu_time_reaches_the_launchers_parent(tmp_path):
+    """A rank's CPU seconds reach the launching process's getrusage(RUSAGE_CHILDREN), and so `time` of
+    the command above it (`time make run`): the server waits for its zygotes (they wait for their ranks)
+    and the launcher, at its exit, for the server. Once, the server let the kernel reap its zygotes
+    (SIGCHLD ignored) and nobody waited for the server: `time` missed half of what make run spent."""
+    script = tmp_path / "burn.py"
+    script.write_text(textwrap.dedent("""
+        import resource, time
+        from dlo.distributed import launch
+
+        def burn(seconds):
+            end = time.process_time() + seconds
+            while time.process_time() < end:
+                pass
+
+        launch(burn, 1, 2.0)
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        print(usage.ru_utime + usage.ru_stime)
+    """))
+    env = {k: v for k, v in os.environ.items() if k != "DLO_RANK_START"}
+    import resource
+
+    def cpu():  # user and system: process_time() in a loop is mostly the latter
+        usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return usage.ru_utime + usage.ru_stime
+
+    before = cpu()
+    out = subprocess.run([PY, str(script)], capture_output=True, text=True, env=env, timeout=120)
+    after = cpu()
+    assert out.returncode == 0, out.stderr[-800:]
+    # the script's children: the server (its imports) and the rank's 2 s, which alone is over 1.8
+    below = (after - before) - float(out.stdout.split()[-1])
+    assert below >= 1.8, f"{below:.2f} CPU s of the launcher's children counted, the rank burned 2"

@@ -149,9 +149,13 @@ class Job:
     def _ready(self) -> int:
         line = self.root.stdout.readline()
         if not line.startswith("ready "):
+            try:  # bash's own status first (close kills it): did something else end the job?
+                status = self.root.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                status = "still running"
             self.close()
             self.err.seek(0)
-            raise RuntimeError(f"a hog ended before it was ready (bash: {self.root.returncode}): {self.err.read()}")
+            raise RuntimeError(f"a hog ended before it was ready (stdout {line!r}, bash: {status}): {self.err.read()}")
         return int(line.split()[1])
 
     def close(self) -> None:

@@ -11,18 +11,21 @@ launcher then starts a zygote of its own, as before. The server ends when this p
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import socket
 import subprocess
 import threading
+import time
 
 from dlo import reaper
 
 _LOCK = threading.Lock()
 _SERVER: dict = {}  # "proc", "sock": the running server; "failed": it could not start or went away
 START_TIMEOUT = 60.0  # seconds for the server's imports
+CLOSE_TIMEOUT = 5.0  # seconds the launcher waits at its exit for the server to end
 
 
 def enabled() -> bool:
@@ -119,7 +122,14 @@ class _Child:
         self.pid = pid
 
     def wait(self, timeout: float | None = None) -> int:
-        return os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            pid, status = os.waitpid(self.pid, 0 if deadline is None else os.WNOHANG)
+            if pid:
+                return os.waitstatus_to_exitcode(status)
+            if time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"fork server {self.pid}", timeout)
+            time.sleep(0.01)
 
 
 def pid() -> int | None:
@@ -169,6 +179,10 @@ def _close() -> None:
     sock = _SERVER.pop("sock", None)
     if sock is not None:
         sock.close()  # the server reads the end and exits
+        # waited for (briefly: it only reaps its last zygotes), so that its CPU time and its ranks' reach
+        # this process's getrusage(RUSAGE_CHILDREN) and `time` of the command; an orphan's is lost with it
+        with contextlib.suppress(subprocess.TimeoutExpired, ChildProcessError, OSError):
+            _SERVER["proc"].wait(timeout=CLOSE_TIMEOUT)
 
 
 import atexit  # noqa: E402 - registered last: the server ends with this process

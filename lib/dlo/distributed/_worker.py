@@ -160,10 +160,15 @@ def serve_forks(sock, preload):
     import socket
 
     later = [m[1:] for m in preload if m.startswith("+")]
-    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the zygotes are reaped by the kernel; their ranks by them
+    # the zygotes are waited for here as they end (their ranks by them), not left to the kernel's
+    # auto-reaping (SIG_IGN): a process's CPU time reaches its parent's getrusage(RUSAGE_CHILDREN), and
+    # so `time` of the command above, only through a wait
+    signal.signal(signal.SIGCHLD, lambda signum, frame: _reap(block=False))
     while True:
         msg, fds, _, _ = socket.recv_fds(sock, 65536, 256)
         if not msg:
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            _reap(block=True)
             return
         try:
             req = json.loads(msg)
@@ -179,6 +184,23 @@ def serve_forks(sock, preload):
             _served_zygote(sock, workdir, cwd, report, rank_fds)
         for fd in fds:
             os.close(fd)
+
+
+def _reap(block: bool, timeout: float = 5.0) -> None:
+    """Wait for the server's exited zygotes; `block`: also for those still ending, up to `timeout` s (a
+    zygote the launcher left running stays for the subreaper above)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            if not block or time.monotonic() > deadline:
+                return
+            time.sleep(0.01)
 
 
 def _served_zygote(sock, workdir, cwd, report, rank_fds):

@@ -49,7 +49,7 @@ from dlo.grading.jail import probe
 from dlo.harness import exchange, pool, schedule, similarity
 from dlo.harness.days import list_days, repo_root
 from dlo.harness.merge import is_part, merge  # noqa: F401 - merge: `dlo grade --merge`
-from dlo.harness.nbgrader_cli import generate_assignments
+from dlo.harness.nbgrader_cli import generate_assignments, prestart_warm
 from dlo.harness.outdir import OwnedDir
 from dlo.harness.results import (
     CELL_COLUMNS,
@@ -283,6 +283,7 @@ def _run(root, submitted_dir, top, out_dir, owned, graded_days, status, manifest
                   + exchange.config_block(exchange.class_exchange()))
         _load_config(config)  # nbgrader only logs a broken config file and goes on without it
         (course / "nbgrader_config.py").write_text(config)
+        prestart_warm()
         generate_assignments(root / "solutions", graded_days, course, db=course / "template.db")
     write_json(out_dir / "grading.json", {**manifest, "complete": False})  # until the CSVs are written again
     owned.record()

@@ -35,14 +35,25 @@ def autograde_and_feedback(course_root: Path, db: Path, day: str, student: str, 
     return child(cmd, course_root, env=env, timeout=timeout, what="autograde", warm=True)
 
 
+def base_env() -> dict:
+    """The children's environment: this one, with this interpreter's folder first on PATH (nbgrader shells
+    out to `alembic`, which lives beside it: a venv not on PATH)."""
+    return {**os.environ, "PATH": os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])}
+
+
+def prestart_warm() -> None:
+    """Start the warm process now, in the background: its imports (some 3 CPU s) run on another core
+    beside what this process does first (the release's generate_assignment), not after it."""
+    threading.Thread(target=GRADER.start, args=(base_env(),), name="dlo-warm-start", daemon=True).start()
+
+
 def child(cmd: list[str], cwd: Path, *, env: dict | None = None, timeout: float | None = None,
           what: str = "", warm: bool = False) -> subprocess.CompletedProcess:
     """`cmd` (python -m dlo.harness.nbgrader_cli ARGS) in a child; `warm`: forked from the warm process
     (`dlo.harness.warm`) when there is one, the same process less its interpreter's start and imports."""
     # Own session, so a signal to dlo's group does not reach it; on timeout or a stop its whole tree (nbgrader
     # and the kernels it started) is killed.
-    # nbgrader shells out to `alembic`, which lives beside this interpreter (a venv not on PATH).
-    base = {**os.environ, "PATH": os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])}
+    base = base_env()
     proc = warm and GRADER.spawn(cmd[3:], cwd, base, {**base, **(env or {})})  # the arguments after -m ...nbgrader_cli
     if not proc:
         proc = subprocess.Popen(cmd, cwd=cwd, env={**base, **(env or {})}, text=True, stdout=subprocess.PIPE,

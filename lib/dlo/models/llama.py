@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import math
 import re
+import sys
 import zlib
 from dataclasses import asdict, dataclass, replace
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from dlo.models import count_parameters  # one definition; re-exported here
 
@@ -271,16 +271,26 @@ class Llama(nn.Module):
         return self.output(h) if self.output is not None else h  # (B, T, vocab)
 
 
+def _is_dtensor(p: Tensor) -> bool:
+    """Whether p is a DTensor, without importing torch.distributed.tensor (0.9 s of a notebook's start on
+    a CPU): a DTensor exists only once that module has been imported."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(p, module.DTensor)
+
+
 _WRAPPER_PREFIXES = re.compile(r"(_checkpoint_wrapped_module|_orig_mod|_fsdp_wrapped_module)\.")
 
 
 def _seeded_normal_(p: Tensor, std: float, seed: int) -> None:
     """p ~ Normal(0, std) from a generator seeded by `seed`; a DTensor gets its shard of the full draw."""
-    local = p.to_local() if isinstance(p, DTensor) else p
+    dtensor = _is_dtensor(p)
+    local = p.to_local() if dtensor else p
     gen = torch.Generator(device=local.device).manual_seed(seed)
-    if not isinstance(p, DTensor):
+    if not dtensor:
         nn.init.normal_(p, 0.0, std, generator=gen)
         return
+    from torch.distributed.tensor import distribute_tensor
+
     full = nn.init.normal_(torch.empty(p.shape, dtype=p.dtype, device=local.device), 0.0, std, generator=gen)
     # src_data_rank=None: every rank cuts its own shard from its own (identical) draw, no communication
     local.copy_(distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local())
