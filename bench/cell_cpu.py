@@ -4,11 +4,11 @@ or other children it waits for), at the tiny profile.
     .venv/bin/python bench/cell_cpu.py [--day day2_mixed_precision ...] [--notebooks solutions|course]
 
 After every cell the kernel is asked, silently, for getrusage(SELF) + getrusage(CHILDREN); the
-difference is the cell's. It is also asked for the machine's busy CPU seconds (/proc/stat), which on
-an otherwise idle machine include the ranks a fork server started (their CPU never reaches the
-kernel's getrusage): `machine_cpu_s`, wrong on a shared machine. Cells are labelled as the grader sees them (`dlo.harness.graded`): graded
-(solution or test), before the last graded cell, or after it (what `dlo grade` skips unless
---full-notebook). The result goes to bench/results/cell-cpu-<date>.json and is printed; not a test.
+difference is the cell's. It is also asked for the machine's busy CPU seconds (/proc/stat), which
+count all processes (wrong on a shared machine): `machine_cpu_s`. Cells are labelled as the grader
+sees them (`dlo.harness.graded`): graded (solution or test), before the last graded cell, or after
+it (what `dlo grade` skips unless --full-notebook). The result goes to
+bench/results/cell-cpu-<date>.json and is printed; not a test.
 """
 
 from __future__ import annotations
