@@ -6,7 +6,8 @@ once per launch (1 to 2 CPU seconds each; Day 7's graded checks launch 13 times)
 `zygote_process(workdir)` asks it for a launch's zygote and returns a Popen-like handle of it, or None
 when there is no server (DLO_RANK_START=zygote or exec, no Unix fd passing, the server gone): the
 launcher then starts a zygote of its own, as before. The server ends when this process closes its end
-(at exit); a forked child (the grader's sessions) shares it. Nothing here is public API.
+(at exit, then waits for it: the ranks' CPU time counts in `time` of the command); a forked child (the
+grader's sessions) shares it. Nothing here is public API.
 """
 
 from __future__ import annotations
