@@ -196,6 +196,15 @@ def test_a_hang_past_the_deadline_kills_everything(tmp_path):
     assert set(_sleepers()) <= before
 
 
+def test_at_the_submissions_end_the_runner_ends_by_itself(tmp_path):
+    """The submission's end closes the runner's channel and lets it exit (status 0): its exit handlers
+    wait for its ranks' fork server, whose CPU time (the ranks') then reaches `time dlo grade`; killed at
+    once, the server died with the sandbox's PID namespace, its CPU uncounted. A hang is still killed."""
+    with LocalSandbox(tmp_path) as sb, use_backend(sb):
+        runner = sb.runner()
+    assert runner.proc.returncode == 0
+
+
 def test_a_deadline_passing_while_a_check_opens_does_not_leave_the_runner_out_of_step(tmp_path):
     """On a loaded node the deadline can pass before the session's child says it is open: that runner is
     dropped, so the next check opens on a fresh one (it once reached the late child: "unknown request 'open'")."""

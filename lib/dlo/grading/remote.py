@@ -101,6 +101,16 @@ class Runner:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
+    def close(self, grace: float = 2.0) -> None:
+        """The end of a submission's checks: the channel closed, `grace` seconds for the runner to end by
+        itself (it waits for its ranks' fork server, so their CPU time is counted where `time dlo grade`
+        looks, not lost with the sandbox's PID namespace), then `kill` for whatever is left."""
+        with contextlib.suppress(OSError):
+            self.proc.stdin.close()  # the runner reads the end: its loop returns, its exit handlers run
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=grace)
+        self.kill()
+
     def kill(self) -> None:
         kill_tree(self.proc.pid, mark=f"{TAG_ENV}={self.tag}")
         self.proc.wait()

@@ -233,9 +233,12 @@ class SandboxBackend:
             self._runner.ready = True
         return self._runner
 
-    def drop_runner(self) -> None:
+    def drop_runner(self, graceful: bool = False) -> None:
         if self._runner is not None:
-            self._runner.kill()
+            if graceful:
+                self._runner.close()
+            else:
+                self._runner.kill()
             self._runner = None
         for s in (self.current, self._adhoc):
             if s is not None:
@@ -267,7 +270,7 @@ class SandboxBackend:
 
     def close(self) -> None:
         self.end_cell()
-        self.drop_runner()
+        self.drop_runner(graceful=True)  # the submission's end: no check is running
         if self._log_fd is not None:
             os.close(self._log_fd)
             self._log_fd = None
