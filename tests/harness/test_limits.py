@@ -18,7 +18,7 @@ from nbformat.v4 import new_code_cell
 
 from dlo.grading.jail import UID, make_spec, probe
 from dlo.grading.limits import GIB, MIB, Limits, UidPool
-from tests.harness.conftest import ADAMW, DAY, POINTS, dlo, grade_id, read_csv
+from tests.harness.conftest import ADAMW, DAY, POINTS, REPO, dlo, grade_id, read_csv, unreachable_by_others
 
 pytestmark = [pytest.mark.skipif(probe() != "bwrap", reason=f"bubblewrap cannot run here: {probe()}"),
               pytest.mark.trust]  # a hostile class's evidence: its own CI step, pytest -m trust
@@ -213,6 +213,8 @@ for p in mine + more:
 """
 
 
+@pytest.mark.skipif(unreachable_by_others(REPO) is not None,  # uid 65534 imports dlo from the checkout
+                    reason=f"another user must reach the checkout: {unreachable_by_others(REPO)}")
 @pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare") or not shutil.which("setpriv"),
                     reason="needs root (a private mount namespace, then uid 65534) and util-linux's unshare, setpriv")
 def test_as_a_user_each_sandbox_counts_its_own_processes(tmp_path):
