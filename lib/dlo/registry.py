@@ -15,7 +15,6 @@ never this registry, so there is no cycle, visible or by string.
 
 from __future__ import annotations
 
-import copy
 import importlib
 import os
 from dataclasses import dataclass, field
@@ -120,18 +119,8 @@ def plan_day(day: str, gpus: int | None = None, gpu_mem_gb: float = 80.0) -> lis
         raise ValueError(f"need gpus >= 1 and gpu_mem_gb > 0, got gpus={gpus}, gpu_mem_gb={gpu_mem_gb}")
     day_spec = DAYS[day]
     preset = day_spec.presets["full"]
-    planner = day_spec.load(day_spec.planner)
-    # a copy of the rows of one count per process: a notebook that shows its plan at the start and uses it
-    # in its claims at the end (Day 3) counts it once (2.7 CPU s of fake forward and backward passes); the
-    # key holds the planner and the preset's fields, so a changed one is counted again
-    gpus = gpus or int(getattr(preset, "world_size", 1))
-    key = (planner, repr(preset), gpus, float(gpu_mem_gb))
-    if key not in _PLANS:
-        _PLANS[key] = planner(preset, gpus=gpus, gpu_mem_gb=gpu_mem_gb)
-    return copy.deepcopy(_PLANS[key])
-
-
-_PLANS: dict[tuple, list[dict]] = {}  # plan_day's rows by (planner, preset's fields, gpus, GB per GPU)
+    return day_spec.load(day_spec.planner)(preset, gpus=gpus or int(getattr(preset, "world_size", 1)),
+                                           gpu_mem_gb=gpu_mem_gb)
 
 
 def plan_main(day: str, gpus: int | None = None, gpu_mem_gb: float = 80.0) -> int:

@@ -189,8 +189,6 @@ def serve_forks(sock, preload):
 def _reap(block: bool, timeout: float = 5.0) -> None:
     """Wait for the server's exited zygotes; `block`: also for those still ending, up to `timeout` s (a
     zygote the launcher left running stays for the subreaper above)."""
-    import time
-
     deadline = time.monotonic() + timeout
     while True:
         try:

@@ -48,7 +48,9 @@ OPEN = tuple(f"dlo.grading.{m}" for m in ("api", "compare", "forbid", "frames", 
 
 def is_sealed(name: str) -> bool:
     """True for a module name that sealing hides: the package and its modules, but OPEN."""
-    if not name.startswith(PACKAGES):  # most of sys.modules: one C call, not two generators (a seal reads them all)
+    # a check seals around every call of the student's function and each seal reads all of sys.modules
+    # (some 2000 names): most of them are ruled out by one C call, not two generators
+    if not name.startswith(PACKAGES):
         return False
     return any(name == p or name.startswith(p + ".") for p in PACKAGES) and not any(
         name == m or name.startswith(m + ".") for m in OPEN)
@@ -118,10 +120,7 @@ class Sealing:
         import dlo
 
         self.dlo = dlo
-        # a check seals around every call of the student's function (thousands per check): the names are
-        # filtered by their prefix in C first, of some 2000 modules
-        names = [n for n in list(sys.modules) if n.startswith(PACKAGES)]
-        self.real = {n: m for n in names if (m := sys.modules.get(n)) is not None and is_sealed(n)}
+        self.real = {n: m for n, m in list(sys.modules.items()) if m is not None and is_sealed(n)}
         self.finder = _Finder({p: _package_path(p) for p in PACKAGES})
         self.saved_attr = {p: dlo.__dict__.get(_attr(p), _MISSING) for p in PACKAGES}
         self.before = set(sys.modules)
@@ -142,7 +141,7 @@ class Sealing:
     def exit(self) -> None:
         with contextlib.suppress(ValueError):
             sys.meta_path.remove(self.finder)
-        for name in [n for n in list(sys.modules) if n.startswith(PACKAGES) and n not in self.before and is_sealed(n)]:
+        for name in [n for n in sys.modules if n not in self.before and is_sealed(n)]:
             del sys.modules[name]  # placeholders made while sealed
         sys.modules.update(self.real)
         for package, saved in self.saved_attr.items():
