@@ -85,6 +85,7 @@ newest:
 # every claims table the run printed walked row by row (dlo.claims_audit: each verdict from its evidence).
 run: $(STAMP)
 	rm -rf $(OUT)
+	$(PY) -m compileall -q lib  # dlo's bytecode, once: not compiled again by each of the run's ~50 processes
 	$(DLO) run --all --profile auto --out $(OUT)/submitted/reference
 	$(DLO) grade $(OUT)/submitted --out $(OUT)/grading --require-full
 	$(PY) -m dlo.claims_audit $(OUT)/submitted/reference

@@ -76,6 +76,21 @@ def test_ratio_difference_and_paired_difference():
         E.paired_difference([1, 2], [1])
 
 
+def test_a_paired_log_ratio_is_a_geometric_mean_with_an_interval_symmetric_on_logs():
+    ys = [60.0, 47.0, 63.0]
+    g = E.paired_log_ratio([2 * ys[0], 8 * ys[1], 4 * ys[2]], ys)  # ratios 2, 8, 4: geometric mean 4
+    assert g.value == pytest.approx(4.0) and g.lo * g.hi == pytest.approx(16.0) and g.lo < 4.0 < g.hi
+    assert g.pairing == E.PAIRED_BY_SEED and g.kind == E.REPEATS and not g.reason
+    assert E.paired_log_ratio([2.0, 3.0], [1.0, 1.0]).reason == "2 seeds < 3"
+    with pytest.raises(ValueError, match="> 0"):
+        E.paired_log_ratio([1.0, -2.0, 3.0], [1.0, 1.0, 1.0])
+    # noise that scales with the value (Day 1's noise scale: 47-63 at the start, 230-403 at the end): the
+    # difference's interval is set by the noisiest seed and nearly reaches 0, the ratio's stays well above 1
+    start, end = [60.0, 47.0, 63.0], [275.0, 403.0, 230.0]
+    assert E.paired_difference(end, start).lo < 0.02 * E.paired_difference(end, start).value
+    assert E.paired_log_ratio(end, start).lo > 1.5
+
+
 def test_regions_say_their_tolerance_and_refuse_nonsense():
     assert str(C.approx(2.0, rel=0.1)) == "2 +- 0.2"
     assert str(C.at_least(0.9)) == ">= 0.9"

@@ -483,6 +483,27 @@ def test_the_graders_server_imports_the_rest_of_preload_at_its_first_launch(own_
     assert launch(_imported, 2, "tabnanny") == [True, True] and not _imported("tabnanny")
 
 
+def test_a_notebook_that_imports_the_checks_hands_its_ranks_torch_dynamo(tmp_path):
+    """A check's ranks run the grader's TorchDispatchMode, whose first dispatch imports torch._dynamo (torch
+    wraps every mode's handler in _disable_dynamo): 1.5 CPU s in each rank of each check when the notebook's
+    kernel had not imported it. Having imported dlo.checks, the launcher's ranks start with it imported."""
+    script = tmp_path / "checks_kernel.py"
+    script.write_text(textwrap.dedent("""
+        import sys
+        import dlo.checks
+        from dlo.distributed import launch
+
+        def has_dynamo():
+            return "torch._dynamo" in sys.modules
+
+        assert "torch._dynamo" not in sys.modules, "importing dlo.checks imported torch._dynamo"
+        print(launch(has_dynamo, 2), "torch._dynamo" in sys.modules)
+    """))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["[True,", "True]", "False"]  # the ranks have it, the launcher still does not
+
+
 def test_the_server_is_as_closed_as_its_launcher(tmp_path):
     """Launched from an undumpable process (the grader's runner), the server and the ranks forked from
     it are undumpable too: no process of their user may read or write their memory."""

@@ -91,3 +91,16 @@ def test_a_dead_warm_process_means_exec(tmp_path):
     ws.proc.wait()
     assert ws.spawn(["print(1)"], tmp_path, dict(os.environ), dict(os.environ)) is None and ws.failed
     ws.close()
+
+
+def test_a_stopped_warm_process_ends_by_itself_and_later_children_are_fresh_processes(tmp_path):
+    """`dlo grade` stops the warm process once its last submission is graded (`nbgrader_cli.stop_warm`), so
+    that it ends while the tables and reports are written: stop() does not wait for it, and a child asked
+    for afterwards is a fresh interpreter (the exec path), never one forked from a process told to end."""
+    ws = warm.WarmStart([sys.executable, "-c", SERVE.format(", ('json',)")])
+    proc = ws.start(dict(os.environ))
+    assert proc is not None
+    ws.stop()
+    assert proc.wait(timeout=30) == 0  # it read the socket's end and returned from serve
+    assert ws.spawn(["print(1)"], tmp_path, dict(os.environ), dict(os.environ)) is None and ws.failed
+    ws.close()  # what atexit does later: nothing left to end

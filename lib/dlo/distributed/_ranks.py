@@ -68,13 +68,25 @@ RANK_START_ENV = "DLO_RANK_START"
 # when the launching process has imported them itself (a sealed kernel's placeholder for dlo.checks is not).
 # torch.distributed.optim: each rank of a ZeRO check resolves its forbidden ZeroRedundancyOptimizer (0.2 s).
 PRELOAD = ("torch.distributed.tensor", "torch._dynamo", "torch.distributed.optim", "dlo.checks")
+# ... and what the ranks import because the launcher has imported something else: a check's ranks run the
+# grader's TorchDispatchMode (`dlo.grading.ops`), and torch wraps every mode's __torch_dispatch__ in
+# _disable_dynamo, which imports torch._dynamo at the first tensor operation: 1.5 CPU s in every rank of
+# every check of a notebook whose kernel has not imported torch._dynamo itself
+IMPLIED = {"torch._dynamo": "dlo.checks"}
+
+
+def imported_preload() -> list[str]:
+    """The modules of PRELOAD this process has imported, or whose importer (IMPLIED) it has."""
+    def have(m):
+        return getattr(sys.modules.get(m), "__file__", None) is not None
+    return [m for m in PRELOAD if have(m) or (m in IMPLIED and have(IMPLIED[m]))]
 
 
 def start_fork_server(fork: bool = False, preload_all: bool = False) -> int | None:
     """This process's fork server started now (`fork`: as a fork of this process), with what this process
     has imported of `PRELOAD` (and, with `preload_all`, the rest of it at its first launch); its pid, None
     when there is none (DLO_RANK_START=zygote or exec, or it could not start)."""
-    preload = [m for m in PRELOAD if getattr(sys.modules.get(m), "__file__", None)]
+    preload = imported_preload()
     preload += [f"+{m}" for m in PRELOAD if preload_all and m not in preload]
     if fork:
         _forkserver.fork_here(preload)
@@ -87,7 +99,7 @@ class Zygote:
 
     def __init__(self, world_size, port, workdir):
         envs = [worker_env(r, world_size, port, workdir) for r in range(world_size)]
-        preload = [m for m in PRELOAD if getattr(sys.modules.get(m), "__file__", None)]
+        preload = imported_preload()
         with open(os.path.join(workdir, "ranks.pkl"), "wb") as f:
             pickle.dump((envs, preload), f)
         pipes = [os.pipe() for _ in range(2 * world_size)]

@@ -49,7 +49,7 @@ from dlo.grading.jail import probe
 from dlo.harness import exchange, pool, schedule, similarity
 from dlo.harness.days import list_days, repo_root
 from dlo.harness.merge import is_part, merge  # noqa: F401 - merge: `dlo grade --merge`
-from dlo.harness.nbgrader_cli import generate_assignments, prestart_warm
+from dlo.harness.nbgrader_cli import generate_assignments, prestart_warm, stop_warm
 from dlo.harness.outdir import OwnedDir
 from dlo.harness.results import (
     CELL_COLUMNS,
@@ -309,6 +309,7 @@ def _run(root, submitted_dir, top, out_dir, owned, graded_days, status, manifest
     try:
         records.update(pool.run(grading, todo, running, len(inputs), len(records), seconds))
     finally:
+        stop_warm()
         owned.record()
     schedule.remember(records.values(), key_mode)
     print(pool.summary(records, time.monotonic() - start, jobs), flush=True)

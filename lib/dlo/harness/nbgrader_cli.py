@@ -47,6 +47,11 @@ def prestart_warm() -> None:
     threading.Thread(target=GRADER.start, args=(base_env(),), name="dlo-warm-start", daemon=True).start()
 
 
+def stop_warm() -> None:
+    """No more submissions: the warm process ends while this one writes its tables and reports."""
+    GRADER.stop()
+
+
 def child(cmd: list[str], cwd: Path, *, env: dict | None = None, timeout: float | None = None,
           what: str = "", warm: bool = False) -> subprocess.CompletedProcess:
     """`cmd` (python -m dlo.harness.nbgrader_cli ARGS) in a child; `warm`: forked from the warm process

@@ -72,11 +72,11 @@ class WarmStart:
         self._lock = threading.Lock()
 
     def start(self, env: dict) -> subprocess.Popen | None:
-        """The warm process (started now with `env` if need be), None when there is none."""
+        """The warm process (started now with `env` if need be), None when there is none (or it was stopped)."""
         with self._lock:
             if self.proc is None and not self.failed and enabled():
                 self._start(env)
-            return self.proc
+            return None if self._sock is None else self.proc
 
     def _start(self, env: dict) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -123,12 +123,19 @@ class WarmStart:
             return None
         return WarmProcess(argv, int(first[1]), out[0], err[0], report[0])
 
-    def close(self) -> None:
-        """End the warm process (it reads the socket's end and exits); its running children live on."""
+    def stop(self) -> None:
+        """Tell the warm process to end (it reads the socket's end and exits), without waiting for it: what
+        this process does next overlaps its exit; no child is forked from it any more."""
         with self._lock:
             if self._sock is not None:
                 self._sock.close()
                 self._sock = None
+            self.failed = True  # a later spawn execs a fresh interpreter
+
+    def close(self) -> None:
+        """End the warm process and wait for it; its running children live on."""
+        self.stop()
+        with self._lock:
             if self.proc is not None:
                 try:
                     self.proc.wait(timeout=10)
