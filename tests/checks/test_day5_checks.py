@@ -140,6 +140,43 @@ def test_zero1_rejects_a_buffer_beyond_the_allowance(sol, ranks):
         day5.check_zero1(Stray)
 
 
+@pytest.mark.trust
+def test_zero1_rejects_state_kept_outside_the_engine(sol, ranks):
+    """The same stray buffer, kept where the walk from the engine does not go (a class attribute): the rank's
+    growth in live tensors counts it (`dlo.measure.live_bytes`), and the message says where to look."""
+    class Hidden(sol.ZeRO1):
+        kept = []
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            Hidden.kept.append(torch.zeros(400, dtype=torch.float64))
+
+    with pytest.raises(AssertionError, match="of them outside the engine object"):
+        day5.check_zero1(Hidden)
+
+
+@pytest.mark.trust
+def test_zero1_rejects_a_stray_buffer_behind_a_patched_meter(sol):
+    """An engine that replaces what a meter would call (Tensor.untyped_storage, gc.get_referents, gc.get_objects)
+    before the check measures it: the meters read through what they captured at import, before any student code.
+    On ranks of its own (the patches die with them), not the tests' pool."""
+    class Patched(sol.ZeRO1):
+        def __init__(self, *args, **kwargs):
+            import gc
+
+            super().__init__(*args, **kwargs)
+            stray = torch.zeros(400, dtype=torch.float64)
+            self.register_buffer("stray", stray)
+            storage, referents, objects = torch.Tensor.untyped_storage, gc.get_referents, gc.get_objects
+            # the stray buffer, and it only, disappears from whatever a meter would look it up with
+            torch.Tensor.untyped_storage = lambda t: torch.UntypedStorage(0) if t is stray else storage(t)
+            gc.get_referents = lambda *objs: [o for o in referents(*objs) if o is not stray]
+            gc.get_objects = lambda *a: [o for o in objects(*a) if o is not stray]
+
+    with pytest.raises(AssertionError, match="allowed: the averaged gradient shard"):
+        day5.check_zero1(Patched)
+
+
 def test_zero2_accepts(sol, ranks):
     day5.check_zero2(sol.ZeRO2, seed=2)
 

@@ -478,6 +478,16 @@ def test_the_graders_server_imports_the_rest_of_preload_at_its_first_launch(own_
         _ranks.start_fork_server()
         _ranks.start_fork_server(preload_all=True)
     assert seen == [["dlo.distributed.launch"], ["dlo.distributed.launch", "+tabnanny"]]
+    # a module implied by one imported (torch._dynamo by dlo.checks): at once for a notebook's server, at the
+    # first launch for the grader's (whose day may launch no rank: every submission would pay for it)
+    seen.clear()
+    with monkeypatch.context() as m:
+        m.setattr(_ranks, "PRELOAD", ("dlo.distributed.launch", "tabnanny"))
+        m.setattr(_ranks, "IMPLIED", {"tabnanny": "dlo.distributed.launch"})
+        m.setattr(_ranks._forkserver, "start", lambda command, preload, env: seen.append(preload))
+        _ranks.start_fork_server()
+        _ranks.start_fork_server(preload_all=True)
+    assert seen == [["dlo.distributed.launch", "tabnanny"], ["dlo.distributed.launch", "+tabnanny"]]
     # the real server, asked for a module no rank imports of itself
     own_server.start(_ranks.worker_command(), ["+tabnanny"], dict(os.environ))
     assert launch(_imported, 2, "tabnanny") == [True, True] and not _imported("tabnanny")

@@ -22,7 +22,7 @@ from torch import nn
 
 from dlo.distributed.zero import memory_per_rank
 from dlo.grading.compare import DTYPE, assert_close
-from dlo.measure import CommCounter, held_bytes, tally, wire_agrees
+from dlo.measure import CommCounter, held_bytes, live_bytes, tally, wire_agrees
 from dlo.models import count_parameters
 
 BYTES_TOL = 0.05  # payload bytes vs 2 Psi / 3 Psi: padding every flat buffer to a multiple of N costs < 2% here
@@ -189,6 +189,8 @@ def zero_worker(mine: dict, cls, stage: int, steps: int, extra: dict, one_bucket
         engine.zero_grad()
         out["sgd"] = seen_parameters(model, lambda: engine(probe))
     out["comm"] = comm.records()
+    del model, engine, loss
+    before = live_bytes()  # the rank's tensors before this engine exists: the growth is what it keeps
     adamw = CommCounter()
     adamw.__enter__()
     adamw.phase = "init"
@@ -208,6 +210,7 @@ def zero_worker(mine: dict, cls, stage: int, steps: int, extra: dict, one_bucket
             out["held"] = held_bytes(engine)
             for h in hooks:
                 h.remove()
+            out["live"] = live_bytes() - before  # wherever the engine keeps it (a class attribute, a global)
         engine.zero_grad()
     out["adamw"] = seen_parameters(model, lambda: engine(probe))
     adamw.__exit__(None, None, None)
@@ -337,6 +340,12 @@ def verify_memory(name: str, res: list, c: dict, stage: int, n: int, where: str)
     want = memory_per_rank(psi, n, stage, param_dtype=DTYPE, optimizer="adamw")["total"]
     slack = memory_slack(c, n, stage)
     for r, got in enumerate(res):
+        outside = max(0, got.get("live", got["held"]) - got["held"])  # the rank's growth the engine does not reach
+        if got["held"] + outside > want + slack and outside > 0:
+            raise AssertionError(f"{name}: rank {r} keeps {got['held'] + outside:,} bytes of tensors alive after the "
+                                 f"step, {outside:,} of them outside the engine object (a class attribute, a module "
+                                 f"global, a cache it does not hold); ZeRO-{stage} holds {want:,} by the formula (+ "
+                                 f"{slack:,} allowed): what a rank keeps counts wherever it is kept ({where})")
         if got["held"] > want + slack:
             raise AssertionError(f"{name}: rank {r} holds {got['held']:,} bytes of model state after the step; ZeRO-"
                                  f"{stage} holds {want:,} by the formula (+ {slack:,} allowed: "

@@ -75,18 +75,18 @@ PRELOAD = ("torch.distributed.tensor", "torch._dynamo", "torch.distributed.optim
 IMPLIED = {"torch._dynamo": "dlo.checks"}
 
 
-def imported_preload() -> list[str]:
-    """The modules of PRELOAD this process has imported, or whose importer (IMPLIED) it has."""
+def imported_preload(implied: bool = True) -> list[str]:
+    """The modules of PRELOAD this process has imported, or (`implied`) whose importer (IMPLIED) it has."""
     def have(m):
         return getattr(sys.modules.get(m), "__file__", None) is not None
-    return [m for m in PRELOAD if have(m) or (m in IMPLIED and have(IMPLIED[m]))]
+    return [m for m in PRELOAD if have(m) or (implied and m in IMPLIED and have(IMPLIED[m]))]
 
 
 def start_fork_server(fork: bool = False, preload_all: bool = False) -> int | None:
     """This process's fork server started now (`fork`: as a fork of this process), with what this process
     has imported of `PRELOAD` (and, with `preload_all`, the rest of it at its first launch); its pid, None
     when there is none (DLO_RANK_START=zygote or exec, or it could not start)."""
-    preload = imported_preload()
+    preload = imported_preload(implied=not preload_all)  # preload_all: what is not imported yet waits for a launch
     preload += [f"+{m}" for m in PRELOAD if preload_all and m not in preload]
     if fork:
         _forkserver.fork_here(preload)

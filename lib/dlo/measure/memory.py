@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import contextlib
-import types
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -218,41 +217,3 @@ def tensor_bytes(tensors) -> int:
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """Bytes of every tensor in the optimizer's state (Adam: exp_avg + exp_avg_sq + step)."""
     return sum(tensor_bytes(s.values()) for s in optimizer.state.values())
-
-
-_NOT_FOLLOWED = (type, types.ModuleType, str, bytes, int, float, bool, complex, type(None))
-
-
-def held_bytes(*roots) -> int:
-    """Bytes of the distinct tensor storages reachable from `roots` through Python references:
-    attributes, containers, closures and defaults of functions (hooks), bound methods, a leaf's
-    `.grad`, a DTensor's local shard. What an object such as a sharded training engine holds, its
-    model states, independent of the device (meta tensors count their size). A storage viewed by
-    several tensors counts once, with its current size (a freed FSDP-style buffer counts 0).
-    Modules, classes and functions' globals are not followed; tensors only autograd holds (the
-    activations saved for backward) are not reachable from Python and do not count."""
-    import gc
-
-    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
-
-    seen, storages, stack = set(), {}, list(roots)
-    while stack:
-        obj = stack.pop()
-        if isinstance(obj, _NOT_FOLLOWED) or id(obj) in seen:
-            continue
-        seen.add(id(obj))
-        if isinstance(obj, Tensor):
-            if not is_traceable_wrapper_subclass(obj):  # a DTensor holds no data: its shard is an attribute
-                storages[_storage_key(obj)] = obj.untyped_storage().nbytes()
-            if obj.is_leaf and obj.requires_grad and obj.grad is not None:
-                stack.append(obj.grad)
-        if isinstance(obj, types.FunctionType):
-            for cell in obj.__closure__ or ():
-                with contextlib.suppress(ValueError):  # an empty cell
-                    stack.append(cell.cell_contents)
-            stack.extend(obj.__defaults__ or ())
-        elif isinstance(obj, types.MethodType):
-            stack.append(obj.__self__)
-        else:
-            stack.extend(gc.get_referents(obj))
-    return sum(storages.values())

@@ -1,0 +1,90 @@
+"""What a rank holds: the bytes of the tensor storages an object reaches (`held_bytes`), and of every tensor
+alive in the process (`live_bytes`).
+
+Both run in the same process as the code they measure (a student's ZeRO engine, on its rank), so they read
+through the C-level functions captured when this module is imported, before any student code runs:
+replacing `torch.Tensor.untyped_storage`, `gc.get_referents` or `builtins.isinstance` afterwards changes
+nothing here. `live_bytes` is the check on `held_bytes`: an engine that keeps state where the walk from it
+does not go (a class attribute, a module global) holds it all the same, and a check that compares the
+process's growth with what the engine reaches sees it (`dlo.checks.day5_zero`).
+"""
+
+from __future__ import annotations
+
+import gc
+import types
+
+import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+# captured at import: the walk never looks these names up again
+_TensorBase, _StorageBase = torch._C.TensorBase, torch._C.StorageBase
+_storage = _TensorBase.untyped_storage
+_nbytes = _StorageBase.nbytes
+_cdata = _StorageBase._cdata.__get__
+_grad, _is_leaf = _TensorBase.grad.__get__, _TensorBase.is_leaf.__get__
+_referents, _objects, _collect = gc.get_referents, gc.get_objects, gc.collect
+_type, _issubclass, _id, _sum, _set, _list = type, issubclass, id, sum, set, list
+_wrapper = is_traceable_wrapper_subclass
+_FUNCTION, _METHOD = types.FunctionType, types.MethodType
+_NOT_FOLLOWED = (type, types.ModuleType, str, bytes, int, float, bool, complex, type(None))
+
+
+def _is_tensor(obj) -> bool:
+    return _issubclass(_type(obj), _TensorBase)  # type() cannot be faked by a __class__ property
+
+
+def _add(storages: dict, t) -> None:
+    if not _wrapper(t):  # a DTensor holds no data: its local shard is a tensor of its own
+        s = _storage(t)
+        storages[_cdata(s)] = _nbytes(s)
+
+
+def held_bytes(*roots) -> int:
+    """Bytes of the distinct tensor storages reachable from `roots` through Python references:
+    attributes, containers, closures and defaults of functions (hooks), bound methods, a leaf's
+    `.grad`, a DTensor's local shard. What an object such as a sharded training engine holds, its
+    model states, independent of the device (meta tensors count their size). A storage viewed by
+    several tensors counts once, with its current size (a freed FSDP-style buffer counts 0).
+    Modules, classes and functions' globals are not followed (`live_bytes` sees what they hold);
+    tensors only autograd holds (the activations saved for backward) are not reachable from Python
+    and do not count."""
+    seen, storages, stack = _set(), {}, _list(roots)
+    while stack:
+        obj = stack.pop()
+        if _issubclass(_type(obj), _NOT_FOLLOWED) or _id(obj) in seen:
+            continue
+        seen.add(_id(obj))
+        if _is_tensor(obj):
+            _add(storages, obj)
+            grad = _grad(obj) if _is_leaf(obj) else None
+            if grad is not None:
+                stack.append(grad)
+        if _type(obj) is _FUNCTION:
+            for cell in obj.__closure__ or ():
+                try:
+                    stack.append(cell.cell_contents)
+                except ValueError:  # an empty cell
+                    pass
+            stack.extend(obj.__defaults__ or ())
+        elif _type(obj) is _METHOD:
+            stack.append(obj.__self__)
+        else:
+            stack.extend(_referents(obj))
+    return _sum(storages.values())
+
+
+def live_bytes() -> int:
+    """Bytes of the distinct storages of every tensor alive in this process that Python can see (the
+    garbage collector tracks every tensor object), with their gradients; what only autograd's C++ side
+    holds does not count. Garbage is collected first (a cycle waiting for the collector is not kept).
+    Take it before and after: the growth is what was kept, wherever it was kept."""
+    _collect()
+    storages = {}
+    for obj in _objects():
+        if _is_tensor(obj):
+            _add(storages, obj)
+            grad = _grad(obj) if _is_leaf(obj) else None
+            if grad is not None:
+                _add(storages, grad)
+    return _sum(storages.values())
