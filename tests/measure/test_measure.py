@@ -1,6 +1,8 @@
 """dlo.measure: what every day's tables are made of. Counts and bytes are exact; times are only
 checked for their bookkeeping (how many calls, in which order), never against a threshold."""
 
+import gc
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -89,6 +91,38 @@ def test_bytes_of_tensors_optimizer_state_and_held_objects():
     opt.step()
     assert optimizer_state_bytes(opt) == 2 * 33 * 4 + 2 * 4  # exp_avg, exp_avg_sq, a float32 step per tensor
     assert held_bytes(model) == 2 * 33 * 4         # parameters and their .grad
+
+
+class _Hiding(torch.Tensor):
+    """A subclass that declares itself a wrapper (as a DTensor does, whose data lives in its local shard)."""
+
+    @staticmethod
+    def __tensor_flatten__(t):
+        return [], None
+
+    @staticmethod
+    def __tensor_unflatten__(*args):
+        return None
+
+
+def test_held_and_live_bytes_count_what_is_kept_wherever_and_however_it_is_kept(monkeypatch):
+    from dlo.measure import live_bytes
+
+    class Engine:
+        stash = []  # a class attribute: the walk from an engine does not follow classes
+
+        def __init__(self):
+            self.shard = torch.zeros(100)                                       # 400 B
+            self.sub = torch.Tensor._make_subclass(_Hiding, torch.zeros(50))   # 200 B, a "wrapper" with data
+            Engine.stash.append(torch.zeros(300))                               # 1,200 B
+    before = live_bytes()
+    engine = Engine()
+    assert held_bytes(engine) == 400 + 200
+    assert live_bytes() - before == 400 + 200 + 1200
+    # what a patched process would answer is not asked: the meters captured their functions at import
+    monkeypatch.setattr(torch.Tensor, "untyped_storage", lambda t: torch.UntypedStorage(0))
+    monkeypatch.setattr(gc, "get_referents", lambda *objs: [])
+    assert held_bytes(engine) == 600
 
 
 def test_comm_counter_sees_collectives_with_payload_and_ring_bytes():

@@ -4,9 +4,10 @@ alive in the process (`live_bytes`).
 Both run in the same process as the code they measure (a student's ZeRO engine, on its rank), so they read
 through the C-level functions captured when this module is imported, before any student code runs:
 replacing `torch.Tensor.untyped_storage`, `gc.get_referents` or `builtins.isinstance` afterwards changes
-nothing here. `live_bytes` is the check on `held_bytes`: an engine that keeps state where the walk from it
-does not go (a class attribute, a module global) holds it all the same, and a check that compares the
-process's growth with what the engine reaches sees it (`dlo.checks.day5_zero`).
+nothing here, and a tensor subclass cannot declare itself data-free (that is asked of its storage).
+`live_bytes` is the check on `held_bytes`: an engine that keeps state where the walk from it does not go
+(a class attribute, a module global) holds it all the same, and a check that compares the process's growth
+with what the engine reaches sees it (`dlo.checks.day5_zero`).
 """
 
 from __future__ import annotations
@@ -15,18 +16,20 @@ import gc
 import types
 
 import torch
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass as _wrapper
 
 # captured at import: the walk never looks these names up again
 _TensorBase, _StorageBase = torch._C.TensorBase, torch._C.StorageBase
 _storage = _TensorBase.untyped_storage
-_nbytes = _StorageBase.nbytes
+_nbytes, _data_ptr = _StorageBase.nbytes, _StorageBase.data_ptr
 _cdata = _StorageBase._cdata.__get__
-_grad, _is_leaf = _TensorBase.grad.__get__, _TensorBase.is_leaf.__get__
+_grad, _is_leaf, _is_meta = _TensorBase.grad.__get__, _TensorBase.is_leaf.__get__, _TensorBase.is_meta.__get__
 _referents, _objects, _collect = gc.get_referents, gc.get_objects, gc.collect
 _type, _issubclass, _id, _sum, _set, _list = type, issubclass, id, sum, set, list
-_wrapper = is_traceable_wrapper_subclass
 _FUNCTION, _METHOD = types.FunctionType, types.MethodType
+# a subclass's methods go through __torch_function__, which looks the method up by name on torch.Tensor (where
+# it can be replaced): the walks run with that turned off, so every call is the C function captured above
+_plain = torch._C.DisableTorchFunctionSubclass
 _NOT_FOLLOWED = (type, types.ModuleType, str, bytes, int, float, bool, complex, type(None))
 
 
@@ -35,9 +38,14 @@ def _is_tensor(obj) -> bool:
 
 
 def _add(storages: dict, t) -> None:
-    if not _wrapper(t):  # a DTensor holds no data: its local shard is a tensor of its own
-        s = _storage(t)
-        storages[_cdata(s)] = _nbytes(s)
+    s = _storage(t)
+    try:
+        _data_ptr(s)
+    except RuntimeError:  # a wrapper (a DTensor) has no data of its own: its local shard is a tensor of its own
+        return
+    if _is_meta(t) and _wrapper(t):  # on meta no storage has data: there the class says (no memory to hide)
+        return
+    storages[_cdata(s)] = _nbytes(s)  # asked of the storage, not of the class: a subclass cannot opt out
 
 
 def held_bytes(*roots) -> int:
@@ -49,6 +57,11 @@ def held_bytes(*roots) -> int:
     Modules, classes and functions' globals are not followed (`live_bytes` sees what they hold);
     tensors only autograd holds (the activations saved for backward) are not reachable from Python
     and do not count."""
+    with _plain():
+        return _walk(roots)
+
+
+def _walk(roots) -> int:
     seen, storages, stack = _set(), {}, _list(roots)
     while stack:
         obj = stack.pop()
@@ -81,10 +94,11 @@ def live_bytes() -> int:
     Take it before and after: the growth is what was kept, wherever it was kept."""
     _collect()
     storages = {}
-    for obj in _objects():
-        if _is_tensor(obj):
-            _add(storages, obj)
-            grad = _grad(obj) if _is_leaf(obj) else None
-            if grad is not None:
-                _add(storages, grad)
+    with _plain():
+        for obj in _objects():
+            if _is_tensor(obj):
+                _add(storages, obj)
+                grad = _grad(obj) if _is_leaf(obj) else None
+                if grad is not None:
+                    _add(storages, grad)
     return _sum(storages.values())
