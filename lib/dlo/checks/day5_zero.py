@@ -340,7 +340,7 @@ def verify_memory(name: str, res: list, c: dict, stage: int, n: int, where: str)
     want = memory_per_rank(psi, n, stage, param_dtype=DTYPE, optimizer="adamw")["total"]
     slack = memory_slack(c, n, stage)
     for r, got in enumerate(res):
-        outside = max(0, got.get("live", got["held"]) - got["held"])  # the rank's growth the engine does not reach
+        outside = max(0, got["live"] - got["held"])  # the rank's growth that the walk from the engine does not reach
         if got["held"] + outside > want + slack and outside > 0:
             raise AssertionError(f"{name}: rank {r} keeps {got['held'] + outside:,} bytes of tensors alive after the "
                                  f"step, {outside:,} of them outside the engine object (a class attribute, a module "

@@ -141,7 +141,7 @@ class Sealing:
     def exit(self) -> None:
         with contextlib.suppress(ValueError):
             sys.meta_path.remove(self.finder)
-        for name in [n for n in sys.modules if n not in self.before and is_sealed(n)]:
+        for name in [n for n in list(sys.modules) if n not in self.before and is_sealed(n)]:
             del sys.modules[name]  # placeholders made while sealed
         sys.modules.update(self.real)
         for package, saved in self.saved_attr.items():

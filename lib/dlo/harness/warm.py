@@ -143,7 +143,6 @@ class WarmStart:
                     self.proc.kill()
                     self.proc.wait()
                 self.proc.stdout.close()
-            self.failed = True
 
 
 GRADER = WarmStart(COMMAND)  # this process's: `nbgrader_cli.child(..., warm=True)` forks from it
