@@ -37,11 +37,17 @@ class Driver:
     gpus: tuple[str, ...]   # the names of the GPUs nvidia-smi lists for this process
 
 
+def present() -> bool:
+    """Whether the NVIDIA driver's files are here (without them no process can use a GPU): a stat, nothing
+    started or imported, so a caller can skip torch's import (1.5 CPU s) on a machine that has no GPU."""
+    return any(path.exists() for path in DRIVER_FILES)
+
+
 @functools.cache
 def driver() -> Driver | None:
     """The NVIDIA driver and the GPUs `nvidia-smi` lists here, or None: no driver files (nothing is
     started then), no `nvidia-smi` on PATH, no answer within 20 s, or no GPU listed."""
-    if not any(path.exists() for path in DRIVER_FILES):
+    if not present():
         return None
     try:
         out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version,name", "--format=csv,noheader"],

@@ -11,6 +11,8 @@ activation checkpointing, a forbidden library engine, a stub.
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -141,6 +143,18 @@ def test_zero1_rejects_a_buffer_beyond_the_allowance(sol, ranks):
 
 
 @pytest.mark.trust
+def test_the_live_growth_waits_out_a_finished_collectives_buffers_but_not_kept_state():
+    from dlo.measure import live_bytes
+
+    before = live_bytes()
+    in_flight = [torch.zeros(500)]  # 2,000 B a communication thread still holds just after wait() returned
+    threading.Timer(0.1, in_flight.clear).start()
+    assert day5_zero.settled_growth(before, held=0) == 0
+    kept = torch.zeros(250)         # 1,000 B an engine keeps: measured again for wait_s, then counted
+    assert day5_zero.settled_growth(before, held=0, wait_s=0.1) == 1000
+    del kept
+
+
 def test_zero1_rejects_state_kept_outside_the_engine(sol, ranks):
     """The same stray buffer, kept where the walk from the engine does not go (a class attribute): the rank's
     growth in live tensors counts it (`dlo.measure.live_bytes`), and the message says where to look."""

@@ -13,15 +13,18 @@ from pathlib import Path
 import pytest
 import torch
 
+from dlo import nvidia
 from dlo.errors import BadInput
 from dlo.harness import pool, run
 
 
 @pytest.fixture
-def gpus(monkeypatch):
-    """A process given `n` GPUs named `names` by its job (CUDA_VISIBLE_DEVICES)."""
+def gpus(monkeypatch, tmp_path):
+    """A process given `n` GPUs named `names` by its job (CUDA_VISIBLE_DEVICES), on a node with the driver."""
     def given(names: str):
         n = len(names.split(","))
+        (tmp_path / "version").write_text("NVRM version: NVIDIA UNIX x86_64 Kernel Module  580.65.06\n")
+        monkeypatch.setattr(nvidia, "DRIVER_FILES", (tmp_path / "version",))
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", names)
         monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
         monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
@@ -35,6 +38,15 @@ def test_grading_slots_share_out_the_parents_gpus(gpus):
     assert [pool.slot_env(s, 3, "full")["CUDA_VISIBLE_DEVICES"] for s in range(3)] == [
         "GPU-8f2a", "GPU-11c0", "MIG-GPU-8f2a/1/0"]
     assert "CUDA_VISIBLE_DEVICES" not in pool.slot_env(0, 1, "full")  # alone: the parent's GPUs as they are
+
+
+def test_without_the_nvidia_driver_grading_counts_no_gpu_and_does_not_ask_torch(monkeypatch, tmp_path):
+    from dlo.distributed import placement
+
+    monkeypatch.setattr(nvidia, "DRIVER_FILES", (tmp_path / "absent",))
+    monkeypatch.setattr(placement, "cuda_count", lambda: pytest.fail("torch asked on a machine without a driver"))
+    assert pool.gpus("auto") == pool.gpus("full") == 0
+    assert "CUDA_VISIBLE_DEVICES" not in pool.slot_env(0, 2, "auto")
 
 
 # Days 5 and 7 want 8 ranks (the full presets' world_size), Days 1 and 2 one GPU.

@@ -2,6 +2,8 @@
 checked for their bookkeeping (how many calls, in which order), never against a threshold."""
 
 import gc
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -123,6 +125,28 @@ def test_held_and_live_bytes_count_what_is_kept_wherever_and_however_it_is_kept(
     monkeypatch.setattr(torch.Tensor, "untyped_storage", lambda t: torch.UntypedStorage(0))
     monkeypatch.setattr(gc, "get_referents", lambda *objs: [])
     assert held_bytes(engine) == 600
+
+
+FROZEN_RANK = """
+import gc, torch
+from dlo.measure import live_bytes
+inherited = torch.zeros(4000)   # what a rank inherits from its fork server, frozen at its start
+gc.freeze()
+before = live_bytes()
+kept = torch.zeros(250)         # 1,000 B made since: seen without walking the frozen generation
+assert live_bytes() - before == 1000 and gc.get_freeze_count() > 0, live_bytes() - before
+hidden = torch.zeros(500)       # 2,000 B, then frozen by the code being measured
+gc.freeze()
+grown = live_bytes() - before   # the canary is frozen too: everything is unfrozen and walked
+assert gc.get_freeze_count() == 0 and grown >= 1000 + 2000, grown
+print("ok")
+"""
+
+
+def test_live_bytes_walks_what_was_made_since_a_freeze_and_sees_through_a_later_one():
+    # in a process of its own: freezing is for the whole interpreter (a rank: dlo.distributed._worker)
+    out = subprocess.run([sys.executable, "-c", FROZEN_RANK], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
 
 
 def test_comm_counter_sees_collectives_with_payload_and_ring_bytes():

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import random
+import time
 
 import torch
 import torch.nn.functional as F
@@ -135,6 +136,20 @@ def seen_parameters(model: nn.Module, forward) -> dict:
     return seen
 
 
+def settled_growth(before: int, held: int, wait_s: float = 1.0) -> int:
+    """The rank's tensor bytes since `before` (`live_bytes`). A collective's tensors outlive its wait() by a
+    moment (gloo's thread lets go of the finished work just after it signals it, and their Python objects
+    stay while C++ holds them), so a growth above what the engine reaches (`held`) is measured again for
+    up to `wait_s` seconds and the least is kept: what an engine keeps stays, a finished collective's
+    buffers do not."""
+    growth = live_bytes() - before
+    deadline = time.monotonic() + wait_s
+    while growth > held and time.monotonic() < deadline:
+        time.sleep(0.02)
+        growth = min(growth, live_bytes() - before)
+    return growth
+
+
 def build_engine(cls, stage: int, model, opt_cls, kw, extra: dict):
     if stage == 3:
         return cls(model, opt_cls, units=list(model.blocks), **kw)
@@ -210,7 +225,7 @@ def zero_worker(mine: dict, cls, stage: int, steps: int, extra: dict, one_bucket
             out["held"] = held_bytes(engine)
             for h in hooks:
                 h.remove()
-            out["live"] = live_bytes() - before  # wherever the engine keeps it (a class attribute, a global)
+            out["live"] = settled_growth(before, out["held"])  # wherever the engine keeps it (a global, a class)
         engine.zero_grad()
     out["adamw"] = seen_parameters(model, lambda: engine(probe))
     adamw.__exit__(None, None, None)

@@ -76,7 +76,9 @@ def memory_gib() -> float:
 
 
 def gpus(profile: str) -> int:
-    if profile == "tiny":
+    from dlo import nvidia
+
+    if profile == "tiny" or not nvidia.present():  # no driver: no GPU, and torch is not imported to say so
         return 0
     from dlo.distributed.placement import cuda_count
 
