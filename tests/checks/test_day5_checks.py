@@ -142,7 +142,6 @@ def test_zero1_rejects_a_buffer_beyond_the_allowance(sol, ranks):
         day5.check_zero1(Stray)
 
 
-@pytest.mark.trust
 def test_the_live_growth_waits_out_a_finished_collectives_buffers_but_not_kept_state():
     from dlo.measure import live_bytes
 
@@ -155,6 +154,7 @@ def test_the_live_growth_waits_out_a_finished_collectives_buffers_but_not_kept_s
     del kept
 
 
+@pytest.mark.trust
 def test_zero1_rejects_state_kept_outside_the_engine(sol, ranks):
     """The same stray buffer, kept where the walk from the engine does not go (a class attribute): the rank's
     growth in live tensors counts it (`dlo.measure.live_bytes`), and the message says where to look."""

@@ -127,8 +127,7 @@ def live_bytes() -> int:
     Take it before and after: the growth is what was kept, wherever it was kept."""
     objects = _young()
     # the tensors picked in C (type() of each object, the tensor types among them): no Python loop over all
-    kinds = _set(_map(_type, objects))
-    tensor_kinds = _set(k for k in kinds if _issubclass(k, _TensorBase))
+    tensor_kinds = _set(k for k in _set(_map(_type, objects)) if _issubclass(k, _TensorBase))
     storages = {}
     with _plain():
         for obj in _compress(objects, _map(tensor_kinds.__contains__, _map(_type, objects))):
