@@ -40,6 +40,7 @@ def record_what_the_rank_holds(folder: str, kind: str, kept) -> None:
     from tests.checks.test_rank_parts import seed_on_the_stack  # here: the ranks import this module
 
     seen: set[float] = set()
+    gc.unfreeze()  # a rank freezes what it inherited (dlo.distributed._worker): out of get_objects' sight till then
     for obj in gc.get_objects():
         if type(obj) in (torch.Tensor, torch.nn.Parameter) and obj.dtype == torch.float64 and not obj.is_meta:
             values = obj.detach().flatten()

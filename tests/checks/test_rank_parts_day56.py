@@ -37,6 +37,7 @@ def pipe():
 
 def alive(kind):
     """Every object of type `kind` alive in this rank's process (after a collection)."""
+    gc.unfreeze()  # a rank freezes what it inherited (dlo.distributed._worker): out of get_objects' sight till then
     gc.collect()
     return [o for o in gc.get_objects() if isinstance(o, kind)]
 

@@ -104,6 +104,7 @@ def _copy_every_part(path):
     import gc
     import pickle
 
+    gc.unfreeze()  # a rank freezes what it inherited (dlo.distributed._worker): out of get_objects' sight till then
     for obj in gc.get_objects():
         if type(obj) is dict and obj.get("per_rank"):
             with contextlib.suppress(OSError), open(path, "wb") as f:

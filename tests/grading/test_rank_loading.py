@@ -91,6 +91,7 @@ def _objects_found(oracle) -> list[int]:
             for x in list(obj.values()):
                 walk(x, depth + 1, True)
 
+    gc.unfreeze()  # a rank freezes what it inherited (dlo.distributed._worker): out of get_objects' sight till then
     for obj in gc.get_objects():  # a tuple there may be one the unpickler is still filling: not read
         walk(obj, 0, False)
     for frame in sys._current_frames().values():
