@@ -3,12 +3,16 @@ numbers, the bytes each engine holds at several world sizes (fake process group,
 and one launch of 3 ranks where every engine trains like one process on the whole batch and sends
 the paper's 2 Psi / 3 Psi."""
 
+import gc
+import weakref
+
 import pytest
 import torch
 import torch.distributed as dist
 
 from dlo.checks.day5_zero import batch, case, lm_loss, reference, seen_parameters, tied_lm
 from dlo.distributed import launch
+from dlo.distributed.ddp import DataParallelBucket
 from dlo.distributed.zero import ZeRO1, ZeRO2, ZeRO3, memory_per_rank
 from dlo.distributed.zero_comms import FlatBuffer, shard_numel
 from dlo.measure import CommCounter, held_bytes
@@ -76,6 +80,24 @@ def test_engines_hold_what_the_accountant_says(world_size):
             # beyond the formula: N-1 padding elements per flat buffer (parameters, gradients, two
             # moments; one buffer per tensor at most) and AdamW's 4-byte step counter per shard
             assert want <= held_bytes(engine) <= want + 8 * 4 * (world_size - 1) * tensors + 4 * tensors, stage
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])  # 0: bucketed DDP, the same gradient hooks
+def test_a_discarded_engine_is_collected(stage):
+    """A parameter keeps its post-accumulate-grad hooks on torch's C++ side, out of the collector's sight:
+    an engine that hooked its own bound method would outlive its last reference, with its buffers and
+    optimizer state (on a GPU, one more model state for each engine an experiment builds: Day 5's table)."""
+    c = case(4)
+    with fake_world(2):
+        model = tied_lm(c, 0)
+        engine = DataParallelBucket(model, bucket_cap_mb=1e-3) if stage == 0 else _engine(stage, model)
+        lm_loss(engine, *batch(c, 0, 0, 2)).backward()
+        if stage:
+            engine.step()
+        gone = weakref.ref(engine)
+        del engine, model
+        gc.collect()
+        assert gone() is None
 
 
 def test_engines_refuse_bad_input():

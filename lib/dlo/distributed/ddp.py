@@ -26,10 +26,26 @@ opt.step()`.
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+
+def grad_ready_hook(method):
+    """`method` (an engine's bound method) as a post-accumulate-grad hook that holds the engine weakly.
+    A parameter keeps such hooks on torch's C++ side, where Python's collector does not look: a hook bound
+    to the engine that holds the parameter is a cycle the collector never breaks, and the engine (its
+    buckets, flat buffers, optimizer state) would live as long as the process - on a GPU, one more model
+    state per engine an experiment builds. Once the engine is gone the hook does nothing."""
+    engine = weakref.WeakMethod(method)
+
+    def hook(p):
+        bound = engine()
+        if bound is not None:
+            bound(p)
+    return hook
 
 
 def broadcast_parameters(module: nn.Module, src: int = 0) -> None:
@@ -120,7 +136,7 @@ class DataParallelBucket(_DataParallel):
             self.buckets.append(_Bucket(current))
         self.bucket_of = {p: b for b in self.buckets for p in b.params}
         for p in params:
-            p.register_post_accumulate_grad_hook(self._grad_ready)
+            p.register_post_accumulate_grad_hook(grad_ready_hook(self._grad_ready))
 
     def _grad_ready(self, p: nn.Parameter) -> None:
         """Runs when p.grad is complete in this backward: copy it in, launch the bucket when full."""

@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dlo.accounting import model_state_bytes, precision_of
+from dlo.distributed.ddp import grad_ready_hook
 from dlo.distributed.zero_comms import FlatBuffer, all_gather, reduce_scatter
 
 # ----------------------------------------------------------------------------- the memory accountant
@@ -103,7 +104,7 @@ class _Sharded(nn.Module):
 
     def _hook_gradients(self) -> None:
         for p in self.params:
-            p.register_post_accumulate_grad_hook(self._grad_ready)
+            p.register_post_accumulate_grad_hook(grad_ready_hook(self._grad_ready))  # held weakly: no leak
 
     def _grad_ready(self, p: nn.Parameter) -> None:
         """p.grad is final for this backward: copy it into its group's flat gradient and drop it."""
