@@ -170,6 +170,27 @@ def test_zero1_rejects_state_kept_outside_the_engine(sol, ranks):
 
 
 @pytest.mark.trust
+def test_zero1_rejects_state_made_before_the_measured_engine(sol, ranks):
+    """State made before the measured engine exists - by the class body when the rank unpickles the class, or
+    by the first engine a rank builds, kept for later ones - counts: the growth is counted from before the
+    student's objects are unpickled (`dlo.grading.ranks.run_on_rank`), and the measured engine is the first."""
+    class AtUnpickling(sol.ZeRO1):
+        kept = torch.zeros(400, dtype=torch.float64)
+
+    class FirstEngine(sol.ZeRO1):
+        kept = []
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            if not FirstEngine.kept:
+                FirstEngine.kept.append(torch.zeros(400, dtype=torch.float64))
+
+    for cls in (AtUnpickling, FirstEngine):
+        with pytest.raises(AssertionError, match="of them outside the engine object"):
+            day5.check_zero1(cls)
+
+
+@pytest.mark.trust
 def test_zero1_rejects_a_stray_buffer_behind_a_patched_meter(sol):
     """An engine that replaces what a meter would call (Tensor.untyped_storage, gc.get_referents, gc.get_objects)
     before the check measures it: the meters read through what they captured at import, before any student code.

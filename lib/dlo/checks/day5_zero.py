@@ -172,13 +172,19 @@ def rank_model(mine: dict) -> TiedLM:
     return model
 
 
-def zero_worker(mine: dict, cls, stage: int, steps: int, extra: dict, one_bucket: dict | None = None):
+def zero_worker(mine: dict, cls, stage: int, steps: int, extra: dict, one_bucket: dict | None = None, *,
+                live_before: int | None = None):
     """`mine`: this rank's part of the case (`rank_part`). Every collective and point-to-point
     message of the rank is counted, from each engine's construction to the last forward (phases
     "init", "start", "forward", "backward", "step", "after", "adamw"): a byte sent outside the step's
-    own collectives shows."""
+    own collectives shows. The AdamW run, whose memory is measured, comes first: the rank's growth is
+    counted from before the student's objects were unpickled (`live_before`, given by
+    `dlo.grading.ranks.run_on_rank`; else from here), so no engine of an earlier phase can hold state
+    for it, and nothing an earlier engine leaves behind counts against it (an engine hooked to its own
+    parameters is never collected: `dlo.distributed.ddp.grad_ready_hook`)."""
+    before = live_bytes() if live_before is None else live_before
+    out = adamw_phase(mine, cls, stage, steps, extra, before)
     c, probe, batches = mine["c"], mine["probe"], mine["batches"]
-    out = {}
     if one_bucket is not None:  # ZeRO-2 at the default cap: count the reduce-scatters of one step
         with CommCounter() as comm:
             comm.phase = "init"
@@ -204,8 +210,15 @@ def zero_worker(mine: dict, cls, stage: int, steps: int, extra: dict, one_bucket
         engine.zero_grad()
         out["sgd"] = seen_parameters(model, lambda: engine(probe))
     out["comm"] = comm.records()
-    del model, engine, loss
-    before = live_bytes()  # the rank's tensors before this engine exists: the growth is what it keeps
+    return out
+
+
+def adamw_phase(mine: dict, cls, stage: int, steps: int, extra: dict, before: int) -> dict:
+    """`steps` AdamW steps of a fresh engine: its messages, the parameters after, and the bytes it holds
+    (`held`: walked from the engine; `live`: the rank's growth since `before`, wherever it is kept;
+    `samples`: held during the last step's forward and backward)."""
+    c, probe, batches = mine["c"], mine["probe"], mine["batches"]
+    out = {}
     adamw = CommCounter()
     adamw.__enter__()
     adamw.phase = "init"
@@ -232,6 +245,9 @@ def zero_worker(mine: dict, cls, stage: int, steps: int, extra: dict, one_bucket
     out["adamw_comm"] = adamw.records()
     out["samples"] = samples
     return out
+
+
+zero_worker.measures_growth = True  # dlo.grading.ranks.run_on_rank passes live_before
 
 
 # ----------------------------------------------------------------------------- comparisons

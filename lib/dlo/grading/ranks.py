@@ -19,6 +19,7 @@ from dlo.grading.forbid import forbidden, no_threads
 from dlo.grading.frames import as_grader_error
 from dlo.grading.meter import hand_over
 from dlo.grading.seal import sealed
+from dlo.measure.held import live_bytes
 
 
 def worker_ref(worker):
@@ -75,7 +76,8 @@ def run_on_rank(worker, forbid, name, hint, payload: bytes, shards: str | None =
     own part of the case taken (`per_rank`: the worker's first argument), its TCP sockets handed to the
     launcher's byte meter (`meter`: `dlo.grading.meter`), then the check's forbidden references blocked
     (`for_good` on a rank that ends with the check, as a launch's), the grader's modules sealed and new
-    threads refused, then the student's objects unpickled and the worker run with them."""
+    threads refused, then the student's objects unpickled and the worker run with them (and, for a worker
+    with `measures_growth`, the rank's live tensor bytes before they were: `live_before=`)."""
     if isinstance(worker, tuple):
         module, qualname = worker
         worker = importlib.import_module(module)
@@ -86,10 +88,13 @@ def run_on_rank(worker, forbid, name, hint, payload: bytes, shards: str | None =
         import torch.distributed as dist
 
         hand_over(meter, dist.get_rank())
+    # a worker that measures what the student's code keeps (`measures_growth`) counts it from here, before the
+    # student's objects exist: what a class body or a module-level line allocates at unpickling counts too
+    growth_from = {"live_before": live_bytes()} if getattr(worker, "measures_growth", False) else {}
     try:
         with forbidden(forbid, name, hint, for_good), sealed() as sealing, no_threads(name):
             args, kwargs = load_captures(sealing.loads(payload))
-            result = worker(*mine, *args, **kwargs)
+            result = worker(*mine, *args, **kwargs, **growth_from)
     except Exception as exc:
         own = as_grader_error(exc, name)  # the worker's own bug, not the student's: say so (`on_ranks`)
         if own is None:
