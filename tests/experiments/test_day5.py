@@ -124,6 +124,27 @@ def test_run_all_on_two_ranks(tmp_path):
     assert {p.name for p in tmp_path.iterdir()} >= {"zero3_dlo", "fsdp2_fp32", "fsdp2_float32_ac-full"}
 
 
+def _left_after_each_engine() -> list[int]:
+    """On a rank: the live tensor bytes after each engine of `run_all`'s comparison has stepped and gone."""
+    from dlo.distributed.current import rank_device
+    from dlo.measure import live_bytes
+
+    cfg = E.llama_config(SMALL, "compare_model")
+    x, y = E.token_batches(E.compare_preset(SMALL), cfg, 0, rank_device(), n=1)[0]
+    left = [live_bytes()]
+    for name in E.ENGINES:
+        E.measure_engine(name, SMALL, cfg, rank_device(), x, y)
+        left.append(live_bytes())  # collects first, as run_all does after each engine
+    return left
+
+
+def test_each_engine_of_the_comparison_is_gone_before_the_next():
+    """run_all builds engine after engine in one rank ("one engine's model state at a time"): on a GPU each one
+    left behind is memory the next cannot have. ZeRO-2 and ZeRO-3 were never freed (their gradient hooks)."""
+    left = launch(_left_after_each_engine, 2, backend="gloo", timeout=120)[0]
+    assert max(left) - left[0] < 4096, dict(zip(["start", *E.ENGINES], left))
+
+
 def test_fsdp2_row_tests_the_predicted_count():
     """The FSDP2 row holds only near 3 - Psi_kept/Psi: ZeRO-3's 3 Psi and ZeRO-1's 2 Psi both fail it."""
     from dlo.models.llama import LlamaConfig
