@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import fnmatch
 import functools
+import re
 import types
 import warnings
 
@@ -55,7 +56,12 @@ def matching(pattern: str) -> tuple[str, ...]:
     without the overload, matches `pattern` (cached: the list of operators is read once)."""
     if pattern not in _MATCHES:
         names = torch._C._dispatch_get_all_op_names()
-        _MATCHES[pattern] = tuple(sorted(n for n in names if fnmatch.fnmatchcase(n.split(".", 1)[0], pattern)))
+        if any(c in pattern for c in "*?["):  # fnmatchcase's own regex, without its wrapper per name (~3,600 names)
+            name_matches = re.compile(fnmatch.translate(pattern)).match
+            found = (n for n in names if name_matches(n.split(".", 1)[0]))
+        else:  # a plain name: itself and its overloads
+            found = (n for n in names if n == pattern or n.startswith(pattern + "."))
+        _MATCHES[pattern] = tuple(sorted(found))
     return _MATCHES[pattern]
 
 

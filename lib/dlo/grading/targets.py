@@ -60,25 +60,28 @@ def forbidden_targets(path: str) -> list[tuple[object, str]]:
                               if pair != (owner, attr)]
 
 
-_ALIASES: dict[tuple[str, int], list] = {}
+# package -> (the names of the modules looked at so far, id(value) -> [(module, attribute)]): one index per
+# process, extended with the modules imported since, instead of a scan of every module per forbidden name
+_INDEX: dict[str, tuple[set, dict]] = {}
 
 
 def _aliases(package: str, obj) -> list[tuple[object, str]]:
-    """Every (module, attribute) of `package` bound to `obj` (cached: a scan of the package's modules)."""
-    key = (package, id(obj))
-    if key not in _ALIASES:
-        found = []
-        for name, module in list(sys.modules.items()):
-            if module is None or not (name == package or name.startswith(package + ".")) \
-                    or name.startswith(PACKAGES):  # the grader's own namespaces keep their references
-                continue
-            try:
-                items = list(vars(module).items())
-            except TypeError:
-                continue
-            found += [(module, a) for a, v in items if v is obj]
-        _ALIASES[key] = found
-    return _ALIASES[key]
+    """Every (module, attribute) of `package` bound to `obj`."""
+    seen, by_id = _INDEX.setdefault(package, (set(), {}))
+    for name in sys.modules.keys() - seen:  # the modules imported since the last call (a set difference in C)
+        seen.add(name)
+        module = sys.modules.get(name)
+        if module is None or not (name == package or name.startswith(package + ".")) \
+                or name.startswith(PACKAGES):  # the grader's own namespaces keep their references
+            continue
+        try:
+            items = list(vars(module).items())
+        except TypeError:
+            continue
+        for attr, value in items:
+            by_id.setdefault(id(value), []).append((module, attr))
+    # still bound there (an id outlives nothing: a freed object's id may be another's now)
+    return [(m, a) for m, a in by_id.get(id(obj), ()) if vars(m).get(a) is obj]
 
 
 def _code_names(code) -> set[str]:
