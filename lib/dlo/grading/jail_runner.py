@@ -43,6 +43,7 @@ which the grader opened on its log (outside the runner's scratch).
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import select
 import signal
@@ -64,6 +65,10 @@ def main(argv: list[str]) -> int:
     os.dup2(2, 1)  # the student's output joins stderr: the grader's log, opened by the grader, never by name here
     import torch  # noqa: F401 - warm: every session's fork starts with torch and the checks imported
 
+    # torch imports torch._dynamo at a process's first optimizer (1.1 CPU s): once here, not in every session
+    # that makes one (Day 2's checks: ~8 CPU s a submission), nor in the ranks' fork server at its first launch
+    import torch._dynamo  # noqa: F401
+
     import dlo.checks  # noqa: F401
     from dlo.distributed.launch import start_fork_server
 
@@ -73,6 +78,7 @@ def main(argv: list[str]) -> int:
     # process; spared between sessions, not what it forked; DTensor and torch._dynamo imported there at
     # the first launch, which each launch's zygote (0.5 CPU s) and each rank (0.4) imported otherwise
     server = start_fork_server(fork=True, preload_all=True)
+    gc.freeze()  # what was imported stays out of the sessions' collections: not traversed, its pages not copied
     reaper.subreaper(True)  # what a session's code leaves running stays findable, and ends with it (serve)
     wire.write_frame(proto_out, wire.encode({"kind": "ready", "pid": os.getpid()}))
     while True:
