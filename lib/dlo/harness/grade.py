@@ -69,6 +69,7 @@ CONFIG = '''from nbconvert.preprocessors import CSSHTMLHeaderPreprocessor
 from nbgrader.converters.autograde import Autograde
 from nbgrader.preprocessors import Execute, GetGrades
 from dlo.harness.execute import ResilientExecute
+from dlo.harness.feedback_html import FeedbackExporter
 from dlo.grading.testcells import StripHiddenTests
 
 c = get_config()
@@ -82,6 +83,7 @@ c.Execute.interrupt_on_timeout = True
 c.OverwriteCells.add_missing_cells = True  # a deleted test cell comes back, and is graded
 # Feedback shows results and messages, never the hidden tests' source.
 c.GenerateFeedback.preprocessors = [GetGrades, StripHiddenTests, CSSHTMLHeaderPreprocessor]
+c.GenerateFeedback.exporter_class = FeedbackExporter  # HTMLExporter without its second parse of the page
 '''
 
 

@@ -52,7 +52,7 @@ START_TIMEOUT = 120.0  # seconds for the warm process's imports on a loaded mach
 # reference makes in every submission otherwise)
 PRELOAD = ("sqlalchemy", "alembic.script", "nbgrader.apps.api", "nbgrader.converters", "nbgrader.preprocessors",
            "nbconvert.exporters", "jupyter_client.manager", "torch", "torch._dynamo", "dlo.harness.execute",
-           "dlo.grading.trusted", "dlo.grading.remote", "dlo.checks")
+           "dlo.grading.trusted", "dlo.grading.remote", "dlo.checks", "dlo.harness.feedback_html")
 
 COMMAND = [sys.executable, "-m", "dlo.harness.nbgrader_cli", "--warm"]  # + the socket's fd
 
@@ -197,6 +197,11 @@ def serve(sock_fd: int, preload: tuple[str, ...] = PRELOAD) -> list[str] | None:
 
     for name in preload:
         importlib.import_module(name)
+    if "dlo.harness.feedback_html" in preload:  # the feedback page's templates compiled once, for every child
+        try:
+            sys.modules["dlo.harness.feedback_html"].warm()
+        except Exception as exc:  # each child compiles them then, as it did
+            print(f"feedback templates not compiled ahead: {exc!r}", file=sys.stderr)
     threads = os.listdir("/proc/self/task")
     if len(threads) != 1 or threading.active_count() != 1:  # a fork would copy a lock some thread holds
         print(f"warm start refused: {len(threads)} threads after the imports", file=sys.stderr)
