@@ -75,8 +75,8 @@ def main(argv: list[str]) -> int:
     # the ranks' fork server, a fork of this process before any student code can run (it has only
     # imported: no torch operation, no thread): each check's launches fork from it, torch imported once
     # per submission and not once per launch, at no cost for a day without ranks; undumpable as this
-    # process; spared between sessions, not what it forked; DTensor and torch._dynamo imported there at
-    # the first launch, which each launch's zygote (0.5 CPU s) and each rank (0.4) imported otherwise
+    # process; spared between sessions, not what it forked; DTensor imported there at the first launch,
+    # which each launch's zygote (0.5 CPU s) and each rank (0.4) imported otherwise (torch._dynamo: above)
     server = start_fork_server(fork=True, preload_all=True)
     gc.freeze()  # what was imported stays out of the sessions' collections: not traversed, its pages not copied
     reaper.subreaper(True)  # what a session's code leaves running stays findable, and ends with it (serve)

@@ -56,12 +56,8 @@ def matching(pattern: str) -> tuple[str, ...]:
     without the overload, matches `pattern` (cached: the list of operators is read once)."""
     if pattern not in _MATCHES:
         names = torch._C._dispatch_get_all_op_names()
-        if any(c in pattern for c in "*?["):  # fnmatchcase's own regex, without its wrapper per name (~3,600 names)
-            name_matches = re.compile(fnmatch.translate(pattern)).match
-            found = (n for n in names if name_matches(n.split(".", 1)[0]))
-        else:  # a plain name: itself and its overloads
-            found = (n for n in names if n == pattern or n.startswith(pattern + "."))
-        _MATCHES[pattern] = tuple(sorted(found))
+        name_matches = re.compile(fnmatch.translate(pattern)).match  # fnmatchcase's regex, without its per-call wrapper
+        _MATCHES[pattern] = tuple(sorted(n for n in names if name_matches(n.split(".", 1)[0])))
     return _MATCHES[pattern]
 
 

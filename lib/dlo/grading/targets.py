@@ -80,7 +80,7 @@ def _aliases(package: str, obj) -> list[tuple[object, str]]:
             continue
         for attr, value in items:
             by_id.setdefault(id(value), []).append((module, attr))
-    # still bound there (an id outlives nothing: a freed object's id may be another's now)
+    # still bound there: the index holds ids, and a freed object's id may be another's now
     return [(m, a) for m, a in by_id.get(id(obj), ()) if vars(m).get(a) is obj]
 
 
