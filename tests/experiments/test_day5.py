@@ -126,23 +126,31 @@ def test_run_all_on_two_ranks(tmp_path):
 
 def _left_after_each_engine() -> list[int]:
     """On a rank: the live tensor bytes after each engine of `run_all`'s comparison has stepped and gone."""
+    from dlo.checks.day5_zero import settled_growth
     from dlo.distributed.current import rank_device
     from dlo.measure import live_bytes
 
     cfg = E.llama_config(SMALL, "compare_model")
     x, y = E.token_batches(E.compare_preset(SMALL), cfg, 0, rank_device(), n=1)[0]
-    left = [live_bytes()]
+    start = live_bytes()
+    left = [start]
     for name in E.ENGINES:
         E.measure_engine(name, SMALL, cfg, rank_device(), x, y)
-        left.append(live_bytes())  # collects first, as run_all does after each engine
+        # collects first, as run_all does after each engine; gloo's thread lets go of a finished collective's
+        # tensors a moment after its wait() returns (ZeRO-1's last all-gather input, 1 in ~6 runs), so the
+        # least growth over a second counts: an engine kept alive stays
+        left.append(start + settled_growth(start, LEFT_OK))
     return left
+
+
+LEFT_OK = 4095  # bytes: FSDP2's device mesh stays cached (8 B); a model state is ~10^5 B at this size
 
 
 def test_each_engine_of_the_comparison_is_gone_before_the_next():
     """run_all builds engine after engine in one rank ("one engine's model state at a time"): on a GPU each one
     left behind is memory the next cannot have. ZeRO-2 and ZeRO-3 were never freed (their gradient hooks)."""
     left = launch(_left_after_each_engine, 2, backend="gloo", timeout=120)[0]
-    assert max(left) - left[0] < 4096, dict(zip(["start", *E.ENGINES], left))
+    assert max(left) - left[0] <= LEFT_OK, dict(zip(["start", *E.ENGINES], left))
 
 
 def test_fsdp2_row_tests_the_predicted_count():
