@@ -46,16 +46,14 @@ class DaySpec:
     parameters: tuple[str, ...] = field(default=())  # the day's own parameters-cell names, beside the common ones
     data: tuple[str, ...] = field(default=())  # what it reads from data_dir (`dlo.data.layout.KINDS`), checked by
                                                # `dlo.data.check` (`dlo.config.resolve`, `dlo data check`)
-    # CPU seconds to grade its solution at the tiny profile (cells up to the last graded one) on a loaded
-    # 2-core machine (bench/grade_class.py: bench/results/grade-profile-*-after*.json; Days 7 and 10: `dlo grade
-    # --jobs 1`'s seconds at a load of 5, after the layout capstone moved to Day 10); `dlo grade` and
-    # `dlo run --jobs` start the longest first (`dlo.harness.schedule`): only the order matters
+    # CPU seconds to grade its solution at the tiny profile (cells up to the last graded one), the process
+    # tree of a `dlo grade --jobs 1` of that day alone on 2 idle cores (2026-11-29 20:10, /proc sampled every
+    # 0.2 s); `dlo grade` and `dlo run --jobs` start the longest first (`dlo.harness.schedule`): only the order
+    # matters
     grade_cpu_s: float = UNKNOWN_GRADE_CPU_S
     # wall seconds to run its whole solution notebook at the tiny profile, two notebooks at a time on 2 idle
-    # cores (`make run`, 2026-11-29 04:12; Day 10 from a 3-at-a-time run; Days 7 and 10 then less / plus the
-    # capstone's cells, 3.5 s / 7.7 s by papermill at a load of 5); `dlo run --jobs` starts the longest
-    # first, so the longest runs beside the others instead of alone at the end with half the cores idle: only
-    # the order matters
+    # cores (`make run`, 2026-11-29 19:56); `dlo run --jobs` starts the longest first, so the longest runs beside
+    # the others instead of alone at the end with half the cores idle: only the order matters
     run_s: float = 0.0
 
     @property
@@ -82,22 +80,22 @@ def _day(number: int, name: str, preset_class: type, presets: dict, experiments:
 
 
 DAYS: dict[str, DaySpec] = {d.name: d for d in (
-    _day(1, "day1_optimizers", P.Day1Preset, P.DAY1, data=("cifar10",), grade_cpu_s=22.0, run_s=91.0),
-    _day(2, "day2_mixed_precision", P.Day2Preset, P.DAY2, data=("cifar10",), grade_cpu_s=32.0, run_s=42.0),
-    _day(3, "day3_checkpointing", P.Day3Preset, P.DAY3, grade_cpu_s=36.0, run_s=31.0),
-    _day(4, "day4_ddp", P.Day4Preset, P.DAY4, grade_cpu_s=63.0, run_s=47.0),
+    _day(1, "day1_optimizers", P.Day1Preset, P.DAY1, data=("cifar10",), grade_cpu_s=21.6, run_s=70.2),
+    _day(2, "day2_mixed_precision", P.Day2Preset, P.DAY2, data=("cifar10",), grade_cpu_s=20.4, run_s=36.7),
+    _day(3, "day3_checkpointing", P.Day3Preset, P.DAY3, grade_cpu_s=21.2, run_s=28.4),
+    _day(4, "day4_ddp", P.Day4Preset, P.DAY4, grade_cpu_s=22.8, run_s=42.3),
     _day(5, "day5_fsdp", P.Day5Preset, P.DAY5, planner="dlo.experiments.day5_report:plan",
          preflight="dlo.experiments.day5_report:preflight", parameters=("weights_dir",), data=("tokens",),
-         grade_cpu_s=58.0, run_s=40.0),
-    _day(6, "day6_pipeline", P.Day6Preset, P.DAY6, planner="dlo.experiments.day6_report:plan", grade_cpu_s=218.0,
-         run_s=44.0),
+         grade_cpu_s=27.7, run_s=32.6),
+    _day(6, "day6_pipeline", P.Day6Preset, P.DAY6, planner="dlo.experiments.day6_report:plan", grade_cpu_s=34.9,
+         run_s=36.8),
     _day(7, "day7_tensor_parallel", P.Day7Preset, P.DAY7, planner="dlo.experiments.day7_report:plan",
-         grade_cpu_s=35.0, run_s=36.0),
+         grade_cpu_s=24.9, run_s=26.3),
     _day(8, "day8_quantization_pruning", P.Day8Preset, P.DAY8, preflight="dlo.experiments.day8_smooth:preflight",
-         parameters=("weights_dir",), data=("cifar10",), grade_cpu_s=30.0, run_s=61.0),
-    _day(9, "day9_inference", P.Day9Preset, P.DAY9, grade_cpu_s=15.0, run_s=16.0),
-    _day(10, "day10_context_experts", P.Day10Preset, P.DAY10, grade_cpu_s=43.0, run_s=28.0),
-    _day(11, "day11_learning_faster", P.Day11Preset, P.DAY11, data=("cifar10",), grade_cpu_s=22.0, run_s=45.0),
+         parameters=("weights_dir",), data=("cifar10",), grade_cpu_s=25.9, run_s=59.5),
+    _day(9, "day9_inference", P.Day9Preset, P.DAY9, grade_cpu_s=33.2, run_s=17.5),
+    _day(10, "day10_context_experts", P.Day10Preset, P.DAY10, grade_cpu_s=29.5, run_s=17.6),
+    _day(11, "day11_learning_faster", P.Day11Preset, P.DAY11, data=("cifar10",), grade_cpu_s=21.4, run_s=46.9),
 )}
 
 
