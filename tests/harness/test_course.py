@@ -25,8 +25,8 @@ from __future__ import annotations
 import shutil
 
 import nbformat
-from filelock import FileLock
 import pytest
+from filelock import FileLock
 
 from dlo.claims_audit import audit_notebook
 from dlo.harness import graded as graded_cells
