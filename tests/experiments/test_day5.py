@@ -124,6 +124,9 @@ def test_run_all_on_two_ranks(tmp_path):
     assert {p.name for p in tmp_path.iterdir()} >= {"zero3_dlo", "fsdp2_fp32", "fsdp2_float32_ac-full"}
 
 
+LEFT_OK = 4095  # bytes: FSDP2's device mesh stays cached (8 B); a model state is ~10^5 B at this size
+
+
 def _left_after_each_engine() -> list[int]:
     """On a rank: the live tensor bytes after each engine of `run_all`'s comparison has stepped and gone."""
     from dlo.checks.day5_zero import settled_growth
@@ -141,9 +144,6 @@ def _left_after_each_engine() -> list[int]:
         # least growth over a second counts: an engine kept alive stays
         left.append(start + settled_growth(start, LEFT_OK))
     return left
-
-
-LEFT_OK = 4095  # bytes: FSDP2's device mesh stays cached (8 B); a model state is ~10^5 B at this size
 
 
 def test_each_engine_of_the_comparison_is_gone_before_the_next():

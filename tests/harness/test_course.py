@@ -44,13 +44,17 @@ def test_dlo_check_passes():
     assert "ok" in dlo("check", root=REPO).stdout
 
 
+def submit(submitted, student: str, day: str, folder: str) -> None:
+    """The day's notebook of `folder` ("solutions" or "course") as `student`'s submission under `submitted`."""
+    dest = submitted / student / day
+    dest.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(REPO / folder / day / f"{day}.ipynb", dest / f"{day}.ipynb")
+
+
 def grade_day(tmp, day: str, student: str, *options: str):
     """One grading run of a day: the untouched student notebook ("untouched") or the instructors'
     solution ("solution"), as a class's only submission."""
-    folder = "solutions" if student == "solution" else "course"
-    dest = tmp / "submitted" / student / day
-    dest.mkdir(parents=True)
-    shutil.copyfile(REPO / folder / day / f"{day}.ipynb", dest / f"{day}.ipynb")
+    submit(tmp / "submitted", student, day, "solutions" if student == "solution" else "course")
     return grade(tmp / "submitted", tmp / "grading", *options)
 
 
@@ -78,8 +82,7 @@ def half_solved(day: str, dest) -> None:
 def test_grading_what_is_graded_gives_the_scores_of_the_full_run(tmp_path, day):
     sub = tmp_path / "submitted"
     for student, folder in (("solution", "solutions"), ("release", "course")):
-        (sub / student / day).mkdir(parents=True)
-        shutil.copyfile(REPO / folder / day / f"{day}.ipynb", sub / student / day / f"{day}.ipynb")
+        submit(sub, student, day, folder)
     half_solved(day, sub / "half" / day / f"{day}.ipynb")
     fast, full = grade(sub, tmp_path / "graded"), grade(sub, tmp_path / "full", "--full-notebook")
     for name in ("scores.csv", "cells.csv"):
@@ -104,9 +107,7 @@ def untouched_graded(request, tmp_path_factory, worker_id):
     with FileLock(str(shared / "untouched-graded.lock")):
         if not (out / "scores.csv").is_file():
             for day in days:
-                dest = shared / "untouched-submitted" / "untouched" / day
-                dest.mkdir(parents=True, exist_ok=True)
-                shutil.copyfile(REPO / "course" / day / f"{day}.ipynb", dest / f"{day}.ipynb")
+                submit(shared / "untouched-submitted", "untouched", day, "course")
             shutil.rmtree(out, ignore_errors=True)  # a worker's failed attempt: graded again
             grade(shared / "untouched-submitted", out)
     return out
@@ -116,10 +117,6 @@ class _Day:
     """The tests of one day; `day` is set by the subclass made for it below."""
 
     day = ""
-
-    @pytest.fixture
-    def graded(self, untouched_graded):
-        return untouched_graded
 
     @pytest.mark.solutions
     def test_solution_scores_full_marks_and_runs_without_error(self, tmp_path):
@@ -134,7 +131,8 @@ class _Day:
         rows, problems = audit_notebook(nb)
         assert rows and not problems, f"{self.day}: {rows} claims rows, problems: {problems}"
 
-    def test_untouched_notebook_scores_zero_on_every_cell_and_runs_to_the_end(self, graded):
+    def test_untouched_notebook_scores_zero_on_every_cell_and_runs_to_the_end(self, untouched_graded):
+        graded = untouched_graded
         cells = [r for r in read_csv(graded / "cells.csv") if r["student"] == "untouched" and r["day"] == self.day]
         assert cells and all(float(r["score"]) == 0 for r in cells), cells
         nb = _autograded(graded, "untouched", self.day)
