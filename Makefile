@@ -80,18 +80,17 @@ newest:
 	.venv-newest/bin/python -m pytest -n 2 --dist loadscope --no-loadscope-reorder $(PYTEST_ARGS)
 
 # Execute every day's solutions notebook headlessly (tiny profile on CPU, full on GPU nodes; two at a
-# time where there are 2 cores or more, each counting on its share of them: dlo run --jobs), then autograde the executed notebooks as a
-# reference submission (the cells up to the last graded one: the same scores): full marks required; and
-# every claims table the run printed walked row by row (dlo.claims_audit: each verdict from its evidence),
-# beside the grading (one core for ~5 s, in its last job's idle half), its report printed after it.
+# time where there are 2 cores or more, each counting on its share of them: dlo run --jobs), and autograde
+# each executed notebook as a reference submission as soon as it has run, in the same slots (dlo run
+# --grade: the cells up to the last graded one, the same scores as dlo grade after the run): full marks
+# required; then every claims table the run printed walked row by row (dlo.claims_audit: each verdict
+# from its evidence, a fraction of a second), whatever the grading said.
 run: $(STAMP)
 	rm -rf $(OUT)
 	$(PY) -m compileall -q lib  # dlo's bytecode, once: not compiled again by each of the run's ~50 processes
-	$(DLO) run --all --profile auto --out $(OUT)/submitted/reference
-	$(PY) -m dlo.claims_audit $(OUT)/submitted/reference > $(OUT)/claims-audit.txt 2>&1 & audit=$$!; \
-	$(DLO) grade $(OUT)/submitted --out $(OUT)/grading --require-full; graded=$$?; \
-	wait $$audit; audited=$$?; cat $(OUT)/claims-audit.txt; \
-	[ $$graded = 0 ] || exit $$graded; exit $$audited
+	$(DLO) run --all --profile auto --out $(OUT)/submitted/reference --grade $(OUT)/grading --require-full; ran=$$?; \
+	$(PY) -m dlo.claims_audit $(OUT)/submitted/reference; audited=$$?; \
+	[ $$ran = 0 ] || exit $$ran; exit $$audited
 
 # Style first (seconds), then the suite on two workers (pytest-xdist), a test file (or a test class) per
 # worker at a time: the course's grading (tests/harness/test_course.py, a class per day: the untouched

@@ -1,7 +1,7 @@
 """The `dlo` command: run, release, check, grade and bench the course.
 
     dlo run [DAY ...|--all] [--profile tiny|full|auto] [-p NAME VALUE ...] [--notebooks solutions|course] [--out DIR]
-            [--smoke] [--jobs N]
+            [--smoke] [--jobs N] [--grade DIR [--require-full]]
     dlo plan DAY [--gpus N] [--gpu-mem GB]
     dlo release [--force]
     dlo check
@@ -29,6 +29,7 @@ from pathlib import Path
 
 from dlo import reaper
 from dlo.errors import FAILED, USAGE, BadInput
+from dlo.harness import GRADE_CELL_TIMEOUT, GRADE_NOTEBOOK_TIMEOUT
 from dlo.harness.days import repo_root
 
 
@@ -88,6 +89,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--cell-timeout", type=positive(float), default=1800.0, help="seconds per cell (default 1800)")
     run.add_argument("--smoke", action="store_true",
                      help="the profile's model sizes, step counts, data and sweeps cut to the minimum (DLO_SMOKE=1)")
+    run.add_argument("--grade", default=None, metavar="DIR",
+                     help="grade each notebook as soon as it has run, in the same slots, into DIR (as `dlo grade "
+                          "<--out's parent> --out DIR` would after the run; --out's parent must hold nothing else)")
+    run.add_argument("--require-full", action="store_true",
+                     help="with --grade: exit 1 unless every score is full marks")
     run.add_argument("--jobs", type=positive(int), default=None,
                      help="notebooks run at once, each with its share of the cores, which its timing verdicts "
                           "count on (default: 2 with 2 cores or more, else 1)")
@@ -120,9 +126,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "output (default runs/grade-<time>)")
     grade.add_argument("--profile", default="auto", choices=["tiny", "full", "auto"],
                        help="scale the notebooks run at while graded (DLO_PROFILE)")
-    grade.add_argument("--cell-timeout", type=positive(float), default=600.0, help="seconds per cell (default 600)")
-    grade.add_argument("--notebook-timeout", type=positive(float), default=7200.0,
-                       help="seconds for one student's notebook (default 7200)")
+    grade.add_argument("--cell-timeout", type=positive(float), default=GRADE_CELL_TIMEOUT,
+                       help=f"seconds per cell (default {GRADE_CELL_TIMEOUT:.0f})")
+    grade.add_argument("--notebook-timeout", type=positive(float), default=GRADE_NOTEBOOK_TIMEOUT,
+                       help=f"seconds for one student's notebook (default {GRADE_NOTEBOOK_TIMEOUT:.0f})")
     grade.add_argument("--require-full", action="store_true", help="exit 1 unless every score is full marks")
     grade.add_argument("--full-notebook", action="store_true",
                        help="run every cell, the experiments after the last graded cell too (default: they are left "
@@ -230,7 +237,7 @@ def dispatch(args: argparse.Namespace) -> int:
         from dlo.harness import run
         return run.main(root, args.days, args.all, args.profile, [tuple(p) for p in args.parameter],
                         args.notebooks, args.out, args.timeout, args.cell_timeout, smoke=args.smoke,
-                        jobs=args.jobs)
+                        jobs=args.jobs, grade_out=args.grade, require_full=args.require_full)
     if args.command == "plan":
         from dlo import registry
         return registry.plan_main(args.day, args.gpus, args.gpu_mem)

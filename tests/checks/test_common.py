@@ -189,3 +189,49 @@ def test_a_worker_s_own_error_on_the_ranks_is_reported_as_the_grader_s():
     with pytest.raises(GraderError, match=r"bucket_ddp: internal error of the check, not of your code \(KeyError: "
                                           r"'net', raised by the grader at day4.py:\d+, in _bucket_run\)"):
         DirectSession("bucket_ddp", ()).on_ranks(day4._bucket_worker, 2, (dict,), {}, 120, "gloo", per_rank=[{}, {}])
+
+
+def _many_calls(fn, n):
+    return [fn(i) for i in range(n)]
+
+
+def test_a_worker_s_calls_of_the_student_s_function_are_guarded_once_and_still_refuse(monkeypatch):
+    """A direct check's worker runs guarded and sealed (`api.run_worker`): the student's function it calls
+    once per step is not blocked and sealed again per call (Day 1's schedule checks: ~1 ms a call), yet a
+    forbidden reference called there is refused, and the check's own call outside the worker is guarded."""
+    import dlo.schedules
+    from dlo.grading import forbid
+    from dlo.grading.api import run_student
+    from dlo.grading.forbid import ForbiddenCall
+
+    entered = []
+    real = forbid.forbidden
+
+    def counting(*args, **kwargs):
+        entered.append(args[0])
+        return real(*args, **kwargs)
+    from dlo.grading import api
+
+    monkeypatch.setattr(forbid, "forbidden", counting)  # Guarded's
+    monkeypatch.setattr(api, "forbidden", counting)  # run_worker's
+    paths = ("dlo.schedules.warmup_cosine",)
+
+    @check(forbid=paths)
+    def check_steps(fn):
+        return run_student(_many_calls, fn, 50)
+
+    assert check_steps(lambda step: step * 2) == [2 * i for i in range(50)]
+    assert len(entered) == 1  # the worker's block, not one per call
+    with pytest.raises(ForbiddenCall, match="off limits"):
+        check_steps(lambda step: dlo.schedules.warmup_cosine(step, base_lr=1.0, warmup_steps=1, total_steps=9))
+
+    @check(forbid=paths)
+    def check_called_here(fn):
+        assert not forbid.guarding(paths, "called_here")
+        return fn(3)
+
+    entered.clear()
+    assert check_called_here(lambda step: step + 1) == 4
+    assert len(entered) == 1  # the check's own call of the student's function: guarded by itself
+    with pytest.raises(ForbiddenCall, match="off limits"):
+        check_called_here(lambda step: dlo.schedules.warmup_cosine(step, base_lr=1.0, warmup_steps=1, total_steps=9))

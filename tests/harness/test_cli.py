@@ -201,3 +201,20 @@ def test_a_stopped_grade_leaves_no_process(toy_root, tmp_path, monkeypatch):
     proc = stop_and_check([sys.executable, "-m", "dlo.cli", "--root", str(toy_root), "grade", str(tmp_path / "sub"),
                            "--out", str(tmp_path / "out"), "--jobs", "1"], signal.SIGTERM, ready="sleep 301")
     assert proc.returncode in (130, 143) and "run the same command again" in proc.log, proc.log
+
+
+@pytest.mark.slow
+@pytest.mark.scale  # CI's toy-class step (.ci/run), beside the other killed and interrupted gradings
+def test_a_stopped_run_with_grade_leaves_no_process(toy_root, tmp_path, monkeypatch):
+    """`dlo run --grade` stopped while its notebook runs and its grading waits for it (the grading's warm
+    process and course started meanwhile): every process ends, the exit status says the signal."""
+    monkeypatch.setenv("DLO_DAYS", DAY)
+    nb = toy_root / "solutions" / DAY / f"{DAY}.ipynb"
+    book = nbformat.read(nb, as_version=4)
+    book.cells.append(new_code_cell(SLEEPER))  # an experiment after the graded cells that never ends
+    nbformat.write(book, nb)
+    proc = stop_and_check([sys.executable, "-m", "dlo.cli", "--root", str(toy_root), "run", DAY, "--out",
+                           str(tmp_path / "sub" / "ref"), "--grade", str(tmp_path / "graded")], signal.SIGTERM,
+                          ready="sleep 301")
+    assert proc.returncode == 143, proc.log
+    assert "dlo run: stopped by SIGTERM; every process it started was ended" in proc.log

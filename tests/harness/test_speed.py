@@ -15,7 +15,7 @@ import pytest
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
 from dlo.harness import graded, schedule
-from tests.harness.conftest import DAY, dlo, grade_id, read_csv, toy_days, toy_notebook
+from tests.harness.conftest import DAY, dlo, grade_id, read_csv, sandbox_flags, toy_days, toy_notebook
 from tests.harness.test_toy_course import ADD, TOTAL, _replace, _student
 
 
@@ -110,20 +110,129 @@ def test_both_modes_give_the_same_scores_on_the_toy_course(toy_root, tmp_path):
     assert refused.returncode == 2 and "full_notebook" in refused.stderr
 
 
-@pytest.mark.slow
-def test_run_two_notebooks_at_a_time(toy_root, tmp_path):
-    """`dlo run --jobs 2`: both days run (each with half the cores), the table in the days' order."""
+def _two_days(toy_root) -> dict:
+    """The toy course with a second day, a copy of the first; the environment naming both."""
     twin = toy_root / "solutions" / "toy2"
     twin.mkdir()
     (twin / "toy2.ipynb").write_bytes((toy_root / "solutions" / DAY / f"{DAY}.ipynb").read_bytes())
-    proc = dlo("run", "--all", "--jobs", "2", "--profile", "tiny", "--out", str(tmp_path / "o"), root=toy_root,
-               env=toy_days(toy_root, DAY, "toy2"))
-    table = proc.stdout[proc.stdout.rindex("day"):]
-    assert table.index(DAY) < table.index("toy2") and table.count(" ok ") == 2, proc.stdout
+    return toy_days(toy_root, DAY, "toy2")
+
+
+def _run_and_grade(toy_root, sub, graded, env) -> str:
+    """`dlo run --all --jobs 2` of the toy days into sub/reference, each graded into `graded` once it has run
+    (`--grade`, as make run) where the sandbox can run; the run's output."""
+    grading = ["--grade", str(graded), "--require-full"] if not sandbox_flags() else []
+    return dlo("run", "--all", "--jobs", "2", "--profile", "tiny", "--out", str(sub / "reference"), *grading,
+               root=toy_root, env=env).stdout
+
+
+@pytest.mark.slow
+def test_run_two_notebooks_at_a_time(toy_root, tmp_path):
+    """`dlo run --jobs 2`: both days run (each with half the cores), the table in the days' order; with
+    --grade (make run), each graded once it has run, full marks."""
+    env = _two_days(toy_root)
+    out = _run_and_grade(toy_root, tmp_path / "sub", tmp_path / "graded", env)
+    table = out[out.index("\nday "):].split("\n\n")[0].split("\n[")[0]  # the run's table, not the grading's
+    assert table.index(DAY) < table.index("toy2") and table.count(" ok ") == 2, out
     for day in (DAY, "toy2"):
-        assert "experiment 45" in (tmp_path / "o" / day / f"{day}.ipynb").read_text()
-    bad = dlo("run", "--all", "--jobs", "0", root=toy_root, check=False, env=toy_days(toy_root, DAY, "toy2"))
+        assert "experiment 45" in (tmp_path / "sub" / "reference" / day / f"{day}.ipynb").read_text()
+    if not sandbox_flags():
+        assert out.index(f"== {DAY}: ok") < out.index("graded 2 submission(s)"), out
+        assert [r["score"] for r in read_csv(tmp_path / "graded" / "scores.csv")] == [str(float(TOTAL))] * 2
+    bad = dlo("run", "--all", "--jobs", "0", root=toy_root, check=False, env=env)
     assert bad.returncode == 2 and "--jobs" in bad.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.scale
+def test_run_with_grade_grades_each_notebook_as_dlo_grade_does_after_the_run(toy_root, tmp_path):
+    """`dlo run --grade` (make run): the scores and cells are the bytes `dlo grade` writes for the same
+    notebooks after the run."""
+    if sandbox_flags():
+        pytest.skip("dlo run --grade grades in the sandbox: bubblewrap cannot run here")
+    env = _two_days(toy_root)
+    sub, during, after = tmp_path / "sub", tmp_path / "during", tmp_path / "after"
+    _run_and_grade(toy_root, sub, during, env)
+    dlo("grade", str(sub), "--out", str(after), "--require-full", root=toy_root, env=env)
+    for name in ("scores.csv", "cells.csv"):
+        assert (during / name).read_bytes() == (after / name).read_bytes(), name
+
+
+def test_run_with_grade_refuses_before_any_notebook_and_writes_nothing(toy_root, tmp_path, monkeypatch, capsys):
+    """`dlo run --grade`'s refusals, each in one line with exit status 2, before a notebook starts: a parent of
+    --out with another student in it, a --grade folder dlo grade did not make (the grading's own check, run
+    beside the run's), a bad parameter (the run's: the grading writes nothing)."""
+    from dlo import cli
+
+    monkeypatch.setenv("DLO_PROFILE", "tiny")
+    monkeypatch.setenv("DLO_DAYS", DAY)
+
+    def refused(*args: str) -> str:
+        assert cli.main(["--root", str(toy_root), "run", "--all", *args]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1, err
+        return err
+
+    (tmp_path / "sub" / "alice").mkdir(parents=True)
+    assert "also holds alice" in refused("--out", str(tmp_path / "sub" / "reference"), "--grade", str(tmp_path / "g"))
+    assert not (tmp_path / "sub" / "reference").exists() and not (tmp_path / "g").exists()
+    assert "--require-full is about the grading" in refused("--require-full")
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "notes.txt").write_text("mine")
+    assert "dlo run: --grade: " in refused("--out", str(tmp_path / "s2" / "reference"), "--grade", str(theirs))
+    assert not (tmp_path / "s2").exists() and [p.name for p in theirs.iterdir()] == ["notes.txt"]
+    assert "no_such" in refused("-p", "no_such", "1", "--out", str(tmp_path / "s3" / "reference"),
+                                "--grade", str(tmp_path / "g3"))
+    assert not (tmp_path / "s3").exists() and not (tmp_path / "g3").exists()
+
+
+def test_a_grading_job_waits_for_its_notebook_then_shares_the_run_s_slots(monkeypatch, tmp_path):
+    """`pool.run` with arrivals: a job starts only once its notebook is made, and notebooks and gradings
+    together never hold more than the run's slots."""
+    import queue
+    import threading
+
+    from dlo.harness import arrivals, pool
+
+    slots = queue.Queue()
+    for i in range(2):
+        slots.put((i, {"OMP_NUM_THREADS": "1"}))
+    days = ["d1", "d2", "d3"]
+    arriving = arrivals.Arrivals("ref", days)
+    arriving.go(slots)
+    busy, most, started, lock = [0], [0], [], threading.Lock()
+
+    def hold(seconds):
+        with lock:
+            busy[0] += 1
+            most[0] = max(most[0], busy[0])
+        threading.Event().wait(seconds)
+        with lock:
+            busy[0] -= 1
+
+    def fake_grade(run, student, day, env, attempt, uid):
+        started.append(day)
+        hold(0.05)
+        return {"student": student, "day": day, "status": "graded", "score": 1.0, "seconds": 0.05}
+
+    monkeypatch.setattr(pool, "grade_one", fake_grade)
+    run = pool.Run(out=tmp_path, submitted=tmp_path, profile="tiny", notebook_timeout=60, sandbox="none",
+                   hidden=[])
+    out = {}
+    keys = [("ref", d) for d in days]
+    grader = threading.Thread(target=lambda: out.update(pool.run(
+        run, keys, 2, 3, 0, dict.fromkeys(keys, 1.0), (arriving, lambda key: key[1] != "d3"))))
+    grader.start()
+    for day in days:  # the run: each notebook in a slot of its own, made one after another
+        taken = slots.get()
+        hold(0.05)
+        slots.put(taken)
+        assert day not in started
+        arriving.made(day)
+    grader.join(10)
+    assert sorted(out) == [("ref", "d1"), ("ref", "d2")] and "d3" not in started  # d3 could not be read
+    assert most[0] <= 2 and slots.qsize() == 2
 
 
 def test_dlo_run_starts_the_longest_notebook_first_not_the_longest_to_grade():

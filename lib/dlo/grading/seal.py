@@ -182,6 +182,11 @@ class _Unpickler(pickle.Unpickler):
         return found if found is not None else super().find_class(module, name)
 
 
+def is_sealed_now() -> bool:
+    """True while the grader's modules are sealed in this process (by `sealed` or `seal`)."""
+    return all(isinstance(sys.modules.get(p), Placeholder) for p in PACKAGES)
+
+
 @contextlib.contextmanager
 def sealed() -> Iterator[Sealing]:
     """The grader's modules sealed inside the block (restored on exit); the Sealing, for the grader's own loads."""

@@ -195,13 +195,16 @@ def course_version(root: Path, days: list[str]) -> str:
 def main(root: Path, submitted: str, out: str | None, profile: str, cell_timeout: float,
          notebook_timeout: float, require_full: bool, jobs: int | None = None, shard: str | None = None,
          regrade: bool = False, no_sandbox: bool = False, full_notebook: bool = False,
-         limits: dict | None = None) -> int:
-    """`limits`: {name: value} of `dlo.grading.limits.Limits` given on the command line (the rest sized per job)."""
+         limits: dict | None = None, arrivals=None) -> int:
+    """`limits`: {name: value} of `dlo.grading.limits.Limits` given on the command line (the rest sized per job).
+    `arrivals` (`dlo.harness.arrivals`, `dlo run --grade`): the submissions a run in this process is still
+    making, each graded once made, in the run's slots."""
     days = list_days(root)
     if not days:
         raise BadInput(f"no day notebooks under {root / 'solutions'}")
     submitted_dir = Path(submitted).resolve()
-    students, graded_days, status = find_submissions(submitted_dir, days)
+    students, graded_days, status = (find_submissions(submitted_dir, days) if arrivals is None
+                                     else arrivals.submissions())
     part = parse_shard(shard)
     if jobs is not None and jobs < 1:
         raise BadInput(f"--jobs {jobs}: expected a positive number")
@@ -229,6 +232,10 @@ def main(root: Path, submitted: str, out: str | None, profile: str, cell_timeout
     if sandbox != "bwrap":
         warn("grade", f"grading without a sandbox: {sandbox}. Student code can read the solutions, the "
                       f"gradebook and the other submissions while it runs (the `sandbox` column says so).")
+    if arrivals is not None:  # `dlo run --grade`: the run's own checks passed too, then its slots (their count)
+        jobs = arrivals.proceed()
+        if jobs is None:
+            return 1  # the run was refused or stopped: nothing written
     jobs = jobs or pool.default_jobs(profile)
     if resume:
         owned.record()
@@ -236,7 +243,7 @@ def main(root: Path, submitted: str, out: str | None, profile: str, cell_timeout
         owned.claim()
     try:
         rows = _run(root, submitted_dir, top, out_dir, owned, graded_days, status, manifest, profile, cell_timeout,
-                    notebook_timeout, sandbox, jobs, resume, limits)
+                    notebook_timeout, sandbox, jobs, resume, limits, arrivals)
     except KeyboardInterrupt:
         owned.record()
         print(f"\ninterrupted: the submissions graded so far are kept in {top}; run the same command again "
@@ -276,7 +283,7 @@ def _resumable(out_dir: Path, manifest: dict) -> bool:
 
 
 def _run(root, submitted_dir, top, out_dir, owned, graded_days, status, manifest, profile, cell_timeout,
-         notebook_timeout, sandbox, jobs, resume, given_limits=None) -> list[dict]:
+         notebook_timeout, sandbox, jobs, resume, given_limits=None, arrivals=None) -> list[dict]:
     course = out_dir / "course"
     if not resume or not (course / "template.db").is_file():
         shutil.rmtree(course, ignore_errors=True)
@@ -289,16 +296,24 @@ def _run(root, submitted_dir, top, out_dir, owned, graded_days, status, manifest
         generate_assignments(root / "solutions", graded_days, course, db=course / "template.db")
     write_json(out_dir / "grading.json", {**manifest, "complete": False})  # until the CSVs are written again
     owned.record()
-    inputs = {k: folder_hash(submitted_dir / k[0] / k[1]) for k, v in status.items() if v == "ok"}
+    keys = sorted(k for k, v in status.items() if v == "ok")
+    inputs = {} if arrivals else {k: folder_hash(submitted_dir / k[0] / k[1]) for k in keys}  # else once made
     records = {}
     for key in sorted(inputs):
         rec = read_json(record_path(out_dir, *key)) if resume else None
         if rec and rec.get("final") and rec.get("input") == inputs[key]:
             records[key] = rec
-    todo = [k for k in sorted(inputs) if k not in records]
+    todo = [k for k in keys if k not in records]
     if resume:
         print(f"resuming in {out_dir}: {len(records)} submission(s) already graded, {len(todo)} to go", flush=True)
     running = min(jobs, max(1, len(todo)))
+
+    def made(key) -> bool:  # `arrivals`: a submission the run has just made, read now as find_submissions would
+        status[key] = notebook_status(submitted_dir / key[0] / key[1] / f"{key[1]}.ipynb")
+        if status[key] == "ok":
+            inputs[key] = folder_hash(submitted_dir / key[0] / key[1])
+        return status[key] == "ok"
+
     limits = pool.job_limits(running, given_limits) if sandbox == "bwrap" else None  # none without the sandbox
     if limits is not None:
         print(f"limits per job: {limits.describe()}", flush=True)
@@ -309,7 +324,10 @@ def _run(root, submitted_dir, top, out_dir, owned, graded_days, status, manifest
     seconds = schedule.expected(todo, records.values(), key_mode)
     start = time.monotonic()
     try:
-        records.update(pool.run(grading, todo, running, len(inputs), len(records), seconds))
+        prepared = []  # the similarity report's references, read on a core the last jobs leave idle
+        records.update(pool.run(grading, todo, running, len(keys), len(records), seconds,
+                                (arrivals, made) if arrivals else None,
+                                lambda: prepared.append(similarity.prepare(graded_days, course / "source"))))
     finally:
         stop_warm()
         owned.record()
@@ -322,6 +340,8 @@ def _run(root, submitted_dir, top, out_dir, owned, graded_days, status, manifest
                      [course / "gradebooks" / d / f"{s}.db" for (s, d), r in sorted(records.items())
                       if r["status"] == "graded"])
     exchange.publish(course, submitted_dir, sorted(inputs), sorted({s for s, _ in status}))  # for nbgrader's tools
+    for thread in prepared:
+        thread.join()
     similarity.write_report(out_dir, graded_days, course / "source", course / "release",
                             {k: course / "submitted" / k[0] / k[1] / f"{k[1]}.ipynb" for k in sorted(inputs)})
     write_json(out_dir / "grading.json", {**manifest, "complete": True})

@@ -237,17 +237,19 @@ def _signal_name(num: int) -> str:
 
 # ----------------------------------------------------------------------------- many submissions
 
-def run(grading: Run, todo: list[tuple[str, str]], jobs: int, total: int, done: int, seconds: dict) -> dict:
+def run(grading: Run, todo: list[tuple[str, str]], jobs: int, total: int, done: int, seconds: dict,
+        arriving=None, drained=None) -> dict:
     """Grade `todo` with `jobs` workers, the longest expected (`seconds`) first; {(student, day): record}.
     `total`/`done` count the whole run (a resumed run starts with done > 0). KeyboardInterrupt (Ctrl-C,
-    SIGTERM) stops every worker."""
+    SIGTERM) stops every worker. `arriving`: (`dlo.harness.arrivals.Arrivals`, ready) of a run still making
+    the submissions: each job waits for its own, then takes a slot (index, env) of the run's. `drained()` is
+    called once the last job has its slot (cores are about to be idle)."""
     todo = order(todo, seconds)
     bar = Progress(todo, seconds, jobs, total, done)
-    slots: queue.Queue[int] = queue.Queue()
+    slots: queue.Queue[tuple[int, dict]] = queue.Queue()
     for s in range(jobs):
-        slots.put(s)
-    stop = threading.Event()
-    envs = [slot_env(s, jobs, grading.profile) for s in range(jobs)]
+        slots.put((s, slot_env(s, jobs, grading.profile)))
+    stop, lock, left = threading.Event(), threading.Lock(), set(todo)
     uids = limits.UidPool() if grading.limits is not None and grading.sandbox == "bwrap" and as_root() else None
     try:
         slot_uids = uids.lease(jobs) if uids else [UID] * jobs  # RLIMIT_NPROC counts per uid: one each
@@ -255,24 +257,34 @@ def run(grading: Run, todo: list[tuple[str, str]], jobs: int, total: int, done: 
         raise SystemExit(str(exc)) from None
 
     def work(key):
-        slot = slots.get()
+        taken = slots.get() if arriving is None else arriving[0].take(key, arriving[1])
+        if taken is None:  # the run stopped, or did not make this notebook
+            bar.left_out(key)
+            with lock:
+                left.discard(key)
+            return None
+        slot, env = taken
         bar.started(key)
+        with lock:
+            left.discard(key)
+            if not left and drained is not None:
+                drained()
         try:
             for attempt in (1, 2):
                 try:
-                    return grade_one(grading, *key, envs[slot], attempt, slot_uids[slot])
+                    return grade_one(grading, *key, env, attempt, slot_uids[slot])
                 except Killed as exc:
-                    if stop.is_set():
+                    if stop.is_set() or (arriving is not None and arriving[0].stopped):
                         return None
                     if attempt == 2:
                         return killed_record(grading, *key, str(exc))
                     bar.say(f"{key[0]}/{key[1]}: its grading process was {exc}; trying once more")
         finally:
-            slots.put(slot)
+            (slots if arriving is None else arriving[0].slots).put(taken)
 
     records = {}
     old = signal.signal(signal.SIGTERM, _interrupt) if threading.current_thread() is threading.main_thread() else None
-    pool = ThreadPoolExecutor(max_workers=jobs)
+    pool = ThreadPoolExecutor(max_workers=jobs if arriving is None else max(jobs, len(todo)))  # waiting: a thread each
     bar.begin()
     try:
         pending = {pool.submit(work, key): key for key in todo}

@@ -28,6 +28,7 @@ day runs alone, with every core. The table keeps the days' order. Notebooks on G
 of the notebooks at once gets a disjoint share of this process's GPUs (CUDA_VISIBLE_DEVICES, taken from
 the entries the parent was given) holding what its day wants, else they run one at a time with every GPU;
 a --jobs that would leave a day fewer GPUs than it wants is refused before any notebook starts.
+`--grade DIR` grades each notebook as soon as it has run, in the same slots (`dlo.harness.arrivals`).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ import papermill
 
 from dlo.cpus import SHARE_ENV
 from dlo.errors import BadInput
+from dlo.harness import arrivals
 from dlo.harness.days import notebook_path, select_days
 from dlo.harness.schedule import RUN_SECONDS, cores, order
 from dlo.progress import bars_wanted
@@ -240,15 +242,62 @@ def gpu_slots(wanted: dict[str, int], gpus: list[str], n: int, asked: int | None
 
 def main(root: Path, days: list[str], all_days: bool, profile: str, pairs: list[tuple[str, str]],
          notebooks: str, out: str | None, timeout: float, cell_timeout: float, smoke: bool = False,
-         jobs: int | None = None) -> int:
+         jobs: int | None = None, grade_out: str | None = None, require_full: bool = False) -> int:
+    """`grade_out`: grade each notebook once it has run, into that folder (`dlo.harness.arrivals`)."""
     if bool(days) == all_days:
         raise BadInput("name the days to run (dlo run DAY ...) or pass --all for every day, not both"
                        if days else "name the days to run (dlo run DAY ...) or pass --all for every day")
+    if require_full and grade_out is None:
+        raise BadInput("--require-full is about the grading: give --grade DIR too")
     days = select_days(root, days, all_days, notebooks)
     if jobs is not None and jobs < 1:
         raise BadInput(f"--jobs {jobs}: expected a positive number")
+    out_dir = Path(out or Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S")).resolve()
+    # the grading's checks (its --out, the sandbox) run beside the ones below; it writes nothing before `begin`
+    grading = None if grade_out is None else arrivals.start(root, out_dir, days, Path(grade_out).resolve(), profile,
+                                                             require_full)
+    try:
+        n, slots, todo = _prepare(root, days, profile, pairs, notebooks, smoke, jobs)
+        if grading is not None:
+            grading.begin(slots)
+    except BaseException:
+        if grading is not None:
+            grading.arrivals.stop()
+        raise
+
+    def one(day: str) -> dict:
+        src, params = todo[day]
+        dest = out_dir / day / f"{day}.ipynb"
+        print(f"== {day} ({notebooks}, profile={profile}{', smoke' if smoke else ''}) -> {dest}", flush=True)
+        taken = slots.get()
+        try:
+            status, secs = run_notebook(src, dest, params, timeout, cell_timeout, smoke, taken[1])
+        finally:
+            slots.put(taken)
+            if grading is not None:
+                grading.arrivals.made(day)
+        if n > 1:
+            print(f"== {day}: {status} in {secs:.1f} s", flush=True)
+        return {"day": day, "status": status, "wall time (s)": round(secs, 1), "output": str(dest)}
+
+    try:
+        rows = run_all(days, one, n)
+    except BaseException:
+        if grading is not None:
+            grading.arrivals.stop()  # no grading job waits for a notebook that will not come
+        raise
+    print()
+    print(format_table(rows))
+    rc = 0 if all(r["status"] == "ok" for r in rows) else 1
+    return rc if grading is None else max(rc, grading.finish())
+
+
+def _prepare(root: Path, days: list[str], profile: str, pairs, notebooks: str, smoke: bool, jobs: int | None):
+    """(n, the slots, {day: (notebook, parameters)}): every day's parameters checked (BadParameter) before the
+    first notebook starts, n notebooks at once, each slot an (index, env) pair with its share of the cores
+    and GPUs."""
     todo, wanted = {}, {}
-    for day in days:  # every day's parameters are checked before the first notebook starts
+    for day in days:
         src = notebook_path(root, day, notebooks)
         try:
             params = build_parameters(src, profile, pairs)
@@ -263,34 +312,21 @@ def main(root: Path, days: list[str], all_days: bool, profile: str, pairs: list[
         n, gpu_envs = gpu_slots(wanted, visible_gpus(os.environ, cuda_count()), n, jobs)
     else:
         gpu_envs = [{}] * n
-    out_dir = Path(out or Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S")).resolve()
-    slots: queue.Queue[dict] = queue.Queue()
-    for gpu_env in gpu_envs:  # a running notebook holds its slot's GPUs until it ends
-        slots.put({**share_env(n), **gpu_env})
+    slots: queue.Queue[tuple[int, dict]] = queue.Queue()
+    for i, gpu_env in enumerate(gpu_envs):  # a running notebook holds its slot's GPUs until it ends
+        slots.put((i, {**share_env(n), **gpu_env}))
+    return n, slots, todo
 
-    def one(day: str) -> dict:
-        src, params = todo[day]
-        dest = out_dir / day / f"{day}.ipynb"
-        print(f"== {day} ({notebooks}, profile={profile}{', smoke' if smoke else ''}) -> {dest}", flush=True)
-        env = slots.get()
-        try:
-            status, secs = run_notebook(src, dest, params, timeout, cell_timeout, smoke, env)
-        finally:
-            slots.put(env)
-        if n > 1:
-            print(f"== {day}: {status} in {secs:.1f} s", flush=True)
-        return {"day": day, "status": status, "wall time (s)": round(secs, 1), "output": str(dest)}
 
+def run_all(days: list[str], one, n: int) -> list[dict]:
+    """`one(day)` for every day, n at a time, the longest expected first; the rows in the days' order."""
     if n == 1:
-        rows = [one(day) for day in days]
-    else:  # not `with`: on Ctrl-C its exit would wait for the notebooks (`dlo.cli` kills them instead)
-        pool = ThreadPoolExecutor(max_workers=n)
-        try:
-            first = order(days, {d: RUN_SECONDS.get(d, 0.0) for d in days})
-            done = dict(zip(first, pool.map(one, first)))
-        finally:
-            pool.shutdown(wait=False, cancel_futures=True)
-        rows = [done[day] for day in days]
-    print()
-    print(format_table(rows))
-    return 0 if all(r["status"] == "ok" for r in rows) else 1
+        return [one(day) for day in days]
+    # not `with`: on Ctrl-C its exit would wait for the notebooks (`dlo.cli` kills them instead)
+    pool = ThreadPoolExecutor(max_workers=n)
+    try:
+        first = order(days, {d: RUN_SECONDS.get(d, 0.0) for d in days})
+        done = dict(zip(first, pool.map(one, first)))
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+    return [done[day] for day in days]

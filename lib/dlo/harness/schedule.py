@@ -108,6 +108,12 @@ class Progress:
             self.queued.discard(key)
             self.running[key] = time.monotonic()
 
+    def left_out(self, key) -> None:
+        """A submission that will not be graded after all (`dlo run --grade`: its notebook was not made)."""
+        with self.lock:
+            self.queued.discard(key)
+            self.total -= 1
+
     def update(self, rec: dict) -> None:
         key = (rec["student"], rec["day"])
         with self.lock:

@@ -35,11 +35,13 @@ and a failure in it never fails the grading.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import json
 import re
 import statistics
+import threading
 from pathlib import Path
 
 from dlo.errors import warn
@@ -95,6 +97,11 @@ def exercises(instructors: Path) -> dict[str, list[str]]:
 def library_objects(checks: list[str]) -> dict[str, object]:
     """{dotted name: object} of the dlo functions and classes the checks forbid (the references the
     exercise is graded against); names that cannot be imported are left out."""
+    return dict(_library_objects(tuple(checks)))
+
+
+@functools.cache  # the same for every report of a course: found once per process (`prepare`)
+def _library_objects(checks: tuple[str, ...]) -> dict[str, object]:
     from dlo.grading.forbid import resolve
 
     names: list[str] = []
@@ -117,11 +124,35 @@ def library_objects(checks: list[str]) -> dict[str, object]:
     return out
 
 
+_SOURCES: dict[int, tuple[object, str]] = {}  # id -> (the object, kept alive so that its id stays its own; source)
+
+
 def _source_of(obj) -> str:
-    try:
-        return inspect.getsource(inspect.unwrap(obj))
-    except (TypeError, OSError):
-        return ""  # a builtin or a C function: no source to compare with
+    if id(obj) not in _SOURCES:
+        try:
+            source = inspect.getsource(inspect.unwrap(obj))
+        except (TypeError, OSError):
+            source = ""  # a builtin or a C function: no source to compare with
+        _SOURCES[id(obj)] = (obj, source)
+    return _SOURCES[id(obj)][1]
+
+
+def prepare(days: list[str], instructors: Path) -> threading.Thread:
+    """Import and read the library references the report compares with (their modules import torch: some
+    2 CPU s), in a thread: `dlo grade` starts it once no submission waits for a slot, so that it runs on a
+    core the last ones leave idle, not after them. Whatever fails here is met again, and said, by the report."""
+    def warm() -> None:
+        for day in days:
+            try:
+                for checks in exercises(instructors / day / f"{day}.ipynb").values():
+                    for obj in library_objects(checks).values():
+                        _source_of(obj)
+            except Exception:  # noqa: BLE001 - see the docstring
+                continue
+
+    thread = threading.Thread(target=warm, name="dlo-similarity-prepare", daemon=True)
+    thread.start()
+    return thread
 
 
 def library_references(checks: list[str]) -> dict[str, str]:
