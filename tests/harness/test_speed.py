@@ -201,6 +201,9 @@ def test_a_grading_job_waits_for_its_notebook_then_shares_the_run_s_slots(monkey
     days = ["d1", "d2", "d3"]
     arriving = arrivals.Arrivals("ref", days)
     arriving.go(slots)
+    slots.get()  # a notebook started at once: the grading's job count is still the run's slots
+    assert arriving.proceed() == 2
+    slots.put((0, {"OMP_NUM_THREADS": "1"}))
     busy, most, started, lock = [0], [0], [], threading.Lock()
 
     def hold(seconds):

@@ -33,7 +33,8 @@ class Arrivals:
 
     def __init__(self, student: str, days: list[str]):
         self.student, self.days = student, list(days)
-        self.slots: queue.Queue | None = None  # the run's (index, env) slots, given at `begin`
+        self.slots: queue.Queue | None = None  # the run's (index, env) slots, and how many, given at `go`
+        self.count = 0
         self._made = {day: threading.Event() for day in days}
         self._stopped, self._go = threading.Event(), threading.Event()
         self.checked = threading.Event()  # set by `grade.main` once its input and --out are checked
@@ -47,11 +48,12 @@ class Arrivals:
         """On the grading's side, its checks passed: wait for the run's; the slots' count, None if stopped."""
         self.checked.set()
         self._go.wait()
-        return None if self.stopped else self.slots.qsize()
+        return None if self.stopped else self.count
 
     def go(self, slots: queue.Queue) -> None:
-        """On the run's side, every check passed: the grading may write, and grade in these slots."""
-        self.slots = slots
+        """On the run's side, every check passed and no notebook started yet: the grading may write, and
+        grade in these slots (counted now: the notebooks are about to take theirs)."""
+        self.slots, self.count = slots, slots.qsize()
         self._go.set()
 
     def made(self, day: str) -> None:
