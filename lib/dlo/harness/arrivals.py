@@ -29,7 +29,7 @@ from dlo.errors import BadInput
 
 
 class Arrivals:
-    """The submissions a run is still making, and the slots it shares with their grading (`begin`)."""
+    """The submissions a run is still making, and the slots it shares with their grading (`go`)."""
 
     def __init__(self, student: str, days: list[str]):
         self.student, self.days = student, list(days)
