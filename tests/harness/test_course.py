@@ -11,7 +11,8 @@ marks, raising nowhere, the experiments included, and every claims table it prin
 default and --full-notebook gradings of the solution, the release and a half-solved notebook give
 the same CSVs (`-m solutions`). The solutions' grading is marked `solutions`: its own CI step
 (`pytest -m solutions`), as it doubles the minutes of `make test`, which keeps the untouched half;
-the tiny profile at its real step counts is `make run` (papermill, then grading: full marks required).
+the tiny profile at its real step counts is `make run` (papermill, each notebook graded once it has run: full
+marks required).
 
 Each day is a test class, so that pytest-xdist (--dist loadscope: a class per worker at a time) runs
 several days at once; tests/conftest.py starts them first, as they are the longest. The untouched

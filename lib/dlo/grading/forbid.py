@@ -22,6 +22,7 @@ runs (the kernel of a direct check, the sandboxed runner, the ranks), so the sea
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import sys
@@ -151,29 +152,30 @@ def forbidden(paths, exercise: str, hint: str = "", for_good: bool = False) -> I
                 setattr(owner, attr, value)
 
 
-_guard = threading.local()  # the (plan, exercise, hint) of each `forbidden` block this thread is inside, with counts
+_guard = threading.local()  # `active`: how many `forbidden` blocks of each (plan, exercise, hint) this thread is in
 
 
 def _enter_guard(found: Plan, exercise: str, hint: str) -> tuple:
     key = (id(found), exercise, hint)
-    active = _guard.__dict__.setdefault("active", {})
-    active[key] = active.get(key, 0) + 1
+    _active()[key] += 1
     return key
 
 
 def _leave_guard(key: tuple | None) -> None:
-    active = _guard.__dict__.get("active", {})
-    if key in active:
-        active[key] -= 1
-        if not active[key]:
-            del active[key]
+    if key is not None:
+        _active()[key] -= 1
+
+
+def _active() -> collections.Counter:
+    if not hasattr(_guard, "active"):
+        _guard.active = collections.Counter()
+    return _guard.active
 
 
 def guarding(paths, exercise: str, hint: str = "") -> bool:
     """True inside a `forbidden` block of the same check on this thread (a worker `api.run_worker` runs,
     a launch's rank): its names are blocked, its code and operators refused, already."""
-    key = (id(plan(paths, exercise, hint)), exercise, hint)
-    return key in _guard.__dict__.get("active", {})
+    return _active()[(id(plan(paths, exercise, hint)), exercise, hint)] > 0
 
 
 def _block_names(found: Plan, exercise: str, hint: str, saved: list) -> None:

@@ -104,26 +104,21 @@ class Grading:
         self.arrivals.go(slots)
 
     def finish(self) -> int:
-        """After the run: wait for its grading; its return code (2 for what it refused, 1 if it failed)."""
+        """After the run: wait for its grading; its return code (1 if it failed)."""
         self.thread.join()
-        rc = self.result[0] if self.result else 1
-        if isinstance(rc, BadInput):
-            print(f"dlo run --grade: {rc.code}", flush=True)
-            return 2
-        return rc
+        return self.result[0] if self.result else 1  # a refusal (BadInput) came before `begin`, which raised it
 
 
-def check_layout(out_dir: Path, grade_out: Path) -> None:
-    """BadInput (before any notebook starts) unless the run's --out can be graded as one student's folder:
-    its parent holds nothing else, and the grading's folder is neither inside it nor holding it."""
+def check_layout(out_dir: Path) -> None:
+    """BadInput (before any notebook starts) unless the run's --out can be graded as one student's folder: its
+    parent holds nothing else (that the grading's folder neither holds it nor lies inside it is `grade`'s
+    own check, `check_paths`)."""
     parent = out_dir.parent
     others = sorted(p.name for p in parent.iterdir() if p.name != out_dir.name) if parent.is_dir() else []
     if others:
         raise BadInput(f"--grade grades {parent} as the submissions of one student ({out_dir.name}), but it also holds "
                        f"{', '.join(others[:5])}{' ...' if len(others) > 5 else ''}: give --out a folder of its own "
                        f"(e.g. runs/mine/submitted/{out_dir.name}) or grade afterwards with dlo grade")
-    if grade_out == parent or parent in grade_out.parents or grade_out in parent.parents:
-        raise BadInput(f"--grade {grade_out} and --out's parent {parent} must not contain each other")
 
 
 def start(root: Path, out_dir: Path, days: list[str], grade_out: Path, profile: str, require_full: bool) -> Grading:
@@ -131,7 +126,7 @@ def start(root: Path, out_dir: Path, days: list[str], grade_out: Path, profile: 
     it); its checks run now, beside the run's, and it waits for `Grading.begin` before writing anything."""
     from dlo.harness import GRADE_CELL_TIMEOUT, GRADE_NOTEBOOK_TIMEOUT, grade
 
-    check_layout(out_dir, grade_out)
+    check_layout(out_dir)
     arrivals = Arrivals(out_dir.name, days)
     result: list = []
 

@@ -256,15 +256,6 @@ def main(root: Path, days: list[str], all_days: bool, profile: str, pairs: list[
     # the grading's checks (its --out, the sandbox) run beside the ones below; it writes nothing before `begin`
     grading = None if grade_out is None else arrivals.start(root, out_dir, days, Path(grade_out).resolve(), profile,
                                                              require_full)
-    try:
-        n, slots, todo = _prepare(root, days, profile, pairs, notebooks, smoke, jobs)
-        if grading is not None:
-            grading.begin(slots)
-    except BaseException:
-        if grading is not None:
-            grading.arrivals.stop()
-        raise
-
     def one(day: str) -> dict:
         src, params = todo[day]
         dest = out_dir / day / f"{day}.ipynb"
@@ -281,10 +272,13 @@ def main(root: Path, days: list[str], all_days: bool, profile: str, pairs: list[
         return {"day": day, "status": status, "wall time (s)": round(secs, 1), "output": str(dest)}
 
     try:
+        n, slots, todo = _prepare(root, days, profile, pairs, notebooks, smoke, jobs)
+        if grading is not None:
+            grading.begin(slots)
         rows = run_all(days, one, n)
     except BaseException:
-        if grading is not None:
-            grading.arrivals.stop()  # no grading job waits for a notebook that will not come
+        if grading is not None:  # refused or stopped: no grading job waits for a notebook that will not come
+            grading.arrivals.stop()
         raise
     print()
     print(format_table(rows))
