@@ -87,15 +87,17 @@ def tagged(mark: str) -> list[int]:
     return pids
 
 
-def kill_tree(root: int, *, include_root: bool = True, mark: str | None = None, rounds: int = 100,
+def kill_tree(root: int | None, *, include_root: bool = True, mark: str | None = None, rounds: int = 100,
               spare: int | None = None) -> None:
     """SIGKILL `root` with its process group (unless include_root is False), every process below it
     and, given a `mark`, every process `tagged` with it; `spare` (a process below root) lives on, not
     what is below it. The tree is read before anything is killed, so a kernel in a session of its own
     goes with the papermill that started it; repeated until nothing is left (a process forked meanwhile
     is re-parented to a subreaper, or carries the mark)."""
+    include_root = include_root and root is not None  # None: the tagged processes only
     for _ in range(rounds):
-        pids = [p for p in descendants(root) + (tagged(mark) if mark else []) if p != spare]
+        pids = [p for p in (descendants(root) if root is not None else []) + (tagged(mark) if mark else [])
+                if p != spare]
         if include_root and _alive(root):
             pids.insert(0, root)
         if include_root:  # the group root leads (start_new_session), members that left the tree included
@@ -107,6 +109,11 @@ def kill_tree(root: int, *, include_root: bool = True, mark: str | None = None, 
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGKILL)
         time.sleep(0.02)
+
+
+def kill_tagged(mark: str) -> None:
+    """SIGKILL every process `tagged` with `mark` ("NAME=value"), until none is left."""
+    kill_tree(None, mark=mark)
 
 
 def reap_orphans(spare: int | None = None) -> None:

@@ -104,3 +104,31 @@ def test_a_stopped_warm_process_ends_by_itself_and_later_children_are_fresh_proc
     assert proc.wait(timeout=30) == 0  # it read the socket's end and returned from serve
     assert ws.spawn(["print(1)"], tmp_path, dict(os.environ), dict(os.environ)) is None and ws.failed
     ws.close()  # what atexit does later: nothing left to end
+
+
+LEAVER = "import os, signal, subprocess, sys; subprocess.Popen(['sleep', '60'], start_new_session=True); " \
+         "print('left one'); sys.stdout.flush(); {}"
+
+
+@pytest.mark.parametrize("end", ["os.kill(os.getpid(), signal.SIGKILL)", "os._exit(0)"])
+def test_what_a_child_leaves_running_is_killed_when_it_ends(server, tmp_path, end):
+    """A grading process killed (the out-of-memory killer) before it could take its kernel with it, or one that
+    left a process behind: what it started in a session of its own holds its stdout, so reading that to its
+    end waited for the notebook's time limit. Now the child's end is seen and what carries its mark killed."""
+    code = LEAVER.format(end)
+    for proc in (run(server, code, tmp_path, timeout=50),  # forked from the warm process
+                 nbgrader_cli.child([sys.executable, "-c", code], tmp_path, timeout=50)):  # a fresh interpreter
+        assert (proc.returncode, proc.stdout) == (-9 if "KILL" in end else 0, "left one\n")
+        assert not _left(tmp_path)
+
+
+def _left(folder: Path) -> list[int]:
+    """The `sleep`s started in `folder` still running."""
+    out = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if reaper.comm(int(entry)) == "sleep" and os.readlink(f"/proc/{entry}/cwd") == str(folder):
+                out.append(int(entry))
+        except OSError:
+            continue
+    return out

@@ -23,11 +23,13 @@ from dlo.measure import (
     peak_memory,
     saved_bytes,
     tally,
+    tcp_counters,
     tensor_bytes,
     time_fn,
     time_interleaved,
     transformer_flops_per_token,
 )
+from dlo.measure.comm import tcp_info_sent
 from dlo.plan import fake_world
 
 
@@ -192,3 +194,33 @@ def test_flops_mfu_and_formatting():
     assert mfu(1e12, 1.0, device="cpu") is None   # no peak for a CPU: not measurable, never a made-up number
     assert fmt_bytes(1536) == "1.5 KiB" and fmt_bytes(100) == "100 B" and fmt_bytes(None) == "-"
     assert fmt_bytes(1000 * 2**20) == "1000 MiB" and fmt_bytes(999 * 2**20) == "999 MiB"  # not "1e+03 MiB"
+
+
+def test_tcp_counters_count_each_byte_once():
+    """The kernel's totals count a retransmitted byte again (a busy loopback's tail loss probes put a
+    context-parallel run 6% over its formula): taken out. Then a real connection: exactly what was sent."""
+    import socket
+    import struct
+    import threading
+
+    info = bytearray(232)
+    struct.pack_into("I", info, 100, 3)  # tcpi_total_retrans
+    struct.pack_into("I", info, 156, 40)  # tcpi_data_segs_out
+    struct.pack_into("QQ", info, 200, 1_000_000, 26_768)  # tcpi_bytes_sent, tcpi_bytes_retrans
+    assert tcp_info_sent(bytes(info)) == (973_232, 37)
+    with pytest.raises(RuntimeError, match="4.19"):
+        tcp_info_sent(bytes(208))
+
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        client = socket.create_connection(server.getsockname())
+        peer, _ = server.accept()
+        got = []
+        reader = threading.Thread(target=lambda: got.append(sum(iter(lambda: len(peer.recv(1 << 16)), 0))))
+        reader.start()
+        client.sendall(b"x" * 1_000_003)
+        client.shutdown(socket.SHUT_WR)
+        reader.join()  # all received: all sent (sendall returns once the bytes are queued)
+        assert tcp_counters(client)[0] == tcp_counters(client.fileno())[0] == 1_000_003
+        client.close()
+        peer.close()
+    assert got == [1_000_003] and tcp_counters(peer) == (0, 0)  # a closed socket: nothing to read

@@ -78,20 +78,39 @@ class ResilientExecute(Execute):
         self._tests = trusted_test_cells(resources)
         self._last = len(nb.cells) if self.full_notebook else graded.last_graded_index(nb, self._tests)
         self._backend = None
-        # torch, the checks and the runner start while the kernel runs the first cells (both mostly wait)
-        self._warming = threading.Thread(target=self._warm, daemon=True)
-        if self._tests:
-            self._warming.start()
+        if self._tests:  # torch, the checks and the runner start while the kernel runs the first cells
+            self.start_warming(spec)
         try:
             with self._watch or contextlib.nullcontext():
                 return super().preprocess(nb, resources, km)
         finally:
-            if self._tests:
-                self._warming.join()
+            self.end_warming()
             if self._backend is not None:
                 self._backend.close()
             if self._own_scratch:
                 shutil.rmtree(self._own_scratch, ignore_errors=True)
+
+    def start_warming(self, spec) -> None:
+        """Import the checks and start the sandboxed runner of `spec` in a thread (both mostly wait, as the
+        kernel's start does). The thread lives until `end_warming`: bwrap's --die-with-parent is
+        PR_SET_PDEATHSIG, whose parent is the *thread* that forked bwrap (prctl(2)). A thread that ended once
+        the runner had started killed the runner's bwrap when it ended after bwrap's prctl, and not when it
+        ended before: at random, a runner started twice, and a sandbox orphaned."""
+        self._spec, self._warm_error = spec, ""
+        self._warmed, self._release = threading.Event(), threading.Event()
+        self._warming = threading.Thread(target=self._warm, name="dlo-warm-runner", daemon=True)
+        self._warming.start()
+
+    def backend(self):
+        """The sandboxed backend once warmed (`start_warming`); None if it could not start."""
+        self._warmed.wait()
+        return self._backend
+
+    def end_warming(self) -> None:
+        if getattr(self, "_warming", None) is not None:
+            self._release.set()
+            self._warming.join()
+            self._warming = None
 
     def _warm(self) -> None:
         try:
@@ -107,6 +126,9 @@ class ResilientExecute(Execute):
         except Exception as exc:  # noqa: BLE001 - reported in every test cell, graded 0: the instructor sees it
             self.log.error("the grader's sandbox did not start: %s", exc)
             self._warm_error = f"{type(exc).__name__}: {exc}"
+        finally:
+            self._warmed.set()
+        self._release.wait()  # the runner's bwrap dies with this thread (above)
 
     async def async_start_new_kernel_client(self):
         """A kernel client, once the kernel has sealed the grader's modules (`dlo.grading.seal`) for good: from
@@ -172,10 +194,9 @@ class ResilientExecute(Execute):
                 "CellTimeoutError", "the grader could not get your objects from the kernel: pickling them did not "
                 "finish in time (the kernel was restarted)")]
             return
-        self._warming.join()
-        if self._backend is None:
+        if self.backend() is None:
             cell.outputs = [testcells.error_output("RuntimeError", f"the grader's sandbox did not start "
-                                                   f"({getattr(self, '_warm_error', '?')}); tell your instructor")]
+                                                   f"({self._warm_error}); tell your instructor")]
             return
         try:
             bound = testcells.bindings(names, folder, self._backend)

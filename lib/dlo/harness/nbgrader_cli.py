@@ -10,6 +10,8 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
+import uuid
 from pathlib import Path
 
 import nbformat
@@ -19,11 +21,13 @@ from dlo.grading.jail import spec_from_env
 from dlo.harness import bytecode, restore, sanitize
 from dlo.harness.setup import normalise_metadata
 from dlo.harness.warm import GRADER, WarmProcess, run_child, serve
-from dlo.reaper import kill_tree
+from dlo.reaper import kill_tagged, kill_tree
 
 _LIVE: set[subprocess.Popen | WarmProcess] = set()  # children running now (from any thread), for kill_children()
 _LOCK = threading.Lock()
 _STOPPED = threading.Event()  # set by kill_children(): a child started afterwards is killed at once
+MARK_ENV = "DLO_GRADE_CHILD"  # a token of each child's, inherited by what it starts (`reaper.tagged`)
+LEFT_GRACE = 2.0  # seconds a child's pipes may stay open after it ended before what holds them is killed
 
 
 def autograde_and_feedback(course_root: Path, db: Path, day: str, student: str, *, env: dict | None = None,
@@ -57,20 +61,24 @@ def child(cmd: list[str], cwd: Path, *, env: dict | None = None, timeout: float 
     """`cmd` (python -m dlo.harness.nbgrader_cli ARGS) in a child; `warm`: forked from the warm process
     (`dlo.harness.warm`) when there is one, the same process less its interpreter's start and imports."""
     # Own session, so a signal to dlo's group does not reach it; on timeout or a stop its whole tree (nbgrader
-    # and the kernels it started) is killed.
+    # and the kernels it started) is killed. Its mark goes with everything it starts: once it has ended, what
+    # it left (its parent killed, a kernel outlives it in its own session, re-parented) is found and killed.
     base = base_env()
-    proc = warm and GRADER.spawn(cmd[3:], cwd, base, {**base, **(env or {})})  # the arguments after -m ...nbgrader_cli
+    mark = (MARK_ENV, uuid.uuid4().hex)
+    env = {**base, **(env or {}), mark[0]: mark[1]}
+    proc = warm and GRADER.spawn(cmd[3:], cwd, base, env)  # the arguments after -m ...nbgrader_cli
     if not proc:
-        proc = subprocess.Popen(cmd, cwd=cwd, env={**base, **(env or {})}, text=True, stdout=subprocess.PIPE,
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, text=True, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, start_new_session=True)
     with _LOCK:
         _LIVE.add(proc)
         if _STOPPED.is_set():
             _killpg(proc)
     try:
-        out, err = proc.communicate(timeout=timeout)
+        out, err = _communicate(proc, timeout, "=".join(mark))
     except (subprocess.TimeoutExpired, KeyboardInterrupt) as exc:
         _killpg(proc)
+        kill_tagged("=".join(mark))  # what left its tree holds its pipes too
         proc.communicate()
         if isinstance(exc, KeyboardInterrupt):
             raise
@@ -78,7 +86,26 @@ def child(cmd: list[str], cwd: Path, *, env: dict | None = None, timeout: float 
     finally:
         with _LOCK:
             _LIVE.discard(proc)
+        kill_tagged("=".join(mark))  # it has ended: nothing of it runs on
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def _communicate(proc: subprocess.Popen | WarmProcess, timeout: float | None, mark: str) -> tuple[str, str]:
+    """`proc.communicate(timeout)`, except that once `proc` has ended, whatever still holds its stdout or
+    stderr LEFT_GRACE seconds later (what it started, carrying its `mark`) is killed, not waited for."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    ended = None
+    while True:
+        step = 1.0 if deadline is None else max(0.0, min(1.0, deadline - time.monotonic()))
+        try:
+            return proc.communicate(timeout=step)
+        except subprocess.TimeoutExpired:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(proc.args, timeout) from None
+            if proc.poll() is not None:
+                ended = ended or time.monotonic()
+                if time.monotonic() - ended >= LEFT_GRACE:
+                    kill_tagged(mark)
 
 
 def _killpg(proc: subprocess.Popen | WarmProcess) -> None:

@@ -159,7 +159,7 @@ def _readline(fd: int) -> bytes:
 
 
 class WarmProcess:
-    """What `nbgrader_cli.child` uses of a Popen: pid, returncode, communicate(timeout) (text)."""
+    """What `nbgrader_cli.child` uses of a Popen: pid, returncode, communicate(timeout) (text), poll()."""
 
     def __init__(self, args, pid: int, out: int, err: int, report: int):
         self.args, self.pid, self.returncode = args, pid, None
@@ -181,9 +181,16 @@ class WarmProcess:
                 if not chunk:
                     self._open.discard(fd)
                     os.close(fd)
-        words = b"".join(self._read[self._report]).split()  # b"pid N" was read by spawn
-        self.returncode = int(words[1]) if len(words) == 2 and words[0] == b"exit" else -signal.SIGKILL
+        self.poll()
         return tuple(b"".join(self._read[fd]).decode(errors="replace") for fd in (self._out, self._err))
+
+    def poll(self) -> int | None:
+        """The exit status, once the warm process has reported it (read by `communicate`); None before.
+        The child may have ended while something it started still holds its stdout."""
+        if self.returncode is None and self._report not in self._open:
+            words = b"".join(self._read[self._report]).split()  # b"pid N" was read by spawn
+            self.returncode = int(words[1]) if len(words) == 2 and words[0] == b"exit" else -signal.SIGKILL
+        return self.returncode
 
 
 # ----------------------------------------------------------------------------- the warm process
