@@ -111,11 +111,12 @@ LEAVER = "import os, signal, subprocess, sys; subprocess.Popen(['sleep', '60'], 
 
 
 @pytest.mark.parametrize("end", ["os.kill(os.getpid(), signal.SIGKILL)", "os._exit(0)"])
-def test_what_a_child_leaves_running_is_killed_when_it_ends(server, tmp_path, end):
+def test_what_a_child_leaves_running_is_killed_when_it_ends(server, tmp_path, monkeypatch, end):
     """A grading process killed (the out-of-memory killer) before it could take its kernel with it, or one that
     left a process behind: what it started in a session of its own holds its stdout, so reading that to its
     end waited for the notebook's time limit. Now the child's end is seen and what carries its mark killed."""
     code = LEAVER.format(end)
+    monkeypatch.setattr(nbgrader_cli, "LEFT_GRACE", 0.1)
     for proc in (run(server, code, tmp_path, timeout=50),  # forked from the warm process
                  nbgrader_cli.child([sys.executable, "-c", code], tmp_path, timeout=50)):  # a fresh interpreter
         assert (proc.returncode, proc.stdout) == (-9 if "KILL" in end else 0, "left one\n")

@@ -96,7 +96,7 @@ def _communicate(proc: subprocess.Popen | WarmProcess, timeout: float | None, ma
     deadline = None if timeout is None else time.monotonic() + timeout
     ended = None
     while True:
-        step = 1.0 if deadline is None else max(0.0, min(1.0, deadline - time.monotonic()))
+        step = min(1.0, LEFT_GRACE) if deadline is None else max(0.0, min(1.0, LEFT_GRACE, deadline - time.monotonic()))
         try:
             return proc.communicate(timeout=step)
         except subprocess.TimeoutExpired:
