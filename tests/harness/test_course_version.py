@@ -1,6 +1,6 @@
 """`course_version` hashes every checks file a graded cell depends on, re-exported siblings included."""
 
-from dlo.harness.grade import checks_modules
+from dlo.harness.submissions import checks_modules
 
 
 def test_a_days_checks_module_brings_the_siblings_it_re_exports():

@@ -15,7 +15,7 @@ import torch
 
 from dlo import nvidia
 from dlo.errors import BadInput
-from dlo.harness import pool, run
+from dlo.harness import run, shares
 
 
 @pytest.fixture
@@ -33,11 +33,11 @@ def gpus(monkeypatch, tmp_path):
 
 def test_grading_slots_share_out_the_parents_gpus(gpus):
     gpus("4,5,6,7")
-    assert [pool.slot_env(s, 2, "full")["CUDA_VISIBLE_DEVICES"] for s in (0, 1)] == ["4,5", "6,7"]
+    assert [shares.slot_env(s, 2, "full")["CUDA_VISIBLE_DEVICES"] for s in (0, 1)] == ["4,5", "6,7"]
     gpus("GPU-8f2a,GPU-11c0,MIG-GPU-8f2a/1/0")
-    assert [pool.slot_env(s, 3, "full")["CUDA_VISIBLE_DEVICES"] for s in range(3)] == [
+    assert [shares.slot_env(s, 3, "full")["CUDA_VISIBLE_DEVICES"] for s in range(3)] == [
         "GPU-8f2a", "GPU-11c0", "MIG-GPU-8f2a/1/0"]
-    assert "CUDA_VISIBLE_DEVICES" not in pool.slot_env(0, 1, "full")  # alone: the parent's GPUs as they are
+    assert "CUDA_VISIBLE_DEVICES" not in shares.slot_env(0, 1, "full")  # alone: the parent's GPUs as they are
 
 
 def test_without_the_nvidia_driver_grading_counts_no_gpu_and_does_not_ask_torch(monkeypatch, tmp_path):
@@ -45,8 +45,8 @@ def test_without_the_nvidia_driver_grading_counts_no_gpu_and_does_not_ask_torch(
 
     monkeypatch.setattr(nvidia, "DRIVER_FILES", (tmp_path / "absent",))
     monkeypatch.setattr(placement, "cuda_count", lambda: pytest.fail("torch asked on a machine without a driver"))
-    assert pool.gpus("auto") == pool.gpus("full") == 0
-    assert "CUDA_VISIBLE_DEVICES" not in pool.slot_env(0, 2, "auto")
+    assert shares.gpus("auto") == shares.gpus("full") == 0
+    assert "CUDA_VISIBLE_DEVICES" not in shares.slot_env(0, 2, "auto")
 
 
 # Days 5 and 7 want 8 ranks (the full presets' world_size), Days 1 and 2 one GPU.

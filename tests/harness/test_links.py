@@ -19,7 +19,7 @@ import time
 import pytest
 
 from dlo.grading import files, testcells
-from dlo.harness.grade import folder_hash, notebook_status
+from dlo.harness.submissions import folder_hash, notebook_status
 from tests.harness.conftest import DAY, POINTS, dlo, read_csv
 from tests.harness.test_toy_course import _student
 

@@ -40,7 +40,7 @@ class Arrivals:
         self.checked = threading.Event()  # set by `grade.main` once its input and --out are checked
 
     def submissions(self) -> tuple[list[str], list[str], dict]:
-        """(students, days, {(student, day): "ok"}) as `grade.find_submissions` gives them: the status
+        """(students, days, {(student, day): "ok"}) as `submissions.find_submissions` gives them: the status
         is said again once each notebook exists (`take`'s check)."""
         return [self.student], sorted(self.days), {(self.student, d): "ok" for d in sorted(self.days)}
 
