@@ -85,8 +85,6 @@ class ResilientExecute(Execute):
                 return super().preprocess(nb, resources, km)
         finally:
             self.end_warming()
-            if self._backend is not None:
-                self._backend.close()
             if self._own_scratch:
                 shutil.rmtree(self._own_scratch, ignore_errors=True)
 
@@ -107,10 +105,16 @@ class ResilientExecute(Execute):
         return self._backend
 
     def end_warming(self) -> None:
-        if getattr(self, "_warming", None) is not None:
-            self._release.set()
-            self._warming.join()
-            self._warming = None
+        """The backend closed (its runner ends by itself, its ranks' CPU time counted), then its thread let go:
+        in that order, or the thread's end would kill the runner's bwrap first."""
+        if getattr(self, "_warming", None) is None:
+            return
+        self._warmed.wait()
+        if self._backend is not None:
+            self._backend.close()
+        self._release.set()
+        self._warming.join()
+        self._warming = None
 
     def _warm(self) -> None:
         try:
