@@ -6,14 +6,11 @@ from __future__ import annotations
 
 import time
 
-import pytest
-
 from dlo.grading import trusted
-from dlo.grading.jail import make_spec, probe
+from dlo.grading.jail import make_spec
 from dlo.grading.trusted import SandboxBackend
 from dlo.harness.execute import ResilientExecute
-
-needs_bwrap = pytest.mark.skipif(probe() != "bwrap", reason=f"bubblewrap cannot run here: {probe()}")
+from tests.harness.test_sandbox import needs_bwrap
 
 
 @needs_bwrap

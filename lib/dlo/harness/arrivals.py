@@ -112,7 +112,7 @@ class Grading:
 def check_layout(out_dir: Path) -> None:
     """BadInput (before any notebook starts) unless the run's --out can be graded as one student's folder: its
     parent holds nothing else (that the grading's folder neither holds it nor lies inside it is `grade`'s
-    own check, `check_paths`)."""
+    own check, `submissions.check_paths`)."""
     parent = out_dir.parent
     others = sorted(p.name for p in parent.iterdir() if p.name != out_dir.name) if parent.is_dir() else []
     if others:

@@ -77,7 +77,7 @@ class ResilientExecute(Execute):
         self._watch = JobWatch(self._limits.memory) if self._limits is not None else None
         self._tests = trusted_test_cells(resources)
         self._last = len(nb.cells) if self.full_notebook else graded.last_graded_index(nb, self._tests)
-        self._backend = None
+        self._backend = self._warming = None
         if self._tests:  # torch, the checks and the runner start while the kernel runs the first cells
             self.start_warming(spec)
         try:
@@ -107,7 +107,7 @@ class ResilientExecute(Execute):
     def end_warming(self) -> None:
         """The backend closed (its runner ends by itself, its ranks' CPU time counted), then its thread let go:
         in that order, or the thread's end would kill the runner's bwrap first."""
-        if getattr(self, "_warming", None) is None:
+        if self._warming is None:
             return
         self._warmed.wait()
         if self._backend is not None:

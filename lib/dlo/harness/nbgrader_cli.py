@@ -64,8 +64,8 @@ def child(cmd: list[str], cwd: Path, *, env: dict | None = None, timeout: float 
     # and the kernels it started) is killed. Its mark goes with everything it starts: once it has ended, what
     # it left (its parent killed, a kernel outlives it in its own session, re-parented) is found and killed.
     base = base_env()
-    mark = (MARK_ENV, uuid.uuid4().hex)
-    env = {**base, **(env or {}), mark[0]: mark[1]}
+    token = uuid.uuid4().hex
+    mark, env = f"{MARK_ENV}={token}", {**base, **(env or {}), MARK_ENV: token}
     proc = warm and GRADER.spawn(cmd[3:], cwd, base, env)  # the arguments after -m ...nbgrader_cli
     if not proc:
         proc = subprocess.Popen(cmd, cwd=cwd, env=env, text=True, stdout=subprocess.PIPE,
@@ -75,10 +75,10 @@ def child(cmd: list[str], cwd: Path, *, env: dict | None = None, timeout: float 
         if _STOPPED.is_set():
             _killpg(proc)
     try:
-        out, err = _communicate(proc, timeout, "=".join(mark))
+        out, err = _communicate(proc, timeout, mark)
     except (subprocess.TimeoutExpired, KeyboardInterrupt) as exc:
         _killpg(proc)
-        kill_tagged("=".join(mark))  # what left its tree holds its pipes too
+        kill_tagged(mark)  # what left its tree holds its pipes too
         proc.communicate()
         if isinstance(exc, KeyboardInterrupt):
             raise
@@ -86,7 +86,7 @@ def child(cmd: list[str], cwd: Path, *, env: dict | None = None, timeout: float 
     finally:
         with _LOCK:
             _LIVE.discard(proc)
-        kill_tagged("=".join(mark))  # it has ended: nothing of it runs on
+        kill_tagged(mark)  # it has ended: nothing of it runs on
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
