@@ -1,4 +1,5 @@
-"""Measurements a student engine cannot fake (issue 33): the bytes a rank sends are counted twice.
+"""Measurements a student engine cannot fake (issue 33): the bytes a rank sends are counted twice, and what
+a ZeRO-1/2 rank keeps shows in its parameters.
 
 The ZeRO checks count each rank's collectives on the rank (`dlo.measure.CommCounter`, beside the
 student's engine) and read what its TCP sockets sent from outside it (`dlo.grading.meter`: the kernel's
@@ -6,8 +7,10 @@ counters, read by the process that launched the ranks). An engine that rewrites 
 - here plain DDP (an all-reduce of the gradients, the whole optimizer on every rank) reporting ZeRO-1's
 reduce-scatter and all-gather, with the held-bytes meter scaled to match - passed the check; the sockets
 now tell. The instructors' ZeRO engines and FSDP2 recipe agree with their sockets; bytes an FSDP2 recipe sends
-beside a patched counter fail. These run real launches (not the
-tests' reused ranks, which have no meter), as a notebook's check and through the grader's sandbox.
+beside a patched counter fail. DDP that moves exactly ZeRO-1's bytes (a reduce-scatter and an all-gather of
+the gradients) and keeps its optimizer state in numpy, out of every tensor meter's sight, is caught by its
+parameters: a disturbed copy stays disturbed. These run real launches (not the tests' reused ranks, which have
+no meter), as a notebook's check and through the grader's sandbox.
 """
 
 from __future__ import annotations
@@ -94,6 +97,67 @@ def test_a_rewritten_comm_meter_fails_in_the_sandbox(student, tmp_path):
     with LocalSandbox(tmp_path) as sandbox, pytest.raises(AssertionError, match=r"zero1: the ranks' sockets sent"):
         sandbox.run(day5.check_zero1, student.DisguisedDDP)
 
+
+
+GATHERED = '''
+import numpy as np
+import torch
+import torch.distributed as dist
+
+class GatheredGradients(torch.nn.Module):
+    """DDP in ZeRO-1's clothes, no meter touched: a reduce-scatter and an all-gather of the *gradients* (what
+    ZeRO-1 sends: its counters and its sockets agree) give every rank the whole averaged gradient; every rank
+    then updates every parameter itself, AdamW's moments kept in numpy arrays, which no tensor meter sees."""
+    def __init__(self, module, optimizer_cls=torch.optim.AdamW, lr=1e-3, weight_decay=0.0, **kw):
+        super().__init__()
+        self.module, self.adam = module, optimizer_cls is torch.optim.AdamW
+        self.params = list(module.parameters())
+        for p in self.params:
+            dist.broadcast(p.data, 0)
+        self.n = sum(p.numel() for p in self.params)
+        self.pad = -self.n % dist.get_world_size()
+        self.lr, self.wd, self.t = lr, weight_decay, 0
+        self.m, self.v = np.zeros(self.n), np.zeros(self.n)
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def step(self):
+        world = dist.get_world_size()
+        flat = torch.cat([p.grad.reshape(-1) for p in self.params] + [self.params[0].new_zeros(self.pad)])
+        shard = flat.new_empty(flat.numel() // world)
+        dist.reduce_scatter_tensor(shard, flat)
+        dist.all_gather_into_tensor(flat, shard)
+        g = (flat[:self.n] / world).numpy()
+        p = torch.cat([q.detach().reshape(-1) for q in self.params]).numpy()
+        if self.adam:
+            self.t += 1
+            p *= 1 - self.lr * self.wd
+            self.m += (g - self.m) * 0.1
+            self.v = self.v * 0.999 + 0.001 * g * g
+            denom = np.sqrt(self.v) / np.sqrt(1 - 0.999 ** self.t) + 1e-8
+            p -= self.lr / (1 - 0.9 ** self.t) * self.m / denom
+        else:
+            p -= self.lr * g
+        for q, new in zip(self.params, torch.from_numpy(p).split([q.numel() for q in self.params])):
+            q.data.copy_(new.view_as(q))
+
+    def zero_grad(self):
+        for p in self.params:
+            p.grad = None
+'''
+
+
+def test_ddp_in_zero_s_clothes_with_its_state_out_of_the_meters_sight_fails():
+    """Issue 33: the memory meters run on the rank. DDP that gets the whole gradient by a reduce-scatter and an
+    all-gather of the gradients (ZeRO-1's bytes: counters and sockets agree) and keeps AdamW's moments in numpy
+    passed check_zero1 with every meter untouched. The parameters tell: ZeRO-1's all-gather of the updated
+    shards overwrites a disturbed copy (`day5.verify_in_sync`); a rank that updates everything keeps it."""
+    ns = {"__name__": "meters_student"}
+    exec(compile(GATHERED, "student cell", "exec"), ns)
+    with pytest.raises(AssertionError, match=r"zero1: rank 1's copy of the parameters was disturbed .* differs from "
+                                             r"rank 0's by up to 0\.5"):
+        day5.check_zero1(ns["GatheredGradients"])
 
 OWN_GROUP = '''
 import torch

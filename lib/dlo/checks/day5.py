@@ -1,18 +1,20 @@
 """Autograder checks for Day 5 (sharded data parallelism: ZeRO-1/2/3 and FSDP2).
 
 The ZeRO checks run the student's engine on `world_size` ranks through `on_ranks`: a trusted worker
-below builds a small language model with a tied embedding and tensors of odd sizes (nothing divides
-by the world size), gives each rank its slice of a global batch, trains, and records what it
-observes: the parameters the modules hold during a forward, the collectives of each phase
-(`dlo.measure.CommCounter`: calls, payload bytes, async, forward/backward/step; their total checked
-against what the ranks' TCP sockets sent, read outside the ranks: `day5_zero.verify_wire`), and the bytes of
-model state the engine holds (`dlo.measure.held_bytes`) after the step and during backward or
-forward. The check compares, outside the worker, with one process on the whole batch: after one
-step of plain SGD (the gradient itself: a sum where a mean is due shows as a factor N) and after k
-AdamW steps; with the ZeRO paper's byte counts (2 Psi sent per step for ZeRO-1/2, 3 Psi for ZeRO-3,
-within 5%) and memory formulas (`dlo.distributed.zero.memory_per_rank`, within the padding of the
-flat buffers and one parameter's gradient). Everything is float64, where a correct engine agrees
-with one process to ~1e-15 (`assert_close`'s default tolerance, 1e-9, catches any slip).
+below builds a small language model with a tied embedding and tensors of odd sizes (nothing divides by
+the world size), gives each rank its slice of a global batch, trains, and records what it observes: the
+parameters the modules hold during a forward, the collectives of each phase (`dlo.measure.CommCounter`:
+calls, payload bytes, async, forward/backward/step; their total checked against what the ranks' TCP
+sockets sent, read outside the ranks: `day5_zero.verify_wire`), and the bytes of model state the engine
+holds (`dlo.measure.held_bytes`) after the step and during backward or forward. The check compares,
+outside the worker, with one process on the whole batch: after one step of plain SGD (the gradient
+itself: a sum where a mean is due shows as a factor N) and after k AdamW steps; ZeRO-1/2's ranks with
+each other after a step in which all but rank 0 had their parameters disturbed (`verify_in_sync`: the
+all-gather of the updated shards makes them equal again); with the ZeRO paper's byte counts (2 Psi sent
+per step for ZeRO-1/2, 3 Psi for ZeRO-3, within 5%) and memory formulas
+(`dlo.distributed.zero.memory_per_rank`, within the padding of the flat buffers and one parameter's
+gradient). Everything is float64, where a correct engine agrees with one process to ~1e-15
+(`assert_close`'s default tolerance, 1e-9, catches any slip).
 
 Here: the accountant (1) and ZeRO-1/2/3 (2-4); their test bench (the model, the trusted worker, the
 comparisons) is `dlo.checks.day5_zero`; FSDP2 (5) is `dlo.checks.day5_fsdp`, re-exported here.
@@ -28,6 +30,7 @@ import torch.distributed as dist
 from dlo.checks.day5_fsdp import check_fsdp2
 from dlo.checks.day5_zero import (
     ALLOWED,
+    DISTURBANCE,
     STEP,
     batch,
     build_engine,
@@ -147,10 +150,35 @@ def check_zero1(cls, seed: int = 0, world_size: int = 2, steps: int = 3) -> None
         expect_bytes(name, "all-gather of the updated parameters", comm_bytes(calls, "all_gather", STEP), psi_b, 1,
                      "all-gather the whole flat parameter buffer once per step", where)
     verify_every_byte(name, res, 1, psi_b, steps, where, padding_bytes(c, world_size))
+    verify_in_sync(name, res, 1, where)
     m = verify_memory(name, res, c, 1, world_size, where)
     ok(name, f"{steps} steps on {world_size} ranks, 2 Psi = {2 * psi_b:,} bytes per step, {res[0]['held']:,} bytes "
              f"held (formula {m['want']:,} + {res[0]['held'] - m['want']:,} of the {m['slack']:,} allowed for "
              f"{ALLOWED[1]}), seed={seed}")
+
+
+def verify_in_sync(name: str, res: list, stage: int, where: str) -> None:
+    """After a step in which ranks 1.. had their parameters disturbed (`day5_zero.disturbed_step`), every rank
+    holds rank 0's parameters, bit for bit: ZeRO-1/2 (Rajbhandari et al. 2020, sec. 5.1) update each shard on
+    its owner and all-gather the updated parameters, so the copies cannot drift. It catches DDP in ZeRO's
+    clothes - a reduce-scatter and an all-gather of the *gradients* (ZeRO-1's bytes, its counters and its
+    sockets agree), then every parameter updated on every rank with the whole optimizer state kept where a
+    tensor meter does not look - from the parameters alone, which no code on the rank can rewrite after
+    they are sent. Not a rank that also keeps a hidden copy of every parameter and writes it back over the
+    disturbance: that one computes exactly what ZeRO-1 computes (lib/dlo/grading/README.md)."""
+    for r, got in enumerate(res[1:], 1):
+        for key, want in res[0]["drift"].items():
+            g = got["drift"].get(key)
+            if g is not None and g.shape == want.shape and torch.equal(g, want):
+                continue
+            off = "is not seen in its forward" if g is None or g.shape != want.shape else \
+                f"differs from rank 0's by up to {(g - want).abs().max().item():.3g}"
+            raise AssertionError(
+                f"{name}: rank {r}'s copy of the parameters was disturbed (+{DISTURBANCE} on every value) between "
+                f"backward and a step; after the step its {key} {off}. A ZeRO-{stage} step ends with the "
+                f"all-gather of the updated shards, which gives every rank its owners' values, so the copies "
+                f"cannot drift; a rank that updates every parameter itself, with the whole optimizer state "
+                f"(DDP's way, however the whole gradient reached it), keeps the disturbance ({where})")
 
 
 @check(forbid=ZERO_REFS)
@@ -189,6 +217,7 @@ def check_zero2(cls, seed: int = 0, world_size: int = 2, steps: int = 3) -> None
             raise AssertionError(f"{name}: an all-reduce of the gradients leaves every rank the full gradient; "
                                  f"reduce-scatter ({where})")
     verify_every_byte(name, res, 2, psi_b, steps, where, padding_bytes(c, world_size))
+    verify_in_sync(name, res, 2, where)
     m = verify_memory(name, res, c, 2, world_size, where)
     biggest = max(p.numel() for p in tied_lm(c, 0).parameters())
     peak_allowed = m["want"] + m["slack"] + 8 * 2 * (60 + biggest)

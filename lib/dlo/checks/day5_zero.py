@@ -18,6 +18,7 @@ import random
 import time
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -27,6 +28,7 @@ from dlo.measure import CommCounter, held_bytes, live_bytes, tally, wire_agrees
 from dlo.models import count_parameters
 
 BYTES_TOL = 0.05  # payload bytes vs 2 Psi / 3 Psi: padding every flat buffer to a multiple of N costs < 2% here
+DISTURBANCE = 0.5  # added to every parameter of ranks 1.. between backward and step (`disturbed_step`)
 
 
 # ----------------------------------------------------------------------------- the test model
@@ -176,7 +178,7 @@ def zero_worker(mine: dict, cls, stage: int, steps: int, extra: dict, one_bucket
                 live_before: int | None = None):
     """`mine`: this rank's part of the case (`rank_part`). Every collective and point-to-point
     message of the rank is counted, from each engine's construction to the last forward (phases
-    "init", "start", "forward", "backward", "step", "after", "adamw"): a byte sent outside the step's
+    "init", "start", "forward", "backward", "step", "after", "drift", "adamw"): a byte sent outside the step's
     own collectives shows. The AdamW run, whose memory is measured, comes first: the rank's growth is
     counted from before the student's objects were unpickled (`live_before`, given by
     `dlo.grading.ranks.run_on_rank`; else from here), so no engine of an earlier phase can hold state
@@ -209,8 +211,28 @@ def zero_worker(mine: dict, cls, stage: int, steps: int, extra: dict, one_bucket
         comm.phase = "after"
         engine.zero_grad()
         out["sgd"] = seen_parameters(model, lambda: engine(probe))
+        if stage < 3:  # ZeRO-1/2: every rank's copy of the parameters is the owners' after a step
+            comm.phase = "drift"
+            disturbed_step(engine, model, batches[0])
+            out["drift"] = seen_parameters(model, lambda: engine(probe))
     out["comm"] = comm.records()
     return out
+
+
+def disturbed_step(engine, model: nn.Module, batch) -> None:
+    """One SGD step in which every rank but 0 has its copy of the parameters disturbed between backward and
+    step (`DISTURBANCE`, as a lost update or a flipped bit would). A ZeRO-1/2 step ends with the all-gather of
+    the updated shards, which overwrites each copy with the owners' values: the ranks end equal. A rank that
+    updates every parameter itself (DDP's way, the whole optimizer state on each rank, however it got the
+    whole gradient) keeps its disturbance, wherever it keeps its optimizer state, in sight of the memory
+    meters or not (`dlo.checks.day5.verify_in_sync`; what it cannot see: lib/dlo/grading/README.md)."""
+    lm_loss(engine, *batch).backward()
+    if dist.get_rank():
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(DISTURBANCE)
+    engine.step()
+    engine.zero_grad()
 
 
 def adamw_phase(mine: dict, cls, stage: int, steps: int, extra: dict, before: int) -> dict:
@@ -316,6 +338,7 @@ def verify_every_byte(name: str, res: list, stage: int, psi_bytes: int, steps: i
     g = 1 if stage == 3 else 0  # ZeRO-3 gathers the parameters for every forward (and again in backward)
     budgets = {"init": {"broadcast": 2}, "start": {"all_gather": g}, "after": {"all_gather": g},
                STEP: {"reduce_scatter": 1, "all_gather": 1 + g},  # the step's phases count together
+               "drift": {"reduce_scatter": 1, "all_gather": 1},  # ZeRO-1/2's disturbed step (`disturbed_step`)
                "adamw": {"reduce_scatter": steps, "all_gather": steps * (1 + g) + g}}
     for r, got in enumerate(res):
         totals: dict[tuple, int] = {}
