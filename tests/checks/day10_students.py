@@ -21,6 +21,16 @@ def merge_no_rescale(o1, lse1, o2, lse2):
 
 
 
+def _attend(q, kv, q_pos, k_pos, causal):
+    """One block's (o_j, lse_j): the queries against the keys and values kv = stack([k, v])."""
+    scores = q @ kv[0].transpose(-2, -1) / math.sqrt(q.shape[-1])
+    if causal:
+        scores = scores.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf"))
+    l_j = torch.logsumexp(scores, -1)
+    p = torch.exp(scores - torch.where(torch.isinf(l_j), torch.zeros_like(l_j), l_j)[..., None])
+    return p @ kv[1], l_j
+
+
 def _ring(q, k, v, causal, *, local_mask=False, hops=None, owner_sign=-1, merge=merge_ok):
     """Rank r's (o, lse): K/V around the ring with isend/irecv, one block per step, merged as it comes."""
     n, r = dist.get_world_size(), dist.get_rank()
@@ -32,12 +42,7 @@ def _ring(q, k, v, causal, *, local_mask=False, hops=None, owner_sign=-1, merge=
     for s in range(steps):
         j = (r + owner_sign * s) % n
         k_pos = torch.arange(t) if local_mask else torch.arange(j * t, (j + 1) * t)
-        scores = q @ kv[0].transpose(-2, -1) / math.sqrt(D)
-        if causal:
-            scores = scores.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf"))
-        l_j = torch.logsumexp(scores, -1)
-        p = torch.exp(scores - torch.where(torch.isinf(l_j), torch.zeros_like(l_j), l_j)[..., None])
-        o, lse = merge(o, lse, p @ kv[1], l_j)
+        o, lse = merge(o, lse, *_attend(q, kv, q_pos, k_pos, causal))
         if s < n - 1:
             recv = torch.empty_like(kv)
             for op in [dist.isend(kv, (r + 1) % n), dist.irecv(recv, (r - 1) % n)]:
@@ -83,6 +88,22 @@ def ring_sends_twice(q, k, v, causal):
     return out
 
 
+
+
+def ring_to_everyone(q, k, v, causal):
+    """Each rank sends its own K/V block to every other rank (the ring's bytes, all N blocks held at once)."""
+    n, r = dist.get_world_size(), dist.get_rank()
+    t = q.shape[2]
+    blocks = [torch.stack([k, v]) if j == r else torch.empty_like(torch.stack([k, v])) for j in range(n)]
+    ops = [op for j in range(n) if j != r
+           for op in (dist.isend(blocks[r], j), dist.irecv(blocks[j], j))]
+    for op in ops:
+        op.wait()
+    o, lse = torch.zeros_like(q), torch.full(q.shape[:3], float("-inf"), dtype=q.dtype)
+    for j in range(n):
+        o, lse = merge_ok(o, lse, *_attend(q, blocks[j], torch.arange(r * t, (r + 1) * t),
+                                           torch.arange(j * t, (j + 1) * t), causal))
+    return o, lse
 
 
 def ring_stub(q, k, v, causal):

@@ -26,6 +26,7 @@ from tests.checks.day10_students import (
     ring_ok,
     ring_sends_twice,
     ring_stub,
+    ring_to_everyone,
     ring_wrong_owner,
 )
 
@@ -231,6 +232,7 @@ SLOW = pytest.mark.slow  # a check on 3 ranks each: the first two run in make te
                                       pytest.param(ring_wrong_owner, "the wrong way round", marks=SLOW),
                                       pytest.param(ring_no_rescale, "without rescaling", marks=SLOW),
                                       pytest.param(ring_sends_twice, "bytes; passing its K and V", marks=SLOW),
+                                      (ring_to_everyone, "rank 0 sent to ranks [1, 2]: in a ring"),
                                       pytest.param(ring_stub, "NotImplementedError", marks=SLOW)])
 def test_ring_forward_names_the_slip(ranks, one_thread, bad, slip):
     with pytest.raises(AssertionError, match=re.escape(slip)):

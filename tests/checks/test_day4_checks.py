@@ -89,6 +89,39 @@ def ring_drops_remainder(t):
         ring_ok(t.view(-1)[:n])
 
 
+def ring_to_everyone(t):
+    """Every rank sends its whole tensor to every other rank and adds what it gets: the right sum, no ring."""
+    n, r = dist.get_world_size(), dist.get_rank()
+    mine, got = t.clone(), [torch.empty_like(t) for _ in range(n)]
+    ops = [op for p in range(n) if p != r for op in (dist.isend(mine, p), dist.irecv(got[p], p))]
+    for op in ops:
+        op.wait()
+    for p in range(n):
+        if p != r:
+            t += got[p]
+    return t
+
+
+def ring_whole_tensor(t):
+    """The whole tensor passed N-1 times round the ring: the right sum, (N-1) n values sent, not 2(N-1)/N n."""
+    n, r = dist.get_world_size(), dist.get_rank()
+    passing, total, incoming = t.clone(), t.clone(), torch.empty_like(t)
+    for _ in range(n - 1):
+        for op in [dist.isend(passing, (r + 1) % n), dist.irecv(incoming, (r - 1) % n)]:
+            op.wait()
+        total += incoming
+        passing = incoming.clone()
+    return t.copy_(total)
+
+
+@pytest.mark.parametrize("fn,match", [(ring_to_everyone, r"rank 0 sent to ranks \[1, 2\]: in a ring"),
+                                      (ring_whole_tensor, "pass one chunk per step, not the whole tensor")])
+def test_ring_rejects_the_right_sum_without_a_ring(fn, match):
+    """Issue 33: the check compared only the sums, so any exchange of the tensors earned the ring's points."""
+    with pytest.raises(AssertionError, match=match):
+        day4.check_ring_all_reduce(fn, seed=1, world_size=3)
+
+
 @pytest.mark.parametrize("world_size", [3])
 def test_ring_accepts_correct(world_size):
     day4.check_ring_all_reduce(ring_ok, seed=1, world_size=world_size)

@@ -26,9 +26,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from dlo.checks.day4_data import check_all_reduce_metrics, check_shard_indices
-from dlo.grading.api import case_seed, check, on_ranks
+from dlo.grading.api import case_seed, check, on_ranks, wire_sent
 from dlo.grading.compare import DTYPE, assert_close, ok
-from dlo.measure import CommCounter
+from dlo.measure import CommCounter, wire_agrees
 
 TOL = 1e-10  # float64: correct code agrees to ~1e-15, a slip is off by >= 1e-3
 POINT_TO_POINT = "build the all-reduce from dist.send/dist.recv or dist.isend/dist.irecv (point-to-point) only"
@@ -70,12 +70,15 @@ def _ring_case(seed: int, trials: int, w: int):
 
 
 def _ring_worker(mine: list, fn):
-    """`mine`: this rank's own input of each trial."""
+    """`mine`: this rank's own input of each trial. Per trial: the sum, and what this rank sent to whom
+    (`CommCounter`, beside the student's code; its total is checked against the rank's sockets)."""
     out = []
     for t in mine:
         got = t.clone()
-        res = fn(got)
-        out.append(res if isinstance(res, torch.Tensor) else got)
+        with CommCounter() as counter:
+            res = fn(got)
+        out.append({"sum": res if isinstance(res, torch.Tensor) else got, "to": counter.sent_by_peer(),
+                    "sent": sum(counter.by_kind("sent").values()), "records": counter.records()})
     return out
 
 
@@ -83,17 +86,40 @@ def _ring_worker(mine: list, fn):
 def check_ring_all_reduce(fn, seed: int = 0, world_size: int = 2, trials: int = 6) -> None:
     """`fn(tensor)` sums tensor over the ranks (in place, or returns the sum) with point-to-point
     messages only; compared with the sum of the ranks' inputs on random float64 tensors of odd sizes,
-    some smaller than the world size."""
-    trials = max(trials, 5)
-    case = _ring_case(case_seed(seed), trials, world_size)  # a secret seed when graded
-    got = on_ranks(_ring_worker, world_size, fn, per_rank=[[inputs[r] for _, inputs in case]
-                                                          for r in range(world_size)])
+    some smaller than the world size. A ring: each rank sends to one neighbour only, 2(N-1) chunks of
+    ceil(n/N) elements at most (`ring_sent`)."""
+    trials, n = max(trials, 5), world_size
+    case = _ring_case(case_seed(seed), trials, n)  # a secret seed when graded
+    got = on_ranks(_ring_worker, n, fn, per_rank=[[inputs[r] for _, inputs in case] for r in range(n)])
     for t, (shape, inputs) in enumerate(case):
         want = torch.stack(inputs).sum(0)
-        for r in range(world_size):
-            _close("ring_all_reduce", f"the result on rank {r}", got[r][t], want,
-                   f"world_size={world_size}, shape={shape}; sum over ranks, in place or returned")
-    ok("ring_all_reduce", f"{trials} sizes on {world_size} ranks, seed={seed}")
+        for r in range(n):
+            _close("ring_all_reduce", f"the result on rank {r}", got[r][t]["sum"], want,
+                   f"world_size={n}, shape={shape}; sum over ranks, in place or returned")
+            ring_sent("ring_all_reduce", got[r][t], r, n, want.numel(), f"world_size={n}, shape={shape}")
+    sent = wire_sent()  # None on the tests' reused ranks, which have no meter
+    problem = sent and wire_agrees([[rec for trial in got[r] for rec in trial["records"]] for r in range(n)], sent, n)
+    if problem:
+        raise AssertionError(f"ring_all_reduce: {problem}: every byte a rank sends is counted twice, by its "
+                             f"messages and by its sockets, read outside it (world_size={n})")
+    ok("ring_all_reduce", f"{trials} sizes on {n} ranks, each rank sending to one neighbour, seed={seed}")
+
+
+def ring_sent(name: str, got: dict, r: int, n: int, numel: int, where: str) -> None:
+    """What a ring all-reduce sends (Patarasuk & Yuan 2009): rank r only to one neighbour ((r + 1) % N, or
+    (r - 1) % N for a ring run the other way), N-1 chunks in the reduce-scatter and N-1 in the all-gather,
+    a chunk ceil(n / N) elements (the padded copy: tensor_split's chunks are no larger). An exchange with every
+    rank, or the whole tensor passed around the ring, sums right but is not the ring the exercise builds.
+    `got`: the worker's record of one call (`to`: bytes per peer; `sent`: all bytes, every kind)."""
+    to = got["to"]
+    if len(to) > 1 or not set(to) <= {(r + 1) % n, (r - 1) % n}:
+        raise AssertionError(f"{name}: rank {r} sent to ranks {sorted(to)}: in a ring each rank sends to one "
+                             f"neighbour only, (rank + 1) % N, and receives from (rank - 1) % N ({where})")
+    limit = 2 * (n - 1) * -(-numel // n) * torch.finfo(DTYPE).bits // 8
+    if got["sent"] > limit:
+        raise AssertionError(f"{name}: rank {r} sent {got['sent']:,.0f} bytes for {numel} float64 values; a "
+                             f"ring sends 2(N-1) = {2 * (n - 1)} chunks of ceil(n/N) = {-(-numel // n)} values, "
+                             f"{limit:,} bytes: pass one chunk per step, not the whole tensor ({where})")
 
 
 # ----------------------------------------------------------------------------- training helpers
