@@ -20,6 +20,7 @@ from tests.checks.day10_students import (
     merge_no_rescale,
     merge_ok,
     ring_all_gather,
+    ring_always_causal,
     ring_hop_short,
     ring_local_mask,
     ring_no_rescale,
@@ -233,6 +234,7 @@ SLOW = pytest.mark.slow  # a check on 3 ranks each: the first two run in make te
                                       pytest.param(ring_no_rescale, "without rescaling", marks=SLOW),
                                       pytest.param(ring_sends_twice, "bytes; passing its K and V", marks=SLOW),
                                       (ring_to_everyone, "rank 0 sent to ranks [1, 2]: in a ring"),
+                                      (ring_always_causal, "causal=False"),
                                       pytest.param(ring_stub, "NotImplementedError", marks=SLOW)])
 def test_ring_forward_names_the_slip(ranks, one_thread, bad, slip):
     with pytest.raises(AssertionError, match=re.escape(slip)):

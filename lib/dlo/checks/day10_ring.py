@@ -27,20 +27,27 @@ RING_HINT = ("pass the K/V blocks with dist.isend/dist.irecv (point-to-point) an
              "with your merge_partials")
 
 
+MASKS = (True, False)  # each case is run causal, then not: a slip in either branch shows
+
+
 def _ring_case(seed: int, n: int) -> dict:
     rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
     B, H, t, D = rng.choice([1, 2]), rng.choice([1, 3]), rng.choice([3, 5, 7]), rng.choice([3, 4, 5])
     q, k, v = (torch.randn(B, H, n * t, D, generator=gen, dtype=torch.float64) for _ in range(3))
-    return {"q": q, "k": k, "v": v, "causal": seed % 2 == 0 or n > 2, "where": dict(B=B, H=H, T=n * t, D=D, N=n)}
+    return {"q": q, "k": k, "v": v, "where": dict(B=B, H=H, T=n * t, D=D, N=n)}
 
 
-def _ring_worker(mine: dict, fn, causal: bool):
-    with CommCounter() as counter:
-        got = fn(mine["q"], mine["k"], mine["v"], causal)
-    if not isinstance(got, (tuple, list)) or len(got) != 2:
-        return {"error": f"returned {type(got).__name__}, expected a pair (o, lse)"}
-    return {"o": got[0], "lse": got[1], "sent": counter.by_kind("sent"), "to": counter.sent_by_peer(),
-            "records": counter.records()}
+def _ring_worker(mine: dict, fn, masks: tuple) -> list:
+    """One call of `fn` per mask (`MASKS`), each counted on its own: what it returned, what it sent, to whom."""
+    out = []
+    for causal in masks:
+        with CommCounter() as counter:
+            got = fn(mine["q"], mine["k"], mine["v"], causal)
+        if not isinstance(got, (tuple, list)) or len(got) != 2:
+            return out + [{"error": f"returned {type(got).__name__}, expected a pair (o, lse)"}]
+        out.append({"o": got[0], "lse": got[1], "sent": counter.by_kind("sent"), "to": counter.sent_by_peer(),
+                    "records": counter.records()})
+    return out
 
 
 def _simulated(c: dict, n: int, r: int, blocks, positions, merge=cp.merge_partials):
@@ -88,8 +95,21 @@ def check_ring_forward(fn, seed: int = 0, world_size: int = 2) -> None:
     c = _ring_case(case_seed(seed), n)
     t = c["q"].shape[2] // n
     parts = [{x: c[x][:, :, r * t:(r + 1) * t].clone() for x in ("q", "k", "v")} for r in range(n)]
-    got = on_ranks(_ring_worker, n, fn, c["causal"], per_rank=parts)
-    T = c["q"].shape[2]
+    got = on_ranks(_ring_worker, n, fn, MASKS, per_rank=parts)
+    for i, causal in enumerate(MASKS):
+        _verify(name, {**c, "causal": causal}, n, [res[min(i, len(res) - 1)] for res in got])
+    problem = wire_sent() and wire_agrees([[rec for call in res for rec in call["records"]] for res in got],
+                                          wire_sent(), n)
+    if problem:
+        raise AssertionError(f"{name}: {problem}: every byte a rank sends is counted twice, by its messages and by "
+                             f"its sockets, read outside it ({fmt(c['where'])})")
+    ok(name, f"{n} ranks, T={c['where']['T']}, causal and not, seed={seed}")
+
+
+def _verify(name: str, c: dict, n: int, got: list) -> None:
+    """Every rank's (o, lse) for one mask (`c["causal"]`) against one process on the whole sequence, the usual
+    slips named; what it sent (the ring's bytes) and to whom (one neighbour)."""
+    t, T = c["q"].shape[2] // n, c["q"].shape[2]
     everything = torch.arange(T)
     o_all, lse_all = cp.block_attention(c["q"], c["k"], c["v"], everything, everything, c["causal"])
     B, H, _, D = c["q"].shape
@@ -114,8 +134,3 @@ def check_ring_forward(fn, seed: int = 0, world_size: int = 2) -> None:
             raise AssertionError(f"{name}: rank {r} sent to ranks {sorted(res['to'])}: in a ring each rank passes "
                                  f"the K/V block it holds to one neighbour, (rank + 1) % N; sending its own block to "
                                  f"every rank moves the same bytes but keeps all N blocks at once ({fmt(here)})")
-    problem = wire_sent() and wire_agrees([res["records"] for res in got], wire_sent(), n)
-    if problem:
-        raise AssertionError(f"{name}: {problem}: every byte a rank sends is counted twice, by its messages and by "
-                             f"its sockets, read outside it ({fmt(c['where'])})")
-    ok(name, f"{n} ranks, T={T}, causal={c['causal']}, seed={seed}")
