@@ -3,7 +3,7 @@
 The case is drawn here (a secret seed under `dlo grade`); each rank is given only its contiguous shard of
 q, k, v (float64, odd sizes) and runs the student's function in a trusted worker that counts what it
 sends, and to whom (`dlo.measure.CommCounter`; its total checked against the rank's sockets, read outside it:
-`dlo.measure.wire_agrees`). The comparison with one process on the whole sequence
+`dlo.grading.api.verify_wire`). The comparison with one process on the whole sequence
 (`dlo.distributed.context_parallel.block_attention` over all T keys) is made here, outside the ranks; a
 mismatch is named by simulating the usual slips on the same shards here (a causal mask on each block's
 local positions, a hop short, the blocks' owners counted the wrong way round the ring, no rescale).
@@ -15,11 +15,11 @@ import random
 
 import torch
 
-from dlo.checks.day4 import COLLECTIVES
+from dlo.checks.day4 import COLLECTIVES, one_neighbour
 from dlo.distributed import context_parallel as cp
-from dlo.grading.api import case_seed, check, on_ranks, wire_sent
+from dlo.grading.api import case_seed, check, on_ranks, verify_wire
 from dlo.grading.compare import assert_close, fmt, ok
-from dlo.measure import CommCounter, wire_agrees
+from dlo.measure import CommCounter
 
 RING = ("dlo.distributed.context_parallel.*", "dlo.distributed.ulysses.*", "dlo.distributed.tp_comms.*",
         "dlo.distributed.expert_parallel.*") + COLLECTIVES
@@ -98,11 +98,7 @@ def check_ring_forward(fn, seed: int = 0, world_size: int = 2) -> None:
     got = on_ranks(_ring_worker, n, fn, MASKS, per_rank=parts)
     for i, causal in enumerate(MASKS):
         _verify(name, {**c, "causal": causal}, n, [res[min(i, len(res) - 1)] for res in got])
-    problem = wire_sent() and wire_agrees([[rec for call in res for rec in call["records"]] for res in got],
-                                          wire_sent(), n)
-    if problem:
-        raise AssertionError(f"{name}: {problem}: every byte a rank sends is counted twice, by its messages and by "
-                             f"its sockets, read outside it ({fmt(c['where'])})")
+    verify_wire(name, [[rec for call in res for rec in call["records"]] for res in got], n, fmt(c["where"]))
     ok(name, f"{n} ranks, T={c['where']['T']}, causal and not, seed={seed}")
 
 
@@ -130,7 +126,7 @@ def _verify(name: str, c: dict, n: int, got: list) -> None:
         if sent != ring:
             raise AssertionError(f"{name}: rank {r} sent {sent:,.0f} bytes; passing its K and V blocks N-1 = {n - 1} "
                                  f"times around the ring sends {ring:,} (2 B H T/N D x 8 bytes per hop) ({fmt(here)})")
-        if len(res["to"]) > 1 or not set(res["to"]) <= {(r + 1) % n, (r - 1) % n}:
+        if not one_neighbour(res["to"], r, n):
             raise AssertionError(f"{name}: rank {r} sent to ranks {sorted(res['to'])}: in a ring each rank passes "
                                  f"the K/V block it holds to one neighbour, (rank + 1) % N; sending its own block to "
                                  f"every rank moves the same bytes but keeps all N blocks at once ({fmt(here)})")

@@ -26,9 +26,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from dlo.checks.day4_data import check_all_reduce_metrics, check_shard_indices
-from dlo.grading.api import case_seed, check, on_ranks, wire_sent
+from dlo.grading.api import case_seed, check, on_ranks, verify_wire
 from dlo.grading.compare import DTYPE, assert_close, ok
-from dlo.measure import CommCounter, wire_agrees
+from dlo.measure import CommCounter
 
 TOL = 1e-10  # float64: correct code agrees to ~1e-15, a slip is off by >= 1e-3
 POINT_TO_POINT = "build the all-reduce from dist.send/dist.recv or dist.isend/dist.irecv (point-to-point) only"
@@ -97,12 +97,15 @@ def check_ring_all_reduce(fn, seed: int = 0, world_size: int = 2, trials: int = 
             _close("ring_all_reduce", f"the result on rank {r}", got[r][t]["sum"], want,
                    f"world_size={n}, shape={shape}; sum over ranks, in place or returned")
             ring_sent("ring_all_reduce", got[r][t], r, n, want.numel(), f"world_size={n}, shape={shape}")
-    sent = wire_sent()  # None on the tests' reused ranks, which have no meter
-    problem = sent and wire_agrees([[rec for trial in got[r] for rec in trial["records"]] for r in range(n)], sent, n)
-    if problem:
-        raise AssertionError(f"ring_all_reduce: {problem}: every byte a rank sends is counted twice, by its "
-                             f"messages and by its sockets, read outside it (world_size={n})")
+    verify_wire("ring_all_reduce", [[rec for trial in got[r] for rec in trial["records"]] for r in range(n)], n,
+                f"world_size={n}")
     ok("ring_all_reduce", f"{trials} sizes on {n} ranks, each rank sending to one neighbour, seed={seed}")
+
+
+def one_neighbour(to: dict, r: int, n: int) -> bool:
+    """Whether rank r of a ring of n sent (`to`: {peer: bytes}, `CommCounter.sent_by_peer`) to one neighbour
+    only: (r + 1) % n, or (r - 1) % n for a ring run the other way."""
+    return len(to) <= 1 and set(to) <= {(r + 1) % n, (r - 1) % n}
 
 
 def ring_sent(name: str, got: dict, r: int, n: int, numel: int, where: str) -> None:
@@ -112,7 +115,7 @@ def ring_sent(name: str, got: dict, r: int, n: int, numel: int, where: str) -> N
     rank, or the whole tensor passed around the ring, sums right but is not the ring the exercise builds.
     `got`: the worker's record of one call (`to`: bytes per peer; `sent`: all bytes, every kind)."""
     to = got["to"]
-    if len(to) > 1 or not set(to) <= {(r + 1) % n, (r - 1) % n}:
+    if not one_neighbour(to, r, n):
         raise AssertionError(f"{name}: rank {r} sent to ranks {sorted(to)}: in a ring each rank sends to one "
                              f"neighbour only, (rank + 1) % N, and receives from (rank - 1) % N ({where})")
     limit = 2 * (n - 1) * -(-numel // n) * torch.finfo(DTYPE).bits // 8

@@ -5,7 +5,7 @@ below builds a small language model with a tied embedding and tensors of odd siz
 the world size), gives each rank its slice of a global batch, trains, and records what it observes: the
 parameters the modules hold during a forward, the collectives of each phase (`dlo.measure.CommCounter`:
 calls, payload bytes, async, forward/backward/step; their total checked against what the ranks' TCP
-sockets sent, read outside the ranks: `day5_zero.verify_wire`), and the bytes of model state the engine
+sockets sent, read outside the ranks: `dlo.grading.api.verify_wire`), and the bytes of model state the engine
 holds (`dlo.measure.held_bytes`) after the step and during backward or forward. The check compares,
 outside the worker, with one process on the whole batch: after one step of plain SGD (the gradient
 itself: a sum where a mean is due shows as a factor N) and after k AdamW steps; ZeRO-1/2's ranks with
@@ -47,11 +47,10 @@ from dlo.checks.day5_zero import (
     verify_every_byte,
     verify_memory,
     verify_training,
-    verify_wire,
     zero_worker,
 )
 from dlo.distributed.zero import memory_per_rank
-from dlo.grading.api import case_seed, check, on_ranks, wire_sent
+from dlo.grading.api import case_seed, check, on_ranks, verify_wire
 from dlo.grading.compare import DTYPE, assert_number, ok
 from dlo.measure import comm_bytes, held_bytes
 from dlo.models import count_parameters
@@ -137,7 +136,7 @@ def check_zero1(cls, seed: int = 0, world_size: int = 2, steps: int = 3) -> None
     where = f"world_size={world_size}, seed={seed}"
     verify_training(name, res, c, secret, steps, world_size, seed)
     verify_wire(name, [[rec for key in ("one_bucket_comm", "comm", "adamw_comm") for rec in got.get(key, ())]
-                       for got in res], wire_sent(), world_size, where)
+                       for got in res], world_size, where)
     psi_b = 8 * count_psi(c)
     for r, got in enumerate(res):
         calls = got["comm"]
@@ -195,7 +194,7 @@ def check_zero2(cls, seed: int = 0, world_size: int = 2, steps: int = 3) -> None
     where = f"world_size={world_size}, seed={seed}"
     verify_training(name, res, c, secret, steps, world_size, seed)
     verify_wire(name, [[rec for key in ("one_bucket_comm", "comm", "adamw_comm") for rec in got.get(key, ())]
-                       for got in res], wire_sent(), world_size, where)
+                       for got in res], world_size, where)
     psi_b = 8 * count_psi(c)
     for r, got in enumerate(res):
         rs = [x for x in got["comm"] if x["kind"] == "reduce_scatter" and x["phase"] in STEP]
@@ -244,7 +243,7 @@ def check_zero3(cls, seed: int = 0, world_size: int = 2, steps: int = 3) -> None
     where = f"world_size={world_size}, seed={seed}"
     verify_training(name, res, c, secret, steps, world_size, seed)
     verify_wire(name, [[rec for key in ("one_bucket_comm", "comm", "adamw_comm") for rec in got.get(key, ())]
-                       for got in res], wire_sent(), world_size, where)
+                       for got in res], world_size, where)
     psi_b = 8 * count_psi(c)
     for got in res:
         calls = got["comm"]

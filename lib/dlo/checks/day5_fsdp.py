@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dlo.checks.day5_zero import BYTES_TOL, STEP, batch, lm_loss, optimizer_for, train_on_full_batch, verify_wire
-from dlo.grading.api import case_seed, check, on_ranks, wire_sent
+from dlo.checks.day5_zero import BYTES_TOL, STEP, batch, lm_loss, optimizer_for, train_on_full_batch
+from dlo.grading.api import case_seed, check, on_ranks, verify_wire
 from dlo.grading.compare import DTYPE, assert_close, ok
 from dlo.measure import CommCounter, comm_bytes
 
@@ -191,7 +191,7 @@ def check_fsdp2(fn, seed: int = 0, world_size: int = 2, steps: int = 3) -> None:
     res = on_ranks(_fsdp_worker, world_size, fn, steps, per_rank=fsdp_parts(cfg, c, secret, world_size, steps))
     where = f"world_size={world_size}, n_layers={cfg.n_layers}, seed={seed}"
     counted = [[rec for run in ("sgd", "adamw", "bf16") for rec in got[run]["wire"]] for got in res]
-    verify_wire(name, counted, wire_sent(), world_size, where)
+    verify_wire(name, counted, world_size, where)
     sgd, adamw = (llama_reference(cfg, c, secret, k, s, world_size) for k, s in (("sgd", 1), ("adamw", steps)))
     for r, got in enumerate(res):
         _check_fsdp_structure(name, got["sgd"]["structure"], cfg.n_layers, f"{where}, rank {r}")

@@ -24,7 +24,7 @@ from torch import nn
 
 from dlo.distributed.zero import memory_per_rank
 from dlo.grading.compare import DTYPE, assert_close
-from dlo.measure import CommCounter, held_bytes, live_bytes, tally, wire_agrees
+from dlo.measure import CommCounter, held_bytes, live_bytes, tally
 from dlo.models import count_parameters
 
 BYTES_TOL = 0.05  # payload bytes vs 2 Psi / 3 Psi: padding every flat buffer to a multiple of N costs < 2% here
@@ -406,18 +406,3 @@ def verify_memory(name: str, res: list, c: dict, stage: int, n: int, where: str)
                                  f"{ALLOWED.get(stage, 'padding')}): something replicated "
                                  f"should be sharded, or a full-size buffer outlives the step ({where})")
     return {"psi": psi, "want": want, "slack": slack}
-
-
-def verify_wire(name: str, records: list[list[dict]], sent: list[int] | None, n: int, where: str) -> None:
-    """The collectives each rank's counter reported (`records`, per rank: `CommCounter.records()` on the rank,
-    beside the student's engine) against the bytes its TCP sockets sent (`api.wire_sent`: the kernel's counters,
-    read by the process that launched the ranks): a counter the engine patched, or bytes sent beside it (the C++
-    process group called directly, a socket of one's own), disagree. Not measured on the tests' reused ranks
-    (None)."""
-    if sent is None:
-        return
-    problem = wire_agrees(records, sent, n)
-    if problem:
-        raise AssertionError(f"{name}: {problem}. The grader counts every byte twice: by the collectives your "
-                             f"ranks issue and by what their sockets send, read outside them; an engine that "
-                             f"changes the count on the rank, or moves bytes the count does not see, fails ({where})")

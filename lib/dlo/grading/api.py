@@ -56,6 +56,7 @@ from dlo.grading.frames import GraderError, as_grader_error, fold_exception, fol
 from dlo.grading.meter import SocketMeter
 from dlo.grading.ranks import rank_payload, run_on_rank, worker_ref, write_shards
 from dlo.grading.seal import sealed
+from dlo.measure.comm import wire_agrees
 
 RANK_TIMEOUT = 120.0      # seconds a check's ranks may run: a deadlock ends here, not never
 
@@ -261,8 +262,24 @@ def on_ranks(worker: Callable, world_size: int, *args, timeout: float = RANK_TIM
 def wire_sent() -> list[int] | None:
     """The bytes each rank's TCP sockets sent during the check's last `on_ranks` (gloo), as the kernel
     counted them and read from outside the ranks (`dlo.grading.meter`); None where it was not measured
-    (the tests' reused ranks). Compare with what the ranks' counters report: `dlo.measure.wire_agrees`."""
+    (the tests' reused ranks). Compared with what the ranks' counters report by `verify_wire`."""
     return getattr(_session(), "wire", None)
+
+
+def verify_wire(name: str, records: list[list[dict]], world_size: int, where: str) -> None:
+    """What each rank's counter reported (`records`, per rank: `CommCounter.records()` on the rank, beside the
+    student's code) against the bytes its TCP sockets sent in the last `on_ranks` (`wire_sent`: the kernel's
+    counters, read by the process that launched the ranks): a counter the student's code patched, or bytes
+    sent beside it (the C++ process group called directly, a socket of one's own), disagree. Not measured on
+    the tests' reused ranks (nothing to compare)."""
+    sent = wire_sent()
+    if sent is None:
+        return
+    problem = wire_agrees(records, sent, world_size)
+    if problem:
+        raise AssertionError(f"{name}: {problem}. The grader counts every byte twice: by the messages your "
+                             f"ranks send and by what their sockets send, read outside them; code that "
+                             f"changes the count on the rank, or moves bytes the count does not see, fails ({where})")
 
 
 _SECRET = secrets.token_bytes(16)  # drawn once per grading process (`new_secret`); never leaves it
