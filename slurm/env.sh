@@ -20,5 +20,8 @@ elif command -v conda >/dev/null 2>&1; then
 else
     echo "slurm/env.sh: no ./.venv and no conda for DLO_ENV=$DLO_ENV; set DLO_ENV to a venv path" >&2; exit 2
 fi
+# A process killed by a signal (a C++ abort inside a collective or at exit, a segfault) prints every Python
+# thread's stack to stderr, so the job's log says where a rank died, not only "Signal 6 (SIGABRT)".
+export PYTHONFAULTHANDLER=${PYTHONFAULTHANDLER:-1}
 command -v dlo >/dev/null || { echo "slurm/env.sh: $DLO_ENV has no dlo command (pip install -e .)" >&2; exit 2; }
 echo "$(date) $(hostname) job ${SLURM_JOB_ID:-?}: environment $DLO_ENV ($(command -v python)), GPUs ${CUDA_VISIBLE_DEVICES:-none}"

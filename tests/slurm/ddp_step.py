@@ -58,3 +58,5 @@ if __name__ == "__main__":
     out = launch(ddp_step, int(sys.argv[2]) if len(sys.argv) > 2 else 2)
     if is_main():
         torch.save(out, sys.argv[1])
+    # a rank that dies after this line died at exit (the process group closed by launch's atexit), not in a step
+    print(f"rank {os.environ.get('RANK')}: done", flush=True)
