@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import math
 import re
+import sys
+import types
 
 import pytest
 import torch
@@ -52,6 +54,20 @@ def merge_nan_on_empty(o1, lse1, o2, lse2):
     return torch.exp(lse1 - lse)[..., None] * o1 + torch.exp(lse2 - lse)[..., None] * o2, lse
 
 
+def merge_one_max(o1, lse1, o2, lse2):
+    """The red team's: one maximum for the whole tensor, right while all rows' log-sum-exps lie together."""
+    both = torch.cat([lse1.flatten(), lse2.flatten()])
+    m = both[torch.isfinite(both)].max() if torch.isfinite(both).any() else lse1.new_zeros(())
+    e1, e2 = torch.exp(lse1 - m), torch.exp(lse2 - m)
+    s = e1 + e2
+    return (e1[..., None] * o1 + e2[..., None] * o2) / torch.where(s > 0, s, 1.0)[..., None], torch.log(s) + m
+
+
+def merge_lse_float32(o1, lse1, o2, lse2):
+    o, lse = merge_ok(o1, lse1, o2, lse2)
+    return o, lse.float()
+
+
 # ----------------------------------------------------------------------------- exercise 2: the zig-zag split
 
 def split_ok(x, n, rank):
@@ -92,6 +108,23 @@ def unsplit_tails_in_order(shards):
     return torch.cat([s.chunk(2, 2)[0] for s in shards] + [s.chunk(2, 2)[1] for s in shards], 2)
 
 
+STASH = "_dlo_test_zigzag_stash"  # a module both functions reach by reference (the grader pickles each by value)
+
+
+def split_stash(x, n, rank):
+    """The red team's: keeps the full x, which its unsplit returns without looking at the shards."""
+    sys.modules.setdefault(STASH, types.ModuleType(STASH)).x = x.clone()
+    return split_ok(x, n, rank)
+
+
+def unsplit_stash(shards):
+    return sys.modules[STASH].x.clone()
+
+
+def split_refuses_on_rank_0_only(x, n, rank):
+    return split_ok(x, n, rank) if rank == 0 else split_no_check(x, n, rank)
+
+
 # ----------------------------------------------------------------------------- exercise 3: the router
 
 def _route(logits, top_k, capacity_factor, *, cap_fn=math.ceil, extra=0, order="choice", renorm=True):
@@ -118,6 +151,12 @@ def route_ok(logits, top_k, capacity_factor):
     return _route(logits, top_k, capacity_factor)
 
 
+def route_other_order(logits, top_k, capacity_factor):
+    """The same rule with the capacity's product written S f k / E."""
+    return _route(logits, top_k, capacity_factor, cap_fn=lambda _: math.ceil(
+        logits.shape[0] * capacity_factor * top_k / logits.shape[1]))
+
+
 def route_floor(logits, top_k, capacity_factor):
     return _route(logits, top_k, capacity_factor, cap_fn=math.floor)
 
@@ -136,6 +175,16 @@ def route_token_major(logits, top_k, capacity_factor):
 
 def route_not_renormalised(logits, top_k, capacity_factor):
     return _route(logits, top_k, capacity_factor, renorm=False)
+
+
+def route_float_experts(logits, top_k, capacity_factor):
+    experts, gates, kept = route_ok(logits, top_k, capacity_factor)
+    return experts.float(), gates, kept
+
+
+def route_float32_gates(logits, top_k, capacity_factor):
+    experts, gates, kept = route_ok(logits, top_k, capacity_factor)
+    return experts, gates.float(), kept
 
 
 # ----------------------------------------------------------------------------- exercise 5: dispatch and combine
@@ -175,6 +224,20 @@ def dispatch_no_minlength(x, experts, kept, n_experts):
     return dispatch_ok(x, experts, kept, n_experts)[0], torch.bincount(experts[kept])
 
 
+def dispatch_float_counts(x, experts, kept, n_experts):
+    rows, counts = dispatch_ok(x, experts, kept, n_experts)
+    return rows, counts.float()
+
+
+def dispatch_float32_rows(x, experts, kept, n_experts):
+    rows, counts = dispatch_ok(x, experts, kept, n_experts)
+    return rows.float(), counts
+
+
+def combine_float32(y, experts, gates, kept, n_tokens):
+    return combine_ok(y, experts, gates, kept, n_tokens).float()
+
+
 def combine_no_gates(y, experts, gates, kept, n_tokens):
     return combine_ok(y, experts, torch.ones_like(gates), kept, n_tokens)
 
@@ -191,19 +254,28 @@ def combine_priority_order(y, experts, gates, kept, n_tokens):
 CASES = [
     (day10.check_merge_partials, (merge_ok,), [
         ((merge_no_rescale,), "without rescaling"), ((merge_overflow,), "overflows"),
-        ((merge_lse_max,), "max(L1, L2)"), ((merge_nan_on_empty,), "nan in the output"), ((stub,), "")]),
+        ((merge_lse_max,), "max(L1, L2)"), ((merge_nan_on_empty,), "nan in the output"),
+        ((merge_one_max,), "not one maximum over the whole tensor"),
+        ((merge_lse_float32,), "lse is float32, expected the inputs' float64"), ((stub,), "")]),
     (day10.check_zigzag, (split_ok, unsplit_ok), [
         ((split_contiguous, unsplit_ok), "a contiguous split"), ((split_swapped, unsplit_ok), "head and tail swapped"),
         ((split_tail_off_by_one, unsplit_ok), "chunk 2N-r"), ((split_no_check, unsplit_ok), "must raise ValueError"),
-        ((split_ok, unsplit_tails_in_order), "tails in rank order"), ((stub, unsplit_ok), "")]),
+        ((split_ok, unsplit_tails_in_order), "tails in rank order"),
+        ((split_stash, unsplit_stash), "unsplit(shards) (shards of a sequence split_fn never saw)"),
+        ((split_refuses_on_rank_0_only, unsplit_ok), "must raise ValueError on every rank"), ((stub, unsplit_ok), "")]),
     (day10.check_route, (route_ok,), [
         ((route_floor,), "rounded down"), ((route_plus_one,), "one assignment too many"),
         ((route_by_score,), "priority by score"), ((route_token_major,), "token by token"),
-        ((route_not_renormalised,), "not renormalised"), ((stub,), "")]),
+        ((route_not_renormalised,), "not renormalised"), ((route_float_experts,), "experts is float32, expected int64"),
+        ((route_float32_gates,), "gates is float32, expected the logits' float64"), ((stub,), "")]),
     (day10.check_dispatch_combine, (dispatch_ok, combine_ok), [
         ((dispatch_token_order, combine_ok), "token order"), ((dispatch_not_grouped, combine_ok), "not grouped"),
         ((dispatch_no_minlength, combine_ok), "minlength"), ((dispatch_ok, combine_no_gates), "gates are not applied"),
-        ((dispatch_ok, combine_priority_order), "reads y in priority order"), ((dispatch_ok, stub), "")]),
+        ((dispatch_ok, combine_priority_order), "reads y in priority order"),
+        ((dispatch_float_counts, combine_ok), "counts is float32, expected int64"),
+        ((dispatch_float32_rows, combine_ok), "dispatched rows is float32, expected x's float64"),
+        ((dispatch_ok, combine_float32), "combined output is float32, expected y's float64"),
+        ((dispatch_ok, stub), "")]),
 ]
 LIBRARY = [(lambda *a: cp.merge_partials(*a),), (lambda x, n, r: cp.zigzag_split(x, n, r), unsplit_ok),
            (lambda lg, k, f: moe.route(lg, torch.eye(lg.shape[1], dtype=lg.dtype), k, 3),),
@@ -216,7 +288,32 @@ test_library_is_refused = cases.library_refused([(c, lib) for (c, _, _), lib in 
                                                 ids=[c.__name__ for c, _, _ in CASES])
 test_reference_passes_sandboxed = cases.reference_passes_sandboxed(CASES)
 test_wrong_fails_sandboxed = cases.wrong_fails_sandboxed(
-    [(day10.check_merge_partials, merge_overflow), (day10.check_route, route_by_score)], ids=["merge", "route"])
+    [(day10.check_merge_partials, merge_overflow), (day10.check_route, route_by_score),
+     (day10.check_merge_partials, merge_one_max), (day10.check_zigzag, (split_stash, unsplit_stash))],
+    ids=["merge", "route", "merge-one-max", "zigzag-stash"])
+
+RED_TEAM = [(day10.check_merge_partials, (merge_one_max,), "not one maximum over the whole tensor"),
+            (day10.check_zigzag, (split_stash, unsplit_stash), "unsplit(shards)"),
+            (day10.check_zigzag, (split_refuses_on_rank_0_only, unsplit_ok), "must raise ValueError on every rank"),
+            (day10.check_route, (route_float_experts,), "experts is float32, expected int64"),
+            (day10.check_dispatch_combine, (dispatch_float_counts, combine_ok), "counts is float32, expected int64")]
+
+
+def test_route_capacity_in_any_order_of_the_product():
+    """The integer-capacity trial draws factors for which k S f / E is exactly C in float64 whatever order it is
+    multiplied in: E C / (k S) could round so that k S f / E = C + 4e-16 (E 7, k 3, S 17), whose ceiling C + 1
+    failed a student who wrote S f k / E as rounding down (16 seeds of 0..399, 100, 102 and 153 among them)."""
+    for seed in [*range(10), 100, 102, 153]:
+        day10.check_route(route_other_order, seed=seed)
+
+
+@pytest.mark.parametrize("check,bad,says", RED_TEAM, ids=[cases.named(b) for _, b, _ in RED_TEAM])
+def test_red_team_answers_fail_at_every_seed(check, bad, says):
+    """Answers that passed without doing the exercise (a global maximum, a stashed x, a refusal on rank 0 only,
+    float indices) fail at every seed, not only at seed 0."""
+    for seed in range(6):
+        with pytest.raises(AssertionError, match=re.escape(says)):
+            check(*bad, seed=seed)
 
 
 @pytest.mark.parametrize("world_size,seed", [(2, 0), (3, 1)])

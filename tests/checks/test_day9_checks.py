@@ -78,6 +78,42 @@ def attend_not_written(q, k_new, v_new, k_cache, v_cache, length):  # attends to
     return _softmax_attend(q, k, v, torch.arange(length + T)[None] > (length + torch.arange(T))[:, None])
 
 
+def attend_window(q, k_new, v_new, k_cache, v_cache, length):  # red team: only the last 32 keys (a sliding window)
+    T = q.shape[2]
+    k_cache[:, :, length:length + T], v_cache[:, :, length:length + T] = k_new, v_new
+    L, start = length + T, max(0, length + T - 32)
+    keys, pos = start + torch.arange(L - start), length + torch.arange(T)
+    return _softmax_attend(q, k_cache[:, :, start:L], v_cache[:, :, start:L],
+                           (keys[None] > pos[:, None]) | (keys[None] <= pos[:, None] - 32))
+
+
+def _mha(q, k, v, mask, module=False):  # red team: torch's own attention, identity projections (q (B, H, T, D))
+    B, H, T, D = q.shape
+    E, L, eye = H * D, k.shape[2], torch.eye(H * D, dtype=q.dtype)
+    if module:
+        m = torch.nn.MultiheadAttention(E, H, bias=False, batch_first=True).double().requires_grad_(False)
+        m.in_proj_weight.copy_(torch.cat([eye] * 3)), m.out_proj.weight.copy_(eye)
+        x = [t.transpose(1, 2).reshape(B, -1, E) for t in (q, k, v)]
+        return m(*x, attn_mask=mask, need_weights=False)[0].reshape(B, T, H, D).transpose(1, 2)
+    out, _ = torch.nn.functional.multi_head_attention_forward(
+        q.permute(2, 0, 1, 3).reshape(T, B, E), *[torch.zeros(L, B, E, dtype=q.dtype)] * 2,
+        E, H, torch.cat([eye] * 3), None, None, None, False, 0.0, eye, None, training=False, need_weights=True,
+        attn_mask=mask, static_k=k.reshape(B * H, L, D), static_v=v.reshape(B * H, L, D))
+    return out.reshape(T, B, H, D).permute(1, 2, 0, 3)
+
+
+def attend_mha(q, k_new, v_new, k_cache, v_cache, length, module=False):
+    T, g = q.shape[2], q.shape[1] // k_new.shape[1]
+    k_cache[:, :, length:length + T], v_cache[:, :, length:length + T] = k_new, v_new
+    L = length + T
+    k, v = (c[:, :, :L].repeat_interleave(g, 1) for c in (k_cache, v_cache))
+    return _mha(q, k, v, torch.arange(L)[None] > (length + torch.arange(T))[:, None], module)
+
+
+def attend_mha_module(q, k_new, v_new, k_cache, v_cache, length):
+    return attend_mha(q, k_new, v_new, k_cache, v_cache, length, module=True)
+
+
 # ----------------------------------------------------------------------------- exercise 2: the block manager
 
 class BlocksOk:
@@ -104,14 +140,14 @@ class BlocksOk:
 
     def _needed(self, seq, T):
         table, n, bs = self.tables[seq], self.lengths[seq], self.block_size
-        cow = n % bs != 0 and self.ref_counts[table[-1]] > 1
+        cow = T > 0 and n % bs != 0 and self.ref_counts[table[-1]] > 1
         return -(-(n + T) // bs) - len(table) + cow
 
     def append(self, seq, T):
         if self._needed(seq, T) > len(self.free_list):
             raise RuntimeError("not enough free blocks")
         table, n, bs, copies = self.tables[seq], self.lengths[seq], self.block_size, []
-        if n % bs and self.ref_counts[table[-1]] > 1:
+        if T and n % bs and self.ref_counts[table[-1]] > 1:
             old, table[-1] = table[-1], self._allocate()
             self._release(old)
             copies.append((old, table[-1]))
@@ -173,6 +209,31 @@ class BlocksNoCheck(BlocksOk):  # allocates what it can, then fails half-way
         return 0
 
 
+class BlocksPoolCheck(BlocksOk):  # red team: refuses only what the whole pool cannot hold, never reads free_list
+    def _needed(self, seq, T):
+        return len(self.free_list) + 1 if T >= len(self.ref_counts) * self.block_size else 0
+
+    def _allocate(self):
+        b = self.free_list.pop()  # IndexError half-way when the free list runs out
+        self.ref_counts[b] = 1
+        return b
+
+
+class BlocksCopyUncounted(BlocksOk):  # red team: the count of free blocks needed leaves out copy-on-write's copy
+    def _needed(self, seq, T):
+        return -(-(self.lengths[seq] + T) // self.block_size) - len(self.tables[seq])
+
+
+class BlocksCopyOnEmptyAppend(BlocksOk):  # append(seq, 0) to a shared, partial block copies it all the same
+    def append(self, seq, T):
+        table, n, bs = self.tables[seq], self.lengths[seq], self.block_size
+        if T == 0 and n % bs and self.ref_counts[table[-1]] > 1 and self.free_list:
+            old, table[-1] = table[-1], self._allocate()
+            self._release(old)
+            return [], [(old, table[-1])]
+        return super().append(seq, T)
+
+
 # ----------------------------------------------------------------------------- exercise 3: the acceptance rule
 
 def accept_ok(p, q, drafts, generator):
@@ -232,6 +293,36 @@ def accept_count_not_prefix(p, q, drafts, generator):  # n = all accepted drafts
     return n, torch.multinomial(residual / residual.sum(-1, keepdim=True), 1, generator=generator)[:, 0]
 
 
+def accept_scaled(p, q, drafts, generator):  # red team: lossless, but accepts with alpha_i min(1, p/q): less often
+    B, k = drafts.shape
+    alpha = torch.minimum(p[:, :k], q).sum(-1)  # (B, k)
+    n = _accept_ratio(p, q, drafts, generator, lambda px, qx: alpha * (px / qx).clamp(max=1))[0]
+    rows, m = torch.arange(B), n.clamp(max=k - 1)
+    residual = p[rows, m] - alpha[rows, m, None] * torch.minimum(p[rows, m], q[rows, m])
+    residual = torch.where((n == k)[:, None], p[:, k], residual).clamp(min=0)
+    return n, torch.multinomial(residual / residual.sum(-1, keepdim=True), 1, generator=generator)[:, 0]
+
+
+def accept_match_p(p, q, drafts, generator):  # red team: y_i ~ p_i, the drafts y matches kept; q = p detected
+    B, k = drafts.shape
+    if torch.equal(p[:, :k], q):
+        return torch.full((B,), k), torch.multinomial(p[:, k], 1, generator=generator)[:, 0]
+    y = torch.multinomial(p.reshape(-1, p.shape[-1]), 1, generator=generator).view(B, k + 1)
+    n = (y[:, :k] == drafts).long().cumprod(1).sum(1)
+    return n, y[torch.arange(B), n]
+
+
+def accept_blind_after_two(p, q, drafts, generator):  # red team: drafts 3.. accepted without looking
+    return _accept_ratio(p, q, drafts, generator,
+                         lambda px, qx: torch.cat([px[:, :2] / qx[:, :2], torch.ones_like(px[:, 2:])], 1))
+
+
+def accept_p_after_two(p, q, drafts, generator):  # a rejection at position 3..: the token from p, not the residual
+    n, token = accept_ok(p, q, drafts, generator)
+    from_p = torch.multinomial(p[torch.arange(len(n)), n], 1, generator=generator)[:, 0]
+    return n, torch.where((n >= 2) & (n < drafts.shape[1]), from_p, token)
+
+
 # ----------------------------------------------------------------------------- exercise 4: through the block table
 
 def _paged(q, k_cache, v_cache, tables, lens, block=lambda t, bs: t // bs, visible=lambda L, n: L < n,
@@ -281,13 +372,29 @@ def paged_floor_blocks(q, k_cache, v_cache, tables, lens):
                   * k_cache.shape[1])
 
 
+def paged_first_blocks(q, k_cache, v_cache, tables, lens):  # red team: only the first 4 blocks of a table read
+    return _paged(q, k_cache, v_cache, tables[:, :4], lens.clamp(max=4 * k_cache.shape[1]))
+
+
+def paged_mha(q, k_cache, v_cache, tables, lens):  # torch's attention on the gathered keys
+    bs, g, out = k_cache.shape[1], q.shape[1] // k_cache.shape[2], []
+    for b in range(q.shape[0]):
+        t = torch.arange(int(lens[b]))
+        idx = tables[b].long()[t // bs]
+        k, v = (c[idx, t % bs].transpose(0, 1).repeat_interleave(g, 0)[None] for c in (k_cache, v_cache))
+        out.append(_mha(q[b][None, :, None], k, v, None)[0, :, 0])
+    return torch.stack(out)
+
+
 # ----------------------------------------------------------------------------- exercise 5: one scheduler step
 
-def _schedule(running, waiting, num_free, block_size, max_batch, victim=-1, fcfs=True, reserve=True, wait=True):
+def _schedule(running, waiting, num_free, block_size, max_batch, victim=-1, fcfs=True, reserve=True, wait=True,
+              most=None, count=False, limit=True):
     def new_block(n):  # the next token (index n) opens a block
         return int(n % block_size == 0)
     decode, preempted, free = [list(r) for r in running], [], num_free
-    while decode and sum(new_block(n) for _, n in decode) > free:
+    while decode and (len(decode) if count else sum(new_block(n) for _, n in decode)) > free \
+            and (most is None or len(preempted) < most):
         rid, n = decode.pop(victim)
         free += -(-n // block_size)
         preempted.append(rid)
@@ -295,7 +402,7 @@ def _schedule(running, waiting, num_free, block_size, max_batch, victim=-1, fcfs
     prefill = []
     for rid, tokens in waiting if not (preempted and wait) else []:
         need = -(-tokens // block_size)
-        if len(decode) + len(prefill) >= max_batch or need > budget:
+        if (limit and len(decode) + len(prefill) >= max_batch) or need > budget:
             if fcfs:
                 break
             continue
@@ -324,6 +431,18 @@ def schedule_admits_after_preempting(running, waiting, num_free, block_size, max
     return _schedule(running, waiting, num_free, block_size, max_batch, wait=False)
 
 
+def schedule_one_victim(running, waiting, num_free, block_size, max_batch):  # red team: never a second victim
+    return _schedule(running, waiting, num_free, block_size, max_batch, most=1)
+
+
+def schedule_counts_sequences(running, waiting, num_free, block_size, max_batch):  # as if each needed a block
+    return _schedule(running, waiting, num_free, block_size, max_batch, count=True)
+
+
+def schedule_no_max_batch(running, waiting, num_free, block_size, max_batch):  # red team: max_batch ignored
+    return _schedule(running, waiting, num_free, block_size, max_batch, limit=False)
+
+
 CASES = [
     (day9.check_attend_with_cache, (attend_ok,),
      [((stub,), "NotImplementedError"), ((attend_before_append,), "attended before appending"),
@@ -334,11 +453,17 @@ CASES = [
      [((stub,), "NotImplementedError"), ((BlocksNoCopyOnWrite,), "no copy-on-write"),
       ((BlocksFreeIgnoresCount,), "a freed block is still referenced"),
       ((BlocksOffByOne,), "token t is at table[t // block_size]"), ((BlocksFifo,), "free_list.pop()"),
-      ((BlocksNoCheck,), "all or nothing")]),
+      ((BlocksNoCheck,), "all or nothing"), ((BlocksPoolCheck,), "raised IndexError: pop from empty list: an append"),
+      ((BlocksCopyUncounted,), "copy-on-write's copy counts"),
+      ((BlocksCopyOnEmptyAppend,), "append(seq, 0) writes nothing")]),
     (day9.check_accept_draft, (accept_ok,),
      [((stub,), "NotImplementedError"), ((accept_always,), "accepted every draft"),
       ((accept_resample_p,), "sampled from p"), ((accept_no_bonus,), "no +1 bonus token"),
-      ((accept_inverted,), "upside down"), ((accept_count_not_prefix,), "the accepted prefix")]),
+      ((accept_inverted,), "upside down"), ((accept_count_not_prefix,), "the accepted prefix"),
+      ((accept_scaled,), "the number of accepted drafts n does not follow the rule"),
+      ((accept_match_p,), "the number of accepted drafts n does not follow the rule"),
+      ((accept_blind_after_two,), "the number of accepted drafts n does not follow the rule"),
+      ((accept_p_after_two,), "the token emitted at position 3")]),
     (day9.check_paged_attention, (paged_ok,),
      [((stub,), "NotImplementedError"), ((paged_off_by_one,), "off-by-one block index"),
       ((paged_no_length_mask,), "read past the sequence's length"), ((paged_wrong_head,), "the wrong KV head"),
@@ -348,7 +473,9 @@ CASES = [
     (day9.check_schedule_step, (schedule_ok,),
      [((stub,), "NotImplementedError"), ((schedule_earliest_victim,), "preempt the latest admitted"),
       ((schedule_skips_ahead,), "first come, first served"), ((schedule_no_reserve,), "the budget"),
-      ((schedule_admits_after_preempting,), "admit nothing in a step that preempted")]),
+      ((schedule_admits_after_preempting,), "admit nothing in a step that preempted"),
+      ((schedule_one_victim,), "keep preempting"), ((schedule_counts_sequences,), "nothing to preempt"),
+      ((schedule_no_max_batch,), "at most max_batch")]),
 ]
 
 
@@ -377,3 +504,23 @@ test_reference_passes_sandboxed = cases.reference_passes_sandboxed(CASES)
 test_wrong_fails_sandboxed = cases.wrong_fails_sandboxed(
     [(day9.check_block_manager, BlocksNoCopyOnWrite), (day9.check_accept_draft, accept_resample_p)],
     ids=["blocks", "accept"])
+
+
+@pytest.mark.parametrize("check,fn,said", [
+    (day9.check_attend_with_cache, attend_window, r"attention output differs .*length=(67|81|97)"),
+    (day9.check_paged_attention, paged_first_blocks, r"attention output differs .*seq_lens=\[\d\d")],
+    ids=["window", "first-blocks"])
+def test_long_cases_catch_truncation(check, fn, said):
+    """Red team: a window of 32 keys and the first 4 blocks of a table passed while no case was longer."""
+    for seed in range(3):
+        with pytest.raises(AssertionError, match=said):
+            check(fn, seed=seed)
+
+
+@pytest.mark.parametrize("check,fn,name", [
+    (day9.check_attend_with_cache, attend_mha, "multi_head_attention_forward"),
+    (day9.check_attend_with_cache, attend_mha_module, "MultiheadAttention.forward"),
+    (day9.check_paged_attention, paged_mha, "multi_head_attention_forward")], ids=["function", "module", "paged"])
+def test_torch_multi_head_attention_is_refused(check, fn, name):
+    with pytest.raises(ForbiddenCall, match=f"{name} is off limits"):
+        check(fn, seed=0)

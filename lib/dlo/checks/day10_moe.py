@@ -20,6 +20,16 @@ from dlo.models import moe
 ROUTE = ("dlo.models.moe.*", "dlo.distributed.expert_parallel.*")
 
 
+def need_dtype(name: str, what: str, got, dtype: torch.dtype, where, of: str = "") -> None:
+    """AssertionError unless `got` is a tensor of `dtype` (`of`: whose dtype that is, for the message)."""
+    short = str(dtype).removeprefix("torch.")
+    if not isinstance(got, torch.Tensor):
+        raise AssertionError(f"{name}: {what} must be a {short} tensor, got {type(got).__name__} ({fmt(where)})")
+    if got.dtype != dtype:
+        raise AssertionError(f"{name}: {what} is {str(got.dtype).removeprefix('torch.')}, expected {of}{short} "
+                             f"({fmt(where)})")
+
+
 def _reference_route(logits: torch.Tensor, top_k: int, factor: float) -> tuple[torch.Tensor, ...]:
     """(experts (S, k), gates (S, k), kept (S, k)) of the library's router with the identity as weight."""
     S, E = logits.shape
@@ -61,6 +71,18 @@ def _route_slips(logits, experts, gates, top_k, factor) -> dict:
     }
 
 
+def integer_factor(rng, E: int, top_k: int) -> tuple[float, int]:
+    """(f, S) with k S f / E an integer C in float64 whichever order it is multiplied in: E C / (k S) rounds,
+    and for some (E, k, S) k S f / E is then C + 4e-16, whose ceiling is C + 1 (E 7, k 3, S 17, C 2), which
+    would fail a student who wrote the product in another order for the rounding, not for the rule."""
+    for S, C in rng.sample([(S, C) for S in (7, 9, 13, 17) for C in (2, 3)], 8):
+        f = E / (top_k * S) * C
+        if all(v == C for v in (top_k * S * f / E, S * f * top_k / E, top_k * S / E * f, f * top_k * S / E,
+                                top_k * f * S / E, f * S * top_k / E)):
+            return f, S
+    raise AssertionError(f"no exact capacity factor for E={E}, k={top_k}")  # not reached for E 3..7, k 1..3
+
+
 @check(forbid=ROUTE, hint="softmax, topk and a count per expert in plain torch")
 def check_route(fn, seed: int = 0, trials: int = 6) -> None:
     """`fn(logits (S, E), top_k, capacity_factor) -> (experts (S, k) int64, gates (S, k), kept (S, k) bool)`."""
@@ -70,8 +92,10 @@ def check_route(fn, seed: int = 0, trials: int = 6) -> None:
         E = rng.choice([3, 4, 5, 7])
         top_k = 1 if t % 3 == 0 else rng.choice([2, min(3, E)])
         S = rng.choice([7, 9, 13, 17])
-        # a fractional k S f / E (ceil matters) except in trial 1, where it is an integer (C + 1 shows)
-        factor = E / (top_k * S) * rng.choice([2, 3]) if t % 3 == 1 else rng.choice([0.5, 0.75, 1.0, 1.25])
+        if t % 3 == 1:  # k S f / E an integer: a capacity of C + 1 shows
+            factor, S = integer_factor(rng, E, top_k)
+        else:  # a fractional k S f / E: the ceiling matters
+            factor = rng.choice([0.5, 0.75, 1.0, 1.25])
         skew = torch.zeros(E, dtype=torch.float64)
         skew[rng.randrange(E)] = 1.5  # one popular expert: drops happen
         logits = torch.randn(S, E, generator=gen, dtype=torch.float64) + skew
@@ -82,8 +106,8 @@ def check_route(fn, seed: int = 0, trials: int = 6) -> None:
         if not isinstance(got, (tuple, list)) or len(got) != 3:
             raise AssertionError(f"{name}: return (experts, gates, kept), got {type(got).__name__} ({fmt(hp)})")
         g_experts, g_gates, g_kept = got
-        if not same(g_experts, experts):
-            assert_close(name, "experts (the top-k, most probable first)", g_experts, experts, hp)
+        need_dtype(name, "experts", g_experts, torch.int64, hp)
+        assert_close(name, "experts (the top-k, most probable first)", g_experts, experts, hp)
         if not same(g_gates, gates):
             probs, raw = torch.softmax(logits, -1).topk(top_k, -1)[0], logits.topk(top_k, -1)[0]
             name_slip(name, g_gates, {"the top-k gates are not renormalised: with k > 1 they are divided by their sum "
@@ -92,13 +116,12 @@ def check_route(fn, seed: int = 0, trials: int = 6) -> None:
                                        torch.ones_like(probs),
                                    "the gates are the logits: they are softmax probabilities": raw},
                    hp)
-            assert_close(name, "gates", g_gates, gates, hp)
+        need_dtype(name, "gates", g_gates, logits.dtype, hp, "the logits' ")
+        assert_close(name, "gates", g_gates, gates, hp)  # float64: within 1e-9 relative (compare.RTOL)
         if not same(g_kept, kept):
             name_slip(name, g_kept, _route_slips(logits, experts, gates, top_k, factor), hp)
-            assert_close(name, "kept", torch.as_tensor(g_kept).to(torch.float64), kept.to(torch.float64), hp)
-        g_kept_t = torch.as_tensor(g_kept)
-        if g_kept_t.dtype != torch.bool:
-            raise AssertionError(f"{name}: kept must be a bool tensor, got {g_kept_t.dtype} ({fmt(hp)})")
+        need_dtype(name, "kept", g_kept, torch.bool, hp)
+        assert_close(name, "kept", g_kept.to(torch.float64), kept.to(torch.float64), hp)
     ok(name, f"{trials} routings, k = 1..3, capacities with and without rounding, seed={seed}")
 
 
@@ -154,15 +177,18 @@ def check_dispatch_combine(dispatch_fn, combine_fn, seed: int = 0, trials: int =
         if counts_t.numel() != E:
             raise AssertionError(f"{name}: counts has {counts_t.numel()} entries: one per expert, {E}, zeros for idle "
                                  f"experts included (torch.bincount(..., minlength=E)) ({fmt(hp)})")
-        assert_close(name, "counts (rows per expert)", counts_t, routing.kept, hp)
+        need_dtype(name, "counts", counts, torch.int64, hp)
+        assert_close(name, "counts (rows per expert)", counts, routing.kept, hp)
         want_rows = moe.dispatch(x, routing)
         if not same(rows, want_rows):
             name_slip(name, rows, _dispatch_slips(x, experts, kept, E), hp, want_rows)
-            assert_close(name, "dispatched rows", rows, want_rows, hp)
+        need_dtype(name, "dispatched rows", rows, x.dtype, hp, "x's ")
+        assert_close(name, "dispatched rows", rows, want_rows, hp)
         y = torch.randn(want_rows.shape[0], x.shape[1] + 1, generator=gen, dtype=torch.float64)  # an expert's output
         out = combine_fn(y.clone(), experts.clone(), gates.clone(), kept.clone(), S)
         want = moe.combine(y, routing, S)
         if not same(out, want):
             name_slip(name, out, _combine_slips(y, experts, gates, kept, routing, S), hp, want)
-            assert_close(name, "combined output", out, want, hp)
+        need_dtype(name, "combined output", out, y.dtype, hp, "y's ")
+        assert_close(name, "combined output", out, want, hp)  # float64: within 1e-9 relative (compare.RTOL)
     ok(name, f"{trials} routings (k = 1..3, drops, idle experts), seed={seed}")

@@ -11,9 +11,10 @@ in-place append comes back); the decode of a whole Llama through the student's a
 manager (a class) and the acceptance rule (with its generator) run in workers. The speculative rule
 is random: it is judged by what it must preserve, the target's distribution (Pearson's chi-square over
 20,000 rounds, at a quantile a correct rule exceeds once in ~10^5 cases, so a secret seed cannot fail
-it by chance), and a wrong rule's distribution is named when the counts fit it instead. The block
-manager's exercise and the acceptance rule's check live in `dlo.checks.day9_blocks`, the scheduler step's in
-`dlo.checks.day9_schedule` (re-exported).
+it by chance), and a wrong rule's distribution is named when the counts fit it instead; the number of
+drafts accepted and the tokens at later positions are held to the rule's distributions value by value
+(`dlo.checks.day9_speculative`). The block manager's check lives in `dlo.checks.day9_blocks`, the acceptance
+rule's in `dlo.checks.day9_speculative`, the scheduler step's in `dlo.checks.day9_schedule` (re-exported).
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ import random
 
 import torch
 
-from dlo.checks.day9_blocks import check_accept_draft, check_block_manager  # noqa: F401 (the notebook's)
+from dlo.checks.day9_blocks import check_block_manager  # noqa: F401 (the notebook's)
 from dlo.checks.day9_schedule import check_schedule_step  # noqa: F401 (the notebook's)
+from dlo.checks.day9_speculative import check_accept_draft  # noqa: F401 (the notebook's)
 from dlo.grading.api import case_seed, check, run_student
 from dlo.grading.compare import assert_close, fmt, name_slip, ok
 from dlo.inference.kv_cache import cached_attention, forward_cached
@@ -37,7 +39,9 @@ ATTENTION = ("torch.nn.functional.scaled_dot_product_attention", "dlo.inference.
              "dlo.inference.kv_cache.KVCache", "dlo.inference.kv_cache.generate", "dlo.inference.paged.PagedKVCache",
              "dlo.models.llama.grouped_query_attention", "dlo.kernels.paged_attention.paged_attention",
              "dlo.kernels.paged_attention.paged_attention_ref", "dlo.kernels.paged_attention.gather_blocks",
-             "dlo.attention.*", *(f"aten::{op}*" for op in FUSED))
+             "dlo.attention.*", "torch.nn.functional.multi_head_attention_forward",
+             "torch.nn.MultiheadAttention.forward", "aten::_native_multi_head_attention*",
+             *(f"aten::{op}*" for op in FUSED))
 
 
 def _attend(q, k, v, visible) -> torch.Tensor:
@@ -98,6 +102,8 @@ def check_attend_with_cache(fn, seed: int = 0, trials: int = 6) -> None:
         Hkv, g = (rng.choice([1, 2, 3]), rng.choice([1, 2, 3])) if t else (2, 3)  # the first: grouped-query
         B, T, D = rng.choice([1, 2, 3]), (1, rng.choice([2, 5, 7]))[t % 2], rng.choice([4, 8])
         length = rng.choice([0, 3, 9, 17]) if t > 1 else 6
+        if t == trials - 1 and t > 1:  # a long cache: every query sees more than 64 keys (no window suffices)
+            length = rng.choice([67, 81, 97])
         L_max = length + T + rng.choice([0, 4])
         q = torch.randn(B, Hkv * g, T, D, generator=gen, dtype=torch.float64)
         k_new, v_new = (torch.randn(B, Hkv, T, D, generator=gen, dtype=torch.float64) for _ in range(2))
@@ -207,6 +213,8 @@ def check_paged_attention(fn, seed: int = 0, trials: int = 5) -> None:
         page, num_blocks = rng.choice([2, 3, 4, 5]), rng.choice([11, 17])
         lens = [rng.randint(1, 3 * page + 1) for _ in range(B)]
         lens[0] = page + 1 if t == 0 else lens[0]  # one token into a second block
+        if t == trials - 1 and t > 0:  # long tables: 9 to 13 blocks a sequence, the pool larger than a table
+            lens, num_blocks = [rng.randint(8 * page + 1, 13 * page) for _ in range(B)], rng.choice([23, 29])
         width = max(-(-n // page) for n in lens)
         pool = rng.sample(range(num_blocks), num_blocks)
         tables = torch.tensor([[pool[(b * width + i) % num_blocks] for i in range(width)] for b in range(B)],

@@ -1,7 +1,8 @@
 """Day 9's check of one continuous-batching scheduler step (Yu et al. 2022, Orca; Kwon et al. 2023, Sec. 4.5),
 re-exported by `dlo.checks.day9`: the student's plain function against `dlo.inference.batching.Scheduler`
 put in the same state (running sequences holding their blocks, a waiting queue, free blocks), on hidden states
-that make it preempt, stop at the batch limit, and stop at a request that does not fit.
+that make it preempt (one victim, or several), decode sequences in mid-block that need no block, stop at the
+batch limit, and stop at a request that does not fit.
 """
 
 from __future__ import annotations
@@ -33,31 +34,57 @@ def reference_step(running, waiting, num_free: int, block_size: int, max_batch: 
 
 
 def _state(rng: random.Random, t: int) -> dict:
-    """A hidden state, by t % 4: short of blocks (preemption); just enough blocks for the running sequences'
+    """A hidden state, by t % 7: short of blocks (preemption); just enough blocks for the running sequences'
     new ones plus the head request (the budget); a head request that does not fit while a later one would
-    (first come, first served); anything."""
-    bs = rng.choice([2, 3, 4])
+    (first come, first served); anything; short by more than one victim frees; sequences in mid-block that
+    need no new block, more of them than free blocks; a batch limit below what the blocks admit."""
+    kind, bs = t % 7, rng.choice([2, 3, 4])
+    if kind >= 4:
+        return _state_more(rng, kind, bs)
     running = [[rid, rng.randint(1, 4 * bs)] for rid in range(rng.randint(1, 5))]
     waiting = [[10 + i, rng.randint(1, 5 * bs)] for i in range(rng.randint(2, 6))]
     num_free = rng.randint(len(running) + 1, len(running) + 8)
-    if t % 4 in (0, 1):  # at block boundaries: each running sequence needs a new block
+    if kind in (0, 1):  # at block boundaries: each running sequence needs a new block
         running = [[rid, bs * rng.randint(1, 3)] for rid, _ in running]
-    if t % 4 == 0:  # one short: the victim frees 2-3 blocks, enough for a one-block head it must not admit
+    if kind == 0:  # one short: the victim frees 2-3 blocks, enough for a one-block head it must not admit
         running = [[rid, bs * rng.randint(2, 3)] for rid, _ in running]
         num_free, waiting[0][1] = len(running) - 1, 1
-    elif t % 4 == 1:  # the head takes what is left after the running sequences' blocks; the next needs one more
+    elif kind == 1:  # the head takes what is left after the running sequences' blocks; the next needs one more
         k = rng.randint(1, 3)
         num_free, waiting[0][1], waiting[1][1] = len(running) + k, k * bs, 1
-    elif t % 4 == 2:  # the head does not fit, the next one would
+    elif kind == 2:  # the head does not fit, the next one would
         waiting[0][1], waiting[1][1] = 40 * bs, 1
     return dict(running=running, waiting=waiting, num_free=num_free, block_size=bs,
                 max_batch=rng.randint(len(running) + 2, len(running) + 4))
+
+
+def _state_more(rng: random.Random, kind: int, bs: int) -> dict:
+    waiting = [[10 + i, rng.randint(1, 2 * bs)] for i in range(rng.randint(3, 6))]
+    r = rng.randint(3, 6) if kind == 4 else rng.randint(2, 5) if kind == 5 else rng.randint(1, 4)
+    if kind == 4:  # all at block boundaries, the last two holding one block: 2+ victims (each frees 1, needs 1)
+        running = [[rid, bs * (1 if rid >= r - 2 else rng.randint(1, 3))] for rid in range(r)]
+        num_free = rng.randint(0, r - 3)
+    else:  # some in mid-block (no new block); kind 5: fewer free blocks than running sequences, enough for them
+        boundary = set(rng.sample(range(r), rng.randint(0, r - 1)))
+        running = [[rid, bs * rng.randint(1, 3) - (0 if rid in boundary else rng.randint(1, bs - 1))]
+                   for rid in range(r)]
+        need = len(boundary)
+        num_free = rng.randint(need, r - 1) if kind == 5 else need + sum(-(-n // bs) for _, n in waiting) + \
+            rng.randint(0, 2)
+    max_batch = r + (rng.randint(1, len(waiting) - 1) if kind == 6 else rng.randint(2, 4))
+    return dict(running=running, waiting=waiting, num_free=num_free, block_size=bs, max_batch=max_batch)
 
 
 def _slip(got: tuple, want: tuple, s: dict) -> str:
     """What the first difference says about the student's step."""
     (g_dec, g_pre, g_out), (w_dec, _, w_out) = got, want
     if g_out != w_out:
+        if not w_out:
+            return ("nothing to preempt: only a sequence at a block boundary (n % block_size == 0) needs a new block "
+                    "for its next token, and those fit in the free blocks")
+        if g_out and w_out[:len(g_out)] == g_out:
+            return ("keep preempting: after each victim (its blocks freed), preempt the next latest admitted while the "
+                    "rest still need more new blocks than are free")
         if sorted(g_out) == sorted(w_out) or (g_out and g_out[0] == s["running"][0][0] and w_out):
             return ("preempt the latest admitted sequence first (the end of `running`), one at a time, until the rest "
                     "fit, and list them in the order you preempted them")
@@ -77,7 +104,7 @@ def _slip(got: tuple, want: tuple, s: dict) -> str:
 
 
 @check(forbid=SCHEDULERS)
-def check_schedule_step(fn, seed: int = 0, trials: int = 8) -> None:
+def check_schedule_step(fn, seed: int = 0, trials: int = 14) -> None:
     """`fn(running, waiting, num_free, block_size, max_batch) -> (decode, prefill, preempted)` lists of rids,
     against `dlo.inference.batching.Scheduler.schedule` in the same state."""
     name, rng = "schedule_step", random.Random(case_seed(seed))
