@@ -63,6 +63,23 @@ def promote_filter_first(results, rung, eta, promoted, mode="min"):  # the top o
     return _promote(results, rung, eta, promoted, mode, filter_first=True, skip=False)
 
 
+def promote_from_results(results, rung, eta, promoted, mode="min"):  # promoted = a result above the rung (not a
+    above = {r["trial"] for r in results if r["steps"] > rung}          # trial still running at the next rung)
+    return [t for t in _promote(results, rung, eta, promoted, mode, skip=False) if t not in above]
+
+
+def promote_unbroken_ties(results, rung, eta, promoted, mode="min"):  # ties left in the order of `results`
+    sign = 1.0 if mode == "min" else -1.0
+    here = sorted((r for r in results if r["steps"] == rung), key=lambda r: sign * r["value"])
+    return [r["trial"] for r in here[:len(here) // eta] if r["trial"] not in promoted]
+
+
+def promote_reversed_for_max(results, rung, eta, promoted, mode="min"):  # reverse=True: ties by the larger id
+    here = sorted((r for r in results if r["steps"] == rung), key=lambda r: (r["value"], r["trial"]),
+                  reverse=mode == "max")
+    return [r["trial"] for r in here[:len(here) // eta] if r["trial"] not in promoted]
+
+
 # ----------------------------------------------------------------------------- exercise 2: sampling a space
 
 def _sample(space, seed, i, *, log_uniform=True, int_high=1, rng=None):
@@ -70,7 +87,8 @@ def _sample(space, seed, i, *, log_uniform=True, int_high=1, rng=None):
         kind, values = next(iter(spec.items())) if isinstance(spec, dict) and len(spec) == 1 else (None, None)
         if kind not in ("choice", "uniform", "log_uniform", "int") or not values:
             raise ValueError(f"bad {name}")
-        if kind != "choice" and (len(values) != 2 or not values[0] < values[1]):
+        if kind != "choice" and (len(values) != 2 or not all(isinstance(v, (int, float)) for v in values)
+                                 or not values[0] < values[1]):
             raise ValueError(f"bad bounds {name}")
         if (kind == "log_uniform" and values[0] <= 0) or (kind == "int" and not all(type(v) is int for v in values)):
             raise ValueError(f"bad {name}")
@@ -124,6 +142,23 @@ def sample_no_validation(space, seed, i):
     return out
 
 
+def sample_one_name_is_bad(space, seed, i):  # "validation" that only knows the bad specs have one name
+    if len(space) == 1:
+        raise ValueError("bad")
+    return sample_no_validation(space, seed, i)
+
+
+def sample_equal_bounds_only(space, seed, i):  # lo == hi refused, lo > hi and three bounds let through
+    for spec in space.values():
+        kind, v = next(iter(spec.items())) if isinstance(spec, dict) and len(spec) == 1 else (None, None)
+        if kind not in ("choice", "uniform", "log_uniform", "int") or not v:
+            raise ValueError("bad")
+        if kind != "choice" and (v[0] == v[1] or (kind == "log_uniform" and v[0] <= 0)
+                                 or (kind == "int" and not all(type(x) is int for x in v[:2]))):
+            raise ValueError("bad")
+    return sample_no_validation(space, seed, i)
+
+
 # ----------------------------------------------------------------------------- exercise 3: freezing
 
 def freeze_ok(module):
@@ -161,6 +196,27 @@ def freeze_whole_eval(module):  # module.eval(): the Dropout stops dropping too
 def freeze_counts_tensors(module):
     freeze_ok(module)
     return len(list(module.parameters()))
+
+
+def freeze_by_hooks(module):  # gradients zeroed, requires_grad left True: weight decay would still move them
+    for p in module.parameters():
+        if p.requires_grad:
+            p.register_hook(lambda g: g * 0)
+    for m in module.modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            m.eval()
+    return sum(p.numel() for p in module.parameters())
+
+
+def freeze_counts_trainable(module):  # the parameters frozen before are left out of the count
+    count = sum(p.numel() for p in module.parameters() if p.requires_grad)
+    freeze_ok(module)
+    return count
+
+
+def freeze_counts_per_layer(module):  # a tensor shared by two layers counted twice
+    freeze_ok(module)
+    return sum(p.numel() for m in module.modules() for p in m.parameters(recurse=False))
 
 
 # ----------------------------------------------------------------------------- exercise 4: parameter groups
@@ -204,17 +260,31 @@ def groups_skip_frozen_depth(blocks, lr, factor=2.6):  # L counts only the block
     return [{"params": ps, "lr": lr / factor ** (len(kept) - 1 - k)} for k, ps in enumerate(kept)]
 
 
+def groups_top_trainable_gets_lr(blocks, lr, factor=2.6):  # L ends at the last block that trains
+    ks = [k for k, b in enumerate(blocks) if any(p.requires_grad for p in b.parameters())]
+    return [{"params": [p for p in blocks[k].parameters() if p.requires_grad], "lr": lr / factor ** (ks[-1] - k)}
+            for k in ks]
+
+
+def groups_first_parameter_decides(blocks, lr, factor=2.6):  # a block whose first parameter is frozen left out
+    L = len(blocks)
+    return [{"params": [p for p in b.parameters() if p.requires_grad], "lr": lr / factor ** (L - 1 - k)}
+            for k, b in enumerate(blocks) if next(b.parameters()).requires_grad]
+
+
 # ----------------------------------------------------------------------------- exercise 5: early stopping
 
 def _early(history, patience, min_delta=0.0, mode="min", *, late=0, ties=False, delta=True, last=False,
-           through=False, nan=True, use_mode=True):
+           through=False, nan=True, use_mode=True, isnan_only=False, best_seen=False):
     sign = -1.0 if mode == "max" and use_mode else 1.0
-    best, best_epoch, bad, stop = math.inf, None, 0, False
+    best, best_epoch, bad, stop, seen = math.inf, None, 0, False, math.inf
     for epoch, metric in enumerate(history):
-        if nan and not math.isfinite(metric):
+        if best_seen and math.isfinite(metric) and sign * metric < seen:   # the epoch moves, best and bad do not
+            seen, best_epoch = sign * metric, epoch
+        if nan and (math.isnan(metric) if isnan_only else not math.isfinite(metric)):
             bad = patience
         elif sign * metric < best - (min_delta if delta else 0.0) or (ties and sign * metric == best - min_delta):
-            best, best_epoch, bad = sign * metric, epoch, 0
+            best, best_epoch, bad = sign * metric, (best_epoch if best_seen else epoch), 0
         else:
             bad += 1
         if bad >= patience + late:
@@ -256,6 +326,19 @@ def early_no_mode(history, patience, min_delta=0.0, mode="min"):
     return _early(history, patience, min_delta, mode, use_mode=False)
 
 
+def early_best_epoch_zero(history, patience, min_delta=0.0, mode="min"):  # best_epoch starts at 0, not None
+    stop, best = _early(history, patience, min_delta, mode)
+    return stop, 0 if best is None else best
+
+
+def early_inf_as_value(history, patience, min_delta=0.0, mode="min"):  # math.isnan only: an inf taken for a value
+    return _early(history, patience, min_delta, mode, isnan_only=True)
+
+
+def early_best_seen(history, patience, min_delta=0.0, mode="min"):  # best_epoch: the best value seen, any margin
+    return _early(history, patience, min_delta, mode, best_seen=True)
+
+
 # ----------------------------------------------------------------------------- tests
 
 def early_through_the_library(history, patience, min_delta=0.0, mode="min"):
@@ -276,27 +359,37 @@ CASES = [
         (promote_ceil, "rounded the count up"),
         (promote_twice, "promoted a trial already promoted"),
         (promote_ignores_mode, "ignored `mode`"),
-        (promote_filter_first, "rank all n results first")]),
+        (promote_filter_first, "rank all n results first"),
+        (promote_from_results, "still running"),
+        (promote_unbroken_ties, "broke a tie the wrong way"),
+        (promote_reversed_for_max, "broke a tie the wrong way")]),
     (day11.check_sample_config, sample_ok, [
         (stub, "NotImplementedError"),
         (sample_log_as_uniform, "sampled log_uniform uniformly"),
         (sample_int_exclusive, "int's high bound is inclusive"),
         (sample_unseeded, "not reproducible"),
         (sample_seed_only, "seeded with seed only"),
-        (sample_no_validation, "must raise ValueError")]),
+        (sample_no_validation, "must raise ValueError"),
+        (sample_one_name_is_bad, "must raise ValueError"),
+        (sample_equal_bounds_only, "must raise ValueError")]),
     (day11.check_freeze, freeze_ok, [
         (stub, "NotImplementedError"),
         (freeze_keeps_norms_training, "BatchNorm statistics still moving"),
         (freeze_top_level_weights, "frozen parameters still updated"),
         (freeze_whole_eval, "only the BatchNorm layers change mode"),
-        (freeze_counts_tensors, "sum of p.numel()")]),
+        (freeze_counts_tensors, "sum of p.numel()"),
+        (freeze_by_hooks, "still has requires_grad=True"),
+        (freeze_counts_trainable, "trainable before or not"),
+        (freeze_counts_per_layer, "a tensor shared by two layers once")]),
     (day11.check_discriminative_groups, groups_ok, [
         (stub, "NotImplementedError"),
         (groups_swapped, "the learning rates are swapped"),
         (groups_with_frozen, "is in a group: leave out the parameters with requires_grad=False"),
         (groups_weights_only, "is in no group"),
         (groups_cumulative, "is in two groups"),
-        (groups_skip_frozen_depth, "a frozen block still counts")]),
+        (groups_skip_frozen_depth, "a frozen block still counts"),
+        (groups_top_trainable_gets_lr, "a frozen block still counts"),
+        (groups_first_parameter_decides, "is in no group")]),
     (day11.check_early_stop, early_ok, [
         (stub, "NotImplementedError"),
         (early_late, "stopped one evaluation late"),
@@ -305,7 +398,10 @@ CASES = [
         (early_last, "returned the last epoch"),
         (early_through, "kept going after the stop"),
         (early_nan, "a nan or inf metric must stop training at once"),
-        (early_no_mode, "ignored `mode`")]),
+        (early_no_mode, "ignored `mode`"),
+        (early_best_epoch_zero, "best_epoch is None while no finite value was seen"),
+        (early_inf_as_value, "a nan or inf metric must stop training at once"),
+        (early_best_seen, "better by no more than min_delta")]),
 ]
 LIBRARY = [(day11.check_sample_config, lambda spec, seed, i: space.Space(spec).config(seed, i)),
            (day11.check_freeze, transfer.freeze), (day11.check_discriminative_groups, transfer.discriminative_groups),

@@ -352,6 +352,151 @@ def smooth_product(a, w, alpha):
     return torch.where((a > 0) & (w > 0), s, torch.ones_like(s))
 
 
+# ----------------------------------------------------------------------------- red team: right where the cases look
+
+def quantize_qmax_table(x, bits, granularity, group_size):
+    """q_max right only for the two widths the exercise names: 127 if bits == 8 else 7."""
+    q, s = quantize_ok(x, 8 if bits == 8 else 4, granularity, group_size)
+    return q, s
+
+
+def quantize_grouped_codes(x, bits, granularity, group_size):
+    """The codes left in the grouped (rows, groups * values) view: x's shape lost per tensor."""
+    q, s = quantize_ok(x, bits, granularity, group_size)
+    return q.reshape(s.shape[0], -1), s
+
+
+class _FakeQuantRawRatio(_FakeQuant):
+    @staticmethod
+    def forward(ctx, x, scale, bits):
+        q_max = 2 ** (bits - 1) - 1
+        ctx.save_for_backward((x / scale).abs() <= q_max)  # x / S, not its rounded code
+        return torch.round(x / scale).clamp(-q_max, q_max) * scale
+
+
+def fake_quant_raw_ratio(x, scale, bits):
+    return _FakeQuantRawRatio.apply(x, scale, bits)
+
+
+def masks_floor(weights, sparsity, scope):
+    """floor(sparsity * n) pruned, not round()."""
+    return _masks_count(weights, sparsity, scope, lambda v: int(v + 1e-9))
+
+
+def masks_ceil(weights, sparsity, scope):
+    return _masks_count(weights, sparsity, scope, lambda v: -int(-v + 1e-9))
+
+
+def _masks_count(weights, sparsity, scope, count):
+    def keep(scores):
+        k = torch.ones(scores.numel(), dtype=torch.bool)
+        k[torch.argsort(scores.flatten())[:count(sparsity * scores.numel())]] = False
+        return k.reshape(scores.shape)
+
+    if scope == "layer":
+        return {k: keep(w.abs()) for k, w in weights.items()}
+    flat, out, start = keep(torch.cat([w.abs().flatten() for w in weights.values()])), {}, 0
+    for k, w in weights.items():
+        out[k] = flat[start:start + w.numel()].reshape(w.shape)
+        start += w.numel()
+    return out
+
+
+class _Delegate(torch.nn.Linear):
+    """Reports the small shape, computes with the original layers (its own weights are never set)."""
+
+    def __init__(self, d_in, d_out, forward, dtype):
+        super().__init__(d_in, d_out, dtype=dtype)
+        self._forward = forward
+
+    def forward(self, x):
+        return self._forward(x)
+
+
+def prune_pair_delegate(fc1, fc2, n_keep):
+    mask = torch.zeros(fc1.out_features, dtype=fc1.weight.dtype)
+    mask[torch.argsort(fc1.weight.norm(dim=1), descending=True)[:n_keep]] = 1.0
+    return (_Delegate(fc1.in_features, n_keep, lambda x: fc1(x) * mask, fc1.weight.dtype),
+            _Delegate(n_keep, fc2.out_features, fc2, fc2.weight.dtype))
+
+
+def prune_pair_norm_order(fc1, fc2, n_keep):
+    """The kept units by decreasing norm, not in their original order (same function, other layers)."""
+    return _prune_pair(fc1, fc2, torch.argsort(fc1.weight.norm(dim=1), descending=True)[:n_keep])
+
+
+def mask_topk(w):
+    """torch.topk: among tied |w| it may keep the higher index, which is as right as the lower."""
+    if w.shape[-1] % 4:
+        raise ValueError("not a multiple of 4")
+    g = w.abs().reshape(-1, 4)
+    return torch.zeros_like(g, dtype=torch.bool).scatter_(1, torch.topk(g, 2, dim=1).indices, True).reshape(w.shape)
+
+
+def mask_2d_only(w):
+    rows, cols = w.shape
+    return mask24_ok(w)
+
+
+def valid_first_group(mask):
+    return mask.shape[-1] % 4 == 0 and bool(((mask[..., :4] != 0).sum(-1) <= 2).all())
+
+
+def valid_density(mask):
+    return mask.shape[-1] % 4 == 0 and bool((mask != 0).double().mean() <= 0.5)
+
+
+def valid_no_shape_check(mask):
+    return bool(((mask != 0).reshape(-1, 4).sum(1) <= 2).all())
+
+
+def distill_2_pow_t(s, t, y, temperature, lam):
+    return distill_ok(s, t, y, temperature, 0.0) / temperature ** 2 * 2 ** temperature + lam * F.cross_entropy(s, y)
+
+
+def distill_2t(s, t, y, temperature, lam):
+    return distill_ok(s, t, y, temperature, 0.0) / temperature * 2 + lam * F.cross_entropy(s, y)
+
+
+def smooth_zero_power(a, w, alpha):
+    """An all-zero X channel left to 0^alpha = 0 (then set to 1): 0^0 = 1 gives 1 / w at alpha = 0."""
+    s = torch.where(w > 0, a ** alpha / w.clamp(min=1e-30) ** (1 - alpha), torch.ones_like(a))
+    return torch.where(s == 0, torch.ones_like(s), s)
+
+
+RED_TEAM = [
+    (day8.check_quantize, (quantize_qmax_table, dequantize_ok), "for every bit width"),
+    (day8.check_quantize, (quantize_grouped_codes, dequantize_ok), "expected x's shape"),
+    (day8.check_fake_quant_ste, (fake_quant_raw_ratio,), "the STE mask tests round(x / S)"),
+    (day8.check_magnitude_masks, (masks_floor,), "not floor or ceil"),
+    (day8.check_magnitude_masks, (masks_ceil,), "not floor or ceil"),
+    (day8.check_prune_linear_pair, (prune_pair_delegate,), "new fc1.weight differs"),
+    (day8.check_prune_linear_pair, (prune_pair_norm_order,), "in their original order"),
+    (day8.check_mask_2to4, (mask_2d_only, is24_ok), "whatever the rank"),
+    (day8.check_mask_2to4, (mask24_ok, valid_first_group), "is_2to4 accepted a mask with 3 kept"),
+    (day8.check_mask_2to4, (mask24_ok, valid_density), "not on average"),
+    (day8.check_mask_2to4, (mask24_ok, valid_no_shape_check), "not a multiple of 4: no 2:4 pattern there"),
+    (day8.check_distillation_loss, (distill_2_pow_t,), "scaled by 2^T"),
+    (day8.check_distillation_loss, (distill_2t,), "2T, not by T^2"),
+    (day8.check_smoothing_factors, (smooth_zero_power,), "nothing to balance"),
+]
+
+
+@pytest.mark.parametrize("seed", [0, 3, 7])
+def test_mask_2to4_keeps_either_of_equal_magnitudes(seed):
+    """The 3-D case has tied |w| in most groups: torch.topk's choice among them keeps full marks (not the
+    exercise: the pruned weight's kept magnitudes are the same)."""
+    day8.check_mask_2to4(mask_topk, is24_ok, seed=seed)
+
+
+@pytest.mark.parametrize("check,fns,phrase", RED_TEAM, ids=[f[0].__name__ for _, f, _ in RED_TEAM])
+@pytest.mark.parametrize("seed", [0, 3, 7])
+def test_right_only_where_the_cases_look_fails(check, fns, phrase, seed):
+    """Red team (Day 8): each passed the checks at some or all seeds 0..9 before its case was added."""
+    with pytest.raises(AssertionError, match=re.escape(phrase)):
+        check(*fns, seed=seed)
+
+
 # ----------------------------------------------------------------------------- tests
 
 CASES = [

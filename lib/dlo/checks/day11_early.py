@@ -27,11 +27,14 @@ def _reference(history: list[float], patience: int, min_delta: float, mode: str)
 
 
 def _rule(history, patience, min_delta, mode, *, strict=True, delta=True, off_by_one=False, last=False,
-          whole=False, nan=True, use_mode=True) -> tuple[bool, int | None]:
+          whole=False, nan=True, use_mode=True, argbest=False) -> tuple[bool, int | None]:
     """The patience rule with one slip switched on (the reference's rule with every switch at its default)."""
     sign = -1.0 if mode == "max" and use_mode else 1.0
     best, best_epoch, bad, stopped = math.inf, None, 0, False
+    seen, seen_epoch = math.inf, None   # argbest: the epoch of the best value seen, improvement or not
     for epoch, metric in enumerate(history):
+        if argbest and math.isfinite(metric) and sign * metric < seen:
+            seen, seen_epoch = sign * metric, epoch
         if nan and not math.isfinite(metric):
             bad = patience
         elif (sign * metric < best - (min_delta if delta else 0.0)) if strict else (sign * metric <= best - min_delta):
@@ -41,8 +44,8 @@ def _rule(history, patience, min_delta, mode, *, strict=True, delta=True, off_by
         if (bad > patience) if off_by_one else (bad >= patience):
             stopped = True
             if not whole:
-                return True, epoch if last else best_epoch
-    return stopped, (len(history) - 1 if last and history else best_epoch)
+                return True, epoch if last else seen_epoch if argbest else best_epoch
+    return stopped, (len(history) - 1 if last and history else seen_epoch if argbest else best_epoch)
 
 
 SLIPS = {"stopped one evaluation late: stop when `patience` evaluations in a row did not improve, not patience + 1":
@@ -54,7 +57,9 @@ SLIPS = {"stopped one evaluation late: stop when `patience` evaluations in a row
          "kept going after the stop: the first epoch at which the rule says stop ends it; later values are never "
          "seen": {"whole": True},
          "a nan or inf metric must stop training at once (a diverged run does not come back)": {"nan": False},
-         "ignored `mode`: in 'max' mode the highest value is the best": {"use_mode": False}}
+         "ignored `mode`: in 'max' mode the highest value is the best": {"use_mode": False},
+         "moved best_epoch to a value better by no more than min_delta: only an improvement (better than best by "
+         "more than min_delta) moves best and best_epoch": {"argbest": True}}
 
 
 def _history(rng: random.Random, t: int) -> tuple[list[float], int, float, str]:
@@ -65,8 +70,16 @@ def _history(rng: random.Random, t: int) -> tuple[list[float], int, float, str]:
         step = rng.choice([-0.2, -0.1, -0.02, -0.01, 0.0, 0.0, 0.03, 0.1])   # mostly falling, plateaus, ties
         value = round(value + step, 2)
         out.append(value if mode == "min" else -value)
-    if t % 4 == 3:   # diverged early: nan or inf before patience could stop it
-        out[1] = rng.choice([math.nan, math.inf, -math.inf])
+    if t == 4:       # no evaluation yet: nothing stopped, no best epoch
+        return [], patience, min_delta, mode
+    if t == 2:       # a value better than the best by no more than min_delta, then a plateau until the stop
+        min_delta, steps = 0.05, rng.randint(1, 4)
+        out = [round(1.0 - 0.1 * k, 2) for k in range(steps)]
+        out += [round(out[-1] - 0.02, 2)] + [round(out[-1] + 0.1, 2)] * patience
+    if t % 4 == 3:   # diverged early: nan or inf before patience could stop it (case 3: first, no best epoch)
+        better = math.inf if mode == "max" else -math.inf   # an inf taken for a value would be the best one
+        out[0 if t == 3 else rng.randrange(3)] = (math.nan if t == 3 else better if t == 7 else
+                                                  rng.choice([math.nan, math.inf, -math.inf]))
         patience = max(patience, 2)
     return out, patience, min_delta, mode
 
@@ -87,6 +100,8 @@ def check_early_stop(early_stop_fn, seed: int = 0, trials: int = 12) -> None:
             continue
         # every slip that gives this answer is named: on a short history two slips can agree
         named = [m for m, switches in SLIPS.items() if got == _rule(history, patience, min_delta, mode, **switches)]
+        if want[1] is None and got[1] is not None:   # also where a slip gives the same answer (a nan first)
+            named.append("best_epoch is None while no finite value was seen (an empty history, or a nan or inf first)")
         if named:
             raise AssertionError(f"{name}: {'; or: '.join(named)} ({case}): expected {want}, got {got}")
         raise AssertionError(f"{name}: expected (stop, best_epoch) = {want}, got {got} ({case})")

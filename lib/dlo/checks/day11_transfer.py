@@ -56,6 +56,9 @@ def check_freeze(freeze_fn, seed: int = 0, trials: int = 3) -> None:
     for t in range(trials):
         torch.manual_seed(rng.randrange(1 << 30))
         model = _model(rng)
+        model[0][3][1].weight = model[0][1].weight   # one tensor in two BatchNorms: counted once
+        for p in rng.sample(list(model[0].parameters()), 2):
+            p.requires_grad_(False)                   # frozen before: still counted, still frozen
         x = torch.randn(rng.choice([6, 10]), 2, 5, 5)
         y = torch.randint(0, model[1].out_features, (x.shape[0],))
         ref = copy.deepcopy(model).train()
@@ -74,6 +77,11 @@ def check_freeze(freeze_fn, seed: int = 0, trials: int = 3) -> None:
             raise AssertionError(f"{name}: BatchNorm statistics still moving in the frozen part "
                                  f"({', '.join(stats[:3])}): requires_grad does not stop them; put the BatchNorm "
                                  f"layers in eval mode ({case})")
+        still = [k for k, g in got["grad"].items() if k.startswith("0.") and g]
+        if still:
+            raise AssertionError(f"{name}: {still[0]} still has requires_grad=True: set requires_grad=False on every "
+                                 f"parameter of the module (a hook that zeroes its gradient is not frozen: weight "
+                                 f"decay or momentum still move it) ({case})")
         head = [k for k, g in got["grad"].items() if k.startswith("1.") and not g]
         if head or not any(c for k, c in got["changed"].items() if k.startswith("1.")):
             raise AssertionError(f"{name}: the head no longer trains: freeze only the module given, not the model "
@@ -87,23 +95,25 @@ def check_freeze(freeze_fn, seed: int = 0, trials: int = 3) -> None:
                                  f"{'train' if got['modes'][wrong_modes[0]] else 'eval'} mode: {what} ({case})")
         if got["count"] != want_count:
             raise AssertionError(f"{name}: returned {got['count']}, expected {want_count}: the number of frozen "
-                                 f"parameter elements, sum of p.numel() over the module's parameters ({case})")
+                                 f"parameter elements, sum of p.numel() over module.parameters(): every one, "
+                                 f"trainable before or not, a tensor shared by two layers once ({case})")
     ok(name, f"{trials} models: parameters still, BatchNorm statistics still, head trains, count")
 
 
 # ----------------------------------------------------------------------------- discriminative learning rates
 
-def _blocks(rng: random.Random) -> list[nn.Module]:
-    """3-5 blocks, input to output; one may be frozen whole and one in part (its bias)."""
+def _blocks(rng: random.Random, t: int) -> list[nn.Module]:
+    """3-5 blocks, input to output; one frozen whole (case 0: the last, the output's) and one in part (its
+    first layer's bias, or in case 1 its weight: the first parameter frozen, the rest of the block trains)."""
     widths = [rng.choice([2, 3, 4]) for _ in range(rng.randint(4, 6))]
     blocks = [nn.Sequential(nn.Linear(a, b), nn.LayerNorm(b)) if rng.random() < 0.5 else nn.Linear(a, b)
               for a, b in zip(widths, widths[1:])]
-    whole = rng.randrange(len(blocks) - 1)
+    whole = len(blocks) - 1 if t == 0 else rng.randrange(len(blocks))
     for p in blocks[whole].parameters():
         p.requires_grad_(False)
     part = rng.choice([i for i in range(len(blocks)) if i != whole])
     first = blocks[part][0] if isinstance(blocks[part], nn.Sequential) else blocks[part]
-    first.bias.requires_grad_(False)
+    (first.weight if t == 1 or rng.random() < 0.3 else first.bias).requires_grad_(False)
     return blocks
 
 
@@ -131,9 +141,9 @@ def check_discriminative_groups(groups_fn, seed: int = 0, trials: int = 4) -> No
     `discriminative_groups`: one group per block with trainable parameters, input to output, block k of L at
     lr / factor^(L-1-k), frozen parameters left out."""
     name, rng = "discriminative_groups", random.Random(case_seed(seed))
-    for _ in range(trials):
+    for t in range(trials):
         torch.manual_seed(rng.randrange(1 << 30))
-        blocks = _blocks(rng)
+        blocks = _blocks(rng, t)
         lr, factor = rng.choice([1e-3, 3e-4, 0.01]), rng.choice([2.6, 2.0, 3.0])
         want = _label_groups(discriminative_groups(blocks, lr, factor), blocks)
         frozen = {f"block {i}: {n}" for i, b in enumerate(blocks) for n, p in b.named_parameters()
@@ -164,13 +174,17 @@ def check_discriminative_groups(groups_fn, seed: int = 0, trials: int = 4) -> No
             raise AssertionError(f"{name}: every group needs its own 'lr' ({case})")
         if all(abs(a - b) <= 1e-12 * b for a, b in zip(lrs, want_lrs)):
             continue
-        if all(abs(a - b) <= 1e-12 * b for a, b in zip(lrs, want_lrs[::-1])):
+        ks = [k for k, b in enumerate(blocks) if any(p.requires_grad for p in b.parameters())]
+        swapped = (want_lrs[::-1], [lr / factor ** k for k in ks], [lr / factor ** j for j in range(len(want))])
+        if any(all(abs(a - b) <= 1e-12 * b for a, b in zip(lrs, wrong)) for wrong in swapped):
             raise AssertionError(f"{name}: the learning rates are swapped: the block nearest the output gets lr, "
                                  f"the one nearest the input the smallest ({case}): expected {want_lrs}, got {lrs}")
-        kept = [lr / factor ** (len(want) - 1 - k) for k in range(len(want))]
-        if all(abs(a - b) <= 1e-12 * b for a, b in zip(lrs, kept)):
+        kept = [lr / factor ** (len(want) - 1 - k) for k in range(len(want))]   # L: the groups kept
+        top = [lr / factor ** (ks[-1] - k) for k in ks]                           # lr to the last block that trains
+        if any(all(abs(a - b) <= 1e-12 * b for a, b in zip(lrs, wrong)) for wrong in (kept, top)):
             raise AssertionError(f"{name}: a frozen block still counts: block k of L gets lr / factor^(L-1-k), L "
-                                 f"counting every block given, also the ones left out ({case}): expected {want_lrs}, "
+                                 f"counting every block given, also the ones left out (a frozen last block "
+                                 f"included: then no group gets lr) ({case}): expected {want_lrs}, "
                                  f"got {lrs}")
         raise AssertionError(f"{name}: learning rates {lrs}, expected {want_lrs} ({case})")
     ok(name, f"{trials} block lists with frozen blocks and parameters: groups, order and rates")

@@ -19,6 +19,7 @@ from __future__ import annotations
 import random
 
 import torch
+import torch.nn.functional as F
 
 from dlo import distill, quant
 from dlo.checks.day8_prune import (  # noqa: F401 (the notebook calls them from here)
@@ -30,7 +31,7 @@ from dlo.checks.day8_prune import (  # noqa: F401 (the notebook calls them from 
 )
 from dlo.checks.day8_smooth import check_smoothing_factors  # noqa: F401 (the notebook calls it from here)
 from dlo.grading.api import check, run_student
-from dlo.grading.compare import assert_close, expect_value_error, fmt, ok
+from dlo.grading.compare import assert_close, expect_value_error, fmt, name_slip, ok, same
 
 RTOL, ATOL = 1e-5, 1e-6  # float32 references: correct code agrees to a few ulps
 CALIBRATION_RTOL = 1e-10  # calibrate_range works in float64: float32's interpolation is off by ~1e-7
@@ -54,7 +55,7 @@ def check_quantize(quantize_fn, dequantize_fn, seed: int = 0, trials: int = 6) -
     `dequantize_fn(q, scale) -> x_hat`. Against dlo.quant.quantize(..., symmetric=True)."""
     name, rng, gen = "quantize", random.Random(seed), torch.Generator().manual_seed(seed)
     for t in range(trials):
-        bits = (8, 4)[t % 2]
+        bits = (8, 4)[t % 2] if t < 4 else rng.choice([2, 3, 5, 6])  # q_max = 2^(b-1) - 1 for any width
         granularity = ("tensor", "channel", "group")[t % 3]
         G = rng.choice([4, 8])
         x = random_matrix(rng, gen, cols_multiple=8)
@@ -63,8 +64,14 @@ def check_quantize(quantize_fn, dequantize_fn, seed: int = 0, trials: int = 6) -
         hp = dict(bits=bits, granularity=granularity, group_size=G, x_shape=tuple(x.shape))
         q, scale = quantize_fn(x.clone(), bits, granularity, G)
         q_ref, s_ref, _ = quant.quantize(x, bits, granularity, G, symmetric=True)
+        if bits not in (8, 4) and not same(scale, s_ref, rtol=RTOL, atol=ATOL):
+            raise AssertionError(f"{name}: scale wrong at bits={bits}: q_max = 2^(bits-1) - 1 = {2 ** (bits - 1) - 1} "
+                                 f"for every bit width, not only 127 (int8) and 7 (int4) ({fmt(hp)})")
         assert_close(name, "scale", scale, s_ref, hp, rtol=RTOL, atol=ATOL)
         q = torch.as_tensor(q)
+        if tuple(q.shape) != tuple(x.shape):
+            raise AssertionError(f"{name}: codes have shape {tuple(q.shape)}, expected x's shape {tuple(x.shape)}: "
+                                 f"reshape the grouped codes back ({fmt(hp)})")
         q_max = 2 ** (bits - 1) - 1
         if q.float().abs().max() > q_max:
             raise AssertionError(f"{name}: codes reach {q.float().abs().max():.0f} but {bits}-bit symmetric codes "
@@ -148,6 +155,9 @@ def check_fake_quant_ste(fn, seed: int = 0, trials: int = 4) -> None:
         bits = (8, 4)[t % 2]
         x = torch.randn(rng.choice([3, 7]), rng.choice([5, 9]), generator=gen, dtype=torch.float64)
         scale = torch.tensor(rng.choice([0.05, 0.2, 0.5]) * 8 / 2 ** (bits - 1), dtype=torch.float64)
+        q_max = 2 ** (bits - 1) - 1  # x / S = +-(q_max + 1/4) rounds to +-q_max: inside, gradient 1; q_max + 3/4: 0
+        x.view(-1)[torch.randperm(x.numel(), generator=gen)[:3]] = torch.tensor(
+            [q_max + 0.25, -q_max - 0.25, q_max + 0.75], dtype=torch.float64) * scale
         hp = dict(bits=bits, scale=scale.item())
         g = torch.randn(x.shape, generator=gen, dtype=torch.float64)
         got = run_student(_fake_quant_worker, fn, x, scale, bits, g)
@@ -158,6 +168,12 @@ def check_fake_quant_ste(fn, seed: int = 0, trials: int = 4) -> None:
             raise AssertionError(f"{name}: the output does not require grad; build it from x with torch ops "
                                  f"or a torch.autograd.Function ({fmt(hp)})")
         (y_ref * g).sum().backward()
+        band = ((x / scale).abs() > q_max) & ((x / scale).abs() < q_max + 0.5)
+        if isinstance(got.get("grad"), torch.Tensor) and got["grad"].shape == x.shape and torch.equal(
+                got["grad"], torch.where(band, 0.0, x2.grad)) and band.any():
+            raise AssertionError(f"{name}: gradient 0 where |x / scale| is in (q_max, q_max + 1/2): those values "
+                                 f"round to +-q_max, inside the range; the STE mask tests round(x / S), not x / S "
+                                 f"({fmt(hp)})")
         assert_close(name, "gradient w.r.t. x (STE: grad where not clipped, 0 outside)", got["grad"], x2.grad, hp,
                      rtol=RTOL, atol=ATOL)
     ok(name, f"{trials} trials, seed={seed}")
@@ -180,15 +196,23 @@ def check_distillation_loss(fn, seed: int = 0, trials: int = 4) -> None:
     """`fn(student_logits, teacher_logits, targets, temperature, lam) -> scalar` =
     T^2 KL(softmax(t/T) || softmax(s/T)) (batch mean) + lam CE(s, y); gradients must reach the student only."""
     name, rng, gen = "distillation_loss", random.Random(seed), torch.Generator().manual_seed(seed)
-    for _ in range(trials):
+    for t_ in range(trials):
         B, C = rng.choice([3, 8]), rng.choice([4, 10])
-        T, lam = rng.choice([1.0, 2.0, 4.0]), rng.choice([0.0, 0.5, 1.0])
+        # at T = 2 (and 4), T^2 = 2^T (and 2T): the first trial's temperature tells them apart
+        T, lam = rng.choice([1.0, 3.0] if t_ == 0 else [1.0, 2.0, 4.0]), rng.choice([0.0, 0.5, 1.0])
         s = torch.randn(B, C, generator=gen, dtype=torch.float64) * 2
         t = torch.randn(B, C, generator=gen, dtype=torch.float64) * 2
         y = torch.randint(0, C, (B,), generator=gen)
         hp = dict(B=B, classes=C, temperature=T, lam=lam)
         got = run_student(_distill_worker, fn, s, t, y, T, lam)
         want = distill.distillation_loss(s, t, y, T, lam)
+        if not same(got["loss"], want, rtol=1e-7, atol=1e-10):  # name the factor if it is a known wrong one
+            soft, ce = distill.distillation_loss(s, t, y, T, 0.0) / T ** 2, lam * F.cross_entropy(s, y)
+            factors = {}  # factor -> its spellings (at T = 1, 2^T and 2T are both 2)
+            for k, v in (("2^T", 2 ** T), ("2T", 2 * T), ("T", T), ("nothing", 1.0)):
+                factors.setdefault(v, []).append(k)
+            name_slip(name, got["loss"], {f"the soft KL term is scaled by {' or '.join(k)}, not by T^2": soft * v + ce
+                                          for v, k in factors.items()}, hp, want)
         assert_close(name, "loss", got["loss"], want, hp, rtol=1e-7, atol=1e-10)
         s2 = s.clone().requires_grad_()
         distill.distillation_loss(s2, t, y, T, lam).backward()

@@ -49,8 +49,9 @@ def check_smoothing_factors(fn, seed: int = 0, trials: int = 6) -> None:
         act = torch.rand(C, generator=gen) * 3 + 0.05
         act[torch.randperm(C, generator=gen)[:max(1, C // 5)]] *= rng.choice([20.0, 60.0, 100.0])
         w = torch.rand(C, generator=gen) * rng.choice([0.02, 1.0]) + 1e-3
-        (act if t % 2 else w)[rng.randrange(C)] = 0.0  # nothing to balance in that channel
-        hp = dict(channels=C, alpha=alpha, zero_in="act" if t % 2 else "weight")
+        zero_act = t % 2 == 1 or t == 4  # a 0 in X meets alpha = 0 (0^0 = 1) and one in W alpha = 1
+        (act if zero_act else w)[rng.randrange(C)] = 0.0  # nothing to balance in that channel
+        hp = dict(channels=C, alpha=alpha, zero_in="act" if zero_act else "weight")
         s, want = fn(act.clone(), w.clone(), alpha), smoothquant.smoothing_factors(act, w, alpha)
         _name_the_slip(name, s, want, act, w, alpha, hp)
         assert_close(name, "s", s, want, hp, rtol=1e-4, atol=1e-6)
