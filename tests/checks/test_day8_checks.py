@@ -71,18 +71,7 @@ def fake_quant_ok(x, scale, bits):
 
 
 def masks_ok(weights, sparsity, scope):
-    def keep(scores):
-        k = torch.ones(scores.numel(), dtype=torch.bool)
-        k[torch.argsort(scores.flatten())[:round(sparsity * scores.numel())]] = False
-        return k.reshape(scores.shape)
-
-    if scope == "layer":
-        return {k: keep(w.abs()) for k, w in weights.items()}
-    flat, out, start = keep(torch.cat([w.abs().flatten() for w in weights.values()])), {}, 0
-    for k, w in weights.items():
-        out[k] = flat[start:start + w.numel()].reshape(w.shape)
-        start += w.numel()
-    return out
+    return _masks_count(weights, sparsity, scope, round)  # (below, with the red team's counts)
 
 
 def gradual_ok(step, final, begin, end, initial=0.0):
