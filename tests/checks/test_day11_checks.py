@@ -414,6 +414,16 @@ test_library_is_refused = cases.library_refused(LIBRARY, ids=["sample_config", "
                                                               "early_stop"])
 
 
+@pytest.mark.parametrize("cheat", [promote_from_results, promote_unbroken_ties, promote_reversed_for_max])
+def test_promote_cheats_fail_at_every_seed(cheat):
+    """Trials 0 (min) and 1 (max) take the whole bottom rung with a tie at its cut that one order shows, and a
+    promoted trial still running: before, the tie could fall on two promoted trials and the rungs could repeat
+    a step count, and these passed at 2-11 seeds in 60 (14 and 24 among them)."""
+    for seed in range(30):
+        with pytest.raises(AssertionError, match="broke a tie the wrong way|still running"):
+            day11.check_promote(cheat, seed=seed)
+
+
 def test_promote_refuses_the_library():
     from dlo.tuning.search import promotable
     from dlo.tuning.store import Result

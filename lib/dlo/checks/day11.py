@@ -73,8 +73,9 @@ def _slips(results, rung, eta, promoted, mode) -> dict[str, list[list[str]]]:
 
 def _promotion_case(rng: random.Random, t: int) -> tuple[list[dict], int, int, set, str]:
     eta = rng.choice([2, 3, 4])
-    rungs = [rng.choice([1, 2, 3]) * eta ** k for k in range(3)]
-    n0 = rng.choice([eta - 1, eta + 1, 2 * eta + 1, 3 * eta - 1, 4 * eta, 5 * eta + 2]) if t else 3 * eta + 1
+    r = rng.choice([1, 2, 3])
+    rungs = [r * eta ** k for k in range(3)]  # r, r eta, r eta^2 (one r: rungs distinct and increasing)
+    n0 = rng.choice([eta - 1, eta + 1, 2 * eta + 1, 3 * eta - 1, 4 * eta, 5 * eta + 2]) if t > 1 else 3 * eta + 1
     mode = ("min", "max")[t % 2]
     sign = 1.0 if mode == "min" else -1.0
     trials = [f"t{i:04d}" for i in rng.sample(range(100), n0)]
@@ -88,25 +89,29 @@ def _promotion_case(rng: random.Random, t: int) -> tuple[list[dict], int, int, s
         top = [r["trial"] for r in ranked[:len(ranked) // eta]]
         # asynchronous: some of the top are promoted already, and one from outside it was, when the rung had fewer
         alive = top[:rng.randint(0, len(top))] + [r["trial"] for r in ranked[len(top):len(top) + rng.randint(0, 1)]]
-    k = rng.randrange(2)
+    k = rng.randrange(2) if t > 1 else 0  # trials 0 and 1 (min, max): the full bottom rung, a tie at its cut
     promoted = {r["trial"] for r in results if r["steps"] == rungs[k + 1]}
     rng.shuffle(results)
     here = sorted((r for r in results if r["steps"] == rungs[k]), key=lambda r: (sign * r["value"], r["trial"]))
     count = len(here) // eta
     if 0 < count < len(here):
-        # a tie in the top or at its cut, the larger id first in `results`: only the trial id can break it;
-        # at the cut if the pair shows there (not both promoted), else inside the top
+        # a tie at the cut, the larger id first in `results`: only the trial id decides which of the two is in
+        # the top, and with one of them not promoted yet the two orders promote different trials (a pair of
+        # promoted trials would hide the order: both are left out either way)
+        free = [m for m in range(count, len(here)) if here[m]["trial"] not in promoted]
         pairs = [j for j in range(count, 0, -1) if not {here[j - 1]["trial"], here[j]["trial"]} <= promoted]
-        j = pairs[0] if pairs else count
-        here[j]["value"] = here[j - 1]["value"]
-        a, b = sorted((results.index(here[j - 1]), results.index(here[j])))
+        lo, hi = (count - 1, free[0]) if free else (pairs[0] - 1, pairs[0]) if pairs else (count - 1, count)
+        here[hi]["value"] = here[lo]["value"]
+        a, b = sorted((results.index(here[lo]), results.index(here[hi])))
         if results[a]["trial"] < results[b]["trial"]:
             results[a], results[b] = results[b], results[a]
         # a trial promoted and still running: no result at the next rung yet, only `promoted` says it went
-        waiting = [r["trial"] for r in here[:count] if r["trial"] not in promoted]
-        spare = [t for t in waiting if t not in (here[j - 1]["trial"], here[j]["trial"])]
+        waiting = [r["trial"] for r in here[:lo] if r["trial"] not in promoted]
         if waiting:
-            promoted.add(rng.choice(spare or waiting))
+            promoted.add(rng.choice(waiting))
+        elif lo:  # every trial above the tie went on already: one of them has no result up there yet
+            running = here[rng.randrange(lo)]["trial"]
+            results = [r for r in results if r["trial"] != running or r["steps"] <= rungs[k]]
     return results, rungs[k], eta, promoted, mode
 
 
