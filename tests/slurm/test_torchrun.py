@@ -4,7 +4,7 @@ process trained on the full batch.
 
 A job whose rank is killed by a signal runs once more, with a warning that carries the first log (it shows in
 pytest's warnings summary). Stop 47's CI had rank 1 abort in C++ ("terminate called without an active
-exception", SIGABRT) 8 s into the job, with no Python frame in the log; 110 runs of the same two-node torchrun
+exception", SIGABRT) 8 s into the job, with no Python frame in the log; about 100 runs of the same two-node torchrun
 on one host, 3 at a time and under CPU load, did not abort again. slurm/env.sh now turns on faulthandler, so a
 next one prints its Python stack; a second failure in a row fails the test with both logs."""
 
