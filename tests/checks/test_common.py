@@ -235,3 +235,25 @@ def test_a_worker_s_calls_of_the_student_s_function_are_guarded_once_and_still_r
     assert len(entered) == 1  # the check's own call of the student's function: guarded by itself
     with pytest.raises(ForbiddenCall, match="off limits"):
         check_called_here(lambda step: dlo.schedules.warmup_cosine(step, base_lr=1.0, warmup_steps=1, total_steps=9))
+
+
+def test_assert_close_matches_equal_infinities_only():
+    """An infinity equal to the expected one is no error (inf - inf would be nan, counted as infinite); the
+    other sign, a finite value or nan where -inf is expected still fails (Day 10's merge keeps lse = -inf)."""
+    import math
+
+    import torch
+
+    from dlo.grading.compare import assert_close, need_dtype
+
+    want = torch.tensor([-math.inf, 1.0, math.inf], dtype=torch.float64)
+    assert_close("t", "x", want.clone(), want)
+    for bad in (math.inf, -1e300, math.nan):
+        got = want.clone()
+        got[0] = bad
+        with pytest.raises(AssertionError, match="differs from the reference"):
+            assert_close("t", "x", got, want)
+    with pytest.raises(AssertionError, match="x is float32, expected the inputs' float64"):
+        need_dtype("t", "x", want.float(), torch.float64, {}, "the inputs' ")
+    with pytest.raises(AssertionError, match="x must be a int64 tensor, got list"):
+        need_dtype("t", "x", [1], torch.int64, {})

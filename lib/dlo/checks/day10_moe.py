@@ -14,20 +14,10 @@ import random
 import torch
 
 from dlo.grading.api import case_seed, check
-from dlo.grading.compare import assert_close, fmt, name_slip, ok, same
+from dlo.grading.compare import assert_close, fmt, name_slip, need_dtype, ok, same
 from dlo.models import moe
 
 ROUTE = ("dlo.models.moe.*", "dlo.distributed.expert_parallel.*")
-
-
-def need_dtype(name: str, what: str, got, dtype: torch.dtype, where, of: str = "") -> None:
-    """AssertionError unless `got` is a tensor of `dtype` (`of`: whose dtype that is, for the message)."""
-    short = str(dtype).removeprefix("torch.")
-    if not isinstance(got, torch.Tensor):
-        raise AssertionError(f"{name}: {what} must be a {short} tensor, got {type(got).__name__} ({fmt(where)})")
-    if got.dtype != dtype:
-        raise AssertionError(f"{name}: {what} is {str(got.dtype).removeprefix('torch.')}, expected {of}{short} "
-                             f"({fmt(where)})")
 
 
 def _reference_route(logits: torch.Tensor, top_k: int, factor: float) -> tuple[torch.Tensor, ...]:

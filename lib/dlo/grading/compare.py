@@ -35,7 +35,7 @@ def ok(name: str, detail: str) -> None:
 def assert_close(name: str, what: str, got, want, where=None, *, rtol: float = RTOL, atol: float = ATOL) -> None:
     """got == want elementwise within atol + rtol * |want| (in float64), else AssertionError naming
     the first worst mismatch. `got` may be a tensor, a number or a list of numbers; nan counts as an
-    infinite error; a missing value or a wrong shape is named as such."""
+    infinite error; an expected infinity is matched by the same infinity only (no error), nothing else; a missing value or a wrong shape is named as such."""
     ctx = f" ({fmt(where)})" if where not in (None, "", {}) else ""
     if got is None:
         raise AssertionError(f"{name}: {what} is None; expected a value{ctx}")
@@ -46,14 +46,24 @@ def assert_close(name: str, what: str, got, want, where=None, *, rtol: float = R
     want_t = torch.as_tensor(want).detach().to("cpu", DTYPE)
     if got_t.shape != want_t.shape:
         raise AssertionError(f"{name}: {what} has shape {tuple(got_t.shape)}, expected {tuple(want_t.shape)}{ctx}")
-    err = (got_t - want_t).abs().nan_to_num(math.inf)
-    bad = err > atol + rtol * want_t.abs()
+    err = (got_t - want_t).abs().nan_to_num(math.inf).masked_fill(got_t == want_t, 0.0)  # inf == inf: no error
+    bad = (err > atol + rtol * want_t.abs()) | (want_t.isinf() & (got_t != want_t))  # rtol * inf allows anything
     if bad.any():
         i = int(torch.argmax(torch.where(bad, err, -1.0).flatten()))
         raise AssertionError(
             f"{name}: {what} differs from the reference{ctx}: max abs error {err.max():.3g} "
             f"(tolerance {atol:g} + {rtol:g}*|expected|); e.g. at flat index {i}: expected "
             f"{want_t.flatten()[i].item():.10g}, got {got_t.flatten()[i].item():.10g}")
+
+
+def need_dtype(name: str, what: str, got, dtype: torch.dtype, where, of: str = "") -> None:
+    """AssertionError unless `got` is a tensor of `dtype` (`of`: whose dtype that is, for the message)."""
+    short = str(dtype).removeprefix("torch.")
+    if not isinstance(got, torch.Tensor):
+        raise AssertionError(f"{name}: {what} must be a {short} tensor, got {type(got).__name__} ({fmt(where)})")
+    if got.dtype != dtype:
+        raise AssertionError(f"{name}: {what} is {str(got.dtype).removeprefix('torch.')}, expected {of}{short} "
+                             f"({fmt(where)})")
 
 
 def assert_number(name: str, what: str, got, where=None) -> float:
