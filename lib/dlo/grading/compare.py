@@ -35,7 +35,8 @@ def ok(name: str, detail: str) -> None:
 def assert_close(name: str, what: str, got, want, where=None, *, rtol: float = RTOL, atol: float = ATOL) -> None:
     """got == want elementwise within atol + rtol * |want| (in float64), else AssertionError naming
     the first worst mismatch. `got` may be a tensor, a number or a list of numbers; nan counts as an
-    infinite error; an expected infinity is matched by the same infinity only (no error), nothing else; a missing value or a wrong shape is named as such."""
+    infinite error; an expected infinity is matched by the same infinity only (no error), nothing else; a
+    missing value or a wrong shape is named as such."""
     ctx = f" ({fmt(where)})" if where not in (None, "", {}) else ""
     if got is None:
         raise AssertionError(f"{name}: {what} is None; expected a value{ctx}")
