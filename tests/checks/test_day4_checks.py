@@ -9,6 +9,12 @@ DDP and collectives are off limits while a check runs.
 from __future__ import annotations
 
 import contextlib
+import glob
+import os
+import re
+import shutil
+import tempfile
+import time
 
 import pytest
 import torch
@@ -475,6 +481,203 @@ def test_metrics():
         day4.check_all_reduce_metrics(mean_of_means)
     with pytest.raises(AssertionError, match="off limits"):
         day4.check_all_reduce_metrics(data.all_reduce_metrics)
+
+
+# ----------------------------------------------------------------------------- honest variants the comm checks keep
+
+def ring_backwards(t):
+    """The ring run the other way round: send to (rank - 1) % N, receive from (rank + 1) % N."""
+    n, r = dist.get_world_size(), dist.get_rank()
+    flat = t.reshape(-1).clone()
+    buf = torch.cat([flat, flat.new_zeros((-flat.numel()) % n)])
+    chunks, incoming = buf.view(n, -1), torch.empty(buf.numel() // n, dtype=t.dtype)
+
+    def exchange(send):
+        for op in [dist.isend(send.contiguous(), (r - 1) % n), dist.irecv(incoming, (r + 1) % n)]:
+            op.wait()
+
+    for s in range(n - 1):
+        exchange(chunks[(r + s) % n])
+        chunks[(r + s + 1) % n] += incoming
+    for s in range(n - 1):
+        exchange(chunks[(r - 1 + s) % n])
+        chunks[(r + s) % n].copy_(incoming)
+    return t.copy_(buf[:flat.numel()].view_as(t))
+
+
+def ring_unpadded(t):
+    """tensor_split's chunks (sizes floor and ceil of n / N, some empty when n < N), blocking send/recv ordered
+    by rank parity (even ranks send first) instead of isend/irecv."""
+    n, r = dist.get_world_size(), dist.get_rank()
+    chunks = list(t.reshape(-1).clone().tensor_split(n))
+
+    def exchange(send, into):
+        got = torch.empty_like(chunks[into])
+        if r % 2 == 0:
+            dist.send(send.contiguous(), (r + 1) % n)
+            dist.recv(got, (r - 1) % n)
+        else:
+            dist.recv(got, (r - 1) % n)
+            dist.send(send.contiguous(), (r + 1) % n)
+        return got
+
+    for s in range(n - 1):
+        chunks[(r - s - 1) % n] = chunks[(r - s - 1) % n] + exchange(chunks[(r - s) % n], (r - s - 1) % n)
+    for s in range(n - 1):
+        chunks[(r - s) % n] = exchange(chunks[(r + 1 - s) % n], (r - s) % n)
+    return t.copy_(torch.cat(chunks).view_as(t))
+
+
+@pytest.mark.parametrize("fn", [ring_ok, ring_backwards, ring_unpadded])
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_ring_accepts_either_way_round_and_any_chunking(fn, world_size):
+    """The ring's lower bounds (messages, bytes) hold for a ring run either way, padded or not."""
+    day4.check_ring_all_reduce(fn, seed=0, world_size=world_size)
+
+
+def accumulation_backward_in_no_sync(model, optimizer, loss_fn, xs, ys):
+    """Forward first, only the backward inside no_sync, micro-batches from the last to the first."""
+    total, order = sum(len(y) for y in ys), list(range(len(xs)))[::-1]
+    for k, j in enumerate(order):
+        loss = loss_fn(model(xs[j]), ys[j]) * (len(ys[j]) / total)
+        with model.no_sync() if k < len(order) - 1 else contextlib.nullcontext():
+            loss.backward()
+    model.finish_gradient_synchronization()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def test_accumulation_accepts_backward_alone_in_no_sync():
+    day4.check_accumulation_step(accumulation_backward_in_no_sync, seed=0)
+
+
+def all_reduce_flat(module):
+    """One all-reduce of every gradient concatenated: the same bytes as one per parameter."""
+    grads = [p.grad for p in module.parameters() if p.grad is not None]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat)
+    flat /= dist.get_world_size()
+    for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+        g.copy_(part.view_as(g))
+
+
+def test_naive_accepts_one_flat_all_reduce():
+    day4.check_naive_ddp(broadcast_ok, all_reduce_flat, seed=1)
+
+
+# ----------------------------------------------------------------------------- red team: right numbers, wrong exercise
+
+CALLS = [0]  # per rank: the file channel's calls so far (every rank calls as often)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_files_left():
+    """The file channel's folders go with the module's tests."""
+    yield
+    for folder in glob.glob(os.path.join(tempfile.gettempdir(), "dlo-red-*")):
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def files_exchange(t, keep=None):
+    """Every rank's t through files, no message: the sum over ranks (or rank `keep`'s t)."""
+    n, r = dist.get_world_size(), dist.get_rank()
+    CALLS[0] += 1
+    folder = os.path.join(tempfile.gettempdir(), f"dlo-red-{os.getppid()}-{os.environ.get('MASTER_PORT')}-{n}")
+    os.makedirs(folder, exist_ok=True)
+    torch.save(t.detach().clone(), os.path.join(folder, f"{CALLS[0]}-{r}.tmp"))
+    os.replace(os.path.join(folder, f"{CALLS[0]}-{r}.tmp"), os.path.join(folder, f"{CALLS[0]}-{r}.pt"))
+    parts = []
+    for k in range(n) if keep is None else [keep]:
+        while not os.path.exists(os.path.join(folder, f"{CALLS[0]}-{k}.pt")):
+            time.sleep(0.002)
+        parts.append(torch.load(os.path.join(folder, f"{CALLS[0]}-{k}.pt")))
+    return torch.stack(parts).sum(0)
+
+
+def ring_through_files(t):
+    return t.copy_(files_exchange(t))
+
+
+def broadcast_through_files(module):
+    with torch.no_grad():
+        for t in [*module.parameters(), *module.buffers()]:
+            t.copy_(files_exchange(t, keep=0))
+
+
+def all_reduce_through_files(module):
+    for p in module.parameters():
+        p.grad.copy_(files_exchange(p.grad) / dist.get_world_size())
+
+
+class BucketDummyThenGather(BucketOk):
+    """One-element all-reduces from the hooks for the count; the gradients in one blocking all-gather after."""
+
+    def _hook(self, p):
+        b, _ = self.where[p]
+        b["ready"] += 1
+        if b["ready"] == len(b["params"]):
+            b["handle"] = dist.all_reduce(torch.zeros(1, dtype=torch.float64), async_op=True)
+
+    def finish_gradient_synchronization(self):
+        for b in self.buckets:
+            b["handle"].wait()
+            b["ready"], b["handle"] = 0, None
+        params = [p for b in self.buckets for p in b["params"]]
+        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        out = flat.new_empty(dist.get_world_size() * flat.numel())
+        dist.all_gather_into_tensor(out, flat)
+        for p, part in zip(params, out.view(dist.get_world_size(), -1).mean(0).split([p.numel() for p in params])):
+            p.grad.copy_(part.view_as(p))
+
+
+class BucketDummyThroughFiles(BucketDummyThenGather):
+    """The same one-element all-reduces; the gradients through files after backward, beside the process group."""
+
+    def finish_gradient_synchronization(self):
+        for b in self.buckets:
+            b["handle"].wait()
+            b["ready"], b["handle"] = 0, None
+            for p in b["params"]:
+                p.grad.copy_(files_exchange(p.grad) / self.world_size)
+
+
+def accumulation_concatenated(model, optimizer, loss_fn, xs, ys):
+    loss_fn(model(torch.cat(xs)), torch.cat(ys)).backward()
+    model.finish_gradient_synchronization()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def accumulation_one_backward(model, optimizer, loss_fn, xs, ys):
+    """A forward per micro-batch, but one backward of the summed losses: every graph held at once."""
+    total = sum(len(y) for y in ys)
+    sum(loss_fn(model(x), y) * (len(y) / total) for x, y in zip(xs, ys)).backward()
+    model.finish_gradient_synchronization()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+RED_TEAM = [  # checks by name: the ranks import this module, where the grader's functions are sealed
+    ("check_ring_all_reduce", (ring_through_files,), {}, "sent no message through the process group"),
+    ("check_ring_all_reduce", (ring_through_files,), {"world_size": 3}, "sent no message through the process"),
+    ("check_naive_ddp", (broadcast_ok, all_reduce_through_files), {}, "all_reduce_gradients: step 1 sent nothing"),
+    ("check_naive_ddp", (broadcast_through_files, all_reduce_mean), {}, "broadcast_parameters: sent nothing"),
+    ("check_bucket_ddp", (BucketDummyThenGather,), {}, "all_gather after backward: the gradients travel in"),
+    ("check_bucket_ddp", (BucketDummyThroughFiles,), {}, "the buckets' all-reduces carried"),
+    ("check_accumulation_step", (accumulation_concatenated,), {}, "expected one per micro-batch"),
+    ("check_accumulation_step", (accumulation_one_backward,), {}, "all but the last inside model.no_sync()"),
+]
+
+
+@pytest.mark.parametrize("check,fns,kwargs,phrase", RED_TEAM,
+                         ids=[f"{c}-{f[-1].__name__}-{len(k)}" for c, f, k, _ in RED_TEAM])
+@pytest.mark.parametrize("seed", [0, 3, 7])
+def test_right_numbers_without_the_exercise_fail(check, fns, kwargs, phrase, seed):
+    """Red team (Day 4): each passed its check at every seed; the checks compared only the results and
+    counted calls, not what the messages carry (files instead of messages, dummy all-reduces, one forward of
+    the whole batch)."""
+    with pytest.raises(AssertionError, match=re.escape(phrase)):
+        getattr(day4, check)(*fns, seed=seed, **kwargs)
 
 
 # ----------------------------------------------------------------------------- sandboxed: ranks inside the runner
