@@ -10,6 +10,7 @@ while a check runs (calling one fails with ForbiddenCall, tested below).
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -582,3 +583,102 @@ def lamb_tensor_norms(param, grad, m, v, step, *, lr, beta1, beta2, eps, weight_
 def test_lamb_accepts_tensor_norms():
     day1.check_lamb_step(lamb_tensor_norms, seed=0)
     day1.check_lamb_step(lamb_tensor_norms, seed=1, trials=10)
+
+
+# ----------------------------------------------------------------------------- red team
+
+def accum_hook_bait(model, loss_fn, x, y, micro_batches):
+    """Micro-batch forwards under no_grad for the forward hook; the work is one whole-batch model.forward
+    (past nn.Module.__call__ and its hooks) and one backward: no memory saved."""
+    with torch.no_grad():
+        for xc in x.tensor_split(micro_batches):
+            model(xc)
+    model.zero_grad(set_to_none=True)
+    loss = loss_fn(model.forward(x), y)
+    loss.backward()
+    return loss.detach()
+
+
+def accum_cat_then_whole(model, loss_fn, x, y, micro_batches):
+    """Right micro-batch forwards for the hook, then the chunks put back together for one whole-batch pass."""
+    model.zero_grad(set_to_none=True)
+    chunks = x.tensor_split(micro_batches)
+    with torch.no_grad():
+        for xc in chunks:
+            model(xc)
+    loss = loss_fn(torch.nn.functional.linear(torch.tanh(torch.nn.functional.linear(
+        torch.cat(chunks), model[0].weight, model[0].bias)), model[2].weight, model[2].bias), y)
+    loss.backward()
+    return loss.detach()
+
+
+def accum_one_backward(model, loss_fn, x, y, micro_batches):
+    """Micro-batch forwards, the weighted losses summed, one backward: every micro-batch's graph alive."""
+    model.zero_grad(set_to_none=True)
+    total = sum(loss_fn(model(xc), yc) * (len(xc) / len(x))
+                for xc, yc in zip(x.tensor_split(micro_batches), y.tensor_split(micro_batches)))
+    total.backward()
+    return total.detach()
+
+
+def accum_backwards_after(model, loss_fn, x, y, micro_batches):
+    """Every forward first, then one backward per loss: the same memory as one backward."""
+    model.zero_grad(set_to_none=True)
+    losses = [loss_fn(model(xc), yc) * (len(xc) / len(x))
+              for xc, yc in zip(x.tensor_split(micro_batches), y.tensor_split(micro_batches))]
+    for loss in losses:
+        loss.backward()
+    return sum(loss.detach() for loss in losses)
+
+
+def accum_chunk(model, loss_fn, x, y, micro_batches):
+    """Honest: torch.chunk (chunks of ceil(B/k), maybe fewer than k) and index tensors."""
+    model.zero_grad()
+    total = torch.zeros((), dtype=x.dtype)
+    for idx in torch.arange(len(x)).chunk(micro_batches):
+        loss = loss_fn(model(x[idx]), y[idx]) * (len(idx) / len(x))
+        loss.backward()
+        total += loss.detach()
+    return total
+
+
+def lamb_no_zero_update_fallback(param, grad, m, v, step, *, lr, beta1, beta2, eps, weight_decay):
+    """Falls back to 1 for ||param|| = 0 only: with zero grads and weight_decay=0, ||u|| = 0 gives inf."""
+    m.mul_(beta1).add_(grad, alpha=1 - beta1)
+    v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    u = (m / (1 - beta1 ** step)) / ((v / (1 - beta2 ** step)).sqrt() + eps) + weight_decay * param
+    w_norm = param.norm()
+    trust = (w_norm / u.norm()).item() if w_norm > 0 else 1.0
+    param.sub_(lr * trust * u)
+    return trust
+
+
+def warmup_negative_accepted(step, *, base_lr, warmup_steps, total_steps, min_lr=0.0, start_factor=0.01):
+    """Refuses warmup_steps >= total_steps only: a negative warmup gives lrs above base_lr."""
+    if warmup_steps >= total_steps:
+        raise ValueError("no step left for the cosine")
+    return warmup_ok(step, base_lr=base_lr, warmup_steps=max(warmup_steps, 0), total_steps=total_steps,
+                     min_lr=min_lr, start_factor=start_factor)
+
+
+RED_TEAM = [
+    (day1.check_accumulate_gradients, accum_hook_bait, "addmm read"),
+    (day1.check_accumulate_gradients, accum_cat_then_whole, "cat read"),
+    (day1.check_accumulate_gradients, accum_one_backward, "backward came after the next micro-batch's forward"),
+    (day1.check_accumulate_gradients, accum_backwards_after, "backward came after the next micro-batch's forward"),
+    (day1.check_lamb_step, lamb_no_zero_update_fallback, "||u|| = 0 must fall back to a trust ratio of 1"),
+    (day1.check_warmup_cosine, warmup_negative_accepted, "warmup_steps=-1 < 0"),
+]
+
+
+@pytest.mark.parametrize("check,fn,phrase", RED_TEAM, ids=[f.__name__ for _, f, _ in RED_TEAM])
+@pytest.mark.parametrize("seed", [0, 3, 7])
+def test_right_only_where_the_check_looks_fails(check, fn, phrase, seed):
+    """Red team (Day 1): each passed the checks at seeds 0..19 before its case was added."""
+    with pytest.raises(AssertionError, match=re.escape(phrase)):
+        check(fn, seed=seed)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_accumulation_accepts_chunk_and_index_tensors(seed):
+    day1.check_accumulate_gradients(accum_chunk, seed=seed)

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import random
+import re
+import sys
 
+import cloudpickle
 import numpy as np
 import pytest
 import torch
@@ -12,6 +15,10 @@ from dlo import activation_ckpt as ac
 from dlo import checkpoint as ck
 from dlo.checks import day3
 from dlo.grading.forbid import ForbiddenCall
+
+# check_resume runs the save on a rank of its own: this module's students reach it by value, as a notebook's
+# do (importing this module there would read the checks, which are sealed where student code runs)
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
 def stub(*args, **kwargs):
@@ -220,7 +227,9 @@ def test_reference_passes(check, ref, bad, seed, capsys):
 
 @pytest.mark.parametrize("check,ref,bad", CHECKS, ids=IDS)
 def test_stub_fails(check, ref, bad):
-    with pytest.raises(NotImplementedError):
+    """The resume check saves on a rank of its own, which says a stub is not done before starting."""
+    rank = check is day3.check_resume
+    with pytest.raises(AssertionError if rank else NotImplementedError, match="not done yet" if rank else None):
         check(*bad, seed=0)
 
 
@@ -229,7 +238,8 @@ def test_stub_fails(check, ref, bad):
                                        (day3.check_resume, (save_ref, load_ok))],
                          ids=["checkpoint_function", "offload", "resume"])
 def test_library_is_refused(check, fns):
-    with pytest.raises(ForbiddenCall, match="off limits"):
+    """The resume check's save runs on a rank, whose ForbiddenCall comes back as the rank's error."""
+    with pytest.raises(AssertionError if check is day3.check_resume else ForbiddenCall, match="off limits"):
         check(*fns, seed=0)
 
 
@@ -266,3 +276,173 @@ def save_atomic_by_hand(path, *, model, optimizer, scheduler, scaler, loader, st
 def test_resume_accepts_a_plain_or_an_atomic_save():
     day3.check_resume(save_ok, load_ok, seed=1)
     day3.check_resume(save_atomic_by_hand, load_ok, seed=1)
+
+
+# ----------------------------------------------------------------------------- red team
+
+class CheckpointHiddenGraph(torch.autograd.Function):
+    """No recomputation: fn's ordinary graph built in forward under identity saved-tensor hooks of its own
+    (the innermost hooks win: the check's meter saw nothing), kept on ctx and backpropagated in backward."""
+
+    @staticmethod
+    def forward(ctx, fn, *args):
+        ctx.inputs = [a.detach().requires_grad_(a.requires_grad) for a in args]
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+            ctx.out = fn(*ctx.inputs)
+        return ctx.out.detach()
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        torch.autograd.backward(ctx.out, grad_output)
+        return (None, *[t.grad if t.requires_grad else None for t in ctx.inputs])
+
+
+class CheckpointKeptGraph(CheckpointHiddenGraph):
+    """The same graph kept on ctx, without hooks."""
+
+    @staticmethod
+    def forward(ctx, fn, *args):
+        ctx.inputs = [a.detach().requires_grad_(a.requires_grad) for a in args]
+        with torch.enable_grad():
+            ctx.out = fn(*ctx.inputs)
+        return ctx.out.detach()
+
+
+class CheckpointCtxActivations(torch.autograd.Function):
+    """Activations made in forward kept as ctx attributes (not saved for backward: the saved-bytes meter
+    misses them); backward calls fn for show and back-propagates through a graph rebuilt from them."""
+
+    @staticmethod
+    def forward(ctx, fn, *args):
+        ctx.fn = fn
+        ctx.save_for_backward(*args)
+        with torch.no_grad():
+            out = fn(*args)
+        ctx.acts = [out * 1.0 for _ in range(8)]  # stand-ins for the block's inner activations
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        args = [t.detach().requires_grad_(t.requires_grad) for t in ctx.saved_tensors]
+        with torch.enable_grad():
+            out = ctx.fn(*args)
+        torch.autograd.backward(out, grad_output)
+        return (None, *[a.grad for a in args])
+
+
+class CheckpointNoRecompute(torch.autograd.Function):
+    """Saves the inputs, never calls fn in backward (zero gradients): caught before the gradients compare."""
+
+    @staticmethod
+    def forward(ctx, fn, *args):
+        ctx.save_for_backward(*args)
+        with torch.no_grad():
+            return fn(*args)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return (None, *[torch.zeros_like(a) if a.requires_grad else None for a in ctx.saved_tensors])
+
+
+class CheckpointRngSaved(torch.autograd.Function):
+    """Honest: the CPU RNG state saved with ctx.save_for_backward next to the inputs (not an activation)."""
+
+    @staticmethod
+    def forward(ctx, fn, *args):
+        ctx.fn = fn
+        ctx.save_for_backward(torch.get_rng_state(), *args)
+        with torch.no_grad():
+            return fn(*args)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        state, *saved = ctx.saved_tensors
+        inputs = [t.detach().requires_grad_(t.requires_grad) for t in saved]
+        with torch.random.fork_rng(devices=[]):
+            torch.set_rng_state(state)
+            with torch.enable_grad():
+                out = ctx.fn(*inputs)
+        torch.autograd.backward(out, grad_output)
+        return (None, *[t.grad if t.requires_grad else None for t in inputs])
+
+
+def pack_hides_original(t):
+    """A 1-element host tensor for the check to see, the original hidden in an object that is no container."""
+    from types import SimpleNamespace
+
+    return torch.zeros(1), SimpleNamespace(t=t)
+
+
+def unpack_hidden(packed):
+    return packed[1].t
+
+
+_KEPT: list = []
+
+
+def pack_keeps_global(t):
+    """A real host copy, and the original kept in a module global (its device memory never freed)."""
+    _KEPT.append(t)
+    return pack_ok(t)
+
+
+def pack_clone_in_global(t):
+    """A 1-element host tensor to show; a copy kept on t's device in a module global (nothing offloaded)."""
+    _KEPT.append(t.clone())
+    return t.device, torch.zeros(1), len(_KEPT) - 1
+
+
+def unpack_clone_in_global(packed):
+    return _KEPT[packed[2]]
+
+
+_STASH: dict = {}
+
+
+def save_in_memory(path, *, model, optimizer, scheduler, scaler, loader, step):
+    """An empty file; the state kept in a module global of the saving process."""
+    open(path, "wb").close()
+    _STASH["state"] = {k: v for k, v in _state(model, optimizer, scheduler, scaler, loader, step).items()}
+
+
+def load_in_memory(path, *, model, optimizer, scheduler, scaler, loader):
+    state = _STASH["state"]
+    for obj, key in ((model, "model"), (optimizer, "optimizer"), (scheduler, "scheduler"), (scaler, "scaler"),
+                     (loader, "loader")):
+        obj.load_state_dict(state[key])
+    _set_rng(state["rng"])
+    return state["step"]
+
+
+RED_TEAM = [
+    (day3.check_checkpoint_function, (CheckpointHiddenGraph,), "saved_tensors_hooks is off limits"),
+    (day3.check_checkpoint_function, (CheckpointKeptGraph,), "bytes for backward but the inputs are only"),
+    (day3.check_checkpoint_function, (CheckpointCtxActivations,), "forward made and kept"),
+    (day3.check_checkpoint_function, (CheckpointNoRecompute,), "backward did not call fn"),
+    (day3.check_offload_hooks, (pack_hides_original, unpack_hidden), "pack kept the original tensor (same storage)"),
+    (day3.check_offload_hooks, (pack_keeps_global, unpack_ok), "pack kept the original tensor alive"),
+    (day3.check_offload_hooks, (pack_clone_in_global, unpack_clone_in_global), "host tensors hold 4 bytes"),
+]
+
+
+@pytest.mark.parametrize("check,fns,phrase", RED_TEAM, ids=[f[0].__name__ for _, f, _ in RED_TEAM])
+@pytest.mark.parametrize("seed", [0, 3, 7])
+def test_right_only_where_the_check_looks_fails(check, fns, phrase, seed):
+    """Red team (Day 3): each passed the checks at seeds 0..19 before its case was added, except two kept
+    beside them: CheckpointKeptGraph (guards the meter's own hooks) and CheckpointNoRecompute (named for
+    what it skips, not for the gradients that follow from it)."""
+    with pytest.raises(AssertionError, match=re.escape(phrase)):
+        check(*fns, seed=seed, device="cpu")
+
+
+def test_resume_from_memory_fails():
+    """Red team: the state kept in the saving process's memory, an empty file: the load runs elsewhere."""
+    with pytest.raises(AssertionError, match=re.escape("load_training_state raised KeyError: 'state'; the save ran "
+                                                       "in another process")):
+        day3.check_resume(save_in_memory, load_in_memory, seed=0)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_checkpoint_accepts_the_rng_state_among_the_saved_tensors(seed):
+    """An RNG state saved with ctx.save_for_backward is no activation (was: "forward kept 5104 bytes")."""
+    day3.check_checkpoint_function(CheckpointRngSaved, seed=seed, device="cpu")

@@ -20,6 +20,7 @@ the day's one checks module (`dlo.registry`) whose names the test cells call.
 
 from __future__ import annotations
 
+import math
 import random
 from numbers import Real
 
@@ -33,7 +34,7 @@ from dlo.checks.day1_training import (
     check_warmup_cosine,
 )
 from dlo.grading.api import check
-from dlo.grading.compare import assert_close, fmt, odd_shape, ok, rand
+from dlo.grading.compare import DTYPE, assert_close, fmt, odd_shape, ok, rand
 
 ADAM = ("torch.optim.AdamW", "torch.optim.Adam", "torch.optim.adamw.adamw", "torch.optim.adam.adam",
         "torch.optim.adam._single_tensor_adam", "torch.optim.adam._multi_tensor_adam", "torch.optim.adam._fused_adam",
@@ -138,7 +139,8 @@ def check_adamw_step(fn, seed: int = 0, trials: int = 5, steps: int = 4) -> None
 def check_lamb_step(fn, seed: int = 0, trials: int = 5, steps: int = 3) -> None:
     """`fn(param, grad, exp_avg, exp_avg_sq, step, *, lr, beta1, beta2, eps, weight_decay) -> trust` vs
     dlo.optim.reference.lamb_step (You et al. 2019, Alg. 2). Trial 0 starts from a zero tensor (a bias):
-    its norm is 0 so the trust ratio must fall back to 1."""
+    its norm is 0 so the trust ratio must fall back to 1; a last case has zero gradients and weight_decay=0
+    (||u|| = 0: the ratio falls back to 1 there too, and the param stays)."""
     from dlo.optim.reference import lamb_step
 
     name, rng, gen = "lamb_step", random.Random(seed), torch.Generator().manual_seed(seed)
@@ -168,7 +170,28 @@ def check_lamb_step(fn, seed: int = 0, trials: int = 5, steps: int = 3) -> None:
             assert_close(name, f"exp_avg (m) after step {s}", m, m_ref, where)
             assert_close(name, f"exp_avg_sq (v) after step {s}", v, v_ref, where)
             assert_close(name, f"param after step {s}", param, ref, where)
+    _lamb_zero_update(fn, name, rng, gen)
     ok(name, f"{trials} trials, seed={seed}")
+
+
+def _lamb_zero_update(fn, name: str, rng: random.Random, gen: torch.Generator) -> None:
+    """Zero gradients and weight_decay=0: the update u is 0 (||u|| = 0) while ||param|| > 0. The trust
+    ratio must fall back to 1 there too (||param|| / 0 is inf, times u = 0 a nan step), and the param stays."""
+    hp = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=10 ** rng.uniform(-8, -4), weight_decay=0.0)
+    shape = odd_shape(rng)
+    param, m, v = rand(shape, gen), torch.zeros(shape, dtype=DTYPE), torch.zeros(shape, dtype=DTYPE)
+    want = param.clone()
+    for s in (1, 2):
+        trust = fn(param, torch.zeros(shape, dtype=DTYPE), m, v, s, **hp)
+        where = dict(hp, step=s, shape=shape, grad="all zero")
+        if isinstance(trust, torch.Tensor) and trust.numel() == 1:
+            trust = trust.item()
+        if not isinstance(trust, Real) or not math.isfinite(trust) or not param.isfinite().all():
+            raise AssertionError(f"{name}: with zero gradients and weight_decay=0 the update u is 0: ||u|| = 0 must "
+                                 f"fall back to a trust ratio of 1 like ||param|| = 0, got trust {trust!r} "
+                                 f"({fmt(where)})")
+        assert_close(name, f"returned trust ratio at step {s} (||u|| = 0: 1.0)", float(trust), 1.0, where)
+        assert_close(name, f"param after step {s} (u = 0: no change)", param, want, where)
 
 
 __all__ = ["check_accumulate_gradients", "check_adamw_step", "check_clip_grad_norm", "check_lamb_step",

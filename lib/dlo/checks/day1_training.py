@@ -16,6 +16,8 @@ from numbers import Real
 
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from dlo.grading.api import check, run_student
 from dlo.grading.compare import DTYPE, assert_close, expect_value_error, fmt, odd_shape, ok, rand
@@ -59,8 +61,8 @@ def _check_schedule(name: str, fn, kw: dict, want: list[float]) -> None:
 def check_warmup_cosine(fn, seed: int = 0, trials: int = 6) -> None:
     """`fn(step, *, base_lr, warmup_steps, total_steps, min_lr, start_factor)` vs torch
     SequentialLR(LinearLR, CosineAnnealingLR) at every step 0..total_steps. Trial 1 has no warmup. Then
-    warmup_steps >= total_steps (no step left for the cosine: a division by zero) must raise ValueError,
-    at step 0 as at the last step."""
+    warmup_steps >= total_steps (no step left for the cosine: a division by zero) and warmup_steps < 0
+    must raise ValueError, at step 0 as at the last step."""
     sch = torch.optim.lr_scheduler
     name, rng = "warmup_cosine", random.Random(seed)
     for t in range(trials):
@@ -76,10 +78,11 @@ def check_warmup_cosine(fn, seed: int = 0, trials: int = 6) -> None:
                                     milestones=[warm])
         _check_schedule(name, fn, kw, torch_scheduler_lrs(make, kw["base_lr"], total + 1))
     total = rng.randint(9, 61)
-    for warm, step in ((total, total), (total, 0), (total + 3, 1)):
+    for warm, step in ((total, total), (total, 0), (total + 3, 1), (-1, 0), (-1, total)):
         kw = dict(base_lr=0.1, warmup_steps=warm, total_steps=total, min_lr=0.0, start_factor=0.1)
-        expect_value_error(name, lambda kw=kw, step=step: fn(step, **kw), f"warmup_steps={warm} >= "
-                            f"total_steps={total} leaves no step for the cosine (step {step})")
+        why = (f"warmup_steps={warm} < 0 is no warmup length (need 0 <= warmup_steps < total_steps)" if warm < 0
+               else f"warmup_steps={warm} >= total_steps={total} leaves no step for the cosine")
+        expect_value_error(name, lambda kw=kw, step=step: fn(step, **kw), f"{why} (step {step})")
     ok(name, f"{trials} trials, seed={seed}")
 
 
@@ -263,24 +266,88 @@ def _tiny_mlp(gen: torch.Generator, d_in: int, n_cls: int) -> torch.nn.Module:
     return model
 
 
+class _BatchReads(TorchDispatchMode):
+    """The most rows of the batch (x or y) one operator read, and which operator: accumulation computes
+    on micro-batches of <= cap rows; a whole-batch forward (model.forward(x) past the hooks, F.linear on
+    x, torch.cat of the chunks) reads more. Views (tensor_split, chunk, slicing) read nothing."""
+
+    def __init__(self, **batch: torch.Tensor):
+        super().__init__()
+        self.batch = {name: (t.untyped_storage().data_ptr(), t.storage_offset(), t.stride(0))
+                      for name, t in batch.items()}
+        self.most, self.what = 0, ""
+
+    def _rows(self, func, args, t: torch.Tensor, base: tuple) -> int:
+        if t.numel() == 0:
+            return 0
+        if func in (torch.ops.aten.index.Tensor, torch.ops.aten.index_select.default) and t is args[0]:
+            idx = args[1][0] if func is torch.ops.aten.index.Tensor else (args[2] if args[1] == 0 else None)
+            if isinstance(idx, torch.Tensor):  # x[idx] reads the rows it selects, not all of x
+                return int(idx.sum()) if idx.dtype == torch.bool else idx.numel()
+        _, off, row = base
+        last = t.storage_offset() + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+        return (last - off) // row - (t.storage_offset() - off) // row + 1
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not func.is_view:
+            tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+            for name, base in self.batch.items():
+                rows = sum(self._rows(func, args, t, base) for t in tensors
+                           if t.untyped_storage().data_ptr() == base[0])
+                if rows > self.most:
+                    self.most, self.what = rows, f"{func.overloadpacket.__name__} read {rows} rows of {name}"
+        return func(*args, **(kwargs or {}))
+
+
 def _accumulate_worker(fn, model, x, y, k) -> dict:
     """Run the student's accumulation on `model` (stale grads included); record the micro-batch sizes
-    the model saw, the returned loss and the gradients."""
-    seen = []
-    hook = model.register_forward_hook(lambda mod, inp, out: seen.append(inp[0].shape[0]))
+    the model saw, the order of forwards ("F", i) and of the gradients reaching their outputs ("B", i),
+    the most batch rows one operator read, the returned loss and the gradients."""
+    seen, events = [], []
+
+    def forward_hook(mod, inp, out):
+        i = len(seen)
+        seen.append(inp[0].shape[0])
+        events.append(("F", i))
+        if isinstance(out, torch.Tensor) and out.requires_grad:
+            out.register_hook(lambda g: events.append(("B", i)))  # backward() and autograd.grad alike
+
+    hook = model.register_forward_hook(forward_hook)
     try:
-        got = fn(model, F.cross_entropy, x, y, k)
+        with _BatchReads(x=x, y=y) as reads:
+            got = fn(model, F.cross_entropy, x, y, k)
     finally:
         hook.remove()
-    return {"seen": seen, "loss": got if isinstance(got, torch.Tensor) else None,
+    return {"seen": seen, "events": events, "most": reads.most, "what": reads.what,
+            "loss": got if isinstance(got, torch.Tensor) else None,
             "grads": [[n, p.grad] for n, p in model.named_parameters()]}
+
+
+def _one_at_a_time(name: str, res: dict, batch: int, k: int, hp: dict) -> None:
+    """Accumulation's point is memory: only one micro-batch's activations alive at a time. So no operator
+    reads more than a micro-batch of the batch, and each micro-batch's backward comes before the next forward."""
+    cap = math.ceil(batch / k)
+    if res["most"] > cap:
+        raise AssertionError(f"{name}: {res['what']} at once; each forward and backward works on one micro-batch of "
+                             f"<= {cap} samples (x.tensor_split(micro_batches)), never on the whole batch ({fmt(hp)})")
+    events, want = res["events"], [e for i in range(len(res["seen"])) for e in (("F", i), ("B", i))]
+    if events != want:
+        missing = next((i for i in range(len(res["seen"])) if ("B", i) not in events), None)
+        why = (f"micro-batch {missing}'s output got no gradient" if missing is not None
+               else "a micro-batch's backward came after the next micro-batch's forward")
+        raise AssertionError(f"{name}: {why} (forwards F, backwards B: {' '.join(f'{e}{i}' for e, i in events)}): "
+                             f"call backward on each micro-batch's loss right after its forward, so that only one "
+                             f"micro-batch's activations are alive at a time (summed losses and one backward keep "
+                             f"every graph: the whole batch's memory) ({fmt(hp)})")
 
 
 @check(forbid=("dlo.optim.utils.accumulate_gradients",))
 def check_accumulate_gradients(fn, seed: int = 0, trials: int = 5) -> None:
     """`fn(model, loss_fn, x, y, micro_batches) -> loss` vs one backward on the whole batch's mean
     cross-entropy. Batch sizes are odd (unequal chunks); stale grads are pre-filled to test zeroing; a
-    forward hook checks that the model really saw micro-batches that add up to the batch."""
+    forward hook checks that the model really saw micro-batches that add up to the batch, a dispatch mode
+    that no operator read more than a micro-batch of x or y, and hooks on each micro-batch's output that
+    its backward came before the next forward (one micro-batch's activations alive at a time)."""
     name, rng, gen = "accumulate_gradients", random.Random(seed), torch.Generator().manual_seed(seed)
     for t in range(trials):
         batch, k = rng.choice([13, 21, 29, 31]), [4, 3, 1, 5, 2][t % 5]
@@ -300,6 +367,7 @@ def check_accumulate_gradients(fn, seed: int = 0, trials: int = 5) -> None:
             raise AssertionError(f"{name}: expected about {k} forward passes on micro-batches of <= "
                                  f"{math.ceil(batch / k)} samples covering the batch once, saw sizes {seen} "
                                  f"({fmt(hp)})")
+        _one_at_a_time(name, res, batch, k, hp)
         if not isinstance(got, torch.Tensor) or got.requires_grad:
             raise AssertionError(f"{name}: must return the whole-batch mean loss as a detached tensor ({fmt(hp)})")
         # rtol 1e-6: the loss is only logged, so a float32 running sum is acceptable here.

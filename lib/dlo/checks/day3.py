@@ -10,32 +10,34 @@ so each check runs that part in a worker (`dlo.grading.api.run_student`) on modu
 here; the worker records outputs, gradients, saved bytes and losses, and the references (plain
 autograd, an uninterrupted run) are computed here, where the comparison happens. (The day's three
 exercises, one section each; an every-k-th-block policy is the text's, not an exercise: it only
-copied the rule the text gives.)
+copied the rule the text gives.) Beyond the numbers, each check looks at what the exercise is for:
+the checkpoint's forward keeps no activation (saved for backward or not; saved-tensor hooks, which
+could hide them, are off limits) and backward calls fn again; pack lets the original tensor go and holds
+all of it in host memory; the resume's load runs in another process than the save
+(`dlo.checks.day3_resume`, re-exported here).
 """
 
 from __future__ import annotations
 
+import gc
 import random
-import tempfile
-from pathlib import Path
+import types
+import weakref
 
-import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from dlo.config import seed_everything
+from dlo.checks.day3_resume import check_resume
+from dlo.checks.saved import HOOKS, GuardedMeter
 from dlo.grading.api import check, run_student
 from dlo.grading.compare import DTYPE, ok
-from dlo.measure import SavedTensorMeter
+from dlo.measure import AllocationMeter
 
 CHECKPOINTS = ("torch.utils.checkpoint.checkpoint", "torch.utils.checkpoint.checkpoint_sequential",
                "torch.utils.checkpoint.CheckpointFunction", "dlo.activation_ckpt.CheckpointFunction",
                "dlo.activation_ckpt.checkpoint")
 OFFLOAD = ("dlo.activation_ckpt.offload_pack", "dlo.activation_ckpt.offload_unpack", "dlo.activation_ckpt.cpu_offload",
            "torch.autograd.graph.save_on_cpu")
-TRAINING_STATE = ("dlo.checkpoint.training_state", "dlo.checkpoint.restore_training_state", "dlo.checkpoint.rng_state",
-                  "dlo.checkpoint.set_rng_state", "dlo.checkpoint.CheckpointManager")
 
 
 def _device(device=None) -> torch.device:
@@ -66,31 +68,56 @@ def _compare(name: str, what: str, got: list, want: list, hp: dict) -> None:
 
 # ----------------------------------------------------------------------------- Checkpoint autograd.Function
 
+# saved-tensor hooks of the student's own would hide from the meter what forward keeps: off limits in the
+# exercise (the class's methods are blocked whoever holds them: save_on_cpu's too; dlo.checks.saved)
+
+
+def _replayed_rng(args):
+    """Whether a saved tensor is an RNG state taken just before the forward (the CPU's, or a CUDA device's
+    among the args): the state to replay (ctx.save_for_backward(torch.get_rng_state(), *args)), not an
+    activation; the meter does not count it."""
+    cuda = sorted({a.device.index or 0 for a in args if a.is_cuda})
+    states = [torch.get_rng_state(), *(torch.cuda.get_rng_state(d) for d in cuda)]
+    return lambda t: t.dtype == torch.uint8 and any(t.shape == s.shape and t.device == s.device and torch.equal(t, s)
+                                                    for s in states)
+
+
 def _checkpoint_worker(Checkpoint, block, x, gate, two_inputs: bool, seed: int, grad_out) -> dict:
-    """Forward through the student's Function (saved bytes metered), the caller's RNG draw, backward;
-    the output, the gradients and the RNG stream after backward."""
+    """Forward through the student's Function (saved bytes and the tensors it made and kept metered, fn's
+    calls counted), the caller's RNG draw, backward (fn's calls counted: the recomputation); the output, the
+    gradients and the RNG stream after backward."""
     block.zero_grad(set_to_none=True)
     x = x.detach().requires_grad_(True)
-    fn = (lambda a, g: block(a) * g) if two_inputs else block
+    inner = (lambda a, g: block(a) * g) if two_inputs else block
+    calls = {"forward": 0, "backward": 0}
+    phase = ["forward"]
+
+    def fn(*a):
+        calls[phase[0]] += 1
+        return inner(*a)
     args = (x, gate) if two_inputs else (x,)
     torch.manual_seed(seed)
-    with SavedTensorMeter(exclude=block.parameters()) as meter:
+    with GuardedMeter(block.parameters(), _replayed_rng(args)) as meter, AllocationMeter() as made:
         y = Checkpoint.apply(fn, *args)
     out = {"type": type(y).__name__, "grad_fn": isinstance(y, torch.Tensor) and y.grad_fn is not None,
            "saved": meter.bytes, "inputs": sum(a.untyped_storage().nbytes() for a in args)}
     if not out["grad_fn"] or meter.bytes > out["inputs"]:
         return out
+    out["kept"] = made.bytes - y.untyped_storage().nbytes()  # made in forward, alive beside the output
     out["y"] = y.detach()
     torch.randn_like(y)  # the reference's draw of grad_out: backward must not rewind the caller's RNG
+    phase[0] = "backward"
     y.backward(grad_out)
-    return {**out, "grads": _grads(block, x), "after": torch.rand(4, device=x.device)}
+    return {**out, "calls": calls, "grads": _grads(block, x), "after": torch.rand(4, device=x.device)}
 
 
-@check(forbid=CHECKPOINTS)
+@check(forbid=CHECKPOINTS + HOOKS, hint="write the Function: save the inputs, recompute fn in backward; "
+                                               "saved-tensor hooks would hide from the check what forward keeps")
 def check_checkpoint_function(Checkpoint, seed: int = 0, trials: int = 4, device=None) -> None:
     """`Checkpoint.apply(fn, *args)`: same output, input and parameter grads as fn(*args), dropout
-    included; saves no more than the inputs; leaves the caller's RNG stream as it found it.
-    Runs on `device` (default: CUDA when available, else CPU)."""
+    included; saves no more than the inputs (an RNG state aside), keeps no other tensor it made, calls fn
+    again in backward (the recomputation); leaves the caller's RNG stream as it found it. Saved-tensor
+    hooks are off limits. Runs on `device` (default: CUDA when available, else CPU)."""
     name, rng, dev = "checkpoint_function", random.Random(seed), _device(device)
     for t in range(trials):
         d, p = rng.choice([3, 6, 11]), rng.choice([0.2, 0.5])
@@ -112,6 +139,13 @@ def check_checkpoint_function(Checkpoint, seed: int = 0, trials: int = 4, device
         if got["saved"] > got["inputs"]:
             raise AssertionError(f"{name}: forward kept {got['saved']} bytes for backward but the inputs are only "
                                  f"{got['inputs']}: run fn under torch.no_grad() and save only the inputs ({hp})")
+        if got["kept"] > got["inputs"]:
+            raise AssertionError(f"{name}: forward made and kept {got['kept']} bytes of tensors besides its output "
+                                 f"(the inputs are {got['inputs']}): keep no activation, not even as a ctx "
+                                 f"attribute; backward recomputes them ({hp})")
+        if not got["calls"]["backward"]:
+            raise AssertionError(f"{name}: backward did not call fn: checkpointing recomputes fn(*inputs) in backward "
+                                 f"(with grad enabled) and back-propagates through that recomputation ({hp})")
         if not torch.equal(got["y"].cpu(), want_y.detach().cpu()):
             raise AssertionError(f"{name}: forward output differs from fn(*args) ({hp})")
         _compare(name, "gradient", [None if g is None else g.cpu() for g in got["grads"]], want, hp)
@@ -124,31 +158,65 @@ def check_checkpoint_function(Checkpoint, seed: int = 0, trials: int = 4, device
 # ----------------------------------------------------------------------------- CPU offload hooks
 
 def _tensors_in(obj) -> list[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, (tuple, list)):
-        return [t for o in obj for t in _tensors_in(o)]
-    if isinstance(obj, dict):
-        return [t for o in obj.values() for t in _tensors_in(o)]
-    return []
+    """Every tensor `obj` reaches through Python references: containers, attributes (any object's, a
+    SimpleNamespace's), closures and defaults of functions, bound methods; modules, classes and functions'
+    globals are not followed (as `dlo.measure.held`)."""
+    found, seen, stack = {}, set(), [obj]
+    while stack:
+        o = stack.pop()
+        if isinstance(o, (type, types.ModuleType, str, bytes, int, float, complex, type(None))) or id(o) in seen:
+            continue
+        seen.add(id(o))
+        if isinstance(o, torch.Tensor):
+            found[id(o)] = o
+        elif isinstance(o, types.FunctionType):
+            stack += [_cell(c) for c in o.__closure__ or ()]
+            stack += list(o.__defaults__ or ())
+        elif isinstance(o, types.MethodType):
+            stack.append(o.__self__)
+        else:
+            stack += gc.get_referents(o)
+    return list(found.values())
+
+
+def _cell(c):
+    try:
+        return c.cell_contents
+    except ValueError:  # an empty cell
+        return None
+
+
+def _packed(pack, x: torch.Tensor) -> tuple[object, dict]:
+    """pack(x) and what it holds: the tensors it reaches, whether one is x's memory, and whether x's
+    memory outlives x (pack kept it somewhere else: a global, a closure); the caller drops x first."""
+    alive = weakref.ref(x.untyped_storage())
+    ptr, nbytes = x.untyped_storage().data_ptr(), x.untyped_storage().nbytes()
+    packed = pack(x)
+    held = _tensors_in(packed)
+    host = {h.untyped_storage().data_ptr(): h.untyped_storage().nbytes() for h in held if h.device.type == "cpu"}
+    obs = {"n_held": len(held), "devices": [str(h.device) for h in held], "nbytes": nbytes,
+           "same_storage": any(h.untyped_storage().data_ptr() == ptr for h in held), "host_bytes": sum(host.values())}
+    del x, held
+    if alive() is not None:
+        gc.collect()  # a reference cycle of pack's own, not yet collected
+    obs["kept"] = alive() is not None
+    return packed, obs
 
 
 def _offload_worker(pack, unpack, xs: list, seed: int, dev: str) -> dict:
     """pack/unpack on each tensor (stopping at the first one that goes wrong: what went wrong), then
     the gradients of a small model trained under saved_tensors_hooks(pack, unpack)."""
     trials = []
-    for x in xs:
-        x = x.to(dev)
-        packed = pack(x)
-        held = _tensors_in(packed)
-        obs = {"n_held": len(held), "devices": [str(h.device) for h in held],
-               "same_storage": any(h.untyped_storage().data_ptr() == x.untyped_storage().data_ptr() for h in held)}
+    for src in xs:
+        want = src.to(dev)
+        packed, obs = _packed(pack, src.to(dev, copy=True))  # a tensor nothing else holds: pack must let it go
         trials.append(obs)
-        if not held or any(h.device.type != "cpu" for h in held) or obs["same_storage"]:
+        if (not obs["n_held"] or any(not d.startswith("cpu") for d in obs["devices"]) or obs["same_storage"]
+                or obs["kept"] or obs["host_bytes"] < obs["nbytes"]):
             return {"trials": trials}
         back = unpack(packed)
-        obs["back_ok"] = (isinstance(back, torch.Tensor) and back.device == x.device and back.dtype == x.dtype
-                          and back.shape == x.shape and torch.equal(back, x))
+        obs["back_ok"] = (isinstance(back, torch.Tensor) and back.device == want.device and back.dtype == want.dtype
+                          and back.shape == want.shape and torch.equal(back, want))
         obs["back"] = [str(getattr(back, "device", None)), str(getattr(back, "dtype", None)),
                        list(getattr(back, "shape", ()))]
         if not obs["back_ok"]:
@@ -189,6 +257,13 @@ def check_offload_hooks(pack, unpack, seed: int = 0, trials: int = 4, device=Non
             raise AssertionError(f"{name}: pack kept the original tensor (same storage): make a copy in host "
                                  f"memory so the device memory can be freed, e.g. torch.empty(..., device='cpu')"
                                  f".copy_(t)")
+        if obs["kept"]:
+            raise AssertionError(f"{name}: pack kept the original tensor alive (its memory outlived the caller's "
+                                 f"reference: held in a global, a closure or an object pack made): return only the "
+                                 f"host copy and what unpack needs, so that the device memory can be freed")
+        if obs["host_bytes"] < obs["nbytes"]:
+            raise AssertionError(f"{name}: pack's host tensors hold {obs['host_bytes']} bytes, the tensor has "
+                                 f"{obs['nbytes']}: copy all of it to host memory (shape {shape}, {dtype})")
         if not obs["back_ok"]:
             b_dev, b_dtype, b_shape = obs["back"]
             raise AssertionError(f"{name}: unpack(pack(t)) must equal t on {dev} with dtype {dtype} and "
@@ -201,84 +276,4 @@ def check_offload_hooks(pack, unpack, seed: int = 0, trials: int = 4, device=Non
     ok(name, f"{trials} trials, seed={seed}")
 
 
-# ----------------------------------------------------------------------------- exact resume
-
-def _objects(init_seed: int, data_seed: int):
-    from dlo.checkpoint import ResumableBatches
-
-    torch.manual_seed(init_seed)
-    model = nn.Sequential(nn.Linear(6, 9), nn.ReLU(), nn.Dropout(0.25), nn.Linear(9, 4))
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-2, weight_decay=0.01)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 / (1 + 0.3 * s))  # lr depends on the step count
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 6, growth_interval=1)
-    gen = torch.Generator().manual_seed(data_seed)
-    data = (torch.randn(29, 6, generator=gen), torch.randint(0, 4, (29,), generator=gen))
-    loader = ResumableBatches(data, batch_size=rng_batch(data_seed), seed=data_seed)
-    return dict(model=model, optimizer=opt, scheduler=sched, scaler=scaler, loader=loader)
-
-
-def rng_batch(data_seed: int) -> int:
-    return [4, 5, 7][data_seed % 3]
-
-
-def _train_step(o: dict) -> float:
-    x, y = next(o["loader"])
-    x = x + 0.05 * torch.from_numpy(np.random.standard_normal(x.shape)).float()  # numpy RNG
-    if random.random() < 0.5:  # python RNG
-        x = x.flip(1)
-    loss = F.cross_entropy(o["model"](x), y)  # torch RNG: dropout
-    o["optimizer"].zero_grad(set_to_none=True)
-    o["scaler"].scale(loss).backward()
-    o["scaler"].step(o["optimizer"])
-    o["scaler"].update()
-    o["scheduler"].step()
-    return loss.item()
-
-
-def _resume_worker(save_training_state, load_training_state, seed: int, new_seed: int, data_seed: int,
-                   steps: int, cut: int) -> dict:
-    """The interrupted run: `cut` steps, save, a new "job" (other RNG states and weights), load, go on."""
-    seed_everything(seed)
-    o = _objects(1, data_seed)
-    got = [_train_step(o) for _ in range(cut)]
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "state.pt"
-        save_training_state(path, step=cut, **o)
-        seed_everything(new_seed)  # the new job: other RNG states, other initial weights, loader at start
-        o = _objects(2, data_seed)
-        step = load_training_state(path, **o)
-    if step != cut:
-        return {"step": step if isinstance(step, (int, float, str)) or step is None else type(step).__name__}
-    got += [_train_step(o) for _ in range(steps - cut)]
-    return {"step": step, "losses": got, "scale": float(o["scaler"].get_scale())}
-
-
-@check(forbid=TRAINING_STATE)
-def check_resume(save_training_state, load_training_state, seed: int = 0, trials: int = 3) -> None:
-    """`save_training_state(path, *, model, optimizer, scheduler, scaler, loader, step)` then, in a fresh
-    "job" (other initial weights, other RNG states), `load_training_state(path, *, model, optimizer,
-    scheduler, scaler, loader) -> step` must continue with exactly the losses of an uninterrupted run."""
-    name, rng = "resume", random.Random(seed)
-    for t in range(trials):
-        steps, data_seed = rng.choice([9, 12]), rng.randrange(1000)
-        cut = rng.randrange(2, steps - 2)
-        hp = dict(trial=t, steps=steps, interrupted_after=cut, batch=rng_batch(data_seed))
-        seed_everything(seed * 10 + t)
-        o = _objects(1, data_seed)
-        want = [_train_step(o) for _ in range(steps)]
-        scale_want = o["scaler"].get_scale()
-        res = run_student(_resume_worker, save_training_state, load_training_state, seed * 10 + t, 12345 + t,
-                          data_seed, steps, cut)
-        if res["step"] != cut:
-            raise AssertionError(f"{name}: load_training_state returned step {res['step']!r}, expected {cut} ({hp})")
-        got = res["losses"]
-        if got != want:
-            first = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
-            raise AssertionError(
-                f"{name}: resumed losses differ from the uninterrupted run from step {first} on ({hp}): "
-                f"expected {want[first]!r}, got {got[first]!r}. Saved and restored: model, optimizer, "
-                f"scheduler, scaler, loader position (state_dict) and the python, numpy, torch (and CUDA) RNGs?")
-        if res["scale"] != scale_want:
-            raise AssertionError(f"{name}: the AMP scaler's scale after the resumed run is "
-                                 f"{res['scale']}, expected {scale_want}: restore scaler.state_dict()")
-    ok(name, f"{trials} trials, seed={seed}")
+__all__ = ["check_checkpoint_function", "check_offload_hooks", "check_resume"]

@@ -96,9 +96,11 @@ LIB = Path(__file__).resolve().parents[1]  # lib/dlo: its modules are read as fi
 
 def checks_modules(names) -> list[Path]:
     """The files of the checks modules `dlo.checks.<name>` that test cells call, each with the siblings
-    `<name>_*.py` it re-exports (`checks/day7.py` holds none of Day 7's checks itself)."""
+    `<name>_*.py` it re-exports (`checks/day7.py` holds none of Day 7's checks itself), and the checks'
+    shared modules (not a day's: `checks/saved.py`) with any of them."""
     checks = LIB / "checks"
-    return sorted({p for name in names for p in [*checks.glob(f"{name}.py"), *checks.glob(f"{name}_*.py")]})
+    days = {p for name in names for p in [*checks.glob(f"{name}.py"), *checks.glob(f"{name}_*.py")]}
+    return sorted(days | {p for p in checks.glob("*.py") if not p.name.startswith("day")} if days else set())
 
 
 def course_version(root: Path, days: list[str]) -> str:

@@ -17,7 +17,7 @@ from dlo.measure.timing import sync, time_fn
 
 # ----------------------------------------------------------------------------- memory
 
-def _storage_key(t: Tensor) -> int:
+def storage_key(t: Tensor) -> int:
     """Identity of t's storage (the C++ StorageImpl's address): the same for every view of one buffer,
     distinct for distinct buffers also on the meta device, where every data pointer is 0."""
     return t.untyped_storage()._cdata
@@ -42,15 +42,18 @@ class SavedTensorMeter:
     Storages are told apart by identity, not by address, so tensors without memory count too: on the
     meta device (or under FakeTensorMode) the meter gives the bytes a real run would save, from the
     shapes alone. That is how `dlo plan` sizes the activations of full-size models on a CPU.
+
+    `ignore(t)` True: a saved tensor that is not an activation (a check's exemption, e.g. an RNG state to
+    replay), not counted.
     """
 
-    def __init__(self, exclude=()):
-        self.skip = {_storage_key(p) for p in exclude}
+    def __init__(self, exclude=(), ignore: Callable[[Tensor], bool] | None = None):
+        self.skip = {storage_key(p) for p in exclude}
+        self.ignore = ignore
         self.refs: dict[int, int] = {}
         self.sizes: dict[int, int] = {}
         self.dtypes: dict[int, torch.dtype] = {}
         self.bytes = self.peak = 0
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
     def _release(self, key: int) -> None:
         self.refs[key] -= 1
@@ -63,8 +66,8 @@ class SavedTensorMeter:
         # would otherwise hold that node through its grad_fn, a cycle through C++ that Python's collector
         # cannot see, and a forward that is never backpropagated would keep its whole graph alive
         held = _Held(t.detach())
-        key = _storage_key(t)
-        if key in self.skip:
+        key = storage_key(t)
+        if key in self.skip or (self.ignore is not None and key not in self.refs and self.ignore(t)):
             return held
         if key not in self.refs:
             self.refs[key], self.sizes[key], self.dtypes[key] = 0, t.untyped_storage().nbytes(), t.dtype
@@ -87,6 +90,7 @@ class SavedTensorMeter:
         return held.tensor
 
     def __enter__(self):
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks.__enter__()
         return self
 
@@ -121,13 +125,13 @@ class AllocationMeter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         for t in tree_flatten((args, kwargs))[0]:
-            if isinstance(t, Tensor) and _storage_key(t) not in self.refs:
-                self.before.add(_storage_key(t))
+            if isinstance(t, Tensor) and storage_key(t) not in self.refs:
+                self.before.add(storage_key(t))
         out = func(*args, **(kwargs or {}))
         for t in tree_flatten(out)[0]:
-            if not isinstance(t, Tensor) or _storage_key(t) in self.before:
+            if not isinstance(t, Tensor) or storage_key(t) in self.before:
                 continue
-            key = _storage_key(t)
+            key = storage_key(t)
             if key not in self.refs:
                 self.refs[key], self.sizes[key] = 0, t.untyped_storage().nbytes()
                 self.bytes += self.sizes[key]
