@@ -160,6 +160,95 @@ def test_gpipe_rejects_unweighted_micro_batch_losses(sol, ranks):
         day6.check_gpipe_step(gpipe_mean_of_means, seed=0)
 
 
+# Red team (Day 6): each passed its check at seeds 0..9 before the check read the order of the messages
+# and the bytes held for backward at each activation sent (`dlo.checks.day6_order`).
+
+def in_order(micro_batches, order: str):
+    """The solution's micro-batch steps (`MicroBatches`) in another order of ("F" | "B", i) (defined
+    here: the ranks get this function by value, never this module)."""
+    def step(stage, xs, ys, loss_fn):
+        p, r, m = stage.p, stage.rank, len(stage.in_shapes)
+        naive = [a for i in range(m) for a in (("F", i), ("B", i))]  # one micro-batch in flight: no pipelining
+        gpipe = [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
+        acts = {"naive": naive, "gpipe, the last stage naive": naive if r == p - 1 else gpipe,
+                "gpipe, backwards reversed": gpipe[:m] + gpipe[m:][::-1]}[order]
+        run = micro_batches(stage, xs, ys, loss_fn)
+        for kind, i in acts:
+            (run.forward if kind == "F" else run.backward)(i)
+        return run.finish()
+    return step
+
+
+def one_batch_step():
+    """The micro-batches concatenated: one forward, one backward, one message each way."""
+    def step(stage, xs, ys, loss_fn):
+        import torch
+        import torch.distributed as dist
+        r, batch = stage.rank, sum(s[0] for s in stage.in_shapes)
+        if stage.is_first:
+            x = torch.cat(xs)
+        else:
+            x = torch.empty((batch, *stage.in_shapes[0][1:]), dtype=stage.dtype)
+            dist.recv(x, r - 1)
+            x.requires_grad_()
+        y = stage.module(x)
+        if stage.is_last:
+            y = loss_fn(y, torch.cat(ys))
+            y.backward()
+        else:
+            dist.send(y.detach(), r + 1)
+            g = torch.empty_like(y)
+            dist.recv(g, r + 1)
+            y.backward(g)
+        if not stage.is_first:
+            dist.send(x.grad, r - 1)
+        return y.item() if stage.is_last else None
+    return step
+
+
+def gpipe_hidden_from_the_meter(gpipe_step, how):
+    """GPipe whose step runs under saved-tensor hooks of its own (the innermost: the only ones autograd
+    calls), so that the grader's meter sees no activation: by the class, or by the builtins captured here,
+    before the check."""
+    import torch
+    autograd = torch._C._autograd
+    push, pop = autograd._push_saved_tensors_default_hooks, autograd._pop_saved_tensors_default_hooks
+
+    def step(stage, xs, ys, loss_fn):
+        if how == "class":
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+                return gpipe_step(stage, xs, ys, loss_fn)
+        push(lambda t: t, lambda t: t)
+        try:
+            return gpipe_step(stage, xs, ys, loss_fn)
+        finally:
+            pop()
+    return step
+
+
+STEP_RED_TEAM = [  # (check, the cheat from the solution, the phrase of the message)
+    ("check_gpipe_step", lambda sol: in_order(sol.MicroBatches, "naive"), "GPipe holds 2 there"),
+    ("check_gpipe_step", lambda sol: one_batch_step(), r"in 1 message\(s\), expected \d+: one per micro-batch"),
+    ("check_gpipe_step", lambda sol: in_order(sol.MicroBatches, "gpipe, the last stage naive"),
+     "sent a gradient before receiving all its activations"),
+    ("check_one_f_one_b_step", lambda sol: in_order(sol.MicroBatches, "naive"), "1F1B holds 2 there"),
+]
+
+
+@pytest.mark.parametrize("check,cheat,phrase", STEP_RED_TEAM, ids=[f"{c}-{p[:20]}" for c, _, p in STEP_RED_TEAM])
+@pytest.mark.parametrize("seed", [0, 3])
+def test_a_step_with_the_right_gradients_but_not_the_schedule_fails(sol, ranks, check, cheat, phrase, seed):
+    """Equal gradients come from any order of the micro-batches: the check reads the schedule itself."""
+    with pytest.raises(AssertionError, match=phrase):
+        getattr(day6, check)(cheat(sol), seed=seed)
+
+
+@pytest.mark.parametrize("seed", [0, 3])
+def test_gpipe_accepts_other_honest_orders(sol, ranks, seed):
+    """Backwards in reverse order, receives posted in advance: still GPipe."""
+    day6.check_gpipe_step(in_order(sol.MicroBatches, "gpipe, backwards reversed"), seed=seed)
+
+
 def test_gpipe_rejects_the_library_engine(ranks):  # a failure on a rank: the last 2-rank test of the pool
     with pytest.raises(AssertionError, match="off limits"):
         day6.check_gpipe_step(gpipe_step_via_library, seed=0)
@@ -186,6 +275,16 @@ def test_one_f_one_b_rejects_work_hidden_in_a_thread(sol, ranks):
         return out[0]
     with pytest.raises(AssertionError, match="starting a thread is off limits while this check runs on the ranks"):
         day6.check_one_f_one_b_step(gpipe_in_a_thread, seed=0)
+
+
+@pytest.mark.parametrize("how,phrase", [("class", "saved_tensors_hooks is off limits"),
+                                        ("builtin", "_push_saved_tensors_default_hooks is off limits")])
+def test_one_f_one_b_rejects_activations_hidden_from_the_meter(sol, ranks, how, phrase):
+    """Red team: GPipe as 1F1B with its own saved-tensor hooks (peak 0 on the grader's meter) passed; the
+    hooks are off limits now, also through the builtin the step captured before the check (a failure on
+    a rank: the pool starts again)."""
+    with pytest.raises(AssertionError, match=phrase):
+        day6.check_one_f_one_b_step(gpipe_hidden_from_the_meter(sol.gpipe_step, how), seed=0)
 
 
 def test_one_f_one_b_accepts_the_reference_on_three_ranks(sol, ranks):
@@ -219,3 +318,24 @@ def test_a_deadlocked_1f1b_ends_at_the_timeout_naming_each_ranks_last_message(so
 
 def test_torch_pipeline_accepts_the_reference(sol):
     day6.check_torch_pipeline(sol.torch_pipeline_step, seed=0)
+
+
+def torch_pipeline_always_gpipe():
+    """Red team: `schedule` ignored, GPipe always (LoopedBFS, GPipe for two stages a rank, for interleaving).
+    Made here, so that the ranks get it by value, never this module."""
+    def step(stage_modules, stage_ids, n_stages, x, y, loss_fn, n_microbatches, schedule):
+        import torch
+        from torch.distributed.pipelining import PipelineStage, ScheduleGPipe, ScheduleLoopedBFS
+        stages = [PipelineStage(m, s, n_stages, torch.device("cpu")) for m, s in zip(stage_modules, stage_ids)]
+        sched = (ScheduleLoopedBFS(stages, n_microbatches, loss_fn=loss_fn) if len(stages) > 1
+                 else ScheduleGPipe(stages[0], n_microbatches, loss_fn=loss_fn))
+        losses = [] if n_stages - 1 in stage_ids else None
+        sched.step(*((x,) if 0 in stage_ids else ()), target=y if losses is not None else None, losses=losses)
+        return losses
+    return step
+
+
+@pytest.mark.parametrize("schedules", [("1F1B",), ("Interleaved1F1B",)])
+def test_torch_pipeline_rejects_another_schedule(schedules):
+    with pytest.raises(AssertionError, match=f"did not run {schedules[0]}'s order of forward and backward chunks"):
+        day6.check_torch_pipeline(torch_pipeline_always_gpipe(), seed=3, schedules=schedules)

@@ -9,11 +9,15 @@
    each rank only its own `Stage`, the micro-batches to the first and the targets to the last (no
    rank holds the model or the seed); a trusted worker runs the student's step there; the gradients
    come back and are compared here with one process on the whole batch (micro-batches of unequal
-   size: each must weigh by its share of the batch). 1F1B must
-   also keep at most p micro-batches of activations alive on the first stage: the worker counts
-   the saved bytes there (`SavedTensorMeter`), the check measures one micro-batch's here;
+   size: each must weigh by its share of the batch). The schedule itself is read from each rank's
+   messages (`dlo.checks.day6_order`): one per micro-batch each way, and at each activation sent the
+   bytes saved for backward (`dlo.checks.saved.GuardedMeter`) must be the schedule's micro-batches alive
+   (GPipe's k-th forward: k; 1F1B's on rank r: min(k, p - r)), measured here one micro-batch at a time. 1F1B must
+   also keep at most p micro-batches of activations alive on the first stage. Saved-tensor hooks are
+   off limits in both (a step's own would hide its activations from the meter);
 5. the same model through torch.distributed.pipelining (GPipe, 1F1B, interleaved 1F1B): losses
-   and gradients equal to one process, hence to the student's own engines of 3 and 4.
+   and gradients equal to one process, hence to the student's own engines of 3 and 4, and the order
+   of each rank's forward and backward chunks that of the asked schedule (torch's own lists).
 
 The CoAtNet runs in eval mode: BatchNorm then uses its running statistics, so samples are
 independent and a pipeline equals one process exactly; in training mode each micro-batch would be
@@ -21,8 +25,9 @@ normalised by its own statistics (as GPipe does), which is not the whole batch's
 A deadlock in a student's schedule ends at `timeout` seconds with each rank's last posted send or
 receive (`dlo.distributed.pipeline_comms.P2PWatch`) in the message.
 
-Checks 1 and 2 live in `dlo.checks.day6_schedules` (re-exported here), 3-5 in this module.
-Forbidden while the student's code runs: the library's schedules (1), partition (2) and engines (3-5).
+Checks 1 and 2 live in `dlo.checks.day6_schedules` (re-exported here), 3-5 in this module, what they
+read of a schedule's order in `dlo.checks.day6_order`. Forbidden while the student's code runs: the
+library's schedules (1), partition (2) and engines (3-5), saved-tensor hooks (3, 4).
 torch's own schedules are kept out of exercises 3 and 4 by checking that the step did not import
 torch.distributed.pipelining (nothing else in a check's rank does), rather than by a `forbid` entry:
 resolving one would import that package on every rank of every check, seconds each.
@@ -36,7 +41,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from dlo.checks.day6_order import OrderWatch, torch_order, verify_order, verify_torch_order
 from dlo.checks.day6_schedules import PIPE, check_schedules, check_split_stages
+from dlo.checks.saved import HOOKS, GuardedMeter
 from dlo.distributed.pipeline import build_stages, make_stage_modules
 from dlo.distributed.pipeline_comms import P2PWatch
 from dlo.grading.api import case_seed, check, on_ranks
@@ -104,15 +111,15 @@ def _step_worker(mine: dict, fn, label: str):
 
     r, p, stage = dist.get_rank(), dist.get_world_size(), mine["stage"]
     held = [*stage.module.parameters(), *stage.module.buffers()]
-    with P2PWatch(f"rank {r}, your {label} step (p={p}, m={mine['m']})") as watch, \
-            SavedTensorMeter(exclude=held) as meter:
+    with GuardedMeter(exclude=held) as meter, OrderWatch(f"rank {r}, your {label} step (p={p}, m={mine['m']})",
+                                                      meter) as watch:
         loss = fn(stage, mine["xs"], mine["ys"], F.cross_entropy)
     if any(name.startswith(TORCH_PP.rstrip(".")) for name in sys.modules):
         raise AssertionError(f"{label} step: your step imported torch.distributed.pipelining; this exercise asks for "
                              f"your own schedule from point-to-point messages (exercise 5 is torch's)")
     loss = loss.item() if isinstance(loss, torch.Tensor) and loss.numel() == 1 else loss
     return {"loss": loss if stage.is_last else None, "grads": [q.grad for q in stage.module.parameters()],
-            "peak": meter.peak, "sends": watch.sends, "recvs": watch.recvs}
+            "peak": meter.peak, "events": watch.events}
 
 
 def _check_step(name: str, fn, label: str, seed: int, world_size: int, equal: bool, timeout: float) -> tuple:
@@ -133,23 +140,21 @@ def _check_step(name: str, fn, label: str, seed: int, world_size: int, equal: bo
         for k, (g, want) in enumerate(zip(res["grads"], grads[r])):
             assert_close(name, f"gradient of parameter {k} of stage {r} (one process on the whole batch as "
                          f"reference)", g, want, where)
-        if world_size > 1 and res["sends"] == 0 and res["recvs"] == 0:
-            raise AssertionError(f"{name}: rank {r} sent and received nothing: the stages must exchange "
-                                 f"activations and gradients point to point ({where})")
     return got, c
 
 
-@check(forbid=ENGINES)
+@check(forbid=ENGINES + HOOKS)
 def check_gpipe_step(fn, seed: int = 0, world_size: int = 2, timeout: float = TIMEOUT) -> None:
     """`fn(stage, microbatches, targets, loss_fn)` on every rank: one GPipe training step (all
     forwards, then all backwards) with point-to-point messages (dist.isend/irecv/send/recv);
     `microbatches` on the first stage, `targets` on the last, None elsewhere; returns the batch's mean
     loss on the last stage. Gradients against one process on the whole batch, micro-batches unequal."""
-    _check_step("gpipe_step", fn, "GPipe", seed, world_size, False, timeout)
+    got, c = _check_step("gpipe_step", fn, "GPipe", seed, world_size, False, timeout)
+    verify_order("gpipe_step", "GPipe", got, c, c["where"])
     ok("gpipe_step", f"loss and gradients on {world_size} ranks equal one process, seed={seed}")
 
 
-@check(forbid=ENGINES)
+@check(forbid=ENGINES + HOOKS)
 def check_one_f_one_b_step(fn, seed: int = 0, world_size: int = 2, timeout: float = TIMEOUT) -> None:
     """`fn(stage, microbatches, targets, loss_fn)`: one 1F1B step, as `check_gpipe_step`, and at
     most min(p, m) micro-batches of activations alive at once on the first stage (saved bytes counted
@@ -165,6 +170,7 @@ def check_one_f_one_b_step(fn, seed: int = 0, world_size: int = 2, timeout: floa
         raise AssertionError(f"{name}: the first stage kept {alive:.1f} micro-batches of activations alive at once "
                              f"({got[0]['peak']} bytes saved for backward, {one} per micro-batch); 1F1B keeps at most "
                              f"p = {p}: warm up with p - r - 1 forwards, then one forward, one backward ({c['where']})")
+    verify_order(name, "1F1B", got, c, c["where"])
     ok(name, f"gradients equal one process, at most {alive:.0f} of {m} micro-batches alive on stage 0, "
              f"{world_size} ranks, seed={seed}")
 
@@ -183,21 +189,24 @@ def _torch_parts(cases: dict, p: int) -> list[dict]:
 
 
 def _torch_worker(mine: dict, fn):
+    """Rank r's torch steps; each stage's forward and backward chunks recorded in the order they ran."""
     from torch.distributed.pipelining import stage as pp_stage
 
-    r = dist.get_rank()
-    calls, original = [0], pp_stage._PipelineStageBase.forward_one_chunk
+    r, base = dist.get_rank(), pp_stage._PipelineStageBase
+    order, originals = [], {k: getattr(base, f"{k}ward_one_chunk") for k in ("for", "back")}
 
-    def counted(self, *args, **kwargs):
-        calls[0] += 1
-        return original(self, *args, **kwargs)
+    def recorded(kind, original):
+        def run(self, chunk, *args, **kwargs):
+            order.append([kind, int(self.stage_index), int(chunk)])
+            return original(self, chunk, *args, **kwargs)
+        return run
 
-    pp_stage._PipelineStageBase.forward_one_chunk = counted
+    base.forward_one_chunk, base.backward_one_chunk = recorded("F", originals["for"]), recorded("B", originals["back"])
     out = {}
     try:
         for name, part in mine.items():
             last = part["y"] is not None
-            calls[0] = 0
+            order.clear()
             with P2PWatch(f"rank {r}, your torch.distributed.pipelining {name} step"):
                 losses = fn(part["mods"], part["ids"], part["n_stages"], part["x"], part["y"], F.cross_entropy,
                             part["m"], name)
@@ -205,9 +214,9 @@ def _torch_worker(mine: dict, fn):
                          else None,
                          "last": last, "grads": {s: [q.grad for q in m.parameters()]
                                                  for s, m in zip(part["ids"], part["mods"])},
-                         "chunks": calls[0]}
+                         "chunks": sum(1 for k, _, _ in order if k == "F"), "order": [list(a) for a in order]}
     finally:
-        pp_stage._PipelineStageBase.forward_one_chunk = original
+        base.forward_one_chunk, base.backward_one_chunk = originals["for"], originals["back"]
     return out
 
 
@@ -223,6 +232,8 @@ def check_torch_pipeline(fn, seed: int = 0, world_size: int = 2,
     cases = {sched: _case(secret, world_size, True, (2 if sched == "Interleaved1F1B" else 1) * world_size)
              for sched in schedules}
     got = on_ranks(_torch_worker, world_size, fn, timeout=timeout, per_rank=_torch_parts(cases, world_size))
+    orders = {sched: torch_order(sched, world_size, c["m"], 2 if sched == "Interleaved1F1B" else 1)
+              for sched, c in cases.items()}
     for sched, c in cases.items():
         v = 2 if sched == "Interleaved1F1B" else 1
         loss, grads = _reference(c)
@@ -233,6 +244,7 @@ def check_torch_pipeline(fn, seed: int = 0, world_size: int = 2,
                 raise AssertionError(f"{name}: torch's pipeline stages on rank {r} ran {res['chunks']} micro-batch "
                                      f"forwards, expected {c['m'] * v}: build PipelineStage(s) and call the "
                                      f"schedule's step ({where})")
+            verify_torch_order(name, sched, r, res["order"], orders[sched][r], where)
             if res["last"]:
                 if not res["losses"] or len(res["losses"]) != c["m"]:
                     raise AssertionError(f"{name}: return the {c['m']} micro-batch losses (schedule.step(..., "

@@ -215,7 +215,7 @@ class StageComms:
         self.pending.clear()
 
 
-def _describe(func, args) -> tuple[str, str] | None:
+def describe_p2p(func, args) -> tuple[str, str] | None:
     """("send" or "recv", a phrase) for a c10d point-to-point op (`dlo.measure`'s table of ops), else None."""
     kind = collective_kind(func)
     if kind not in ("send", "recv"):
@@ -239,7 +239,7 @@ class P2PWatch(TorchDispatchMode):
         heartbeat(f"{label}: started")
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        found = _describe(func, args)
+        found = describe_p2p(func, args)
         if found is not None:
             kind, what = found
             self.sends += kind == "send"
