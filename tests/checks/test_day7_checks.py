@@ -11,6 +11,8 @@ notebook does, and the forbidden-library test comes last since a failure on a ra
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -133,6 +135,186 @@ def test_dtensor_plan_rejects_plain_tensor_parallelism(sol, ranks):
         return model
     with pytest.raises(AssertionError, match="forward \\(CommDebugMode\\)"):
         day7.check_dtensor_plan(no_sequence_parallel)
+
+
+# ----------------------------------------------------------------------------- red team: collectives for show
+# Each passed its check at seeds 0..9 before the check held what the collectives carry: every rank
+# rebuilds the whole weights (or the whole input) through the collectives the exercise allows, computes
+# the whole layer and sends the right number of collectives; or moves the logits outside the counter.
+
+def for_show():
+    """The cheats' tools, made here: a rank unpickles them by value (this module does not import there)."""
+    class AllReduceForShow(torch.autograd.Function):
+        """Identity forward; backward all-reduces a gradient every rank already has whole, then divides by t."""
+
+        @staticmethod
+        def forward(ctx, x):
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, grad):
+            grad = grad.contiguous().clone()
+            dist.all_reduce(grad)
+            return grad / dist.get_world_size()
+
+    class WholeWeights(torch.autograd.Function):
+        """This rank's blocks (split along `dims`) -> the whole tensors, by one all-reduce of the zero-padded blocks."""
+
+        @staticmethod
+        def forward(ctx, dims, *blocks):
+            r, ctx.dims = dist.get_rank(), dims
+            whole = []
+            for b, d in zip(blocks, dims):
+                shape = list(b.shape)
+                shape[d] *= dist.get_world_size()
+                whole.append(b.new_zeros(shape))
+                whole[-1].narrow(d, r * b.shape[d], b.shape[d]).copy_(b)
+            flat = torch.cat([w.flatten() for w in whole])
+            dist.all_reduce(flat)
+            return tuple(part.view_as(w).clone() for part, w in zip(flat.split([w.numel() for w in whole]), whole))
+
+        @staticmethod
+        def backward(ctx, *grads):
+            t, r = dist.get_world_size(), dist.get_rank()
+            return (None,) + tuple(g.chunk(t, d)[r].contiguous() for g, d in zip(grads, ctx.dims))
+
+    def emm(a, w):  # a @ w.T as a broadcast product and a sum: no matmul for FlopCounterMode to count
+        return (a.unsqueeze(-2) * w).sum(-1)
+
+    return AllReduceForShow, WholeWeights, emm
+
+
+def whole_column(sol):
+    show = for_show()[0]
+
+    class WholeColumn(sol.ColumnParallelLinear):
+        def forward(self, x):  # gather_output=True: all-gathers [W_r | b_r], not the output
+            if not self.gather_output:
+                return super().forward(x)
+            wb = torch.cat([self.weight, self.bias[:, None]], 1)
+            parts = [torch.empty_like(wb) for _ in range(dist.get_world_size())]
+            dist.all_gather(parts, wb.detach().contiguous())
+            parts[dist.get_rank()] = wb  # its own rows keep their gradient
+            whole = torch.cat(parts, 0)
+            return F.linear(show.apply(x), whole[:, :-1], whole[:, -1])
+    return WholeColumn
+
+
+def whole_row(sol):
+    whole_weights = for_show()[1]
+
+    class WholeRow(sol.RowParallelLinear):
+        def forward(self, x):  # one all-reduce of [input block | weight block], zero-padded
+            whole_x, whole_w = whole_weights.apply((x.dim() - 1, 1), x, self.weight)
+            return F.linear(whole_x, whole_w, self.bias)
+    return WholeRow
+
+
+def whole_swiglu(sol):
+    show, whole_weights, emm = for_show()
+
+    class WholeSwiGLU(sol.TensorParallelSwiGLU):
+        def forward(self, x):
+            w1, w3, w2 = whole_weights.apply((0, 0, 1), self.w1.weight, self.w3.weight, self.w2.weight)
+            x = show.apply(x)
+            return emm(F.silu(emm(x, w1)) * emm(x, w3), w2)
+    return WholeSwiGLU
+
+
+def whole_attention(sol):
+    show, whole_weights, emm = for_show()
+
+    class WholeAttention(sol.TensorParallelAttention):
+        def forward(self, x, cos, sin):
+            import types
+
+            ws = whole_weights.apply((0, 0, 0, 1), self.wq.weight, self.wk.weight, self.wv.weight, self.wo.weight)
+            whole = types.SimpleNamespace(head_dim=self.head_dim, **{
+                n: (lambda z, w=w: emm(z, w)) for n, w in zip(("wq", "wk", "wv", "wo"), ws)})
+            return sol.Attention.forward(whole, show.apply(x), cos, sin)
+    return WholeAttention
+
+
+def whole_norm(sol):
+    class NormOnEveryToken(sol.SequenceParallelMLP):
+        def forward(self, x):  # all-gathers the raw input; the norm's input kept where no meter looks
+            h = sol.gather_from_sp(x, self.group)
+            self.kept = h.detach()
+            with torch.autograd.graph.saved_tensors_hooks(lambda z: z, lambda z: z):
+                h = self.norm(h)
+            return x + sol.reduce_scatter_to_sp(self.w2(F.silu(self.w1(h)) * self.w3(h)), self.group)
+    return NormOnEveryToken
+
+
+def ce_by_columns():
+    def ce(logits, target, group=None):
+        """The whole logits through many all-reduces of at most 4 N doubles each, then F.cross_entropy."""
+        t, r = dist.get_world_size(group), dist.get_rank(group)
+        pad = (r * logits.shape[1], (t - r - 1) * logits.shape[1])
+        pieces = [p.contiguous().clone() for p in F.pad(logits.detach(), pad).split(4, 1)]
+        for p in pieces:
+            dist.all_reduce(p, group=group)
+        whole = torch.cat(pieces, 1) - F.pad(logits.detach(), pad) + F.pad(logits, pad)
+        return F.cross_entropy(whole, target)
+    return ce
+
+
+def ce_below_the_dispatcher():
+    def ce(logits, target, group=None):
+        """The whole logits all-gathered by the gloo backend object itself, where no dispatch mode sees it."""
+        t, r = dist.get_world_size(group), dist.get_rank(group)
+        backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+        parts = [torch.empty_like(logits) for _ in range(t)]
+        backend.allgather([parts], [logits.detach().contiguous()]).wait()
+        pad = (r * logits.shape[1], (t - r - 1) * logits.shape[1])
+        return F.cross_entropy(torch.cat(parts, 1) - F.pad(logits.detach(), pad) + F.pad(logits, pad), target)
+    return ce
+
+
+RED_TEAM = [
+    ("linears: all-gathers the weights", lambda sol: (day7.check_tp_linears, (
+        sol.f, sol.g, whole_column(sol), sol.RowParallelLinear)),
+     "ColumnParallelLinear: the forward all-gather carried"),
+    ("linears: all-reduces input and weights", lambda sol: (day7.check_tp_linears, (
+        sol.f, sol.g, sol.ColumnParallelLinear, whole_row(sol))), "RowParallelLinear: the forward all-reduce carried"),
+    ("swiglu: whole weights", lambda sol: (day7.check_tp_swiglu, (whole_swiglu(sol),)),
+     "tp_swiglu: the forward all-reduce carried"),
+    ("attention: whole weights", lambda sol: (day7.check_tp_attention, (whole_attention(sol),)),
+     "tp_attention: the forward all-reduce carried"),
+    ("sequence parallel: the norm on every token", lambda sol: (day7.check_sequence_parallel, (
+        sol.gather_from_sp, sol.reduce_scatter_to_sp, whole_norm(sol))), "is not norm(x) of its sequence shard"),
+    ("cross-entropy: logits by small all-reduces", lambda sol: (day7.check_vocab_parallel_cross_entropy, (
+        ce_by_columns(),)), "moving the logits through all-reduces"),
+]
+
+
+@pytest.mark.parametrize("case", RED_TEAM, ids=[c[0] for c in RED_TEAM])
+@pytest.mark.parametrize("seed", [0, 3, 7])
+def test_collectives_for_show_fail(sol, ranks, case, seed):
+    """Red team (Day 7): each passed its check at seeds 0..9 before the collectives' contents were held."""
+    _, build, phrase = case
+    check, args = build(sol)
+    with pytest.raises(AssertionError, match=re.escape(phrase)):
+        check(*args, seed=seed)
+
+
+def test_a_gradient_all_reduced_for_show_fails():
+    """The cheats above also all-reduce, in backward, the input gradient every rank computed whole (then divide
+    by t): what the ranks sent sums to t times the gradient (the forward's payload fails first in the checks)."""
+    from dlo.checks.day7_comms import SUMS_GRAD, expect_sum
+
+    dx = torch.randn(3, 5, 7, dtype=torch.float64)
+    expect_sum("tp_swiglu", "the backward all-reduce", [dx / 2, dx / 2], [dx], "the input gradient", SUMS_GRAD, {})
+    with pytest.raises(AssertionError, match="a gradient already whole on every rank sums to t times it"):
+        expect_sum("tp_swiglu", "the backward all-reduce", [dx, dx], [dx], "the input gradient", SUMS_GRAD, {})
+
+
+@pytest.mark.parametrize("seed", [0, 3])
+def test_bytes_sent_below_the_dispatcher_fail(seed):
+    """Red team (Day 7): a gather by the backend object is not counted on the rank; its sockets count it (a real
+    launch: the tests' pooled ranks are not metered)."""
+    with pytest.raises(AssertionError, match="vocab_parallel_cross_entropy: the ranks' sockets sent"):
+        day7.check_vocab_parallel_cross_entropy(ce_below_the_dispatcher(), seed=seed)
 
 
 def test_a_stub_fails():

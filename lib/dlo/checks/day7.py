@@ -5,9 +5,11 @@ Every check draws its case here, on the grader's side (from a secret seed when `
 given only its part (`per_rank`: the layer the exercise splits, and of the inputs and output
 gradients its own block where the layer is split, so that what the other ranks hold must come
 through a collective); a trusted worker shards the layer with the student's code, runs forward and
-backward and returns outputs, gradients, the collectives it counted with `dlo.measure.CommCounter`
-and, where a rank holds the whole layer, its FLOPs (1/t of one process's: a rank that computes the
-whole layer and issues collectives for show fails). The comparison with one process built from the
+backward and returns outputs, gradients, the collectives it counted with `dlo.measure.CommCounter`,
+what it put into each of them (`dlo.checks.day7_comms`: an all-reduce's inputs must sum to the layer's
+output or input gradient, never carry weights; the bytes counted must agree with the ranks' sockets) and,
+where a rank holds the whole layer, its FLOPs (1/t of one process's: a rank that computes the whole layer
+and issues collectives for show fails). The comparison with one process built from the
 same weights is computed here, outside the ranks (the torchtitan test pattern). Everything is
 float64: a correct split differs from one process only by
 summation order (~1e-15), so the default tolerance of `assert_close` (1e-9) catches a missing sum,
@@ -21,8 +23,8 @@ notebook's test cells call them: `dlo.checks.day7_layers` (1, 2 and the shared h
 `dlo.checks.day7_sequence` (4, 5), `dlo.checks.day7_scale` (7: compute against communication) and
 `dlo.checks.day7_volumes` (7b: a stage boundary's bytes, DDP's bucket); the layout search, once
 exercise 8, is Day 10's exercise 6 (`dlo.checks.day10_layout`). The test cells call them through this
-module, the day's one checks module
-(`dlo.registry`), which the grader imports.
+module, the day's one checks module (`dlo.registry`), which the grader imports; what the collectives
+carried is held in `dlo.checks.day7_comms`.
 """
 
 from dlo.checks.day7_layers import check_tp_linears, check_tp_swiglu

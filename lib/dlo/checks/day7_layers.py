@@ -16,9 +16,17 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from dlo.checks.day7_comms import (
+    SUMS_GRAD,
+    CommTap,
+    expect_block_sums,
+    expect_blocks,
+    expect_sum,
+    recorded,
+    verified,
+)
 from dlo.grading.api import case_seed, check, on_ranks
 from dlo.grading.compare import DTYPE, assert_close, fmt, ok
-from dlo.measure import CommCounter
 
 TP = "dlo.distributed.tensor_parallel."
 COMMS = "dlo.distributed.tp_comms."
@@ -91,18 +99,20 @@ def assert_block_close(name: str, what: str, got, want, where) -> None:
 
 
 def fwd_bwd(fn, x, up, flops: bool = False):
-    """fn(x) with x a fresh leaf, then backward of <fn(x), up>: output, x.grad, comm counts fwd/bwd,
-    and with `flops` the FLOPs of both (FlopCounterMode: the matmuls and attention this rank ran)."""
+    """fn(x) with x a fresh leaf, then backward of <fn(x), up>: output, x.grad, comm counts fwd/bwd and
+    what this rank put into each collective (`CommTap`), and with `flops` the FLOPs of both
+    (FlopCounterMode: the matmuls and attention this rank ran)."""
     x = x.detach().clone().requires_grad_(True)
     counter = FlopCounterMode(display=False) if flops else contextlib.nullcontext()
     with counter:
-        with CommCounter() as fwd:
+        with CommTap() as fwd:
             y = fn(x)
         if not isinstance(y, torch.Tensor):
             raise AssertionError(f"the forward returned a {type(y).__name__}, expected a tensor")
-        with CommCounter() as bwd:
+        with CommTap() as bwd:
             (y * up).sum().backward()
-    out = {"y": y.detach(), "dx": x.grad, "fwd": fwd.by_kind("calls"), "bwd": bwd.by_kind("calls")}
+    out = {"y": y.detach(), "dx": x.grad, "fwd": fwd.by_kind("calls"), "bwd": bwd.by_kind("calls"),
+           "fwd_in": fwd.inputs, "bwd_in": bwd.inputs}
     if flops:
         out["flops"] = counter.get_total_flops()
     return out
@@ -176,6 +186,7 @@ def _linears_parts(c: dict, t: int) -> list[dict]:
              "h": c["h"].chunk(t, -1)[r].clone(), "up_in": c["up_in"]} for r in range(t)]
 
 
+@recorded
 def _linears_worker(mine, f, g, col_cls, row_cls):
     out = {"f": fwd_bwd(lambda x: f(x), mine["x_r"], mine["up_r"]),
            "g": fwd_bwd(lambda x: g(x), mine["x_r"], mine["up_r"])}
@@ -204,7 +215,8 @@ def check_tp_linears(f, g, column_cls, row_cls, seed: int = 0, world_size: int =
     name, t = "tp_linears", world_size
     c = _linears_case(case_seed(seed), t)  # a secret seed when graded
     where = {**c["where"], "seed": seed}
-    got = on_ranks(_linears_worker, world_size, f, g, column_cls, row_cls, per_rank=_linears_parts(c, t))
+    got = verified(name, on_ranks(_linears_worker, world_size, f, g, column_cls, row_cls,
+                                  per_rank=_linears_parts(c, t)), t, where)
     sum_x, sum_up = sum(c["per_rank"]), sum(c["per_rank_up"])
     for r, res in enumerate(got):
         fr, gr = res["f"], res["g"]
@@ -246,7 +258,30 @@ def check_tp_linears(f, g, column_cls, row_cls, seed: int = 0, world_size: int =
         assert_block_close(row, "bias gradient (replicated bias: the whole gradient)", res["db"], lin.bias.grad, here)
         expect_comms(row, "forward", res["fwd"], {"all_reduce": 1}, "g after the matmul", here)
         expect_comms(row, "backward", res["bwd"], {}, "g is the identity backward", here)
+    _linears_payloads(c, got, t, where)
     ok(name, f"f, g, column (both gather_output) and row layers on {world_size} ranks, seed={seed}")
+
+
+def _linears_payloads(c: dict, got: list[dict], t: int, where) -> None:
+    """What the layers' collectives carried: the column layer's all-gather (gather_output=True) each rank's
+    block of the output and its backward all-reduce the input gradient's partial sums, the row layer's
+    all-reduce the partial products (the bias added after it, or before)."""
+    col, row = c["col"], c["row"]
+    for gather in (False, True):
+        col.zero_grad()
+        y, dx = reference(col, c["x"], c["up_out"] if gather else c["up_split"])
+        res = [out[f"col_gather={gather}"] for out in got]
+        here = {**where, "gather_output": gather}
+        if gather:
+            expect_blocks("ColumnParallelLinear", "the forward all-gather", [r["fwd_in"][0] for r in res],
+                          list(y.chunk(t, -1)), "its block of the output features",
+                          "gather the output (B, T, out/t) of this rank's rows, not the weights", here)
+        expect_sum("ColumnParallelLinear", "the backward all-reduce", [r["bwd_in"][0] for r in res], [dx],
+                   "the input gradient", SUMS_GRAD, here)
+    y = reference(row, c["h"], c["up_in"])[0]
+    expect_sum("RowParallelLinear", "the forward all-reduce", [out["row"]["fwd_in"][0] for out in got],
+               [y - row.bias.detach(), y], "the output (less its bias)", "all-reduce only this rank's partial product "
+               "x_r W_r^T (its input block times its weight block): the sum over ranks is the output", where)
 
 
 # ----------------------------------------------------------------------------- 2. the tensor-parallel SwiGLU
@@ -259,6 +294,7 @@ def _mlp_case(seed: int, t: int) -> dict:
             "where": dict(B=B, T=T, dim=dim, hidden=hidden, world_size=t, seed=seed)}
 
 
+@recorded
 def _mlp_worker(mine, cls):
     """`mine`: this rank's blocks of the layer (`only_blocks`) and its input and output gradient (the
     same on every rank), drawn on the grader's side."""
@@ -277,7 +313,7 @@ def check_tp_swiglu(cls, seed: int = 0, world_size: int = 2) -> None:
     name, t = "tp_swiglu", world_size
     c = _mlp_case(case_seed(seed), t)  # a secret seed when graded
     parts = [{"ffn": only_blocks(c["ffn"], t, r, SWIGLU_SPLIT), "x": c["x"], "up": c["up"]} for r in range(t)]
-    got = on_ranks(_mlp_worker, world_size, cls, per_rank=parts)
+    got = verified(name, on_ranks(_mlp_worker, world_size, cls, per_rank=parts), t, {**c["where"], "seed": seed})
     whole = reference_flops(c["ffn"], c["x"], c["up"])
     y, dx = reference(c["ffn"], c["x"], c["up"])
     for r, res in enumerate(got):
@@ -293,4 +329,5 @@ def check_tp_swiglu(cls, seed: int = 0, world_size: int = 2) -> None:
             assert_block_close(name, f"{w} gradient (this rank's {which})", res[w],
                                getattr(c["ffn"], w).weight.grad.chunk(t, dim)[r], here)
         expect_split_work(name, res["flops"], whole, t, here)
+    expect_block_sums(name, got, y, dx, {**c["where"], "seed": seed})
     ok(name, f"one all-reduce each way on {world_size} ranks, seed={seed}")

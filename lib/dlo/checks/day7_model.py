@@ -16,14 +16,17 @@ from dlo.checks.day7_layers import (
     F_G,
     LAYERS,
     assert_block_close,
+    expect_block_sums,
     expect_comms,
     expect_split_work,
     fwd_bwd,
     only_blocks,
     param_grad,
+    recorded,
     reference,
     reference_flops,
     seeded_gen,
+    verified,
 )
 from dlo.grading.api import case_seed, check, on_ranks
 from dlo.grading.compare import DTYPE, assert_close, ok
@@ -60,6 +63,7 @@ def _attention_case(seed: int, t: int) -> dict:
                           seed=seed)}
 
 
+@recorded
 def _attention_worker(mine, cls):
     """`mine`: this rank's heads of the attention (`only_blocks`: the rows of its heads in wq, wk, wv,
     their columns in wo), RoPE's tables, the input and output gradient (the same on every rank) and an
@@ -90,7 +94,8 @@ def check_tp_attention(cls, seed: int = 0, world_size: int = 2) -> None:
     heads = {"wq": 0, "wk": 0, "wv": 0, "wo": 1}  # heads are contiguous rows of wq, wk, wv, columns of wo
     parts = [{"attn": only_blocks(c["attn"], t, r, heads), **{k: c[k] for k in ("bad", "cos", "sin", "x", "up")}}
              for r in range(t)]
-    got = on_ranks(_attention_worker, world_size, cls, per_rank=parts)
+    got = verified(name, on_ranks(_attention_worker, world_size, cls, per_rank=parts), t,
+                   {**c["where"], "seed": seed})
     attn = c["attn"]
     whole = reference_flops(lambda x: copy.deepcopy(attn)(x, c["cos"], c["sin"]), c["x"], c["up"])
     y, dx = reference(lambda x: attn(x, c["cos"], c["sin"]), c["x"], c["up"])
@@ -112,6 +117,7 @@ def check_tp_attention(cls, seed: int = 0, world_size: int = 2) -> None:
             raise AssertionError(f"{name}: an attention with 1 KV head on {t} ranks must raise ValueError naming "
                                  f"n_kv_heads (a rank needs whole KV heads), got "
                                  f"{'no error' if res['bad'] is None else repr(res['bad'])} ({here})")
+    expect_block_sums(name, got, y, dx, {**c["where"], "seed": seed})
     ok(name, f"{c['where']['n_heads']} heads / {c['where']['n_kv_heads']} KV heads on {world_size} ranks, seed={seed}")
 
 

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dlo.checks.day7_comms import CommTap, expect_blocks, expect_sum
 from dlo.checks.day7_layers import (
     COMMS,
     F_G,
@@ -21,8 +22,10 @@ from dlo.checks.day7_layers import (
     fwd_bwd,
     only_blocks,
     param_grad,
+    recorded,
     reference,
     seeded_gen,
+    verified,
 )
 from dlo.grading.api import case_seed, check, on_ranks
 from dlo.grading.compare import DTYPE, assert_close, ok
@@ -61,18 +64,19 @@ def _sp_parts(c: dict, t: int) -> list[dict]:
             for r in range(t)]
 
 
+@recorded
 def _sp_worker(mine, gather_fn, scatter_fn, cls):
     out = {"gather": fwd_bwd(lambda x: gather_fn(x), mine["x"], mine["g_up"]),
            "scatter": fwd_bwd(lambda x: scatter_fn(x), mine["s_in"], mine["up"])}
     block = cls(mine["norm"], mine["ffn"], None)
     x = mine["x"].detach().clone().requires_grad_(True)
     params = list(block.parameters()) + list(mine["norm"].parameters()) + list(mine["ffn"].parameters())
-    with CommCounter() as fwd, SavedTensorMeter(exclude=params) as meter:
+    with CommTap() as fwd, SavedTensorMeter(exclude=params) as meter:
         y = block(x)
     with CommCounter() as bwd:
         (y * mine["up"]).sum().backward()
     out["block"] = {"y": y.detach(), "dx": x.grad, "fwd": fwd.by_kind("calls"), "bwd": bwd.by_kind("calls"),
-                    "saved": meter.peak}
+                    "saved": meter.peak, "fwd_in": {c.kind: v for c, v in zip(fwd.calls, fwd.inputs)}}
     out["block"].update({w: param_grad(block, f"{w}.weight", "the sequence-parallel block")
                          for w in ("norm", "w1", "w2")})
     return out
@@ -95,7 +99,8 @@ def check_sequence_parallel(gather_fn, scatter_fn, cls, seed: int = 0, world_siz
     name, t = "sequence_parallel", world_size
     c = _sp_case(case_seed(seed), t)  # a secret seed when graded
     where = {**c["where"], "seed": seed}
-    got = on_ranks(_sp_worker, world_size, gather_fn, scatter_fn, cls, per_rank=_sp_parts(c, t))
+    got = verified(name, on_ranks(_sp_worker, world_size, gather_fn, scatter_fn, cls, per_rank=_sp_parts(c, t)),
+                   t, where)
     g_up_sum, s_in_sum = sum(c["g_up"]), sum(c["s_in"])
     y, dx = reference(lambda x: x + c["ffn"](c["norm"](x)), c["x"], c["up"])
     for r, res in enumerate(got):
@@ -121,6 +126,7 @@ def check_sequence_parallel(gather_fn, scatter_fn, cls, seed: int = 0, world_siz
         if fwd.get("all_reduce") or fwd.get("all_gather") != 1 or fwd.get("reduce_scatter") != 1:
             raise AssertionError(f"{name}: the block's forward issued {fwd}: expected one all-gather of the normed "
                                  f"shard (shared by w1 and w3) and one reduce-scatter after w2, no all-reduce ({here})")
+    _sp_payloads(name, c, [res["block"]["fwd_in"] for res in got], t, where)
     # Bytes saved for backward on one rank: the norm on T/t tokens, plus the MLP's own (its input, all
     # T tokens, and hidden/t units), measured here on one process with the same modules.
     B, T, dim, hidden = (where[k] for k in ("B", "T", "dim", "hidden"))
@@ -140,6 +146,22 @@ def check_sequence_parallel(gather_fn, scatter_fn, cls, seed: int = 0, world_siz
     ok(name, f"all-gather/reduce-scatter, values and saved bytes on {world_size} ranks, seed={seed}")
 
 
+def _sp_payloads(name: str, c: dict, sent: list[dict], t: int, where) -> None:
+    """What the block's forward collectives carried: each rank's all-gather its normed shard (the norm ran on
+    T/t tokens, computed here from the shard: gathering the raw input and norming all T tokens fails), the
+    reduce-scatter's inputs w2's partial products, summing to the MLP's output on all T tokens (the residual
+    added after the reduce-scatter, or before)."""
+    with torch.no_grad():
+        normed = [c["norm"](x) for x in c["x"].chunk(t, 1)]
+        mlp = c["ffn"](torch.cat(normed, 1))
+    expect_blocks(name, "the forward all-gather", [s["all_gather"] for s in sent], normed,
+                  "norm(x) of its sequence shard", "run the norm on the shard, then all-gather its output (not the "
+                  "raw input: the norm would run on all T tokens on every rank)", where)
+    expect_sum(name, "the forward reduce-scatter", [s["reduce_scatter"] for s in sent], [mlp, mlp + c["x"]],
+               "the MLP's output on all T tokens", "reduce-scatter w2's partial products (B, T, C), nothing else",
+               where)
+
+
 # ----------------------------------------------------------------------------- 5. vocabulary-parallel cross-entropy
 
 def _ce_case(seed: int, t: int, trial: int) -> dict:
@@ -151,6 +173,7 @@ def _ce_case(seed: int, t: int, trial: int) -> dict:
             "where": dict(N=N, V=V, shift=shift, world_size=t, seed=seed)}
 
 
+@recorded
 def _ce_worker(mine, fn):
     """`mine`: this rank's part of each trial (its slice of the logits, the targets), drawn on the
     grader's side: no rank holds the whole logits, nor the seed they came from."""
@@ -178,7 +201,7 @@ def check_vocab_parallel_cross_entropy(fn, seed: int = 0, world_size: int = 2, t
         c["where"]["seed"] = seed
     per_rank = [[{"logits": c["logits"].chunk(t, -1)[r].clone(), "target": c["target"]} for c in cases]
                 for r in range(t)]
-    got = on_ranks(_ce_worker, world_size, fn, per_rank=per_rank)
+    got = verified(name, on_ranks(_ce_worker, world_size, fn, per_rank=per_rank), t, cases[0]["where"])
     for trial, c in enumerate(cases):
         logits = c["logits"].clone().requires_grad_(True)
         loss = F.cross_entropy(logits, c["target"])
@@ -191,6 +214,14 @@ def check_vocab_parallel_cross_entropy(fn, seed: int = 0, world_size: int = 2, t
                 raise AssertionError(f"{name}: collectives {big} (kind, bytes): only all-reduces of per-token numbers "
                                      f"(max, sum of exponentials, target logit: {N * 8} bytes each) are needed; "
                                      f"gathering the logits is what the exercise avoids ({here})")
+            # bounded in all, not per call: many small all-reduces of a few columns each gather the logits too
+            reduces = [n for k, n in res["calls"] if k == "all_reduce"]
+            total, calls = sum(reduces), len(reduces)
+            if total > 4 * N * c["logits"].element_size():
+                raise AssertionError(f"{name}: {calls} all-reduces of {total:,} bytes in all on rank {r}: the loss "
+                                     f"needs 3 numbers per token from the other ranks (max, sum of exponentials, "
+                                     f"target logit: {3 * N * 8:,} bytes); moving the logits through all-reduces "
+                                     f"is gathering them, which the exercise avoids ({here})")
             assert_close(name, "loss", res["loss"], loss.detach(), here)
             assert_close(name, "logits gradient (this rank's classes)", res["grad"], logits.grad.chunk(t, -1)[r], here)
     ok(name, f"{trials} trials on {world_size} ranks, seed={seed}")
