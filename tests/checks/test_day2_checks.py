@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -22,7 +23,7 @@ def stub(*args, **kwargs):
 def step_ok(model, optimizer, x, y, *, dtype, scaler=None):
     """Written out, not dlo.amp.train_step (the check's own reference): what a student writes."""
     optimizer.zero_grad()
-    with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
+    with torch.autocast(x.device.type, dtype=dtype, enabled=dtype is not None):
         loss = F.cross_entropy(model(x), y)
     if scaler is None:
         loss.backward()
@@ -285,10 +286,28 @@ def round_canonical_nan(x):
     return torch.where(x.isnan(), torch.tensor(math.nan), round_ok(x))
 
 
+def round_int64(x):
+    """The same bits in int64, unsigned, then back: another honest way around the sign bit."""
+    bits = x.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+    bits = torch.where(bits >= 2 ** 31, bits - 2 ** 32, bits).to(torch.int32)
+    return torch.where(x.isnan(), x, bits.view(torch.float32))
+
+
+def round_numpy(x):
+    import numpy as np
+
+    bits = x.numpy().view(np.uint32).astype(np.uint64)
+    bits = (((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16).astype(np.uint32)
+    return torch.where(x.isnan(), x, torch.from_numpy(bits.view(np.float32).copy()))
+
+
 def test_round_to_bf16_accepts(capsys):
     day2.check_round_to_bf16(round_ok)
-    day2.check_round_to_bf16(lambda x: x.to(torch.bfloat16).float(), seed=2)
     day2.check_round_to_bf16(round_canonical_nan, seed=3)
+    for seed in range(3):
+        day2.check_round_to_bf16(round_int64, seed=seed)
+        day2.check_round_to_bf16(round_numpy, seed=seed)
     assert "ok" in capsys.readouterr().out
 
 
@@ -450,3 +469,80 @@ def test_flops_accounting_sandboxed(sandbox, capsys):
     assert ": ok (" in capsys.readouterr().out
     with pytest.raises(AssertionError, match="looked-up (embedding )?table counted"):
         sandbox.run(day2.check_flops_accounting, matmul_params_with_tables, *OK4[1:], trials=1)
+
+
+# ----------------------------------------------------------------------------- red team
+
+def round_by_cast(x):
+    return x.to(torch.bfloat16).float()  # the check's reference: no bits touched
+
+
+def round_by_copy(x):
+    out = torch.empty(x.shape, dtype=torch.bfloat16)
+    out.copy_(x)
+    return out.float()
+
+
+def matmul_params_measured(model):
+    """N read off FlopCounterMode (the check's own measurement), not the rule: 2 FLOPs per weight and token."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    idx = torch.zeros(1, 3, dtype=torch.long)
+    with torch.no_grad(), FlopCounterMode(display=False) as fc:
+        model(idx)
+    return sum(v for op, v in fc.get_flop_counts()["Global"].items() if "bmm" not in str(op)) // (2 * idx.numel())
+
+
+def bytes_master_always_fp32(param_dtype, optimizer, master_dtype=None):
+    p, k = _size(param_dtype), {"sgd": 0, "sgd_momentum": 1, "adamw": 2}[optimizer]
+    return 2 * p + k * p if master_dtype is None else 2 * p + 4 + 4 * k  # "master and state are fp32"
+
+
+RED_TEAM = [
+    (day2.check_round_to_bf16, (round_by_cast,), "made or read a bfloat16 tensor: torch's cast is the check's"),
+    (day2.check_round_to_bf16, (round_by_copy,), "made or read a bfloat16 tensor"),
+    (day2.check_flops_accounting, (matmul_params_measured, bytes_ok), "not FLOPs or use: both count"),
+    (day2.check_flops_accounting, (matmul_params_ok, bytes_master_always_fp32), "at fp32's 4 bytes?"),
+]
+
+
+@pytest.mark.parametrize("check,fns,phrase", RED_TEAM, ids=[f[0].__name__ for _, f, _ in RED_TEAM])
+@pytest.mark.parametrize("seed", [0, 3, 7])
+def test_red_team_fails(check, fns, phrase, seed):
+    """Red team (Day 2): each passed its check at every seed before its case was added."""
+    with pytest.raises(AssertionError, match=re.escape(phrase)):
+        check(*fns, seed=seed)
+
+
+def test_autocast_step_runs_one_more_trial_where_a_gpu_is(monkeypatch, capsys):
+    """A GPU adds a trial on it (where autocast("cpu") hard-coded leaves the forward in fp32); mocked with
+    the CPU as the extra device, which runs the same path."""
+    monkeypatch.setattr(day2, "_extra_device", lambda: "cpu")
+    day2.check_autocast_train_step(step_ok, trials=2)
+    assert "3 trials" in capsys.readouterr().out
+
+
+def step_autocast_cpu(model, optimizer, x, y, *, dtype, scaler=None):
+    optimizer.zero_grad()
+    with torch.autocast("cpu", dtype=dtype):  # not x.device.type: on a GPU the forward stays fp32
+        loss = F.cross_entropy(model(x), y)
+    if scaler is None:
+        loss.backward()
+        optimizer.step()
+    else:
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+    return loss.detach()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the hard-coded device shows on a GPU only")
+def test_autocast_step_rejects_a_hard_coded_cpu_on_a_gpu():
+    with pytest.raises(AssertionError, match=r"first Linear produced \[torch.float32\].*device=cuda"):
+        day2.check_autocast_train_step(step_autocast_cpu, trials=1)
+
+
+def test_red_team_fails_sandboxed(sandbox):
+    """The bf16 refusal runs where the student's code runs: in the jail too."""
+    with pytest.raises(AssertionError, match="made or read a bfloat16 tensor"):
+        sandbox.run(day2.check_round_to_bf16, round_by_cast)

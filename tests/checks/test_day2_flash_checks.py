@@ -126,3 +126,107 @@ def test_sandboxed(sandbox, solution, capsys):
     with pytest.raises(AssertionError, match=r"materialised a \(T x T\) matrix"):
         sandbox.run(day2.check_flash_attention, naive, trials=1)
 
+
+
+# ----------------------------------------------------------------------------- other honest forwards, red team
+
+def query_and_key_blocks(q, k, v, *, causal=False, block_k=32, block_q=16):
+    """Algorithm 1 as written: query blocks x key blocks (einsum), the key blocks past a causal row skipped."""
+    dtype, (T, D) = q.dtype, q.shape[-2:]
+    q, k, v = q.float() / math.sqrt(D), k.float(), v.float()
+    outs, lses = [], []
+    for i in range(0, T, block_q):
+        q_i = q[..., i:i + block_q, :]
+        rows = torch.arange(i, i + q_i.shape[-2])[:, None]
+        m, ell, acc = torch.full(q_i.shape[:-1], -math.inf), torch.zeros(q_i.shape[:-1]), torch.zeros_like(q_i)
+        for j in range(0, i + q_i.shape[-2] if causal else T, block_k):
+            s = torch.einsum("bhqd,bhkd->bhqk", q_i, k[..., j:j + block_k, :])
+            if causal:
+                s = s.masked_fill(torch.arange(j, j + s.shape[-1]) > rows, -math.inf)
+            m_new = torch.maximum(m, s.amax(-1))
+            p, alpha = torch.exp(s - m_new[..., None]), torch.exp(m - m_new)
+            ell = alpha * ell + p.sum(-1)
+            acc = alpha[..., None] * acc + torch.einsum("bhqk,bhkd->bhqd", p, v[..., j:j + block_k, :])
+            m = m_new
+        outs.append(acc / ell[..., None])
+        lses.append(m + torch.log(ell))
+    return torch.cat(outs, -2).to(dtype), torch.cat(lses, -1)
+
+
+def per_head_matrices(q, k, v, *, causal=False, block_k=32):
+    """One (T, D) head at a time with mm/addmm on K^T transposed once (a (D, T) tensor: not scores)."""
+    B, H, T, D = q.shape
+    o, lse = torch.empty(q.shape, dtype=q.dtype), torch.empty(B, H, T)
+    for b in range(B):
+        for h in range(H):
+            q_bh, kt, v_bh = q[b, h].float(), k[b, h].float().t().contiguous(), v[b, h].float()
+            m, ell, acc = torch.full((T,), -math.inf), torch.zeros(T), torch.zeros(T, D)
+            for j in range(0, T, block_k):
+                s = torch.mm(q_bh, kt[:, j:j + block_k]) * D ** -0.5
+                if causal:
+                    s = torch.where(torch.arange(T)[:, None] >= torch.arange(j, j + s.shape[1]), s, -math.inf)
+                m_new = torch.max(m, s.max(dim=1).values)
+                p, alpha = (s - m_new[:, None]).exp(), (m - m_new).exp()
+                ell = ell * alpha + p.sum(1)
+                acc = torch.addmm(acc * alpha[:, None], p, v_bh[j:j + block_k])
+                m = m_new
+            o[b, h], lse[b, h] = (acc / ell[:, None]).to(q.dtype), m + torch.log(ell)
+    return o, lse
+
+
+@pytest.mark.parametrize("honest", [query_and_key_blocks, per_head_matrices])
+def test_accepts_other_block_wise_forwards(honest, capsys):
+    for seed in range(3):
+        day2.check_flash_attention(honest, seed=seed)
+    assert ": ok (" in capsys.readouterr().out
+
+
+def query_chunks(q, k, v, *, causal=False, block_k=32, rows=None):
+    """Red team: the exact softmax over all T keys, a few query rows at a time (no tensor reaches T x T);
+    no key blocks, no running maximum."""
+    dtype, (B, H, T, D) = q.dtype, q.shape
+    rows = rows or max(1, T // (2 * B * H))
+    q, k, v = q.float(), k.float(), v.float()
+    outs, lses = [], []
+    for i in range(0, T, rows):
+        s = q[..., i:i + rows, :] @ k.transpose(-1, -2) / math.sqrt(D)  # (B, H, rows, T)
+        if causal:
+            s = s.masked_fill(torch.arange(T) > torch.arange(i, i + s.shape[-2])[:, None], -math.inf)
+        lses.append(torch.logsumexp(s, -1))
+        outs.append(torch.softmax(s, -1) @ v)
+    return torch.cat(outs, -2).to(dtype), torch.cat(lses, -1)
+
+
+def naive_in_numpy(q, k, v, *, causal=False, block_k=32):
+    """Red team: the (T, T) scores written out in numpy, where no dispatch mode sees them."""
+    import numpy as np
+
+    T, D = q.shape[-2:]
+    qn, kn, vn = (x.float().numpy().astype(np.float64) for x in (q, k, v))
+    s = qn @ kn.swapaxes(-1, -2) / math.sqrt(D)
+    if causal:
+        s = np.where(np.tri(T, dtype=bool), s, -np.inf)
+    mx = s.max(-1, keepdims=True)
+    p = np.exp(s - mx)
+    ell = p.sum(-1, keepdims=True)
+    return torch.from_numpy((p / ell) @ vn).to(q.dtype), torch.from_numpy(mx + np.log(ell))[..., 0].float()
+
+
+RED_TEAM = [(query_chunks, r"aten\.logsumexp on \(1, 2, \d+, (\d+)\) combined \1 elements of one dimension at once"),
+            (partial(query_chunks, rows=1), r"a softmax or P V over all T=\d+ keys is not FlashAttention"),
+            (naive_in_numpy, r"bytes allocated outside torch \(numpy arrays, Python lists\)")]
+
+
+@pytest.mark.parametrize("cheat,match", RED_TEAM, ids=["query_chunks", "one_query_row", "naive_in_numpy"])
+@pytest.mark.parametrize("seed", [0, 3, 7])
+def test_red_team_fails(cheat, match, seed):
+    """Red team (Day 2): each passed the check at every seed before the span and host-memory rules."""
+    with pytest.raises(AssertionError, match=match):
+        day2.check_flash_attention(cheat, seed=seed)
+
+
+def test_red_team_fails_sandboxed(sandbox):
+    """The span and tracemalloc are read where the student's code runs: in the jail too."""
+    for cheat, match in RED_TEAM[::2]:
+        with pytest.raises(AssertionError, match=match):
+            sandbox.run(day2.check_flash_attention, cheat, trials=1)

@@ -4,7 +4,9 @@ the test cell calls).
 
 Every expected number is counted here, never restated from a formula: FLOPs by FlopCounterMode on
 the check's own decoder (`_GPT`, tied and untied heads, with and without position embeddings and
-biases), bytes by the tensors an optimizer really holds after one step. The student's
+biases), bytes by the tensors an optimizer really holds after one step. The untied decoders also hold
+a raw 2-D position table (indexed) and a Linear they never call: the exercise's rule reads module types,
+so it counts both where a FLOP count sees neither (a student measuring FLOPs instead fails there). The student's
 `matmul_params` runs in a worker (`dlo.grading.api.run_student`) on a model built there from the
 seed; the plain-number functions are called here.
 """
@@ -26,13 +28,16 @@ from dlo.grading.compare import fmt, ok
 class _GPT(nn.Module):
     """The check's own decoder (trusted): token (+ position) embeddings, pre-norm blocks whose
     attention is written as matmuls (FlopCounterMode counts them) with a raw (3d, d) projection
-    parameter as nn.MultiheadAttention's in_proj_weight, a head tied to the token table or not."""
+    parameter as nn.MultiheadAttention's in_proj_weight, a head tied to the token table or not.
+    `raw`: the position table a raw 2-D parameter whose rows are indexed, and a Linear the forward
+    never calls; the rule counts both, a measurement of FLOPs neither (`_unmeasured`)."""
 
-    def __init__(self, vocab: int, d: int, layers: int, heads: int, ffn: int, tied: bool, bias: bool, pos: int):
+    def __init__(self, vocab: int, d: int, layers: int, heads: int, ffn: int, tied: bool, bias: bool, pos: int,
+                 raw: bool = False):
         super().__init__()
         self.heads = heads
         self.tok = nn.Embedding(vocab, d)
-        self.pos = nn.Embedding(pos, d) if pos else None
+        self.pos = nn.Embedding(pos, d) if pos and not raw else None
         self.blocks = nn.ModuleList(nn.ModuleDict({
             "ln1": nn.LayerNorm(d), "out": nn.Linear(d, d, bias=bias),
             "ln2": nn.LayerNorm(d), "up": nn.Linear(d, ffn * d, bias=bias), "down": nn.Linear(ffn * d, d, bias=bias),
@@ -41,10 +46,15 @@ class _GPT(nn.Module):
         self.norm, self.head = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
         if tied:
             self.head.weight = self.tok.weight
+        if raw:
+            self.pos_table = nn.Parameter(torch.randn(pos, d) / 10)  # indexed, never multiplied
+            self.probe = nn.Linear(d, 3)  # a head this forward never calls
 
     def forward(self, idx):  # (B, T) -> (B, T, vocab)
         b, t = idx.shape
         h = self.tok(idx) + (self.pos(torch.arange(t)) if self.pos is not None else 0)  # (B, T, C)
+        if hasattr(self, "pos_table"):
+            h = h + self.pos_table[:t]
         for blk, w_qkv in zip(self.blocks, self.qkv):
             qkv = F.linear(blk["ln1"](h), w_qkv)  # (B, T, 3C)
             q, k, v = qkv.view(b, t, 3, self.heads, -1).permute(2, 0, 3, 1, 4)  # 3 x (B, H, T, C / H)
@@ -56,7 +66,16 @@ class _GPT(nn.Module):
 
 def _gpt(cfg: dict) -> _GPT:
     torch.manual_seed(cfg["seed"])
-    return _GPT(cfg["vocab"], cfg["d"], cfg["layers"], cfg["heads"], cfg["ffn"], cfg["tied"], cfg["bias"], cfg["pos"])
+    return _GPT(cfg["vocab"], cfg["d"], cfg["layers"], cfg["heads"], cfg["ffn"], cfg["tied"], cfg["bias"], cfg["pos"],
+                cfg.get("raw", False))
+
+
+def _unmeasured(cfg: dict) -> dict:
+    """The parameters of a `raw` model that the rule counts and FlopCounterMode does not see: {what: elements}."""
+    if not cfg.get("raw"):
+        return {}
+    return {"the raw position table indexed by position": cfg["pos"] * cfg["d"],
+            "the Linear the forward never calls": 3 * cfg["d"]}
 
 
 def _matmul_params_worker(fn, cfg: dict):
@@ -96,9 +115,28 @@ def _state_bytes_per_param(param_dtype: torch.dtype, optimizer: str, master_dtyp
     return (tensor_bytes(weights) + tensor_bytes(grads) + tensor_bytes(master) + state) / sum(p.numel() for p in fp32)
 
 
+def _matmul_slip(cfg: dict, diff: int) -> str:
+    """What a student's matmul_params that is `diff` off most likely did."""
+    tok, pos = cfg["vocab"] * cfg["d"], (0 if cfg.get("raw") else cfg["pos"] * cfg["d"])
+    looked_up = "a looked-up embedding table counted? (a lookup does no FLOPs)"
+    hint = {pos: looked_up, tok + pos: looked_up, (0 if cfg["tied"] else tok): looked_up,
+            -tok: "the head tied to the embedding counted zero times? it is a matmul weight"}
+    if cfg["tied"]:
+        hint[tok] = hint[tok + pos] = "the tied embedding counted twice, or a looked-up table counted?"
+    unmeasured = _unmeasured(cfg)
+    for what, size in unmeasured.items():
+        hint.setdefault(-size, f"{what} left out? the rule reads module types, not how a tensor is used: it counts")
+    if unmeasured:
+        hint.setdefault(-sum(unmeasured.values()), f"{' and '.join(unmeasured)} left out? the rule reads module types, "
+                                                  f"not FLOPs or use: both count")
+    hint.pop(0, None)
+    return hint.get(diff, "count each weight with >= 2 dims once, embedding tables only as the head")
+
+
 # (weights' dtype, master copy's dtype or None): fp32, mixed, pure bf16, and dtypes the text does not list
 DTYPE_PAIRS = ((torch.float32, None), (torch.bfloat16, torch.float32), (torch.bfloat16, None),
-               (torch.float16, torch.float32), (torch.float16, None), (torch.float64, None))
+               (torch.float16, torch.float32), (torch.float16, None), (torch.float64, None),
+               (torch.float16, torch.float64))  # a master copy that is not fp32: its width, not a 4
 
 
 def _bytes_slip(got: float, param_dtype: torch.dtype, optimizer: str, master_dtype: torch.dtype | None) -> str:
@@ -106,13 +144,16 @@ def _bytes_slip(got: float, param_dtype: torch.dtype, optimizer: str, master_dty
     p = torch.finfo(param_dtype).bits // 8
     m = 0 if master_dtype is None else torch.finfo(master_dtype).bits // 8
     k = {"sgd": 0, "sgd_momentum": 1, "adamw": 2}[optimizer]
+    # the likeliest first, where two give the same number
     wrongs = [(2 * p + m + k * p, "the optimizer's state at the weights' width? it has the dtype of what the "
                                   "optimizer steps: the master copy when there is one"),
               (2 * p + k * (m or p), "the master copy left out?"),
               (p + m + k * (m or p), "the gradients left out? (one per weight, in its dtype)"),
               (p + 2 * m + k * (m or p), "the gradients at the master's width? a gradient has its parameter's dtype"),
               (2 * p + m + (m or p) * 2, "two state values for every optimizer? SGD keeps none, momentum one, "
-                                         "AdamW two")]  # the likeliest first, where two give the same number
+                                         "AdamW two"),
+              (2 * p + (4 + 4 * k if m else -1), "the master copy and its state at fp32's 4 bytes? they have "
+                                                 "master_dtype's width")]
     want = 2 * p + m + k * (m or p)
     return next((f" ({text})" for w, text in wrongs if w == got and w != want), "")
 
@@ -121,9 +162,10 @@ def _bytes_slip(got: float, param_dtype: torch.dtype, optimizer: str, master_dty
                "dlo.accounting.model_state_bytes", "dlo.accounting.copy_widths", "dlo.accounting.precision_of"))
 def check_flops_accounting(matmul_params, training_bytes_per_param, seed: int = 0, trials: int = 3) -> None:
     """Two small functions, compared on random configurations with counts made here: `matmul_params(model)`
-    with FlopCounterMode's count of the check's transformer (tied and untied heads);
-    `training_bytes_per_param(param_dtype, optimizer, master_dtype=None)` with the bytes of real tensors after an
-    optimizer step, on dtypes the text's examples do not list (float16, float64), so that only a derivation passes.
+    with FlopCounterMode's count of the check's transformer (tied and untied heads), plus the parameters the rule
+    counts that no FLOP count sees (`_unmeasured`); `training_bytes_per_param(param_dtype, optimizer,
+    master_dtype=None)` with the bytes of real tensors after an optimizer step, on dtypes the text's examples do not
+    list (float16, float64 weights, a float64 master copy), so that only a derivation passes.
     (6N + 12 l h s and MFU are formulas the notebook gives in full: `dlo.measure` has them, no exercise.)"""
     from dlo.grading.compare import assert_number
 
@@ -133,20 +175,16 @@ def check_flops_accounting(matmul_params, training_bytes_per_param, seed: int = 
         cfg = dict(seed=rng.randrange(10 ** 6), vocab=rng.choice([37, 50, 61]), d=heads * rng.choice([4, 6]),
                    layers=rng.choice([1, 2, 3]), heads=heads, ffn=rng.choice([2, 4]), tied=t % 2 == 0,
                    bias=rng.random() < 0.5, pos=rng.choice([0, 16]), seq=rng.choice([5, 9, 16]))
+        if t % 2 == 1:  # untied trials: parameters the rule counts and no FLOP count sees (`_GPT`'s raw)
+            cfg.update(raw=True, pos=16)
         layers, d, s = cfg["layers"], cfg["d"], cfg["seq"]
         fwd = _hand_count(cfg)
         n = round((fwd - 4 * layers * d * s) / 2)  # forward: 2 FLOPs per weight, 4 s d per layer of attention
+        want = n + sum(_unmeasured(cfg).values())  # the rule reads module types, not use
         got = assert_number(name, "matmul_params(model)", run_student(_matmul_params_worker, matmul_params, cfg), cfg)
-        if got != n:
-            tok, pos = cfg["vocab"] * d, cfg["pos"] * d
-            looked_up = "a looked-up embedding table counted? (a lookup does no FLOPs)"
-            hint = {pos: looked_up, tok + pos: looked_up, (0 if cfg["tied"] else tok): looked_up,
-                    -tok: "the head tied to the embedding counted zero times? it is a matmul weight"}
-            if cfg["tied"]:
-                hint[tok] = hint[tok + pos] = "the tied embedding counted twice, or a looked-up table counted?"
-            hint.pop(0, None)
-            extra = hint.get(round(got) - n, "count each weight with >= 2 dims once, embedding tables only as the head")
-            raise AssertionError(f"{name}: matmul_params = {got:g}, expected {n} for {fmt(cfg)}: {extra}")
+        if got != want:
+            raise AssertionError(f"{name}: matmul_params = {got:g}, expected {want} for {fmt(cfg)}: "
+                                 f"{_matmul_slip(cfg, round(got) - want)}")
     for param_dtype, master_dtype in DTYPE_PAIRS:
         for optimizer in ("sgd", "sgd_momentum", "adamw"):  # dlo.accounting.OPTIMIZER_STATES' names
             want = _state_bytes_per_param(param_dtype, optimizer, master_dtype)

@@ -12,19 +12,26 @@ written out (`dlo.attention.attention_scores`). What is checked, case by case:
   a nan there is its own message;
 - the point of the algorithm: on cases where T x T outgrows every tensor a block-wise forward needs
   (T > 2 B H max(D, block_k)), no operator may produce a tensor of T * T elements or more (the scores,
-  P, a full causal mask), and no fused attention operator may run at all: each is refused at dispatch
-  whatever reached it (`FORBID`'s "aten::" patterns, `dlo.grading.ops`), and the watch reports one that
-  ran anyway.
+  P, a full causal mask); no reduction along a dimension and no matmul's inner dimension may span more
+  than max(D, block_k) elements (`_span`: an exact softmax, or P V, over all T keys, even taken a few
+  query rows at a time, where no single tensor reaches T * T); and, in the last case, no more than a
+  T x T fp32 matrix may be allocated outside torch (tracemalloc: numpy, Python lists), which no
+  dispatch mode sees. No fused attention operator may run at all: each is refused at dispatch whatever
+  reached it (`FORBID`'s "aten::" patterns, `dlo.grading.ops`), and the watch reports one that ran anyway.
+
+Left open: a softmax over all keys done in numpy a few rows at a time (little memory, no torch op), or
+reductions that `_span` does not list (scatter_add, a convolution); and a student's code that pops the
+watch off torch's mode stack or stops tracemalloc.
 """
 
 from __future__ import annotations
 
 import random
+import tracemalloc
 
 import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from dlo.attention import attention_scores
 from dlo.grading.api import case_seed, check, run_student
@@ -39,6 +46,10 @@ FP32_TOL = 1e-5
 # bf16 ulps. L is fp32 arithmetic on the bf16 values in both dtypes (the exercise computes in fp32):
 # FP32_TOL.
 BF16_O_TOL = 1e-2
+# Memory outside torch (numpy, Python objects; tracemalloc) that the watch itself and a block-wise forward
+# in torch allocate stays at 5-60 kB: at least 256 kiB (T x T fp32 for T = 256, below the last case's T)
+# is asked before a verdict.
+HOST_FLOOR = 1 << 18
 FUSED = ("scaled_dot_product", "flash_attention", "efficient_attention", "cudnn_attention")
 FORBID = ("torch.nn.functional.scaled_dot_product_attention", "dlo.attention.*",
           "dlo.kernels.flash_attention.flash_attention", "dlo.kernels.flash_attention.flash_attention_ref",
@@ -47,37 +58,110 @@ FORBID = ("torch.nn.functional.scaled_dot_product_attention", "dlo.attention.*",
                                       "_efficient_attention", "_cudnn_attention")))  # every fused kernel, at dispatch
 
 
+# Operators that sum or reduce along a dimension: a softmax, its maximum and sum, or P V over all T keys
+# is one of them spanning T (`_span`). Full reductions (x.max(), x.all()) are left alone: a debugging
+# check of a whole tensor is no attention, and O itself needs a contraction over the keys.
+REDUCTIONS = frozenset(("sum", "nansum", "mean", "nanmean", "amax", "amin", "max", "min", "logsumexp", "_softmax",
+                        "_log_softmax", "_safe_softmax", "prod", "argmax", "argmin", "topk", "sort", "kthvalue",
+                        "median", "nanmedian", "mode", "var", "std", "var_mean", "std_mean", "norm",
+                        "linalg_vector_norm", "cumsum", "cumprod", "cummax", "cummin", "logcumsumexp"))
+CONTRACTIONS = frozenset(("mm", "bmm", "addmm", "baddbmm", "addbmm", "mv", "addmv", "dot", "vdot", "_addmm_activation"))
+
+
+_PLANS: dict = {}  # an operator -> where its operand and dim are (`_plan`), read once per operator
+
+
+def _plan(func) -> tuple | None:
+    """((position, name) of the operand, (position, name) of `dim` or None) of a contraction or a
+    reduction along a dimension; None for every other operator."""
+    if func not in _PLANS:
+        name, args = func.overloadpacket.__name__, [a.name for a in func._schema.arguments]
+        where = lambda n: (args.index(n), n)  # noqa: E731
+        if name in CONTRACTIONS:
+            _PLANS[func] = (where(next(n for n in ("mat1", "batch1", "mat", "self") if n in args)), None)
+        elif name in REDUCTIONS and "dim" in args and "self" in args:
+            _PLANS[func] = (where("self"), where("dim"))
+        else:
+            _PLANS[func] = None
+    return _PLANS[func]
+
+
+def _span(func, args: tuple, kwargs: dict) -> int:
+    """How many elements of one input dimension each output element of a contraction (the inner
+    dimension of a matmul) or of a reduction along `dim` combines; 0 for every other operator."""
+    plan = _plan(func)
+    if plan is None:
+        return 0
+    (i, name), dim_at = plan
+    x = args[i] if i < len(args) else kwargs.get(name)
+    if not isinstance(x, torch.Tensor) or x.dim() == 0:
+        return 0
+    if dim_at is None:
+        return x.shape[-1]
+    dim = args[dim_at[0]] if dim_at[0] < len(args) else kwargs.get(dim_at[1])
+    dims = [] if dim is None else [dim] if isinstance(dim, int) else list(dim)
+    return int(torch.Size(x.shape[d] for d in dims).numel()) if dims else 0  # no dim: a full reduction, not counted
+
+
+def _tensors(out) -> list:
+    """The tensors among an operator's outputs (a tensor, or a tuple or list of them and other values).
+    Not pytree's tree_flatten: its recursive helper is a reference cycle per call, garbage that
+    tracemalloc would count as the student's (`_flash_worker`) until the collector runs."""
+    if isinstance(out, torch.Tensor):
+        return [out]
+    return [t for x in out for t in _tensors(x)] if isinstance(out, (tuple, list)) else []
+
+
 class _Watch(TorchDispatchMode):
-    """Every operator's outputs while active: the largest tensor (elements, and which op made it) and
-    the fused attention operators called (SDPA reaches one on every device)."""
+    """Every operator's outputs while active: the largest tensor (elements, and which op made it), the
+    widest contraction or reduction (`_span`), and the fused attention operators called (SDPA reaches
+    one on every device)."""
 
     def __init__(self):
         super().__init__()
-        self.numel, self.what, self.fused = 0, "", set()
+        self.numel, self.what, self.span, self.span_what, self.fused = 0, "", 0, "", set()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         name = func.overloadpacket.__name__
         if any(f in name for f in FUSED):
             self.fused.add(f"aten.{name}")
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and t.numel() > self.numel:
+        span = _span(func, args, kwargs or {})
+        if span > self.span:
+            shapes = [tuple(a.shape) for a in args if isinstance(a, torch.Tensor)]
+            self.span, self.span_what = span, f"aten.{name} on {', '.join(map(str, shapes))}"
+        for t in _tensors(out):
+            if t.numel() > self.numel:
                 self.numel = t.numel()
                 self.what = f"aten.{name} made a {str(t.dtype).removeprefix('torch.')} tensor of shape {tuple(t.shape)}"
         return out
 
 
-def _flash_worker(fn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, block_k: int) -> dict:
+def _flash_worker(fn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, block_k: int,
+                  trace: bool) -> dict:
     """The student's forward under `_Watch`: its (O, L) (or what it returned instead, described) and
-    what the watch saw."""
-    with _Watch() as watch:
-        got = fn(q, k, v, causal=causal, block_k=block_k)
+    what the watch saw; with `trace`, also the peak of memory allocated outside torch during the call
+    (tracemalloc: numpy's arrays and Python objects, which no dispatch mode sees)."""
+    tracing = tracemalloc.is_tracing()
+    if trace and not tracing:
+        tracemalloc.start()
+    base = tracemalloc.get_traced_memory()[0] if trace else 0
+    if trace:
+        tracemalloc.reset_peak()
+    try:
+        with _Watch() as watch:
+            got = fn(q, k, v, causal=causal, block_k=block_k)
+    finally:
+        peak = tracemalloc.get_traced_memory()[1] - base if trace else 0
+        if trace and not tracing:
+            tracemalloc.stop()
     if isinstance(got, (tuple, list)) and len(got) == 2 and all(isinstance(x, torch.Tensor) for x in got):
         out = [x.detach() for x in got]
     else:
         kinds = [type(x).__name__ for x in got] if isinstance(got, (tuple, list)) else type(got).__name__
         out = f"a {type(got).__name__} of {kinds}" if isinstance(got, (tuple, list)) else f"a {kinds}"
-    return {"out": out, "numel": watch.numel, "what": watch.what, "fused": sorted(watch.fused)}
+    return {"out": out, "numel": watch.numel, "what": watch.what, "span": watch.span, "span_what": watch.span_what,
+            "fused": sorted(watch.fused), "host_bytes": peak}
 
 
 def _cases(rng: random.Random, trials: int) -> list[dict]:
@@ -101,7 +185,8 @@ def check_flash_attention(fn, seed: int = 0, trials: int = 4) -> None:
     in q's dtype (causal: query i sees keys j <= i), L (B, H, T) the log-sum-exp of each score row,
     computed block by block of `block_k` keys, never holding a (T, T) matrix."""
     name, rng = "flash_attention", random.Random(case_seed(seed))
-    for c in _cases(rng, trials):
+    cases = _cases(rng, trials)
+    for c in cases:
         hp = {**c, "dtype": str(c["dtype"]).removeprefix("torch.")}
         gen = torch.Generator().manual_seed(rng.randrange(10 ** 6))
         shape = (c["B"], c["H"], c["T"], c["D"])
@@ -112,9 +197,15 @@ def check_flash_attention(fn, seed: int = 0, trials: int = 4) -> None:
         q64, k64, v64 = (x.double() for x in (q, k, v))
         o_ref = F.scaled_dot_product_attention(q64, k64, v64, is_causal=c["causal"])
         l_ref = torch.logsumexp(attention_scores(q64, k64, c["causal"]), dim=-1)
-        got = run_student(_flash_worker, fn, q, k, v, c["causal"], c["block_k"])
+        # memory outside torch in the last case only: tracemalloc triples the cost of the call
+        got = run_student(_flash_worker, fn, q, k, v, c["causal"], c["block_k"], c is cases[-1])
         _compare(name, got, c, o_ref, l_ref, hp)
     ok(name, f"{trials + 2} cases, seed={seed}")
+
+
+def _large(c: dict) -> bool:
+    """A case where T x T outgrows every tensor a block-wise forward needs."""
+    return c["T"] > 2 * c["B"] * c["H"] * max(c["D"], c["block_k"])
 
 
 def _compare(name: str, got: dict, c: dict, o_ref: torch.Tensor, l_ref: torch.Tensor, hp: dict) -> None:
@@ -146,6 +237,17 @@ def _compare(name: str, got: dict, c: dict, o_ref: torch.Tensor, l_ref: torch.Te
     tol = FP32_TOL if c["dtype"] == torch.float32 else BF16_O_TOL
     assert_close(name, "O (rescale the unnormalised output by exp(m_old - m_new) whenever the maximum grows; "
                        "divide by l once, after the last block)", o, o_ref, hp, rtol=tol, atol=tol)
-    if T > 2 * B * H * max(D, c["block_k"]) and got["numel"] >= T * T:
-        raise AssertionError(f"{name}: materialised a (T x T) matrix: {got['what']}, T={T}; hold one block of "
-                             f"block_k={c['block_k']} keys at a time (its causal mask too) ({fmt(hp)})")
+    if not _large(c):
+        return
+    blocks = f"hold one block of block_k={c['block_k']} keys at a time"
+    if got["numel"] >= T * T:
+        raise AssertionError(f"{name}: materialised a (T x T) matrix: {got['what']}, T={T}; {blocks} (its causal "
+                             f"mask too) ({fmt(hp)})")
+    if got["span"] > max(D, c["block_k"]):
+        raise AssertionError(f"{name}: {got['span_what']} combined {got['span']} elements of one dimension at once, "
+                             f"more than block_k={c['block_k']} keys (or D={D}): a softmax or P V over all T={T} keys "
+                             f"is not FlashAttention; {blocks}, with the running max m and sum l ({fmt(hp)})")
+    if got["host_bytes"] >= max(4 * T * T, HOST_FLOOR):
+        raise AssertionError(f"{name}: {got['host_bytes']} bytes allocated outside torch (numpy arrays, Python "
+                             f"lists) during the call, a (T x T) fp32 matrix is {4 * T * T}, T={T}: write the forward "
+                             f"in PyTorch, {blocks} ({fmt(hp)})")
