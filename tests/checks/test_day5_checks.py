@@ -11,6 +11,7 @@ activation checkpointing, a forbidden library engine, a stub.
 
 from __future__ import annotations
 
+import re
 import threading
 
 import pytest
@@ -357,3 +358,94 @@ def test_zero3_solution_gives_a_weight_of_two_units_to_the_root(sol):
     root = engine.unit_of[a.weight]
     assert root is engine.unit_of[model[2].weight] and a.weight in root["params"]
     assert [len(u["params"]) for u in engine.units] == [3, 1, 1]  # root: tied weight + norm; each unit its bias
+
+
+# ----------------------------------------------------------------------------- red team (Day 5)
+
+def accountant_from_the_library_helpers(n_params, world_size, stage, *, param_dtype=torch.bfloat16, optimizer="adamw"):
+    """The formula assembled from dlo.accounting's helpers: precision_of's widths hold the mixed-precision rule."""
+    from dlo import accounting
+
+    w, g, m, s = accounting.precision_of(param_dtype)
+    k, shard = m + accounting.OPTIMIZER_STATES[optimizer] * s, accounting.shard_numel(n_params, world_size)
+    p, gr, o = w * (shard if stage >= 3 else n_params), g * (shard if stage >= 2 else n_params), k * (
+        shard if stage >= 1 else n_params)
+    return {"params": p, "grads": gr, "optimizer": o, "total": p + gr + o}
+
+
+def accountant_from_copy_widths(n_params, world_size, stage, *, param_dtype=torch.bfloat16, optimizer="adamw"):
+    from dlo import accounting
+
+    b = torch.empty((), dtype=param_dtype).element_size()
+    w, g, m, s = accounting.copy_widths(param_dtype, torch.float32 if b < 4 else None)
+    k, shard = m + accounting.OPTIMIZER_STATES[optimizer] * s, -(-n_params // world_size)
+    p, gr, o = w * (shard if stage >= 3 else n_params), g * (shard if stage >= 2 else n_params), k * (
+        shard if stage >= 1 else n_params)
+    return {"params": p, "grads": gr, "optimizer": o, "total": p + gr + o}
+
+
+def parallelize_with(*, flags: bool = True, reduce_fp32: bool = False, param_fp32: bool = False):
+    """The solution's parallelize, but with `flags=False` it always checkpoints and compiles whatever ac_mode and
+    compile say; with `reduce_fp32` it reduce-scatters in float32 whatever reduce_dtype says (float64 asked); with
+    `param_fp32` it computes in float32 when param_dtype is None. Made here: a closure travels to the ranks by
+    value (this module, which imports the grader's trusted side, cannot be imported on a rank)."""
+    def parallelize(model, mesh, *, param_dtype, reduce_dtype, ac_mode="full", compile=False):
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        for name, block in list(model.layers.named_children()):
+            block = checkpoint_wrapper(block) if ac_mode == "full" or not flags else block
+            model.layers.register_module(name, torch.compile(block) if compile or not flags else block)
+        mp = MixedPrecisionPolicy(param_dtype=param_dtype or (torch.float32 if param_fp32 else None),
+                                  reduce_dtype=torch.float32 if reduce_fp32 else reduce_dtype)
+        for block in model.layers.values():
+            fully_shard(block, mesh=mesh, mp_policy=mp)
+        fully_shard(model, mesh=mesh, mp_policy=mp)
+        return model
+    return parallelize
+
+
+def zero2_reducing_after_the_last_hook(sol):
+    """ZeRO-2 keeping every full gradient during backward where the walk from the engine does not go (a
+    class attribute), then launching all its async reduce-scatters from the last gradient hook."""
+    class AllAtTheLastHook(sol.ZeRO2):
+        hidden = {}
+
+        def _grad_ready(self, p):
+            grads = AllAtTheLastHook.hidden.setdefault("grads", {})
+            grads[p], p.grad = p.grad, None
+            if len(grads) < len(self.bucket_of):
+                return
+            pending = AllAtTheLastHook.hidden.setdefault("pending", [])
+            for b in self.buckets:
+                flat = sol.FlatBuffer(b["params"], self.world_size, bind=False)
+                for q in b["params"]:
+                    flat.view(b["slot"][q]).copy_(grads[q])
+                out = torch.empty(b["flat"].shard_numel, dtype=p.dtype)
+                pending.append((b, out, flat, sol.reduce_scatter(out, flat.data, async_op=True)))
+            grads.clear()
+
+        def _wait(self):
+            for b, out, _, handle in AllAtTheLastHook.hidden.pop("pending", ()):
+                handle.wait()
+                b["shard"].grad = out.div_(self.world_size)
+    return (AllAtTheLastHook,)
+
+
+RED_TEAM = [
+    (day5.check_memory_accountant, lambda sol: (accountant_from_the_library_helpers,), "precision_of is off limits"),
+    (day5.check_memory_accountant, lambda sol: (accountant_from_copy_widths,), "copy_widths is off limits"),
+    (day5.check_fsdp2, lambda sol: (parallelize_with(flags=False),), "with ac_mode='none'"),
+    (day5.check_fsdp2, lambda sol: (parallelize_with(flags=False, reduce_fp32=True),), "with ac_mode='none'"),
+    (day5.check_fsdp2, lambda sol: (parallelize_with(reduce_fp32=True),), "with reduce_dtype=None"),
+    (day5.check_fsdp2, lambda sol: (parallelize_with(reduce_fp32=True, param_fp32=True),), "with param_dtype=None"),
+    (day5.check_zero2, zero2_reducing_after_the_last_hook, "never holds the whole gradient, wherever it is kept"),
+]
+
+
+@pytest.mark.parametrize("check,make,phrase", RED_TEAM, ids=[f"{c.__name__}-{i}" for i, (c, *_) in enumerate(RED_TEAM)])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_right_only_where_the_checks_look_fails(sol, ranks, check, make, phrase, seed):
+    """Red team (Day 5): each passed its check at some or all seeds 0..9 before the check looked there."""
+    with pytest.raises(AssertionError, match=re.escape(phrase)):
+        check(*make(sol), seed=seed)

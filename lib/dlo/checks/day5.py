@@ -32,6 +32,7 @@ from dlo.checks.day5_zero import (
     ALLOWED,
     DISTURBANCE,
     STEP,
+    backward_in_flight,
     batch,
     build_engine,
     case,
@@ -71,7 +72,15 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 LLAMA_3B = 3_212_749_824
 
 
-@check(forbid=(Z + "memory_per_rank", "dlo.accounting.model_state_bytes", "dlo.plan.row"))
+# the accounting module's rule too: precision_of (copy_widths under it) is the mixed-precision rule, the
+# exercise's second bullet, and training_bytes_per_param the per-parameter sum; OPTIMIZER_STATES stays open
+# (a dict of three numbers the exercise's text gives), as do shard_numel (a ceil) and PRECISIONS (three rows
+# that leave the dtype rule to the student)
+ACCOUNTANT_REFS = (Z + "memory_per_rank", "dlo.plan.row") + tuple(
+    "dlo.accounting." + n for n in ("model_state_bytes", "precision_of", "copy_widths", "training_bytes_per_param"))
+
+
+@check(forbid=ACCOUNTANT_REFS)
 def check_memory_accountant(fn, seed: int = 0, trials: int = 40) -> None:
     """`fn(n_params, world_size, stage, *, param_dtype, optimizer) -> {"params", "grads", "optimizer",
     "total"}`: bytes per rank, stage 0 (DDP) to 3, against the ZeRO paper's formulas (exact ints)
@@ -184,7 +193,8 @@ def verify_in_sync(name: str, res: list, stage: int, where: str) -> None:
 def check_zero2(cls, seed: int = 0, world_size: int = 2, steps: int = 3) -> None:
     """`cls(module, optimizer_cls, bucket_cap_mb=25.0, **optimizer_kwargs)`: gradients
     reduce-scattered bucket by bucket (async, from gradient hooks, during backward), only the 1/N
-    gradient shard kept (also during backward: at most a couple of buckets of full gradients);
+    gradient shard kept (also during backward, wherever the rank keeps it: at most a couple of buckets of full
+    gradients);
     parameters equal to one process. Run at a tiny bucket cap (several buckets) and at 25 MiB (one)."""
     name, secret = "zero2", case_seed(seed)  # the case's seed: secret when graded
     c = case(secret)
@@ -220,7 +230,16 @@ def check_zero2(cls, seed: int = 0, world_size: int = 2, steps: int = 3) -> None
     m = verify_memory(name, res, c, 2, world_size, where)
     biggest = max(p.numel() for p in tied_lm(c, 0).parameters())
     peak_allowed = m["want"] + m["slack"] + 8 * 2 * (60 + biggest)
+    in_flight = backward_in_flight(c)
     for r, got in enumerate(res):
+        outside = max(got["samples"]["outside"], default=0)
+        if outside > in_flight:
+            raise AssertionError(f"{name}: during backward rank {r}'s tensors outside the engine object (a class "
+                                 f"attribute, a module global) grew by up to {outside:,} bytes, the full gradient is "
+                                 f"{psi_b:,}; ZeRO-2 never holds the whole gradient, wherever it is kept "
+                                 f"({in_flight:,} allowed for autograd's gradients in flight and buckets a finished "
+                                 f"reduce-scatter has not let go of): reduce-scatter each bucket as it fills, from "
+                                 f"its last gradient's hook ({where})")
         peak = max(got["samples"]["backward"])
         if peak > peak_allowed:
             raise AssertionError(f"{name}: during backward rank {r} held up to {peak:,} bytes; ZeRO-2 keeps only the "

@@ -179,6 +179,38 @@ def _check_fsdp_structure(name: str, s: dict, n_layers: int, where: str) -> None
                              f"checkpointing and before fully_shard (torchtitan's order); seen: {comp} ({where})")
 
 
+def _check_flags_honoured(name: str, run: dict, n_layers: int, where: str) -> None:
+    """A run with ac_mode="none", compile=False: no wrapper, no compile, each block's forward once (a
+    parallelize that checkpoints and compiles whatever it is told passed when only the "full" run was read)."""
+    s = run["structure"]
+    wrapped = [i for i, b in enumerate(s["blocks_checkpointed"]) if b]
+    if wrapped:
+        raise AssertionError(f"{name}: with ac_mode='none' blocks {wrapped} are wrapped with checkpoint_wrapper: "
+                             f"checkpoint only when ac_mode == 'full' ({where})")
+    if s["compiled"]:
+        raise AssertionError(f"{name}: with compile=False torch.compile was called {len(s['compiled'])} times: "
+                             f"compile only when compile=True ({where})")
+    if run["ffn_calls"] != n_layers:
+        raise AssertionError(f"{name}: with ac_mode='none' the blocks' feed-forward ran {run['ffn_calls']} times in a "
+                             f"step; expected {n_layers} (no recomputation without activation checkpointing) "
+                             f"({where})")
+
+
+def _check_full_precision(name: str, run: dict, where: str) -> None:
+    """param_dtype=None and reduce_dtype=None: the blocks compute with the float64 parameters and the gradients
+    are reduce-scattered in float64 (a reduce_dtype left at the parameters' dtype), as many bytes as all-gathered."""
+    if run["dtypes"] != [str(DTYPE)]:
+        raise AssertionError(f"{name}: with param_dtype=None the blocks compute with {run['dtypes']} weights; "
+                             f"expected the parameters' own {DTYPE}: pass param_dtype to the MixedPrecisionPolicy "
+                             f"as given ({where})")
+    gathered = comm_bytes(run["comm"], "all_gather", "forward")
+    reduced = comm_bytes(run["comm"], "reduce_scatter", STEP)
+    if abs(reduced / max(gathered, 1) - 1) > 2 * BYTES_TOL:
+        raise AssertionError(f"{name}: with reduce_dtype=None (the parameters' {DTYPE}) reduce-scattered {reduced:,} "
+                             f"bytes for {gathered:,} all-gathered in forward; expected as many: pass reduce_dtype "
+                             f"to the MixedPrecisionPolicy as given ({where})")
+
+
 @check(forbid=FSDP_REFS)
 def check_fsdp2(fn, seed: int = 0, world_size: int = 2, steps: int = 3) -> None:
     """`fn(model, mesh, *, param_dtype, reduce_dtype, ac_mode, compile)` on a Llama: activation
@@ -195,6 +227,10 @@ def check_fsdp2(fn, seed: int = 0, world_size: int = 2, steps: int = 3) -> None:
     sgd, adamw = (llama_reference(cfg, c, secret, k, s, world_size) for k, s in (("sgd", 1), ("adamw", steps)))
     for r, got in enumerate(res):
         _check_fsdp_structure(name, got["sgd"]["structure"], cfg.n_layers, f"{where}, rank {r}")
+        for run in ("adamw", "bf16"):  # the runs with ac_mode="none", compile=False
+            _check_flags_honoured(name, got[run], cfg.n_layers, f"{where}, rank {r}")
+        for run in ("sgd", "adamw"):  # the runs with param_dtype=None, reduce_dtype=None
+            _check_full_precision(name, got[run], f"{where}, rank {r}")
         calls = got["sgd"]["comm"]
         other = sorted({tuple(x) for run in ("sgd", "adamw", "bf16") for x in got[run]["other"]})
         if other:

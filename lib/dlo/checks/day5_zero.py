@@ -13,6 +13,7 @@ comparisons share one case dict and are read together by every ZeRO check of `dl
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 import time
@@ -238,7 +239,8 @@ def disturbed_step(engine, model: nn.Module, batch) -> None:
 def adamw_phase(mine: dict, cls, stage: int, steps: int, extra: dict, before: int) -> dict:
     """`steps` AdamW steps of a fresh engine: its messages, the parameters after, and the bytes it holds
     (`held`: walked from the engine; `live`: the rank's growth since `before`, wherever it is kept;
-    `samples`: held during the last step's forward and backward)."""
+    `samples`: held during the last step's forward and backward; for ZeRO-2, also the rank's growth beyond it
+    during backward: `watched_backward`)."""
     c, probe, batches = mine["c"], mine["probe"], mine["batches"]
     out = {}
     adamw = CommCounter()
@@ -247,14 +249,12 @@ def adamw_phase(mine: dict, cls, stage: int, steps: int, extra: dict, before: in
     model = rank_model(mine)
     engine = build_engine(cls, stage, model, *optimizer_for(c, "adamw"), extra)
     adamw.phase = "adamw"
-    samples = {"backward": [], "forward": []}
+    samples = {"backward": [], "forward": [], "outside": []}
     for s in range(steps):
-        if s == steps - 1:  # the last step is watched: memory during forward (per unit) and backward
-            hooks = [p.register_post_accumulate_grad_hook(lambda p: samples["backward"].append(held_bytes(engine)))
-                     for p in model.parameters()]
-            hooks += [b.register_forward_hook(lambda *a: samples["forward"].append(held_bytes(engine)))
-                      for b in model.blocks]
-        lm_loss(engine, *batches[s]).backward()
+        if s < steps - 1:
+            lm_loss(engine, *batches[s]).backward()
+        else:  # the last step is watched: memory during forward (per unit) and backward
+            hooks = watched_backward(engine, model, c, batches[s], stage, samples)
         engine.step()
         if s == steps - 1:
             out["held"] = held_bytes(engine)
@@ -267,6 +267,65 @@ def adamw_phase(mine: dict, cls, stage: int, steps: int, extra: dict, before: in
     out["adamw_comm"] = adamw.records()
     out["samples"] = samples
     return out
+
+
+def watched_backward(engine, model: nn.Module, c: dict, batch, stage: int, samples: dict) -> list:
+    """The watched step's forward and backward: the bytes the engine holds after each block's forward and after
+    each gradient, and for ZeRO-2 what the rank's tensors grew beyond them during backward (`grown_outside`).
+    Returns the hooks, for the caller to remove after the step."""
+    hooks = [b.register_forward_hook(lambda *a: samples["forward"].append(held_bytes(engine))) for b in model.blocks]
+    saved = []  # ZeRO-2: the activations autograd saves, kept alive until backward ends (`grown_outside`)
+    with (torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t) if stage == 2
+          else contextlib.nullcontext()):
+        loss = lm_loss(engine, *batch)
+    watch = [lambda p: samples["backward"].append(held_bytes(engine))]
+    if stage == 2:
+        watch.append(grown_outside(engine, model, c, samples["outside"]))
+    hooks += [p.register_post_accumulate_grad_hook(w) for p in model.parameters() for w in watch]
+    loss.backward()
+    return hooks
+
+
+def backward_in_flight(c: dict) -> int:
+    """What a correct ZeRO-2 rank's tensors may grow during backward beyond what its engine holds
+    (`day5_zero.grown_outside`): autograd's gradients in flight, made visible to Python on a graded rank (a few
+    activation gradients, rows x the widest layer, and a weight's gradient before it is accumulated), and the
+    last two buckets, whose reduce-scatter's thread lets go of them a moment after wait() returns. Measured at
+    seeds 0..7, 2 and 3 ranks (2026-11-30): the solution's growth reached 0.17-0.32 Psi (about two activation
+    gradients and a weight's), an engine keeping every full gradient until its last hook 1.3-1.5 Psi (1.03-1.10
+    just before that hook); this allows 0.37-0.66 Psi (over seeds 0..199)."""
+    model = tied_lm(c, 0)
+    biggest = max(p.numel() for p in model.parameters())
+    rows, width = c["per_rank"] * c["T"], max(c["vocab"], c["hidden"], c["dim"])
+    return 8 * (2 * rows * width + 2 * biggest + 2 * (60 + biggest))
+
+
+def grown_outside(engine, model: nn.Module, c: dict, samples: list):
+    """A gradient hook appending how much the rank's live tensors grew since it was made beyond what the engine's
+    own holdings grew (`live_bytes` against `held_bytes`): ZeRO-2's full gradients kept during backward where the
+    walk from the engine does not go (a module global, a class attribute). The activations, which backward frees
+    as it goes, are kept alive by the caller until backward ends: else their release hides what was kept.
+    A sample costs a walk of the rank's objects (~0.1 s), so one is taken each time another `backward_in_flight`
+    bytes of gradients have arrived, and at the last gradient: a rank keeping gradients out of sight and
+    dropping them just before each sample keeps no more than the allowance. A sample above the allowance is
+    taken again for up to 0.5 s and the least kept, as `settled_growth` does: a finished reduce-scatter's buffers
+    go a moment after its wait(), kept gradients stay."""
+    start, quota = (live_bytes(), held_bytes(engine)), backward_in_flight(c)
+    left, since = len(list(model.parameters())), 0
+
+    def grown() -> int:
+        return max(0, live_bytes() - start[0] - (held_bytes(engine) - start[1]))
+
+    def hook(p):
+        nonlocal left, since
+        left, since = left - 1, since + p.numel() * p.element_size()
+        if since >= quota or left == 0:
+            since, least, deadline = 0, grown(), time.monotonic() + 0.5
+            while least > quota and time.monotonic() < deadline:
+                time.sleep(0.02)
+                least = min(least, grown())
+            samples.append(least)
+    return hook
 
 
 zero_worker.measures_growth = True  # dlo.grading.ranks.run_on_rank passes live_before
