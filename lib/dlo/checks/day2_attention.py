@@ -36,6 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from dlo.attention import attention_scores
 from dlo.grading.api import case_seed, check, run_student
 from dlo.grading.compare import assert_close, fmt, ok
+from dlo.measure import tensors_in
 
 # fp32: the student's fp32 sums over <= ~300 keys, in another order than float64's, differ by ~1e-6;
 # 1e-5 leaves a margin of 10 while a missing rescale or a shifted mask errs by O(0.1-1).
@@ -103,15 +104,6 @@ def _span(func, args: tuple, kwargs: dict) -> int:
     return int(torch.Size(x.shape[d] for d in dims).numel()) if dims else 0  # no dim: a full reduction, not counted
 
 
-def _tensors(out) -> list:
-    """The tensors among an operator's outputs (a tensor, or a tuple or list of them and other values).
-    Not pytree's tree_flatten: its recursive helper is a reference cycle per call, garbage that
-    tracemalloc would count as the student's (`_flash_worker`) until the collector runs."""
-    if isinstance(out, torch.Tensor):
-        return [out]
-    return [t for x in out for t in _tensors(x)] if isinstance(out, (tuple, list)) else []
-
-
 class _Watch(TorchDispatchMode):
     """Every operator's outputs while active: the largest tensor (elements, and which op made it), the
     widest contraction or reduction (`_span`), and the fused attention operators called (SDPA reaches
@@ -130,7 +122,7 @@ class _Watch(TorchDispatchMode):
         if span > self.span:
             shapes = [tuple(a.shape) for a in args if isinstance(a, torch.Tensor)]
             self.span, self.span_what = span, f"aten.{name} on {', '.join(map(str, shapes))}"
-        for t in _tensors(out):
+        for t in tensors_in(out):
             if t.numel() > self.numel:
                 self.numel = t.numel()
                 self.what = f"aten.{name} made a {str(t.dtype).removeprefix('torch.')} tensor of shape {tuple(t.shape)}"

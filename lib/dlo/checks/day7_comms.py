@@ -19,24 +19,16 @@ from torch import Tensor
 
 from dlo.grading.api import verify_wire
 from dlo.grading.compare import fmt
-from dlo.measure import CommCounter, collective_kind
+from dlo.measure import CommCounter, collective_kind, tensors_in
 
 RTOL = ATOL = 1e-9  # float64: a correct split differs from one process by summation order only
-
-
-def _tensors(x) -> list[Tensor]:
-    if isinstance(x, Tensor):
-        return [x]
-    if isinstance(x, (list, tuple)):
-        return [t for item in x for t in _tensors(item)]
-    return []
 
 
 def _contributed(kind: str, func, args) -> Tensor:
     """This rank's input to a collective, flattened: c10d's all-gather, reduce-scatter and all-to-all
     take (outputs, inputs, ...), every other op (and the functional ones) its input first."""
     i = 1 if func.namespace == "c10d" and kind in ("all_gather", "reduce_scatter", "all_to_all") else 0
-    parts = _tensors(args[i]) if len(args) > i else []
+    parts = tensors_in(args[i]) if len(args) > i else []
     return torch.cat([p.detach().reshape(-1) for p in parts]).clone() if parts else torch.zeros(0)
 
 

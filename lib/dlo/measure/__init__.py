@@ -44,12 +44,14 @@ from dlo.measure.memory import (
     peak_memory,
     saved_bytes,
     tensor_bytes,
+    tensors_in,
 )
 from dlo.measure.timing import Timing, sync, time_fn, time_interleaved
 from dlo.measure.wire import tcp_available, tcp_sent, tcp_sent_by_socket, tcp_tx_by_socket
 
 __all__ = ["sync", "Timing", "time_fn", "time_interleaved", "SavedTensorMeter", "AllocationMeter", "allocated_peak",
-           "PeakMemory", "peak_memory", "saved_bytes", "measure_step", "tensor_bytes", "optimizer_state_bytes",
-           "held_bytes", "live_bytes", "CommCall", "CommCounter", "tally", "comm_bytes", "collective_kind",
+           "PeakMemory", "peak_memory", "saved_bytes", "measure_step", "tensor_bytes", "tensors_in",
+           "optimizer_state_bytes", "held_bytes", "live_bytes", "CommCall", "CommCounter", "tally", "comm_bytes",
+           "collective_kind",
            "count_flops", "transformer_flops_per_token", "mfu", "fmt_bytes", "tcp_bytes_sent", "tcp_counters",
            "gloo_wire_bytes", "wire_agrees", "tcp_available", "tcp_tx_by_socket", "tcp_sent_by_socket", "tcp_sent"]

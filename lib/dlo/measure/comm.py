@@ -7,10 +7,9 @@ import os
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dlo.measure.memory import tensor_bytes
+from dlo.measure.memory import tensor_bytes, tensors_in
 
 # ----------------------------------------------------------------------------- communication
 
@@ -52,14 +51,6 @@ class CommCall:
     peer: int | None = None  # send / recv: the other rank (in the group), None for collectives
 
 
-def _tensors(x) -> list[Tensor]:
-    if isinstance(x, Tensor):
-        return [x]
-    if isinstance(x, (list, tuple)):
-        return [t for item in x for t in _tensors(item)]
-    return []
-
-
 def _group_size(args, default: int) -> int:
     """The size of the process group a c10d op was called with (a ScriptObject argument)."""
     import torch.distributed as dist
@@ -75,12 +66,12 @@ def _group_size(args, default: int) -> int:
 
 def _payload(kind: str, op_name: str, args) -> int:
     if op_name.startswith("_c10d_functional"):
-        return tensor_bytes(_tensors(args[0]))  # the input; all_gather's is scaled to the output by the caller
+        return tensor_bytes(tensors_in(args[0]))  # the input; all_gather's is scaled to the output by the caller
     if kind in ("all_gather",):
-        return tensor_bytes(_tensors(args[0]))  # outputs first in c10d's ops
+        return tensor_bytes(tensors_in(args[0]))  # outputs first in c10d's ops
     if kind in ("reduce_scatter", "all_to_all"):
-        return tensor_bytes(_tensors(args[1]))  # (outputs, inputs, ...)
-    return tensor_bytes(_tensors(args[0]))
+        return tensor_bytes(tensors_in(args[1]))  # (outputs, inputs, ...)
+    return tensor_bytes(tensors_in(args[0]))
 
 
 def _async_op(func, args, kwargs) -> bool:

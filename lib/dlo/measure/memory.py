@@ -17,6 +17,17 @@ from dlo.measure.timing import sync, time_fn
 
 # ----------------------------------------------------------------------------- memory
 
+def tensors_in(x) -> list[Tensor]:
+    """The tensors in x: a tensor, or (nested) tuples and lists of them among other values; in order.
+    Not pytree's tree_flatten: its recursive helper leaves a reference cycle per call, garbage that a
+    tracemalloc measure (Day 2's FlashAttention check) would count until the collector runs."""
+    if isinstance(x, Tensor):
+        return [x]
+    if isinstance(x, (list, tuple)):
+        return [t for item in x for t in tensors_in(item)]
+    return []
+
+
 def storage_key(t: Tensor) -> int:
     """Identity of t's storage (the C++ StorageImpl's address): the same for every view of one buffer,
     distinct for distinct buffers also on the meta device, where every data pointer is 0."""
