@@ -653,21 +653,12 @@ def lamb_no_zero_update_fallback(param, grad, m, v, step, *, lr, beta1, beta2, e
     return trust
 
 
-def warmup_negative_accepted(step, *, base_lr, warmup_steps, total_steps, min_lr=0.0, start_factor=0.01):
-    """Refuses warmup_steps >= total_steps only: a negative warmup gives lrs above base_lr."""
-    if warmup_steps >= total_steps:
-        raise ValueError("no step left for the cosine")
-    return warmup_ok(step, base_lr=base_lr, warmup_steps=max(warmup_steps, 0), total_steps=total_steps,
-                     min_lr=min_lr, start_factor=start_factor)
-
-
 RED_TEAM = [
     (day1.check_accumulate_gradients, accum_hook_bait, "addmm read"),
     (day1.check_accumulate_gradients, accum_cat_then_whole, "cat read"),
     (day1.check_accumulate_gradients, accum_one_backward, "backward came after the next micro-batch's forward"),
     (day1.check_accumulate_gradients, accum_backwards_after, "backward came after the next micro-batch's forward"),
     (day1.check_lamb_step, lamb_no_zero_update_fallback, "||u|| = 0 must fall back to a trust ratio of 1"),
-    (day1.check_warmup_cosine, warmup_negative_accepted, "warmup_steps=-1 < 0"),
 ]
 
 

@@ -61,8 +61,9 @@ def _check_schedule(name: str, fn, kw: dict, want: list[float]) -> None:
 def check_warmup_cosine(fn, seed: int = 0, trials: int = 6) -> None:
     """`fn(step, *, base_lr, warmup_steps, total_steps, min_lr, start_factor)` vs torch
     SequentialLR(LinearLR, CosineAnnealingLR) at every step 0..total_steps. Trial 1 has no warmup. Then
-    warmup_steps >= total_steps (no step left for the cosine: a division by zero) and warmup_steps < 0
-    must raise ValueError, at step 0 as at the last step."""
+    warmup_steps >= total_steps (no step left for the cosine: a division by zero) must raise ValueError,
+    at step 0 as at the last step. A negative warmup_steps is not passed: all 5 independent solutions of
+    tests/harness/test_similarity_calibration.py accept it (a caller's slip, not the exercise's point)."""
     sch = torch.optim.lr_scheduler
     name, rng = "warmup_cosine", random.Random(seed)
     for t in range(trials):
@@ -78,11 +79,10 @@ def check_warmup_cosine(fn, seed: int = 0, trials: int = 6) -> None:
                                     milestones=[warm])
         _check_schedule(name, fn, kw, torch_scheduler_lrs(make, kw["base_lr"], total + 1))
     total = rng.randint(9, 61)
-    for warm, step in ((total, total), (total, 0), (total + 3, 1), (-1, 0), (-1, total)):
+    for warm, step in ((total, total), (total, 0), (total + 3, 1)):
         kw = dict(base_lr=0.1, warmup_steps=warm, total_steps=total, min_lr=0.0, start_factor=0.1)
-        why = (f"warmup_steps={warm} < 0 is no warmup length (need 0 <= warmup_steps < total_steps)" if warm < 0
-               else f"warmup_steps={warm} >= total_steps={total} leaves no step for the cosine")
-        expect_value_error(name, lambda kw=kw, step=step: fn(step, **kw), f"{why} (step {step})")
+        expect_value_error(name, lambda kw=kw, step=step: fn(step, **kw), f"warmup_steps={warm} >= "
+                            f"total_steps={total} leaves no step for the cosine (step {step})")
     ok(name, f"{trials} trials, seed={seed}")
 
 
