@@ -119,13 +119,12 @@ def _two_days(toy_root) -> dict:
     return toy_days(toy_root, DAY, "toy2")
 
 
-def _run_and_grade(toy_root, sub, graded, env, full: bool = False):
+def _run_and_grade(toy_root, sub, graded, env):
     """`dlo run --all --jobs 2` of the toy days into sub/reference, each graded into `graded` once it has run
-    (`--grade`, as make run) where the sandbox can run; the run's output (`full`: the finished process)."""
+    (`--grade`, as make run) where the sandbox can run; the finished process."""
     grading = ["--grade", str(graded), "--require-full"] if not sandbox_flags() else []
-    proc = dlo("run", "--all", "--jobs", "2", "--profile", "tiny", "--out", str(sub / "reference"), *grading,
+    return dlo("run", "--all", "--jobs", "2", "--profile", "tiny", "--out", str(sub / "reference"), *grading,
                root=toy_root, env=env)
-    return proc if full else proc.stdout
 
 
 def _unprinted(reference, proc) -> list[str]:
@@ -151,13 +150,13 @@ def test_run_two_notebooks_at_a_time(toy_root, tmp_path):
     carries the first run's output; the line missing twice fails."""
     env = _two_days(toy_root)
     sub, graded = tmp_path / "sub", tmp_path / "graded"
-    proc = _run_and_grade(toy_root, sub, graded, env, full=True)
+    proc = _run_and_grade(toy_root, sub, graded, env)
     missing = _unprinted(sub / "reference", proc)
     if missing:
         warnings.warn("dlo run: a notebook's last printed line is missing; ran it again. " + "\n".join(missing),
                       stacklevel=1)
         sub, graded = tmp_path / "again", tmp_path / "graded-again"  # what follows reads the second run's
-        proc = _run_and_grade(toy_root, sub, graded, env, full=True)
+        proc = _run_and_grade(toy_root, sub, graded, env)
         assert not _unprinted(sub / "reference", proc), missing
     out = proc.stdout
     table = out[out.index("\nday "):].split("\n\n")[0].split("\n[")[0]  # the run's table, not the grading's

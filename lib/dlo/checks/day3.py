@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import gc
 import random
-import types
 import weakref
 
 import torch
@@ -31,7 +30,7 @@ from dlo.checks.day3_resume import check_resume
 from dlo.checks.saved import HOOKS, GuardedMeter
 from dlo.grading.api import check, run_student
 from dlo.grading.compare import DTYPE, ok
-from dlo.measure import AllocationMeter
+from dlo.measure import AllocationMeter, reachable_tensors
 
 CHECKPOINTS = ("torch.utils.checkpoint.checkpoint", "torch.utils.checkpoint.checkpoint_sequential",
                "torch.utils.checkpoint.CheckpointFunction", "dlo.activation_ckpt.CheckpointFunction",
@@ -157,42 +156,13 @@ def check_checkpoint_function(Checkpoint, seed: int = 0, trials: int = 4, device
 
 # ----------------------------------------------------------------------------- CPU offload hooks
 
-def _tensors_in(obj) -> list[torch.Tensor]:
-    """Every tensor `obj` reaches through Python references: containers, attributes (any object's, a
-    SimpleNamespace's), closures and defaults of functions, bound methods; modules, classes and functions'
-    globals are not followed (as `dlo.measure.held`)."""
-    found, seen, stack = {}, set(), [obj]
-    while stack:
-        o = stack.pop()
-        if isinstance(o, (type, types.ModuleType, str, bytes, int, float, complex, type(None))) or id(o) in seen:
-            continue
-        seen.add(id(o))
-        if isinstance(o, torch.Tensor):
-            found[id(o)] = o
-        elif isinstance(o, types.FunctionType):
-            stack += [_cell(c) for c in o.__closure__ or ()]
-            stack += list(o.__defaults__ or ())
-        elif isinstance(o, types.MethodType):
-            stack.append(o.__self__)
-        else:
-            stack += gc.get_referents(o)
-    return list(found.values())
-
-
-def _cell(c):
-    try:
-        return c.cell_contents
-    except ValueError:  # an empty cell
-        return None
-
-
 def _packed(pack, x: torch.Tensor) -> tuple[object, dict]:
     """pack(x) and what it holds: the tensors it reaches, whether one is x's memory, and whether x's
     memory outlives x (pack kept it somewhere else: a global, a closure); the caller drops x first."""
     alive = weakref.ref(x.untyped_storage())
     ptr, nbytes = x.untyped_storage().data_ptr(), x.untyped_storage().nbytes()
     packed = pack(x)
-    held = _tensors_in(packed)
+    held = reachable_tensors(packed)
     host = {h.untyped_storage().data_ptr(): h.untyped_storage().nbytes() for h in held if h.device.type == "cpu"}
     obs = {"n_held": len(held), "devices": [str(h.device) for h in held], "nbytes": nbytes,
            "same_storage": any(h.untyped_storage().data_ptr() == ptr for h in held), "host_bytes": sum(host.values())}

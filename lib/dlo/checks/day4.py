@@ -30,22 +30,21 @@ from dlo.checks.day4_data import check_all_reduce_metrics, check_shard_indices
 from dlo.checks.day4_ring import COLLECTIVES, POINT_TO_POINT, check_ring_all_reduce, one_neighbour
 from dlo.checks.day4_train import (
     SMALL_CAP,
-    _batch,
-    _buffers,
-    _close,
-    _compare_buffers,
-    _compare_params,
-    _nbytes,
-    _net,
-    _optimizer,
-    _params,
-    _per_rank,
-    _single_process,
+    buffer_list,
+    checks_batch,
+    checks_net,
+    checks_optimizer,
+    close_enough,
+    compare_buffers,
+    compare_params,
     ddp_parts,
+    param_list,
+    rows_per_rank,
+    single_process,
 )
 from dlo.grading.api import case_seed, check, on_ranks, verify_wire
 from dlo.grading.compare import ok
-from dlo.measure import CommCounter
+from dlo.measure import CommCounter, tensor_bytes
 
 DDP = ("torch.nn.parallel.DistributedDataParallel", "dlo.distributed.ddp.*")
 
@@ -62,8 +61,8 @@ def _naive_worker(mine: dict, broadcast_parameters, all_reduce_gradients):
     with CommCounter() as rec:
         rec.phase = "broadcast"
         broadcast_parameters(net)
-    start, buffers, grads = _params(net), _buffers(net), None
-    opt = _optimizer(net, mine["lr"])
+    start, buffers, grads = param_list(net), buffer_list(net), None
+    opt = checks_optimizer(net, mine["lr"])
     for s, (x, y) in enumerate(mine["batches"]):
         F.cross_entropy(net(x), y).backward()
         with rec:
@@ -73,7 +72,7 @@ def _naive_worker(mine: dict, broadcast_parameters, all_reduce_gradients):
             grads = [None if p.grad is None else p.grad.clone() for p in net.parameters()]
         opt.step()
         opt.zero_grad()
-    return {"start": start, "buffers": buffers, "grads": grads, "params": _params(net), "records": rec.records()}
+    return {"start": start, "buffers": buffers, "grads": grads, "params": param_list(net), "records": rec.records()}
 
 
 def _naive_comm(records: list, steps: int, psi_b: int, state_b: int, where: str) -> None:
@@ -104,24 +103,24 @@ def check_naive_ddp(broadcast_parameters, all_reduce_gradients, seed: int = 0, w
     batch, the parameters must equal one process on the whole batch. The broadcasts carry the parameters
     and buffers, each step's all-reduces the gradients' bytes, and the sockets agree (`verify_wire`)."""
     secret = case_seed(seed)  # a secret seed when graded
-    per_rank = _per_rank(secret)
+    per_rank = rows_per_rank(secret)
     n, where = per_rank * world_size, f"world_size={world_size}, {per_rank} samples per rank"
     got = on_ranks(_naive_worker, world_size, broadcast_parameters, all_reduce_gradients,
                    per_rank=ddp_parts(secret, steps, per_rank, world_size))
-    start, buffers = _params(_net(secret + 1)), _buffers(_net(secret + 1))
-    first = _net(secret + 1)  # the gradient of step 1 on the whole batch
-    x, y = _batch(secret, 0, n)
+    start, buffers = param_list(checks_net(secret + 1)), buffer_list(checks_net(secret + 1))
+    first = checks_net(secret + 1)  # the gradient of step 1 on the whole batch
+    x, y = checks_batch(secret, 0, n)
     F.cross_entropy(first(x), y).backward()
-    ref = _single_process(secret, steps, n)
-    psi_b, state_b = _nbytes(start), _nbytes(start + buffers)
+    ref = single_process(secret, steps, n)
+    psi_b, state_b = tensor_bytes(start), tensor_bytes(start + buffers)
     for r, g in enumerate(got):
         for i, (p, want) in enumerate(zip(g["start"], start)):
-            _close("broadcast_parameters", f"parameter {i} on rank {r} (must equal rank 0's)", p, want, where)
-        _compare_buffers("broadcast_parameters", g["buffers"], buffers, f"{where}, rank {r}")
+            close_enough("broadcast_parameters", f"parameter {i} on rank {r} (must equal rank 0's)", p, want, where)
+        compare_buffers("broadcast_parameters", g["buffers"], buffers, f"{where}, rank {r}")
         for i, (p, q) in enumerate(zip(g["grads"], first.parameters())):
-            _close("all_reduce_gradients", f"grad of parameter {i} on rank {r} after step 1 (the mean over "
+            close_enough("all_reduce_gradients", f"grad of parameter {i} on rank {r} after step 1 (the mean over "
                    f"ranks, not the sum)", p, q.grad, where)
-        _compare_params("naive DDP", g["params"], ref, steps, where)
+        compare_params("naive DDP", g["params"], ref, steps, where)
     for r, g in enumerate(got):  # the right numbers everywhere; then how they got there
         _naive_comm(g["records"], steps, psi_b, state_b, f"{where}, rank {r}")
     verify_wire("naive DDP", [g["records"] for g in got], world_size, where)
@@ -152,8 +151,8 @@ def _bucket_run(mine: dict, cls, cap_mb: float) -> dict:
     with CommCounter() as rec:
         rec.phase = "construction"
         model = cls(copy.deepcopy(mine["net"]), bucket_cap_mb=cap_mb)
-    buffers = _buffers(model.module)  # the exercise's skeleton keeps the wrapped module there
-    opt = _optimizer(model, mine["lr"])
+    buffers = buffer_list(model.module)  # the exercise's skeleton keeps the wrapped module there
+    opt = checks_optimizer(model, mine["lr"])
     calls = []
     for x, y in mine["batches"]:
         loss = F.cross_entropy(model(x), y)
@@ -166,7 +165,7 @@ def _bucket_run(mine: dict, cls, cap_mb: float) -> dict:
         calls.append([(c.kind, c.nbytes, c.async_op, c.phase) for c in rec.calls[first:]])
         opt.step()
         opt.zero_grad()
-    return {"cap_mb": cap_mb, "buffers": buffers, "calls": calls, "params": _params(model), "records": rec.records()}
+    return {"cap_mb": cap_mb, "buffers": buffers, "calls": calls, "params": param_list(model), "records": rec.records()}
 
 
 def _bucket_comm(step_calls: list, cap_mb: float, n_params: int, psi_b: int, here: str) -> None:
@@ -205,15 +204,16 @@ def check_bucket_ddp(cls, seed: int = 0, world_size: int = 2, steps: int = 3, fr
     sockets agreeing (`verify_wire`); parameters must equal one process on the whole batch. `frozen`: one
     parameter has requires_grad=False (no gradient: it must be left out of the buckets, as torch DDP does)."""
     secret = case_seed(seed)  # a secret seed when graded
-    per_rank = _per_rank(secret)
+    per_rank = rows_per_rank(secret)
     n, where = per_rank * world_size, f"world_size={world_size}, {per_rank} samples per rank"
     if frozen:
         where += ", the first layer's bias frozen (requires_grad=False)"
     got = on_ranks(_bucket_worker, world_size, cls, frozen,
                    per_rank=ddp_parts(secret, steps, per_rank, world_size, frozen))
-    trainable = [p for p in _net(0, frozen).parameters() if p.requires_grad]
-    n_params, psi_b = len(trainable), _nbytes(trainable)
-    ref, buffers = _single_process(secret, steps, n, frozen), _buffers(_net(secret + 1))  # the same for both caps
+    trainable = [p for p in checks_net(0, frozen).parameters() if p.requires_grad]
+    n_params, psi_b = len(trainable), tensor_bytes(trainable)
+    # the same for both caps
+    ref, buffers = single_process(secret, steps, n, frozen), buffer_list(checks_net(secret + 1))
     for rank_runs in got:
         for run in rank_runs:
             cap_mb = run["cap_mb"]
@@ -221,10 +221,10 @@ def check_bucket_ddp(cls, seed: int = 0, world_size: int = 2, steps: int = 3, fr
             if "error" in run:
                 raise AssertionError(f"bucket DDP: {run['error']}; a parameter with requires_grad=False never gets "
                                      f"a gradient (and cannot take a hook): leave it out of the buckets ({here})")
-            _compare_buffers("bucket DDP", run["buffers"], buffers, here)
+            compare_buffers("bucket DDP", run["buffers"], buffers, here)
             for step_calls in run["calls"]:
                 _bucket_comm(step_calls, cap_mb, n_params, psi_b, here)
-            _compare_params("bucket DDP", run["params"], ref, steps, here)
+            compare_params("bucket DDP", run["params"], ref, steps, here)
     verify_wire("bucket DDP", [[rec for run in rank_runs for rec in run["records"]] for rank_runs in got], world_size,
                 where)
     ok("bucket_ddp", f"{steps} steps x 2 bucket sizes on {world_size} ranks, seed={seed}")

@@ -13,7 +13,7 @@ import random
 
 import torch.nn.functional as F
 
-from dlo.checks.day4_train import SMALL_CAP, _compare_params, _optimizer, _params, _single_process, ddp_parts
+from dlo.checks.day4_train import SMALL_CAP, checks_optimizer, compare_params, ddp_parts, param_list, single_process
 from dlo.grading.api import case_seed, check, on_ranks, verify_wire
 from dlo.grading.compare import ok
 from dlo.measure import CommCounter
@@ -32,7 +32,7 @@ def _accum_worker(mine: dict, fn, micro: int):
 
     with CommCounter() as rec:
         model = DataParallelBucket(mine["net"], bucket_cap_mb=SMALL_CAP)  # 2 buckets
-    opt = _optimizer(model, mine["lr"])
+    opt = checks_optimizer(model, mine["lr"])
     rows, syncs = [], []
     model.module.register_forward_pre_hook(lambda _, args: rows.append(int(args[0].shape[0])))
     next(model.module.parameters()).register_post_accumulate_grad_hook(
@@ -50,7 +50,7 @@ def _accum_worker(mine: dict, fn, micro: int):
                            "buckets": len(model.buckets), "grad_left": left, "rows": list(rows),
                            "syncs": list(syncs), "micro_rows": [len(t) for t in xs],
                            "returned": None if res is None else f"{type(res).__name__}: {res!r}"[:100]})
-    return {"steps": steps_seen, "params": _params(model), "records": rec.records()}
+    return {"steps": steps_seen, "params": param_list(model), "records": rec.records()}
 
 
 def _accum_micro(st: dict, where: str) -> None:
@@ -77,7 +77,7 @@ def check_accumulation_step(fn, seed: int = 0, world_size: int = 2, steps: int =
     per_rank, micro = _accum_case(secret)
     n, where = per_rank * world_size, f"world_size={world_size}, {per_rank} samples per rank in {micro} micro-batches"
     got = on_ranks(_accum_worker, world_size, fn, micro, per_rank=ddp_parts(secret, steps, per_rank, world_size))
-    ref = _single_process(secret, steps, n)
+    ref = single_process(secret, steps, n)
     for g in got:
         for st in g["steps"]:
             if st["all_reduces"] != st["buckets"]:
@@ -91,6 +91,6 @@ def check_accumulation_step(fn, seed: int = 0, world_size: int = 2, steps: int =
             if st["grad_left"] > 0:
                 raise AssertionError(f"accumulation_step: gradients are not zero after the step; call "
                                      f"optimizer.zero_grad() after optimizer.step() ({where})")
-        _compare_params("accumulation_step", g["params"], ref, steps, where)
+        compare_params("accumulation_step", g["params"], ref, steps, where)
     verify_wire("accumulation_step", [g["records"] for g in got], world_size, where)
     ok("accumulation_step", f"{steps} steps on {world_size} ranks, seed={seed}")

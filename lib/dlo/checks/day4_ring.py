@@ -15,7 +15,7 @@ import random
 import torch
 import torch.distributed as dist
 
-from dlo.checks.day4_train import _close
+from dlo.checks.day4_train import close_enough
 from dlo.grading.api import case_seed, check, on_ranks, verify_wire
 from dlo.grading.compare import DTYPE, ok
 from dlo.measure import CommCounter
@@ -72,7 +72,7 @@ def check_ring_all_reduce(fn, seed: int = 0, world_size: int = 2, trials: int = 
     for t, (shape, inputs) in enumerate(case):  # the sums, and no more than a ring sends
         want, where = torch.stack(inputs).sum(0), f"world_size={n}, shape={shape}"
         for r in range(n):
-            _close("ring_all_reduce", f"the result on rank {r}", got[r][t]["sum"], want,
+            close_enough("ring_all_reduce", f"the result on rank {r}", got[r][t]["sum"], want,
                    f"{where}; sum over ranks, in place or returned")
             ring_sent("ring_all_reduce", got[r][t], r, n, want.numel(), where)
     for t, (shape, _) in enumerate(case):  # then no less: the sums crossed the ring as messages

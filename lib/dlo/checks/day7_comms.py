@@ -87,18 +87,8 @@ def recorded(worker):
     def run(*args, **kwargs):
         with CommCounter() as everything:
             out = worker(*args, **kwargs)
-        return {"out": out, "records": everything.records() + _list_reduce_scatter_headers(everything)}
+        return {"out": out, "records": everything.records()}
     return run
-
-
-def _list_reduce_scatter_headers(counter: CommCounter) -> list[dict]:
-    """Gloo's reduce-scatter of a list of chunks (`dist.reduce_scatter`, c10d.reduce_scatter_, the
-    exercise's) sends an all-reduce's payload but g times the headers of `dist.reduce_scatter_tensor`,
-    which `gloo_wire_bytes` is calibrated on (measured on torch 2.13, g = 2, 3, 4: 576 (g-1) g bytes per
-    rank, whatever the size): g - 1 more empty records of the kind account for them."""
-    return [{"kind": "reduce_scatter", "bytes": 0, "sent": 0.0, "async": False, "phase": "gloo headers",
-             "group": c.world_size} for c in counter.calls if c.op == "c10d.reduce_scatter_"
-            for _ in range(c.world_size - 1)]
 
 
 def verified(name: str, got: list[dict], t: int, where) -> list:

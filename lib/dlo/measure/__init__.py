@@ -33,7 +33,7 @@ from dlo.measure.comm import (
     wire_agrees,
 )
 from dlo.measure.compute import count_flops, fmt_bytes, mfu, transformer_flops_per_token
-from dlo.measure.held import held_bytes, live_bytes
+from dlo.measure.held import held_bytes, live_bytes, reachable_tensors
 from dlo.measure.memory import (
     AllocationMeter,
     PeakMemory,
@@ -51,7 +51,7 @@ from dlo.measure.wire import tcp_available, tcp_sent, tcp_sent_by_socket, tcp_tx
 
 __all__ = ["sync", "Timing", "time_fn", "time_interleaved", "SavedTensorMeter", "AllocationMeter", "allocated_peak",
            "PeakMemory", "peak_memory", "saved_bytes", "measure_step", "tensor_bytes", "tensors_in",
-           "optimizer_state_bytes", "held_bytes", "live_bytes", "CommCall", "CommCounter", "tally", "comm_bytes",
-           "collective_kind",
+           "optimizer_state_bytes", "held_bytes", "live_bytes", "reachable_tensors", "CommCall", "CommCounter",
+           "tally", "comm_bytes", "collective_kind",
            "count_flops", "transformer_flops_per_token", "mfu", "fmt_bytes", "tcp_bytes_sent", "tcp_counters",
            "gloo_wire_bytes", "wire_agrees", "tcp_available", "tcp_tx_by_socket", "tcp_sent_by_socket", "tcp_sent"]

@@ -154,11 +154,11 @@ class CommCounter(TorchDispatchMode):
         return out
 
     def records(self) -> list[dict]:
-        """Each call as plain data ({"kind", "bytes", "sent", "async", "phase", "group"}; group: the
-        ranks of its process group): what a rank returns across a process boundary or the grader's
-        wire, and what `tally` and `comm_bytes` read."""
+        """Each call as plain data ({"kind", "bytes", "sent", "async", "phase", "group", "op"}; group: the
+        ranks of its process group; op: the dispatcher op): what a rank returns across a process boundary or
+        the grader's wire, and what `tally`, `comm_bytes` and `gloo_wire_bytes` read."""
         return [{"kind": c.kind, "bytes": c.nbytes, "sent": c.sent, "async": c.async_op, "phase": c.phase,
-                 "group": c.world_size} for c in self.calls]
+                 "group": c.world_size, "op": c.op} for c in self.calls]
 
     def by_kind(self, field: str | None = None) -> dict:
         """{kind: {"calls", "bytes", "sent"}} over everything recorded; {kind: that number} given a field."""
@@ -240,13 +240,20 @@ _WIRE_HEADERS = {"all_reduce": 576, "reduce_scatter": 576, "all_gather": 288, "b
                  "send": 96, "recv": 48}
 
 
+# gloo's reduce-scatter of a list of chunks (`dist.reduce_scatter`: c10d.reduce_scatter_) sends an all-reduce's
+# payload but g times the headers of `dist.reduce_scatter_tensor`, on which _WIRE_HEADERS is calibrated
+# (measured on torch 2.13, g = 2, 3, 4: 576 (g - 1) g bytes per rank, whatever the size)
+_LIST_REDUCE_SCATTER = "c10d.reduce_scatter_"
+
+
 def gloo_wire_bytes(records: list[dict]) -> tuple[float, float]:
     """(payload, headers): what gloo's sockets send for these call records (`CommCounter.records()`)."""
     payload = headers = 0.0
     for r in records:
         g = max(int(r.get("group") or 1), 1)
         payload += _WIRE_PAYLOAD[r["kind"]](r["bytes"], g)
-        headers += _WIRE_HEADERS[r["kind"]] * (g - 1 if r["kind"] not in ("send", "recv") else 1)
+        headers += _WIRE_HEADERS[r["kind"]] * (g - 1 if r["kind"] not in ("send", "recv") else 1) * \
+            (g if r.get("op") == _LIST_REDUCE_SCATTER else 1)
     return payload, headers
 
 

@@ -67,19 +67,29 @@ def held_bytes(*roots) -> int:
     Modules, classes and functions' globals are not followed (`live_bytes` sees what they hold);
     tensors only autograd holds (the activations saved for backward) are not reachable from Python
     and do not count."""
+    storages = {}
+    with _plain():
+        for t in _walk(roots):
+            _add(storages, t)
+    return _sum(storages.values())
+
+
+def reachable_tensors(*roots) -> list:
+    """The tensors reachable from `roots` by `held_bytes`' walk (each once), for a check that asks more of
+    them than their bytes (Day 3: where pack's result keeps its copy)."""
     with _plain():
         return _walk(roots)
 
 
-def _walk(roots) -> int:
-    seen, storages, stack = _set(), {}, _list(roots)
+def _walk(roots) -> list:
+    seen, found, stack = _set(), [], _list(roots)
     while stack:
         obj = stack.pop()
         if _issubclass(_type(obj), _NOT_FOLLOWED) or _id(obj) in seen:
             continue
         seen.add(_id(obj))
         if _is_tensor(obj):
-            _add(storages, obj)
+            found.append(obj)
             grad = _grad(obj) if _is_leaf(obj) else None
             if grad is not None:
                 stack.append(grad)
@@ -94,7 +104,7 @@ def _walk(roots) -> int:
             stack.append(obj.__self__)
         else:
             stack.extend(_referents(obj))
-    return _sum(storages.values())
+    return found
 
 
 class _Canary:
