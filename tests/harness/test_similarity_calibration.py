@@ -105,8 +105,8 @@ def test_the_fixed_rule_of_issue_26_flagged_independent_work():
     ("day8_quantization_pruning", "distill", "dlo.checks.day8.check_distillation_loss"),
 ])
 def test_the_independent_solutions_are_right(day, cell, check):
-    """Honest and correct: each passes its exercise's check (Days 6 and 7's run on ranks: measured once,
-    all ten passed)."""
+    """Honest and correct: each passes its exercise's check (Days 6 and 7's run on ranks, in
+    tests/checks/test_independent_solutions.py)."""
     import torch
     import torch.nn.functional as F  # noqa: N812
 
