@@ -18,13 +18,13 @@ a wrong slice or a forgotten gradient all-reduce. Sizes are odd wherever the exe
 number, since Megatron's layers need equal shards.
 
 The checks live in five modules along the exercises' seams and are re-exported here, where the
-notebook's test cells call them: `dlo.checks.day7_layers` (1, 2 and the shared helpers),
+notebook's test cells call them: `dlo.checks.day7_layers` (1, 2),
 `dlo.checks.day7_model` (3, 6: the Llama's attention and its DTensor plan),
 `dlo.checks.day7_sequence` (4, 5), `dlo.checks.day7_scale` (7: compute against communication) and
 `dlo.checks.day7_volumes` (7b: a stage boundary's bytes, DDP's bucket); the layout search, once
 exercise 8, is Day 10's exercise 6 (`dlo.checks.day10_layout`). The test cells call them through this
 module, the day's one checks module (`dlo.registry`), which the grader imports; what the collectives
-carried is held in `dlo.checks.day7_comms`.
+carried is held in `dlo.checks.day7_comms`, what the checks share in `dlo.checks.day7_shared`.
 """
 
 from dlo.checks.day7_layers import check_tp_linears, check_tp_swiglu

@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dlo.checks.day7_comms import CommTap, expect_blocks, expect_sum
-from dlo.checks.day7_layers import (
+from dlo.checks.day7_comms import CommTap, expect_blocks, expect_sum, recorded, verified
+from dlo.checks.day7_shared import (
     COMMS,
     F_G,
     LAYERS,
@@ -22,10 +22,8 @@ from dlo.checks.day7_layers import (
     fwd_bwd,
     only_blocks,
     param_grad,
-    recorded,
     reference,
     seeded_gen,
-    verified,
 )
 from dlo.grading.api import case_seed, check, on_ranks
 from dlo.grading.compare import DTYPE, assert_close, ok
