@@ -104,7 +104,7 @@ STEPS = [
                         "4, 16 on Llama 3.2 1B/3B's projections: does int4 beat bf16 at one token (never run on a GPU)",
          90, 300, exclusive=True),
     Step("gpu_tests", "the kernel, optimizer, AMP and quantization tests on the GPU (Triton compiled, "
-                      "not interpreted)", 60, 240, cpu=False),
+                      "not interpreted), and the checks' CUDA paths (Days 2-3)", 60, 240, cpu=False),
     Step("bench", "`dlo bench`: every kernel beside torch and its roofline on this GPU (Day 9's decode kernel: its "
                   "own step)", 60, 240, cpu=False,
          exclusive=True),

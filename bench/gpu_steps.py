@@ -409,7 +409,8 @@ def step_day9_decode(a) -> int:
 
 def step_gpu_tests(a) -> int:
     files = ["tests/kernels", "tests/test_bench.py", "tests/optim/test_fused_adamw.py", "tests/test_amp.py",
-             "tests/test_quant.py", "tests/test_smoothquant.py", "tests/test_attention.py", "tests/inference"]
+             "tests/test_quant.py", "tests/test_smoothquant.py", "tests/test_attention.py", "tests/inference",
+             "tests/checks/test_checks_cuda.py"]
     code, out = run_tee([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
                          "-m", "not browser and not smoke and not solutions and not slurm and not compile",
                          *files, "--maxfail=30", "-rfE"])

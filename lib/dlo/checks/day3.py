@@ -161,6 +161,7 @@ def _packed(pack, x: torch.Tensor) -> tuple[object, dict]:
     memory outlives x (pack kept it somewhere else: a global, a closure); the caller drops x first."""
     alive = weakref.ref(x.untyped_storage())
     ptr, nbytes = x.untyped_storage().data_ptr(), x.untyped_storage().nbytes()
+    dev, before = x.device, device_allocated(x.device)  # x's own block included
     packed = pack(x)
     held = reachable_tensors(packed)
     host = {h.untyped_storage().data_ptr(): h.untyped_storage().nbytes() for h in held if h.device.type == "cpu"}
@@ -170,7 +171,18 @@ def _packed(pack, x: torch.Tensor) -> tuple[object, dict]:
     if alive() is not None:
         gc.collect()  # a reference cycle of pack's own, not yet collected
     obs["kept"] = alive() is not None
+    # x's block is free now: what the device holds beyond `before` less x is what pack put there
+    # (a clone kept in a global, unpack's fast path), which a reachable-tensor walk of `packed` cannot see
+    obs["device_kept"] = max(0, device_allocated(dev) - before + nbytes) if dev.type == "cuda" else 0
     return packed, obs
+
+
+def device_allocated(dev: torch.device) -> int:
+    """Bytes the caching allocator has handed out on a CUDA device (0 elsewhere), after its work."""
+    if dev.type != "cuda":
+        return 0
+    torch.cuda.synchronize(dev)  # a non_blocking copy out of x finishes before x's block counts as free
+    return torch.cuda.memory_allocated(dev)
 
 
 def _offload_worker(pack, unpack, xs: list, seed: int, dev: str) -> dict:
@@ -182,7 +194,7 @@ def _offload_worker(pack, unpack, xs: list, seed: int, dev: str) -> dict:
         packed, obs = _packed(pack, src.to(dev, copy=True))  # a tensor nothing else holds: pack must let it go
         trials.append(obs)
         if (not obs["n_held"] or any(not d.startswith("cpu") for d in obs["devices"]) or obs["same_storage"]
-                or obs["kept"] or obs["host_bytes"] < obs["nbytes"]):
+                or obs["kept"] or obs["host_bytes"] < obs["nbytes"] or obs["device_kept"] >= obs["nbytes"] / 2):
             return {"trials": trials}
         back = unpack(packed)
         obs["back_ok"] = (isinstance(back, torch.Tensor) and back.device == want.device and back.dtype == want.dtype
@@ -231,6 +243,11 @@ def check_offload_hooks(pack, unpack, seed: int = 0, trials: int = 4, device=Non
             raise AssertionError(f"{name}: pack kept the original tensor alive (its memory outlived the caller's "
                                  f"reference: held in a global, a closure or an object pack made): return only the "
                                  f"host copy and what unpack needs, so that the device memory can be freed")
+        if obs["device_kept"] >= obs["nbytes"] / 2:
+            raise AssertionError(f"{name}: after pack the device still holds {obs['device_kept']} bytes more than "
+                                 f"before, the tensor had {obs['nbytes']}: pack kept a copy on the device (a clone "
+                                 f"in a global or a closure); offloading must free the device memory (shape "
+                                 f"{shape}, {dtype})")
         if obs["host_bytes"] < obs["nbytes"]:
             raise AssertionError(f"{name}: pack's host tensors hold {obs['host_bytes']} bytes, the tensor has "
                                  f"{obs['nbytes']}: copy all of it to host memory (shape {shape}, {dtype})")
