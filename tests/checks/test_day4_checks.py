@@ -528,10 +528,51 @@ def ring_unpadded(t):
     return t.copy_(torch.cat(chunks).view_as(t))
 
 
-@pytest.mark.parametrize("fn", [ring_ok, ring_backwards, ring_unpadded])
+def ring_chunked_leftwards(t):
+    """torch.chunk's chunks (ceil(n / N) each, fewer than N chunks when n is small: empty ones added), chunk
+    r + s sent to (rank - 1) % N with batch_isend_irecv, out of place."""
+    n, r = dist.get_world_size(), dist.get_rank()
+    chunks = [c.clone() for c in t.reshape(-1).chunk(n)]
+    chunks += [t.new_zeros(0)] * (n - len(chunks))
+
+    def exchange(send, into):
+        got = torch.empty_like(chunks[into])
+        for op in dist.batch_isend_irecv([dist.P2POp(dist.isend, send, (r - 1) % n),
+                                          dist.P2POp(dist.irecv, got, (r + 1) % n)]):
+            op.wait()
+        return got
+
+    for s in range(n - 1):
+        chunks[(r + s + 1) % n] = chunks[(r + s + 1) % n] + exchange(chunks[(r + s) % n], (r + s + 1) % n)
+    for s in range(n - 1):
+        chunks[(r + s) % n] = exchange(chunks[(r + s - 1) % n], (r + s) % n)
+    return torch.cat(chunks).view_as(t)
+
+
+def ring_strided(t):
+    """Interleaved chunks (every N-th element from position i), summed in place in the tensor itself."""
+    n, r = dist.get_world_size(), dist.get_rank()
+    flat, where = t.view(-1), [torch.arange(t.numel())[i::n] for i in range(n)]
+
+    def exchange(send, into):
+        got = torch.empty(len(where[into]), dtype=t.dtype)
+        ops = [dist.isend(flat[where[send]].contiguous(), (r + 1) % n), dist.irecv(got, (r - 1) % n)]
+        for op in ops:
+            op.wait()
+        return got
+
+    for s in range(n - 1):
+        flat[where[(r - s - 1) % n]] += exchange((r - s) % n, (r - s - 1) % n)
+    for s in range(n - 1):
+        flat[where[(r - s) % n]] = exchange((r + 1 - s) % n, (r - s) % n)
+    return t
+
+
+@pytest.mark.parametrize("fn", [ring_ok, ring_backwards, ring_unpadded, ring_chunked_leftwards, ring_strided])
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_ring_accepts_either_way_round_and_any_chunking(fn, world_size):
-    """The ring's lower bounds (messages, bytes) hold for a ring run either way, padded or not."""
+    """The ring's lower bounds (messages, bytes) and what its messages carry hold for a ring run either way,
+    padded or not, chunks contiguous or strided, in place or not."""
     day4.check_ring_all_reduce(fn, seed=0, world_size=world_size)
 
 
@@ -598,6 +639,22 @@ def ring_through_files(t):
     return t.copy_(files_exchange(t))
 
 
+def ring_of_stand_ins(fill):
+    """A ring's messages (2(N-1) chunks of ceil(n / N) values to the next rank) filled with `fill` ("zeros",
+    "noise"); the sum through files. Made here: the ranks get it by value."""
+    def ring(t):
+        n, r = dist.get_world_size(), dist.get_rank()
+        size = -(-t.numel() // n)
+        incoming = torch.empty(size, dtype=t.dtype)
+        for _ in range(2 * (n - 1)):
+            stand_in = torch.zeros(size, dtype=t.dtype) if fill == "zeros" else torch.randn(size, dtype=t.dtype)
+            for op in [dist.isend(stand_in, (r + 1) % n), dist.irecv(incoming, (r - 1) % n)]:
+                op.wait()
+        return t.copy_(files_exchange(t))
+    ring.__name__ = f"ring_of_{fill}"
+    return ring
+
+
 def broadcast_through_files(module):
     with torch.no_grad():
         for t in [*module.parameters(), *module.buffers()]:
@@ -660,6 +717,8 @@ def accumulation_one_backward(model, optimizer, loss_fn, xs, ys):
 RED_TEAM = [  # checks by name: the ranks import this module, where the grader's functions are sealed
     ("check_ring_all_reduce", (ring_through_files,), {}, "sent no message through the process group"),
     ("check_ring_all_reduce", (ring_through_files,), {"world_size": 3}, "sent no message through the process"),
+    ("check_ring_all_reduce", (ring_of_stand_ins("zeros"),), {}, "that rank 0 sent does not carry a chunk"),
+    ("check_ring_all_reduce", (ring_of_stand_ins("noise"),), {"world_size": 3}, "sent does not carry a chunk"),
     ("check_naive_ddp", (broadcast_ok, all_reduce_through_files), {}, "all_reduce_gradients: step 1 sent nothing"),
     ("check_naive_ddp", (broadcast_through_files, all_reduce_mean), {}, "broadcast_parameters: sent nothing"),
     ("check_bucket_ddp", (BucketDummyThenGather,), {}, "all_gather after backward: the gradients travel in"),
@@ -675,7 +734,7 @@ RED_TEAM = [  # checks by name: the ranks import this module, where the grader's
 def test_right_numbers_without_the_exercise_fail(check, fns, kwargs, phrase, seed):
     """Red team (Day 4): each passed its check at every seed; the checks compared only the results and
     counted calls, not what the messages carry (files instead of messages, dummy all-reduces, one forward of
-    the whole batch)."""
+    the whole batch, a ring's messages of the right sizes filled with zeros or noise)."""
     with pytest.raises(AssertionError, match=re.escape(phrase)):
         getattr(day4, check)(*fns, seed=seed, **kwargs)
 

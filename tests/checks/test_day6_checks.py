@@ -161,7 +161,9 @@ def test_gpipe_rejects_unweighted_micro_batch_losses(sol, ranks):
 
 
 # Red team (Day 6): each passed its check at seeds 0..9 before the check read the order of the messages
-# and the bytes held for backward at each activation sent (`dlo.checks.day6_order`).
+# and the bytes held for backward at each activation sent (`dlo.checks.day6_order`); GPipe with its
+# forwards past 1F1B's window hidden from that count (a custom Function's ctx attribute, or a graph dropped
+# and recomputed) passed until the check also added up the bytes saved since the step began.
 
 def in_order(micro_batches, order: str):
     """The solution's micro-batch steps (`MicroBatches`) in another order of ("F" | "B", i) (defined
@@ -226,12 +228,76 @@ def gpipe_hidden_from_the_meter(gpipe_step, how):
     return step
 
 
+def gpipe_hidden_past_the_window(how):
+    """GPipe as 1F1B: the forwards past 1F1B's window (micro-batch p - r on) hidden from the count held, so
+    that the meter sees 1F1B's at every activation sent. "ctx": a custom autograd Function whose forward
+    (run without grad: nothing saved) keeps its input as a ctx attribute and recomputes in backward;
+    "twice": an ordinary forward whose graph is dropped once its activation is sent, recomputed in backward."""
+    def step(stage, xs, ys, loss_fn):
+        import torch
+        import torch.distributed as dist
+        params = [q for q in stage.module.parameters() if q.requires_grad]
+
+        class Recompute(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x, *ps):
+                ctx.x = x  # an attribute, not save_for_backward: no saved-tensor hook sees it
+                return stage.module(x)
+
+            @staticmethod
+            def backward(ctx, g):
+                with torch.enable_grad():
+                    x = ctx.x.detach().requires_grad_(ctx.x.requires_grad)
+                    torch.autograd.backward(stage.module(x), g)
+                return (x.grad, *[None] * len(params))
+
+        r, m = stage.rank, len(stage.in_shapes)
+        total = sum(len(t) for t in ys) if stage.is_last else None
+        ins, outs, sends, loss = {}, {}, [], 0.0
+        for i in range(m):
+            if stage.is_first:
+                x = xs[i]
+            else:
+                x = torch.empty(stage.in_shapes[i], dtype=stage.dtype)
+                dist.recv(x, r - 1)
+                x.requires_grad_()
+            # past the window (1F1B's p - r micro-batches held at a send; "twice": that send's own included)
+            hide = not stage.is_last and i >= stage.p - r - (how == "twice")
+            y = Recompute.apply(x, *params) if hide and how == "ctx" else stage.module(x)
+            if stage.is_last:
+                y = loss_fn(y, ys[i]) * (len(ys[i]) / total)
+                loss += y.item()
+            else:
+                sends.append(dist.isend(y.detach(), r + 1))
+            if hide and how == "twice":
+                y = None  # the graph dropped once the activation is sent
+            ins[i], outs[i] = x, y
+        for i in range(m):
+            x, y = ins.pop(i), outs.pop(i)
+            if stage.is_last:
+                y.backward()
+            else:
+                g = torch.empty(stage.out_shapes[i], dtype=stage.dtype)
+                dist.recv(g, r + 1)
+                (stage.module(x) if y is None else y).backward(g)
+            if not stage.is_first:
+                sends.append(dist.isend(x.grad, r - 1))
+        for work in sends:
+            work.wait()
+        return loss if stage.is_last else None
+    return step
+
+
 STEP_RED_TEAM = [  # (check, the cheat from the solution, the phrase of the message)
     ("check_gpipe_step", lambda sol: in_order(sol.MicroBatches, "naive"), "GPipe holds 2 there"),
     ("check_gpipe_step", lambda sol: one_batch_step(), r"in 1 message\(s\), expected \d+: one per micro-batch"),
     ("check_gpipe_step", lambda sol: in_order(sol.MicroBatches, "gpipe, the last stage naive"),
      "sent a gradient before receiving all its activations"),
     ("check_one_f_one_b_step", lambda sol: in_order(sol.MicroBatches, "naive"), "1F1B holds 2 there"),
+    ("check_one_f_one_b_step", lambda sol: gpipe_hidden_past_the_window("ctx"),
+     r"its forwards had saved 2\.0 micro-batches of activations for backward in all \(\d+ bytes\), 3 forwards"),
+    ("check_one_f_one_b_step", lambda sol: gpipe_hidden_past_the_window("twice"),
+     r"micro-batches: one forward per micro-batch, its activations kept in autograd's graph until its backward"),
 ]
 
 

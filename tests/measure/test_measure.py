@@ -60,6 +60,15 @@ def test_saved_tensor_meter_counts_a_storage_once_and_skips_parameters():
     z.backward()
     del y, view, z
     assert meter.bytes == 0 and meter.peak >= x.nelement() * 4
+    assert meter.made == x.nelement() * 4 + 16 * 32 * 4  # what was saved in all, freed since
+
+
+def test_saved_tensor_meter_adds_up_what_forwards_saved_in_all():
+    w = torch.randn(32, 32, requires_grad=True)
+    with SavedTensorMeter(exclude=[w]) as meter:
+        for _ in range(3):                      # three forwards, each backpropagated before the next
+            (torch.randn(4, 32) @ w).tanh().sum().backward()
+    assert meter.bytes == 0 and meter.peak == 2 * 4 * 32 * 4 and meter.made == 3 * meter.peak
 
 
 def test_saved_bytes_works_on_the_meta_device_from_shapes_alone():

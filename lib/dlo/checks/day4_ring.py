@@ -4,12 +4,15 @@
 inputs; the reference, the sum of the ranks' inputs, is computed here. What each rank sends, and to whom, is
 counted beside the student's code (`dlo.measure.CommCounter`) and held to a ring's bounds from above (one
 neighbour, 2(N-1) chunks of ceil(n/N)) and from below (2(N-1) messages, whole chunks, 2(N-1) n values over
-the ranks); the ranks' sockets confirm the count (`verify_wire`). While the student's code runs, every
-collective is off limits: point-to-point messages only.
+the ranks); the ranks' sockets confirm the count (`verify_wire`). Counts and sizes do not see contents: what each
+message carries is copied as it is sent (`_Messages`) and must be what a ring's carries, a chunk summed over the
+ranks it has passed (`ring_contents`). While the student's code runs, every collective is off limits:
+point-to-point messages only.
 """
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import torch
@@ -18,7 +21,7 @@ import torch.distributed as dist
 from dlo.checks.day4_train import close_enough
 from dlo.grading.api import case_seed, check, on_ranks, verify_wire
 from dlo.grading.compare import DTYPE, ok
-from dlo.measure import CommCounter
+from dlo.measure import CommCounter, collective_kind, tensors_in
 
 POINT_TO_POINT = "build the all-reduce from dist.send/dist.recv or dist.isend/dist.irecv (point-to-point) only"
 COLLECTIVES = tuple(f"torch.distributed.{n}" for n in (
@@ -46,16 +49,33 @@ def _ring_case(seed: int, trials: int, w: int):
     return [(shape, [torch.randn(shape, generator=g, dtype=DTYPE) for g in gens]) for shape in shapes]
 
 
+class _Messages(CommCounter):
+    """`CommCounter` that also keeps a flat copy of what each send carries, in the order sent: a message of the
+    right size filled with zeros passes every count, and the sum can travel beside the process group."""
+
+    def __init__(self):
+        super().__init__()
+        self.payloads: list[torch.Tensor] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if collective_kind(func) == "send":  # copied before the send: what an isend reads at the call
+            parts = [t.detach().reshape(-1) for t in tensors_in(args[0])]
+            self.payloads.append(torch.cat(parts) if parts else torch.zeros(0, dtype=DTYPE))
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
 def _ring_worker(mine: list, fn):
     """`mine`: this rank's own input of each trial. Per trial: the sum, and what this rank sent to whom
-    (`CommCounter`, beside the student's code; its total is checked against the rank's sockets)."""
+    (`CommCounter`, beside the student's code; its total is checked against the rank's sockets) and in
+    each message."""
     out = []
     for t in mine:
         got = t.clone()
-        with CommCounter() as counter:
+        with _Messages() as counter:
             res = fn(got)
         out.append({"sum": res if isinstance(res, torch.Tensor) else got, "to": counter.sent_by_peer(),
-                    "sent": sum(counter.by_kind("sent").values()), "records": counter.records()})
+                    "sent": sum(counter.by_kind("sent").values()), "records": counter.records(),
+                    "messages": counter.payloads})
     return out
 
 
@@ -65,7 +85,8 @@ def check_ring_all_reduce(fn, seed: int = 0, world_size: int = 2, trials: int = 
     messages only; compared with the sum of the ranks' inputs on random float64 tensors of odd sizes,
     some smaller than the world size. A ring: each rank sends 2(N-1) messages to one neighbour, the same
     way round on every rank, chunks of ceil(n/N) elements at most and together the 2(N-1) n values a ring
-    moves (`ring_sent`, `ring_total`); the sockets carry what the messages count (`verify_wire`)."""
+    moves (`ring_sent`, `ring_total`), each message a chunk summed over the ranks it has passed
+    (`ring_contents`); the sockets carry what the messages count (`verify_wire`)."""
     trials, n = max(trials, 5), world_size
     case = _ring_case(case_seed(seed), trials, n)  # a secret seed when graded
     got = on_ranks(_ring_worker, n, fn, per_rank=[[inputs[r] for _, inputs in case] for r in range(n)])
@@ -75,11 +96,14 @@ def check_ring_all_reduce(fn, seed: int = 0, world_size: int = 2, trials: int = 
             close_enough("ring_all_reduce", f"the result on rank {r}", got[r][t]["sum"], want,
                    f"{where}; sum over ranks, in place or returned")
             ring_sent("ring_all_reduce", got[r][t], r, n, want.numel(), where)
-    for t, (shape, _) in enumerate(case):  # then no less: the sums crossed the ring as messages
+    for t, (shape, inputs) in enumerate(case):  # then no less: the sums crossed the ring as messages
         numel, where = got[0][t]["sum"].numel(), f"world_size={n}, shape={shape}"
         for r in range(n):
             ring_messages("ring_all_reduce", got[r][t], r, n, numel, where)
         ring_total("ring_all_reduce", [got[r][t] for r in range(n)], numel, where)
+        sums = partial_sums(inputs)
+        for r in range(n):
+            ring_contents("ring_all_reduce", got[r][t]["messages"], sums, r, n, numel, where)
     verify_wire("ring_all_reduce", [[rec for trial in got[r] for rec in trial["records"]] for r in range(n)], n,
                 f"world_size={n}")
     ok("ring_all_reduce", f"{trials} sizes on {n} ranks, each rank sending to one neighbour, seed={seed}")
@@ -143,3 +167,49 @@ def ring_total(name: str, got: list, numel: int, where: str) -> None:
         raise AssertionError(f"{name}: the ranks sent {sent:,.0f} bytes together for {numel} float64 values; a "
                              f"ring's messages carry 2(N-1) n values in all, {least:,} bytes: every chunk of the "
                              f"reduce-scatter and of the all-gather travels as a message ({where})")
+
+
+# what a message of the ring carries, float64 sums of at most N values in any order: exact to ~1e-15
+TOLERANCE = 1e-9
+
+
+def partial_sums(inputs: list[torch.Tensor]) -> dict[frozenset, torch.Tensor]:
+    """{set of ranks: the sum of their flat inputs, sorted}: what a ring's message may carry, each of its
+    values an element of one of them (sorted: a message's values are looked up, whatever the chunking)."""
+    flat = [t.reshape(-1).to(DTYPE) for t in inputs]
+    return {frozenset(s): torch.stack([flat[q] for q in s]).sum(0).sort().values
+            for k in range(1, len(flat) + 1) for s in itertools.combinations(range(len(flat)), k)}
+
+
+def _carries(message: torch.Tensor, values: torch.Tensor, pad: int) -> bool:
+    """Whether `message` is a chunk of `values` (sorted): its values distinct elements of them, in any order
+    and any split (contiguous, strided), and the rest zeros up to the padding of a padded copy."""
+    y = message.reshape(-1).to(DTYPE)
+    if y.numel() == 0:
+        return True
+    hi = torch.searchsorted(values, y).clamp(max=len(values) - 1)  # the nearest value: below or above y
+    lo = (hi - 1).clamp(min=0)
+    j = torch.where((y - values[lo]).abs() < (y - values[hi]).abs(), lo, hi)
+    found = (y - values[j]).abs() <= TOLERANCE * (1 + values[j].abs())
+    rest = y[~found]
+    return (len(set(j[found].tolist())) == int(found.sum()) and rest.numel() <= pad
+            and bool((rest.abs() <= TOLERANCE).all()))
+
+
+def ring_contents(name: str, messages: list, sums: dict, r: int, n: int, numel: int, where: str) -> None:
+    """What rank r's 2(N-1) messages carry (Patarasuk & Yuan 2009): at reduce-scatter step s (from 0), a chunk
+    summed over s + 1 ranks, r among them (its own chunk, then what it received plus its own); in the
+    all-gather, a chunk summed over all N. Either way round, any chunking, padded or not; a message of the
+    right size filled with anything else (zeros, noise) fails, wherever the sum itself travelled.
+    `sums`: `partial_sums` of the ranks' inputs."""
+    pad = n * -(-numel // n) - numel
+    for k, message in enumerate(messages):
+        size = min(k + 1, n)
+        if any(_carries(message, sums[s], pad) for s in sums if len(s) == size and r in s):
+            continue
+        what = ("a chunk of its own input" if size == 1 else "a chunk summed over all N ranks" if size == n else
+                f"a chunk summed over {size} ranks (its own and the {size - 1} before it on the ring)")
+        raise AssertionError(f"{name}: message {k + 1} of {len(messages)} that rank {r} sent does not carry {what}: "
+                             f"in a ring each message is a chunk of the tensors being summed (reduce-scatter step s: "
+                             f"the sum over s + 1 ranks; all-gather: the finished sums), not stand-in values of the "
+                             f"right size ({where})")

@@ -12,7 +12,8 @@
    size: each must weigh by its share of the batch). The schedule itself is read from each rank's
    messages (`dlo.checks.day6_order`): one per micro-batch each way, and at each activation sent the
    bytes saved for backward (`dlo.checks.saved.GuardedMeter`) must be the schedule's micro-batches alive
-   (GPipe's k-th forward: k; 1F1B's on rank r: min(k, p - r)), measured here one micro-batch at a time. 1F1B must
+   (GPipe's k-th forward: k; 1F1B's on rank r: min(k, p - r)), measured here one micro-batch at a time, and
+   the bytes saved since the step began k micro-batches' (the meter's `made`: no forward hidden). 1F1B must
    also keep at most p micro-batches of activations alive on the first stage. Saved-tensor hooks are
    off limits in both (a step's own would hide its activations from the meter);
 5. the same model through torch.distributed.pipelining (GPipe, 1F1B, interleaved 1F1B): losses
@@ -119,7 +120,7 @@ def _step_worker(mine: dict, fn, label: str):
                              f"your own schedule from point-to-point messages (exercise 5 is torch's)")
     loss = loss.item() if isinstance(loss, torch.Tensor) and loss.numel() == 1 else loss
     return {"loss": loss if stage.is_last else None, "grads": [q.grad for q in stage.module.parameters()],
-            "peak": meter.peak, "events": watch.events}
+            "peak": meter.peak, "made": meter.made, "events": watch.events}
 
 
 def _check_step(name: str, fn, label: str, seed: int, world_size: int, equal: bool, timeout: float) -> tuple:

@@ -13,7 +13,12 @@ An activation can only be sent once its forward ran, so the profile holds howeve
 posted (early `irecv`s, batched p2p). Hiding saved tensors from the meter would lower the count:
 saved-tensor hooks (a step's own, innermost, would be the only ones autograd calls) are off limits
 (`dlo.checks.saved.HOOKS`); the grader's meter (`GuardedMeter`) pushes its own through the builtins
-captured at import, before anything is blocked.
+captured at import, before anything is blocked. A forward that saves nothing (run under no_grad, or in a
+custom autograd Function that keeps its tensors as `ctx` attributes, recomputing in backward) is still
+unseen by the count held: GPipe with its forwards past 1F1B's window so hidden showed 1F1B's profile. So the
+meter also adds up every byte saved since the step began (`SavedTensorMeter.made`): at the k-th activation sent,
+k forwards' worth (each forward saved its activations), and at the end m micro-batches' worth (none saved
+twice: a forward recomputed from a kept input, its first graph dropped, would save its activations twice).
 
 Exercise 5: the order in which torch's stages ran their forward and backward chunks, recorded on each
 rank, against the asked schedule's list (`torch_order`).
@@ -31,7 +36,8 @@ from dlo.measure import SavedTensorMeter
 
 class OrderWatch(P2PWatch):
     """`P2PWatch` that also records each send and receive: [kind, peer (global rank; -1 for any source),
-    the tensor's first dimension (the micro-batch's size), the bytes the meter counts then]."""
+    the tensor's first dimension (the micro-batch's size), the bytes the meter holds then, the bytes it has
+    seen saved since the step began]."""
 
     def __init__(self, label: str, meter: GuardedMeter):
         super().__init__(label)
@@ -43,7 +49,8 @@ class OrderWatch(P2PWatch):
             tensors = args[0] if isinstance(args[0], (list, tuple)) else [args[0]]
             size = int(tensors[0].shape[0]) if tensors and tensors[0].dim() else 0
             any_source = found[0] == "recv" and func._schema.name.endswith("any_source_")
-            self.events.append([found[0], -1 if any_source else _global(args[1], args[2]), size, self.meter.bytes])
+            self.events.append([found[0], -1 if any_source else _global(args[1], args[2]), size, self.meter.bytes,
+                                self.meter.made])
         return super().__torch_dispatch__(func, types, args, kwargs)
 
 
@@ -103,6 +110,26 @@ def _counts(name: str, r: int, p: int, events: list, sizes: list[int], where: di
                                  f"micro-batches have {sizes}: one message per micro-batch ({where})")
 
 
+def _saved_by_forwards(name: str, r: int, k: int, n: int, made: int, want: int, mean: float, slack: float,
+                       where: dict) -> None:
+    """At the k-th activation sent, the step has saved for backward what k forwards save (`SavedTensorMeter.made`)."""
+    if made < want - slack:
+        raise AssertionError(
+            f"{name}: when rank {r} sent activation {k} of {n}, its forwards had saved {made / mean:.1f} "
+            f"micro-batches of activations for backward in all ({made} bytes), {k} forwards save {k}: run each "
+            f"forward with autograd recording (no torch.no_grad, no custom autograd.Function keeping tensors as "
+            f"ctx attributes), so that what your stage keeps for backward is what autograd saved ({where})")
+
+
+def _saved_once(name: str, r: int, made: int, want: int, mean: float, slack: float, where: dict) -> None:
+    """Over the step, each micro-batch's activations saved once: no forward recomputed."""
+    if made > want + slack:
+        raise AssertionError(
+            f"{name}: rank {r}'s step saved {made / mean:.1f} micro-batches of activations for backward in all "
+            f"({made} bytes) for {want / mean:.0f} micro-batches: one forward per micro-batch, its activations "
+            f"kept in autograd's graph until its backward (not dropped and recomputed) ({where})")
+
+
 def verify_order(name: str, schedule: str, got: list[dict], c: dict, where: dict) -> None:
     """Each rank's messages (`OrderWatch.events`) against `schedule` ("GPipe" or "1F1B"): one per
     micro-batch each way, and at each activation sent the micro-batches held for backward."""
@@ -116,7 +143,7 @@ def verify_order(name: str, schedule: str, got: list[dict], c: dict, where: dict
         sent = [e for e in res["events"] if e[0] == "send" and e[1] == r + 1]
         mean = sum(per_mb[r][b] for b in sizes) / len(sizes)
         slack = 0.25 * min(per_mb[r].values())  # a quarter of a micro-batch: tells k from k + 1
-        for k, (_, _, _, held) in enumerate(sent, 1):
+        for k, (_, _, _, held, made) in enumerate(sent, 1):
             alive = _alive(schedule, k, p, r)
             want = sum(per_mb[r][e[2]] for e in sent[k - alive:k])
             if abs(held - want) > slack:
@@ -124,6 +151,9 @@ def verify_order(name: str, schedule: str, got: list[dict], c: dict, where: dict
                     f"{name}: when rank {r} sent activation {k} of {len(sent)}, it held {held / mean:.1f} "
                     f"micro-batches of activations for backward ({held} bytes), {schedule} holds {alive} there: "
                     f"{_rule(schedule, p, r)} ({where})")
+            _saved_by_forwards(name, r, k, len(sent), made, sum(per_mb[r][e[2]] for e in sent[:k]), mean, slack,
+                               where)
+        _saved_once(name, r, res["made"], sum(per_mb[r][b] for b in sizes), mean, slack, where)
     if schedule == "GPipe":  # the last rank has no activation to send: its forwards all come before its backwards
         r, events = p - 1, got[-1]["events"]
         first_grad = next(i for i, e in enumerate(events) if e[0] == "send")

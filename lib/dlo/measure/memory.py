@@ -55,7 +55,8 @@ class SavedTensorMeter:
     shapes alone. That is how `dlo plan` sizes the activations of full-size models on a CPU.
 
     `ignore(t)` True: a saved tensor that is not an activation (a check's exemption, e.g. an RNG state to
-    replay), not counted.
+    replay), not counted. `made` adds up every storage counted since the context began, freed or not: what
+    the forwards saved in all, where `bytes` is what is held now.
     """
 
     def __init__(self, exclude=(), ignore: Callable[[Tensor], bool] | None = None):
@@ -64,7 +65,7 @@ class SavedTensorMeter:
         self.refs: dict[int, int] = {}
         self.sizes: dict[int, int] = {}
         self.dtypes: dict[int, torch.dtype] = {}
-        self.bytes = self.peak = 0
+        self.bytes = self.peak = self.made = 0
 
     def _release(self, key: int) -> None:
         self.refs[key] -= 1
@@ -83,6 +84,7 @@ class SavedTensorMeter:
         if key not in self.refs:
             self.refs[key], self.sizes[key], self.dtypes[key] = 0, t.untyped_storage().nbytes(), t.dtype
             self.bytes += self.sizes[key]
+            self.made += self.sizes[key]
             self.peak = max(self.peak, self.bytes)
         self.refs[key] += 1
         weakref.finalize(held, self._release, key)
