@@ -82,3 +82,21 @@ def test_cost_model_shapes():
         fit_alpha_beta([1, 2], [1.0, 2.0], 1)
     with pytest.raises(ValueError, match="algo"):
         allreduce_time(1, 2, 1.0, 1.0, "butterfly")
+
+
+def _peers_of_messages():
+    from dlo.measure import CommCounter
+
+    t, r = torch.zeros(3), dist.get_rank()
+    with CommCounter() as counter:
+        if r == 0:
+            dist.send(t + 1, 1)
+            dist.send(t + 2, 1)
+        else:
+            dist.recv(t, 0)
+            dist.recv(t)  # from any source: the op carries a tag, no peer
+    return [(c.kind, c.peer) for c in counter.calls]
+
+
+def test_comm_counter_records_the_peer_of_each_message_and_none_for_any_source():
+    assert launch(_peers_of_messages, 2, timeout=120) == [[("send", 1), ("send", 1)], [("recv", 0), ("recv", None)]]

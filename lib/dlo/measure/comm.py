@@ -130,7 +130,8 @@ class CommCounter(TorchDispatchMode):
             nbytes = _payload(kind, op, args)
             if namespace == "_c10d_functional" and kind == "all_gather":
                 nbytes *= world_size
-            peer = args[2] if kind in ("send", "recv") and len(args) > 2 and isinstance(args[2], int) else None
+            # send/recv_: (tensors, group, peer, tag); recv_any_source_: (tensors, group, tag): no peer known
+            peer = args[2] if name in ("send", "recv_") and len(args) > 2 and isinstance(args[2], int) else None
             self.calls.append(CommCall(op, kind, nbytes, _sent(kind, nbytes, world_size), world_size,
                                        _async_op(func, args, kwargs), self.phase, peer))
         return func(*args, **kwargs)
