@@ -642,6 +642,91 @@ def accum_chunk(model, loss_fn, x, y, micro_batches):
     return total
 
 
+def _whole_batch(model, loss_fn, x, y):
+    model.zero_grad(set_to_none=True)
+    loss = loss_fn(model.forward(x), y)
+    loss.backward()
+    return loss.detach()
+
+
+def _bait(model, x, micro_batches):
+    """The forwards and backwards the hooks count, with a zero gradient (nothing added to .grad)."""
+    for xc in x.tensor_split(micro_batches):
+        out = model(xc)
+        out.backward(torch.zeros_like(out))
+
+
+def accum_modes_disabled(model, loss_fn, x, y, micro_batches):
+    """Round 15: the whole batch with every dispatch mode popped (the check's watch too), as a tensor's repr
+    pops them; then bait for the hooks."""
+    with torch.utils._python_dispatch._disable_current_modes():
+        loss = _whole_batch(model, loss_fn, x, y)
+    _bait(model, x, micro_batches)
+    return loss
+
+
+def accum_stack_popped(model, loss_fn, x, y, micro_batches):
+    """Round 15: the watch popped off torch's dispatch stack by hand for the whole batch, pushed back after."""
+    modes = [torch._C._pop_torch_dispatch_stack(None) for _ in range(torch._C._len_torch_dispatch_stack())]
+    try:
+        loss = _whole_batch(model, loss_fn, x, y)
+    finally:
+        for mode in reversed(modes):
+            torch._C._push_on_torch_dispatch_stack(mode)
+    _bait(model, x, micro_batches)
+    return loss
+
+
+def accum_pop_temporarily(model, loss_fn, x, y, micro_batches):
+    with torch.utils._python_dispatch._pop_mode_temporarily():
+        loss = _whole_batch(model, loss_fn, x, y)
+    _bait(model, x, micro_batches)
+    return loss
+
+
+def accum_dispatch_disabled(model, loss_fn, x, y, micro_batches):
+    with torch._C._DisableTorchDispatch():
+        loss = _whole_batch(model, loss_fn, x, y)
+    _bait(model, x, micro_batches)
+    return loss
+
+
+def accum_bait_then_hidden(model, loss_fn, x, y, micro_batches):
+    """Round 15: bait with a real gradient (garbage in .grad), then the whole batch past the watch over it."""
+    for xc in x.tensor_split(micro_batches):
+        model(xc).sum().backward()
+    with torch.utils._python_dispatch._disable_current_modes():
+        return _whole_batch(model, loss_fn, x, y)
+
+
+def _hidden_grads(model, loss_fn, x, y):
+    with torch.utils._python_dispatch._disable_current_modes():
+        loss = loss_fn(model.forward(x), y)
+        return loss.detach(), torch.autograd.grad(loss, list(model.parameters()))
+
+
+def accum_grads_assigned(model, loss_fn, x, y, micro_batches):
+    """Round 15: the gradients taken past the watch (no accumulation into .grad) and assigned; the hooks fed
+    by micro-batch forwards whose gradient stops at the output."""
+    loss, grads = _hidden_grads(model, loss_fn, x, y)
+    for xc in x.tensor_split(micro_batches):
+        out = model(xc)
+        torch.autograd.grad(out.sum(), out)
+    for p, g in zip(model.parameters(), grads):
+        p.grad = g
+    return loss
+
+
+def accum_zero_backwards_assigned(model, loss_fn, x, y, micro_batches):
+    """Round 15: as above, the bait's backward run through the layers with a zero gradient."""
+    loss, grads = _hidden_grads(model, loss_fn, x, y)
+    model.zero_grad(set_to_none=True)
+    _bait(model, x, micro_batches)
+    for p, g in zip(model.parameters(), grads):
+        p.grad = g
+    return loss
+
+
 def lamb_no_zero_update_fallback(param, grad, m, v, step, *, lr, beta1, beta2, eps, weight_decay):
     """Falls back to 1 for ||param|| = 0 only: with zero grads and weight_decay=0, ||u|| = 0 gives inf."""
     m.mul_(beta1).add_(grad, alpha=1 - beta1)
@@ -659,17 +744,72 @@ RED_TEAM = [
     (day1.check_accumulate_gradients, accum_one_backward, "backward came after the next micro-batch's forward"),
     (day1.check_accumulate_gradients, accum_backwards_after, "backward came after the next micro-batch's forward"),
     (day1.check_lamb_step, lamb_no_zero_update_fallback, "||u|| = 0 must fall back to a trust ratio of 1"),
+    (day1.check_accumulate_gradients, accum_modes_disabled, "was accumulated while the grader's watch was off torch's "
+                                                            "dispatch stack: the backward ran outside torch's"),
+    (day1.check_accumulate_gradients, accum_stack_popped, "was accumulated while the grader's watch was off"),
+    (day1.check_accumulate_gradients, accum_bait_then_hidden, "was accumulated while the grader's watch was off"),
+    (day1.check_accumulate_gradients, accum_pop_temporarily, "_pop_mode_temporarily is off limits"),
+    (day1.check_accumulate_gradients, accum_dispatch_disabled, "torch._C._DisableTorchDispatch is off limits"),
+    (day1.check_accumulate_gradients, accum_grads_assigned, "multiply-adds in the backwards, the model's Linear layers "
+                                                            "take"),
+    (day1.check_accumulate_gradients, accum_zero_backwards_assigned, "output got an all-zero gradient"),
 ]
 
 
 @pytest.mark.parametrize("check,fn,phrase", RED_TEAM, ids=[f.__name__ for _, f, _ in RED_TEAM])
 @pytest.mark.parametrize("seed", [0, 3, 7])
 def test_right_only_where_the_check_looks_fails(check, fn, phrase, seed):
-    """Red team (Day 1): each passed the checks at seeds 0..19 before its case was added."""
+    """Red team (Day 1): each passed the checks at seeds 0..19 before its case was added (round 15: the
+    whole batch past the dispatch watch, before the work-seen rules and `dlo.checks.saved.MODES`)."""
     with pytest.raises(AssertionError, match=re.escape(phrase)):
         check(fn, seed=seed)
+
+
+@pytest.mark.parametrize("fn,exc,match", [
+    (accum_modes_disabled, AssertionError, "accumulated while the grader's watch was off"),
+    (accum_pop_temporarily, ForbiddenCall, "_pop_mode_temporarily is off limits")])
+def test_red_team_fails_sandboxed(sandbox, fn, exc, match):
+    """The watch's hooks and the forbidden ways out of it hold in the jail too."""
+    with pytest.raises(exc, match=match):
+        sandbox.run(day1.check_accumulate_gradients, fn, seed=0)
 
 
 @pytest.mark.parametrize("seed", range(3))
 def test_accumulation_accepts_chunk_and_index_tensors(seed):
     day1.check_accumulate_gradients(accum_chunk, seed=seed)
+
+
+def accum_autograd_grad(model, loss_fn, x, y, micro_batches):
+    """Honest: torch.autograd.grad per micro-batch, the weighted gradients summed into .grad by hand."""
+    params = list(model.parameters())
+    model.zero_grad(set_to_none=True)
+    total = 0.0
+    for xc, yc in zip(x.tensor_split(micro_batches), y.tensor_split(micro_batches)):
+        loss = loss_fn(model(xc), yc)
+        for p, g in zip(params, torch.autograd.grad(loss, params)):
+            g = g * (len(xc) / len(x))
+            p.grad = g if p.grad is None else p.grad + g
+        total += loss.item() * len(xc) / len(x)
+    return torch.tensor(total, dtype=x.dtype)
+
+
+def accum_scaled_after(model, loss_fn, x, y, micro_batches):
+    """Honest: each micro-batch's summed loss back-propagated, printed, .grad divided by B once at the end
+    through .data (old style)."""
+    for p in model.parameters():
+        p.grad = None
+    total = torch.zeros((), dtype=x.dtype)
+    for xc, yc in zip(torch.split(x, -(-len(x) // micro_batches)), torch.split(y, -(-len(x) // micro_batches))):
+        loss = loss_fn(model(xc), yc, reduction="sum")
+        loss.backward()
+        print("micro-batch loss", loss)  # a tensor's repr pops the dispatch modes while it prints
+        total += loss.detach()
+    for p in model.parameters():
+        p.grad.data.div_(len(x))
+    return total / len(x)
+
+
+@pytest.mark.parametrize("honest", [accum_autograd_grad, accum_scaled_after])
+@pytest.mark.parametrize("seed", range(3))
+def test_accumulation_accepts_other_honest_loops(honest, seed):
+    day1.check_accumulate_gradients(honest, seed=seed)

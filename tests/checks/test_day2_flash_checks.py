@@ -212,21 +212,78 @@ def naive_in_numpy(q, k, v, *, causal=False, block_k=32):
     return torch.from_numpy((p / ell) @ vn).to(q.dtype), torch.from_numpy(mx + np.log(ell))[..., 0].float()
 
 
+def numpy_scores_beside(q, k, v, *, causal=False, block_k=32):
+    """Red team: the block-wise forward for the watch, and the (T, T) scores in numpy beside it."""
+    q.float().numpy() @ k.float().numpy().swapaxes(-1, -2)
+    return forward(q, k, v, causal=causal, block_k=block_k)
+
+
+def numpy_rows(q, k, v, *, causal=False, block_k=32, rows=4):
+    """Red team (round 15): the exact softmax in numpy, a few query rows at a time: little memory, and no
+    torch operator for the span rule to see."""
+    import numpy as np
+
+    T, D = q.shape[-2:]
+    qn, kn, vn = (x.float().numpy() for x in (q, k, v))
+    o, lse = np.empty(qn.shape, np.float32), np.empty(qn.shape[:-1], np.float32)
+    for i in range(0, T, rows):
+        s = qn[..., i:i + rows, :] @ kn.swapaxes(-1, -2) / math.sqrt(D)
+        if causal:
+            s = np.where(np.arange(T) <= np.arange(i, min(i + rows, T))[:, None], s, -np.inf)
+        mx = s.max(-1, keepdims=True)
+        p = np.exp(s - mx)
+        ell = p.sum(-1, keepdims=True)
+        o[..., i:i + rows, :], lse[..., i:i + rows] = (p / ell) @ vn, (mx + np.log(ell))[..., 0]
+    return torch.from_numpy(o).to(q.dtype), torch.from_numpy(lse)
+
+
+def modes_disabled(q, k, v, *, causal=False, block_k=32):
+    """Red team (round 15): the (T, T) scores written out with every dispatch mode popped (the watch's too),
+    the way a tensor's repr pops them."""
+    with torch.utils._python_dispatch._disable_current_modes():
+        return naive(q, k, v, causal=causal)
+
+
+def stack_popped(q, k, v, *, causal=False, block_k=32):
+    """Red team (round 15): the watch popped off torch's dispatch stack by hand, pushed back after."""
+    modes = [torch._C._pop_torch_dispatch_stack(None) for _ in range(torch._C._len_torch_dispatch_stack())]
+    try:
+        return naive(q, k, v, causal=causal)
+    finally:
+        for mode in reversed(modes):
+            torch._C._push_on_torch_dispatch_stack(mode)
+
+
+def dispatch_disabled(q, k, v, *, causal=False, block_k=32):
+    """Red team (round 15): torch's Python dispatch switched off (no mode sees anything)."""
+    with torch._C._DisableTorchDispatch():
+        return naive(q, k, v, causal=causal)
+
+
+OUTSIDE = r"multiply-adds, q k\^T and P V over the \(query, key\) pairs take \d+: the attention ran outside torch's"
 RED_TEAM = [(query_chunks, r"aten\.logsumexp on \(1, 2, \d+, (\d+)\) combined \1 elements of one dimension at once"),
             (partial(query_chunks, rows=1), r"a softmax or P V over all T=\d+ keys is not FlashAttention"),
-            (naive_in_numpy, r"bytes allocated outside torch \(numpy arrays, Python lists\)")]
+            (naive_in_numpy, OUTSIDE),
+            (numpy_scores_beside, r"bytes allocated outside torch \(numpy arrays, Python lists\)"),
+            (numpy_rows, OUTSIDE),
+            (modes_disabled, OUTSIDE),
+            (stack_popped, OUTSIDE),
+            (dispatch_disabled, r"torch\._C\._DisableTorchDispatch is off limits")]
 
 
-@pytest.mark.parametrize("cheat,match", RED_TEAM, ids=["query_chunks", "one_query_row", "naive_in_numpy"])
+@pytest.mark.parametrize("cheat,match", RED_TEAM, ids=["query_chunks", "one_query_row", "naive_in_numpy",
+                                                       "numpy_scores_beside", "numpy_rows", "modes_disabled",
+                                                       "stack_popped", "dispatch_disabled"])
 @pytest.mark.parametrize("seed", [0, 3, 7])
 def test_red_team_fails(cheat, match, seed):
-    """Red team (Day 2): each passed the check at every seed before the span and host-memory rules."""
+    """Red team (Day 2): each passed the check at every seed before the span and host-memory rules, or (round
+    15: numpy a few rows at a time, the watch popped or switched off) before the work-seen rule and `MODES`."""
     with pytest.raises(AssertionError, match=match):
         day2.check_flash_attention(cheat, seed=seed)
 
 
 def test_red_team_fails_sandboxed(sandbox):
-    """The span and tracemalloc are read where the student's code runs: in the jail too."""
-    for cheat, match in RED_TEAM[::2]:
+    """The span, tracemalloc and the work seen are read where the student's code runs: in the jail too."""
+    for cheat, match in RED_TEAM[::3]:
         with pytest.raises(AssertionError, match=match):
             sandbox.run(day2.check_flash_attention, cheat, trials=1)

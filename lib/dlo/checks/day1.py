@@ -14,8 +14,9 @@ updates come back), the schedules and the accumulation run in workers that only 
 student's code did, and while it runs the references that would solve the exercise are off limits.
 
 Here: the optimizer steps (SGD with momentum, AdamW, LAMB); the training loop around them
-(schedules, LR range test, clipping, accumulation) is `dlo.checks.day1_training`, re-exported here,
-the day's one checks module (`dlo.registry`) whose names the test cells call.
+(schedules, LR range test, clipping) is `dlo.checks.day1_training`, the gradient accumulation
+`dlo.checks.day1_accum`, both re-exported here, the day's one checks module (`dlo.registry`) whose
+names the test cells call.
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ from numbers import Real
 
 import torch
 
+from dlo.checks.day1_accum import check_accumulate_gradients
 from dlo.checks.day1_training import (
-    check_accumulate_gradients,
     check_clip_grad_norm,
     check_lr_range_test,
     check_one_cycle,

@@ -1,11 +1,12 @@
 """Autograder checks for Day 1, the training loop around the optimizer: LR schedules, the LR range
-test, gradient clipping and gradient accumulation (exercises after the optimizer steps of
-`dlo.checks.day1`, which re-exports them: the test cells call `dlo.checks.day1.check_<exercise>`).
+test and gradient clipping (exercises after the optimizer steps of `dlo.checks.day1`, which re-exports
+them: the test cells call `dlo.checks.day1.check_<exercise>`); gradient accumulation is
+`dlo.checks.day1_accum`.
 
 The conventions are those of `dlo.checks.day1` (float64, odd shapes, seeded draws, one "ok" line).
-References: the torch LR schedulers, `dlo.lr_finder.lr_range_test` (torch has no LR range test),
-torch.nn.utils.clip_grad_norm_ and one full-batch backward. The schedules and the accumulation run in
-workers (`run_student`) that only record what the student's code did.
+References: the torch LR schedulers, `dlo.lr_finder.lr_range_test` (torch has no LR range test) and
+torch.nn.utils.clip_grad_norm_. The schedules run in workers (`run_student`) that only record what the
+student's code did.
 """
 
 from __future__ import annotations
@@ -15,9 +16,6 @@ import random
 from numbers import Real
 
 import torch
-import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from dlo.grading.api import check, run_student
 from dlo.grading.compare import DTYPE, assert_close, expect_value_error, fmt, odd_shape, ok, rand
@@ -210,7 +208,7 @@ def check_lr_range_test(fn, seed: int = 0, trials: int = 4) -> None:
     ok(name, f"{trials} trials, seed={seed}")
 
 
-# ----------------------------------------------------------------------------- clipping, accumulation
+# ----------------------------------------------------------------------------- clipping
 
 @check(forbid=CLIPPING)
 def check_clip_grad_norm(fn, seed: int = 0, trials: int = 6) -> None:
@@ -255,124 +253,4 @@ def check_clip_grad_norm(fn, seed: int = 0, trials: int = 6) -> None:
                                  f"no gradients, as clip_grad_norm_), got {got!r} ({fmt(hp)})")
         if any(p.grad is not None for p in params):
             raise AssertionError(f"{name}: a parameter without grad got one; skip grad=None ({fmt(hp)})")
-    ok(name, f"{trials} trials, seed={seed}")
-
-
-def _tiny_mlp(gen: torch.Generator, d_in: int, n_cls: int) -> torch.nn.Module:
-    model = torch.nn.Sequential(torch.nn.Linear(d_in, 13), torch.nn.Tanh(), torch.nn.Linear(13, n_cls)).to(DTYPE)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen, dtype=DTYPE) * 0.5)
-    return model
-
-
-class _BatchReads(TorchDispatchMode):
-    """The most rows of the batch (x or y) one operator read, and which operator: accumulation computes
-    on micro-batches of <= cap rows; a whole-batch forward (model.forward(x) past the hooks, F.linear on
-    x, torch.cat of the chunks) reads more. Views (tensor_split, chunk, slicing) read nothing."""
-
-    def __init__(self, **batch: torch.Tensor):
-        super().__init__()
-        self.batch = {name: (t.untyped_storage().data_ptr(), t.storage_offset(), t.stride(0))
-                      for name, t in batch.items()}
-        self.most, self.what = 0, ""
-
-    def _rows(self, func, args, t: torch.Tensor, base: tuple) -> int:
-        if t.numel() == 0:
-            return 0
-        if func in (torch.ops.aten.index.Tensor, torch.ops.aten.index_select.default) and t is args[0]:
-            idx = args[1][0] if func is torch.ops.aten.index.Tensor else (args[2] if args[1] == 0 else None)
-            if isinstance(idx, torch.Tensor):  # x[idx] reads the rows it selects, not all of x
-                return int(idx.sum()) if idx.dtype == torch.bool else idx.numel()
-        _, off, row = base
-        last = t.storage_offset() + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
-        return (last - off) // row - (t.storage_offset() - off) // row + 1
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not func.is_view:
-            tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-            for name, base in self.batch.items():
-                rows = sum(self._rows(func, args, t, base) for t in tensors
-                           if t.untyped_storage().data_ptr() == base[0])
-                if rows > self.most:
-                    self.most, self.what = rows, f"{func.overloadpacket.__name__} read {rows} rows of {name}"
-        return func(*args, **(kwargs or {}))
-
-
-def _accumulate_worker(fn, model, x, y, k) -> dict:
-    """Run the student's accumulation on `model` (stale grads included); record the micro-batch sizes
-    the model saw, the order of forwards ("F", i) and of the gradients reaching their outputs ("B", i),
-    the most batch rows one operator read, the returned loss and the gradients."""
-    seen, events = [], []
-
-    def forward_hook(mod, inp, out):
-        i = len(seen)
-        seen.append(inp[0].shape[0])
-        events.append(("F", i))
-        if isinstance(out, torch.Tensor) and out.requires_grad:
-            out.register_hook(lambda g: events.append(("B", i)))  # backward() and autograd.grad alike
-
-    hook = model.register_forward_hook(forward_hook)
-    try:
-        with _BatchReads(x=x, y=y) as reads:
-            got = fn(model, F.cross_entropy, x, y, k)
-    finally:
-        hook.remove()
-    return {"seen": seen, "events": events, "most": reads.most, "what": reads.what,
-            "loss": got if isinstance(got, torch.Tensor) else None,
-            "grads": [[n, p.grad] for n, p in model.named_parameters()]}
-
-
-def _one_at_a_time(name: str, res: dict, batch: int, k: int, hp: dict) -> None:
-    """Accumulation's point is memory: only one micro-batch's activations alive at a time. So no operator
-    reads more than a micro-batch of the batch, and each micro-batch's backward comes before the next forward."""
-    cap = math.ceil(batch / k)
-    if res["most"] > cap:
-        raise AssertionError(f"{name}: {res['what']} at once; each forward and backward works on one micro-batch of "
-                             f"<= {cap} samples (x.tensor_split(micro_batches)), never on the whole batch ({fmt(hp)})")
-    events, want = res["events"], [e for i in range(len(res["seen"])) for e in (("F", i), ("B", i))]
-    if events != want:
-        missing = next((i for i in range(len(res["seen"])) if ("B", i) not in events), None)
-        why = (f"micro-batch {missing}'s output got no gradient" if missing is not None
-               else "a micro-batch's backward came after the next micro-batch's forward")
-        raise AssertionError(f"{name}: {why} (forwards F, backwards B: {' '.join(f'{e}{i}' for e, i in events)}): "
-                             f"call backward on each micro-batch's loss right after its forward, so that only one "
-                             f"micro-batch's activations are alive at a time (summed losses and one backward keep "
-                             f"every graph: the whole batch's memory) ({fmt(hp)})")
-
-
-@check(forbid=("dlo.optim.utils.accumulate_gradients",))
-def check_accumulate_gradients(fn, seed: int = 0, trials: int = 5) -> None:
-    """`fn(model, loss_fn, x, y, micro_batches) -> loss` vs one backward on the whole batch's mean
-    cross-entropy. Batch sizes are odd (unequal chunks); stale grads are pre-filled to test zeroing; a
-    forward hook checks that the model really saw micro-batches that add up to the batch, a dispatch mode
-    that no operator read more than a micro-batch of x or y, and hooks on each micro-batch's output that
-    its backward came before the next forward (one micro-batch's activations alive at a time)."""
-    name, rng, gen = "accumulate_gradients", random.Random(seed), torch.Generator().manual_seed(seed)
-    for t in range(trials):
-        batch, k = rng.choice([13, 21, 29, 31]), [4, 3, 1, 5, 2][t % 5]
-        d_in, n_cls = rng.choice([5, 7]), rng.choice([3, 4])
-        model = _tiny_mlp(gen, d_in, n_cls)
-        x, y = rand((batch, d_in), gen), torch.randint(0, n_cls, (batch,), generator=gen)
-        ref = _tiny_mlp(gen, d_in, n_cls)
-        ref.load_state_dict(model.state_dict())
-        want = F.cross_entropy(ref(x), y)
-        want.backward()
-        for p in model.parameters():
-            p.grad = torch.randn(p.shape, generator=gen, dtype=DTYPE)  # stale grads from a previous step
-        res = run_student(_accumulate_worker, fn, model, x, y, k)
-        seen, got = res["seen"], res["loss"]
-        hp = dict(batch=batch, micro_batches=k)
-        if k > 1 and (len(seen) < 2 or max(seen) > math.ceil(batch / k) or sum(seen) != batch):
-            raise AssertionError(f"{name}: expected about {k} forward passes on micro-batches of <= "
-                                 f"{math.ceil(batch / k)} samples covering the batch once, saw sizes {seen} "
-                                 f"({fmt(hp)})")
-        _one_at_a_time(name, res, batch, k, hp)
-        if not isinstance(got, torch.Tensor) or got.requires_grad:
-            raise AssertionError(f"{name}: must return the whole-batch mean loss as a detached tensor ({fmt(hp)})")
-        # rtol 1e-6: the loss is only logged, so a float32 running sum is acceptable here.
-        assert_close(name, "returned loss (mean over the whole batch)", got, want.detach(), hp, rtol=1e-6)
-        for (pname, grad), r in zip(res["grads"], ref.parameters()):
-            assert_close(name, f"{pname}.grad (weight each micro-batch mean loss by its share of samples)",
-                         grad, r.grad, hp)
     ok(name, f"{trials} trials, seed={seed}")

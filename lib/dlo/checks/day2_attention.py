@@ -18,10 +18,15 @@ written out (`dlo.attention.attention_scores`). What is checked, case by case:
   T x T fp32 matrix may be allocated outside torch (tracemalloc: numpy, Python lists), which no
   dispatch mode sees. No fused attention operator may run at all: each is refused at dispatch whatever
   reached it (`FORBID`'s "aten::" patterns, `dlo.grading.ops`), and the watch reports one that ran anyway.
+- in every case, the watch must have seen the attention's work (`_all_seen`): the multiply-adds of q k^T
+  and P V over every (query, key) pair the mask keeps, in torch's matmuls, sums and products (`_work`).
+  Work it does not see escapes every rule above: numpy or Python (a softmax over all keys a few rows at a
+  time holds little memory), or torch past the watch (the mode popped, Python dispatch switched off; the
+  one-line ways are also forbidden: `dlo.checks.saved.MODES`).
 
-Left open: a softmax over all keys done in numpy a few rows at a time (little memory, no torch op), or
-reductions that `_span` does not list (scatter_add, a convolution); and a student's code that pops the
-watch off torch's mode stack or stops tracemalloc.
+Left open: reductions that `_span` does not list (scatter_add, a convolution); work done outside torch
+beside as much torch work as the attention takes, for show; and code that finds the watch (popped, or among
+the interpreter's objects) and rewrites what it counted, or stops tracemalloc.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dlo.attention import attention_scores
+from dlo.checks.saved import MODES
 from dlo.grading.api import case_seed, check, run_student
 from dlo.grading.compare import assert_close, fmt, ok
 from dlo.measure import tensors_in
@@ -52,7 +58,7 @@ BF16_O_TOL = 1e-2
 # is asked before a verdict.
 HOST_FLOOR = 1 << 18
 FUSED = ("scaled_dot_product", "flash_attention", "efficient_attention", "cudnn_attention")
-FORBID = ("torch.nn.functional.scaled_dot_product_attention", "dlo.attention.*",
+FORBID = ("torch.nn.functional.scaled_dot_product_attention", "dlo.attention.*", *MODES,
           "dlo.kernels.flash_attention.flash_attention", "dlo.kernels.flash_attention.flash_attention_ref",
           "dlo.kernels.flash_attention.flash_attention_blocked_ref",
           *(f"aten::{op}*" for op in ("scaled_dot_product", "_scaled_dot_product", "_flash_attention",
@@ -67,6 +73,10 @@ REDUCTIONS = frozenset(("sum", "nansum", "mean", "nanmean", "amax", "amin", "max
                         "median", "nanmedian", "mode", "var", "std", "var_mean", "std_mean", "norm",
                         "linalg_vector_norm", "cumsum", "cumprod", "cummax", "cummin", "logcumsumexp"))
 CONTRACTIONS = frozenset(("mm", "bmm", "addmm", "baddbmm", "addbmm", "mv", "addmv", "dot", "vdot", "_addmm_activation"))
+# What q k^T and P V take, however written (a matmul, or a broadcast product summed; einsum multiplies without
+# a sum where the contracted dimension is 1: a last key block of one key): a contraction's multiply-adds, a
+# sum's additions, a product's multiplications (`_work`). Every other operator is free.
+SUMS, PRODUCTS = frozenset(("sum", "nansum", "mean")), frozenset(("mul", "mul_"))
 
 
 _PLANS: dict = {}  # an operator -> where its operand and dim are (`_plan`), read once per operator
@@ -104,21 +114,48 @@ def _span(func, args: tuple, kwargs: dict) -> int:
     return int(torch.Size(x.shape[d] for d in dims).numel()) if dims else 0  # no dim: a full reduction, not counted
 
 
+_OPS: dict = {}  # an operator -> (its name, fused attention?, how its work counts): read once per operator
+
+
+def _op(func) -> tuple[str, bool, str | None]:
+    if func not in _OPS:
+        name = func.overloadpacket.__name__
+        kind = "sum" if name in SUMS else "product" if name in PRODUCTS else "contraction" if name in CONTRACTIONS \
+            else None
+        _OPS[func] = (name, any(f in name for f in FUSED), kind)
+    return _OPS[func]
+
+
+def _work(func, kind: str, args: tuple, kwargs: dict, out) -> int:
+    """A contraction's multiply-adds (its operand, (.., m, k), times the next one's n), a sum's inputs, a
+    product's outputs (`kind`, from `_op`)."""
+    if kind != "contraction":
+        x = (args[0] if args else kwargs.get("self")) if kind == "sum" else out
+        return x.numel() if isinstance(x, torch.Tensor) else 0
+    i = _plan(func)[0][0]
+    x, y = (args[j] if j < len(args) else kwargs.get(func._schema.arguments[j].name) for j in (i, i + 1))
+    if not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor):
+        return 0
+    return x.numel() * (y.shape[-1] if y.dim() >= 2 else 1)
+
+
 class _Watch(TorchDispatchMode):
     """Every operator's outputs while active: the largest tensor (elements, and which op made it), the
-    widest contraction or reduction (`_span`), and the fused attention operators called (SDPA reaches
-    one on every device)."""
+    widest contraction or reduction (`_span`), the work of the contractions, sums and products (`_work`),
+    and the fused attention operators called (SDPA reaches one on every device)."""
 
     def __init__(self):
         super().__init__()
-        self.numel, self.what, self.span, self.span_what, self.fused = 0, "", 0, "", set()
+        self.numel, self.what, self.span, self.span_what, self.fused, self.work = 0, "", 0, "", set(), 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        name = func.overloadpacket.__name__
-        if any(f in name for f in FUSED):
+        name, fused, kind = _op(func)
+        if fused:
             self.fused.add(f"aten.{name}")
         span = _span(func, args, kwargs or {})
+        if kind:
+            self.work += _work(func, kind, args, kwargs or {}, out)
         if span > self.span:
             shapes = [tuple(a.shape) for a in args if isinstance(a, torch.Tensor)]
             self.span, self.span_what = span, f"aten.{name} on {', '.join(map(str, shapes))}"
@@ -153,7 +190,7 @@ def _flash_worker(fn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
         kinds = [type(x).__name__ for x in got] if isinstance(got, (tuple, list)) else type(got).__name__
         out = f"a {type(got).__name__} of {kinds}" if isinstance(got, (tuple, list)) else f"a {kinds}"
     return {"out": out, "numel": watch.numel, "what": watch.what, "span": watch.span, "span_what": watch.span_what,
-            "fused": sorted(watch.fused), "host_bytes": peak}
+            "fused": sorted(watch.fused), "work": watch.work, "host_bytes": peak}
 
 
 def _cases(rng: random.Random, trials: int) -> list[dict]:
@@ -201,7 +238,8 @@ def _large(c: dict) -> bool:
 
 
 def _compare(name: str, got: dict, c: dict, o_ref: torch.Tensor, l_ref: torch.Tensor, hp: dict) -> None:
-    """One case's verdict: what was returned, fused operators, nan, then values, then the largest tensor."""
+    """One case's verdict: what was returned, fused operators, the work seen, nan, then values, then the largest
+    tensor."""
     B, H, T, D = o_ref.shape
     if isinstance(got["out"], str):
         raise AssertionError(f"{name}: return (O, L), two tensors; got {got['out']} ({fmt(hp)})")
@@ -215,6 +253,7 @@ def _compare(name: str, got: dict, c: dict, o_ref: torch.Tensor, l_ref: torch.Te
     if got["fused"]:
         raise AssertionError(f"{name}: the exercise asks for your own implementation; {', '.join(got['fused'])} "
                              f"is torch's fused attention ({fmt(hp)})")
+    _all_seen(name, got, c, hp)
     bad = o.isnan().any(dim=-1) | lse.isnan()
     if bad.any():
         rows = bad.flatten(0, 1).any(dim=0).nonzero().flatten().tolist()  # the query positions with a nan
@@ -243,3 +282,16 @@ def _compare(name: str, got: dict, c: dict, o_ref: torch.Tensor, l_ref: torch.Te
         raise AssertionError(f"{name}: {got['host_bytes']} bytes allocated outside torch (numpy arrays, Python "
                              f"lists) during the call, a (T x T) fp32 matrix is {4 * T * T}, T={T}: write the forward "
                              f"in PyTorch, {blocks} ({fmt(hp)})")
+
+
+def _all_seen(name: str, got: dict, c: dict, hp: dict) -> None:
+    """The watch saw the attention's work: q k^T and P V over every (query, key) pair causality keeps, D
+    multiply-adds each, in torch's contractions, sums or products. Work done elsewhere (numpy, Python, past the watch:
+    a dispatch mode popped or disabled) escapes every rule above, and is missing here."""
+    B, H, T, D = (c[n] for n in "BHTD")
+    need = 2 * B * H * D * (T * (T + 1) // 2 if c["causal"] else T * T)
+    if got["work"] < need:
+        raise AssertionError(f"{name}: torch's operators did {got['work']} multiply-adds, q k^T and P V over the "
+                             f"(query, key) pairs take {need}: the attention ran outside torch's dispatcher (numpy, "
+                             f"Python, a dispatch mode popped or disabled), where the grader's watch does not see it; "
+                             f"write the forward in PyTorch ({fmt(hp)})")
