@@ -5,7 +5,9 @@ traffic left out, the activations not divided by cp, the experts' weights counte
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import re
 from itertools import product
 
 import pytest
@@ -158,3 +160,83 @@ def test_a_fixed_case_needs_pipeline_parallelism():
     fastest = [lay for lay in _candidates(model, cluster, batch) if fits(model, lay, cluster, batch)
                and step_time(model, lay, cluster, batch) <= t_best * (1 + 1e-9)]
     assert fastest and all(lay.pp > 1 for lay in fastest)
+
+
+# ----------------------------------------------------------------------------- red team (2026-11-30)
+
+def _old_seeded(seed: int, trials: int = 4) -> list[tuple]:
+    """The seeded cases of the generator before 2026-11-30 (powers of 2, three memories, the models' own depths): what a
+    student who read the check could tabulate, 420 of them."""
+    import random
+
+    from dlo.grading.api import case_seed
+
+    rng, out = random.Random(case_seed(seed)), []
+    for _ in range(trials):
+        kind = rng.choice(["dense", "long", "moe"])
+        if kind == "moe":
+            name, n_experts, top_k = rng.choice(day10_layout.MOE)
+            key = (name, rng.choice([4096, 8192]), n_experts, top_k)
+        else:
+            key = (rng.choice(day10_layout.DENSE[:2]) if kind == "long" else rng.choice(day10_layout.DENSE),
+                   rng.choice([32768, 65536, 131072]) if kind == "long" else rng.choice([4096, 8192]), 0, 0)
+        gpus = rng.choice([32, 64, 128] if key[0] == "llama3.1-70b" else [8, 16, 32, 64])
+        gpu, mem = rng.choice([("A100 80GB SXM", 80.0), ("H100 SXM", 80.0), ("H200 SXM", 141.0)])
+        out.append((key, Cluster(gpu, gpus, mem), gpus * rng.choice([1, 2]) // (8 if kind == "long" else 1)))
+    return out
+
+
+def _table_search(seed: int):
+    """A table filled by the library's search before the check (a literal dict in a notebook), keyed on all the
+    search is given: the notebook's cases and the cases the former generator drew."""
+    import random
+
+    from dlo.layout import search
+
+    table = {}
+    for key, cluster, batch in day10_layout._cases(random.Random(0), 0) + _old_seeded(seed):
+        model = day10_layout.layout_model(*key)
+        with contextlib.suppress(ValueError):
+            table[(model.name, model.layers, model.seq, cluster, batch)] = search(model, cluster, batch)
+
+    def search_by_table(model, cluster, batch):
+        lay = table.get((model.name, model.layers, model.seq, cluster, batch))
+        if lay is None:
+            raise ValueError("no layout fits")
+        return lay
+    return search_by_table
+
+
+def _powers_of_2(lay):
+    return all(x & (x - 1) == 0 for x in (lay.dp, lay.tp, lay.pp, lay.cp, lay.ep, lay.m))
+
+
+RED_TEAM = [  # (a search, a phrase of the message): each passed at 8-10 seeds in 10 before 2026-11-30
+    ("table", "raised ValueError (no layout fits), but"),
+    (_search_with(keep=_powers_of_2), "only powers of 2 tried"),
+    (_search_with(keep=lambda lay: lay.tp in (1, 2, 4, 8) and lay.pp in (1, 2, 4, 8) and lay.cp in (1, 2, 4, 8)
+                  and lay.m in (1, 2, 4, 8, 16, 32)), "only powers of 2 tried"),
+    (_search_with(keep=lambda lay: lay.pp <= 2), "pipeline parallelism never tried"),
+    (_search_with(keep=lambda lay: lay.m <= 8), "a faster one fits"),
+]
+
+
+@pytest.mark.parametrize("search_fn,phrase", RED_TEAM, ids=["table", "powers_of_2", "loops_of_powers_of_2",
+                                                            "pp_at_most_2", "m_at_most_8"])
+@pytest.mark.parametrize("seed", [0, 3, 7])
+def test_right_only_where_the_cases_look_fails(search_fn, phrase, seed):
+    if search_fn == "table":
+        search_fn = _table_search(seed)
+    with pytest.raises(AssertionError, match=re.escape(phrase)):
+        day10_layout.check_layout_search(search_fn, seed=seed)
+
+
+def test_the_seeded_cases_do_not_repeat():
+    """A table of the answers covers no hidden case: over 20 seeds, no two seeded cases are the same problem."""
+    import random
+
+    from dlo.grading.api import case_seed
+
+    drawn = [case for seed in range(20) for case in day10_layout._cases(random.Random(case_seed(seed)), 4)[6:]]
+    assert len(set(drawn)) == len(drawn) == 80
+    assert any(c.gpus % 3 == 0 for _, c, _ in drawn) and len({k[-1] for k, _, _ in drawn}) > 10

@@ -441,3 +441,173 @@ test_reference_passes_sandboxed = cases.reference_passes_sandboxed(CASES)
 test_wrong_fails_sandboxed = cases.wrong_fails_sandboxed(
     [(day11.check_freeze, freeze_keeps_norms_training), (day11.check_discriminative_groups, groups_swapped)],
     ids=["freeze", "groups"])
+
+
+# ----------------------------------------------------------------------------- red team (2026-11-30)
+
+def promote_rank_key(results, rung, eta, promoted, mode="min"):  # the library's ranking key under another name
+    from dlo.tuning.search import rank_key
+    from dlo.tuning.store import Result
+
+    sign = 1.0 if mode == "min" else -1.0
+    here = sorted((Result(r["trial"], {}, r["steps"], [], 0, sign * r["value"]) for r in results
+                   if r["steps"] == rung), key=rank_key)
+    return [r.trial for r in here[:len(here) // eta] if r.trial not in promoted]
+
+
+def promote_best_repeated(results, rung, eta, promoted, mode="min"):  # search.best, taken out one at a time
+    from dlo.tuning.search import best
+    from dlo.tuning.store import Result
+
+    sign = 1.0 if mode == "min" else -1.0
+    left = [Result(r["trial"], {}, r["steps"], [], 0, sign * r["value"]) for r in results if r["steps"] == rung]
+    out = []
+    for _ in range(len(left) // eta):
+        out.append(best(left))
+        left.remove(out[-1])
+    return [r.trial for r in out if r.trial not in promoted]
+
+
+def sample_bad_by_name(space, seed, i):  # the check named its good entries c0-u4, the bad one c5-u9
+    if any(k[-1] in "56789" for k in space):
+        raise ValueError("bad")
+    return sample_no_validation(space, seed, i)
+
+
+def sample_seed_zero_is_bad(space, seed, i):  # every bad spec came at (seed 0, i 0), no good one did
+    if seed == 0 and i == 0:
+        raise ValueError("bad")
+    return sample_no_validation(space, seed, i)
+
+
+def freeze_by_index(module):  # the BatchNorm layers where the check's model had them: [1], [3][1], [8]
+    import contextlib
+
+    module.requires_grad_(False)
+    for path in ("1", "3.1", "8"):
+        with contextlib.suppress(AttributeError, IndexError):
+            module.get_submodule(path).eval()
+    return sum(p.numel() for p in module.parameters())
+
+
+def freeze_sets_train(module):  # every other module set to train mode, not left as it was
+    module.requires_grad_(False)
+    for m in module.modules():
+        m.train(not isinstance(m, nn.modules.batchnorm._BatchNorm))
+    return sum(p.numel() for p in module.parameters())
+
+
+def freeze_1d_2d_only(module):  # BatchNorm1d and 2d named: a BatchNorm3d keeps its statistics moving
+    module.requires_grad_(False)
+    for m in module.modules():
+        if isinstance(m, (nn.BatchNorm1d, nn.BatchNorm2d)):
+            m.eval()
+    return sum(p.numel() for p in module.parameters())
+
+
+def groups_linear_layernorm_only(blocks, lr, factor=2.6):  # weight and bias of each Linear and LayerNorm only
+    out, L = [], len(blocks)
+    for k, b in enumerate(blocks):
+        params = [p for m in b.modules() if isinstance(m, (nn.Linear, nn.LayerNorm)) for p in (m.weight, m.bias)
+                  if p is not None and p.requires_grad]
+        if params:
+            out.append({"params": params, "lr": lr / factor ** (L - 1 - k)})
+    return out
+
+
+RED_TEAM = [
+    (day11.check_promote, promote_rank_key, "dlo.tuning.search.rank_key is off limits"),
+    (day11.check_promote, promote_best_repeated, "dlo.tuning.search.best is off limits"),
+    (day11.check_sample_config, sample_bad_by_name, "must raise ValueError"),
+    (day11.check_sample_config, sample_seed_zero_is_bad, "raised ValueError (bad) for a valid spec"),
+    (day11.check_freeze, freeze_by_index, "keeps the mode it had|statistics still moving"),
+    (day11.check_freeze, freeze_sets_train, "keeps the mode it had (here eval)"),
+    (day11.check_freeze, freeze_1d_2d_only, "1d, 2d and 3d"),
+    (day11.check_discriminative_groups, groups_linear_layernorm_only, "is in no group"),
+]
+
+
+@pytest.mark.parametrize("check,cheat,phrase", RED_TEAM, ids=[c.__name__ for _, c, _ in RED_TEAM])
+@pytest.mark.parametrize("seed", [0, 3, 7])
+def test_right_only_where_the_cases_look_fails(check, cheat, phrase, seed):
+    """Red team (Day 11, 2026-11-30): each passed its check at seeds 0..9 before the check changed."""
+    import re
+
+    with pytest.raises(AssertionError, match="|".join(re.escape(p) for p in phrase.split("|"))):
+        check(cheat, seed=seed)
+
+
+# honest answers written otherwise than the solution: full marks
+
+def promote_numeric_ties(results, rung, eta, promoted, mode="min"):  # ids of one width: numbers order them alike
+    sign = 1.0 if mode == "min" else -1.0
+    here = sorted((r for r in results if r["steps"] == rung), key=lambda r: (sign * r["value"], int(r["trial"][1:])))
+    return [r["trial"] for r in here[:len(here) // eta] if r["trial"] not in promoted]
+
+
+def promote_two_stable_sorts(results, rung, eta, promoted, mode="min"):  # by id, then by value (stable)
+    here = sorted((r for r in results if r["steps"] == rung), key=lambda r: r["trial"])
+    here.sort(key=lambda r: r["value"], reverse=mode == "max")
+    return [r["trial"] for r in here[:len(here) // eta] if r["trial"] not in promoted]
+
+
+def sample_other_formulas(space, seed, i):  # log-uniform as lo (hi / lo)^u, uniform as (1 - u) lo + u hi
+    _sample(space, seed, i)  # the validation
+    rng, out = np.random.default_rng([seed, i]), {}
+    for name, spec in space.items():
+        kind, v = next(iter(spec.items()))
+        if kind == "choice":
+            out[name] = v[int(rng.integers(0, len(v)))]
+        elif kind == "int":
+            out[name] = int(rng.integers(v[0], v[1] + 1))
+        else:
+            u = rng.random()
+            out[name] = v[0] * (v[1] / v[0]) ** u if kind == "log_uniform" else (1 - u) * v[0] + u * v[1]
+    return out
+
+
+def freeze_requires_grad_call(module):  # module.requires_grad_(False) at once
+    module.requires_grad_(False)
+    for m in module.modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            m.eval()
+    return sum(p.numel() for p in module.parameters())
+
+
+def groups_from_the_top(blocks, lr, factor=2.6):  # built from the output down, the rate divided on the way
+    out, rate = [], lr
+    for b in reversed(blocks):
+        params = tuple(p for p in b.parameters() if p.requires_grad)
+        if params:
+            out.insert(0, {"params": params, "lr": rate})
+        rate /= factor
+    return out
+
+
+def early_improvement_first(history, patience, min_delta=0.0, mode="min"):  # best - m > min_delta, best None first
+    best, best_epoch, bad = None, None, 0
+    for epoch, m in enumerate(history):
+        if not math.isfinite(m):
+            bad = patience
+        elif best is None or ((best - m) if mode == "min" else (m - best)) > min_delta:
+            best, best_epoch, bad = m, epoch, 0
+        else:
+            bad += 1
+        if bad >= patience:
+            return True, best_epoch
+    return False, best_epoch
+
+
+HONEST = [(day11.check_promote, promote_numeric_ties), (day11.check_promote, promote_two_stable_sorts),
+          (day11.check_sample_config, sample_other_formulas), (day11.check_freeze, freeze_requires_grad_call),
+          (day11.check_discriminative_groups, groups_from_the_top),
+          (day11.check_early_stop, early_improvement_first)]
+
+
+@pytest.mark.parametrize("check,honest", HONEST, ids=[h.__name__ for _, h in HONEST])
+def test_honest_variants_keep_full_marks(check, honest, capsys):
+    """`best - m > min_delta` lost 3 seeds in 10 when the histories had 2 decimals (0.71 - 0.7 > 0.01, while
+    0.7 < 0.71 - 0.01 is False): now their values are multiples of 1/32 and every difference is exact."""
+    for seed in range(10):
+        check(honest, seed=seed)
+    assert capsys.readouterr().out.count(": ok (") == 10

@@ -64,18 +64,21 @@ SLIPS = {"stopped one evaluation late: stop when `patience` evaluations in a row
 
 def _history(rng: random.Random, t: int) -> tuple[list[float], int, float, str]:
     mode = ("min", "max")[t % 2]
-    patience, min_delta = rng.choice([1, 2, 3, 4]), rng.choice([0.0, 0.0, 0.01, 0.05])
+    # multiples of 1/32: every difference and sum is exact in binary, so a value better by exactly min_delta is
+    # a tie whichever way it is written (m < best - min_delta, best - m > min_delta); with 2 decimals, 0.71 - 0.7
+    # > 0.01 and 0.7 < 0.71 - 0.01 disagreed, and an honest `best - m > min_delta` failed 3 seeds in 10 (2026-11-30)
+    patience, min_delta = rng.choice([1, 2, 3, 4]), rng.choice([0.0, 0.0, 0.03125, 0.0625])
     value, out = 1.0, []
     for _ in range(rng.randint(4, 14)):
-        step = rng.choice([-0.2, -0.1, -0.02, -0.01, 0.0, 0.0, 0.03, 0.1])   # mostly falling, plateaus, ties
-        value = round(value + step, 2)
+        step = rng.choice([-0.25, -0.125, -0.0625, -0.03125, 0.0, 0.0, 0.0625, 0.125])  # mostly falling, plateaus
+        value += step
         out.append(value if mode == "min" else -value)
     if t == 4:       # no evaluation yet: nothing stopped, no best epoch
         return [], patience, min_delta, mode
     if t == 2:       # a value better than the best by no more than min_delta, then a plateau until the stop
-        min_delta, steps = 0.05, rng.randint(1, 4)
-        out = [round(1.0 - 0.1 * k, 2) for k in range(steps)]
-        out += [round(out[-1] - 0.02, 2)] + [round(out[-1] + 0.1, 2)] * patience
+        min_delta, steps = 0.125, rng.randint(1, 4)
+        out = [1.0 - 0.25 * k for k in range(steps)]
+        out += [out[-1] - 0.0625] + [out[-1] + 0.125] * patience
     if t % 4 == 3:   # diverged early: nan or inf before patience could stop it (case 3: first, no best epoch)
         better = math.inf if mode == "max" else -math.inf   # an inf taken for a value would be the best one
         out[0 if t == 3 else rng.randrange(3)] = (math.nan if t == 3 else better if t == 7 else

@@ -20,18 +20,31 @@ from dlo.tuning.transfer import NORMS, discriminative_groups, freeze
 TRANSFER = ("dlo.tuning.transfer.*",)
 
 
-def _model(rng: random.Random) -> nn.Module:
-    """A small convnet with BatchNorm (2d and 1d), a Dropout and a nested block in its features; a Linear head."""
+def _norm2d(c: int, three_d: bool) -> nn.Module:
+    """A BatchNorm2d, or a BatchNorm3d between two views (BatchNorm1d and 2d named one by one miss it)."""
+    return nn.Sequential(nn.Unflatten(1, (c, 1)), nn.BatchNorm3d(c), nn.Flatten(1, 2)) if three_d else nn.BatchNorm2d(c)
+
+
+def _model(rng: random.Random, t: int) -> nn.Module:
+    """A small convnet with BatchNorm (1d, 2d, in case 0 a 3d), a Dropout and a nested block in its features,
+    Identity layers at random places (the BatchNorm layers have no fixed index: a red team put the check's three
+    in eval mode by their indices, 2026-11-30); a Linear head."""
     c, h = rng.choice([3, 4, 5]), rng.choice([6, 7, 9])
-    features = nn.Sequential(
-        nn.Conv2d(2, c, 3, padding=1), nn.BatchNorm2d(c), nn.ReLU(),
-        nn.Sequential(nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)), nn.ReLU(),
-        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(c, h), nn.BatchNorm1d(h), nn.Dropout(0.25), nn.ReLU())
-    return nn.Sequential(features, nn.Linear(h, rng.choice([2, 3, 5])))
+    layers = [nn.Conv2d(2, c, 3, padding=1), _norm2d(c, t == 0 or rng.random() < 0.3), nn.ReLU(),
+              nn.Sequential(nn.Conv2d(c, c, 3, padding=1, bias=False), _norm2d(c, rng.random() < 0.3)), nn.ReLU(),
+              nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(c, h), nn.BatchNorm1d(h), nn.Dropout(0.25), nn.ReLU()]
+    for _ in range(rng.randint(1, 3)):
+        layers.insert(rng.randint(0, len(layers)), nn.Identity())
+    model = nn.Sequential(nn.Sequential(*layers), nn.Linear(h, rng.choice([2, 3, 5]))).train()
+    # modules in eval mode before the freeze stay so: case 1 the Dropout, then a random one of the others (a freeze
+    # that sets every other module to train mode passed while all started in it)
+    others = [m for m in model[0].modules() if m is not model[0] and not isinstance(m, NORMS)]
+    for m in [next(m for m in others if isinstance(m, nn.Dropout))] * (t == 1) + rng.sample(others, 1):
+        m.eval()
+    return model
 
 
 def _freeze_worker(freeze_fn, model: nn.Module, x: torch.Tensor, y: torch.Tensor, seed: int) -> dict:
-    model.train()
     count = freeze_fn(model[0])
     modes = {n: m.training for n, m in model.named_modules()}
     grad = {n: p.requires_grad for n, p in model.named_parameters()}
@@ -55,13 +68,14 @@ def check_freeze(freeze_fn, seed: int = 0, trials: int = 3) -> None:
     name, rng = "freeze", random.Random(case_seed(seed))
     for t in range(trials):
         torch.manual_seed(rng.randrange(1 << 30))
-        model = _model(rng)
-        model[0][3][1].weight = model[0][1].weight   # one tensor in two BatchNorms: counted once
+        model = _model(rng, t)
+        norms = [m for m in model[0].modules() if isinstance(m, NORMS)]
+        norms[1].weight = norms[0].weight             # one tensor in two BatchNorms (c channels each): counted once
         for p in rng.sample(list(model[0].parameters()), 2):
             p.requires_grad_(False)                   # frozen before: still counted, still frozen
         x = torch.randn(rng.choice([6, 10]), 2, 5, 5)
         y = torch.randint(0, model[1].out_features, (x.shape[0],))
-        ref = copy.deepcopy(model).train()
+        ref = copy.deepcopy(model)
         want_count = freeze(ref[0])
         want_modes = {n: m.training for n, m in ref.named_modules()}
         got = run_student(_freeze_worker, freeze_fn, model, x, y, t)
@@ -75,8 +89,8 @@ def check_freeze(freeze_fn, seed: int = 0, trials: int = 3) -> None:
                                  f"blocks included ({case})")
         if stats:
             raise AssertionError(f"{name}: BatchNorm statistics still moving in the frozen part "
-                                 f"({', '.join(stats[:3])}): requires_grad does not stop them; put the BatchNorm "
-                                 f"layers in eval mode ({case})")
+                                 f"({', '.join(stats[:3])}): requires_grad does not stop them; put every BatchNorm "
+                                 f"layer in eval mode (1d, 2d and 3d: nn.modules.batchnorm._BatchNorm) ({case})")
         still = [k for k, g in got["grad"].items() if k.startswith("0.") and g]
         if still:
             raise AssertionError(f"{name}: {still[0]} still has requires_grad=True: set requires_grad=False on every "
@@ -89,8 +103,9 @@ def check_freeze(freeze_fn, seed: int = 0, trials: int = 3) -> None:
         wrong_modes = [n for n, m in got["modes"].items() if n.startswith("0") and m != want_modes[n]]
         if wrong_modes:
             which = dict(ref.named_modules())[wrong_modes[0]]
-            what = ("BatchNorm layers go to eval mode" if isinstance(which, NORMS)
-                    else "only the BatchNorm layers change mode: the others (a Dropout) keep the model's mode")
+            what = ("BatchNorm layers go to eval mode" if isinstance(which, NORMS) else
+                    f"only the BatchNorm layers change mode: every other module keeps the mode it had (here "
+                    f"{'train' if want_modes[wrong_modes[0]] else 'eval'}), set nothing else")
             raise AssertionError(f"{name}: module {wrong_modes[0]} ({type(which).__name__}) is in "
                                  f"{'train' if got['modes'][wrong_modes[0]] else 'eval'} mode: {what} ({case})")
         if got["count"] != want_count:
@@ -102,18 +117,26 @@ def check_freeze(freeze_fn, seed: int = 0, trials: int = 3) -> None:
 
 # ----------------------------------------------------------------------------- discriminative learning rates
 
+def _block(kind: str, a: int, b: int) -> nn.Module:
+    return {"linear": lambda: nn.Linear(a, b), "norm": lambda: nn.Sequential(nn.Linear(a, b), nn.LayerNorm(b)),
+            "prelu": lambda: nn.Sequential(nn.Linear(a, b), nn.PReLU(b)), "gru": lambda: nn.GRUCell(a, b)}[kind]()
+
+
 def _blocks(rng: random.Random, t: int) -> list[nn.Module]:
-    """3-5 blocks, input to output; one frozen whole (case 0: the last, the output's) and one in part (its
-    first layer's bias, or in case 1 its weight: the first parameter frozen, the rest of the block trains)."""
+    """3-5 blocks, input to output; one frozen whole (case 0: the last, the output's) and one in part (its first
+    parameter, or its second, the rest of the block trains). Cases 0 and 1 have a trainable PReLU or GRUCell block:
+    parameters not named weight and bias of a Linear or LayerNorm (a red team listed only those, 2026-11-30)."""
     widths = [rng.choice([2, 3, 4]) for _ in range(rng.randint(4, 6))]
-    blocks = [nn.Sequential(nn.Linear(a, b), nn.LayerNorm(b)) if rng.random() < 0.5 else nn.Linear(a, b)
-              for a, b in zip(widths, widths[1:])]
-    whole = len(blocks) - 1 if t == 0 else rng.randrange(len(blocks))
+    kinds = [rng.choice(["linear", "norm", "linear", "norm", "prelu", "gru"]) for _ in widths[1:]]
+    whole = len(kinds) - 1 if t == 0 else rng.randrange(len(kinds))
+    if t < 2:
+        kinds[rng.choice([i for i in range(len(kinds)) if i != whole])] = ("gru", "prelu")[t]
+    blocks = [_block(kind, a, b) for kind, a, b in zip(kinds, widths, widths[1:])]
     for p in blocks[whole].parameters():
         p.requires_grad_(False)
     part = rng.choice([i for i in range(len(blocks)) if i != whole])
-    first = blocks[part][0] if isinstance(blocks[part], nn.Sequential) else blocks[part]
-    (first.weight if t == 1 or rng.random() < 0.3 else first.bias).requires_grad_(False)
+    params = list(blocks[part].parameters())
+    params[0 if t == 1 or rng.random() < 0.3 else 1].requires_grad_(False)
     return blocks
 
 
