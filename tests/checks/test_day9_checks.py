@@ -524,3 +524,13 @@ def test_long_cases_catch_truncation(check, fn, said):
 def test_torch_multi_head_attention_is_refused(check, fn, name):
     with pytest.raises(ForbiddenCall, match=f"{name} is off limits"):
         check(fn, seed=0)
+
+
+def test_schedule_step_takes_tuples_of_rids():  # a student's answer (2026-11-30): "three lists", written as tuples
+    day9.check_schedule_step(lambda *a: tuple(tuple(x) for x in schedule_ok(*a)))
+
+
+def test_schedule_step_names_what_it_got():
+    with pytest.raises(AssertionError, match=r"return three lists of rids \(decode, prefill, preempted\), got a "
+                                             r"tuple of list, set, list"):
+        day9.check_schedule_step(lambda *a: (lambda d, p, x: (d, set(p), x))(*schedule_ok(*a)))

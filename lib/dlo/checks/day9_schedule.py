@@ -112,9 +112,12 @@ def check_schedule_step(fn, seed: int = 0, trials: int = 14) -> None:
         s = _state(rng, t)
         out = fn([list(r) for r in s["running"]], [list(w) for w in s["waiting"]], s["num_free"], s["block_size"],
                  s["max_batch"])
-        if not (isinstance(out, (tuple, list)) and len(out) == 3 and all(isinstance(x, list) for x in out)):
-            raise AssertionError(f"{name}: return a tuple of three lists (decode, prefill, preempted), got "
-                                 f"{type(out).__name__} ({fmt(s)})")
+        # three sequences of rids: a tuple of tuples is as clear an answer as the lists the text asks for
+        if not (isinstance(out, (tuple, list)) and len(out) == 3 and all(isinstance(x, (list, tuple)) for x in out)):
+            shape = type(out).__name__ + (f" of {', '.join(type(x).__name__ for x in out)}"
+                                          if isinstance(out, (tuple, list)) else "")
+            raise AssertionError(f"{name}: return three lists of rids (decode, prefill, preempted), got a {shape} "
+                                 f"({fmt(s)})")
         got = tuple([int(r) for r in x] for x in out)
         want = reference_step(s["running"], s["waiting"], s["num_free"], s["block_size"], s["max_batch"])
         if got != want:
