@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dlo.checks import day5, day5_zero
+from dlo.checks import day5, day5_memory, day5_zero
 from dlo.distributed import zero
 from dlo.distributed.zero_comms import all_gather
 from tests.checks.conftest import load_solution
@@ -130,8 +130,8 @@ def test_zero1_memory_allowance_is_what_a_correct_engine_holds_beyond_the_formul
     c = day5_zero.case(0)
     psi, tensors = day5_zero.count_psi(c), len(list(day5_zero.tied_lm(c, 0).parameters()))
     for n in (2, 3):
-        assert day5_zero.memory_slack(c, n, 1) == 8 * -(-psi // n) + 16 * (n - 1) + 16 * tensors
-    assert "averaged gradient shard" in day5_zero.ALLOWED[1]
+        assert day5_memory.memory_slack(c, n, 1) == 8 * -(-psi // n) + 16 * (n - 1) + 16 * tensors
+    assert "averaged gradient shard" in day5_memory.ALLOWED[1]
 
 
 def test_zero1_rejects_a_buffer_beyond_the_allowance(sol, ranks):
@@ -432,6 +432,109 @@ def zero2_reducing_after_the_last_hook(sol):
     return (AllAtTheLastHook,)
 
 
+def zero2_gradients_set_aside_before_backward(sol, made_in="zero_grad"):
+    """ZeRO-2 keeping every full gradient during backward in buffers made before it (in __init__ and zero_grad, or
+    in forward) and held by a class attribute, all reduce-scattered from the last hook, dropped in the step: the
+    check counted only what grew during backward, and the rank's count after the step comes after the drop."""
+    class SetAside(sol.ZeRO2):
+        kept = {}
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.pend, self.index = [], {id(b): i for i, b in enumerate(self.buckets)}
+            self._set_aside()
+
+        def _set_aside(self):
+            SetAside.kept.update(n=0, bufs=[sol.FlatBuffer(b["params"], self.world_size, bind=False)
+                                            for b in self.buckets])
+
+        def forward(self, *args, **kwargs):
+            if made_in == "forward":
+                self._set_aside()
+            return super().forward(*args, **kwargs)
+
+        def _grad_ready(self, p):
+            b, kept = self.bucket_of[p], SetAside.kept
+            kept["bufs"][self.index[id(b)]].view(b["slot"][p]).copy_(p.grad)
+            p.grad, kept["n"] = None, kept["n"] + 1
+            if kept["n"] == len(self.bucket_of):
+                for b, buf in zip(self.buckets, kept["bufs"]):
+                    out = torch.empty(b["flat"].shard_numel, dtype=p.dtype)
+                    self.pend.append((b, out, sol.reduce_scatter(out, buf.data, async_op=True)))
+
+        def _wait(self):
+            for b, out, handle in self.pend:
+                handle.wait()
+                b["shard"].grad = out.div_(self.world_size)
+            self.pend = []
+            SetAside.kept.clear()
+
+        def zero_grad(self):
+            super().zero_grad()
+            if made_in == "zero_grad":
+                self._set_aside()
+    return (SetAside,)
+
+
+def zero3_gathered_copies_kept(sol):
+    """ZeRO-3 keeping a copy of every unit it gathers in a class attribute until the step: the forward's samples
+    read only what the walk from the engine reaches."""
+    class Hoard(sol.ZeRO3):
+        kept = []
+
+        def _gather(self, unit):
+            super()._gather(unit)
+            Hoard.kept.append(unit["flat"].data.clone())
+
+        def step(self):
+            super().step()
+            Hoard.kept.clear()
+    return (Hoard,)
+
+
+def zero1_ddp_with_a_hidden_copy(sol):
+    """DDP in ZeRO-1's clothes: a reduce-scatter and an all-gather of the gradients (ZeRO-1's bytes), every
+    parameter stepped on every rank from a full copy and AdamW's moments kept in numpy (out of every tensor
+    meter's sight); the copy written back over whatever happened to the parameters, so the ranks agree."""
+    import numpy as np
+
+    class HiddenCopy(torch.nn.Module):
+        def __init__(self, module, optimizer_cls, lr, weight_decay=0.0):
+            super().__init__()
+            self.module, self.adam, self.params = module, optimizer_cls is torch.optim.AdamW, list(module.parameters())
+            for p in self.params:
+                dist.broadcast(p.data, 0)
+            self.n, self.lr, self.wd, self.t = sum(p.numel() for p in self.params), lr, weight_decay, 0
+            self.m, self.v = np.zeros(self.n), np.zeros(self.n)
+            self.copy = torch.cat([p.detach().reshape(-1) for p in self.params]).numpy().copy()
+
+        def forward(self, *args, **kwargs):
+            return self.module(*args, **kwargs)
+
+        def step(self):
+            world = dist.get_world_size()
+            flat = torch.cat([p.grad.reshape(-1) for p in self.params] + [self.params[0].new_zeros(-self.n % world)])
+            shard = flat.new_empty(flat.numel() // world)
+            sol.reduce_scatter(shard, flat)
+            all_gather(flat, shard)
+            g, p = (flat[:self.n] / world).numpy(), self.copy
+            if self.adam:
+                self.t += 1
+                p *= 1 - self.lr * self.wd
+                self.m += (g - self.m) * 0.1
+                self.v = self.v * 0.999 + 0.001 * g * g
+                p -= self.lr / (1 - 0.9 ** self.t) * self.m / (np.sqrt(self.v) / np.sqrt(1 - 0.999 ** self.t) + 1e-8)
+            else:
+                p -= self.lr * g
+            for q, new in zip(self.params, torch.from_numpy(p).split([q.numel() for q in self.params])):
+                q.data.copy_(new.view_as(q))
+
+        def zero_grad(self):
+            for p in self.params:
+                p.grad = None
+    return (HiddenCopy,)
+
+
 RED_TEAM = [
     (day5.check_memory_accountant, lambda sol: (accountant_from_the_library_helpers,), "precision_of is off limits"),
     (day5.check_memory_accountant, lambda sol: (accountant_from_copy_widths,), "copy_widths is off limits"),
@@ -440,6 +543,11 @@ RED_TEAM = [
     (day5.check_fsdp2, lambda sol: (parallelize_with(reduce_fp32=True),), "with reduce_dtype=None"),
     (day5.check_fsdp2, lambda sol: (parallelize_with(reduce_fp32=True, param_fp32=True),), "with param_dtype=None"),
     (day5.check_zero2, zero2_reducing_after_the_last_hook, "never holds the whole gradient, wherever it is kept"),
+    (day5.check_zero2, zero2_gradients_set_aside_before_backward, "wherever it is kept and whenever it was made"),
+    (day5.check_zero2, lambda sol: zero2_gradients_set_aside_before_backward(sol, "forward"),
+     "wherever it is kept and whenever it was made"),
+    (day5.check_zero3, zero3_gathered_copies_kept, "keeps its shards and the unit being computed, wherever a copy"),
+    (day5.check_zero1, zero1_ddp_with_a_hidden_copy, "values carry their owner's disturbance"),
 ]
 
 

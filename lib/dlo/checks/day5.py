@@ -6,18 +6,22 @@ the world size), gives each rank its slice of a global batch, trains, and record
 parameters the modules hold during a forward, the collectives of each phase (`dlo.measure.CommCounter`:
 calls, payload bytes, async, forward/backward/step; their total checked against what the ranks' TCP
 sockets sent, read outside the ranks: `dlo.grading.api.verify_wire`), and the bytes of model state the engine
-holds (`dlo.measure.held_bytes`) after the step and during backward or forward. The check compares,
+holds (`dlo.measure.held_bytes`) and the rank keeps (`dlo.measure.live_bytes`) after the step and during
+backward or forward. The check compares,
 outside the worker, with one process on the whole batch: after one step of plain SGD (the gradient
 itself: a sum where a mean is due shows as a factor N) and after k AdamW steps; ZeRO-1/2's ranks with
 each other after a step in which all but rank 0 had their parameters disturbed (`verify_in_sync`: the
-all-gather of the updated shards makes them equal again); with the ZeRO paper's byte counts (2 Psi sent
+all-gather of the updated shards makes them equal again, and each value carries its owner's disturbance:
+`verify_owners`); with the ZeRO paper's byte counts (2 Psi sent
 per step for ZeRO-1/2, 3 Psi for ZeRO-3, within 5%) and memory formulas
 (`dlo.distributed.zero.memory_per_rank`, within the padding of the flat buffers and one parameter's
 gradient). Everything is float64, where a correct engine agrees with one process to ~1e-15
 (`assert_close`'s default tolerance, 1e-9, catches any slip).
 
-Here: the accountant (1) and ZeRO-1/2/3 (2-4); their test bench (the model, the trusted worker, the
-comparisons) is `dlo.checks.day5_zero`; FSDP2 (5) is `dlo.checks.day5_fsdp`, re-exported here.
+Here: the accountant (1) and ZeRO-1/2/3 (2-4); their test bench is `dlo.checks.day5_zero` (the model, the
+reference, the comparisons), `day5_worker` (the trusted worker), `day5_memory` (what a rank keeps, after the
+step and during it) and `day5_sync` (the disturbed step: ZeRO's owners against DDP); FSDP2 (5) is
+`dlo.checks.day5_fsdp`, re-exported here.
 """
 
 from __future__ import annotations
@@ -28,33 +32,27 @@ import torch
 import torch.distributed as dist
 
 from dlo.checks.day5_fsdp import check_fsdp2
+from dlo.checks.day5_memory import ALLOWED, memory_slack, verify_backward, verify_forward, verify_memory
+from dlo.checks.day5_sync import verify_in_sync, verify_owners
+from dlo.checks.day5_worker import build_engine, rank_part, zero_worker
 from dlo.checks.day5_zero import (
-    ALLOWED,
-    DISTURBANCE,
     STEP,
-    backward_in_flight,
     batch,
-    build_engine,
     case,
     count_psi,
     expect_bytes,
     fmt_where,
     lm_loss,
-    memory_slack,
     optimizer_for,
     padding_bytes,
-    rank_part,
     tied_lm,
     verify_every_byte,
-    verify_memory,
     verify_training,
-    zero_worker,
 )
 from dlo.distributed.zero import memory_per_rank
 from dlo.grading.api import case_seed, check, on_ranks, verify_wire
 from dlo.grading.compare import DTYPE, assert_number, ok
 from dlo.measure import comm_bytes, held_bytes
-from dlo.models import count_parameters
 
 __all__ = ["check_fsdp2", "check_memory_accountant", "check_zero1", "check_zero2", "check_zero3"]
 
@@ -160,33 +158,10 @@ def check_zero1(cls, seed: int = 0, world_size: int = 2, steps: int = 3) -> None
     verify_every_byte(name, res, 1, psi_b, steps, where, padding_bytes(c, world_size))
     verify_in_sync(name, res, 1, where)
     m = verify_memory(name, res, c, 1, world_size, where)
+    verify_owners(name, res, c, secret, world_size, 1, where)  # after the memory: a shard copied shows there first
     ok(name, f"{steps} steps on {world_size} ranks, 2 Psi = {2 * psi_b:,} bytes per step, {res[0]['held']:,} bytes "
              f"held (formula {m['want']:,} + {res[0]['held'] - m['want']:,} of the {m['slack']:,} allowed for "
              f"{ALLOWED[1]}), seed={seed}")
-
-
-def verify_in_sync(name: str, res: list, stage: int, where: str) -> None:
-    """After a step in which ranks 1.. had their parameters disturbed (`day5_zero.disturbed_step`), every rank
-    holds rank 0's parameters, bit for bit: ZeRO-1/2 (Rajbhandari et al. 2020, sec. 5.1) update each shard on
-    its owner and all-gather the updated parameters, so the copies cannot drift. It catches DDP in ZeRO's
-    clothes - a reduce-scatter and an all-gather of the *gradients* (ZeRO-1's bytes, its counters and its
-    sockets agree), then every parameter updated on every rank with the whole optimizer state kept where a
-    tensor meter does not look - from the parameters alone, which no code on the rank can rewrite after
-    they are sent. Not a rank that also keeps a hidden copy of every parameter and writes it back over the
-    disturbance: that one computes exactly what ZeRO-1 computes (lib/dlo/grading/README.md)."""
-    for r, got in enumerate(res[1:], 1):
-        for key, want in res[0]["drift"].items():
-            g = got["drift"].get(key)
-            if g is not None and g.shape == want.shape and torch.equal(g, want):
-                continue
-            off = "is not seen in its forward" if g is None or g.shape != want.shape else \
-                f"differs from rank 0's by up to {(g - want).abs().max().item():.3g}"
-            raise AssertionError(
-                f"{name}: rank {r}'s copy of the parameters was disturbed (+{DISTURBANCE} on every value) between "
-                f"backward and a step; after the step its {key} {off}. A ZeRO-{stage} step ends with the "
-                f"all-gather of the updated shards, which gives every rank its owners' values, so the copies "
-                f"cannot drift; a rank that updates every parameter itself, with the whole optimizer state "
-                f"(DDP's way, however the whole gradient reached it), keeps the disturbance ({where})")
 
 
 @check(forbid=ZERO_REFS)
@@ -228,23 +203,8 @@ def check_zero2(cls, seed: int = 0, world_size: int = 2, steps: int = 3) -> None
     verify_every_byte(name, res, 2, psi_b, steps, where, padding_bytes(c, world_size))
     verify_in_sync(name, res, 2, where)
     m = verify_memory(name, res, c, 2, world_size, where)
-    biggest = max(p.numel() for p in tied_lm(c, 0).parameters())
-    peak_allowed = m["want"] + m["slack"] + 8 * 2 * (60 + biggest)
-    in_flight = backward_in_flight(c)
-    for r, got in enumerate(res):
-        outside = max(got["samples"]["outside"], default=0)
-        if outside > in_flight:
-            raise AssertionError(f"{name}: during backward rank {r}'s tensors outside the engine object (a class "
-                                 f"attribute, a module global) grew by up to {outside:,} bytes, the full gradient is "
-                                 f"{psi_b:,}; ZeRO-2 never holds the whole gradient, wherever it is kept "
-                                 f"({in_flight:,} allowed for autograd's gradients in flight and buckets a finished "
-                                 f"reduce-scatter has not let go of): reduce-scatter each bucket as it fills, from "
-                                 f"its last gradient's hook ({where})")
-        peak = max(got["samples"]["backward"])
-        if peak > peak_allowed:
-            raise AssertionError(f"{name}: during backward rank {r} held up to {peak:,} bytes; ZeRO-2 keeps only the "
-                                 f"gradient shard and the buckets in flight ({peak_allowed:,} allowed): free a "
-                                 f"bucket's full gradients (and p.grad) once its reduce-scatter is done ({where})")
+    verify_owners(name, res, c, secret, world_size, 2, where)
+    verify_backward(name, res, c, m, cap, where)
     ok(name, f"{steps} steps on {world_size} ranks, buckets reduce-scattered during backward, peak "
              f"{max(res[0]['samples']['backward']):,} bytes, seed={seed}")
 
@@ -282,15 +242,6 @@ def check_zero3(cls, seed: int = 0, world_size: int = 2, steps: int = 3) -> None
                                  f"each unit just before it runs, not the whole model at once ({where})")
     verify_every_byte(name, res, 3, psi_b, steps, where, padding_bytes(c, world_size))
     m = verify_memory(name, res, c, 3, world_size, where)
-    model = tied_lm(c, 0)
-    unit = count_parameters(model.blocks[0])
-    root = count_psi(c) - c["n_blocks"] * unit
-    allowed = m["want"] + m["slack"] + 8 * (root + unit)
-    for r, got in enumerate(res):
-        peak = max(got["samples"]["forward"])
-        if peak > allowed:
-            raise AssertionError(f"{name}: after the forward of a unit rank {r} held up to {peak:,} bytes ({allowed:,} "
-                                 f"allowed: the shards, the root and one unit): free each unit's gathered parameters "
-                                 f"after its forward ({where})")
+    verify_forward(name, res, c, m, where)
     ok(name, f"{steps} steps on {world_size} ranks, 3 Psi = {3 * psi_b:,} bytes per step, {res[0]['held']:,} bytes "
              f"held (formula {m['want']:,}), seed={seed}")

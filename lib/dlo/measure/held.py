@@ -7,7 +7,7 @@ replacing `torch.Tensor.untyped_storage`, `gc.get_referents` or `builtins.isinst
 nothing here, and a tensor subclass cannot declare itself data-free (that is asked of its storage).
 `live_bytes` is the check on `held_bytes`: an engine that keeps state where the walk from it does not go
 (a class attribute, a module global) holds it all the same, and a check that compares the process's growth
-with what the engine reaches sees it (`dlo.checks.day5_zero`).
+with what the engine reaches sees it (`dlo.checks.day5_memory`).
 
 `live_bytes` costs what the process has made since it started, not its whole heap: a rank forked from
 the launcher's fork server freezes what it inherited (`gc.freeze`, `dlo.distributed._worker`: torch and the
