@@ -125,3 +125,78 @@ def test_the_check_passes_under_the_grader(sandbox, sol, capsys):
     the layout search, moved to Day 10: tests/checks/test_day10_layout_checks.py.)"""
     sandbox.run(day7_scale.check_comm_compute, sol.fsdp_min_tokens, sol.tp_comm_ratio, seed=1, trials=3)
     assert capsys.readouterr().out.count(": ok (") == 1
+
+
+# ----------------------------------------------------------------------------- red team (2026-11-30)
+
+def _table_of_answers():
+    """A student who copied the check's case generator tabulates the notebook's own reference, outside the check,
+    for seeds 0..9 (and the engines' few fixed cases); the graded functions only look up, 0 elsewhere."""
+    import random
+
+    from dlo.hardware import LINKS, link_bytes_per_s, peak_for_name
+
+    gpu, link = next((g, next(iter(links))) for g, links in LINKS.items())
+    F, B = peak_for_name(gpu)["bf16_tflops"] * 1e12, link_bytes_per_s(gpu, link)
+    tok = {(20_832, N, F, B, 0.0, 2): comm_compute.fsdp_min_tokens(20_832, N, F, B) for N in (2, 4)}
+    rat = {(10_800, 30, t, T, F, B, 0.0, 2): comm_compute.tp_comm_ratio(10_800, 30, t, T, F, B)
+           for t in (2, 3) for T in (5, 7, 15, 21)}
+    for seed in range(10):
+        for c in day7_scale._cases(random.Random(seed), 12):
+            P, h, N, t, T, F, B, a, b = (c[k] for k in ("P", "h", "N", "t", "T", "F", "B", "alpha", "b"))
+            tok[(P, N, F, B, a, b)] = comm_compute.fsdp_min_tokens(P, N, F, B, alpha=a, param_bytes=b)
+            rat[(P, h, t, T, F, B, a, b)] = comm_compute.tp_comm_ratio(P, h, t, T, F, B, alpha=a, act_bytes=b)
+
+    def fsdp_looked_up(P, N, F, B, alpha=0.0, param_bytes=2):
+        return tok.get((P, N, F, B, alpha, param_bytes), 0)
+
+    def tp_looked_up(P, h, t, T, F, B, alpha=0.0, act_bytes=2):
+        return rat.get((P, h, t, T, F, B, alpha, act_bytes), 0.0)
+    return fsdp_looked_up, tp_looked_up
+
+
+def test_a_table_of_answers_fails_under_the_grader(sandbox):
+    """Red team: the random cases were drawn from the test cell's seed (not `case_seed`), so a table of the
+    reference's answers, made outside the check, got full marks under the grader too. Now it works only in the
+    notebook, where the seed is known (as for exercise 7b)."""
+    fns = _table_of_answers()
+    day7_scale.check_comm_compute(*fns, seed=3)  # the direct backend: the cheat sees the case, as in any notebook
+    for seed in (0, 3, 7):
+        with pytest.raises(AssertionError, match=r"fsdp_min_tokens: 0 tokens is too few|tp_comm_ratio: got 0,"):
+            sandbox.run(day7_scale.check_comm_compute, *fns, seed=seed)
+
+
+class _AlwaysHidden:
+    """What a product with a lying token count compares as: never too few, never one too many."""
+    def __lt__(self, other):
+        return False
+
+    def __ge__(self, other):
+        return False
+
+
+class _LyingTokens(int):
+    def __mul__(self, other):
+        return _AlwaysHidden()
+
+    def __sub__(self, other):
+        return _LyingTokens(int(self) - other)
+
+
+def fsdp_lying_int(P, N, F, B, alpha=0.0, param_bytes=2):
+    """Red team (the direct backend hands the object over): an int whose products answer "hidden" to every
+    comparison the check made with it."""
+    return _LyingTokens(1)
+
+
+@pytest.mark.parametrize("seed", [0, 3, 7])
+def test_an_int_with_lying_arithmetic_fails(sol, seed):
+    with pytest.raises(AssertionError, match="fsdp_min_tokens: 1 tokens is too few"):
+        day7_scale.check_comm_compute(fsdp_lying_int, sol.tp_comm_ratio, seed=seed)
+
+
+def test_a_numpy_integer_is_a_whole_number(sol):
+    """An honest count returned as a numpy integer (np.ceil then .astype, say) keeps full marks."""
+    import numpy as np
+
+    day7_scale.check_comm_compute(lambda *a, **k: np.int64(sol.fsdp_min_tokens(*a, **k)), sol.tp_comm_ratio, seed=0)

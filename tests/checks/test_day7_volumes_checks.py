@@ -139,3 +139,10 @@ def test_passes_under_the_grader(sandbox, sol, capsys):
     functions run in the sandbox."""
     sandbox.run(day7_volumes.check_pp_bucket, sol.pp_p2p_bytes, sol.ddp_bucket_bytes, seed=1, trials=3)
     assert "pp_bucket: ok (1 byte count" in capsys.readouterr().out
+
+
+def test_a_numpy_integer_is_a_whole_number(sol):
+    """An honest bucket returned as a numpy integer keeps full marks (it is a whole number of bytes)."""
+    import numpy as np
+
+    day7_volumes.check_pp_bucket(sol.pp_p2p_bytes, lambda *a, **k: np.int64(sol.ddp_bucket_bytes(*a, **k)), seed=0)
