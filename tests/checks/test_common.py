@@ -257,3 +257,29 @@ def test_assert_close_matches_equal_infinities_only():
         need_dtype("t", "x", want.float(), torch.float64, {}, "the inputs' ")
     with pytest.raises(AssertionError, match="x must be a int64 tensor, got list"):
         need_dtype("t", "x", [1], torch.int64, {})
+
+
+def _checks_drawing_from_the_public_seed() -> list[str]:
+    """The checks whose own source seeds a generator from `seed` without `case_seed`."""
+    import importlib
+    import inspect
+    import pkgutil
+
+    import dlo.checks
+
+    found = []
+    for info in pkgutil.iter_modules(dlo.checks.__path__):
+        module = importlib.import_module(f"dlo.checks.{info.name}")
+        for name, fn in vars(module).items():
+            if name.startswith("check_") and inspect.isfunction(fn) and fn.__module__ == module.__name__:
+                src = inspect.getsource(inspect.unwrap(fn))
+                if re.search(r"(Random|manual_seed)\(seed\b", src) and "case_seed" not in src:
+                    found.append(f"{module.__name__}.{name}")
+    return found
+
+
+def test_every_check_draws_its_cases_from_case_seed():
+    """Graded, `case_seed` makes the cases secret; drawn from the public seed, a table of answers recorded in
+    an earlier cell (the library's reference is off limits only while the check runs) got full marks (Day 7's
+    comm_compute; Days 1, 2, 3, 6 and 8 drew theirs so until 2026-11-30)."""
+    assert _checks_drawing_from_the_public_seed() == []

@@ -468,7 +468,8 @@ def test_flops_accounting_sandboxed(sandbox, capsys):
     sandbox.run(day2.check_flops_accounting, *OK4, trials=1)
     assert ": ok (" in capsys.readouterr().out
     with pytest.raises(AssertionError, match="looked-up (embedding )?table counted"):
-        sandbox.run(day2.check_flops_accounting, matmul_params_with_tables, *OK4[1:], trials=1)
+        # graded, the cases come from a secret seed: trial 1 (untied, a position table) shows the tables whatever it is
+        sandbox.run(day2.check_flops_accounting, matmul_params_with_tables, *OK4[1:], trials=2)
 
 
 # ----------------------------------------------------------------------------- red team

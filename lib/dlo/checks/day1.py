@@ -34,7 +34,7 @@ from dlo.checks.day1_training import (
     check_one_cycle,
     check_warmup_cosine,
 )
-from dlo.grading.api import check
+from dlo.grading.api import case_seed, check
 from dlo.grading.compare import DTYPE, assert_close, fmt, odd_shape, ok, rand
 
 ADAM = ("torch.optim.AdamW", "torch.optim.Adam", "torch.optim.adamw.adamw", "torch.optim.adam.adam",
@@ -66,7 +66,8 @@ def _unchanged(name: str, grad: torch.Tensor, grad_before: torch.Tensor, hp: dic
 def check_sgd_momentum_step(fn, seed: int = 0, trials: int = 5, steps: int = 4) -> None:
     """`fn(param, grad, buf, *, lr, momentum, weight_decay, dampening, nesterov) -> buf` vs torch.optim.SGD.
     Trial 2 has momentum=0: plain SGD, no buffer (None returned, dampening unused), as torch keeps none."""
-    name, rng, gen = "sgd_momentum_step", random.Random(seed), torch.Generator().manual_seed(seed)
+    name, cs = "sgd_momentum_step", case_seed(seed)  # a secret seed when graded
+    rng, gen = random.Random(cs), torch.Generator().manual_seed(cs)
     for t in range(trials):
         nesterov = t % 2 == 1
         hp = dict(lr=10 ** rng.uniform(-3, -0.5), momentum=rng.choice([0.5, 0.9, 0.95]),
@@ -113,7 +114,8 @@ def _adam_trial(rng: random.Random, gen: torch.Generator):
 @check(forbid=ADAM)
 def check_adamw_step(fn, seed: int = 0, trials: int = 5, steps: int = 4) -> None:
     """`fn(param, grad, exp_avg, exp_avg_sq, step, *, lr, beta1, beta2, eps, weight_decay)` vs torch.optim.AdamW."""
-    name, rng, gen = "adamw_step", random.Random(seed), torch.Generator().manual_seed(seed)
+    name, cs = "adamw_step", case_seed(seed)  # a secret seed when graded
+    rng, gen = random.Random(cs), torch.Generator().manual_seed(cs)
     for _ in range(trials):
         hp, shape, param, grad_scale = _adam_trial(rng, gen)
         ref = param.clone().requires_grad_(True)
@@ -144,7 +146,9 @@ def check_lamb_step(fn, seed: int = 0, trials: int = 5, steps: int = 3) -> None:
     (||u|| = 0: the ratio falls back to 1 there too, and the param stays)."""
     from dlo.optim.reference import lamb_step
 
-    name, rng, gen = "lamb_step", random.Random(seed), torch.Generator().manual_seed(seed)
+    name, cs = "lamb_step", case_seed(seed)  # a secret seed when graded
+
+    rng, gen = random.Random(cs), torch.Generator().manual_seed(cs)
     for t in range(trials):
         hp, shape, param, grad_scale = _adam_trial(rng, gen)
         hp["eps"] = 10 ** rng.uniform(-8, -4)

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dlo.checks.saved import MODES
-from dlo.grading.api import check, run_student
+from dlo.grading.api import case_seed, check, run_student
 from dlo.grading.compare import DTYPE, assert_close, fmt, ok, rand
 from dlo.measure import tensors_in
 
@@ -177,7 +177,8 @@ def check_accumulate_gradients(fn, seed: int = 0, trials: int = 5) -> None:
     that no operator read more than a micro-batch of x or y and that the forwards and backwards ran under
     it, and hooks on each micro-batch's output that its backward came before the next forward (one
     micro-batch's activations alive at a time)."""
-    name, rng, gen = "accumulate_gradients", random.Random(seed), torch.Generator().manual_seed(seed)
+    name, cs = "accumulate_gradients", case_seed(seed)  # a secret seed when graded
+    rng, gen = random.Random(cs), torch.Generator().manual_seed(cs)
     for t in range(trials):
         batch, k = rng.choice([13, 21, 29, 31]), [4, 3, 1, 5, 2][t % 5]
         d_in, n_cls = rng.choice([5, 7]), rng.choice([3, 4])

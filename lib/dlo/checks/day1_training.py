@@ -17,7 +17,7 @@ from numbers import Real
 
 import torch
 
-from dlo.grading.api import check, run_student
+from dlo.grading.api import case_seed, check, run_student
 from dlo.grading.compare import DTYPE, assert_close, expect_value_error, fmt, odd_shape, ok, rand
 from dlo.schedules import torch_scheduler_lrs
 
@@ -63,7 +63,7 @@ def check_warmup_cosine(fn, seed: int = 0, trials: int = 6) -> None:
     at step 0 as at the last step. A negative warmup_steps is not passed: all 5 independent solutions of
     tests/harness/test_similarity_calibration.py accept it (a caller's slip, not the exercise's point)."""
     sch = torch.optim.lr_scheduler
-    name, rng = "warmup_cosine", random.Random(seed)
+    name, rng = "warmup_cosine", random.Random(case_seed(seed))
     for t in range(trials):
         total = rng.randint(9, 61)
         kw = dict(base_lr=10 ** rng.uniform(-4, 0), warmup_steps=0 if t == 1 else rng.randint(1, total // 2),
@@ -88,7 +88,7 @@ def check_warmup_cosine(fn, seed: int = 0, trials: int = 6) -> None:
 def check_one_cycle(fn, seed: int = 0, trials: int = 6) -> None:
     """`fn(step, *, max_lr, total_steps, pct_start, div_factor, final_div_factor)` vs torch OneCycleLR
     (anneal_strategy="cos", three_phase=False) at every step 0..total_steps-1."""
-    name, rng = "one_cycle", random.Random(seed)
+    name, rng = "one_cycle", random.Random(case_seed(seed))
     for _ in range(trials):
         kw = dict(max_lr=10 ** rng.uniform(-3, 0), total_steps=rng.randint(11, 97),
                   pct_start=rng.choice([0.1, 0.25, 0.3, 0.45]), div_factor=rng.choice([10.0, 25.0]),
@@ -180,7 +180,7 @@ def check_lr_range_test(fn, seed: int = 0, trials: int = 4) -> None:
     and a first loss that is not finite (no point kept: ValueError); num_steps=1 refused (ValueError, before
     any step: the exponent i / (num_steps - 1) needs two). The student's function calls
     `step_fn`, which stays with the grader (each call comes back to it)."""
-    name, rng = "lr_range_test", random.Random(seed)
+    name, rng = "lr_range_test", random.Random(case_seed(seed))
     for t in range(trials):
         kw = dict(min_lr=10 ** rng.uniform(-6, -4), max_lr=rng.choice([1.0, 3.0, 10.0]),
                   num_steps=rng.choice([41, 57, 83]), beta=rng.choice([0.9, 0.98]), diverge=rng.choice([3.0, 4.0]))
@@ -216,7 +216,8 @@ def check_clip_grad_norm(fn, seed: int = 0, trials: int = 6) -> None:
     pass a generator (like model.parameters()); some params have no grad; total norms are small so
     that a missing 1e-6 in max_norm / (total + 1e-6) shows. Last, parameters none of which has a
     gradient: tensor(0.) returned, nothing changed."""
-    name, rng, gen = "clip_grad_norm", random.Random(seed), torch.Generator().manual_seed(seed)
+    name, cs = "clip_grad_norm", case_seed(seed)  # a secret seed when graded
+    rng, gen = random.Random(cs), torch.Generator().manual_seed(cs)
     for t in range(trials):
         norm_type = [2.0, 2.0, math.inf, 1.0, 2.0, 3.0][t % 6]
         params = [torch.nn.Parameter(rand(odd_shape(rng), gen)) for _ in range(rng.randint(2, 5))]

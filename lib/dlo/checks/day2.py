@@ -26,7 +26,7 @@ from torch import nn
 from dlo.checks.day2_accounting import check_flops_accounting
 from dlo.checks.day2_attention import check_flash_attention
 from dlo.checks.day2_rounding import check_round_to_bf16
-from dlo.grading.api import check, run_student
+from dlo.grading.api import case_seed, check, run_student
 from dlo.grading.compare import assert_close, fmt, ok
 
 # Student and reference run the same fp32 / low-precision ops in the same order, so they agree to
@@ -91,7 +91,7 @@ def check_autocast_train_step(fn, seed: int = 0, trials: int = 4, steps: int = 3
     is there, one more trial runs on it (`_extra_device`)."""
     from dlo.amp import train_step
 
-    name, rng = "autocast_train_step", random.Random(seed)
+    name, rng = "autocast_train_step", random.Random(case_seed(seed))
     devices = ["cpu"] * trials + [d for d in [_extra_device()] if d]
     for t, device in enumerate(devices):
         dtype = torch.bfloat16 if t % 2 == 0 else torch.float16
@@ -220,7 +220,7 @@ def check_loss_scaler(cls, seed: int = 0, trials: int = 4, steps: int = 12) -> N
     inf / nan gradients, after every step. Odd trials call unscale_() before step() (which then must
     not unscale again). One optimizer per scaler; a second unscale_ or step before update() must raise
     RuntimeError, and get_scale() returns a Python float (`_check_misuse`)."""
-    name, rng = "loss_scaler", random.Random(seed)
+    name, rng = "loss_scaler", random.Random(case_seed(seed))
     for t in range(trials):
         hp = dict(init_scale=2.0 ** rng.randint(4, 16), growth_factor=rng.choice([2.0, 4.0]),
                   backoff_factor=rng.choice([0.5, 0.25]), growth_interval=rng.randint(2, 4))

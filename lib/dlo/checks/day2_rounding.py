@@ -16,7 +16,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from dlo.grading.api import check, run_student
+from dlo.grading.api import case_seed, check, run_student
 from dlo.grading.compare import ok
 
 
@@ -81,7 +81,7 @@ def check_round_to_bf16(fn, seed: int = 0, trials: int = 3, n: int = 4099) -> No
     bit for bit with x.to(torch.bfloat16).float(), except nans, compared with isnan: torch turns every
     nan into one bf16 nan (0x7FC0), the bit trick keeps its payload, and either is right. No bfloat16
     tensor may be made or read while `fn` runs (`_NoBf16`): that cast is what the exercise writes."""
-    name, gen = "round_to_bf16", torch.Generator().manual_seed(seed)
+    name, gen = "round_to_bf16", torch.Generator().manual_seed(case_seed(seed))
     xs = [_bf16_probe(gen, n) for _ in range(trials)]
     for t, (x, res) in enumerate(zip(xs, run_student(_bf16_worker, fn, xs))):
         if res["bf16"]:

@@ -28,7 +28,7 @@ from torch import nn
 
 from dlo.checks.day3_resume import check_resume
 from dlo.checks.saved import HOOKS, GuardedMeter
-from dlo.grading.api import check, run_student
+from dlo.grading.api import case_seed, check, run_student
 from dlo.grading.compare import DTYPE, ok
 from dlo.measure import AllocationMeter, reachable_tensors
 
@@ -117,7 +117,8 @@ def check_checkpoint_function(Checkpoint, seed: int = 0, trials: int = 4, device
     included; saves no more than the inputs (an RNG state aside), keeps no other tensor it made, calls fn
     again in backward (the recomputation); leaves the caller's RNG stream as it found it. Saved-tensor
     hooks are off limits. Runs on `device` (default: CUDA when available, else CPU)."""
-    name, rng, dev = "checkpoint_function", random.Random(seed), _device(device)
+    name, cs, dev = "checkpoint_function", case_seed(seed), _device(device)  # cs: a secret seed when graded
+    rng = random.Random(cs)
     for t in range(trials):
         d, p = rng.choice([3, 6, 11]), rng.choice([0.2, 0.5])
         hp = dict(trial=t, features=d, dropout=p, batch=rng.choice([1, 4, 7]), two_inputs=t % 2 == 1)
@@ -126,12 +127,12 @@ def check_checkpoint_function(Checkpoint, seed: int = 0, trials: int = 4, device
         gate = torch.rand(hp["batch"], d, device=dev, dtype=DTYPE)  # an input that needs no grad
         fn = (lambda a, g, block=block: block(a) * g) if hp["two_inputs"] else block
         args = (x, gate) if hp["two_inputs"] else (x,)
-        torch.manual_seed(seed * 100 + t)
+        torch.manual_seed(cs * 100 + t)
         want_y = fn(*args)
         grad_out = torch.randn_like(want_y)  # a draw between forward and backward, as a training loop may make
         want_y.backward(grad_out)
         want, want_after = [g.cpu() for g in _grads(block, x)], torch.rand(4, device=dev).cpu()
-        got = run_student(_checkpoint_worker, Checkpoint, block, x, gate, hp["two_inputs"], seed * 100 + t, grad_out)
+        got = run_student(_checkpoint_worker, Checkpoint, block, x, gate, hp["two_inputs"], cs * 100 + t, grad_out)
         if not got["grad_fn"]:
             raise AssertionError(f"{name}: Checkpoint.apply must return a tensor with a grad_fn ({hp}); got "
                                  f"{got['type']}{' without grad_fn' if got['type'] == 'Tensor' else ''}")
@@ -220,7 +221,8 @@ def check_offload_hooks(pack, unpack, seed: int = 0, trials: int = 4, device=Non
     """`pack(t)` returns a host-memory copy (plus whatever unpack needs); `unpack(pack(t))` gives t back
     on its device with its dtype and values; a model trained under the hooks gets identical grads.
     Tensors live on `device` (default: CUDA when available, else CPU)."""
-    name, rng, gen = "offload_hooks", random.Random(seed), torch.Generator().manual_seed(seed)
+    name, cs = "offload_hooks", case_seed(seed)  # a secret seed when graded
+    rng, gen = random.Random(cs), torch.Generator().manual_seed(cs)
     dev = _device(device)
     xs, cases = [], []
     for t in range(trials):
@@ -228,7 +230,7 @@ def check_offload_hooks(pack, unpack, seed: int = 0, trials: int = 4, device=Non
         dtype = [torch.float32, torch.float64, torch.bfloat16, torch.int64][t % 4]
         xs.append((torch.randn(shape, generator=gen) * 10).to(dtype))
         cases.append((shape, dtype))
-    got = run_student(_offload_worker, pack, unpack, xs, seed, str(dev))
+    got = run_student(_offload_worker, pack, unpack, xs, cs, str(dev))
     for (shape, dtype), obs in zip(cases, got["trials"]):
         if not obs["n_held"]:
             raise AssertionError(f"{name}: pack returned no tensor (shape {shape}, {dtype})")
@@ -255,7 +257,7 @@ def check_offload_hooks(pack, unpack, seed: int = 0, trials: int = 4, device=Non
             b_dev, b_dtype, b_shape = obs["back"]
             raise AssertionError(f"{name}: unpack(pack(t)) must equal t on {dev} with dtype {dtype} and "
                                  f"shape {shape}; got {b_dev}, {b_dtype}, {tuple(b_shape)}")
-    model, x = _offload_model(seed, dev)
+    model, x = _offload_model(cs, dev)
     model(x).pow(2).sum().backward()
     want = [p.grad.cpu() for p in model.parameters()]
     if not all(g is not None and torch.equal(g.cpu(), w) for g, w in zip(got["grads"], want)):

@@ -24,7 +24,7 @@ def check_shard_indices(fn, seed: int = 0, trials: int = 6) -> None:
     """`fn(n, rank, world_size, seed=0, epoch=0) -> list of indices`: shards disjoint, covering range(n)
     exactly once, sizes within one, the same on every call, reshuffled when the epoch changes. Runs
     in one process (it needs no communication)."""
-    name, rng = "shard_indices", random.Random(seed)
+    name, rng = "shard_indices", random.Random(case_seed(seed))
     for _ in range(trials):
         n, w = rng.choice([1, 2, 10, 17, 33, 100]), rng.choice([2, 3, 4, 5])
         s, e = rng.randrange(1000), rng.randrange(5)

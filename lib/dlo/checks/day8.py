@@ -30,7 +30,7 @@ from dlo.checks.day8_prune import (  # noqa: F401 (the notebook calls them from 
     random_matrix,
 )
 from dlo.checks.day8_smooth import check_smoothing_factors  # noqa: F401 (the notebook calls it from here)
-from dlo.grading.api import check, run_student
+from dlo.grading.api import case_seed, check, run_student
 from dlo.grading.compare import assert_close, expect_value_error, fmt, name_slip, ok, same
 
 RTOL, ATOL = 1e-5, 1e-6  # float32 references: correct code agrees to a few ulps
@@ -53,7 +53,8 @@ OBSERVERS = ("dlo.quant.MinMaxObserver", "dlo.quant.PercentileObserver", "dlo.qu
 def check_quantize(quantize_fn, dequantize_fn, seed: int = 0, trials: int = 6) -> None:
     """`quantize_fn(x, bits, granularity, group_size) -> (q, scale)` symmetric, scale (R|1, n_groups);
     `dequantize_fn(q, scale) -> x_hat`. Against dlo.quant.quantize(..., symmetric=True)."""
-    name, rng, gen = "quantize", random.Random(seed), torch.Generator().manual_seed(seed)
+    name, cs = "quantize", case_seed(seed)  # a secret seed when graded
+    rng, gen = random.Random(cs), torch.Generator().manual_seed(cs)
     for t in range(trials):
         bits = (8, 4)[t % 2] if t < 4 else rng.choice([2, 3, 5, 6])  # q_max = 2^(b-1) - 1 for any width
         granularity = ("tensor", "channel", "group")[t % 3]
@@ -104,7 +105,8 @@ def check_quantize(quantize_fn, dequantize_fn, seed: int = 0, trials: int = 6) -
 @check(forbid=OBSERVERS)
 def check_calibrate_range(fn, seed: int = 0, trials: int = 4) -> None:
     """`fn(batches, method, percentile) -> (lo, hi)`: min-max, or the (100-p, p) percentiles of all values."""
-    name, rng, gen = "calibrate_range", random.Random(seed), torch.Generator().manual_seed(seed)
+    name, cs = "calibrate_range", case_seed(seed)  # a secret seed when graded
+    rng, gen = random.Random(cs), torch.Generator().manual_seed(cs)
     for t in range(trials):
         method = ("minmax", "percentile")[t % 2]
         pct = rng.choice([99.0, 99.9, 95.0])
@@ -150,7 +152,8 @@ def _fake_quant_worker(fn, x, scale, bits: int, g) -> dict:
 @check(forbid=FAKE_QUANT)
 def check_fake_quant_ste(fn, seed: int = 0, trials: int = 4) -> None:
     """`fn(x, scale, bits) -> x_hat`: symmetric fake quantization whose gradient is the clipped STE."""
-    name, rng, gen = "fake_quant_ste", random.Random(seed), torch.Generator().manual_seed(seed)
+    name, cs = "fake_quant_ste", case_seed(seed)  # a secret seed when graded
+    rng, gen = random.Random(cs), torch.Generator().manual_seed(cs)
     for t in range(trials):
         bits = (8, 4)[t % 2]
         x = torch.randn(rng.choice([3, 7]), rng.choice([5, 9]), generator=gen, dtype=torch.float64)
@@ -195,7 +198,8 @@ def _distill_worker(fn, s, t, y, temperature: float, lam: float) -> dict:
 def check_distillation_loss(fn, seed: int = 0, trials: int = 4) -> None:
     """`fn(student_logits, teacher_logits, targets, temperature, lam) -> scalar` =
     T^2 KL(softmax(t/T) || softmax(s/T)) (batch mean) + lam CE(s, y); gradients must reach the student only."""
-    name, rng, gen = "distillation_loss", random.Random(seed), torch.Generator().manual_seed(seed)
+    name, cs = "distillation_loss", case_seed(seed)  # a secret seed when graded
+    rng, gen = random.Random(cs), torch.Generator().manual_seed(cs)
     for t_ in range(trials):
         B, C = rng.choice([3, 8]), rng.choice([4, 10])
         # at T = 2 (and 4), T^2 = 2^T (and 2T): the first trial's temperature tells them apart

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from dlo import prune
-from dlo.grading.api import check, run_student
+from dlo.grading.api import case_seed, check, run_student
 from dlo.grading.compare import assert_close, fmt, ok, same
 
 
@@ -31,7 +31,8 @@ def random_matrix(rng: random.Random, gen: torch.Generator, cols_multiple: int =
 @check(forbid=("dlo.prune.magnitude_masks", "dlo.prune._smallest_mask", "torch.nn.utils.prune.*"))
 def check_magnitude_masks(fn, seed: int = 0, trials: int = 6) -> None:
     """`fn(weights: dict[str, Tensor], sparsity, scope) -> dict[str, bool mask]` (True = kept)."""
-    name, rng, gen = "magnitude_masks", random.Random(seed), torch.Generator().manual_seed(seed)
+    name, cs = "magnitude_masks", case_seed(seed)  # a secret seed when graded
+    rng, gen = random.Random(cs), torch.Generator().manual_seed(cs)
     for t in range(trials):
         scope = ("global", "layer")[t % 2]
         sparsity = rng.choice([0.2, 0.5, 0.75, 0.9] if t != 1 else [0.2, 0.75, 0.9])
@@ -81,7 +82,7 @@ def _schedule_slips(step: int, s_f: float, t0: int, t1: int, s_i: float) -> dict
 def check_gradual_sparsity(fn, seed: int = 0, trials: int = 4) -> None:
     """`fn(step, final_sparsity, begin_step, end_step, initial_sparsity) -> float`: the cubic of Zhu & Gupta
     derived from s(0) = s_i, s(1) = s_f, s'(1) = s''(1) = 0; a wrong value is named by the slip it matches."""
-    name, rng = "gradual_sparsity", random.Random(seed)
+    name, rng = "gradual_sparsity", random.Random(case_seed(seed))
     for _ in range(trials):
         s_f, s_i = rng.choice([0.5, 0.8, 0.95]), rng.choice([0.0, 0.1])
         t0 = rng.choice([0, 5, 17])
@@ -113,7 +114,7 @@ def _prune_pair_worker(fn, fc1, fc2, n_keep: int) -> dict:
 def check_prune_linear_pair(fn, seed: int = 0, trials: int = 4) -> None:
     """`fn(fc1, fc2, n_keep) -> (new_fc1, new_fc2)`: keep the n_keep hidden units with the largest
     L2 row norm of fc1; the new layers must be really smaller and compute the same thing on them."""
-    name, rng = "prune_linear_pair", random.Random(seed)
+    name, rng = "prune_linear_pair", random.Random(case_seed(seed))
     for _ in range(trials):
         torch.manual_seed(rng.randrange(1 << 30))
         d_in, hidden, d_out = rng.choice([3, 6]), rng.choice([7, 12]), rng.choice([2, 5])
@@ -148,7 +149,8 @@ def check_prune_linear_pair(fn, seed: int = 0, trials: int = 4) -> None:
 def check_mask_2to4(mask_fn, valid_fn, seed: int = 0, trials: int = 4) -> None:
     """`mask_fn(w) -> bool mask` keeping the 2 largest |w| of each 4 along the last dim;
     `valid_fn(mask) -> bool`, True when no group of 4 keeps more than 2."""
-    name, rng, gen = "mask_2to4", random.Random(seed), torch.Generator().manual_seed(seed)
+    name, cs = "mask_2to4", case_seed(seed)  # a secret seed when graded
+    rng, gen = random.Random(cs), torch.Generator().manual_seed(cs)
     for t in range(trials):
         w = random_matrix(rng, gen, cols_multiple=4)
         hp = dict(w_shape=tuple(w.shape))

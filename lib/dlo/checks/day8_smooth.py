@@ -8,7 +8,7 @@ import random
 import torch
 
 from dlo import smoothquant
-from dlo.grading.api import check
+from dlo.grading.api import case_seed, check
 from dlo.grading.compare import assert_close, ok
 
 SMOOTH = ("dlo.smoothquant.smoothing_factors", "dlo.smoothquant.smooth_llama", "dlo.smoothquant.fold_")
@@ -42,7 +42,8 @@ def check_smoothing_factors(fn, seed: int = 0, trials: int = 6) -> None:
     """`fn(act_absmax, weight_absmax, alpha) -> s` (C,): s_j = max|X_j|^alpha / max|W_j|^(1-alpha), and
     s_j = 1 where either max is 0. Odd channel counts, a few outlier channels 20-100x larger in X,
     one all-zero channel of X or of W, alpha at the ends and inside."""
-    name, rng, gen = "smoothing_factors", random.Random(seed), torch.Generator().manual_seed(seed)
+    name, cs = "smoothing_factors", case_seed(seed)  # a secret seed when graded
+    rng, gen = random.Random(cs), torch.Generator().manual_seed(cs)
     for t in range(trials):
         C = rng.choice([3, 5, 7, 11, 13, 17])
         alpha = (0.0, 0.5, 1.0, rng.choice([0.25, 0.65, 0.8]))[t % 4]
