@@ -16,20 +16,32 @@ pytestmark = pytest.mark.slurm
 STEPS = 5000  # ~75 s of steps on an idle core: longer than the first signal (10 to 40 s after the start)
 ARGS = ["--steps", str(STEPS), "--save-every", "500", "--device", "cpu", "--model", "mlp", "--n-train", "256",
         "--image-size", "16", "--batch-size", "32", "--width", "8"]
+SAVED = re.compile(r"^SIGTERM: saved step (\d+), exiting for requeue$", re.M)
+RESUMED = re.compile(r"^resumed from .*ckpt-0*(\d+)\.pt at step (\d+)$", re.M)
 
 
-def _signal_if_late(slurm, job: str, log, at_step: int = 1500, timeout: float = 600) -> None:
-    """slurmctld signals the batch shell 10 to 40 s after the start; on a fast idle machine the first run
-    can finish before that (CI's first try: 5000 steps done, never requeued). Once the first run is past
-    `at_step` with no signal yet, send the same signal through SLURM ourselves (`scancel --batch`)."""
-    deadline = time.monotonic() + timeout
+def _signal_if_late(slurm, job: str, log, steps_in: int = 1500, timeout: float = 600) -> None:
+    """Make sure that some run of the job is cut while its trainer trains, so that it saves.
+
+    slurmctld signals the batch shell 10 to 40 s after the start, but (a) on a fast idle machine the first run
+    can finish before that (CI's first try: 5000 steps done, never requeued), and (b) on a loaded one the
+    signal can land while Python still imports, before the trainer's handler is installed (CI, 4420d3d: every
+    cut run killed unsaved, no "saved step" line). Until a run has saved, a run that gets `steps_in` steps
+    past where it started with no signal yet gets the same signal through SLURM (`scancel --batch`)."""
+    deadline, signalled = time.monotonic() + timeout, set()
     while time.monotonic() < deadline:
         text = log.read_text() if log.exists() else ""
-        if "time limit near" in text or any(j.get("JobState") in ENDED for j in slurm.jobs(job)):
+        if SAVED.search(text) or any(j.get("JobState") in ENDED for j in slurm.jobs(job)):
             return
-        if re.search(rf"^step {at_step} ", text, re.M):
-            slurm.run("scancel", "--batch", "--signal=USR1", job)
-            return
+        runs = re.split(r"^.* start, restart count (\d+)$", text, flags=re.M)
+        if len(runs) >= 3:  # [before, count, this run's lines] for the newest run
+            count, run = runs[-2], runs[-1]
+            start = RESUMED.search(run)
+            first = int(start.group(2)) if start else 0
+            steps = [int(s) for s in re.findall(r"^step (\d+) ", run, re.M)]
+            if count not in signalled and "time limit near" not in run and steps and steps[-1] >= first + steps_in:
+                slurm.run("scancel", "--batch", "--signal=USR1", job)
+                signalled.add(count)
         time.sleep(0.2)
 
 
@@ -55,8 +67,7 @@ def test_time_limit_requeue_resume_gives_the_uninterrupted_parameters(slurm, tmp
     assert text.count("time limit near: asking the trainer to checkpoint, then requeueing") == restarts
     # a signal that lands while Python still starts kills it unsaved (that run resumes from the last
     # checkpoint); the others save the step they were at, and the next run resumes from exactly there
-    saved = re.findall(r"^SIGTERM: saved step (\d+), exiting for requeue$", text, re.M)
-    resumed = re.findall(r"^resumed from .*ckpt-0*(\d+)\.pt at step (\d+)$", text, re.M)
+    saved, resumed = SAVED.findall(text), RESUMED.findall(text)
     assert saved and set(saved) <= {step for step, _ in resumed}, text[-2000:]
 
     name = f"ckpt-{STEPS:08d}.pt"
