@@ -4,16 +4,17 @@
 tokens on 16 H100, where context parallelism wins; an 8-expert top-2 MoE built on Llama 3.2 3B on 16 H100,
 where expert parallelism wins; the 8B and 70B at 8,192 tokens of Day 7), on the 70B at 8,192 tokens on 32 H200
 (only a layout with pipeline parallelism is fastest there), on the 70B on 40 H100 (every valid layout's pp is
-a multiple of 5), then seeded models (dense and MoE, of other depths), sequence lengths, GPU counts (with a factor 3),
-GPUs, usable memories and batches (`dlo.layout.Model` measured once per model and length, about a
+a multiple of 5), on the 8B at 131,072 tokens on 16 H100 in nodes of 4 (every layout that fits spans nodes with
+tp x cp), then seeded models (dense and MoE, of other depths), sequence lengths, GPU counts (with a factor 3),
+GPUs, usable memories, batches and nodes of 4 or 8 GPUs (`dlo.layout.Model` measured once per model and length, about a
 second each), and accepts any valid layout that fits (`dlo.layout.fits`) and is as fast
 (`dlo.layout.step_time`) as the reference `dlo.layout.search`'s, whose search and enumeration are off limits
 (the memory and time models are the student's tools). Where no layout fits (Llama 3.1 70B on 8 H100: its
 model states alone need 140 GB per GPU), the search must raise ValueError.
 
 A wrong answer is named: the check searches here, on its own side, as the usual slips would (context, expert or
-pipeline parallelism never tried; ring attention's K/V traffic left out of the time; the activations not
-divided by cp; the experts' weights counted whole on every rank), and says which one the answer is.
+pipeline parallelism never tried; tp x cp kept inside a node; ring attention's K/V traffic left out of the time;
+the activations not divided by cp; the experts' weights counted whole on every rank), and says which one it is.
 """
 
 from __future__ import annotations
@@ -63,7 +64,11 @@ def _cases(rng: random.Random, trials: int) -> list[tuple]:
            (("llama3.1-70b", 8192, 0, 0), Cluster("H200 SXM", 32, 141.0), 32),
            # 40 = 5 x 8 GPUs and 32 sequences: every valid layout has pp = 5, 10, 20 or 40 (a search whose loops
            # list powers of 2, or pp <= 2, or m <= 8, passed 8 seeds in 10; the fastest is pp 5, m 32)
-           (("llama3.1-70b", 8192, 0, 0), Cluster("H100 SXM", 40), 32)]
+           (("llama3.1-70b", 8192, 0, 0), Cluster("H100 SXM", 40), 32),
+           # nodes of 4 GPUs: only tp 4 x cp 4 fits two 131k sequences on 16 H100 (tp x cp spans 4 nodes); a search
+           # that keeps tp x cp inside a node (as tp alone is usually best kept) finds nothing here. Before this case
+           # and the seeded nodes of 4, such a search passed every seed (2026-11-30)
+           (("llama3.1-8b", 131072, 0, 0), Cluster("H100 SXM", 16, per_node=4), 2)]
     for _ in range(trials):
         kind = rng.choice(["dense", "long", "moe"])
         if kind == "moe":
@@ -76,7 +81,8 @@ def _cases(rng: random.Random, trials: int) -> list[tuple]:
         gpus = rng.choice([24, 32, 48, 64, 96, 128] if key[0] == "llama3.1-70b" else [8, 12, 16, 24, 32, 48, 64])
         gpu, mem = rng.choice([("A100 80GB SXM", 80.0), ("H100 SXM", 80.0), ("H200 SXM", 141.0)])
         batch = max(1, gpus * rng.choice([1, 2]) // (8 if kind == "long" else 1))
-        out.append(((*key, depth), Cluster(gpu, gpus, round(mem * rng.uniform(0.6, 1.0), 1)), batch))
+        mem, per_node = round(mem * rng.uniform(0.6, 1.0), 1), rng.choice([4, 8])
+        out.append(((*key, depth), Cluster(gpu, gpus, mem, per_node), batch))
     return out
 
 
@@ -141,15 +147,18 @@ def _experts_everywhere(model, lay, cluster, batch):
     return memory_bytes(model, dataclasses.replace(lay, ep=1), cluster, batch)
 
 
-SLIPS = {  # name -> (keep a layout?, memory model, the model the time is priced on)
+SLIPS = {  # name -> (keep a layout on a cluster?, memory model, the model the time is priced on)
     "context parallelism never tried (cp = 1 only): a long sequence's activations fit only split over cp ranks":
-        (lambda lay: lay.cp == 1, None, None),
+        (lambda lay, c: lay.cp == 1, None, None),
     "expert parallelism never tried (ep = 1 only): spreading an MoE's experts over ep ranks divides their weights":
-        (lambda lay: lay.ep == 1, None, None),
+        (lambda lay, c: lay.ep == 1, None, None),
     "pipeline parallelism never tried (pp = 1 only): splitting the layers over pp stages can beat more tp or dp":
-        (lambda lay: lay.pp == 1, None, None),
+        (lambda lay, c: lay.pp == 1, None, None),
     "only powers of 2 tried: a degree or m is any divisor that fits the rules (24 GPUs: dp or pp of 3, 6, 12)":
-        (lambda lay: all(x & (x - 1) == 0 for x in (lay.dp, lay.tp, lay.pp, lay.cp, lay.ep, lay.m)), None, None),
+        (lambda lay, c: all(x & (x - 1) == 0 for x in (lay.dp, lay.tp, lay.pp, lay.cp, lay.ep, lay.m)), None, None),
+    "tp x cp kept inside a node (tp x cp <= cluster.per_node): no rule asks it, and the time model prices the "
+    "links a group crosses; a long sequence may fit only over more ranks than a node has":
+        (lambda lay, c: lay.tp * lay.cp <= c.per_node, None, None),
     "ring attention's K/V traffic left out of the time (ring_bytes_per_rank per layer, forward and backward)":
         (None, None, lambda model: dataclasses.replace(model, kv_heads=0)),
     "the activations not divided by cp (each of a sequence's cp ranks holds only its s/cp positions)":
@@ -166,7 +175,7 @@ def _best(model, cluster, batch, keep=None, memory=None, priced=None):
     best, timed = None, priced(model) if priced else model
     for lay in layouts(model, cluster, batch):
         fit = (memory or memory_bytes)(model, lay, cluster, batch) <= cluster.mem_gib * 2**30
-        if (keep is None or keep(lay)) and fit:
+        if (keep is None or keep(lay, cluster)) and fit:
             t = step_time(timed, lay, cluster, batch)
             if best is None or t < best[0]:
                 best = (t, lay)
@@ -183,9 +192,9 @@ def _named(got, model, cluster, batch) -> str:
 def check_layout_search(search_fn, seed: int = 0, trials: int = 4) -> None:
     """`search_fn(model, cluster, batch)`: the fastest `dlo.layout.Layout` by `dlo.layout.step_time`
     among those that fit by `dlo.layout.fits` (module docstring of `dlo.layout`); compared with the
-    reference search's time on the notebook's six cases (one where only pipeline parallelism is fastest, one
-    where every layout's pp is a multiple of 5) and seeded others of their own depth, GPU count and usable memory
-    (hidden: more)."""
+    reference search's time on the notebook's seven cases (one where only pipeline parallelism is fastest, one
+    where every layout's pp is a multiple of 5, one in nodes of 4 GPUs where tp x cp must span nodes) and seeded
+    others of their own depth, GPU count, usable memory and node size (hidden: more)."""
     from dlo.layout import fits, memory_bytes, search, step_time
 
     cases = _cases(random.Random(case_seed(seed)), trials)
