@@ -38,8 +38,8 @@ def _signal_if_late(slurm, job: str, log, steps_in: int = 1500, timeout: float =
             count, run = runs[-2], runs[-1]
             start = RESUMED.search(run)
             first = int(start.group(2)) if start else 0
-            steps = [int(s) for s in re.findall(r"^step (\d+) ", run, re.M)]
-            if count not in signalled and "time limit near" not in run and steps and steps[-1] >= first + steps_in:
+            steps = re.findall(r"^step (\d+) ", run, re.M)
+            if count not in signalled and "time limit near" not in run and steps and int(steps[-1]) >= first + steps_in:
                 slurm.run("scancel", "--batch", "--signal=USR1", job)
                 signalled.add(count)
         time.sleep(0.2)
