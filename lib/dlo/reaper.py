@@ -53,9 +53,10 @@ def children(pid: int) -> list[int]:
     return sorted(_ppids().get(pid, []))
 
 
-def descendants(pid: int) -> list[int]:
-    """The live processes below `pid` (children, their children, ...), parents first."""
-    tree, out, todo = _ppids(), [], [pid]
+def descendants(pid: int, zombies: bool = False) -> list[int]:
+    """The live processes below `pid` (children, their children, ...), parents first; with `zombies`,
+    also those that ended and were not waited for."""
+    tree, out, todo = _ppids(zombies), [], [pid]
     while todo:
         kids = sorted(tree.get(todo.pop(0), []))
         out += kids

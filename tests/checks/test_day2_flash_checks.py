@@ -261,7 +261,7 @@ def dispatch_disabled(q, k, v, *, causal=False, block_k=32):
 
 
 OUTSIDE = r"multiply-adds, q k\^T and P V over the \(query, key\) pairs take \d+: the attention ran outside torch's"
-RED_TEAM = [(query_chunks, r"aten\.logsumexp on \(1, 2, \d+, (\d+)\) combined \1 elements of one dimension at once"),
+RED_TEAM = [(query_chunks, r"aten\.logsumexp on \(1, [12], \d+, (\d+)\) combined \1 elements of one dimension at once"),
             (partial(query_chunks, rows=1), r"a softmax or P V over all T=\d+ keys is not FlashAttention"),
             (naive_in_numpy, OUTSIDE),
             (numpy_scores_beside, r"bytes allocated outside torch \(numpy arrays, Python lists\)"),
@@ -283,7 +283,9 @@ def test_red_team_fails(cheat, match, seed):
 
 
 def test_red_team_fails_sandboxed(sandbox):
-    """The span, tracemalloc and the work seen are read where the student's code runs: in the jail too."""
+    """The span, tracemalloc and the work seen are read where the student's code runs: in the jail too. There
+    the kernel's count of the process (its ~4k-key case, `test_kernel_count`) may name the same fault first:
+    scores kept beside the work, in numpy or in torch."""
     for cheat, match in RED_TEAM[::3]:
-        with pytest.raises(AssertionError, match=match):
+        with pytest.raises(AssertionError, match=f"{match}|resident memory grew by .* half a \\(T x T\\) fp32"):
             sandbox.run(day2.check_flash_attention, cheat, trials=1)

@@ -17,9 +17,12 @@ the backwards (the weights' gradients), and every gradient accumulated into a pa
 while it is on the stack (`torch.Tensor.register_post_accumulate_grad_hook`). The named ways out are also
 forbidden (`dlo.checks.saved.MODES`).
 
-Left open: code that finds the watch (popped off the stack, or among the interpreter's objects) and rewrites
-what it counted, or fills .grad by assignment from gradients computed past it beside a backward of the
-same size.
+Code that finds the watch (on torch's dispatch stack, or among the interpreter's objects) can rewrite what it
+counted. So, under `dlo grade`, one more case (~4,100 samples, a hidden layer HELD_HIDDEN wide) also has the
+process's memory read by the kernel from outside it (`_held`, `dlo.grading.api.student_memory`): the whole
+batch's activations alive at once show there, whatever the watch says. Left open: .grad filled by
+assignment from gradients computed past the watch, a micro-batch at a time, beside a backward of the same
+size.
 """
 
 from __future__ import annotations
@@ -32,21 +35,23 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dlo.checks.saved import MODES
-from dlo.grading.api import case_seed, check, run_student
-from dlo.grading.compare import DTYPE, assert_close, fmt, ok, rand
+from dlo.grading.api import case_seed, check, run_student, student_memory
+from dlo.grading.compare import DTYPE, assert_close, assert_held, fmt, ok, rand
 from dlo.measure import tensors_in
 
 # taken at import, before any student code: what the hooks ask of torch's dispatch stack and autograd
 _STACK_LEN, _STACK_AT, _NODE = (torch._C._len_torch_dispatch_stack, torch._C._get_dispatch_stack_at,
                                 torch._C._current_autograd_node)
 # the matmuls a Linear layer's forward and backward run (their last two tensor arguments multiplied)
+HELD_HIDDEN = 2048  # the large case's hidden width: batch x 2048 float64 activations, 64 MiB for ~4k samples
 MATMULS = frozenset(("mm", "addmm", "bmm", "baddbmm", "addbmm", "mv", "addmv", "dot", "_addmm_activation"))
 OUTSIDE = ("ran outside torch's dispatcher, where the grader's watch does not see it (a dispatch mode popped or "
            "disabled, another thread): run each micro-batch's forward and backward in plain PyTorch")
 
 
-def _tiny_mlp(gen: torch.Generator, d_in: int, n_cls: int) -> torch.nn.Module:
-    model = torch.nn.Sequential(torch.nn.Linear(d_in, 13), torch.nn.Tanh(), torch.nn.Linear(13, n_cls)).to(DTYPE)
+def _tiny_mlp(gen: torch.Generator, d_in: int, n_cls: int, hidden: int = 13) -> torch.nn.Module:
+    model = torch.nn.Sequential(torch.nn.Linear(d_in, hidden), torch.nn.Tanh(),
+                                torch.nn.Linear(hidden, n_cls)).to(DTYPE)
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(torch.randn(p.shape, generator=gen, dtype=DTYPE) * 0.5)
@@ -179,18 +184,22 @@ def check_accumulate_gradients(fn, seed: int = 0, trials: int = 5) -> None:
     micro-batch's activations alive at a time)."""
     name, cs = "accumulate_gradients", case_seed(seed)  # a secret seed when graded
     rng, gen = random.Random(cs), torch.Generator().manual_seed(cs)
-    for t in range(trials):
+    for t in range(trials + 1):
         batch, k = rng.choice([13, 21, 29, 31]), [4, 3, 1, 5, 2][t % 5]
-        d_in, n_cls = rng.choice([5, 7]), rng.choice([3, 4])
-        model = _tiny_mlp(gen, d_in, n_cls)
+        d_in, n_cls, hidden = rng.choice([5, 7]), rng.choice([3, 4]), 13
+        if t == trials:  # the case whose memory the kernel counts (`_held`): the whole batch's activations 64 MiB
+            batch, k, d_in, hidden = rng.choice([4093, 4099, 4111]), 16, 16, HELD_HIDDEN
+        model = _tiny_mlp(gen, d_in, n_cls, hidden)
         x, y = rand((batch, d_in), gen), torch.randint(0, n_cls, (batch,), generator=gen)
-        ref = _tiny_mlp(gen, d_in, n_cls)
+        ref = _tiny_mlp(gen, d_in, n_cls, hidden)
         ref.load_state_dict(model.state_dict())
         want = F.cross_entropy(ref(x), y)
         want.backward()
         for p in model.parameters():
             p.grad = torch.randn(p.shape, generator=gen, dtype=DTYPE)  # stale grads from a previous step
+        before = student_memory(reset=True)
         res = run_student(_accumulate_worker, fn, model, x, y, k)
+        after = student_memory()
         seen, got = res["seen"], res["loss"]
         hp = dict(batch=batch, micro_batches=k)
         if k > 1 and (len(seen) < 2 or max(seen) > math.ceil(batch / k) or sum(seen) != batch):
@@ -206,4 +215,17 @@ def check_accumulate_gradients(fn, seed: int = 0, trials: int = 5) -> None:
         for (pname, grad), r in zip(res["grads"], ref.parameters()):
             assert_close(name, f"{pname}.grad (weight each micro-batch mean loss by its share of samples)",
                          grad, r.grad, hp)
-    ok(name, f"{trials} trials, seed={seed}")
+        if t == trials:
+            _held(name, before, after, batch, hp)
+    ok(name, f"{trials + 1} trials, seed={seed}")
+
+
+def _held(name: str, before, after, batch: int, hp: dict) -> None:
+    """The kernel's count of the student's process during the large case, read outside it under `dlo grade`
+    (`student_memory`). The whole batch's hidden activations (batch x HELD_HIDDEN float64, ~64 MiB) alive at
+    once, whatever the code did to the watch, grow it by at least twice that: tanh's input and output in the
+    forward, the output and its gradient in the backward. Honest accumulation (micro-batches of 1/16) grew it by
+    12-16 MiB (2026-12-01, 4 seeds). One whole batch's worth is allowed."""
+    whole = batch * HELD_HIDDEN * DTYPE.itemsize
+    assert_held(name, before, after, whole, f"more than the whole batch's hidden activations ({whole / 2 ** 20:.0f} "
+                f"MiB): forward and backward one micro-batch at a time, so that only one micro-batch's are alive", hp)

@@ -24,9 +24,12 @@ written out (`dlo.attention.attention_scores`). What is checked, case by case:
   time holds little memory), or torch past the watch (the mode popped, Python dispatch switched off; the
   one-line ways are also forbidden: `dlo.checks.saved.MODES`).
 
-Left open: reductions that `_span` does not list (scatter_add, a convolution); work done outside torch
-beside as much torch work as the attention takes, for show; and code that finds the watch (popped, or among
-the interpreter's objects) and rewrites what it counted, or stops tracemalloc.
+Code that finds the watch (on torch's dispatch stack, or among the interpreter's objects) can rewrite what it
+counted, or stop tracemalloc. So, under `dlo grade`, a case of ~4,100 keys also has the process's memory read
+by the kernel from outside it (`_held`, `dlo.grading.api.student_memory`): a (T, T) matrix shows there,
+whatever the watch says. Left open: reductions that `_span` does not list (scatter_add, a convolution); work
+done outside torch beside as much torch work as the attention takes, for show; a softmax over all keys a few
+query rows at a time (no (T, T) matrix) with the watch's span rewritten.
 """
 
 from __future__ import annotations
@@ -40,8 +43,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from dlo.attention import attention_scores
 from dlo.checks.saved import MODES
-from dlo.grading.api import case_seed, check, run_student
-from dlo.grading.compare import assert_close, fmt, ok
+from dlo.grading.api import case_seed, check, run_student, student_memory
+from dlo.grading.compare import assert_close, assert_held, fmt, ok
 from dlo.measure import tensors_in
 
 # fp32: the student's fp32 sums over <= ~300 keys, in another order than float64's, differ by ~1e-6;
@@ -195,7 +198,8 @@ def _flash_worker(fn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
 
 def _cases(rng: random.Random, trials: int) -> list[dict]:
     """`trials` random cases (T odd and not a multiple of block_k; every other one causal; the last one
-    bf16), then the two materialisation cases (T well above block_k, causal and not)."""
+    bf16) with the case of ~4k keys whose memory the kernel counts second, then the two materialisation cases
+    (T well above block_k, causal and not)."""
     cases = []
     for t in range(trials):
         block_k = rng.choice([8, 16, 32])
@@ -205,6 +209,10 @@ def _cases(rng: random.Random, trials: int) -> list[dict]:
                           causal=t % 2 == 1, dtype=dtype))
     T = rng.choice([257, 263, 301])
     cases += [dict(B=1, H=2, T=T, D=16, block_k=32, causal=c, dtype=torch.float32) for c in (True, False)]
+    # second, the case whose memory the kernel counts (`_held`): after the first call has imported what a dispatch
+    # mode imports once (~90 MB in a fresh process), before any larger case could raise the process's mark
+    cases.insert(1, dict(B=1, H=1, T=rng.choice([4093, 4099, 4111]), D=16, block_k=32, causal=False,
+                         dtype=torch.float32))
     return cases
 
 
@@ -227,9 +235,21 @@ def check_flash_attention(fn, seed: int = 0, trials: int = 4) -> None:
         o_ref = F.scaled_dot_product_attention(q64, k64, v64, is_causal=c["causal"])
         l_ref = torch.logsumexp(attention_scores(q64, k64, c["causal"]), dim=-1)
         # memory outside torch in the last case only: tracemalloc triples the cost of the call
+        before = student_memory(reset=True)
         got = run_student(_flash_worker, fn, q, k, v, c["causal"], c["block_k"], c is cases[-1])
+        after = student_memory()
         _compare(name, got, c, o_ref, l_ref, hp)
-    ok(name, f"{trials + 2} cases, seed={seed}")
+        if c is cases[1]:
+            _held(name, before, after, c["T"], hp)
+    ok(name, f"{trials + 3} cases, seed={seed}")
+
+
+def _held(name: str, before, after, T: int, hp: dict) -> None:
+    """The kernel's count of the student's process during the ~4k-key case, read outside it under `dlo grade`
+    (`student_memory`): a forward that held a (T, T) fp32 matrix (64 MiB) grew by at least that, whatever it did
+    to the watch; a block-wise one holds a few (T, block_k) blocks (0.5 MiB each). Half a matrix is allowed."""
+    assert_held(name, before, after, 2 * T * T, f"more than half a (T x T) fp32 matrix, T={T}: hold one block of "
+                f"block_k={hp['block_k']} keys at a time", hp)
 
 
 def _large(c: dict) -> bool:

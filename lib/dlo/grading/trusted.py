@@ -33,6 +33,7 @@ from pathlib import Path
 from dlo.grading.api import stub_message
 from dlo.grading.remote import CheckTimeout, Remote, Runner, RunnerDied, apply_after, materialise, rebuild_error
 from dlo.grading.wire_request import Callback, Ref, dump_request
+from dlo.measure.process import own_pid_in, snapshot
 
 CLOSE_TIMEOUT = 10.0  # seconds a session gets to end after the check is done with it
 START_TIMEOUT = 180.0  # seconds a runner gets to import torch and dlo
@@ -53,6 +54,7 @@ class Session:
         self.wire: list[int] | None = None  # what the ranks' sockets sent in the last on_ranks (`api.wire_sent`)
         self.callbacks: dict[int, object] = {}
         self.open = False
+        self.child = self.host_pid = None  # the session's child: its pid in the sandbox, and here (`memory`)
 
     # -- the @check protocol
     def __enter__(self):
@@ -94,6 +96,12 @@ class Session:
     def getattr(self, target: Remote, name: str):
         return self.request({"op": "getattr", "target": target, "name": name})
 
+    def memory(self, reset: bool = False):
+        """The kernel's counters of the session's child, read here from /proc (`dlo.measure.process`)."""
+        if self.open and self.child is not None and self.host_pid is None:
+            self.host_pid = own_pid_in(self.child, self.runner.proc.pid)
+        return snapshot(self.host_pid, reset) if self.open and self.host_pid is not None else None
+
     # -- the channel
     def start(self) -> None:
         self.runner = self.backend.runner()
@@ -110,6 +118,8 @@ class Session:
             raise rebuild_error(msg)
         if msg.get("kind") != "opened":
             raise RuntimeError(f"unexpected reply {msg.get('kind')!r} from the sandbox")
+        # sent before any student code ran in the child, so its own
+        self.child, self.host_pid = msg.get("pid") if type(msg.get("pid")) is int else None, None
         self.open = True
 
     def close(self) -> None:

@@ -10,7 +10,9 @@ same thing on every day:
   backward (device independent, the CPU's measure); `peak_memory()` gives `max_memory_allocated` on
   CUDA and the saved-tensor peak elsewhere, and says which one it is (`kind`); `saved_bytes(forward)`
   and `measure_step(step)` are the two measurements every day's tables are made of; `allocated_peak(fn)`
-  (`AllocationMeter`) counts the bytes torch operators allocate, a forward's working memory on any device.
+  (`AllocationMeter`) counts the bytes torch operators allocate, a forward's working memory on any device;
+  `dlo.measure.process` reads the kernel's count of a process (VmRSS, VmHWM) from /proc, for the grader
+  from outside the process it judges.
 - communication: `CommCounter` is a dispatch mode that sees every collective that reaches the
   dispatcher (`dist.all_reduce` and friends, torch's functional collectives used by DTensor/FSDP2,
   point-to-point sends): calls, payload bytes and the bytes this rank sends under the ring model;
