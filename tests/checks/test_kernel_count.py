@@ -18,6 +18,8 @@ from dlo.checks.day2_attention import check_flash_attention
 from dlo.grading.jail import make_spec, probe
 from dlo.grading.trusted import LocalSandbox
 from tests.checks.conftest import load_solution
+from tests.checks.test_day1_checks import accum_autograd_grad, accum_chunk, accum_scaled_after
+from tests.checks.test_day2_flash_checks import per_head_matrices, query_and_key_blocks
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.trust]
 needs_bwrap = pytest.mark.skipif(probe() != "bwrap", reason=f"bubblewrap cannot run here: {probe()}")
@@ -155,5 +157,16 @@ def test_work_moved_into_a_child_process_fails(student, jail):
 @needs_bwrap
 @pytest.mark.parametrize("seed", [0, 1])
 def test_honest_work_passes_under_the_kernel_s_count(student, jail, seed):
+    """The instructors' accumulation and this file's FlashAttention: a point lost here is a false negative."""
     jail.run(check_flash_attention, student.flash_blocks, seed=seed)
     jail.run(check_accumulate_gradients, student.accumulate_solution, seed=seed)
+
+
+@needs_bwrap
+def test_other_honest_variants_pass_under_the_kernel_s_count(jail):
+    """The honest variants of the checks' own tests, written apart: chunk and index tensors, autograd.grad,
+    .grad divided at the end; query and key blocks, one head at a time."""
+    for fn in (query_and_key_blocks, per_head_matrices):
+        jail.run(check_flash_attention, fn, seed=2)
+    for fn in (accum_chunk, accum_autograd_grad, accum_scaled_after):
+        jail.run(check_accumulate_gradients, fn, seed=2)
