@@ -1,9 +1,10 @@
-"""The watch rewritten, the kernel's count kept (issue 33): Days 1 and 2's memory judged outside the process.
+"""The watch rewritten, the kernel's count kept (issue 33): Days 1-3's memory judged outside the process.
 
 Day 1's accumulation and Day 2's FlashAttention are checked by a TorchDispatchMode in the process where the
-student's code runs: what no operator may read or make at once (a whole batch, a (T, T) matrix). Code that
-finds that watch among the interpreter's objects (`gc`) and rewrites what it counted passes every rule
-there, as the notebook's own check shows below. Under `dlo grade` each check also has a large case whose
+student's code runs: what no operator may read or make at once (a whole batch, a (T, T) matrix); Day 3's
+checkpoint by meters there of what its forward saved and kept. Code that finds them (torch's dispatch stack,
+`gc`) and rewrites what they counted passes every rule there, as the notebook's own check shows below.
+Under `dlo grade` each check also has a large case whose
 memory the grading process reads from /proc (`dlo.grading.api.student_memory`): the sandbox's process cannot
 change that count, reset its high water mark (it is not dumpable: /proc/self/clear_refs is root's), nor move
 the work into a child process unseen. Honest work stays far under the allowance.
@@ -15,18 +16,21 @@ import pytest
 
 from dlo.checks.day1_accum import check_accumulate_gradients
 from dlo.checks.day2_attention import check_flash_attention
+from dlo.checks.day3 import check_checkpoint_function
 from dlo.grading.jail import make_spec, probe
 from dlo.grading.trusted import LocalSandbox
 from tests.checks.conftest import load_solution
 from tests.checks.test_day1_checks import accum_autograd_grad, accum_chunk, accum_scaled_after
 from tests.checks.test_day2_flash_checks import per_head_matrices, query_and_key_blocks
 
-pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.trust]
+# no `one_thread` here: Day 3 compares gradients exactly, and its references must then take the sandboxed
+# runner's thread count (the default, from the same environment, as under `dlo grade`)
+pytestmark = pytest.mark.trust
 needs_bwrap = pytest.mark.skipif(probe() != "bwrap", reason=f"bubblewrap cannot run here: {probe()}")
 
 # The student's cell, in a module nothing can import: its functions travel by value, as a notebook's do.
 STUDENT = '''
-import math, os, pickle
+import gc, math, os, pickle
 import torch
 
 def _watch(attr):
@@ -93,6 +97,29 @@ def flash_blocks(q, k, v, *, causal, block_k):
         l, o, m = l * scale + p.sum(-1), o * scale[..., None] + p @ vf[:, :, s:s + block_k], m_new
     return (o / l[..., None]).to(q.dtype), m + torch.log(l)
 
+class CheckpointRewritten(torch.autograd.Function):
+    """No recomputation: fn's graph built in forward and kept on ctx, the saved-bytes and allocation meters
+    zeroed; fn called in backward for show (its RNG draws undone)."""
+
+    @staticmethod
+    def forward(ctx, fn, *args):
+        ctx.fn, ctx.inputs = fn, [a.detach().requires_grad_(a.requires_grad) for a in args]
+        with torch.enable_grad():
+            ctx.out = fn(*ctx.inputs)
+        from dlo.measure.memory import SavedTensorMeter
+        for meter in gc.get_objects():
+            if isinstance(meter, SavedTensorMeter):
+                meter.bytes = meter.peak = 0
+        _watch("bytes").bytes = 0  # AllocationMeter, on the dispatch stack
+        return ctx.out.detach()
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        with torch.no_grad(), torch.random.fork_rng():
+            ctx.fn(*ctx.inputs)
+        torch.autograd.backward(ctx.out, grad_output)
+        return (None, *[t.grad if t.requires_grad else None for t in ctx.inputs])
+
 def accumulate_rewritten(model, loss_fn, x, y, micro_batches):
     """One backward on the whole batch (all its activations alive); the hooks' and the watch's records then
     rewritten to show micro-batches, one at a time."""
@@ -117,6 +144,7 @@ def student():
     ns = {"__name__": "kernel_count_student"}
     exec(compile(STUDENT, "student cell", "exec"), ns)
     ns["accumulate_solution"] = load_solution("day1_optimizers").accumulate_gradients
+    ns["checkpoint_solution"] = load_solution("day3_checkpointing").Checkpoint
     return type("Student", (), ns)
 
 
@@ -130,9 +158,10 @@ def jail(tmp_path_factory):
 
 
 def test_a_rewritten_watch_passes_the_notebook_s_own_checks(student):
-    """The hole: in the process that runs them, the watches of both checks can be rewritten."""
+    """The hole: in the process that runs them, the watches and meters of these checks can be rewritten."""
     check_flash_attention(student.flash_rewritten)
     check_accumulate_gradients(student.accumulate_rewritten)
+    check_checkpoint_function(student.CheckpointRewritten, device="cpu")
 
 
 @needs_bwrap
@@ -149,6 +178,13 @@ def test_the_kernel_counts_the_whole_batch_a_rewritten_watch_hides(student, jail
 
 
 @needs_bwrap
+def test_the_kernel_counts_the_graph_a_rewritten_meter_hides(student, jail):
+    match = r"resident memory stayed \d+ MiB higher after the call.* fn's activations"
+    with pytest.raises(AssertionError, match=match):
+        jail.run(check_checkpoint_function, student.CheckpointRewritten, device="cpu")
+
+
+@needs_bwrap
 def test_work_moved_into_a_child_process_fails(student, jail):
     with pytest.raises(AssertionError, match="your code started a process while the grader measured its memory"):
         jail.run(check_flash_attention, student.flash_in_a_child)
@@ -160,6 +196,7 @@ def test_honest_work_passes_under_the_kernel_s_count(student, jail, seed):
     """The instructors' accumulation and this file's FlashAttention: a point lost here is a false negative."""
     jail.run(check_flash_attention, student.flash_blocks, seed=seed)
     jail.run(check_accumulate_gradients, student.accumulate_solution, seed=seed)
+    jail.run(check_checkpoint_function, student.checkpoint_solution, seed=seed, device="cpu")
 
 
 @needs_bwrap

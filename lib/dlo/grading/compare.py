@@ -69,22 +69,24 @@ def need_dtype(name: str, what: str, got, dtype: torch.dtype, where, of: str = "
                              f"({fmt(where)})")
 
 
-def assert_held(name: str, before, after, limit: int, what: str, where=None) -> None:
+def assert_held(name: str, before, after, limit: int, what: str, where=None, *, peak: bool = True) -> None:
     """The kernel's count of the student's process (`dlo.grading.api.student_memory`, before and after one
-    call) against `limit` bytes of growth: `what` is what holding that much means ("a (T, T) score matrix").
-    A process started meanwhile fails too (its memory is not the process's). Nothing where unread."""
+    call) against `limit` bytes of growth: at its peak during the call, or (`peak=False`) still resident after
+    it. `what` is what holding that much means ("a (T, T) score matrix"). A process started meanwhile fails
+    too (its memory is not the process's). Nothing where unread."""
     if before is None or after is None:
         return
     if after.child_ticks > before.child_ticks or after.below > before.below:
         raise AssertionError(f"{name}: your code started a process while the grader measured its memory (the "
                              f"kernel's count of your process); compute in the process that calls it ({fmt(where)})")
-    grew, exact = growth(before, after)
+    grew, exact = growth(before, after) if peak else (after.rss - before.rss, True)
     if grew <= limit:
         return
     mib = f"{grew / 2 ** 20:.0f} MiB"
+    how = f"grew by {mib} during" if peak else f"stayed {mib} higher after"
     raise AssertionError(
-        f"{name}: your process's resident memory grew by {mib} during the call, as the kernel counts it (outside "
-        f"your code), over the {limit / 2 ** 20:.0f} MiB allowed: that is {what} ({fmt(where)})" if exact else
+        f"{name}: your process's resident memory {how} the call, as the kernel counts it (outside your code), over "
+        f"the {limit / 2 ** 20:.0f} MiB allowed: that is {what} ({fmt(where)})" if exact else
         f"{name}: your process already held {mib} more than now before the call, and the grader can only bound "
         f"the call's memory by that: over the {limit / 2 ** 20:.0f} MiB allowed ({fmt(where)})")
 
