@@ -240,3 +240,23 @@ def test_the_audit_hook_holds_against_the_student_s_process():
         return ",".join(out)
 
     assert in_a_fork(attempts) == "refused,refused,refused,refused"
+
+
+class _Namespace:
+    """As torch's operator namespaces: an attribute lookup that fails raises RuntimeError."""
+
+    def __getattr__(self, name):
+        raise RuntimeError("Expected a torch namespace lookup")
+
+
+def test_an_object_whose_lookup_raises_is_no_grader_error():
+    """The search for copies asked every object it met for `_fn` (a direct check's wrapper): an object whose
+    lookup raises RuntimeError (met once through torch.compile's wrapper of a student's FlashAttention) made
+    the direct check blame itself ("internal error of the check")."""
+    ns = _Namespace()
+
+    def attention(q, k, v, *, causal=False, block_k=32):
+        return ns, q
+
+    found = plan(day1.check_adamw_step.forbid, "adamw_step")
+    assert identity.copy_in(attention, found.codes, found.originals) is None

@@ -312,9 +312,18 @@ def copy_in(obj, codes: Codes, originals: frozenset = frozenset(), limit: int = 
             todo += list(o)
         elif isinstance(o, dict):
             todo += list(o.values())
-        elif hasattr(o, "_fn"):  # a direct check's Guarded student callable
-            todo.append(o._fn)
+        else:  # a direct check's Guarded student callable (torch.compile's wrapper holds its function so too)
+            todo.append(_attribute(o, "_fn"))
     return None
+
+
+def _attribute(obj, name: str):
+    """`obj.name`, or None: an object whose `__getattr__` raises something else than AttributeError (torch's
+    operator namespaces raise RuntimeError) is no student callable."""
+    try:
+        return getattr(obj, name, None)
+    except Exception:  # noqa: BLE001
+        return None
 
 
 def protected_codes(prefixes: tuple[str, ...]) -> frozenset:
