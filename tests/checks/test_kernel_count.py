@@ -19,6 +19,7 @@ from dlo.checks.day2_attention import check_flash_attention
 from dlo.checks.day3 import check_checkpoint_function
 from dlo.grading.jail import make_spec, probe
 from dlo.grading.trusted import LocalSandbox
+from dlo.measure import process
 from tests.checks.conftest import load_solution
 from tests.checks.test_day1_checks import accum_autograd_grad, accum_chunk, accum_scaled_after
 from tests.checks.test_day2_flash_checks import per_head_matrices, query_and_key_blocks
@@ -207,3 +208,18 @@ def test_other_honest_variants_pass_under_the_kernel_s_count(jail):
         jail.run(check_flash_attention, fn, seed=2)
     for fn in (accum_chunk, accum_autograd_grad, accum_scaled_after):
         jail.run(check_accumulate_gradients, fn, seed=2)
+
+
+@needs_bwrap
+def test_a_grader_that_may_not_reset_the_mark_judges_the_same(student, jail, monkeypatch):
+    """Grading as an unprivileged user, the grading process may not write the sandbox's clear_refs either (root's,
+    as for the student): the high water mark then runs from the session's start. Each large case comes after a
+    small one, which has imported what the watch imports (~90 MB), so the mark is the resident size there, and
+    the same verdicts follow (measured: 0.0 MiB between them before each large case)."""
+    monkeypatch.setattr(process, "_reset", lambda pid: False)
+    jail.run(check_flash_attention, student.flash_blocks, seed=3)
+    jail.run(check_accumulate_gradients, student.accumulate_solution, seed=3)
+    with pytest.raises(AssertionError, match=r"resident memory grew by \d+ MiB"):
+        jail.run(check_flash_attention, student.flash_rewritten, seed=3)
+    with pytest.raises(AssertionError, match=r"resident memory grew by \d+ MiB"):
+        jail.run(check_accumulate_gradients, student.accumulate_rewritten, seed=3)
