@@ -127,3 +127,16 @@ def test_nested_functions_and_lambdas_keep_their_file(tmp_path):
 
     err = _call_elsewhere(dumps(lambda _x: outer()), tmp_path)
     assert f'File "{__file__}"' in err and "inner = lambda v: 1 / v" in err, err
+
+
+def test_a_compiled_function_or_module_travels_as_what_it_wraps():
+    """torch.compile's wrappers hold compiler state no pickle takes ("cannot pickle 'ConfigModuleInstance'"): a
+    student's compiled exercise function could not be sent to the grader. What it wraps travels instead."""
+    import torch
+
+    def double(x):
+        return x * 2
+
+    back = cloudpickle.loads(dumps([torch.compile(double), torch.compile(torch.nn.Linear(2, 3))]))
+    assert back[0].__name__ == "double" and torch.equal(back[0](torch.ones(2)), torch.full((2,), 2.0))
+    assert type(back[1]) is torch.nn.Linear

@@ -10,7 +10,8 @@ kept, a notebook cell's "file" (`/tmp/ipykernel_<pid>/<hash>.py`) exists only in
 - every code object it writes carries its original file name, or for a notebook cell IPython's own
   label (`Cell In[5]`, as the notebook shows its own tracebacks);
 - the source lines of those files travel with the payload and are put into `linecache` when it is
-  loaded, so `traceback` prints the student's line on the other side.
+  loaded, so `traceback` prints the student's line on the other side;
+- what `torch.compile` wrapped travels in place of its wrapper (whose compiler state no pickle takes).
 
 Loading needs nothing special: `pickle.loads` / `cloudpickle.loads` (with `dlo` importable).
 
@@ -91,6 +92,9 @@ class Pickler(cloudpickle.Pickler):
             return _unpack, (obj.value, _SOURCES)  # value first: its code fills self._sources
         if obj is _SOURCES:
             return install_sources, (dict(self._sources),)
+        original = _compiled_original(obj)
+        if original is not None:  # torch.compile's wrapper holds compiler state no pickle takes: send what it wraps
+            return _itself, (original,)
         return super().reducer_override(obj)
 
     def _reduce_code(self, code: types.CodeType):
@@ -100,6 +104,20 @@ class Pickler(cloudpickle.Pickler):
         if shown not in self._sources:
             self._sources[shown] = linecache.getlines(code.co_filename)
         return _code_with_filename, (rebuild, args, shown)
+
+
+def _compiled_original(obj):
+    """What `torch.compile` wrapped, for its wrapper of a function or of a module, else None. The other side
+    runs the plain code (the same values; it compiles again where it is told to)."""
+    if isinstance(obj, types.FunctionType):
+        return getattr(obj, "_torchdynamo_orig_callable", None)
+    if type(obj).__name__ == "OptimizedModule" and type(obj).__module__.startswith("torch._dynamo"):
+        return getattr(obj, "_orig_mod", None)
+    return None
+
+
+def _itself(obj):
+    return obj
 
 
 def dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) -> bytes:
