@@ -87,8 +87,9 @@ def assert_held(name: str, before, after, limit: int, what: str, where=None, *, 
     raise AssertionError(
         f"{name}: your process's resident memory {how} the call, as the kernel counts it (outside your code), over "
         f"the {limit / 2 ** 20:.0f} MiB allowed: that is {what} ({fmt(where)})" if exact else
-        f"{name}: your process already held {mib} more than now before the call, and the grader can only bound "
-        f"the call's memory by that: over the {limit / 2 ** 20:.0f} MiB allowed ({fmt(where)})")
+        f"{name}: before the call your process had already held {mib} more than at its start (the kernel's high "
+        f"water mark), so the grader cannot tell what the call held: over the {limit / 2 ** 20:.0f} MiB allowed "
+        f"({fmt(where)})")
 
 
 def assert_number(name: str, what: str, got, where=None) -> float:

@@ -97,10 +97,15 @@ class Session:
         return self.request({"op": "getattr", "target": target, "name": name})
 
     def memory(self, reset: bool = False):
-        """The kernel's counters of the session's child, read here from /proc (`dlo.measure.process`)."""
+        """The kernel's counters of the session's child, read here from /proc (`dlo.measure.process`); a
+        RuntimeError (the grader's own: never a silent pass) where they cannot be read."""
         if self.open and self.child is not None and self.host_pid is None:
             self.host_pid = own_pid_in(self.child, self.runner.proc.pid)
-        return snapshot(self.host_pid, reset) if self.open and self.host_pid is not None else None
+        found = snapshot(self.host_pid, reset) if self.open and self.host_pid is not None else None
+        if found is None:
+            raise RuntimeError(f"grader: {self.name} could not read the sandbox's process in /proc (pid {self.child} "
+                               f"there, {self.host_pid} here)")
+        return found
 
     # -- the channel
     def start(self) -> None:
