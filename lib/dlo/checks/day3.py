@@ -135,17 +135,18 @@ def check_checkpoint_function(Checkpoint, seed: int = 0, trials: int = 4, device
         hp = dict(trial=t, features=d, dropout=p, batch=rng.choice([1, 4, 7]), two_inputs=t % 2 == 1)
         if t == trials:  # the case whose memory the kernel counts (`_kept`): 64 MiB per activation of fn
             hp.update(features=16, batch=rng.choice([2039, 2047, 2053]), two_inputs=False)
-        d, marks = hp["features"], []
-        block = _block(rng, d, p, KEPT_HIDDEN if t == trials else None).to(dev, DTYPE).train()
-        x = torch.randn(hp["batch"], d, device=dev, dtype=DTYPE, requires_grad=True)
-        gate = torch.rand(hp["batch"], d, device=dev, dtype=DTYPE)  # an input that needs no grad
+        # the large case on the CPU, where its activations are the process's memory (a GPU's are not)
+        d, marks, on = hp["features"], [], torch.device("cpu") if t == trials else dev
+        block = _block(rng, d, p, KEPT_HIDDEN if t == trials else None).to(on, DTYPE).train()
+        x = torch.randn(hp["batch"], d, device=on, dtype=DTYPE, requires_grad=True)
+        gate = torch.rand(hp["batch"], d, device=on, dtype=DTYPE)  # an input that needs no grad
         fn = (lambda a, g, block=block: block(a) * g) if hp["two_inputs"] else block
         args = (x, gate) if hp["two_inputs"] else (x,)
         torch.manual_seed(cs * 100 + t)
         want_y = fn(*args)
         grad_out = torch.randn_like(want_y)  # a draw between forward and backward, as a training loop may make
         want_y.backward(grad_out)
-        want, want_after = [g.cpu() for g in _grads(block, x)], torch.rand(4, device=dev).cpu()
+        want, want_after = [g.cpu() for g in _grads(block, x)], torch.rand(4, device=on).cpu()
         mark = (lambda marks=marks: marks.append(student_memory())) if t == trials else None  # a callback: runs here
         got = run_student(_checkpoint_worker, Checkpoint, block, x, gate, hp["two_inputs"], cs * 100 + t, grad_out,
                           mark)
