@@ -3,11 +3,11 @@
 Day 1's accumulation and Day 2's FlashAttention are checked by a TorchDispatchMode in the process where the
 student's code runs: what no operator may read or make at once (a whole batch, a (T, T) matrix); Day 3's
 checkpoint by meters there of what its forward saved and kept. Code that finds them (torch's dispatch stack,
-`gc`) and rewrites what they counted passes every rule there, as the notebook's own check shows below.
-Under `dlo grade` each check also has a large case whose
-memory the grading process reads from /proc (`dlo.grading.api.student_memory`): the sandbox's process cannot
-change that count, reset its high water mark (it is not dumpable: /proc/self/clear_refs is root's), nor move
-the work into a child process unseen. Honest work stays far under the allowance.
+`gc`) and rewrites what they counted passes every rule there, as the notebook's own check shows below. Under
+`dlo grade` each check also has a large case whose memory the grading process reads from /proc
+(`dlo.grading.api.student_memory`): the sandbox's process cannot change that count, reset its high water mark
+(it is not dumpable: /proc/self/clear_refs is root's), nor move the work into a child process unseen. Honest
+work stays far under the allowance.
 """
 
 from __future__ import annotations
