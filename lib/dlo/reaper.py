@@ -30,6 +30,13 @@ PR_SET_CHILD_SUBREAPER, PR_GET_CHILD_SUBREAPER = 36, 37  # linux/prctl.h
 PR_GET_DUMPABLE, PR_SET_DUMPABLE = 3, 4
 
 
+def stat_fields(pid: int) -> list[str]:
+    """The fields of /proc/PID/stat after the command name, from the state (field 3 of proc(5)) on; the name
+    may hold spaces and parentheses, so they follow its last ")". OSError if the process is gone."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()
+
+
 def _ppids(zombies: bool = False) -> dict[int, list[int]]:
     """{parent pid: [child pids]} of every live process (and zombie, if asked), from /proc/<pid>/stat."""
     children: dict[int, list[int]] = {}
@@ -37,12 +44,9 @@ def _ppids(zombies: bool = False) -> dict[int, list[int]]:
         if not entry.isdigit():
             continue
         try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
+            state, ppid = stat_fields(int(entry))[:2]
         except OSError:
             continue  # gone meanwhile
-        # the command name may hold spaces and parentheses: state and ppid follow the last ")"
-        state, ppid = stat.rsplit(")", 1)[1].split()[:2]
         if zombies or state != "Z":
             children.setdefault(int(ppid), []).append(int(entry))
     return children
@@ -142,8 +146,7 @@ def collect_orphans(timeout: float = 2.0) -> None:
 
 def _alive(pid: int) -> bool:
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        return stat_fields(pid)[0] != "Z"
     except OSError:
         return False
 

@@ -73,9 +73,7 @@ def assert_held(name: str, before, after, limit: int, what: str, where=None, *, 
     """The kernel's count of the student's process (`dlo.grading.api.student_memory`, before and after one
     call) against `limit` bytes of growth: at its peak during the call, or (`peak=False`) still resident after
     it. `what` is what holding that much means ("a (T, T) score matrix"). A process started meanwhile fails
-    too (its memory is not the process's). Nothing where unread."""
-    if before is None or after is None:
-        return
+    too (its memory is not the process's)."""
     if after.child_ticks > before.child_ticks or after.below > before.below:
         raise AssertionError(f"{name}: your code started a process while the grader measured its memory (the "
                              f"kernel's count of your process); compute in the process that calls it ({fmt(where)})")

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from dlo import reaper
 from dlo.grading.limits import size_text
+from dlo.measure.process import status, status_bytes
 
 
 @dataclass(frozen=True)
@@ -68,7 +69,7 @@ class JobWatch:
     def check(self) -> Event | None:
         """One look: the event when a process had to be stopped, else None."""
         pids = reaper.descendants(self.root)
-        if sum(_status_kib(p, "RssAnon") for p in pids) * 1024 <= self.limit or time.monotonic() < self._under_until:
+        if sum(_rss_anon(p) for p in pids) <= self.limit or time.monotonic() < self._under_until:
             return None
         held = {p: _pss_anon(p) for p in pids}
         total = sum(held.values())
@@ -85,15 +86,12 @@ class JobWatch:
         return event
 
 
-def _status_kib(pid: int, key: str) -> int:
+def _rss_anon(pid: int) -> int:
+    """The process's resident anonymous pages, in bytes (0 if gone)."""
     try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith(key + ":"):
-                    return int(line.split()[1])
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0
+        return status_bytes(status(pid), "RssAnon")
+    except (OSError, KeyError, ValueError, IndexError):
+        return 0
 
 
 def _pss_anon(pid: int) -> int:
@@ -106,7 +104,7 @@ def _pss_anon(pid: int) -> int:
                     return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         pass
-    return _status_kib(pid, "RssAnon") * 1024
+    return _rss_anon(pid)
 
 
 def _what(pid: int) -> str:
@@ -123,9 +121,8 @@ def _wait_gone(pid: int, timeout: float = 2.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
-            with open(f"/proc/{pid}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
-                    return
+            if reaper.stat_fields(pid)[0] in ("Z", "X"):
+                return
         except (OSError, IndexError):
             return
         time.sleep(0.02)

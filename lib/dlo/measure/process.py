@@ -21,7 +21,7 @@ import contextlib
 import ctypes
 from dataclasses import dataclass
 
-from dlo.reaper import descendants
+from dlo.reaper import descendants, stat_fields
 
 M_MMAP_THRESHOLD = -3  # mallopt's parameter (malloc.h)
 
@@ -37,19 +37,19 @@ class Snapshot:
     reset: bool  # whether `hwm` was reset to `rss` just before this was read
 
 
-def _status(pid: int) -> dict[str, int]:
-    out = {}
+def status(pid: int) -> dict[str, str]:
+    """/proc/PID/status as {key: the text after its colon} (OSError if it cannot be read)."""
     with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            key, _, value = line.partition(":")
-            if key in ("VmRSS", "VmHWM"):
-                out[key] = int(value.split()[0]) * 1024  # the kernel writes kB
-    return out
+        return {key: value.strip() for key, _, value in (line.partition(":") for line in f)}
+
+
+def status_bytes(fields: dict[str, str], key: str) -> int:
+    """A size of `status(pid)` in bytes (the kernel writes kB); KeyError where the kernel has no such line."""
+    return int(fields[key].split()[0]) * 1024
 
 
 def _child_ticks(pid: int) -> int:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()  # the command name may hold spaces
+    fields = stat_fields(pid)
     return int(fields[13]) + int(fields[14])  # cutime, cstime: fields 16 and 17 of proc(5)
 
 
@@ -66,9 +66,9 @@ def snapshot(pid: int, reset: bool = False) -> Snapshot | None:
     """The kernel's counters of `pid` (None if it cannot be read: gone, or no /proc)."""
     try:
         was_reset = _reset(pid) if reset else False
-        status = _status(pid)
-        return Snapshot(status["VmRSS"], status["VmHWM"], _child_ticks(pid), len(descendants(pid, zombies=True)),
-                        was_reset)
+        now = status(pid)
+        return Snapshot(status_bytes(now, "VmRSS"), status_bytes(now, "VmHWM"), _child_ticks(pid),
+                        len(descendants(pid, zombies=True)), was_reset)
     except (OSError, KeyError, ValueError, IndexError):
         return None
 
@@ -97,8 +97,6 @@ def own_pid_in(pid_ns_pid: int, under: int) -> int | None:
     `pid_ns_pid` (`NSpid` of /proc/PID/status: its pid in each namespace, outermost first); None if none."""
     for pid in descendants(under):
         with contextlib.suppress(OSError):
-            with open(f"/proc/{pid}/status") as f:
-                line = next((x for x in f if x.startswith("NSpid:")), "")
-            if line.split()[-1:] == [str(pid_ns_pid)]:
+            if status(pid).get("NSpid", "").split()[-1:] == [str(pid_ns_pid)]:
                 return pid
     return None
