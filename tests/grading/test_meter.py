@@ -7,10 +7,12 @@ and the meter's count follows the kernel's; a second hand-over claiming the rank
 from __future__ import annotations
 
 import socket
+import subprocess
+import time
 
 import pytest
 
-from dlo.grading.meter import SocketMeter, hand_over
+from dlo.grading.meter import END, MARK, POLL_S, SocketMeter, hand_over
 
 pytestmark = pytest.mark.trust  # a hostile class's evidence: its own CI step, pytest -m trust
 
@@ -45,3 +47,60 @@ def test_a_second_hand_over_is_tampering(connection):
     with pytest.raises(RuntimeError, match="did not take"):
         hand_over(meter.path, 1)  # the same process claiming another rank
     assert meter.close() is None and "second hand-over" in meter.tampered
+
+
+def _hold(mib: int) -> bytearray:
+    block = bytearray(mib * 2 ** 20)
+    block[::4096] = b"\1" * len(block[::4096])  # every page touched: resident
+    return block
+
+
+def test_a_mark_starts_the_memory_count_and_the_polls_see_the_peak():
+    """This process plays a rank: its prelude's peak, then what it holds after the mark; the polls read the
+    peak of a block made and freed after an early end hand-over (what a rank's code sending its own end, and
+    keeping the worker's from reaching the meter, would do)."""
+    meter = SocketMeter(1)
+    hand_over(meter.path, 0)
+    prelude = _hold(48)
+    del prelude
+    hand_over(meter.path, 0, MARK)
+    hand_over(meter.path, 0, END)
+    late = _hold(96)
+    time.sleep(20 * POLL_S)  # long enough for a few polls
+    del late
+    meter.close()
+    (m,) = meter.memory()
+    assert m["ended"] == 1  # (`below`: this test's process may hold others' children, a fork server)
+    assert m["prelude_peak"] - m["start_rss"] >= 40 * 2 ** 20
+    assert m["peak"] - m["mark_rss"] >= 90 * 2 ** 20
+
+
+def test_a_second_mark_or_end_is_tampering():
+    for kinds in ((MARK, MARK), (END, END)):
+        meter = SocketMeter(1)
+        hand_over(meter.path, 0)
+        hand_over(meter.path, 0, kinds[0])
+        with pytest.raises(RuntimeError, match="did not take"):
+            hand_over(meter.path, 0, kinds[1])
+        assert meter.close() is None and "second hand-over" in meter.tampered
+
+
+def test_no_memory_without_a_mark(connection):
+    meter = SocketMeter(1)
+    hand_over(meter.path, 0)
+    meter.close()
+    assert meter.memory() is None
+
+
+def test_a_process_started_after_the_mark_shows_at_the_end():
+    meter = SocketMeter(1)
+    hand_over(meter.path, 0)
+    hand_over(meter.path, 0, MARK)
+    child = subprocess.Popen(["sleep", "30"])  # alive at the end hand-over: the rank's memory is not all its work
+    try:
+        hand_over(meter.path, 0, END)
+    finally:
+        child.kill()
+        child.wait()
+    meter.close()
+    assert meter.memory()[0]["below"] >= 1

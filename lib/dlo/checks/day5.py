@@ -20,8 +20,8 @@ gradient). Everything is float64, where a correct engine agrees with one process
 
 Here: the accountant (1) and ZeRO-1/2/3 (2-4); their test bench is `dlo.checks.day5_zero` (the model, the
 reference, the comparisons), `day5_worker` (the trusted worker), `day5_memory` (what a rank keeps, after the
-step and during it) and `day5_sync` (the disturbed step: ZeRO's owners against DDP); FSDP2 (5) is
-`dlo.checks.day5_fsdp`, re-exported here.
+step and during it), `day5_count` (ZeRO-2's memory as the kernel counts it, outside the rank) and `day5_sync`
+(the disturbed step: ZeRO's owners against DDP); FSDP2 (5) is `dlo.checks.day5_fsdp`, re-exported here.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ import random
 import torch
 import torch.distributed as dist
 
+from dlo.checks.day5_count import count_part, count_worker, verify_count
 from dlo.checks.day5_fsdp import check_fsdp2
 from dlo.checks.day5_memory import ALLOWED, memory_slack, verify_backward, verify_forward, verify_memory
 from dlo.checks.day5_sync import verify_in_sync, verify_owners
@@ -50,7 +51,7 @@ from dlo.checks.day5_zero import (
     verify_training,
 )
 from dlo.distributed.zero import memory_per_rank
-from dlo.grading.api import case_seed, check, on_ranks, verify_wire
+from dlo.grading.api import case_seed, check, on_ranks, verify_wire, wire_sent
 from dlo.grading.compare import DTYPE, assert_number, ok
 from dlo.measure import comm_bytes, held_bytes
 
@@ -205,8 +206,13 @@ def check_zero2(cls, seed: int = 0, world_size: int = 2, steps: int = 3) -> None
     m = verify_memory(name, res, c, 2, world_size, where)
     verify_owners(name, res, c, secret, world_size, 2, where)
     verify_backward(name, res, c, m, cap, where)
+    counted = ""
+    if wire_sent() is not None:  # ranks the launcher reads (not the tests' reused ones): the kernel's count too
+        part = count_part(secret)
+        on_ranks(count_worker, world_size, cls, per_rank=[part] * world_size)
+        counted = f"; {verify_count(name, part, where)}"
     ok(name, f"{steps} steps on {world_size} ranks, buckets reduce-scattered during backward, peak "
-             f"{max(res[0]['samples']['backward']):,} bytes, seed={seed}")
+             f"{max(res[0]['samples']['backward']):,} bytes{counted}, seed={seed}")
 
 
 @check(forbid=ZERO_REFS + ("torch.distributed.fsdp.fully_shard",))

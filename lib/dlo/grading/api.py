@@ -102,6 +102,7 @@ class DirectSession:
     def __init__(self, name: str, forbid: tuple[str, ...], hint: str = ""):
         self.name, self.forbid, self.hint = name, tuple(forbid), hint
         self.wire: list[int] | None = None  # what each rank's sockets sent in the last on_ranks (`wire_sent`)
+        self.rank_memory: list[dict] | None = None  # each rank's memory, counted by the launcher (`rank_memory`)
 
     def bind(self, obj):
         """A student object as the check will use it: callables (not classes) run with `forbid` active;
@@ -155,6 +156,7 @@ class DirectSession:
             if shards is not None:
                 shutil.rmtree(shards, ignore_errors=True)
             self.wire = meter.close() if meter is not None else None
+            self.rank_memory = meter.memory() if meter is not None else None
         if meter is not None and meter.tampered:
             raise AssertionError(f"{self.name}: {meter.tampered}: each rank hands its sockets to the grader's byte "
                                  f"meter once, before your code runs; something else claimed to be a rank")
@@ -280,6 +282,12 @@ def wire_sent() -> list[int] | None:
     counted them and read from outside the ranks (`dlo.grading.meter`); None where it was not measured
     (the tests' reused ranks). Compared with what the ranks' counters report by `verify_wire`."""
     return getattr(_session(), "wire", None)
+
+
+def rank_memory() -> list[dict] | None:
+    """Each rank's memory in the check's last `on_ranks`, read by the launching process from /proc for a
+    worker with a `counted_prelude` (`dlo.grading.meter.SocketMeter.memory`): None where not counted."""
+    return getattr(_session(), "rank_memory", None)
 
 
 def verify_wire(name: str, records: list[list[dict]], world_size: int, where: str) -> None:

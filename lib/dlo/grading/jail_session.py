@@ -114,7 +114,7 @@ class Session:
         ranks = api.DirectSession(self.name, self.forbid, self.hint)  # each rank blocks, seals and loads
         results = ranks.on_ranks(req["worker"], req["world_size"], args, kwargs, req["timeout"], req["backend"],
                                  per_rank=req.get("per_rank"))
-        return {"results": results, "wire": ranks.wire}  # what the ranks' sockets sent, read here
+        return {"results": results, "wire": ranks.wire, "memory": ranks.rank_memory}  # both read here
 
     def probe_stub(self, req: dict) -> str | None:
         """The name of the first captured object that is the release's stub, else None; loaded and

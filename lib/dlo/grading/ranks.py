@@ -17,9 +17,10 @@ import tempfile
 
 from dlo.grading.forbid import forbidden, no_threads
 from dlo.grading.frames import as_grader_error
-from dlo.grading.meter import hand_over
+from dlo.grading.meter import END, MARK, hand_over
 from dlo.grading.seal import sealed
 from dlo.measure.held import live_bytes
+from dlo.measure.process import steady_malloc
 
 
 def worker_ref(worker):
@@ -77,31 +78,43 @@ def run_on_rank(worker, forbid, name, hint, payload: bytes, shards: str | None =
     launcher's byte meter (`meter`: `dlo.grading.meter`), then the check's forbidden references blocked
     (`for_good` on a rank that ends with the check, as a launch's), the grader's modules sealed and new
     threads refused, then the student's objects unpickled and the worker run with them (and, for a worker
-    with `measures_growth`, the rank's live tensor bytes before they were: `live_before=`)."""
+    with `measures_growth`, the rank's live tensor bytes before they were: `live_before=`). A worker with a
+    `counted_prelude` has it run first, with this rank's part only (trusted code: the reference on the
+    case whose memory the launcher counts), then a `MARK` sent to the meter, and is called with
+    `counted=True` (unless the prelude returned False: nothing counted in this case); where there is no meter
+    (the tests' reused ranks) neither runs."""
     if isinstance(worker, tuple):
         module, qualname = worker
         worker = importlib.import_module(module)
         for part in qualname.split("."):
             worker = getattr(worker, part)
     mine = (take_shard(shards),) if shards is not None else ()
+    counted = meter is not None and getattr(worker, "counted_prelude", None) is not None
     if meter is not None:
         import torch.distributed as dist
 
         hand_over(meter, dist.get_rank())
+    if counted:  # trusted code only, before any student object exists: its peak is what the student's is held to
+        steady_malloc()  # freed large blocks leave the rank's resident memory (`dlo.measure.process`)
+        counted = worker.counted_prelude(*mine) is not False  # False: nothing counted in this case
+        if counted:
+            hand_over(meter, dist.get_rank(), MARK)
     # a worker that measures what the student's code keeps (`measures_growth`) counts it from here, before the
     # student's objects exist: what a class body or a module-level line allocates at unpickling counts too
-    growth_from = {"live_before": live_bytes()} if getattr(worker, "measures_growth", False) else {}
+    given = {"live_before": live_bytes()} if getattr(worker, "measures_growth", False) else {}
+    if counted:
+        given["counted"] = True  # the launcher reads the rank's memory: run the counted phase
     try:
         with forbidden(forbid, name, hint, for_good), sealed() as sealing, no_threads(name):
             args, kwargs = load_captures(sealing.loads(payload))
-            result = worker(*mine, *args, **kwargs, **growth_from)
+            result = worker(*mine, *args, **kwargs, **given)
     except Exception as exc:
         own = as_grader_error(exc, name)  # the worker's own bug, not the student's: say so (`on_ranks`)
         if own is None:
             raise
         raise own from None
     if meter is not None:
-        hand_over(meter, dist.get_rank(), end=True)
+        hand_over(meter, dist.get_rank(), END)
     return result
 
 

@@ -52,6 +52,7 @@ class Session:
         self.backend, self.name, self.forbid, self.hint = backend, name, tuple(forbid), hint
         self.runner: Runner | None = None
         self.wire: list[int] | None = None  # what the ranks' sockets sent in the last on_ranks (`api.wire_sent`)
+        self.rank_memory: list[dict] | None = None  # the ranks' memory in the last on_ranks (`api.rank_memory`)
         self.callbacks: dict[int, object] = {}
         self.open = False
         self.child = self.host_pid = None  # the session's child: its pid in the sandbox, and here (`memory`)
@@ -82,6 +83,9 @@ class Session:
         wire = reply.get("wire")  # measured by the session's child, which ran no student code
         self.wire = wire if type(wire) is list and len(wire) == world_size and all(
             type(b) is int for b in wire) else None
+        memory = reply.get("memory")  # the ranks' memory, read there too (`api.rank_memory`)
+        self.rank_memory = memory if type(memory) is list and len(memory) == world_size and all(
+            type(m) is dict and all(type(v) is int for v in m.values()) for m in memory) else None
         return reply["results"]
 
     def call(self, target: Remote, args, kwargs):
