@@ -1,10 +1,12 @@
-"""ZeRO-2's memory counted outside the rank (issue 33): Day 5's meters live in the rank, the kernel's count does not.
+"""Memory counted outside the rank (issue 33): Days 5 and 6's meters live in the rank, the kernel's count does not.
 
-The ZeRO-2 check measures what a rank keeps during backward with meters in the rank's own process, which count
-tensors (`dlo.measure.held_bytes`, `live_bytes`). An engine that also keeps every full gradient, as bytes, passes
-them: the notebook's check on the tests' reused ranks shows it below. Where the ranks are launched for the check
-(a notebook's launch, the grader's sandbox) the launcher reads each rank's memory from /proc on a large case, the
-course's ZeRO-2 first (`dlo.checks.day5_count`), and that count sees it. Honest work stays far under the allowance.
+The ZeRO-2 check measures what a rank keeps during backward, and the 1F1B check what the first stage's forwards
+saved, with meters in the rank's own process, which count tensors (`dlo.measure.held_bytes`, `live_bytes`,
+`dlo.checks.saved`). A ZeRO-2 that also keeps every full gradient, or a 1F1B that also keeps each micro-batch's
+activations, as bytes, passes them: the notebook's check on the tests' reused ranks shows it below. Where the
+ranks are launched for the check (a notebook's launch, the grader's sandbox) the launcher reads each rank's memory
+from /proc on a large case, the course's own engine first (`dlo.checks.rank_count`), and that count sees it.
+Honest work stays far under the allowance.
 """
 
 from __future__ import annotations
@@ -12,6 +14,9 @@ from __future__ import annotations
 import pytest
 
 from dlo.checks.day5 import check_zero2
+from dlo.checks.day6 import check_one_f_one_b_step
+from dlo.checks.day6_count import count_parts, count_worker, verify_count
+from dlo.grading.api import check, on_ranks
 from dlo.grading.jail import make_spec, probe
 from dlo.grading.trusted import LocalSandbox
 from tests.checks.conftest import load_solution
@@ -37,6 +42,20 @@ def keeping_gradients_as_bytes(base):
             super().step()
             KeepsGradients.kept.clear()
     return KeepsGradients
+
+def keeping_activations_as_bytes(step):
+    def one_f_one_b_keeping(stage, microbatches, targets, loss_fn):
+        """The instructors' 1F1B, and every activation of each micro-batch (each layer's output) kept as bytes
+        until the step ends, as GPipe would hold them."""
+        kept = []
+        leaves = [m for m in stage.module.modules() if not list(m.children())]
+        hooks = [m.register_forward_hook(lambda m, i, out: kept.append(out.detach().numpy().tobytes())) for m in leaves]
+        try:
+            return step(stage, microbatches, targets, loss_fn)
+        finally:
+            for h in hooks:
+                h.remove()
+    return one_f_one_b_keeping
 '''
 
 
@@ -49,6 +68,14 @@ def engines():
 
 
 @pytest.fixture(scope="module")
+def steps():
+    ns = {"__name__": "rank_count_student"}
+    exec(compile(STUDENT, "student cell", "exec"), ns)
+    sol = load_solution("day6_pipeline")
+    return sol.one_f_one_b_step, ns["keeping_activations_as_bytes"](sol.one_f_one_b_step), sol.gpipe_step
+
+
+@pytest.fixture(scope="module")
 def jail(tmp_path_factory):
     """The grader's sandbox as `dlo grade` makes it: bwrap, and uid 65534 when the tests run as root."""
     spec = make_spec("bwrap", tmp_path_factory.mktemp("jail") / "work", hidden=[])
@@ -58,6 +85,7 @@ def jail(tmp_path_factory):
 
 
 MATCH = r"rank \d's resident memory rose by \d+ MiB, as the kernel counts it outside your code"
+MATCH_1F1B = r"rank 0's resident memory rose by \d+ MiB during your step, as the kernel counts it outside your code"
 
 
 def test_gradients_kept_as_bytes_pass_the_meters_in_the_rank(engines, ranks):
@@ -86,3 +114,44 @@ def test_the_sandbox_counts_the_gradients_kept_as_bytes(engines, jail):
 @pytest.mark.parametrize("seed", [0, 2])
 def test_honest_zero2_passes_under_the_sandbox_s_count(engines, jail, seed):
     jail.run(check_zero2, engines[0], seed=seed)
+
+
+def test_activations_kept_as_bytes_pass_the_meters_in_the_rank(steps, ranks):
+    check_one_f_one_b_step(steps[1], seed=1)
+
+
+def test_the_launcher_counts_the_activations_kept_as_bytes(steps):
+    with pytest.raises(AssertionError, match=MATCH_1F1B):
+        check_one_f_one_b_step(steps[1], seed=1)
+
+
+def test_honest_one_f_one_b_passes_under_the_launcher_s_count(steps):
+    check_one_f_one_b_step(steps[0], seed=1)
+
+
+@needs_bwrap
+def test_the_sandbox_counts_the_activations_kept_as_bytes(steps, jail):
+    with pytest.raises(AssertionError, match=MATCH_1F1B):
+        jail.run(check_one_f_one_b_step, steps[1], seed=2)
+
+
+@needs_bwrap
+@pytest.mark.parametrize("seed", [0, 2])
+def test_honest_one_f_one_b_passes_under_the_sandbox_s_count(steps, jail, seed):
+    jail.run(check_one_f_one_b_step, steps[0], seed=seed)
+
+
+@check(forbid=())
+def count_only(fn, seed: int = 0):
+    """The count of the 1F1B check alone, whatever the rank's own meters and message watch would say."""
+    case = count_parts(seed, 2)
+    on_ranks(count_worker, 2, fn, per_rank=case["parts"])
+    verify_count("count_only", case, 2, {"seed": seed})
+
+
+def test_gpipe_fails_the_count_whatever_the_rank_s_meters_say(steps):
+    """GPipe keeps all m micro-batches alive on the first stage: 7.8-8.0 of them against 1F1B's 1.6-1.9. A GPipe
+    step that rewrote the meter and the message watch in its rank (as Days 1-3's rewritten watches do) to look
+    like 1F1B would pass the check's in-rank rules and still fail here."""
+    with pytest.raises(AssertionError, match=MATCH_1F1B):
+        count_only(steps[2], seed=3)

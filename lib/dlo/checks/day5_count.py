@@ -3,7 +3,7 @@
 The worker's meters (`dlo.measure.held_bytes`, `live_bytes`) count tensors, in the rank's own process: an
 engine that keeps every full gradient as something else (bytes, a NumPy array, native memory) or finds the
 meters and changes what they report passes them. Here the process that launched the ranks reads each
-rank's memory from /proc (`dlo.grading.meter.SocketMeter.memory`), on a case large enough that the
+rank's memory from /proc (`dlo.checks.rank_count`), on a case large enough that the
 gradient dominates the rank (`count_part`: 4.1 million float64 parameters, 31-32 MiB of gradient, no tensor
 over 2.1 MiB, so that a correct ZeRO-2 holds little beyond the parameters, its shard and its buckets).
 
@@ -13,10 +13,10 @@ same (`count_worker`). Both are measured from the rank's memory at the mark, aft
 (what the first backward of a rank leaves for good, 0.6-0.7 x the gradient, is in that baseline for both):
 the reference's peak (the high water mark at the mark) and the student's (the highest one read after it).
 The student's may exceed the reference's by `slack`, a quarter of the full gradient and two buckets (0.5 x
-the gradient here). Measured (2026-12-01, 2 ranks, seeds 0-4, float64, 4 MiB buckets): the reference
-1.86-1.96 x the gradient, the solution's engine 1.88-2.01 (within 0.08 of the reference on the same rank), an
-engine that also keeps every full gradient as bytes until the step 2.88-3.01, one keeping half of them
-2.46-2.52. The count costs a launch of the ranks: 0.9 s a check on 2 cores.
+the gradient here). Measured (2026-12-01, 2 ranks, seeds 0-2, float64, 4 MiB buckets): the reference
+1.86-1.96 x the gradient, the solution's engine 1.88-1.98 (within 0.03 of the reference on the same rank), an
+engine that also keeps every full gradient as bytes until the step 2.87-3.04, one keeping half of them
+2.41-2.49. The count costs a launch of the ranks: 0.9 s a check on 2 cores.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import random
 import torch
 
 from dlo.checks.day5_zero import TiedLM, lm_loss
-from dlo.grading.api import rank_memory
+from dlo.checks.rank_count import counted_peaks
 from dlo.grading.compare import DTYPE
 
 CAP_MB = 4.0  # the buckets of both engines: a sixteenth of the gradient
@@ -85,21 +85,12 @@ def slack(psi: int) -> int:
 
 
 def verify_count(name: str, part: dict, where: str) -> str:
-    """The ranks' counts of the last `on_ranks(count_worker, ...)` against the reference's, and a line for the
-    check's `ok`. Called only where the launcher meters the ranks (`wire_sent`): a count it could not read is
-    the grader's error, never a pass."""
-    counts = rank_memory()
-    if counts is None:
-        raise RuntimeError(f"grader: {name} could not read the ranks' memory in /proc ({where})")
+    """The ranks' peaks in the last `on_ranks(count_worker, ...)` against the reference's (`rank_count`), and a
+    line for the check's `ok`."""
+    peaks = counted_peaks(name, where)
     psi = sum(p.numel() for p in counted_model(part).parameters())
     full, allowed = 8 * psi, slack(psi)
-    for r, m in enumerate(counts):
-        if not m["ended"] or m["below"] or m["child_ticks"]:
-            what = "never reached its end" if not m["ended"] else "started a process"
-            raise AssertionError(f"{name}: rank {r} {what} "
-                                 f"in the counted case: the grader reads each rank's memory from outside it, and a "
-                                 f"rank's work stays in the rank ({where})")
-        ref, got = m["prelude_peak"] - m["mark_rss"], max(0, m["peak"] - m["mark_rss"])
+    for r, (ref, got) in enumerate(peaks):
         if got > ref + allowed:
             raise AssertionError(f"{name}: during backward on the large case (Psi = {psi:,}, a full gradient of "
                                  f"{full / 2 ** 20:.0f} MiB) rank {r}'s resident memory rose by {got / 2 ** 20:.0f} "
@@ -108,6 +99,6 @@ def verify_count(name: str, part: dict, where: str) -> str:
                                  f"allowed): a rank keeps its 1/N gradient shard and the buckets in flight, in "
                                  f"whatever form - reduce-scatter each bucket as it fills and keep no full gradient "
                                  f"({where})")
-    m = counts[0]
-    return (f"rank 0 rose by {(m['peak'] - m['mark_rss']) / full:.2f} x the gradient during backward on the large "
-            f"case, the course's ZeRO-2 by {(m['prelude_peak'] - m['mark_rss']) / full:.2f}")
+    ref, got = peaks[0]
+    return (f"rank 0 rose by {got / full:.2f} x the gradient during backward on the large case, the course's "
+            f"ZeRO-2 by {ref / full:.2f}")

@@ -14,7 +14,9 @@
    bytes saved for backward (`dlo.checks.saved.GuardedMeter`) must be the schedule's micro-batches alive
    (GPipe's k-th forward: k; 1F1B's on rank r: min(k, p - r)), measured here one micro-batch at a time, and
    the bytes saved since the step began k micro-batches' (the meter's `made`: no forward hidden). 1F1B must
-   also keep at most p micro-batches of activations alive on the first stage. Saved-tensor hooks are
+   also keep at most p micro-batches of activations alive on the first stage, and, where the check launches
+   the ranks, raise the first stage's memory as the kernel counts it (read outside the rank) by at most one
+   micro-batch more than the course's 1F1B on a larger case (`dlo.checks.day6_count`). Saved-tensor hooks are
    off limits in both (a step's own would hide its activations from the meter);
 5. the same model through torch.distributed.pipelining (GPipe, 1F1B, interleaved 1F1B): losses
    and gradients equal to one process, hence to the student's own engines of 3 and 4, and the order
@@ -42,12 +44,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from dlo.checks.day6_count import count_parts, count_worker, verify_count
 from dlo.checks.day6_order import OrderWatch, torch_order, verify_order, verify_torch_order
 from dlo.checks.day6_schedules import PIPE, check_schedules, check_split_stages
 from dlo.checks.saved import HOOKS, GuardedMeter
 from dlo.distributed.pipeline import build_stages, make_stage_modules
 from dlo.distributed.pipeline_comms import P2PWatch
-from dlo.grading.api import case_seed, check, on_ranks
+from dlo.grading.api import case_seed, check, on_ranks, wire_sent
 from dlo.grading.compare import DTYPE, assert_close, ok
 from dlo.measure import SavedTensorMeter
 from dlo.models.coatnet import coatnet
@@ -172,7 +175,12 @@ def check_one_f_one_b_step(fn, seed: int = 0, world_size: int = 2, timeout: floa
                              f"({got[0]['peak']} bytes saved for backward, {one} per micro-batch); 1F1B keeps at most "
                              f"p = {p}: warm up with p - r - 1 forwards, then one forward, one backward ({c['where']})")
     verify_order(name, "1F1B", got, c, c["where"])
-    ok(name, f"gradients equal one process, at most {alive:.0f} of {m} micro-batches alive on stage 0, "
+    counted = ""
+    if wire_sent() is not None:  # ranks the launcher reads (not the tests' reused ones): the kernel's count too
+        case = count_parts(case_seed(seed), world_size)
+        on_ranks(count_worker, world_size, fn, timeout=timeout, per_rank=case["parts"])
+        counted = f"; {verify_count(name, case, world_size, c['where'])}"
+    ok(name, f"gradients equal one process, at most {alive:.0f} of {m} micro-batches alive on stage 0{counted}, "
              f"{world_size} ranks, seed={seed}")
 
 

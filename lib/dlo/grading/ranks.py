@@ -15,7 +15,7 @@ import os
 import sys
 import tempfile
 
-from dlo.grading.forbid import forbidden, no_threads
+from dlo.grading.forbid import forbidden, no_threads, plan, protected
 from dlo.grading.frames import as_grader_error
 from dlo.grading.meter import END, MARK, hand_over
 from dlo.grading.seal import sealed
@@ -96,8 +96,11 @@ def run_on_rank(worker, forbid, name, hint, payload: bytes, shards: str | None =
         hand_over(meter, dist.get_rank())
     if counted:  # trusted code only, before any student object exists: its peak is what the student's is held to
         steady_malloc()  # freed large blocks leave the rank's resident memory (`dlo.measure.process`)
+        plan(forbid, name, hint)  # what blocking imports and finds (a check's modules: megabytes) is the grader's,
+        protected()  # made before the prelude: in both the prelude's peak and the mark, not in the student's step
         counted = worker.counted_prelude(*mine) is not False  # False: nothing counted in this case
         if counted:
+            protected()  # again, should the prelude have imported a module (cached: nothing to do otherwise)
             hand_over(meter, dist.get_rank(), MARK)
     # a worker that measures what the student's code keeps (`measures_growth`) counts it from here, before the
     # student's objects exist: what a class body or a module-level line allocates at unpickling counts too
