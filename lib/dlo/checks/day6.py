@@ -180,8 +180,8 @@ def check_one_f_one_b_step(fn, seed: int = 0, world_size: int = 2, timeout: floa
         case = count_parts(case_seed(seed), world_size)
         on_ranks(count_worker, world_size, fn, timeout=timeout, per_rank=case["parts"])
         counted = f"; {verify_count(name, case, world_size, c['where'])}"
-    ok(name, f"gradients equal one process, at most {alive:.0f} of {m} micro-batches alive on stage 0{counted}, "
-             f"{world_size} ranks, seed={seed}")
+    ok(name, f"loss and gradients equal one process, at most {alive:.0f} of {m} micro-batches alive on stage "
+             f"0{counted}, {world_size} ranks, seed={seed}")
 
 
 def _torch_parts(cases: dict, p: int) -> list[dict]:
