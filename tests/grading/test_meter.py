@@ -6,6 +6,7 @@ and the meter's count follows the kernel's; a second hand-over claiming the rank
 
 from __future__ import annotations
 
+import shutil
 import socket
 import subprocess
 import time
@@ -104,3 +105,25 @@ def test_a_process_started_after_the_mark_shows_at_the_end():
         child.wait()
     meter.close()
     assert meter.memory()[0]["below"] >= 1
+
+
+def test_a_prelude_that_fails_is_the_grader_s_error():
+    """The course's reference failing in a counted prelude (here: a case without its parts) is the grader's fault,
+    and the student reads so, as for a worker's own exception."""
+    import torch.distributed as dist
+
+    from dlo.checks.day5_count import count_worker
+    from dlo.grading.frames import GraderError
+    from dlo.grading.ranks import rank_payload, run_on_rank, write_shards
+
+    if dist.is_initialized():
+        pytest.skip("this process already has a process group")
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    meter, shards = SocketMeter(1), write_shards([{}], 1)
+    try:
+        with pytest.raises(GraderError, match="internal error of the check"):
+            run_on_rank(count_worker, (), "zero2", "", rank_payload((None,), {}), shards, meter.path)
+    finally:
+        meter.close()
+        dist.destroy_process_group()
+        shutil.rmtree(shards, ignore_errors=True)

@@ -98,7 +98,10 @@ def run_on_rank(worker, forbid, name, hint, payload: bytes, shards: str | None =
         steady_malloc()  # freed large blocks leave the rank's resident memory (`dlo.measure.process`)
         plan(forbid, name, hint)  # what blocking imports and finds (a check's modules: megabytes) is the grader's,
         protected()  # made before the prelude: in both the prelude's peak and the mark, not in the student's step
-        counted = worker.counted_prelude(*mine) is not False  # False: nothing counted in this case
+        try:
+            counted = worker.counted_prelude(*mine) is not False  # False: nothing counted in this case
+        except Exception as exc:  # the course's reference failing is the grader's fault: say so (`on_ranks`)
+            raise as_grader_error(exc, name) or exc from None
         if counted:
             protected()  # again, should the prelude have imported a module (cached: nothing to do otherwise)
             hand_over(meter, dist.get_rank(), MARK)
