@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import nbformat
 import pytest
 
+from dlo.grading.jail import make_spec
 from dlo.grading.trusted import LocalSandbox
 from tests.rank_pool import RankPool, one_thread  # noqa: F401 - a fixture, re-exported to the test modules
 
@@ -46,4 +47,13 @@ def ranks(pool):
 def sandbox(tmp_path_factory):
     """The grader's backend for the module's checks: a sandboxed runner (bwrap where available)."""
     with LocalSandbox(tmp_path_factory.mktemp("sandbox")) as sb:
+        yield sb
+
+
+@pytest.fixture(scope="module")
+def jail(tmp_path_factory):
+    """The grader's sandbox as `dlo grade` makes it: bwrap, and uid 65534 when the tests run as root."""
+    spec = make_spec("bwrap", tmp_path_factory.mktemp("jail") / "work", hidden=[])
+    spec.make_dirs()
+    with LocalSandbox(spec.capture_dir, prefix=spec.runner_prefix(), log=spec.runner_log) as sb:
         yield sb

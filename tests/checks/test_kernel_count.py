@@ -17,8 +17,7 @@ import pytest
 from dlo.checks.day1_accum import check_accumulate_gradients
 from dlo.checks.day2_attention import check_flash_attention
 from dlo.checks.day3 import check_checkpoint_function
-from dlo.grading.jail import make_spec, probe
-from dlo.grading.trusted import LocalSandbox
+from dlo.grading.jail import probe
 from dlo.measure import process
 from tests.checks.conftest import load_solution
 from tests.checks.test_day1_checks import accum_autograd_grad, accum_chunk, accum_scaled_after
@@ -147,15 +146,6 @@ def student():
     ns["accumulate_solution"] = load_solution("day1_optimizers").accumulate_gradients
     ns["checkpoint_solution"] = load_solution("day3_checkpointing").Checkpoint
     return type("Student", (), ns)
-
-
-@pytest.fixture(scope="module")
-def jail(tmp_path_factory):
-    """The grader's sandbox as `dlo grade` makes it: bwrap, and uid 65534 when the tests run as root."""
-    spec = make_spec("bwrap", tmp_path_factory.mktemp("jail") / "work", hidden=[])
-    spec.make_dirs()
-    with LocalSandbox(spec.capture_dir, prefix=spec.runner_prefix(), log=spec.runner_log) as sb:
-        yield sb
 
 
 def test_a_rewritten_watch_passes_the_notebook_s_own_checks(student):

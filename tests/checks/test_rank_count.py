@@ -17,8 +17,7 @@ from dlo.checks.day5 import check_zero2
 from dlo.checks.day6 import check_one_f_one_b_step
 from dlo.checks.day6_count import count_parts, count_worker, verify_count
 from dlo.grading.api import check, on_ranks
-from dlo.grading.jail import make_spec, probe
-from dlo.grading.trusted import LocalSandbox
+from dlo.grading.jail import probe
 from tests.checks.conftest import load_solution
 
 pytestmark = pytest.mark.trust
@@ -59,86 +58,55 @@ def keeping_activations_as_bytes(step):
 '''
 
 
+COUNTED = r"as the kernel counts it outside your code"
+MATCH = {"zero2": r"rank \d's resident memory rose by \d+ MiB, " + COUNTED,
+         "1f1b": r"rank 0's resident memory rose by \d+ MiB during your step, " + COUNTED}
+CHECK = {"zero2": check_zero2, "1f1b": check_one_f_one_b_step}
+DAYS = list(CHECK)
+
+
 @pytest.fixture(scope="module")
-def engines():
+def student():
+    """Per day: (the instructors' answer, the same keeping its state as bytes); and the instructors' GPipe."""
     ns = {"__name__": "rank_count_student"}
     exec(compile(STUDENT, "student cell", "exec"), ns)
-    honest = load_solution("day5_fsdp").ZeRO2
-    return honest, ns["keeping_gradients_as_bytes"](honest)
+    zero2, pipeline = load_solution("day5_fsdp").ZeRO2, load_solution("day6_pipeline")
+    return {"zero2": (zero2, ns["keeping_gradients_as_bytes"](zero2)),
+            "1f1b": (pipeline.one_f_one_b_step, ns["keeping_activations_as_bytes"](pipeline.one_f_one_b_step)),
+            "gpipe": pipeline.gpipe_step}
 
 
-@pytest.fixture(scope="module")
-def steps():
-    ns = {"__name__": "rank_count_student"}
-    exec(compile(STUDENT, "student cell", "exec"), ns)
-    sol = load_solution("day6_pipeline")
-    return sol.one_f_one_b_step, ns["keeping_activations_as_bytes"](sol.one_f_one_b_step), sol.gpipe_step
-
-
-@pytest.fixture(scope="module")
-def jail(tmp_path_factory):
-    """The grader's sandbox as `dlo grade` makes it: bwrap, and uid 65534 when the tests run as root."""
-    spec = make_spec("bwrap", tmp_path_factory.mktemp("jail") / "work", hidden=[])
-    spec.make_dirs()
-    with LocalSandbox(spec.capture_dir, prefix=spec.runner_prefix(), log=spec.runner_log) as sb:
-        yield sb
-
-
-MATCH = r"rank \d's resident memory rose by \d+ MiB, as the kernel counts it outside your code"
-MATCH_1F1B = r"rank 0's resident memory rose by \d+ MiB during your step, as the kernel counts it outside your code"
-
-
-def test_gradients_kept_as_bytes_pass_the_meters_in_the_rank(engines, ranks):
+@pytest.mark.parametrize("day", DAYS)
+def test_state_kept_as_bytes_passes_the_meters_in_the_rank(student, ranks, day):
     """The hole: on ranks nobody reads from outside, the meters of the check see tensors only."""
-    check_zero2(engines[1], seed=1)
+    CHECK[day](student[day][1], seed=1)
 
 
-def test_the_launcher_counts_the_gradients_kept_as_bytes(engines):
-    with pytest.raises(AssertionError, match=MATCH):
-        check_zero2(engines[1], seed=1)
+@pytest.mark.parametrize("day", DAYS)
+def test_the_launcher_counts_the_state_kept_as_bytes(student, day):
+    with pytest.raises(AssertionError, match=MATCH[day]):
+        CHECK[day](student[day][1], seed=1)
 
 
-def test_honest_zero2_passes_under_the_launcher_s_count(engines):
-    check_zero2(engines[0], seed=1)
+@pytest.mark.parametrize("day", DAYS)
+def test_honest_work_passes_under_the_launcher_s_count(student, day):
+    CHECK[day](student[day][0], seed=1)
 
 
 @needs_bwrap
-def test_the_sandbox_counts_the_gradients_kept_as_bytes(engines, jail):
+@pytest.mark.parametrize("day", DAYS)
+def test_the_sandbox_counts_the_state_kept_as_bytes(student, jail, day):
     """In the grader's sandbox the launcher (its session child) may not reset a rank's high water mark (the
     ranks are not dumpable): the count runs from the reference's peak, and the verdict is the same."""
-    with pytest.raises(AssertionError, match=MATCH):
-        jail.run(check_zero2, engines[1], seed=2)
+    with pytest.raises(AssertionError, match=MATCH[day]):
+        jail.run(CHECK[day], student[day][1], seed=2)
 
 
 @needs_bwrap
+@pytest.mark.parametrize("day", DAYS)
 @pytest.mark.parametrize("seed", [0, 2])
-def test_honest_zero2_passes_under_the_sandbox_s_count(engines, jail, seed):
-    jail.run(check_zero2, engines[0], seed=seed)
-
-
-def test_activations_kept_as_bytes_pass_the_meters_in_the_rank(steps, ranks):
-    check_one_f_one_b_step(steps[1], seed=1)
-
-
-def test_the_launcher_counts_the_activations_kept_as_bytes(steps):
-    with pytest.raises(AssertionError, match=MATCH_1F1B):
-        check_one_f_one_b_step(steps[1], seed=1)
-
-
-def test_honest_one_f_one_b_passes_under_the_launcher_s_count(steps):
-    check_one_f_one_b_step(steps[0], seed=1)
-
-
-@needs_bwrap
-def test_the_sandbox_counts_the_activations_kept_as_bytes(steps, jail):
-    with pytest.raises(AssertionError, match=MATCH_1F1B):
-        jail.run(check_one_f_one_b_step, steps[1], seed=2)
-
-
-@needs_bwrap
-@pytest.mark.parametrize("seed", [0, 2])
-def test_honest_one_f_one_b_passes_under_the_sandbox_s_count(steps, jail, seed):
-    jail.run(check_one_f_one_b_step, steps[0], seed=seed)
+def test_honest_work_passes_under_the_sandbox_s_count(student, jail, day, seed):
+    jail.run(CHECK[day], student[day][0], seed=seed)
 
 
 @check(forbid=())
@@ -149,9 +117,9 @@ def count_only(fn, seed: int = 0):
     verify_count("count_only", case, 2, {"seed": seed})
 
 
-def test_gpipe_fails_the_count_whatever_the_rank_s_meters_say(steps):
+def test_gpipe_fails_the_count_whatever_the_rank_s_meters_say(student):
     """GPipe keeps all m micro-batches alive on the first stage: 7.8-8.0 of them against 1F1B's 1.6-1.9. A GPipe
     step that rewrote the meter and the message watch in its rank (as Days 1-3's rewritten watches do) to look
     like 1F1B would pass the check's in-rank rules and still fail here."""
-    with pytest.raises(AssertionError, match=MATCH_1F1B):
-        count_only(steps[2], seed=3)
+    with pytest.raises(AssertionError, match=MATCH["1f1b"]):
+        count_only(student["gpipe"], seed=3)

@@ -86,7 +86,7 @@ def test_a_second_mark_or_end_is_tampering():
         assert meter.close() is None and "second hand-over" in meter.tampered
 
 
-def test_no_memory_without_a_mark(connection):
+def test_no_memory_without_a_mark():
     meter = SocketMeter(1)
     hand_over(meter.path, 0)
     meter.close()

@@ -85,7 +85,6 @@ class SocketMeter:
         self.pids: dict[int, int] = {}  # rank -> the process that handed its sockets over
         self.counts: dict[int, dict[str, Snapshot | None]] = {}  # rank -> its memory at start, mark and end
         self.peaks: dict[int, int] = {}  # rank -> the highest VmHWM read since its mark
-        self.ended: set[int] = set()
         self.tampered: str | None = None
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._serve, daemon=True, name="dlo-socket-meter")
@@ -112,9 +111,8 @@ class SocketMeter:
         msg, fds, _, _ = socket.recv_fds(conn, 5, 256)
         socks = [socket.socket(fileno=fd) for fd in fds]
         rank, kind = struct.unpack("!iB", msg) if len(msg) == 5 else (-1, -1)
-        ours = self.pids.get(rank) == pid and rank not in self.ended
+        ours = self.pids.get(rank) == pid and "end" not in self.counts[rank]
         if kind == END and ours:  # the same rank, at its end: the sockets it opened since
-            self.ended.add(rank)
             self.counts[rank]["end"] = snapshot(pid)
             held = {os.fstat(s.fileno()).st_ino for s in self.ranks[rank][0]}
             new = [s for s in socks if os.fstat(s.fileno()).st_ino not in held]
