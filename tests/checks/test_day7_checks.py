@@ -86,6 +86,11 @@ def test_sequence_parallel_accept(sol, ranks):
     day7.check_sequence_parallel(sol.gather_from_sp, sol.reduce_scatter_to_sp, sol.SequenceParallelMLP, seed=2)
 
 
+def test_sequence_parallel_rejects_two_shards_more_saved(sol, ranks):
+    with pytest.raises(AssertionError, match="saved .* bytes for backward"):
+        day7.check_sequence_parallel(sol.gather_from_sp, sol.reduce_scatter_to_sp, saves_two_shards_more(sol, False))
+
+
 def test_sequence_parallel_rejects_a_replicated_norm(sol, ranks):
     class NormAfterGather(sol.SequenceParallelMLP):
         def forward(self, x):  # right values, but the norm saves all T tokens on every rank
@@ -240,10 +245,25 @@ def whole_norm(sol):
         def forward(self, x):  # all-gathers the raw input; the norm's input kept where no meter looks
             h = sol.gather_from_sp(x, self.group)
             self.kept = h.detach()
-            with torch.autograd.graph.saved_tensors_hooks(lambda z: z, lambda z: z):
-                h = self.norm(h)
+            h = self.norm(h)
             return x + sol.reduce_scatter_to_sp(self.w2(F.silu(self.w1(h)) * self.w3(h)), self.group)
     return NormOnEveryToken
+
+
+def saves_two_shards_more(sol, hidden: bool):
+    """The solution's block that also saves two tensors of its shard's size (2x and its sine, for a cosine added
+    times 0): more than the budget's slack beside the norm's and the MLP's own (half of what the norm on every
+    token adds); `hidden`: under an identity hook pair, where PyTorch applies only the innermost pair and the
+    grader's meter, were it an ordinary pair, would see nothing."""
+    class TwoShardsMore(sol.SequenceParallelMLP):
+        def forward(self, x):
+            def run():
+                return super(TwoShardsMore, self).forward(x) + 0 * (2 * x).sin().cos()
+            if not hidden:
+                return run()
+            with torch.autograd.graph.saved_tensors_hooks(lambda z: z, lambda z: z):
+                return run()
+    return TwoShardsMore
 
 
 def ce_by_columns():
@@ -322,6 +342,14 @@ def test_a_stub_fails():
     check's AssertionError (every test cell of the untouched release scoring 0 is `dlo grade`'s test)."""
     with pytest.raises(AssertionError, match="NotImplementedError"):
         day7.check_vocab_parallel_cross_entropy(stub)
+
+
+@pytest.mark.trust
+def test_saved_tensor_hooks_are_forbidden_in_sequence_parallel(sol):
+    """Red team (Day 7): the block above, its saved tensors under its own identity hook pair, passed the saved-bytes
+    rule (the grader's meter saw nothing of the forward). Its own ranks: a forbidden call ends a pool."""
+    with pytest.raises(AssertionError, match="off limits"):
+        day7.check_sequence_parallel(sol.gather_from_sp, sol.reduce_scatter_to_sp, saves_two_shards_more(sol, True))
 
 
 def test_linears_reject_the_library(sol, ranks):

@@ -25,6 +25,7 @@ from dlo.checks.day7_shared import (
     reference,
     seeded_gen,
 )
+from dlo.checks.saved import HOOKS, GuardedMeter
 from dlo.grading.api import case_seed, check, on_ranks
 from dlo.grading.compare import DTYPE, assert_close, ok
 from dlo.measure import CommCounter, SavedTensorMeter
@@ -69,7 +70,7 @@ def _sp_worker(mine, gather_fn, scatter_fn, cls):
     block = cls(mine["norm"], mine["ffn"], None)
     x = mine["x"].detach().clone().requires_grad_(True)
     params = list(block.parameters()) + list(mine["norm"].parameters()) + list(mine["ffn"].parameters())
-    with CommTap() as fwd, SavedTensorMeter(exclude=params) as meter:
+    with CommTap() as fwd, GuardedMeter(exclude=params) as meter:  # the student's own hook pair is forbidden
         y = block(x)
     with CommCounter() as bwd:
         (y * mine["up"]).sum().backward()
@@ -86,7 +87,7 @@ def _saved(fn, x, params) -> int:
         return meter.peak
 
 
-@check(forbid=LAYERS + F_G + SP)
+@check(forbid=LAYERS + F_G + SP + HOOKS)
 def check_sequence_parallel(gather_fn, scatter_fn, cls, seed: int = 0, world_size: int = 2) -> None:
     """`gather_fn(x, group=None)`: all-gather along the sequence (dim 1) forward, reduce-scatter
     backward; `scatter_fn(x, group=None)`: reduce-scatter along dim 1 forward, all-gather backward;
