@@ -3,8 +3,8 @@
 `dlo.grading.forbid` swaps the names of a check's forbidden references for blockers; a name is only one
 way in. A student can reach the same code through the garbage collector, a frame, `__wrapped__`, a class's
 methods, or rebuild it: `types.FunctionType(ref.__code__, ...)`, a clone pickled by value into the
-sandbox, `marshal`, `exec` of the reference's source, `importlib.reload` of its module. Here the code
-itself is blocked, for as long as the check runs:
+sandbox, `marshal`, `exec` of the reference's source as it is, `importlib.reload` of its module. Here the
+code itself is blocked, for as long as the check runs:
 
 - *burned*: every function object that implements a forbidden reference (the reference, what it wraps,
   a class's own methods, its private helpers) gets a code object that raises `ForbiddenCall`, whoever
@@ -21,9 +21,11 @@ ranks of a launch) the hook is armed `for_good`: its state lives in its own defa
 defaults, or to those of the grader's functions (`protected`). Elsewhere (a notebook's direct check, the
 tests' reused ranks) one hook per process follows a stack of active checks that `restore` pops: feedback,
 not grading; there a clone the student made before the check and hid outside the objects the check receives
-(found at run time through the collector) is not burned. What is not covered: code compiled by another
-compiler from the reference's source file (TorchScript, Triton), and native code (ctypes) rewriting the
-interpreter's memory.
+(found at run time through the collector) is not burned. What is not covered: the reference's source
+with its bytecode changed (a statement added to each function, then compiled: a red team's 11/11 on Day 11,
+2026-12-01; the similarity report flags every cell that runs text it cannot decode as obfuscated), code
+compiled by another compiler from the reference's source file (TorchScript, Triton), and native code (ctypes)
+rewriting the interpreter's memory.
 """
 
 from __future__ import annotations
