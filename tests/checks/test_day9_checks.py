@@ -78,13 +78,39 @@ def attend_not_written(q, k_new, v_new, k_cache, v_cache, length):  # attends to
     return _softmax_attend(q, k, v, torch.arange(length + T)[None] > (length + torch.arange(T))[:, None])
 
 
-def attend_window(q, k_new, v_new, k_cache, v_cache, length):  # red team: only the last 32 keys (a sliding window)
+def attend_window(q, k_new, v_new, k_cache, v_cache, length, W=32):  # red team: only the last W keys (a window)
     T = q.shape[2]
     k_cache[:, :, length:length + T], v_cache[:, :, length:length + T] = k_new, v_new
-    L, start = length + T, max(0, length + T - 32)
+    L, start = length + T, max(0, length + T - W)
     keys, pos = start + torch.arange(L - start), length + torch.arange(T)
     return _softmax_attend(q, k_cache[:, :, start:L], v_cache[:, :, start:L],
-                           (keys[None] > pos[:, None]) | (keys[None] <= pos[:, None] - 32))
+                           (keys[None] > pos[:, None]) | (keys[None] <= pos[:, None] - W))
+
+
+def attend_window_128(q, k_new, v_new, k_cache, v_cache, length):  # red team: a 128-key window
+    return attend_window(q, k_new, v_new, k_cache, v_cache, length, W=128)
+
+
+def attend_length_from_zeros(q, k_new, v_new, k_cache, v_cache, length):  # red team: `length` guessed from zeros
+    used = k_cache.abs().sum(dim=(0, 1, 3)).nonzero()
+    return attend_ok(q, k_new, v_new, k_cache, v_cache, int(used.max()) + 1 if len(used) else 0)
+
+
+def attend_core(q, k_new, v_new, k_cache, v_cache, length):  # red team: Day 1's attention, one query at a time
+    from dlo.models.transformer import attention_core
+    T, g = q.shape[2], q.shape[1] // k_cache.shape[1]
+    k_cache[:, :, length:length + T], v_cache[:, :, length:length + T] = k_new, v_new
+    kv = [c[:, :, :length + T].repeat_interleave(g, 1) for c in (k_cache, v_cache)]
+    return torch.cat([attention_core(q[:, :, i:i + 1], kv[0][:, :, :length + i + 1], kv[1][:, :, :length + i + 1],
+                                     0.0, False) for i in range(T)], 2)
+
+
+def attend_flex(q, k_new, v_new, k_cache, v_cache, length):  # red team: torch's flex_attention, eager
+    from torch.nn.attention.flex_attention import flex_attention
+    T = q.shape[2]
+    k_cache[:, :, length:length + T], v_cache[:, :, length:length + T] = k_new, v_new
+    return torch.cat([flex_attention(q[:, :, i:i + 1], k_cache[:, :, :length + i + 1], v_cache[:, :, :length + i + 1],
+                                     enable_gqa=True) for i in range(T)], 2)
 
 
 def _mha(q, k, v, mask, module=False):  # red team: torch's own attention, identity projections (q (B, H, T, D))
@@ -323,6 +349,15 @@ def accept_p_after_two(p, q, drafts, generator):  # a rejection at position 3..:
     return n, torch.where((n >= 2) & (n < drafts.shape[1]), from_p, token)
 
 
+def accept_round_zero(p, q, drafts, generator):  # red team: every round run with round 0's p and q
+    B = drafts.shape[0]
+    return accept_ok(p[:1].expand(B, -1, -1), q[:1].expand(B, -1, -1), drafts, generator)
+
+
+def accept_global_rng(p, q, drafts, generator):  # red team: `generator` ignored, torch's global RNG draws
+    return accept_ok(p, q, drafts, None)
+
+
 # ----------------------------------------------------------------------------- exercise 4: through the block table
 
 def _paged(q, k_cache, v_cache, tables, lens, block=lambda t, bs: t // bs, visible=lambda L, n: L < n,
@@ -376,6 +411,30 @@ def paged_first_blocks(q, k_cache, v_cache, tables, lens):  # red team: only the
     return _paged(q, k_cache, v_cache, tables[:, :4], lens.clamp(max=4 * k_cache.shape[1]))
 
 
+def paged_first_16_blocks(q, k_cache, v_cache, tables, lens):  # red team: a fixed 16-block gather
+    return _paged(q, k_cache, v_cache, tables[:, :16], lens.clamp(max=16 * k_cache.shape[1]))
+
+
+def _paged_with(q, k_cache, v_cache, tables, lens, attend):  # keys gathered, then `attend(q (1, H, 1, D), k, v)`
+    bs, g, out = k_cache.shape[1], q.shape[1] // k_cache.shape[2], []
+    for b in range(q.shape[0]):
+        t = torch.arange(int(lens[b]))
+        idx = tables[b].long()[t // bs]
+        k, v = (c[idx, t % bs].transpose(0, 1).repeat_interleave(g, 0)[None] for c in (k_cache, v_cache))
+        out.append(attend(q[b][None, :, None], k, v)[0, :, 0])
+    return torch.stack(out)
+
+
+def paged_core(q, k_cache, v_cache, tables, lens):  # red team: Day 1's attention on the gathered keys
+    from dlo.models.transformer import attention_core
+    return _paged_with(q, k_cache, v_cache, tables, lens, lambda q1, k, v: attention_core(q1, k, v, 0.0, False))
+
+
+def paged_flex(q, k_cache, v_cache, tables, lens):  # red team: torch's flex_attention on the gathered keys
+    from torch.nn.attention.flex_attention import flex_attention
+    return _paged_with(q, k_cache, v_cache, tables, lens, flex_attention)
+
+
 def paged_mha(q, k_cache, v_cache, tables, lens):  # torch's attention on the gathered keys
     bs, g, out = k_cache.shape[1], q.shape[1] // k_cache.shape[2], []
     for b in range(q.shape[0]):
@@ -389,14 +448,14 @@ def paged_mha(q, k_cache, v_cache, tables, lens):  # torch's attention on the ga
 # ----------------------------------------------------------------------------- exercise 5: one scheduler step
 
 def _schedule(running, waiting, num_free, block_size, max_batch, victim=-1, fcfs=True, reserve=True, wait=True,
-              most=None, count=False, limit=True):
+              most=None, count=False, limit=True, frees=lambda n, bs: -(-n // bs)):
     def new_block(n):  # the next token (index n) opens a block
         return int(n % block_size == 0)
     decode, preempted, free = [list(r) for r in running], [], num_free
     while decode and (len(decode) if count else sum(new_block(n) for _, n in decode)) > free \
             and (most is None or len(preempted) < most):
-        rid, n = decode.pop(victim)
-        free += -(-n // block_size)
+        rid, n = decode.pop(victim(decode, block_size) if callable(victim) else victim)
+        free += frees(n, block_size)
         preempted.append(rid)
     budget = free - (sum(new_block(n) for _, n in decode) if reserve else 0)
     prefill = []
@@ -443,6 +502,19 @@ def schedule_no_max_batch(running, waiting, num_free, block_size, max_batch):  #
     return _schedule(running, waiting, num_free, block_size, max_batch, limit=False)
 
 
+def schedule_frees_floor(running, waiting, num_free, block_size, max_batch):  # red team: the partial block leaks
+    return _schedule(running, waiting, num_free, block_size, max_batch, frees=lambda n, bs: n // bs)
+
+
+def schedule_frees_one(running, waiting, num_free, block_size, max_batch):  # red team: a victim frees one block
+    return _schedule(running, waiting, num_free, block_size, max_batch, frees=lambda n, bs: 1)
+
+
+def schedule_victim_needs_block(running, waiting, num_free, block_size, max_batch):  # red team: mid-block skipped
+    return _schedule(running, waiting, num_free, block_size, max_batch,
+                     victim=lambda seqs, bs: max(i for i, (_, n) in enumerate(seqs) if n % bs == 0))
+
+
 CASES = [
     (day9.check_attend_with_cache, (attend_ok,),
      [((stub,), "NotImplementedError"), ((attend_before_append,), "attended before appending"),
@@ -463,7 +535,9 @@ CASES = [
       ((accept_scaled,), "the number of accepted drafts n does not follow the rule"),
       ((accept_match_p,), "the number of accepted drafts n does not follow the rule"),
       ((accept_blind_after_two,), "the number of accepted drafts n does not follow the rule"),
-      ((accept_p_after_two,), "the token emitted at position 3")]),
+      ((accept_p_after_two,), "the token emitted at position 3"),
+      ((accept_round_zero,), "each round b has its own p[b], q[b]"),
+      ((accept_global_rng,), "drew from torch's global random generator")]),
     (day9.check_paged_attention, (paged_ok,),
      [((stub,), "NotImplementedError"), ((paged_off_by_one,), "off-by-one block index"),
       ((paged_no_length_mask,), "read past the sequence's length"), ((paged_wrong_head,), "the wrong KV head"),
@@ -475,7 +549,8 @@ CASES = [
       ((schedule_skips_ahead,), "first come, first served"), ((schedule_no_reserve,), "the budget"),
       ((schedule_admits_after_preempting,), "admit nothing in a step that preempted"),
       ((schedule_one_victim,), "keep preempting"), ((schedule_counts_sequences,), "nothing to preempt"),
-      ((schedule_no_max_batch,), "at most max_batch")]),
+      ((schedule_no_max_batch,), "at most max_batch"), ((schedule_frees_floor,), "preempted too many"),
+      ((schedule_frees_one,), "preempted too many"), ((schedule_victim_needs_block,), "whether or not it needs")]),
 ]
 
 
@@ -507,11 +582,14 @@ test_wrong_fails_sandboxed = cases.wrong_fails_sandboxed(
 
 
 @pytest.mark.parametrize("check,fn,said", [
-    (day9.check_attend_with_cache, attend_window, r"attention output differs .*length=(67|81|97)"),
-    (day9.check_paged_attention, paged_first_blocks, r"attention output differs .*seq_lens=\[\d\d")],
-    ids=["window", "first-blocks"])
+    (day9.check_attend_with_cache, attend_window, r"attention output differs .*length=(131|157|193)"),
+    (day9.check_attend_with_cache, attend_window_128, r"attention output differs .*length=(131|157|193)"),
+    (day9.check_paged_attention, paged_first_blocks, r"attention output differs .*seq_lens=\[\d\d"),
+    (day9.check_paged_attention, paged_first_16_blocks, r"attention output differs .*seq_lens=\[\d\d")],
+    ids=["window", "window-128", "first-blocks", "first-16-blocks"])
 def test_long_cases_catch_truncation(check, fn, said):
-    """Red team: a window of 32 keys and the first 4 blocks of a table passed while no case was longer."""
+    """Red team: windows of 32 and 128 keys, the first 4 and 16 blocks of a table passed while no case was longer
+    (the long cases have 131+ keys, 17+ blocks)."""
     for seed in range(3):
         with pytest.raises(AssertionError, match=said):
             check(fn, seed=seed)
@@ -524,6 +602,23 @@ def test_long_cases_catch_truncation(check, fn, said):
 def test_torch_multi_head_attention_is_refused(check, fn, name):
     with pytest.raises(ForbiddenCall, match=f"{name} is off limits"):
         check(fn, seed=0)
+
+
+@pytest.mark.parametrize("check,fn,name", [
+    (day9.check_attend_with_cache, attend_core, "attention_core"),
+    (day9.check_attend_with_cache, attend_flex, "flex_attention"),
+    (day9.check_paged_attention, paged_core, "attention_core"),
+    (day9.check_paged_attention, paged_flex, "flex_attention")], ids=["core", "flex", "paged-core", "paged-flex"])
+def test_other_attentions_are_refused(check, fn, name):
+    """Red team: Day 1's attention_core and torch's flex_attention (eager) were not on the list."""
+    with pytest.raises(ForbiddenCall, match=f"{name} is off limits"):
+        check(fn, seed=0)
+
+
+def test_free_slots_are_not_zeros():
+    """Red team: the write position guessed from the cache's zeros, `length` never read; free slots hold anything."""
+    with pytest.raises((AssertionError, RuntimeError)):
+        day9.check_attend_with_cache(attend_length_from_zeros, seed=0)
 
 
 def test_schedule_step_takes_tuples_of_rids():  # a student's answer (2026-11-30): "three lists", written as tuples

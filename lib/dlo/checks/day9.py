@@ -34,6 +34,7 @@ from dlo.kernels.paged_attention import paged_attention_ref
 from dlo.models.llama import Llama, LlamaConfig
 
 RTOL, ATOL = 1e-9, 1e-10  # float64 inputs: a correct softmax agrees to rounding
+GARBAGE = 1e3  # the scale of what a cache's free slots hold: finite (masked to -inf, weighted by 0), and large
 FUSED = ("scaled_dot_product", "_scaled_dot_product", "_flash_attention", "_efficient_attention", "_cudnn_attention")
 ATTENTION = ("torch.nn.functional.scaled_dot_product_attention", "dlo.inference.kv_cache.cached_attention",
              "dlo.inference.kv_cache.KVCache", "dlo.inference.kv_cache.generate", "dlo.inference.paged.PagedKVCache",
@@ -41,6 +42,7 @@ ATTENTION = ("torch.nn.functional.scaled_dot_product_attention", "dlo.inference.
              "dlo.kernels.paged_attention.paged_attention_ref", "dlo.kernels.paged_attention.gather_blocks",
              "dlo.attention.*", "torch.nn.functional.multi_head_attention_forward",
              "torch.nn.MultiheadAttention.forward", "aten::_native_multi_head_attention*",
+             "dlo.models.transformer.attention_core", "torch.nn.attention.flex_attention.flex_attention",
              *(f"aten::{op}*" for op in FUSED))
 
 
@@ -102,13 +104,15 @@ def check_attend_with_cache(fn, seed: int = 0, trials: int = 6) -> None:
         Hkv, g = (rng.choice([1, 2, 3]), rng.choice([1, 2, 3])) if t else (2, 3)  # the first: grouped-query
         B, T, D = rng.choice([1, 2, 3]), (1, rng.choice([2, 5, 7]))[t % 2], rng.choice([4, 8])
         length = rng.choice([0, 3, 9, 17]) if t > 1 else 6
-        if t == trials - 1 and t > 1:  # a long cache: every query sees more than 64 keys (no window suffices)
-            length = rng.choice([67, 81, 97])
+        if t == trials - 1 and t > 1:  # a long cache: every query sees more than 128 keys (no window suffices)
+            length = rng.choice([131, 157, 193])
         L_max = length + T + rng.choice([0, 4])
         q = torch.randn(B, Hkv * g, T, D, generator=gen, dtype=torch.float64)
         k_new, v_new = (torch.randn(B, Hkv, T, D, generator=gen, dtype=torch.float64) for _ in range(2))
         k_cache, v_cache = (torch.randn(B, Hkv, L_max, D, generator=gen, dtype=torch.float64) for _ in range(2))
-        k_cache[:, :, length:], v_cache[:, :, length:] = 0.0, 0.0  # free slots
+        # free slots hold anything (stale keys of a freed row): not zeros, which would tell `length` without it
+        for cache in (k_cache, v_cache):
+            cache[:, :, length:] *= GARBAGE
         where = dict(B=B, H=Hkv * g, Hkv=Hkv, T=T, D=D, length=length, L_max=L_max)
         k_want, v_want = k_cache.clone(), v_cache.clone()
         k_want[:, :, length:length + T], v_want[:, :, length:length + T] = k_new, v_new
@@ -140,9 +144,9 @@ class _StudentCache:
 
     def __init__(self, fn, cfg: LlamaConfig, max_len: int):
         self.fn, self.length = fn, 0
-        self.k = [torch.zeros(1, cfg.n_kv_heads, max_len, cfg.head_dim, dtype=torch.float64)
-                  for _ in range(cfg.n_layers)]
-        self.v = [torch.zeros_like(x) for x in self.k]
+        gen = torch.Generator().manual_seed(max_len)  # free slots hold anything, as in the trials
+        self.k, self.v = ([GARBAGE * torch.randn(1, cfg.n_kv_heads, max_len, cfg.head_dim, generator=gen,
+                                                 dtype=torch.float64) for _ in range(cfg.n_layers)] for _ in "kv")
 
     def append_slots(self, rows, T: int):
         self.start, self.length = self.length, self.length + T
@@ -213,8 +217,8 @@ def check_paged_attention(fn, seed: int = 0, trials: int = 5) -> None:
         page, num_blocks = rng.choice([2, 3, 4, 5]), rng.choice([11, 17])
         lens = [rng.randint(1, 3 * page + 1) for _ in range(B)]
         lens[0] = page + 1 if t == 0 else lens[0]  # one token into a second block
-        if t == trials - 1 and t > 0:  # long tables: 9 to 13 blocks a sequence, the pool larger than a table
-            lens, num_blocks = [rng.randint(8 * page + 1, 13 * page) for _ in range(B)], rng.choice([23, 29])
+        if t == trials - 1 and t > 0:  # long tables: 17 to 24 blocks a sequence, the pool larger than a table
+            lens, num_blocks = [rng.randint(16 * page + 1, 24 * page) for _ in range(B)], rng.choice([29, 37])
         width = max(-(-n // page) for n in lens)
         pool = rng.sample(range(num_blocks), num_blocks)
         tables = torch.tensor([[pool[(b * width + i) % num_blocks] for i in range(width)] for b in range(B)],

@@ -1,8 +1,8 @@
 """Day 9's check of one continuous-batching scheduler step (Yu et al. 2022, Orca; Kwon et al. 2023, Sec. 4.5),
 re-exported by `dlo.checks.day9`: the student's plain function against `dlo.inference.batching.Scheduler`
 put in the same state (running sequences holding their blocks, a waiting queue, free blocks), on hidden states
-that make it preempt (one victim, or several), decode sequences in mid-block that need no block, stop at the
-batch limit, and stop at a request that does not fit.
+that make it preempt (one victim, or several; victims in mid-block, holding a partial last block), decode
+sequences in mid-block that need no block, stop at the batch limit, and stop at a request that does not fit.
 """
 
 from __future__ import annotations
@@ -36,9 +36,12 @@ def reference_step(running, waiting, num_free: int, block_size: int, max_batch: 
 def _state(rng: random.Random, t: int) -> dict:
     """A hidden state, by t % 7: short of blocks (preemption); just enough blocks for the running sequences'
     new ones plus the head request (the budget); a head request that does not fit while a later one would
-    (first come, first served); anything; short by more than one victim frees; sequences in mid-block that
-    need no new block, more of them than free blocks; a batch limit below what the blocks admit."""
+    (first come, first served); anything; short by more than one victim frees (every other time: victims in mid-block,
+    `_state_mid_block_victims`); sequences in mid-block that need no new block, more of them than free blocks;
+    a batch limit below what the blocks admit."""
     kind, bs = t % 7, rng.choice([2, 3, 4])
+    if kind == 4 and t // 7 % 2:  # every other time: preemption among sequences in mid-block
+        return _state_mid_block_victims(rng, bs)
     if kind >= 4:
         return _state_more(rng, kind, bs)
     running = [[rid, rng.randint(1, 4 * bs)] for rid in range(rng.randint(1, 5))]
@@ -75,6 +78,23 @@ def _state_more(rng: random.Random, kind: int, bs: int) -> dict:
     return dict(running=running, waiting=waiting, num_free=num_free, block_size=bs, max_batch=max_batch)
 
 
+def _state_mid_block_victims(rng: random.Random, bs: int) -> dict:
+    """Two victims, the latest admitted in mid-block: it needs no new block yet goes first, and frees m >= 2
+    blocks, the last partial; the next, at a block boundary, frees h. The free blocks are exactly what the c
+    boundary sequences left need once both are gone, so a victim counted as floor(n / block_size) blocks, or as
+    one block, leaves one short (a third victim), and a victim chosen among those needing a block is the wrong one."""
+    m, h = rng.randint(2, 3), rng.randint(1, 2)
+    c = m + h + rng.randint(0, 1)
+    front = [bs * rng.randint(1, 3) for _ in range(c)] + \
+        [bs * rng.randint(1, 3) - rng.randint(1, bs - 1) for _ in range(rng.randint(0, 2))]
+    rng.shuffle(front)
+    tokens = front + [bs * h, bs * m - rng.randint(1, bs - 1)]
+    running = [[rid, n] for rid, n in enumerate(tokens)]
+    waiting = [[10 + i, rng.randint(1, 2 * bs)] for i in range(rng.randint(2, 4))]
+    return dict(running=running, waiting=waiting, num_free=c - m - h, block_size=bs,
+                max_batch=len(running) + rng.randint(2, 4))
+
+
 def _slip(got: tuple, want: tuple, s: dict) -> str:
     """What the first difference says about the student's step."""
     (g_dec, g_pre, g_out), (w_dec, _, w_out) = got, want
@@ -82,12 +102,18 @@ def _slip(got: tuple, want: tuple, s: dict) -> str:
         if not w_out:
             return ("nothing to preempt: only a sequence at a block boundary (n % block_size == 0) needs a new block "
                     "for its next token, and those fit in the free blocks")
+        if g_out[:len(w_out)] == w_out:
+            return ("preempted too many: a victim frees every block it holds, ceil(n / block_size), its partial "
+                    "last block included; stop as soon as the rest need no more new blocks than are free")
         if g_out and w_out[:len(g_out)] == g_out:
             return ("keep preempting: after each victim (its blocks freed), preempt the next latest admitted while the "
                     "rest still need more new blocks than are free")
         if sorted(g_out) == sorted(w_out) or (g_out and g_out[0] == s["running"][0][0] and w_out):
             return ("preempt the latest admitted sequence first (the end of `running`), one at a time, until the rest "
                     "fit, and list them in the order you preempted them")
+        if g_out and g_out[0] != w_out[0] and w_out[0] == s["running"][-1][0]:
+            return ("the victim is the latest admitted sequence (the end of `running`), whether or not it needs a new "
+                    "block itself: preempting it frees its blocks for the others")
         return ("preempt while the blocks the running sequences need for one more token exceed the free blocks "
                 "(a sequence of n cached tokens needs a new block when n % block_size == 0), freeing each victim's")
     if g_dec != w_dec:

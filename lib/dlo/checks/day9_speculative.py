@@ -21,6 +21,7 @@ from dlo.inference.speculative import chi_square, chi_square_quantile
 
 SPECULATIVE = ("dlo.inference.speculative.accept_draft", "dlo.inference.speculative.speculative_generate")
 N_ROUNDS = 20_000
+GROUPS = 4  # the distinct relabellings of the vocabulary over the rounds (`_relabel`)
 Z = 4.265  # the standard normal's 1 - 1e-5 quantile: a right rule fails a test once in 100,000 cases
 # The per-value tests (`_band`): a count X ~ Binomial(N, pi) leaves N pi +- t with probability <= 2 exp(-t^2 /
 # (2 (N pi (1 - pi) + t / 3))) (Bernstein's inequality, exact whatever N and pi: no normal approximation in the
@@ -31,10 +32,23 @@ DELTA = 1e-9
 
 
 def _accept_worker(fn, p, q, drafts, seed: int):
+    """(n, token) or what came back instead, and whether the call drew from torch's global generator (its state
+    moved: the text asks for every random number from `generator`, which makes a server's sampling reproducible)."""
+    state = torch.get_rng_state()
     out = fn(p, q, drafts, torch.Generator().manual_seed(seed))
+    drew = not torch.equal(state, torch.get_rng_state())
     if not (isinstance(out, tuple) and len(out) == 2 and all(isinstance(x, torch.Tensor) for x in out)):
-        return f"a {type(out).__name__}"
-    return [x.detach() for x in out]
+        return f"a {type(out).__name__}", drew
+    return [x.detach() for x in out], drew
+
+
+def _relabel(gen: torch.Generator, V: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each round's vocabulary under one of GROUPS random relabellings, (N_ROUNDS, V) and the round's group:
+    the rounds' p and q differ row by row (a rule that reads round 0's for all is wrong on the others), while
+    the tokens, labelled back, keep the one distribution the statistics test."""
+    perms = torch.stack([torch.randperm(V, generator=gen) for _ in range(GROUPS)])
+    group = torch.randint(GROUPS, (N_ROUNDS,), generator=gen)
+    return perms[group], group
 
 
 def _distribution(rng: random.Random, gen: torch.Generator, V: int) -> torch.Tensor:
@@ -78,9 +92,16 @@ def check_accept_draft(fn, seed: int = 0, trials: int = 2) -> None:
         for same in (False, True):
             q = p[:k].clone() if same else torch.stack([_distribution(rng, gen, V) for _ in range(k)])
             drafts = torch.multinomial(q, N_ROUNDS, replacement=True, generator=gen).t().contiguous()  # (B, k)
-            P, Q = p.expand(N_ROUNDS, k + 1, V).contiguous(), q.expand(N_ROUNDS, k, V).contiguous()
-            got = run_student(_accept_worker, fn, P, Q, drafts, rng.randrange(1 << 30))
+            label, group = _relabel(gen, V)  # round b's token x is token label[b, x] in what the student gets
+            back = torch.argsort(label, dim=1)
+            P, Q = p[:, back].transpose(0, 1).contiguous(), q[:, back].transpose(0, 1).contiguous()
+            got, drew = run_student(_accept_worker, fn, P, Q, label.gather(1, drafts), rng.randrange(1 << 30))
             where = dict(k=k, V=V, rounds=N_ROUNDS, q_equals_p=same)
+            if drew:
+                raise AssertionError(f"{name}: your call drew from torch's global random generator (its state "
+                                     f"changed): draw every random number from `generator` (torch.rand(..., "
+                                     f"generator=generator), torch.multinomial(..., generator=generator)) "
+                                     f"({fmt(where)})")
             if isinstance(got, str):
                 raise AssertionError(f"{name}: return a tuple (n, token) of two tensors, got {got} ({fmt(where)})")
             n, token = (x.long().flatten() for x in got)
@@ -89,6 +110,7 @@ def check_accept_draft(fn, seed: int = 0, trials: int = 2) -> None:
                 raise AssertionError(f"{name}: n and token must be (B,) = ({N_ROUNDS},), n in [0, k={k}] and tokens in "
                                      f"[0, V={V}); got shapes "
                                      f"{tuple(got[0].shape)}, {tuple(got[1].shape)} ({fmt(where)})")
+            token = back.gather(1, token[:, None])[:, 0]  # labelled back: every round's token in p's vocabulary
             if same:
                 _check_all_accepted(name, n, token, p, k, where)
                 continue
@@ -99,6 +121,10 @@ def check_accept_draft(fn, seed: int = 0, trials: int = 2) -> None:
                         if _fit(counts, probs)}
                 if fits:  # the wrong rule whose distribution the counts fit best
                     raise AssertionError(f"{name}: {min(fits, key=fits.get)} ({fmt(where)})")
+                if _fit(torch.bincount(first[group == group[0]], minlength=V), p[0]):
+                    raise AssertionError(f"{name}: the first token follows p_1 only in the rounds whose distributions "
+                                         f"are round 0's: each round b has its own p[b], q[b] (the check's rounds "
+                                         f"differ); read them row by row ({fmt(where)})")
                 raise AssertionError(f"{name}: the first token emitted does not follow the target's p_1 (chi-square "
                                      f"{chi_square(counts, p[0]):.1f} > {chi_square_quantile(V - 1, Z):.1f} at {V - 1} "
                                      f"degrees of freedom): the rule must keep the target's distribution "
