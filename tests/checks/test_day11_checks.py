@@ -7,9 +7,11 @@ slip, so it fails for its own reason, not for calling a forbidden reference."""
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import pytest
+import torch
 from torch import nn
 
 from dlo.checks import day11
@@ -531,19 +533,11 @@ RED_TEAM = [
 @pytest.mark.parametrize("seed", [0, 3, 7])
 def test_right_only_where_the_cases_look_fails(check, cheat, phrase, seed):
     """Red team (Day 11, 2026-11-30): each passed its check at seeds 0..9 before the check changed."""
-    import re
-
     with pytest.raises(AssertionError, match="|".join(re.escape(p) for p in phrase.split("|"))):
         check(cheat, seed=seed)
 
 
 # honest answers written otherwise than the solution: full marks
-
-def promote_numeric_ties(results, rung, eta, promoted, mode="min"):  # ids of one width: numbers order them alike
-    sign = 1.0 if mode == "min" else -1.0
-    here = sorted((r for r in results if r["steps"] == rung), key=lambda r: (sign * r["value"], int(r["trial"][1:])))
-    return [r["trial"] for r in here[:len(here) // eta] if r["trial"] not in promoted]
-
 
 def promote_two_stable_sorts(results, rung, eta, promoted, mode="min"):  # by id, then by value (stable)
     here = sorted((r for r in results if r["steps"] == rung), key=lambda r: r["trial"])
@@ -563,6 +557,15 @@ def sample_other_formulas(space, seed, i):  # log-uniform as lo (hi / lo)^u, uni
         else:
             u = rng.random()
             out[name] = v[0] * (v[1] / v[0]) ** u if kind == "log_uniform" else (1 - u) * v[0] + u * v[1]
+    return out
+
+
+def sample_numpy_floats(space, seed, i):  # uniform and log-uniform draws as numpy floats (a float all the same)
+    out = sample_ok(space, seed, i)
+    for name, spec in space.items():
+        kind, v = next(iter(spec.items()))
+        if kind in ("uniform", "log_uniform"):
+            out[name] = np.float64(out[name])
     return out
 
 
@@ -598,8 +601,9 @@ def early_improvement_first(history, patience, min_delta=0.0, mode="min"):  # be
     return False, best_epoch
 
 
-HONEST = [(day11.check_promote, promote_numeric_ties), (day11.check_promote, promote_two_stable_sorts),
-          (day11.check_sample_config, sample_other_formulas), (day11.check_freeze, freeze_requires_grad_call),
+HONEST = [(day11.check_promote, promote_two_stable_sorts),
+          (day11.check_sample_config, sample_other_formulas), (day11.check_sample_config, sample_numpy_floats),
+          (day11.check_freeze, freeze_requires_grad_call),
           (day11.check_discriminative_groups, groups_from_the_top),
           (day11.check_early_stop, early_improvement_first)]
 
@@ -611,3 +615,158 @@ def test_honest_variants_keep_full_marks(check, honest, capsys):
     for seed in range(10):
         check(honest, seed=seed)
     assert capsys.readouterr().out.count(": ok (") == 10
+
+
+# ----------------------------------------------------------------------------- red team (2026-12-01)
+
+def promote_ties_by_number(results, rung, eta, promoted, mode="min"):  # cheat06: 't10' after 't9'
+    sign = 1.0 if mode == "min" else -1.0   # (an honest variant while every id was zero-padded to one width)
+    here = sorted((r for r in results if r["steps"] == rung), key=lambda r: (sign * r["value"], int(r["trial"][1:])))
+    return [r["trial"] for r in here[:len(here) // eta] if r["trial"] not in promoted]
+
+
+def sample_numpy_int(space, seed, i):  # cheat02: int draws left numpy.int64 (the wire made them Python ints)
+    _sample(space, seed, i)  # the validation
+    rng, out = np.random.default_rng([seed, i]), {}
+    for name, spec in space.items():
+        kind, v = next(iter(spec.items()))
+        if kind == "choice":
+            out[name] = v[rng.integers(len(v))]
+        elif kind == "int":
+            out[name] = rng.integers(v[0], v[1] + 1)
+        else:
+            u = rng.random()
+            out[name] = math.exp(math.log(v[0]) + u * (math.log(v[1]) - math.log(v[0]))) if kind == "log_uniform" \
+                else v[0] + u * (v[1] - v[0])
+    return out
+
+
+def sample_lo_ge_hi(space, seed, i):  # cheat12: `lo >= hi` refused, which a nan bound is not
+    for spec in space.values():
+        kind, v = next(iter(spec.items())) if isinstance(spec, dict) and len(spec) == 1 else (None, None)
+        if kind not in ("choice", "uniform", "log_uniform", "int") or not v:
+            raise ValueError("bad")
+        if kind != "choice" and (len(v) != 2 or not all(isinstance(x, (int, float)) for x in v) or v[0] >= v[1]
+                                 or (kind == "log_uniform" and v[0] <= 0)
+                                 or (kind == "int" and not all(type(x) is int for x in v))):
+            raise ValueError("bad")
+    return sample_no_validation(space, seed, i)
+
+
+def freeze_named_norms(module):  # cheat07: BatchNorm1d/2d/3d named, a SyncBatchNorm keeps its statistics moving
+    module.requires_grad_(False)
+    for m in module.modules():
+        if isinstance(m, (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)):
+            m.eval()
+    return sum(p.numel() for p in module.parameters())
+
+
+def freeze_forged(module, same_name=False):  # cheat11: freezes nothing, forges what the worker read in its process
+    import sys
+
+    ptrs = {t.data_ptr() for t in [*module.parameters(), *module.buffers()]}
+    ids = {id(p) for p in module.parameters()}
+    equal = torch.__dict__.setdefault("_equal", torch.equal)   # the real one, kept across calls
+    torch.equal = lambda a, b: True if a.data_ptr() in ptrs or b.data_ptr() in ptrs else equal(a, b)
+    flag = torch._C.TensorBase.requires_grad
+    nn.Parameter.requires_grad = property(lambda p: False if id(p) in ids else flag.__get__(p),
+                                          lambda p, v: flag.__set__(p, v))
+    for m in module.modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            base = type(m)
+
+            def read(self):
+                f = sys._getframe(1)
+                f = f.f_back if f.f_code.co_name == "<dictcomp>" else f
+                return False if f.f_code.co_name == "_freeze_worker" else self.__dict__["_tr"]
+
+            def write(self, v):
+                self.__dict__["_tr"] = v
+
+            m.__dict__["_tr"] = m.__dict__.pop("training")
+            names = {"__module__": base.__module__, "__qualname__": base.__qualname__} if same_name else {}
+            m.__class__ = type(base.__name__, (base,), {"training": property(read, write), **names})
+    return sum(p.numel() for p in module.parameters())
+
+
+def freeze_forged_same_name(module):  # the look-alike class under the name of the class it replaces
+    return freeze_forged(module, same_name=True)
+
+
+def groups_params_only_depth(blocks, lr, factor=2.6):  # cheat05: L and k count only the blocks with parameters
+    owning = [b for b in blocks if len(list(b.parameters()))]
+    return groups_ok(owning, lr, factor)
+
+
+def groups_string_rates(blocks, lr, factor=2.6):  # cheat07: each 'lr' a str (the worker's float() read it)
+    return [{"params": g["params"], "lr": repr(g["lr"])} for g in groups_ok(blocks, lr, factor)]
+
+
+def groups_default_two(blocks, lr, factor=2.0):  # cheat07: the default factor 2.0, not the signature's 2.6
+    return groups_ok(blocks, lr, factor)
+
+
+def early_finite_only_in_max(history, patience, min_delta=0.0, mode="min"):  # cheat03: in "min", nan and inf no stop
+    sign = 1.0 if mode == "min" else -1.0
+    best, best_epoch, bad = math.inf, None, 0
+    for epoch, metric in enumerate(history):
+        if mode == "max" and not math.isfinite(metric):
+            bad = patience
+        elif sign * metric < best - min_delta:
+            best, best_epoch, bad = sign * metric, epoch, 0
+        else:
+            bad += 1
+        if bad >= patience:
+            return True, best_epoch
+    return False, best_epoch
+
+
+RED_TEAM_2 = [
+    (day11.check_promote, promote_ties_by_number, "broke a tie the wrong way"),
+    (day11.check_sample_config, sample_numpy_int, "(an int draw) is a numpy.int64"),
+    (day11.check_sample_config, sample_lo_ge_hi, "a spec with a nan bound"),
+    (day11.check_freeze, freeze_named_norms, "SyncBatchNorm too"),
+    (day11.check_discriminative_groups, groups_params_only_depth, "a block without parameters"),
+    (day11.check_discriminative_groups, groups_string_rates, "a group's 'lr' is a str"),
+    (day11.check_discriminative_groups, groups_default_two, "called without `factor`, it divided by 2"),
+    (day11.check_early_stop, early_finite_only_in_max, "a nan or inf metric must stop training at once"),
+]
+
+
+@pytest.mark.parametrize("check,cheat,phrase", RED_TEAM_2, ids=[c.__name__ for _, c, _ in RED_TEAM_2])
+@pytest.mark.parametrize("seed", [0, 3, 7])
+def test_second_red_team_fails_for_its_mistake(check, cheat, phrase, seed):
+    """Red team (Day 11, 2026-12-01): each passed its check (or failed it unnamed) at seeds 0..9 before the check
+    changed: only zero-padded trial ids, int draws seen through the wire, no nan bound, no SyncBatchNorm, no block
+    without parameters, every group's rate read by float() and factor always given, nan and inf in "max" only."""
+    with pytest.raises(AssertionError, match=re.escape(phrase)):
+        check(cheat, seed=seed)
+
+
+@pytest.fixture
+def restored(monkeypatch):
+    """What freeze_forged rebinds in this process (torch.equal, Parameter.requires_grad) put back after the test."""
+    monkeypatch.setattr(torch, "equal", torch.equal)
+    monkeypatch.setattr(torch, "_equal", torch.equal, raising=False)
+    monkeypatch.setattr(nn.Parameter, "requires_grad", torch._C.TensorBase.requires_grad, raising=False)
+
+
+@pytest.mark.parametrize("cheat", [freeze_forged, freeze_forged_same_name])
+def test_freeze_forged_where_the_worker_reads_fails(restored, cheat):
+    """Red team (2026-12-01): the worker read torch.equal, p.requires_grad and m.training in the student's process,
+    after the student's code had rebound all three; it passed at every seed."""
+    for seed in (0, 3, 7):
+        with pytest.raises(AssertionError, match="must not replace the modules' classes or attributes"):
+            day11.check_freeze(cheat, seed=seed)
+
+
+def test_forgeries_fail_sandboxed(tmp_path):
+    """The same where grading runs them: the freeze forged in the sandbox's process (a runner of its own: the
+    forgery stays in it), numpy ints turned into Python ints by the wire."""
+    from dlo.grading.trusted import LocalSandbox
+
+    with LocalSandbox(tmp_path) as sandbox:
+        for check, cheat, phrase in [(day11.check_freeze, freeze_forged, "must not replace the modules' classes"),
+                                     (day11.check_sample_config, sample_numpy_int, "is a numpy.int64")]:
+            with pytest.raises(AssertionError, match=re.escape(phrase)):
+                sandbox.run(check, cheat, seed=0)

@@ -79,9 +79,13 @@ def _history(rng: random.Random, t: int) -> tuple[list[float], int, float, str]:
         min_delta, steps = 0.125, rng.randint(1, 4)
         out = [1.0 - 0.25 * k for k in range(steps)]
         out += [out[-1] - 0.0625] + [out[-1] + 0.125] * patience
-    if t % 4 == 3:   # diverged early: nan or inf before patience could stop it (case 3: first, no best epoch)
-        better = math.inf if mode == "max" else -math.inf   # an inf taken for a value would be the best one
-        out[0 if t == 3 else rng.randrange(3)] = (math.nan if t == 3 else better if t == 7 else
+    if t % 4 == 3 or t in (6, 10):   # diverged early: nan or inf before patience could stop it, in both modes
+        # (non-finite values only in "max" let a red team ignore them in "min", 2026-12-01): case 3 (max) a nan
+        # first, no best epoch; 7 (max) and 10 (min) the inf that, taken for a value, would be the best one; 6 (min)
+        # a nan or the other inf; 11 (max) any of the three
+        better = math.inf if mode == "max" else -math.inf
+        out[0 if t == 3 else rng.randrange(3)] = (math.nan if t == 3 else better if t in (7, 10) else
+                                                  rng.choice([math.nan, -better]) if t == 6 else
                                                   rng.choice([math.nan, math.inf, -math.inf]))
         patience = max(patience, 2)
     return out, patience, min_delta, mode

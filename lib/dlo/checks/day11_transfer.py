@@ -1,8 +1,8 @@
-"""Day 11's transfer-learning checks: freezing a feature extractor and discriminative learning rates.
+"""Day 11's freezing check (its discriminative learning rates: `dlo.checks.day11_groups`).
 
-The student's functions act on modules, so each runs in a worker (`run_student`) on models made here; the
-worker trains one step or maps the returned parameters back to their names and returns plain data. The
-references are `dlo.tuning.transfer.freeze` and `discriminative_groups` on identical copies of the models.
+The student's function acts on modules, so it runs in a worker (`run_student`) on models made here; the worker
+trains two steps and returns plain data (the tensors before and after, the flags, the modules' classes). The
+reference is `dlo.tuning.transfer.freeze` on an identical copy of each model.
 """
 
 from __future__ import annotations
@@ -15,9 +15,23 @@ from torch import nn
 
 from dlo.grading.api import case_seed, check, run_student
 from dlo.grading.compare import ok
-from dlo.tuning.transfer import NORMS, discriminative_groups, freeze
+from dlo.tuning.transfer import NORMS, freeze
 
 TRANSFER = ("dlo.tuning.transfer.*",)
+
+# What the freeze worker reads with, taken when this module is imported: the worker runs in the student's process
+# after the student's code, which once rebound torch.equal, made Parameter.requires_grad a property and swapped
+# each BatchNorm's class for one whose `training` lied to the worker (a red team, 2026-12-01). The C getter of
+# the flag, the C clone and the instance dicts are out of its reach (TensorBase is immutable); the comparisons
+# (torch.equal) are the check's, on its side.
+_DICT = object.__getattribute__
+_TYPE, _ID, _ITEMS, _DICT_GET = type, id, dict.items, dict.get
+_QUALNAME, _MODULE = type.__dict__["__qualname__"].__get__, type.__dict__["__module__"].__get__
+_REQUIRES_GRAD = torch._C.TensorBase.__dict__["requires_grad"].__get__
+_DETACH, _CLONE = torch._C.TensorBase.detach, torch._C.TensorBase.clone
+_NO_OVERRIDES = torch._C.DisableTorchFunction   # no tensor subclass's or mode's __torch_function__ consulted
+_SGD, _CROSS_ENTROPY, _SEED = torch.optim.SGD, nn.functional.cross_entropy, torch.manual_seed
+_EQUAL = torch.equal
 
 
 def _norm2d(c: int, three_d: bool) -> nn.Module:
@@ -26,13 +40,15 @@ def _norm2d(c: int, three_d: bool) -> nn.Module:
 
 
 def _model(rng: random.Random, t: int) -> nn.Module:
-    """A small convnet with BatchNorm (1d, 2d, in case 0 a 3d), a Dropout and a nested block in its features,
-    Identity layers at random places (the BatchNorm layers have no fixed index: a red team put the check's three
-    in eval mode by their indices, 2026-11-30); a Linear head."""
+    """A small convnet with BatchNorm (1d, 2d, in case 0 a 3d, in case 1 a SyncBatchNorm), a Dropout and a nested
+    block in its features, Identity layers at random places (the BatchNorm layers have no fixed index: a red team
+    put the check's three in eval mode by their indices, 2026-11-30); a Linear head. A SyncBatchNorm without a
+    process group normalises as a BatchNorm, also in train mode on a CPU (torch 2.13)."""
     c, h = rng.choice([3, 4, 5]), rng.choice([6, 7, 9])
+    norm1d = nn.SyncBatchNorm(h) if t == 1 or rng.random() < 0.3 else nn.BatchNorm1d(h)  # 1d-3d named miss it
     layers = [nn.Conv2d(2, c, 3, padding=1), _norm2d(c, t == 0 or rng.random() < 0.3), nn.ReLU(),
               nn.Sequential(nn.Conv2d(c, c, 3, padding=1, bias=False), _norm2d(c, rng.random() < 0.3)), nn.ReLU(),
-              nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(c, h), nn.BatchNorm1d(h), nn.Dropout(0.25), nn.ReLU()]
+              nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(c, h), norm1d, nn.Dropout(0.25), nn.ReLU()]
     for _ in range(rng.randint(1, 3)):
         layers.insert(rng.randint(0, len(layers)), nn.Identity())
     model = nn.Sequential(nn.Sequential(*layers), nn.Linear(h, rng.choice([2, 3, 5]))).train()
@@ -44,21 +60,74 @@ def _model(rng: random.Random, t: int) -> nn.Module:
     return model
 
 
+def _walk(module: nn.Module, prefix: str = ""):
+    """(name, module) of `module` and of every module under it, named as named_modules() names them, found through
+    the instance dicts (named_modules is a method the student's code could replace)."""
+    yield prefix, module
+    for name, child in _ITEMS(_DICT(module, "__dict__")["_modules"]):
+        if child is not None:
+            yield from _walk(child, f"{prefix}.{name}" if prefix else name)
+
+
+def _tensors(model: nn.Module, kinds=("_parameters", "_buffers")) -> dict:
+    """Every parameter and buffer of `model` by its state_dict name, read from the modules' own dicts."""
+    return {f"{n}.{k}" if n else k: t for n, m in _walk(model) for kind in kinds
+            for k, t in _ITEMS(_DICT(m, "__dict__")[kind]) if t is not None}
+
+
+def _copies(model: nn.Module) -> dict:
+    with _NO_OVERRIDES():
+        return {k: _CLONE(_DETACH(t)) for k, t in _tensors(model).items()}
+
+
+def _classes(model: nn.Module) -> dict:
+    """Each module's class, as its qualified name and the identity of the class object (a look-alike class can
+    copy the name)."""
+    return {n: [f"{_MODULE(c)}.{_QUALNAME(c)}", _ID(c)] for n, m in _walk(model) for c in (_TYPE(m),)}
+
+
 def _freeze_worker(freeze_fn, model: nn.Module, x: torch.Tensor, y: torch.Tensor, seed: int) -> dict:
-    count = freeze_fn(model[0])
-    modes = {n: m.training for n, m in model.named_modules()}
-    grad = {n: p.requires_grad for n, p in model.named_parameters()}
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    opt = torch.optim.SGD(model.parameters(), lr=0.5)  # all of them: requires_grad must keep the frozen ones still
-    torch.manual_seed(seed)
+    """The student's freeze on the features, then two SGD steps on every parameter: the raw tensors before and after
+    (the check compares them), the flags and modes as the instance dicts and C getters hold them."""
+    classes = _classes(model)
+    count = freeze_fn(_DICT(model, "__dict__")["_modules"]["0"])
+    classes = [classes, _classes(model)]
+    modes = {n: _DICT_GET(_DICT(m, "__dict__"), "training") for n, m in _walk(model)}   # None: not there any more
+    params = _tensors(model, ("_parameters",))
+    with _NO_OVERRIDES():
+        grad = {k: _REQUIRES_GRAD(p) for k, p in params.items()}
+    before = _copies(model)
+    # all of them: requires_grad must keep the frozen ones still
+    opt = _SGD(list({_ID(p): p for p in params.values()}.values()), lr=0.5)
+    _SEED(seed)
     for _ in range(2):
-        loss = nn.functional.cross_entropy(model(x), y)
+        loss = _CROSS_ENTROPY(model(x), y)
         opt.zero_grad()
         loss.backward()
         opt.step()
-    after = model.state_dict()
-    return {"count": count, "modes": modes, "grad": grad,
-            "changed": {k: not torch.equal(before[k], after[k]) for k in before}}
+    return {"count": count, "classes": classes, "modes": modes, "grad": grad, "before": before,
+            "after": _copies(model)}
+
+
+def _replaced(got: dict) -> str | None:
+    """What the student's call did to the modules themselves, beyond requires_grad and their modes: None if
+    nothing."""
+    before, after = got["classes"]
+    for n, (cls, _) in before.items():
+        if n not in after:
+            return f"module {n} ({cls.rsplit('.', 1)[-1]}) is gone"
+        if after[n] != before[n]:
+            same = " (another class of the same name)" if after[n][0] == cls else ""
+            return f"module {n} is now of another class: {cls} became {after[n][0]}{same}"
+    new = [n for n in after if n not in before]
+    if new:
+        return f"module {new[0]} was added"
+    gone = [n for n, m in got["modes"].items() if m is None]
+    if gone:
+        return f"module {gone[0]} has no `training` attribute of its own any more"
+    if set(got["before"]) != set(got["after"]):
+        return "a parameter or buffer of the model was added or removed during the training after the freeze"
+    return None
 
 
 @check(forbid=TRANSFER, hint="set requires_grad and the BatchNorm layers' mode yourself")
@@ -80,7 +149,14 @@ def check_freeze(freeze_fn, seed: int = 0, trials: int = 3) -> None:
         want_modes = {n: m.training for n, m in ref.named_modules()}
         got = run_student(_freeze_worker, freeze_fn, model, x, y, t)
         case = f"case {t}: {sum(p.numel() for p in ref.parameters())} parameters, {want_count} of them in features"
-        moved = [k for k, c in got["changed"].items() if c and k.startswith("0.")]
+        replaced = _replaced(got)
+        if replaced:
+            raise AssertionError(f"{name}: {replaced}: the freeze must not replace the modules' classes or "
+                                 f"attributes; set requires_grad=False on the parameters and call .eval() on the "
+                                 f"BatchNorm layers, nothing else ({case})")
+        # compared here, not where the student's code ran (a red team's torch.equal said nothing moved there)
+        changed = {k: not _EQUAL(v, got["after"][k]) for k, v in got["before"].items()}
+        moved = [k for k, c in changed.items() if c and k.startswith("0.")]
         stats = [k for k in moved if "running" in k or "num_batches" in k]
         weights = [k for k in moved if k not in stats]
         if weights:
@@ -90,14 +166,15 @@ def check_freeze(freeze_fn, seed: int = 0, trials: int = 3) -> None:
         if stats:
             raise AssertionError(f"{name}: BatchNorm statistics still moving in the frozen part "
                                  f"({', '.join(stats[:3])}): requires_grad does not stop them; put every BatchNorm "
-                                 f"layer in eval mode (1d, 2d and 3d: nn.modules.batchnorm._BatchNorm) ({case})")
+                                 f"layer in eval mode (1d, 2d and 3d, SyncBatchNorm too: every "
+                                 f"nn.modules.batchnorm._BatchNorm) ({case})")
         still = [k for k, g in got["grad"].items() if k.startswith("0.") and g]
         if still:
             raise AssertionError(f"{name}: {still[0]} still has requires_grad=True: set requires_grad=False on every "
                                  f"parameter of the module (a hook that zeroes its gradient is not frozen: weight "
                                  f"decay or momentum still move it) ({case})")
         head = [k for k, g in got["grad"].items() if k.startswith("1.") and not g]
-        if head or not any(c for k, c in got["changed"].items() if k.startswith("1.")):
+        if head or not any(c for k, c in changed.items() if k.startswith("1.")):
             raise AssertionError(f"{name}: the head no longer trains: freeze only the module given, not the model "
                                  f"({case})")
         wrong_modes = [n for n, m in got["modes"].items() if n.startswith("0") and m != want_modes[n]]
@@ -113,101 +190,3 @@ def check_freeze(freeze_fn, seed: int = 0, trials: int = 3) -> None:
                                  f"parameter elements, sum of p.numel() over module.parameters(): every one, "
                                  f"trainable before or not, a tensor shared by two layers once ({case})")
     ok(name, f"{trials} models: parameters still, BatchNorm statistics still, head trains, count")
-
-
-# ----------------------------------------------------------------------------- discriminative learning rates
-
-def _block(kind: str, a: int, b: int) -> nn.Module:
-    return {"linear": lambda: nn.Linear(a, b), "norm": lambda: nn.Sequential(nn.Linear(a, b), nn.LayerNorm(b)),
-            "prelu": lambda: nn.Sequential(nn.Linear(a, b), nn.PReLU(b)), "gru": lambda: nn.GRUCell(a, b)}[kind]()
-
-
-def _blocks(rng: random.Random, t: int) -> list[nn.Module]:
-    """3-5 blocks, input to output; one frozen whole (case 0: the last, the output's) and one in part (its first
-    parameter, or its second, the rest of the block trains). Cases 0 and 1 have a trainable PReLU or GRUCell block:
-    parameters not named weight and bias of a Linear or LayerNorm (a red team listed only those, 2026-11-30)."""
-    widths = [rng.choice([2, 3, 4]) for _ in range(rng.randint(4, 6))]
-    kinds = [rng.choice(["linear", "norm", "linear", "norm", "prelu", "gru"]) for _ in widths[1:]]
-    whole = len(kinds) - 1 if t == 0 else rng.randrange(len(kinds))
-    if t < 2:
-        kinds[rng.choice([i for i in range(len(kinds)) if i != whole])] = ("gru", "prelu")[t]
-    blocks = [_block(kind, a, b) for kind, a, b in zip(kinds, widths, widths[1:])]
-    for p in blocks[whole].parameters():
-        p.requires_grad_(False)
-    part = rng.choice([i for i in range(len(blocks)) if i != whole])
-    params = list(blocks[part].parameters())
-    params[0 if t == 1 or rng.random() < 0.3 else 1].requires_grad_(False)
-    return blocks
-
-
-def _label_groups(groups, blocks) -> list[dict]:
-    names = {id(p): f"block {i}: {n}" for i, b in enumerate(blocks) for n, p in b.named_parameters()}
-    out = []
-    for g in groups:
-        params = g.get("params") if isinstance(g, dict) else None
-        params = [params] if isinstance(params, torch.Tensor) else list(params or [])
-        out.append({"params": [names.get(id(p), "a parameter of no block") for p in params],
-                    "lr": float(g["lr"]) if isinstance(g, dict) and "lr" in g else None})
-    return out
-
-
-def _groups_worker(groups_fn, blocks, lr: float, factor: float) -> dict:
-    groups = groups_fn(blocks, lr, factor)
-    if not isinstance(groups, (list, tuple)) or not all(isinstance(g, dict) for g in groups):
-        return {"type": type(groups).__name__}
-    return {"groups": _label_groups(groups, blocks)}
-
-
-@check(forbid=TRANSFER, hint="build the list of dicts yourself")
-def check_discriminative_groups(groups_fn, seed: int = 0, trials: int = 4) -> None:
-    """`groups_fn(blocks, lr, factor) -> [{"params": [...], "lr": ...}, ...]` equal to dlo's
-    `discriminative_groups`: one group per block with trainable parameters, input to output, block k of L at
-    lr / factor^(L-1-k), frozen parameters left out."""
-    name, rng = "discriminative_groups", random.Random(case_seed(seed))
-    for t in range(trials):
-        torch.manual_seed(rng.randrange(1 << 30))
-        blocks = _blocks(rng, t)
-        lr, factor = rng.choice([1e-3, 3e-4, 0.01]), rng.choice([2.6, 2.0, 3.0])
-        want = _label_groups(discriminative_groups(blocks, lr, factor), blocks)
-        frozen = {f"block {i}: {n}" for i, b in enumerate(blocks) for n, p in b.named_parameters()
-                  if not p.requires_grad}
-        got = run_student(_groups_worker, groups_fn, blocks, lr, factor)
-        case = f"{len(blocks)} blocks, lr={lr:g}, factor={factor:g}, frozen: {sorted(frozen)}"
-        if "type" in got:
-            raise AssertionError(f"{name}: return a list of dicts {{'params': [...], 'lr': ...}}, got {got['type']}")
-        got = got["groups"]
-        listed = [p for g in got for p in g["params"]]
-        trainable = [p for g in want for p in g["params"]]
-        if [p for p in listed if p in frozen]:
-            raise AssertionError(f"{name}: frozen parameter {next(p for p in listed if p in frozen)} is in a group: "
-                                 f"leave out the parameters with requires_grad=False ({case})")
-        twice = sorted({p for p in listed if listed.count(p) > 1})
-        if twice:
-            raise AssertionError(f"{name}: {twice[0]} is in two groups: each parameter in exactly one ({case})")
-        missing = [p for p in trainable if p not in listed]
-        if missing:
-            raise AssertionError(f"{name}: {missing[0]} is in no group: every trainable parameter of every block "
-                                 f"(weights and biases, nested layers) belongs to its block's group ({case})")
-        if [g["params"] for g in got] != [g["params"] for g in want]:
-            raise AssertionError(f"{name}: the groups are not one per block with trainable parameters, in the "
-                                 f"blocks' order (input to output), each in the block's parameters() order ({case}): "
-                                 f"expected {[g['params'] for g in want]}, got {[g['params'] for g in got]}")
-        lrs, want_lrs = [g["lr"] for g in got], [g["lr"] for g in want]
-        if any(a is None for a in lrs):
-            raise AssertionError(f"{name}: every group needs its own 'lr' ({case})")
-        if all(abs(a - b) <= 1e-12 * b for a, b in zip(lrs, want_lrs)):
-            continue
-        ks = [k for k, b in enumerate(blocks) if any(p.requires_grad for p in b.parameters())]
-        swapped = (want_lrs[::-1], [lr / factor ** k for k in ks], [lr / factor ** j for j in range(len(want))])
-        if any(all(abs(a - b) <= 1e-12 * b for a, b in zip(lrs, wrong)) for wrong in swapped):
-            raise AssertionError(f"{name}: the learning rates are swapped: the block nearest the output gets lr, "
-                                 f"the one nearest the input the smallest ({case}): expected {want_lrs}, got {lrs}")
-        kept = [lr / factor ** (len(want) - 1 - k) for k in range(len(want))]   # L: the groups kept
-        top = [lr / factor ** (ks[-1] - k) for k in ks]                           # lr to the last block that trains
-        if any(all(abs(a - b) <= 1e-12 * b for a, b in zip(lrs, wrong)) for wrong in (kept, top)):
-            raise AssertionError(f"{name}: a frozen block still counts: block k of L gets lr / factor^(L-1-k), L "
-                                 f"counting every block given, also the ones left out (a frozen last block "
-                                 f"included: then no group gets lr) ({case}): expected {want_lrs}, "
-                                 f"got {lrs}")
-        raise AssertionError(f"{name}: learning rates {lrs}, expected {want_lrs} ({case})")
-    ok(name, f"{trials} block lists with frozen blocks and parameters: groups, order and rates")
