@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
 
 from dlo.checks import day7
 from tests.checks.conftest import load_solution
@@ -98,6 +99,18 @@ def test_sequence_parallel_rejects_a_replicated_norm(sol, ranks):
             return x + sol.reduce_scatter_to_sp(self.w2(F.silu(self.w1(h)) * self.w3(h)), self.group)
     with pytest.raises(AssertionError, match="run the norm on the shard"):
         day7.check_sequence_parallel(sol.gather_from_sp, sol.reduce_scatter_to_sp, NormAfterGather)
+
+
+def test_sequence_parallel_rejects_a_norm_gradient_reduced_after_accumulation(sol, ranks):
+    class ReducedAccumulated(sol.SequenceParallelMLP):
+        def __init__(self, norm, ffn, group=None):  # whole after one backward; after two, the first part t times
+            nn.Module.__init__(self)
+            self.norm, self.group = norm, group
+            self.w1, self.w3 = sol.shard_linear(ffn.w1, 0, group), sol.shard_linear(ffn.w3, 0, group)
+            self.w2 = sol.shard_linear(ffn.w2, 1, group)
+            norm.weight.register_post_accumulate_grad_hook(lambda p: dist.all_reduce(p.grad, group=group))
+    with pytest.raises(AssertionError, match="after a second backward without zero_grad"):
+        day7.check_sequence_parallel(sol.gather_from_sp, sol.reduce_scatter_to_sp, ReducedAccumulated)
 
 
 # ----------------------------------------------------------------------------- 5. cross-entropy

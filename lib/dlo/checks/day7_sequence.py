@@ -78,6 +78,11 @@ def _sp_worker(mine, gather_fn, scatter_fn, cls):
                     "saved": meter.peak, "fwd_in": {c.kind: v for c, v in zip(fwd.calls, fwd.inputs)}}
     out["block"].update({w: param_grad(block, f"{w}.weight", "the sequence-parallel block")
                          for w in ("norm", "w1", "w2")})
+    # a second backward before zero_grad (gradient accumulation): the norm's gradient must come to twice the
+    # whole one; reducing the accumulated .grad (a post-accumulate hook) reduces the first backward's part again
+    x2 = mine["x"].detach().clone().requires_grad_(True)
+    (block(x2) * mine["up"]).sum().backward()
+    out["block"]["norm_accumulated"] = param_grad(block, "norm.weight", "the sequence-parallel block")
     return out
 
 
@@ -119,8 +124,13 @@ def check_sequence_parallel(gather_fn, scatter_fn, cls, seed: int = 0, world_siz
         assert_block_close(name, "block input gradient", b_res["dx"], dx.chunk(t, 1)[r], here)
         assert_block_close(name, "w1 gradient", b_res["w1"], c["ffn"].w1.weight.grad.chunk(t, 0)[r], here)
         assert_block_close(name, "w2 gradient", b_res["w2"], c["ffn"].w2.weight.grad.chunk(t, 1)[r], here)
-        assert_block_close(name, "norm weight gradient (each rank's norm saw 1/t of the tokens: all-reduce it, e.g. in "
-                           "a post-accumulate-grad hook)", b_res["norm"], c["norm"].weight.grad, here)
+        assert_block_close(name, "norm weight gradient (each rank's norm saw 1/t of the tokens: all-reduce each "
+                           "backward's gradient, e.g. in a hook on norm.weight)", b_res["norm"], c["norm"].weight.grad,
+                           here)
+        assert_block_close(name, "norm weight gradient after a second backward without zero_grad (gradient "
+                           "accumulation: twice the whole gradient; all-reduce each backward's gradient before it is "
+                           "accumulated, `norm.weight.register_hook`, not the accumulated .grad, whose earlier part "
+                           "is already whole)", b_res["norm_accumulated"], 2 * c["norm"].weight.grad, here)
         fwd = b_res["fwd"]
         if fwd.get("all_reduce") or fwd.get("all_gather") != 1 or fwd.get("reduce_scatter") != 1:
             raise AssertionError(f"{name}: the block's forward issued {fwd}: expected one all-gather of the normed "
