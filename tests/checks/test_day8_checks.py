@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from dlo import distill, prune, quant, smoothquant
 from dlo.checks import day8
+from dlo.grading.forbid import ForbiddenCall
 from tests.checks import cases
 
 
@@ -556,3 +557,96 @@ test_wrong_fails_sandboxed = cases.wrong_fails_sandboxed(
      (day8.check_distillation_loss, distill_teacher_grad),
      (day8.check_quantize, (quantize_nan_on_zero, dequantize_ok))],
     ids=["fake_quant", "prune_pair", "distill", "quantize"])
+
+
+# ----------------------------------------------------------------------------- torch's own, under names no list had
+# A red team's cells (2026-12-02), each of which had full points on its cell: torch's quantizers, observers,
+# sparsifiers and schedulers do the exercises' work from modules the forbid lists did not name.
+
+def torch_quantize(x, bits, granularity, group_size=128):
+    from torch.ao.quantization.observer import PerChannelMinMaxObserver
+
+    R, C = x.shape
+    q_max = 2 ** (bits - 1) - 1
+    v = {"tensor": x.reshape(1, R * C), "channel": x}.get(granularity, x.reshape(-1, group_size))
+    obs = PerChannelMinMaxObserver(ch_axis=0, dtype=torch.qint8, qscheme=torch.per_channel_symmetric,
+                                   quant_min=-q_max, quant_max=q_max)
+    obs(v)
+    s, zp = obs.calculate_qparams()
+    q = torch.ops.quantized_decomposed.quantize_per_channel(v, s, zp, 0, -q_max, q_max, torch.int8)
+    return q.reshape(R, C), s.float().reshape(R if granularity != "tensor" else 1, -1)
+
+
+def torch_fake_quant(x, scale, bits):
+    import torch.ao.quantization.fx._decomposed  # noqa: F401 - registers torch.ops.quantized_decomposed
+
+    q_max = 2 ** (bits - 1) - 1
+    return torch.ops.quantized_decomposed.fake_quant_per_channel(
+        x.reshape(1, -1), scale.reshape(1).to(x.dtype), torch.zeros(1, dtype=torch.int32), 0, -q_max, q_max
+    ).reshape(x.shape)
+
+
+def torch_magnitude_masks(weights, sparsity, scope="global"):
+    from torch.ao.pruning import WeightNormSparsifier
+
+    def mask(flat):
+        return WeightNormSparsifier()._make_tensor_mask(data=flat.abs().reshape(1, -1), input_shape=None,
+                                                        sparsity_level=sparsity, sparse_block_shape=(1, 1))
+    return {k: mask(w.flatten()).reshape(w.shape).bool() for k, w in weights.items()}
+
+
+def torch_gradual(step, final_sparsity, begin_step, end_step, initial_sparsity=0.0):
+    from torch.ao.pruning.scheduler.cubic_scheduler import CubicSL
+
+    t = min(max(step, begin_step), end_step)
+    return CubicSL.sparsity_compute_fn(initial_sparsity, final_sparsity, t, begin_step, 1, end_step - begin_step)
+
+
+def torch_prune_pair(fc1, fc2, n_keep):
+    import copy
+
+    from torch.ao.pruning._experimental.pruner import prune_functions
+    from torch.ao.pruning._experimental.pruner.parametrization import FakeStructuredSparsity
+    from torch.nn.utils import parametrize
+
+    a, b = copy.deepcopy(fc1), copy.deepcopy(fc2)
+    keep = torch.zeros(a.out_features, dtype=torch.bool)
+    keep[torch.sort(-a.weight.detach().norm(dim=1), stable=True).indices[:n_keep]] = True
+    parametrize.register_parametrization(a, "weight", FakeStructuredSparsity(keep))
+    a.prune_bias = True
+    prune_functions.prune_linear_linear(a, b)
+    return a, b
+
+
+def torch_ln_structured_rows(fc1, fc2, n_keep):
+    mask = torch.nn.utils.prune.LnStructured(amount=fc1.out_features - n_keep, n=2, dim=0).compute_mask(
+        fc1.weight.detach(), torch.ones_like(fc1.weight))
+    return prune_pair_keep(fc1, fc2, mask[:, 0].nonzero().flatten())
+
+
+def prune_pair_keep(fc1, fc2, keep):
+    a, b = torch.nn.Linear(fc1.in_features, len(keep)), torch.nn.Linear(len(keep), fc2.out_features)
+    with torch.no_grad():
+        a.weight.copy_(fc1.weight[keep]), a.bias.copy_(fc1.bias[keep])
+        b.weight.copy_(fc2.weight[:, keep]), b.bias.copy_(fc2.bias)
+    return a, b
+
+
+def torch_mask_2to4(w):
+    from torch.ao.pruning import WeightNormSparsifier
+
+    m = WeightNormSparsifier()._make_block_mask(data=w.abs().reshape(-1, w.shape[-1]).float(),
+                                                sparse_block_shape=(1, 4), zeros_per_block=2)
+    return m.reshape(w.shape).bool()
+
+
+@pytest.mark.parametrize(("check", "fns"), [
+    (day8.check_quantize, (torch_quantize, dequantize_ok)), (day8.check_fake_quant_ste, (torch_fake_quant,)),
+    (day8.check_magnitude_masks, (torch_magnitude_masks,)), (day8.check_gradual_sparsity, (torch_gradual,)),
+    (day8.check_prune_linear_pair, (torch_prune_pair,)), (day8.check_prune_linear_pair, (torch_ln_structured_rows,)),
+    (day8.check_mask_2to4, (torch_mask_2to4, is24_ok))],
+    ids=["observer+decomposed", "decomposed fake_quant", "WeightNormSparsifier", "CubicSL", "prune_linear_linear",
+         "LnStructured", "block mask"])
+def test_torch_s_own_quantizers_and_pruners_are_refused(check, fns):
+    with pytest.raises(ForbiddenCall, match="off limits"):
+        check(*fns, seed=0)

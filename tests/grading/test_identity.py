@@ -12,6 +12,8 @@ share no substantial code with the references their checks forbid.
 
 from __future__ import annotations
 
+import inspect
+import textwrap
 import types
 
 import pytest
@@ -19,7 +21,7 @@ import torch
 
 import dlo.checks
 from dlo.checks import day1, day7
-from dlo.grading import identity
+from dlo.grading import bytecode, identity
 from dlo.grading.forbid import ForbiddenCall, forbidden, plan
 from dlo.grading.trusted import LocalSandbox
 from tests.checks.conftest import REPO, load_solution
@@ -45,6 +47,13 @@ def by_marshal(*args, **kwargs):  # the code as bytes in the notebook, made a fu
 def by_source(*args, **kwargs):  # the reference's own source file, executed under the check
     ns = {}
     exec(compile(open(inspect.getfile(ref)).read(), "mine.py", "exec"), ns)
+    return inspect.unwrap(ns["adamw_step"])(*args, **kwargs)
+
+_src = inspect.getsource(_adamw)  # the function's own text, unchanged, read before the check
+
+def by_function_source(*args, **kwargs):  # compiled on its own: 3.11 makes `math.sqrt(x)` LOAD_METHOD there
+    ns = dict(_adamw.__globals__)
+    exec(compile(_src, "mine", "exec"), ns)
     return inspect.unwrap(ns["adamw_step"])(*args, **kwargs)
 
 def by_reload(*args, **kwargs):  # a fresh module, whose functions no blocker ever saw
@@ -149,7 +158,7 @@ def student():
     return types.SimpleNamespace(**ns)
 
 
-CLONES = ["clone", "wrapped", "by_marshal", "by_source", "by_reload", "by_gc", "by_class"]
+CLONES = ["clone", "wrapped", "by_marshal", "by_source", "by_function_source", "by_reload", "by_gc", "by_class"]
 
 
 @pytest.mark.parametrize("fn", CLONES)
@@ -160,7 +169,7 @@ def test_a_copy_of_the_reference_is_refused_in_the_sandbox(student, sandbox, fn)
 
 # by_gc is left out: a notebook's check (feedback) burns what the names lead to, not every clone the process holds
 # (the collector's search cost 0.1-0.2 s per check in a long process); in the sandbox, the graded run, it is refused
-@pytest.mark.parametrize("fn", ["clone", "wrapped", "by_marshal", "by_class"])
+@pytest.mark.parametrize("fn", ["clone", "wrapped", "by_marshal", "by_function_source", "by_class"])
 def test_a_copy_of_the_reference_is_refused_in_a_notebook_s_check(student, fn):
     with pytest.raises(ForbiddenCall, match=r"adamw_step: .*(off limits|copy of)"):
         day1.check_adamw_step(getattr(student, fn), trials=2, steps=2)
@@ -219,6 +228,43 @@ def test_the_instructors_solutions_share_no_code_with_a_forbidden_reference(day)
         assert [(chk.__name__, v.__name__) for v in mine if identity.copy_in(v, found.codes, found.originals)] == []
 
 
+def _alone(fn, future: bool) -> types.CodeType | None:
+    """`fn`'s own source compiled on its own, in a file with or without `from __future__ import annotations`."""
+    src = textwrap.dedent(inspect.getsource(fn))
+    code = compile(("from __future__ import annotations\n" if future else "") + src, "mine", "exec")
+    return next((k for k in code.co_consts if type(k) is types.CodeType and k.co_name == fn.__code__.co_name), None)
+
+
+# compiled alone, its blocks come out in another order (one of 942 forbidden functions, 2026-12-02)
+LAID_OUT_OTHERWISE = {"torch.nn.modules.activation.MultiheadAttention.forward"}
+
+
+@pytest.mark.parametrize("future", [True, False], ids=["annotations as strings", "annotations evaluated"])
+def test_a_reference_s_own_source_compiled_alone_is_a_copy(future):
+    """A red team read a reference's source (inspect.getsource) and compiled it, unchanged, on its own: 3.11
+    compiles `module.f(x)` to LOAD_ATTR where the module is imported in the same file and to LOAD_METHOD
+    elsewhere, so the bytecode differed and 13 of 16 points passed (Day 8, 2026-12-02). Every substantial
+    forbidden function of every check (not a method using zero-argument super(), which needs its class), so
+    compiled, is a copy."""
+    missed, seen = [], set()
+    for chk in CHECKS:
+        found = plan(chk.forbid, chk.__name__)
+        for fn, _ in found.burn:
+            code = identity.original(fn)
+            if hasattr(fn, "__wrapped__") or "__class__" in code.co_freevars or id(code) in seen \
+                    or code.co_filename.startswith("<") or bytecode.instructions(code) < bytecode.SUBSTANTIAL \
+                    or f"{fn.__module__}.{fn.__qualname__}" in LAID_OUT_OTHERWISE:
+                continue
+            seen.add(id(code))
+            try:
+                alone = _alone(fn, future)
+            except (OSError, TypeError, SyntaxError):  # no source file, or a source that compiles only in place
+                continue
+            if alone is None or not any(bytecode.shape(c) in found.codes.shapes for c in bytecode.nested(alone)):
+                missed.append(f"{fn.__module__}.{fn.__qualname__}")
+    assert len(seen) > 500 and missed == []
+
+
 def test_the_audit_hook_holds_against_the_student_s_process():
     """For good (a process that ends with the check): the hook reads no global, its code and defaults
     cannot change, nor can the grader's functions'; a copy stays refused."""
@@ -229,7 +275,7 @@ def test_the_audit_hook_holds_against_the_student_s_process():
         code = identity.original(ref.adamw_step.__wrapped__)
         with forbidden(day1.check_adamw_step.forbid, "adamw_step", for_good=True):
             for attempt in (lambda: setattr(identity._audit, "__code__", (lambda *a: None).__code__),
-                            lambda: setattr(identity.shape, "__defaults__", (None, None)),
+                            lambda: setattr(bytecode.shape, "__defaults__", (None, None)),
                             lambda: types.FunctionType(code, {}),
                             lambda: exec(code, {})):
                 try:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import io
 import math
 import os
-import subprocess
 import time
 from pathlib import Path
 
@@ -110,8 +109,17 @@ def student_liar(*args):
     return Liar()
 
 
+SLEEPER = "dlo-sleeper"  # the name of the child below (a program it cannot start: `dlo.grading.noexec`)
+
+
 def student_hangs_with_a_child(*args):
-    subprocess.Popen(["sleep", "1000"], start_new_session=True)  # escapes the runner's process group
+    if os.fork() == 0:  # a child that escapes the runner's process group, and sleeps
+        os.setsid()
+        import ctypes  # PR_SET_NAME (bwrap's /proc/self/comm is read-only)
+
+        ctypes.CDLL(None).prctl(15, SLEEPER.encode(), 0, 0, 0)
+        while True:
+            time.sleep(1)
     while True:
         pass
 
@@ -191,7 +199,7 @@ def test_a_hang_past_the_deadline_kills_everything(tmp_path):
         sb.deadline = time.monotonic() + 3
         with pytest.raises(CheckTimeout):
             check_calls(handle)
-        # the escaped `sleep` too
+        # the escaped sleeper too
         assert runner.proc.poll() is not None and not reaper.tagged(f"{TAG_ENV}={runner.tag}")
     assert set(_sleepers()) <= before
 
@@ -220,8 +228,17 @@ def test_a_deadline_passing_while_a_check_opens_does_not_leave_the_runner_out_of
 
 
 def _sleepers() -> list[int]:
-    out = subprocess.run(["pgrep", "-f", "sleep 1000"], capture_output=True, text=True).stdout
-    return [int(p) for p in out.split()]
+    """The sleepers alive (a killed one stays a zombie until whoever adopted it reaps it: not counted)."""
+    out = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                head, tail = f.read().rsplit(")", 1)
+        except (OSError, ValueError):
+            continue
+        if head.split("(", 1)[1] == SLEEPER and tail.split()[0] != "Z":
+            out.append(int(entry))
+    return out
 
 
 # ----------------------------------------------------------------------------- bubblewrap

@@ -35,16 +35,21 @@ from dlo.grading.compare import assert_close, expect_value_error, fmt, name_slip
 
 RTOL, ATOL = 1e-5, 1e-6  # float32 references: correct code agrees to a few ulps
 CALIBRATION_RTOL = 1e-10  # calibrate_range works in float64: float32's interpolation is off by ~1e-7
+# torch's quantization that does an exercise's work under names no one lists: its observers and fake quantizers,
+# the scale helpers, and the decomposed quantize ops (Python operators: registered when their module imports,
+# which blocking the module's names does first); a red team's quantize and fake_quant, 2026-12-02
+TORCH_QUANT = ("torch.ao.quantization.observer.*", "torch.ao.quantization.fake_quantize.*",
+               "torch.ao.quantization.utils.*", "torch.ao.quantization.fx._decomposed.*", "quantized_decomposed::*")
 QUANT = ("dlo.quant.quantize", "dlo.quant.dequantize", "dlo.quant.group_view", "dlo.quant.quantize_affine",
          "dlo.quant.dequantize_affine", "dlo.quant.scale_zero_point", "dlo.quant.fake_quantize_tensor",
          "dlo.kernels.quantize.quantize_weight", "dlo.kernels.quantize.quantize_ref",
          "dlo.kernels.quantize.dequantize_weight", "torch.quantize_per_tensor", "torch.quantize_per_channel",
-         "aten::quantize_per_*", "aten::*fake_quant*")  # torch's quantizers, at dispatch
-FAKE_QUANT = ("dlo.quant.fake_quant", "dlo.quant.FakeQuantSTE", "dlo.quant.fake_quantize_tensor",
-              "torch.fake_quantize_per_tensor_affine", "torch.fake_quantize_per_channel_affine", "aten::*fake_quant*")
+         "aten::quantize_per_*", "aten::*fake_quant*", *TORCH_QUANT)  # torch's quantizers, at dispatch
+# a fake quantizer is a quantizer and a dequantizer: all of QUANT, and the fake ones
+FAKE_QUANT = ("dlo.quant.fake_quant", "dlo.quant.FakeQuantSTE", "torch.fake_quantize_per_tensor_affine",
+              "torch.fake_quantize_per_channel_affine", *QUANT)
 OBSERVERS = ("dlo.quant.MinMaxObserver", "dlo.quant.PercentileObserver", "dlo.quant.quantiles",
-             "dlo.quant._make_observer", "dlo.quant.OBSERVERS", "torch.ao.quantization.observer.MinMaxObserver",
-             "torch.ao.quantization.observer.PerChannelMinMaxObserver")
+             "dlo.quant._make_observer", "dlo.quant.OBSERVERS", *TORCH_QUANT)
 
 
 # ----------------------------------------------------------------------------- exercise 1

@@ -18,6 +18,11 @@ from dlo import prune
 from dlo.grading.api import case_seed, check, run_student
 from dlo.grading.compare import assert_close, fmt, ok, same
 
+# torch's pruning, every module of it: the magnitude pruners of torch.nn.utils.prune (LnStructured picks the rows
+# to keep), and torch.ao.pruning's sparsifiers (WeightNormSparsifier makes unstructured and 2:4 masks), schedulers
+# (CubicSL is Zhu & Gupta's cubic) and structured pruners, which a red team called for points, 2026-12-02
+PRUNING = ("torch.nn.utils.prune.*", "torch.ao.pruning.**")
+
 
 def random_matrix(rng: random.Random, gen: torch.Generator, cols_multiple: int = 1) -> torch.Tensor:
     """A weight of odd rows and columns (columns a multiple of `cols_multiple`) at a scale of 0.01, 1 or 30."""
@@ -28,7 +33,7 @@ def random_matrix(rng: random.Random, gen: torch.Generator, cols_multiple: int =
 
 # ----------------------------------------------------------------------------- exercise 4
 
-@check(forbid=("dlo.prune.magnitude_masks", "dlo.prune._smallest_mask", "torch.nn.utils.prune.*"))
+@check(forbid=("dlo.prune.magnitude_masks", "dlo.prune._smallest_mask", *PRUNING))
 def check_magnitude_masks(fn, seed: int = 0, trials: int = 6) -> None:
     """`fn(weights: dict[str, Tensor], sparsity, scope) -> dict[str, bool mask]` (True = kept)."""
     name, cs = "magnitude_masks", case_seed(seed)  # a secret seed when graded
@@ -78,7 +83,7 @@ def _schedule_slips(step: int, s_f: float, t0: int, t1: int, s_i: float) -> dict
             "no clamp: s_i before begin_step and s_f after end_step": s_f + (s_i - s_f) * (1 - raw) ** 3}
 
 
-@check(forbid=("dlo.prune.gradual_sparsity",))
+@check(forbid=("dlo.prune.gradual_sparsity", *PRUNING))
 def check_gradual_sparsity(fn, seed: int = 0, trials: int = 4) -> None:
     """`fn(step, final_sparsity, begin_step, end_step, initial_sparsity) -> float`: the cubic of Zhu & Gupta
     derived from s(0) = s_i, s(1) = s_f, s'(1) = s''(1) = 0; a wrong value is named by the slip it matches."""
@@ -110,7 +115,7 @@ def _prune_pair_worker(fn, fc1, fc2, n_keep: int) -> dict:
                        for m in (new1, new2)]}
 
 
-@check(forbid=("dlo.prune.prune_linear_pair", "dlo.prune.prune_mlp_channels", "torch.nn.utils.prune.ln_structured"))
+@check(forbid=("dlo.prune.prune_linear_pair", "dlo.prune.prune_mlp_channels", *PRUNING))
 def check_prune_linear_pair(fn, seed: int = 0, trials: int = 4) -> None:
     """`fn(fc1, fc2, n_keep) -> (new_fc1, new_fc2)`: keep the n_keep hidden units with the largest
     L2 row norm of fc1; the new layers must be really smaller and compute the same thing on them."""
@@ -145,7 +150,8 @@ def check_prune_linear_pair(fn, seed: int = 0, trials: int = 4) -> None:
 
 @check(forbid=("dlo.prune.mask_2to4", "dlo.prune.is_2to4", "dlo.kernels.sparse24.sparse24",
                "dlo.kernels.sparse24.sparse24_ref", "dlo.kernels.sparse24.decompress24",
-               "torch.sparse.to_sparse_semi_structured", "aten::_sparse_semi_structured*", "aten::_cslt_*"))
+               "torch.sparse.to_sparse_semi_structured", "aten::_sparse_semi_structured*", "aten::_cslt_*",
+               *PRUNING))
 def check_mask_2to4(mask_fn, valid_fn, seed: int = 0, trials: int = 4) -> None:
     """`mask_fn(w) -> bool mask` keeping the 2 largest |w| of each 4 along the last dim;
     `valid_fn(mask) -> bool`, True when no group of 4 keeps more than 2."""

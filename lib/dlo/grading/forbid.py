@@ -29,7 +29,7 @@ import sys
 import threading
 from collections.abc import Iterator
 
-from dlo.grading import identity, ops
+from dlo.grading import bytecode, identity, noexec, ops
 from dlo.grading.seal import is_sealed_now, sealed
 from dlo.grading.targets import forbidden_targets, private_targets, resolve
 
@@ -75,7 +75,7 @@ def blocker(path: str, exercise: str, hint: str = "") -> _Blocked:
 
 class Plan:
     """What blocking one check's `forbid` list takes, found before anything is blocked (`plan`): the
-    functions to burn with their blockers, their code (`identity.Codes`), the operators to refuse."""
+    functions to burn with their blockers, their code (`bytecode.Codes`), the operators to refuse."""
 
     def __init__(self, paths: tuple[str, ...], exercise: str, hint: str):
         self.names = [p for p in paths if not ops.is_op_pattern(p)]
@@ -96,7 +96,7 @@ class Plan:
                     self.burn.append((fn, blocker(name, exercise, hint)))
                     if not hasattr(fn, "__wrapped__"):  # a decorator's code is generic: what it wraps is the answer
                         implemented.append((fn, label))
-        self.codes = identity.Codes((identity.original(fn), label) for fn, label in implemented)
+        self.codes = bytecode.Codes((identity.original(fn), label) for fn, label in implemented)
         self.originals = frozenset(id(fn) for fn, _ in self.burn)
         bound = [op for obj, _ in objects if (op := ops.op_of(obj))]
         patterns = [p for p in paths if ops.is_op_pattern(p)] + bound
@@ -139,6 +139,7 @@ def forbidden(paths, exercise: str, hint: str = "", for_good: bool = False) -> I
         registration = ops.refused(found.ops, ForbiddenCall, exercise, hint, for_good)
         if for_good:
             identity.arm_for_good(found.codes, protected(), ForbiddenCall, exercise)
+            _no_new_programs()
         else:
             state = identity.arm(found.codes, frozenset(), ForbiddenCall, exercise)
         key = _enter_guard(found, exercise, hint)
@@ -150,6 +151,18 @@ def forbidden(paths, exercise: str, hint: str = "", for_good: bool = False) -> I
             ops.release(registration)
             for owner, attr, value in reversed(saved):
                 setattr(owner, attr, value)
+
+
+_NO_EXEC: list[str | None] = []  # this process's filter: installed once (None), or why it could not be
+
+
+def _no_new_programs() -> None:
+    """For good, no program started from here (`noexec`): a fresh interpreter has none of the blocks above. Where
+    the kernel cannot refuse, the reason is printed once (the grader's log), and the checks go on."""
+    if not _NO_EXEC:
+        _NO_EXEC.append(noexec.deny_exec())
+        if _NO_EXEC[0]:
+            print(f"dlo.grading: {_NO_EXEC[0]}", file=sys.stderr)
 
 
 _guard = threading.local()  # `active`: how many `forbidden` blocks of each (plan, exercise, hint) this thread is in

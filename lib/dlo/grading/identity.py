@@ -13,7 +13,10 @@ code itself is blocked, for as long as the check runs:
   assign as `__code__` any code object that is a forbidden one or contains one: the same object, or the
   same bytecode, its own and that of the code it defines (`shape`), when it is substantial (`SUBSTANTIAL`
   instructions: a one-line formula written twice is the same bytecode, and an honest student may write
-  it so). Renaming variables, moving lines, stripping the docstring or pickling change no bytecode.
+  it so). Renaming variables, moving lines, stripping the docstring or pickling change no bytecode, and
+  `shape` leaves out what compiling the same text in another file changes (3.11's LOAD_METHOD for a method
+  of a module imported elsewhere; a def's annotations under `from __future__ import annotations`: the
+  functions a reference defines count on their own).
 
 Where the student's code runs for the rest of a process (the sandboxed runner's session child, the
 ranks of a launch) the hook is armed `for_good`: its state lives in its own default arguments
@@ -35,7 +38,8 @@ import types
 import warnings
 from collections.abc import Iterable
 
-SUBSTANTIAL = 24  # instructions: a code at least this long matches by bytecode, a shorter one only by identity
+from dlo.grading.bytecode import Codes, nested, shape, size
+
 WATCHED = frozenset(("function.__new__", "exec", "object.__setattr__"))
 FUNCTION_STATE = ("__code__", "__defaults__", "__kwdefaults__")
 
@@ -57,57 +61,6 @@ def implementations(obj) -> list[types.FunctionType]:
         out.append(obj)
         obj = getattr(obj, "__wrapped__", None)
     return out
-
-
-def _shape(code, code_type=None, type_=None):
-    """What a copy of `code` keeps whatever was renamed, moved or stripped: the bytecode of `code` and of
-    every code among its constants (the functions, comprehensions and lambdas it defines), in order.
-    Names, constants, lines, file and docstring are left out. Made with no builtins and its helpers bound
-    (`shape`), so that the audit hook can call it."""
-    parts, todo = [], [code]
-    while todo:
-        c = todo.pop()
-        parts.append(c.co_code)
-        for k in c.co_consts:
-            if type_(k) is code_type:
-                todo.append(k)
-    return b"\xff\xff".join(parts)
-
-
-shape = types.FunctionType(_shape.__code__, {"__builtins__": {}}, "shape", (types.CodeType, type))
-
-
-def nested(code: types.CodeType) -> list[types.CodeType]:
-    """`code` and every code object among its constants (the functions, classes and lambdas it defines)."""
-    out, todo = [], [code]
-    while todo:
-        c = todo.pop()
-        out.append(c)
-        todo += [k for k in c.co_consts if type(k) is types.CodeType]
-    return out
-
-
-def instructions(code: types.CodeType) -> int:
-    """Instructions in `code` and the codes it defines (3.11's inline cache entries, opcode 0, not counted)."""
-    return sum(1 for c in nested(code) for op in c.co_code[::2] if op)
-
-
-class Codes:
-    """The code objects of a check's forbidden references: `kept` (every one, nested ones included: held so
-    their ids stay theirs), `ids`, the `shapes` of the substantial ones (not the methods a dataclass or a
-    named tuple generates from no file: a student's class with the same fields gets the same), and a
-    label for each shape (for the message)."""
-
-    def __init__(self, codes: Iterable[tuple[types.CodeType, str]]):
-        kept, labels = {}, {}
-        for code, label in codes:
-            kept.update((id(c), c) for c in nested(code))
-            if instructions(code) >= SUBSTANTIAL and not code.co_filename.startswith("<"):
-                labels.setdefault(shape(code), label)
-        self.kept = tuple(kept.values())
-        self.ids = frozenset(kept)
-        self.shapes = frozenset(labels)
-        self.labels = labels
 
 
 # ----------------------------------------------------------------------------- burning
@@ -162,7 +115,7 @@ def burn(pairs: Iterable[tuple[types.FunctionType, object]]) -> list[tuple[types
 # ----------------------------------------------------------------------------- the audit hook
 
 def _audit(event, args, watched, ids, shapes, labels, protected, error, prefix, code_type, type_, id_, getattr_,
-           len_, shape_, kept, library_):
+           len_, shape_, kept, library_, sizes, size_):
     """The hook's body. Every name it uses is a parameter bound to a default (`arm_for_good`): no global or
     builtin lookup that the student's code could rebind. `kept` holds the forbidden originals alive, so
     that their ids stay theirs. A library module imported while the check runs (torch imports
@@ -187,7 +140,7 @@ def _audit(event, args, watched, ids, shapes, labels, protected, error, prefix, 
         if id_(c) in ids:
             raise error(f"{prefix}this is a forbidden reference's own code, off limits while this check runs: "
                         f"the exercise asks for your own implementation")
-        key = shape_(c)
+        key = shape_(c) if size_(c) in sizes else None  # a shape is a loop in Python: only at a forbidden size
         if key in shapes:
             if library is None:
                 library = event == "exec" and library_(code)
@@ -231,7 +184,7 @@ def library_module(codes: Codes):
 
 def _state(codes: Codes, protected: frozenset, error, exercise: str) -> tuple:
     return (WATCHED, codes.ids, codes.shapes, dict(codes.labels), protected, error, f"{exercise}: ",
-            types.CodeType, type, id, getattr, len, shape, codes.kept, library_module(codes))
+            types.CodeType, type, id, getattr, len, shape, codes.kept, library_module(codes), codes.sizes, size)
 
 
 def arm_for_good(codes: Codes, protected: frozenset, error, exercise: str) -> None:

@@ -41,9 +41,9 @@ from collections.abc import Iterator
 PACKAGES = ("dlo.checks", "dlo.grading")
 # what the student's side runs on (the kernel of a direct check, the sandboxed runner, the ranks): no reference
 # in them; every other dlo.grading module is the trusted side's (the sandboxed backend, the jail, the test cells)
-OPEN = tuple(f"dlo.grading.{m}" for m in ("api", "compare", "forbid", "frames", "identity", "jail_runner",
-                                          "jail_session", "meter", "ops", "ranks", "seal", "targets", "wire",
-                                          "wire_request"))
+OPEN = tuple(f"dlo.grading.{m}" for m in ("api", "bytecode", "compare", "forbid", "frames", "identity",
+                                          "jail_runner", "jail_session", "meter", "noexec", "ops", "ranks", "seal",
+                                          "targets", "wire", "wire_request"))
 
 
 def is_sealed(name: str) -> bool:

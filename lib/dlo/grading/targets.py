@@ -2,7 +2,8 @@
 
 `resolve` finds the holder of a dotted name; `forbidden_targets` every (holder, attribute) bound to the
 same object (re-exports such as `dlo.optim.adamw_step`, the defining module such as
-`torch.optim.adamw.AdamW`; "module.*" for every public function and class of a module; "aten::name*"
+`torch.optim.adamw.AdamW`; "module.*" for every public function and class of a module, "package.**" of the
+package and every submodule of it that imports; "aten::name*"
 for the Python packets of the torch operators a pattern matches, `torch.ops.aten.name`);
 `private_targets` the private machinery only forbidden objects use. `dlo.grading.forbid` blocks them
 all. Runs where the student's code runs, before anything is blocked, so the seal leaves it open.
@@ -11,6 +12,7 @@ all. Runs where the student's code runs, before anything is blocked, so the seal
 from __future__ import annotations
 
 import importlib
+import pkgutil
 import sys
 import types
 
@@ -43,6 +45,8 @@ def forbidden_targets(path: str) -> list[tuple[object, str]]:
     dlo.optim.adamw_step or dlo.distributed.collectives.all_gather_single, the defining module such as
     torch.optim.adamw.AdamW), and for "module.*" every public function or
     class defined in that module."""
+    if path.endswith(".**"):
+        return [pair for module in submodules(path[:-3]) for pair in forbidden_targets(f"{module}.*")]
     if ops.is_op_pattern(path):  # the operators' Python packets; the operators themselves: ops.refused
         import torch
 
@@ -58,6 +62,26 @@ def forbidden_targets(path: str) -> list[tuple[object, str]]:
     packages = dict.fromkeys((path.split(".")[0], "dlo"))
     return [(owner, attr)] + [pair for package in packages for pair in _aliases(package, getattr(owner, attr))
                               if pair != (owner, attr)]
+
+
+_SUBMODULES: dict[str, tuple[str, ...]] = {}
+
+
+def submodules(package: str) -> tuple[str, ...]:
+    """`package` and every module under it that imports (one that needs a package this machine lacks, as
+    torch.ao.pruning's Lightning callbacks, is nobody's way in): a name list misses a module it does not know
+    (a red team reached torch.ao.pruning's sparsifiers and schedulers while a check named only
+    torch.nn.utils.prune, 2026-12-02). Cached per process."""
+    if package not in _SUBMODULES:
+        root, found = importlib.import_module(package), [package]
+        for info in pkgutil.walk_packages(getattr(root, "__path__", []), package + ".", onerror=lambda name: None):
+            try:
+                importlib.import_module(info.name)
+            except Exception:  # noqa: BLE001 - any import error: a module that cannot load holds nothing to call
+                continue
+            found.append(info.name)
+        _SUBMODULES[package] = tuple(found)
+    return _SUBMODULES[package]
 
 
 # package -> (the names of the modules looked at so far, id(value) -> [(module, attribute)]): one index per
@@ -146,7 +170,7 @@ _PRIVATE: dict[tuple, list] = {}
 def _private_targets(paths) -> list[tuple[object, str, str]]:
     by_module: dict[str, list] = {}
     for path in paths:
-        if ops.is_op_pattern(path):
+        if ops.is_op_pattern(path) or path.endswith(".**"):  # torch's: dlo's private machinery is not under them
             continue
         owner, attr = resolve(path)
         module = owner if isinstance(owner, types.ModuleType) else sys.modules.get(getattr(owner, "__module__", ""))
