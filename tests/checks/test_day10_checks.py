@@ -7,18 +7,27 @@ them with one slip."""
 from __future__ import annotations
 
 import math
+import os
 import re
 import sys
+import tempfile
 import types
 
+import cloudpickle
 import pytest
 import torch
+import torch.distributed as dist
+from torch.distributed.tensor.experimental._context_parallel._attention import _SDPAMerger  # the red team's
+from torch.distributed.tensor.experimental._context_parallel._load_balancer import _HeadTailLoadBalancer
 
 from dlo.checks import day10
 from dlo.distributed import context_parallel as cp
+from dlo.grading.forbid import ForbiddenCall
+from dlo.grading.targets import forbidden_targets
 from dlo.models import moe
 from tests.checks import cases
 from tests.checks.day10_students import (
+    _attend,
     merge_no_rescale,
     merge_ok,
     ring_all_gather,
@@ -32,6 +41,10 @@ from tests.checks.day10_students import (
     ring_to_everyone,
     ring_wrong_owner,
 )
+
+# the ring answers below run on ranks: they reach them by value, as a notebook's do (importing this module there
+# would read the checks, which are sealed where student code runs)
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
 def stub(*args, **kwargs):
@@ -336,3 +349,123 @@ SLOW = pytest.mark.slow  # a check on 3 ranks each: the first two run in make te
 def test_ring_forward_names_the_slip(ranks, one_thread, bad, slip):
     with pytest.raises(AssertionError, match=re.escape(slip)):
         day10.check_ring_forward(bad, seed=1, world_size=3)
+
+
+# ----------------------------------------------------------------------------- the red team's, 2026-12: Day 10
+
+def merge_torch_merger(o1, lse1, o2, lse2):
+    """torch's ring-attention merger does the rescale (cheat01's merge)."""
+    m = _SDPAMerger(False, 2)
+    m.step(o1, lse1, False)
+    m.step(o2, lse2, False)
+    o, lse = m.results()
+    a, b = torch.isneginf(lse1), torch.isneginf(lse2)  # its formula gives nan where a side saw no key
+    o = torch.where(a.unsqueeze(-1), o2, torch.where(b.unsqueeze(-1), o1, o))
+    return o.to(o1.dtype), torch.where(a, lse2, torch.where(b, lse1, lse)).to(lse1.dtype)
+
+
+def split_torch_balancer(x, n, rank):
+    """torch's head-tail load balancer cuts the zig-zag split (cheat01's)."""
+    if x.shape[2] % (2 * n):
+        raise ValueError("T")
+    return x.index_select(2, _HeadTailLoadBalancer(x.shape[2], n, "cpu")._generate_indices().reshape(n, -1)[rank])
+
+
+def unsplit_torch_balancer(shards):
+    n, T = len(shards), sum(s.shape[2] for s in shards)
+    back = _HeadTailLoadBalancer(T, n, "cpu")._generate_indices(restore=True).reshape(-1)
+    return torch.cat(shards, 2).index_select(2, back)
+
+
+@pytest.mark.parametrize("check,bad", [(day10.check_merge_partials, (merge_torch_merger,)),
+                                       (day10.check_zigzag, (split_torch_balancer, unsplit_torch_balancer)),
+                                       (day10.check_zigzag, (split_ok, unsplit_torch_balancer))],
+                         ids=["merge-SDPAMerger", "zigzag-HeadTailLoadBalancer", "unsplit-HeadTailLoadBalancer"])
+def test_torch_context_parallel_is_refused(check, bad):
+    """torch's own merger and load balancer (private classes, which "package.**" does not cover) are off limits:
+    with them the red team's merge and zig-zag passed."""
+    with pytest.raises(ForbiddenCall, match="off limits"):
+        check(*bad, seed=0)
+
+
+def test_torch_context_parallel_names_resolve():
+    """Every name of torch's context parallelism in the forbid lists stands for something in this torch (a name
+    that does not resolve stops the check), the private classes the red team called among them."""
+    names = " ".join(day10.TORCH_CP)
+    assert "_SDPAMerger" in names and "_HeadTailLoadBalancer" in names and "_templated_ring_attention" in names
+    for path in day10.TORCH_CP:
+        assert forbidden_targets(path), path
+    for check in (day10.check_merge_partials, day10.check_zigzag, day10.check_ring_forward):
+        assert set(day10.TORCH_CP) <= set(check.forbid), check.__name__
+
+
+def _kv_file(r: int) -> str:
+    return os.path.join(tempfile.gettempdir(), f"dlo-test-day10-kv-{os.getuid()}-{r}.pt")
+
+
+def ring_through_files(q, k, v, causal):
+    """cheat02: K/V through files, zeros of the right size on the wire, one attention over everything."""
+    n, r = dist.get_world_size(), dist.get_rank()
+    torch.save(torch.stack([k, v]), _kv_file(r))
+    kv = torch.zeros_like(torch.stack([k, v]))
+    for _ in range(n - 1):
+        recv = torch.empty_like(kv)
+        for op in [dist.isend(kv, (r + 1) % n), dist.irecv(recv, (r - 1) % n)]:
+            op.wait()
+        kv = recv  # every rank wrote its file before its first send: all are there after the ring
+    t = q.shape[2]
+    whole = torch.cat([torch.load(_kv_file(j)) for j in range(n)], 3)
+    return _attend(q, whole, torch.arange(r * t, (r + 1) * t), torch.arange(n * t), causal)
+
+
+def ring_own_block_every_hop(q, k, v, causal):
+    """Sends its own block at every hop (the right bytes, to the right rank) and reads the others from files."""
+    n, r = dist.get_world_size(), dist.get_rank()
+    torch.save(torch.stack([k, v]), _kv_file(r))
+    for _ in range(n - 1):
+        recv = torch.empty_like(torch.stack([k, v]))
+        for op in [dist.isend(torch.stack([k, v]), (r + 1) % n), dist.irecv(recv, (r - 1) % n)]:
+            op.wait()
+    t = q.shape[2]
+    whole = torch.cat([torch.load(_kv_file(j)) for j in range(n)], 3)
+    return _attend(q, whole, torch.arange(r * t, (r + 1) * t), torch.arange(n * t), causal)
+
+
+def ring_kv_apart(q, k, v, causal):
+    """A right ring whose hops carry K and V as two messages, V transposed and K concatenated with nothing."""
+    n, r = dist.get_world_size(), dist.get_rank()
+    t = q.shape[2]
+    o, lse = torch.zeros_like(q), torch.full(q.shape[:3], float("-inf"), dtype=q.dtype)
+    for s in range(n):
+        j = (r - s) % n
+        o, lse = merge_ok(o, lse, *_attend(q, torch.stack([k, v]), torch.arange(r * t, (r + 1) * t),
+                                           torch.arange(j * t, (j + 1) * t), causal))
+        if s < n - 1:
+            nk, nvt = torch.empty_like(k), torch.empty_like(v.transpose(-1, -2).contiguous())
+            for op in [dist.isend(k.contiguous(), (r + 1) % n), dist.irecv(nk, (r - 1) % n),
+                       dist.isend(v.transpose(-1, -2).contiguous(), (r + 1) % n), dist.irecv(nvt, (r - 1) % n)]:
+                op.wait()
+            k, v = nk, nvt.transpose(-1, -2)
+    return o, lse
+
+
+def test_ring_forward_accepts_any_layout_of_the_blocks(ranks, one_thread, capsys):
+    day10.check_ring_forward(ring_kv_apart, seed=1, world_size=3)
+    assert ": ok (" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("bad,says", [(ring_through_files, "rank 0's hop 1 of 2 to rank 1 carried zeros, expected "
+                                                           "the K and V blocks of rank 0 (its own)"),
+                                      (ring_own_block_every_hop, "rank 0's hop 2 of 2 to rank 1 carried the K and V "
+                                                                 "blocks of rank 0, expected the K and V blocks of "
+                                                                 "rank 2 (received at hop 1)")])
+def test_ring_forward_checks_what_the_hops_carry(ranks, one_thread, bad, says):
+    """Right outputs, the ring's bytes to the right neighbour, and the blocks beside the messages (cheat02): each
+    hop must carry the block the rank holds."""
+    try:
+        with pytest.raises(AssertionError, match=re.escape(says)):
+            day10.check_ring_forward(bad, seed=1, world_size=3)
+    finally:
+        for r in range(3):
+            if os.path.exists(_kv_file(r)):
+                os.unlink(_kv_file(r))

@@ -19,15 +19,18 @@ import torch
 
 from dlo.checks.day10_layout import check_layout_search  # noqa: F401 (exercise 6: the notebook calls it here)
 from dlo.checks.day10_moe import check_dispatch_combine, check_route  # noqa: F401 (the notebook calls them here)
-from dlo.checks.day10_ring import check_ring_forward  # noqa: F401 (exercise 3: the notebook calls it from here)
+from dlo.checks.day10_ring import TORCH_CP, check_ring_forward  # noqa: F401 (exercise 3: the notebook calls it here)
 from dlo.distributed import context_parallel as cp
 from dlo.grading.api import case_seed, check
 from dlo.grading.compare import assert_close, fmt, name_slip, need_dtype, ok, same
 
+# torch's own context parallelism (TORCH_CP) merges partial results (_SDPAMerger) and cuts the head-tail split
+# (_HeadTailLoadBalancer): a red team's merge and zig-zag called them
 MERGE = ("dlo.distributed.context_parallel.merge_partials", "dlo.distributed.context_parallel.ring_forward",
-         "dlo.distributed.context_parallel.ring_attention", "dlo.distributed.context_parallel.RingAttention")
+         "dlo.distributed.context_parallel.ring_attention", "dlo.distributed.context_parallel.RingAttention") + TORCH_CP
 ZIGZAG = ("dlo.distributed.context_parallel.zigzag_split", "dlo.distributed.context_parallel.zigzag_unsplit",
-          "dlo.distributed.context_parallel.zigzag_positions", "dlo.distributed.context_parallel.rank_positions")
+          "dlo.distributed.context_parallel.zigzag_positions", "dlo.distributed.context_parallel.rank_positions") \
+    + TORCH_CP
 
 
 # ----------------------------------------------------------------------------- exercise 1: the merge

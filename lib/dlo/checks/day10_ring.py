@@ -2,27 +2,66 @@
 
 The case is drawn here (a secret seed under `dlo grade`); each rank is given only its contiguous shard of
 q, k, v (float64, odd sizes) and runs the student's function in a trusted worker that counts what it
-sends, and to whom (`dlo.measure.CommCounter`; its total checked against the rank's sockets, read outside it:
-`dlo.grading.api.verify_wire`). The comparison with one process on the whole sequence
-(`dlo.distributed.context_parallel.block_attention` over all T keys) is made here, outside the ranks; a
+sends, and to whom, and copies what each message carries (`dlo.checks.day7_comms.CommTap`; its total checked
+against the rank's sockets, read outside it: `dlo.grading.api.verify_wire`): hop s carries the K/V block of rank
+r - s, not zeros of the right size beside blocks passed through a file. The comparison with one process on the
+whole sequence (`dlo.distributed.context_parallel.block_attention` over all T keys) is made here, outside the ranks; a
 mismatch is named by simulating the usual slips on the same shards here (a causal mask on each block's
 local positions, a hop short, the blocks' owners counted the wrong way round the ring, no rescale).
+Not seen: a rank that passes the right blocks but keeps them all and attends once at the end; at N = 3 it holds
+no more than a double-buffered ring does (its own block, the two received), so no memory bound tells them apart.
 """
 
 from __future__ import annotations
 
+import os
 import random
+import re
 
 import torch
 
 from dlo.checks.day4 import COLLECTIVES, one_neighbour
+from dlo.checks.day7_comms import CommTap
 from dlo.distributed import context_parallel as cp
 from dlo.grading.api import case_seed, check, on_ranks, verify_wire
 from dlo.grading.compare import assert_close, fmt, ok
-from dlo.measure import CommCounter
 
+_EXPERIMENTAL = "torch.distributed.tensor.experimental"
+_CP_NAMES = (  # torch's context parallelism doing exercises 1-3's work: its merger, its ring, its load balancers
+    "_SDPAMerger", "_templated_ring_attention", "_templated_ring_attention_backward", "_RingRotater",
+    "_AllToAllRotater", "_AllGatherRotater", "_create_rotater", "_sdpa_handler", "_context_parallel_buffers",
+    "_context_parallel_shard", "_ContextParallel", "_scaled_dot_product_ring_flash_attention",
+    "_scaled_dot_product_ring_efficient_attention", "_scaled_dot_product_ring_cudnn_attention",
+    "_LoadBalancer", "_HeadTailLoadBalancer", "_PerDocumentHeadTailLoadBalancer", "_PTRRLoadBalancer",
+    "_RoundRobinLoadBalancer", "_SequentialSharder", "_create_default_load_balancer")
+
+
+def _defined(module: str, names=_CP_NAMES, star: bool = True) -> tuple[str, ...]:
+    """`module.name` for each of `names` that this torch's source of `module` defines at top level, and
+    "module.*" (its public names; "module.**" for a package): torch's private context-parallel helpers moved
+    between releases (2.6: experimental._attention; 2.13: experimental._context_parallel._attention and
+    _load_balancer), and a forbidden name that does not resolve stops the check. Read from the source, not
+    imported: DTensor costs a second at every import of the checks (the grader resolves them when it blocks)."""
+    path = os.path.join(torch.__path__[0], *module.split(".")[1:])
+    package = os.path.isdir(path)
+    try:
+        with open(os.path.join(path, "__init__.py") if package else path + ".py") as f:
+            text = f.read()
+    except OSError:
+        return ()
+    # "module.*" / "**" block public names only: the private classes that do the work are named one by one
+    found = tuple(f"{module}.{n}" for n in names if re.search(rf"^(?:class|def) {n}\b", text, re.M))
+    if package or not star:
+        return found + ((f"{module}.**",) if star else ())
+    # "module.*" of a module that defines no public name (2.13's _attention re-exports) stands for nothing
+    return found + ((f"{module}.*",) if re.search(r"^(?:class|def) [A-Za-z]", text, re.M) else ())
+
+
+TORCH_CP = (_defined(f"{_EXPERIMENTAL}._attention") + _defined(f"{_EXPERIMENTAL}._context_parallel")
+            + _defined(f"{_EXPERIMENTAL}._context_parallel._attention", star=False)
+            + _defined(f"{_EXPERIMENTAL}._context_parallel._load_balancer", star=False))
 RING = ("dlo.distributed.context_parallel.*", "dlo.distributed.ulysses.*", "dlo.distributed.tp_comms.*",
-        "dlo.distributed.expert_parallel.*") + COLLECTIVES
+        "dlo.distributed.expert_parallel.*") + COLLECTIVES + TORCH_CP
 RING_HINT = ("pass the K/V blocks with dist.isend/dist.irecv (point-to-point) and merge the partial results "
              "with your merge_partials")
 
@@ -41,12 +80,13 @@ def _ring_worker(mine: dict, fn, masks: tuple) -> list:
     """One call of `fn` per mask (`MASKS`), each counted on its own: what it returned, what it sent, to whom."""
     out = []
     for causal in masks:
-        with CommCounter() as counter:
+        with CommTap() as counter:  # a copy of what each message carries, taken as it is sent
             got = fn(mine["q"], mine["k"], mine["v"], causal)
         if not isinstance(got, (tuple, list)) or len(got) != 2:
             return out + [{"error": f"returned {type(got).__name__}, expected a pair (o, lse)"}]
         out.append({"o": got[0], "lse": got[1], "sent": counter.by_kind("sent"), "to": counter.sent_by_peer(),
-                    "records": counter.records()})
+                    "records": counter.records(),
+                    "payloads": [x for call, x in zip(counter.calls, counter.inputs) if call.kind == "send"]})
     return out
 
 
@@ -104,7 +144,7 @@ def check_ring_forward(fn, seed: int = 0, world_size: int = 2) -> None:
 
 def _verify(name: str, c: dict, n: int, got: list) -> None:
     """Every rank's (o, lse) for one mask (`c["causal"]`) against one process on the whole sequence, the usual
-    slips named; what it sent (the ring's bytes) and to whom (one neighbour)."""
+    slips named; what it sent (the ring's bytes), to whom (one neighbour) and what each hop carried."""
     t, T = c["q"].shape[2] // n, c["q"].shape[2]
     everything = torch.arange(T)
     o_all, lse_all = cp.block_attention(c["q"], c["k"], c["v"], everything, everything, c["causal"])
@@ -130,3 +170,32 @@ def _verify(name: str, c: dict, n: int, got: list) -> None:
             raise AssertionError(f"{name}: rank {r} sent to ranks {sorted(res['to'])}: in a ring each rank passes "
                                  f"the K/V block it holds to one neighbour, (rank + 1) % N; sending its own block to "
                                  f"every rank moves the same bytes but keeps all N blocks at once ({fmt(here)})")
+        _hops_carry_blocks(name, c, n, r, res, here)
+
+
+def _sent_values(payloads: list) -> torch.Tensor:
+    """What a rank sent, in order, as float64 values: the bytes as they went, whatever dtype they went as."""
+    raw = [torch.as_tensor(p).contiguous().reshape(-1).view(torch.uint8) for p in payloads]
+    return torch.cat(raw).view(torch.float64) if raw else torch.zeros(0, dtype=torch.float64)
+
+
+def _hops_carry_blocks(name: str, c: dict, n: int, r: int, res: dict, here: dict) -> None:
+    """What rank r's messages carry, hop by hop: at hop s (from 0) the K and V blocks of rank (r - s) mod N, its
+    own at hop 0 (of rank (r + s) mod N for a ring run the other way), as values in any layout (K and V as two
+    messages or one stacked, concatenated, transposed). Counts and peers do not see contents: zeros of the right
+    size pass them while the blocks travel beside the process group (a file in /tmp), as a red team's did."""
+    t = c["q"].shape[2] // n
+    block = {j: torch.cat([c[x][:, :, j * t:(j + 1) * t].reshape(-1) for x in ("k", "v")]).sort().values
+             for j in range(n)}
+    size, way = block[0].numel(), 1 if set(res["to"]) == {(r + 1) % n} else -1
+    sent, peer = _sent_values(res["payloads"]), (r + way) % n
+    for s in range(n - 1):
+        hop, want = sent[s * size:(s + 1) * size].sort().values, (r - way * s) % n
+        if hop.shape == block[want].shape and torch.equal(hop, block[want]):
+            continue
+        seen = next((f"the K and V blocks of rank {j}" for j in block if hop.shape == block[j].shape
+                     and torch.equal(hop, block[j])), "zeros" if not hop.any() else "values of no rank's K and V")
+        held = "its own" if s == 0 else f"received at hop {s}"
+        raise AssertionError(f"{name}: rank {r}'s hop {s + 1} of {n - 1} to rank {peer} carried {seen}, expected the "
+                             f"K and V blocks of rank {want} ({held}): each hop passes on the block the rank holds, "
+                             f"the values themselves, not stand-ins of the right size ({fmt(here)})")
