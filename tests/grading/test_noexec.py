@@ -20,6 +20,7 @@ import torch
 
 from dlo.checks import day1
 from dlo.grading import noexec
+from dlo.grading.api import check
 from dlo.grading.trusted import LocalSandbox
 from tests.forked import in_a_fork
 
@@ -138,3 +139,22 @@ def test_a_compiled_function_runs_as_written_where_its_compiler_cannot_start():
 def test_the_filter_is_whole_instructions(arch):
     code = noexec.program(arch)
     assert len(code) % 8 == 0 and len(code) // 8 == 9
+
+
+def student_holds_the_fork_server():
+    from dlo.distributed import _forkserver  # the ranks' fork server forks ranks with none of the grader's blocks
+
+    return repr(_forkserver._SERVER.get("sock"))
+
+
+@check()
+def check_no_fork_server(fn):
+    if (got := fn()) != "None":
+        raise AssertionError(f"the student's code can ask the ranks' fork server for ranks: {got}")
+
+
+def test_the_student_s_code_cannot_reach_the_ranks_fork_server(tmp_path):
+    """The session child inherits the runner's end of the fork server's socket; once a student object loads, it
+    is closed there (a launch asked for through it would fork ranks without the grader's blocks)."""
+    with LocalSandbox(tmp_path) as sandbox:
+        sandbox.run(check_no_fork_server, student_holds_the_fork_server)

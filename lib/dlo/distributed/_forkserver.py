@@ -162,6 +162,20 @@ def zygote_process(command, preload, env, workdir: str, rank_fds: list[int]) -> 
     return ServedZygote(int(first[1]), report)
 
 
+def disown() -> None:
+    """Close this process's end of the server's socket, and start no server again, without ending the one
+    running (the process this one was forked from holds its own end): where a student's code is about to run
+    (the grader's session child, its stub probe) no launch is asked for again, and the server forks ranks that
+    have none of the grader's blocks yet, so it must not hear from that code. A later launch here falls back to
+    a fresh interpreter, which the grader's filter refuses there (`dlo.grading.noexec`)."""
+    with _LOCK:
+        sock = _SERVER.pop("sock", None)
+        _SERVER.pop("proc", None)
+        _SERVER["failed"] = True
+    if sock is not None:
+        sock.close()
+
+
 class ServedZygote:
     """What the launcher uses of a zygote's Popen: pid, stdout (its report) and wait (until the report's
     end: the zygote is the server's child, reaped there)."""

@@ -34,11 +34,11 @@ import cloudpickle
 import torch.distributed as dist
 
 from dlo.config import pick_backend
-from dlo.distributed import _ranks, placement
+from dlo.distributed import _forkserver, _ranks, placement
 from dlo.distributed._spawn import RankError, spawn
 from dlo.distributed.current import dumps, init_from_env
 
-__all__ = ["RankError", "launch", "start_fork_server"]
+__all__ = ["RankError", "disown_fork_server", "launch", "start_fork_server"]
 
 def _run_here(fn, world_size, backend, args, kwargs):
     """fn on this rank of a torchrun/srun job; every rank returns the gathered results."""
@@ -79,6 +79,12 @@ def start_fork_server(fork: bool = False, preload_all: bool = False) -> int | No
     runner forks it right after its imports, before any student code runs, and spares it between
     checks."""
     return _ranks.start_fork_server(fork, preload_all)
+
+
+def disown_fork_server() -> None:
+    """This process gives up its fork server (`_forkserver.disown`): a process about to run code that must not
+    start ranks without the grader's blocks (the grader's session child, once a student's object loads)."""
+    _forkserver.disown()
 
 
 def launch(fn, world_size, *args, backend=None, timeout=300.0, **kwargs) -> list:

@@ -18,6 +18,7 @@ import traceback
 import cloudpickle
 
 from dlo import reaper
+from dlo.distributed.launch import disown_fork_server
 from dlo.grading import api, forbid, frames, wire
 from dlo.grading.seal import seal
 from dlo.grading.wire_request import Callback, OneShot, Ref
@@ -92,7 +93,9 @@ class Session:
             return {"kind": "result", "value": self.ranks(req), "after": None}
         if op == "stub":
             return {"kind": "result", "value": self.probe_stub(req), "after": None}
-        self.ran_student = True  # loading the captures below may run the student's code (__reduce__)
+        if not self.ran_student:  # loading the captures below may run the student's code (__reduce__)
+            self.ran_student = True
+            disown_fork_server()  # nor may that code ask the ranks' fork server for unguarded ranks
         args, kwargs = self.resolve(req.get("args", ())), self.resolve(req.get("kwargs", {}))
         if op == "call":
             value = self.resolve(req["target"])(*args, **kwargs)
@@ -124,6 +127,7 @@ class Session:
         pid = os.fork()
         if pid == 0:
             os.close(read)
+            disown_fork_server()  # the probe loads the student's objects: their code runs here
             os.close(self.fd)  # the channel: the probe's code must not answer for the session, nor read
             # the ranks' request that its answer would bring (every rank's part)
             try:
