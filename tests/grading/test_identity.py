@@ -306,3 +306,17 @@ def test_an_object_whose_lookup_raises_is_no_grader_error():
 
     found = plan(day1.check_adamw_step.forbid, "adamw_step")
     assert identity.copy_in(attention, found.codes, found.originals) is None
+
+
+def test_no_check_burns_what_a_metaclass_put_in_a_forbidden_class():
+    """Day 8's list named torch.ao.quantization.utils.*, whose enums hold Enum.__new__ in their own dict: burned
+    with them, it broke every enum made while the check ran (an independent student's checks failed with
+    "enum.Enum.__new__ is off limits" where torch._dynamo was first imported during one, 2026-12-02)."""
+    import enum
+
+    from dlo.checks import day8
+
+    burned = {f"{fn.__module__}.{fn.__qualname__}" for chk in CHECKS for fn, _ in plan(chk.forbid, chk.__name__).burn}
+    assert not {b for b in burned if b.startswith(("enum.", "abc.", "typing.", "builtins."))}
+    with forbidden(day8.QUANT, "quantize"):
+        assert [m.name for m in enum.Enum("Made", "A B")] == ["A", "B"]  # an enum made while the check runs

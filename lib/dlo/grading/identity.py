@@ -52,9 +52,13 @@ def implementations(obj) -> list[types.FunctionType]:
         obj = obj.__func__
     if isinstance(obj, property):
         return [f for part in (obj.fget, obj.fset, obj.fdel) for f in implementations(part)]
-    if isinstance(obj, type):  # its own functions (a class attribute that is a class is not its code)
+    if isinstance(obj, type):  # its own functions (a class attribute that is a class is not its code): those its
+        # body or its module made, not another module's that a metaclass put in its dict (an Enum's has Enum.__new__:
+        # burning it broke every enum made while a check ran, 2026-12-02)
+        own = obj.__qualname__ + "."
         return [f for v in list(vars(obj).values()) if isinstance(v, (types.FunctionType, staticmethod, classmethod,
-                                                                      property)) for f in implementations(v)]
+                                                                      property)) for f in implementations(v)
+                if f.__qualname__.startswith(own) or f.__module__ == obj.__module__ or "<locals>" in f.__qualname__]
     out, seen = [], set()
     while isinstance(obj, types.FunctionType) and id(obj) not in seen:
         seen.add(id(obj))
