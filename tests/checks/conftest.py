@@ -55,5 +55,6 @@ def jail(tmp_path_factory):
     """The grader's sandbox as `dlo grade` makes it: bwrap, and uid 65534 when the tests run as root."""
     spec = make_spec("bwrap", tmp_path_factory.mktemp("jail") / "work", hidden=[])
     spec.make_dirs()
-    with LocalSandbox(spec.capture_dir, prefix=spec.runner_prefix(), log=spec.runner_log) as sb:
+    with LocalSandbox(spec.capture_dir, prefix=spec.runner_prefix(), log=spec.runner_log,
+                      captures=spec.captured_dir) as sb:
         yield sb

@@ -240,7 +240,7 @@ def test_the_students_objects_are_loaded_where_no_other_ranks_part_is(tmp_path, 
     jailed = probe() == "bwrap"
     spec = make_spec("bwrap" if jailed else "none (test)", tmp_path / "work", hidden=[])
     spec.make_dirs()
-    oracle, out = spec.capture_dir / "oracle.pkl", spec.runner_dir  # readable, writable in the jail
+    oracle, out = spec.captured_dir / "oracle.pkl", spec.runner_dir  # readable, writable in the jail
     sent = trusted.Session.on_ranks
 
     def on_ranks(self, worker, world_size, args, kwargs, timeout, backend, per_rank=None):
@@ -248,7 +248,8 @@ def test_the_students_objects_are_loaded_where_no_other_ranks_part_is(tmp_path, 
         return sent(self, worker, world_size, args, kwargs, timeout, backend, per_rank=per_rank)
 
     monkeypatch.setattr(trusted.Session, "on_ranks", on_ranks)
-    with LocalSandbox(spec.capture_dir, prefix=spec.runner_prefix(), log=spec.runner_log) as sandbox, \
+    with LocalSandbox(spec.capture_dir, prefix=spec.runner_prefix(), log=spec.runner_log,
+                      captures=spec.captured_dir) as sandbox, \
             pytest.raises(Exception) as failed:  # noqa: PT011 - an answer that reads the request breaks the channel
         sandbox.run(day4.check_ring_all_reduce, ring_that_searches(str(oracle), str(out), jailed))
     records = [json.loads(p.read_text()) for p in sorted(out.glob("loaded-*.json"))]

@@ -278,10 +278,13 @@ def test_bwrap_hides_the_grader_and_keeps_the_system_read_only(tmp_path):
     (secret / "day.ipynb").write_text("the answers")
     spec = make_spec("bwrap", tmp_path / "work", hidden=[tmp_path / "course"])
     spec.make_dirs()
-    with LocalSandbox(spec.capture_dir, prefix=spec.runner_prefix(), log=spec.runner_log) as sb:
+    with LocalSandbox(spec.capture_dir, prefix=spec.runner_prefix(), log=spec.runner_log,
+                      captures=spec.captured_dir) as sb:
         assert sb.run(check_cannot_read, student_reads, str(secret / "day.ipynb")) == "FileNotFoundError"
         assert "Read-only file system" in sb.run(check_cannot_write, student_writes, "/etc/dlo-test")
-        assert "Read-only file system" in sb.run(check_cannot_write, student_writes, str(spec.capture_dir / "x"))
+        assert "Read-only file system" in sb.run(check_cannot_write, student_writes, str(spec.captured_dir / "x"))
+        # the kernel's capture folder is not there at all: the runner reads copies (`Spec.captured_dir`)
+        assert "No such file or directory" in sb.run(check_cannot_write, student_writes, str(spec.capture_dir / "x"))
         sb.run(check_calls, lambda: None)  # and the library and torch are there
 
 
@@ -290,7 +293,8 @@ def test_bwrap_timeout_takes_the_pid_namespace(tmp_path):
     spec = make_spec("bwrap", tmp_path / "work", hidden=[])
     spec.make_dirs()
     before = set(_sleepers())
-    with LocalSandbox(spec.capture_dir, prefix=spec.runner_prefix(), log=spec.runner_log) as sb, \
+    with LocalSandbox(spec.capture_dir, prefix=spec.runner_prefix(), log=spec.runner_log,
+                      captures=spec.captured_dir) as sb, \
             use_backend(sb):
         handle = sb.capture(student_hangs_with_a_child)
         sb.runner()
@@ -379,3 +383,51 @@ def test_numpy_numbers_cross_as_python_numbers_on_both_backends():
     assert got == [3, (1.5, {"n": 2})] and type(got[0]) is int and type(got[1][0]) is float
     with pytest.raises(TypeError, match="plain data only"):
         api.safe_data(object())
+
+
+def student_reaches(folder):
+    """What the student's code in the runner reaches of the kernel's folder (where a red team's kernel left a Unix
+    socket to a helper computing with the references, 2026-12-02)."""
+    import socket
+
+    out = []
+    for what, reach in (("socket", lambda: socket.socket(socket.AF_UNIX).connect(os.path.join(folder, "h.sock"))),
+                        ("fifo", lambda: os.open(os.path.join(folder, "f.fifo"), os.O_WRONLY | os.O_NONBLOCK)),
+                        ("folder", lambda: os.listdir(folder))):
+        try:
+            reach()
+            out.append(f"{what}: reached")
+        except OSError as exc:
+            out.append(f"{what}: {type(exc).__name__}")
+    return out
+
+
+@check()
+def check_reaches_nothing(fn):
+    got = fn()
+    if any(line.endswith("reached") for line in got):
+        raise AssertionError(f"the runner reached the kernel's folder: {got}")
+
+
+@needs_bwrap
+def test_the_runner_sees_nothing_the_kernel_writes(tmp_path):
+    """The runner reads copies of the captures (`Spec.captured_dir`), and the scratch folder is hidden in every
+    sandbox but for its own folders: a socket or FIFO the kernel's code makes is out of the runner's reach."""
+    import socket
+
+    spec = make_spec("bwrap", tmp_path / "work", hidden=[])
+    spec.make_dirs()
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(str(spec.capture_dir / "h.sock"))
+    server.listen(1)
+    os.mkfifo(spec.capture_dir / "f.fifo")
+    folder = str(spec.capture_dir)
+
+    def reaches():
+        return student_reaches(folder)
+    with LocalSandbox(spec.capture_dir, prefix=spec.runner_prefix(), log=spec.runner_log,
+                      captures=spec.captured_dir) as sb:
+        sb.run(check_reaches_nothing, reaches)
+    server.close()
+    with LocalSandbox(spec.capture_dir) as unconfined, pytest.raises(AssertionError, match="reached"):
+        unconfined.run(check_reaches_nothing, reaches)  # the same code, unconfined: it reaches them

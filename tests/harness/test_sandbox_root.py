@@ -182,7 +182,8 @@ def test_the_runner_log_cannot_be_replaced_by_a_link(spec, tmp_path):
     secret.write_text(SECRET)
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
     try:
-        with LocalSandbox(spec.capture_dir, prefix=spec.runner_prefix(), log=spec.runner_log) as sb, use_backend(sb):
+        with LocalSandbox(spec.capture_dir, prefix=spec.runner_prefix(), log=spec.runner_log,
+                      captures=spec.captured_dir) as sb, use_backend(sb):
             fn = sb.capture(student_plants_a_link)
             with pytest.raises((RunnerDied, StudentProcessDied)) as died:
                 check_calls(fn, str(secret), True)
@@ -323,7 +324,8 @@ def test_an_on_ranks_check_in_the_jail_loads_the_capture_on_the_ranks_only(spec)
     from tests.checks.test_shards import cross_entropy_from_a_leak
 
     honest = load_solution("day7_tensor_parallel").vocab_parallel_cross_entropy
-    with LocalSandbox(spec.capture_dir, prefix=spec.runner_prefix(), log=spec.runner_log) as sb:
+    with LocalSandbox(spec.capture_dir, prefix=spec.runner_prefix(), log=spec.runner_log,
+                      captures=spec.captured_dir) as sb:
         sb.run(day7.check_vocab_parallel_cross_entropy, honest)
         with pytest.raises(AssertionError, match="nothing leaked from the runner"):
             sb.run(day7.check_vocab_parallel_cross_entropy, cross_entropy_from_a_leak(str(spec.runner_dir / "leak")))

@@ -19,7 +19,8 @@ SUBSTANTIAL = 24  # instructions: a code at least this long matches by bytecode,
 
 
 def _shape(code, code_type=None, type_=None, len_=None, range_=None, bytes_=None, jumps=frozenset(), skipped=(),
-           method=-1, attr=-1, flagged=frozenset()):
+           method=-1, attr=-1, flagged=frozenset(), outer=frozenset(), load_global=-1, load_const=-1,
+           named=frozenset()):
     """What a copy of `code` keeps whatever was renamed, moved or stripped, or where it was compiled: the
     instructions of `code` and of every code among its constants (the functions, comprehensions and lambdas
     it defines), in order, each an opcode and its argument. Names, constants, lines, file and docstring are
@@ -28,12 +29,15 @@ def _shape(code, code_type=None, type_=None, len_=None, range_=None, bytes_=None
     opcode here), the module itself then with or without LOAD_GLOBAL's push-NULL bit (the low bit of its
     argument, dropped, as 3.12's method bit of LOAD_ATTR: `flagged`), with other inline caches, so other jump
     distances (jump arguments left out, as are caches, EXTENDED_ARG and PUSH_NULL: a red team ran a
-    reference's unchanged source, compiled on its own, for 13 of 16 points on Day 8, 2026-12-02). Made with no
-    builtins and its helpers bound (`shape`), so that the audit hook can call it."""
+    reference's unchanged source, compiled on its own, for 13 of 16 points on Day 8, 2026-12-02). The same text
+    compiled with optimize=2 leaves a NOP where its docstring was, and indented into a def of the student's its
+    globals become free variables (LOAD_DEREF, COPY_FREE_VARS): another red team's Day 1 (2026-12-02), so a
+    name read from outside the function is one opcode with no argument here, and NOPs and cells are left out.
+    Made with no builtins and its helpers bound (`shape`), so that the audit hook can call it."""
     parts, todo = [], [code]
     while todo:
         c = todo.pop()
-        raw, out = c.co_code, []
+        raw, out, consts, names = c.co_code, [], {}, {}
         for i in range_(0, len_(raw), 2):
             op, arg = raw[i], raw[i + 1]
             if op in skipped:
@@ -42,6 +46,15 @@ def _shape(code, code_type=None, type_=None, len_=None, range_=None, bytes_=None
                 op = attr
             if op in flagged:
                 arg = arg & 254
+            if op in outer:  # a global, or a free variable of a def the same text was indented into
+                op, arg = load_global, 0
+            # constants and attribute names by their order of first use here, not their place in the code's
+            # tables: a stripped docstring moves None up among the constants, globals made free variables leave
+            # the names
+            if op == load_const:
+                arg = consts.setdefault(arg, len_(consts)) & 255
+            elif op in named:
+                arg = names.setdefault(arg, len_(names)) & 255
             out.append(op)
             out.append(0 if op in jumps else arg)
         parts.append(bytes_(out))
@@ -63,12 +76,17 @@ def _size(code, skipped=(), len_=None):
 
 
 # inline caches, EXTENDED_ARG, and PUSH_NULL: 3.11 pushes the NULL of a call to an imported module's function with
-# LOAD_GLOBAL's low bit or on its own, as the call's form and the file's imports have it
-_SKIPPED = tuple(dict.fromkeys((dis.opmap.get("CACHE", 0), dis.EXTENDED_ARG, dis.opmap.get("PUSH_NULL", 0))))
+# LOAD_GLOBAL's low bit or on its own, as the call's form and the file's imports have it; NOP (a docstring stripped
+# by optimize=2) and the cells of free variables (the same text indented into a def)
+_SKIPPED = tuple(dict.fromkeys(dis.opmap.get(name, 0) for name in ("CACHE", "EXTENDED_ARG", "PUSH_NULL", "NOP",
+                                                                    "COPY_FREE_VARS", "MAKE_CELL")))
+_OUTER = frozenset(dis.opmap[name] for name in ("LOAD_GLOBAL", "LOAD_DEREF", "LOAD_CLASSDEREF") if name in dis.opmap)
 _FLAGGED = frozenset(dis.opmap[op] for op in ("LOAD_GLOBAL",) + (("LOAD_ATTR",) if sys.version_info >= (3, 12) else ()))
 shape = types.FunctionType(_shape.__code__, {"__builtins__": {}}, "shape",
                            (types.CodeType, type, len, range, bytes, frozenset(dis.hasjrel + dis.hasjabs), _SKIPPED,
-                            dis.opmap.get("LOAD_METHOD", -1), dis.opmap["LOAD_ATTR"], _FLAGGED))
+                            dis.opmap.get("LOAD_METHOD", -1), dis.opmap["LOAD_ATTR"], _FLAGGED, _OUTER,
+                            dis.opmap["LOAD_GLOBAL"], dis.opmap["LOAD_CONST"],
+                            frozenset(dis.hasname) - {dis.opmap["LOAD_GLOBAL"]}))
 size = types.FunctionType(_size.__code__, {"__builtins__": {}}, "size", (_SKIPPED, len))
 
 

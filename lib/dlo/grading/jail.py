@@ -200,6 +200,13 @@ class Spec:
         return Path(self.scratch) / "capture"
 
     @property
+    def captured_dir(self) -> Path:
+        """The runner's copies of the kernel's captures, regular files only, in a folder the kernel never sees:
+        the runner read capture/ itself, where a red team's kernel left a Unix socket to a helper it had
+        started, which computed with the references for the graded functions (2026-12-02)."""
+        return Path(self.scratch) / "captured"
+
+    @property
     def runner_dir(self) -> Path:
         return Path(self.scratch) / "runner"
 
@@ -237,6 +244,8 @@ class Spec:
             if sandboxed:
                 os.chown(d, self.uid, self.uid, follow_symlinks=False)
                 os.chmod(d, 0o700)
+        self.captured_dir.mkdir(exist_ok=True)  # the grader's: written here, read (only) by the runner
+        os.chmod(self.captured_dir, 0o755)
 
     def hand_over(self, path: Path, tree: bool = False) -> None:
         """Give what the grader made for the sandbox to uid 65534 when grading as root (as any other
@@ -263,7 +272,7 @@ class Spec:
         return self._prefix(writable=writable, readonly=[], cwd=self.kernel_dir)
 
     def runner_prefix(self) -> list[str]:
-        return self._prefix(writable=[self.runner_dir], readonly=[self.capture_dir], cwd=self.runner_dir)
+        return self._prefix(writable=[self.runner_dir], readonly=[self.captured_dir], cwd=self.runner_dir)
 
     def env(self, cwd: Path) -> dict:
         """HOME and the caches in the sandbox's own scratch (the real HOME is hidden there), also those a
@@ -292,12 +301,16 @@ class Spec:
             args += ["--dev-bind-try", node, node]
         if os.path.isdir("/var/run") and not os.path.islink("/var/run"):
             args += tmpfs_args(lim, "/var/run", hiding=True)
-        for h in self.hidden:
+        # the scratch folder hidden too, whatever `hidden` says (`nbgrader` run directly hides nothing): each
+        # sandbox sees only its own folders there, bound below (a socket the kernel's code left where the runner
+        # could reach it was a way to a helper that computes with the references: a red team, 2026-12-02)
+        hidden = [*self.hidden, self.scratch]
+        for h in hidden:
             if Path(h).is_dir():
                 args += tmpfs_args(lim, h, hiding=True)
             elif Path(h).exists():
                 args += ["--ro-bind", "/dev/null", h]
-        masked = [Path(m) for m in (*self.hidden, "/tmp", "/run")]
+        masked = [Path(m) for m in (*hidden, "/tmp", "/run")]
         made: set[Path] = set()
         for p in (*self.exposed, *readonly, *writable):  # their mount points' parents: passable by anyone
             for a in reversed(Path(p).parents):

@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
+import stat
 import sys
 import time
 from pathlib import Path
@@ -219,8 +221,9 @@ class SandboxBackend:
     cell. `close()` kills the runner and every process it started."""
 
     def __init__(self, prefix: list[str] | None = None, log: Path | None = None, env: dict | None = None,
-                 cwd: Path | None = None):
+                 cwd: Path | None = None, captures: Path | None = None):
         self.prefix, self.env = list(prefix or []), env
+        self.captures, self._copies = (Path(captures) if captures else None), 0
         self.log = Path(log) if log else Path(os.devnull)
         self.cwd = Path(cwd) if cwd else self.log.parent
         self._log_fd: int | None = None
@@ -233,8 +236,26 @@ class SandboxBackend:
         return Session(self, name, forbid, hint)
 
     def captured(self, label: str, path: str | Path) -> Remote:
-        """The handle of a student object that the kernel pickled into `path` (read in the sandbox only)."""
+        """The handle of a student object that the kernel pickled into `path` (read in the sandbox only): with
+        `captures` (the jail's `captured_dir`), a copy there, since the runner sees no folder the kernel writes."""
+        if self.captures is not None:
+            path = self._copy_in(Path(path))
         return Remote(self, Ref("cap", str(path)), label)
+
+    def _copy_in(self, path: Path) -> Path:
+        """The kernel's regular file copied where the runner reads it (a link, a socket or a FIFO is no capture)."""
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise OSError(f"{path.name} is not a regular file")
+            self._copies += 1
+            dest = self.captures / f"{self._copies}-{path.name}"
+            with os.fdopen(os.dup(fd), "rb") as src, open(dest, "wb") as out:
+                shutil.copyfileobj(src, out)
+            os.chmod(dest, 0o644)
+            return dest
+        finally:
+            os.close(fd)
 
     def left(self) -> float:
         return CLOSE_TIMEOUT if self.deadline is None else max(0.0, self.deadline - time.monotonic())
@@ -320,10 +341,11 @@ class LocalSandbox(SandboxBackend):
     calls the check with the captured objects under this backend. The runner is unconfined unless a
     bwrap `prefix` is given. Use as a context manager (the runner is killed on exit)."""
 
-    def __init__(self, folder: Path, prefix: list[str] | None = None, log: Path | None = None):
+    def __init__(self, folder: Path, prefix: list[str] | None = None, log: Path | None = None,
+                 captures: Path | None = None):
         self.folder = Path(folder)
         self.folder.mkdir(parents=True, exist_ok=True)
-        super().__init__(prefix=prefix, log=log or self.folder / "runner.log", cwd=self.folder)
+        super().__init__(prefix=prefix, log=log or self.folder / "runner.log", cwd=self.folder, captures=captures)
         self._n = 0
 
     def capture(self, obj) -> Remote:

@@ -124,7 +124,7 @@ class ResilientExecute(Execute):
             spec = self._spec
             # the log beside the scratch folders, not in one: nothing in the sandbox can name it
             backend = SandboxBackend(prefix=spec.runner_prefix(), log=spec.runner_log,
-                                     env=spec.env(spec.runner_dir), cwd=spec.runner_dir)
+                                     env=spec.env(spec.runner_dir), cwd=spec.runner_dir, captures=spec.captured_dir)
             backend.warm()
             self._backend = backend
         except Exception as exc:  # noqa: BLE001 - reported in every test cell, graded 0: the instructor sees it
