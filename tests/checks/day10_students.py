@@ -21,7 +21,7 @@ def merge_no_rescale(o1, lse1, o2, lse2):
 
 
 
-def _attend(q, kv, q_pos, k_pos, causal):
+def attend(q, kv, q_pos, k_pos, causal):
     """One block's (o_j, lse_j): the queries against the keys and values kv = stack([k, v])."""
     scores = q @ kv[0].transpose(-2, -1) / math.sqrt(q.shape[-1])
     if causal:
@@ -42,7 +42,7 @@ def _ring(q, k, v, causal, *, local_mask=False, hops=None, owner_sign=-1, merge=
     for s in range(steps):
         j = (r + owner_sign * s) % n
         k_pos = torch.arange(t) if local_mask else torch.arange(j * t, (j + 1) * t)
-        o, lse = merge(o, lse, *_attend(q, kv, q_pos, k_pos, causal))
+        o, lse = merge(o, lse, *attend(q, kv, q_pos, k_pos, causal))
         if s < n - 1:
             recv = torch.empty_like(kv)
             for op in [dist.isend(kv, (r + 1) % n), dist.irecv(recv, (r - 1) % n)]:
@@ -106,7 +106,7 @@ def ring_to_everyone(q, k, v, causal):
         op.wait()
     o, lse = torch.zeros_like(q), torch.full(q.shape[:3], float("-inf"), dtype=q.dtype)
     for j in range(n):
-        o, lse = merge_ok(o, lse, *_attend(q, blocks[j], torch.arange(r * t, (r + 1) * t),
+        o, lse = merge_ok(o, lse, *attend(q, blocks[j], torch.arange(r * t, (r + 1) * t),
                                            torch.arange(j * t, (j + 1) * t), causal))
     return o, lse
 

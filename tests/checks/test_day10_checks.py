@@ -27,7 +27,7 @@ from dlo.grading.targets import forbidden_targets
 from dlo.models import moe
 from tests.checks import cases
 from tests.checks.day10_students import (
-    _attend,
+    attend,
     merge_no_rescale,
     merge_ok,
     ring_all_gather,
@@ -403,6 +403,13 @@ def _kv_file(r: int) -> str:
     return os.path.join(tempfile.gettempdir(), f"dlo-test-day10-kv-{os.getuid()}-{r}.pt")
 
 
+def _attend_from_files(q, n, r, causal):
+    """This rank's queries over every rank's K/V, read from the files the ranks wrote (not from the wire)."""
+    t = q.shape[2]
+    whole = torch.cat([torch.load(_kv_file(j)) for j in range(n)], 3)
+    return attend(q, whole, torch.arange(r * t, (r + 1) * t), torch.arange(n * t), causal)
+
+
 def ring_through_files(q, k, v, causal):
     """cheat02: K/V through files, zeros of the right size on the wire, one attention over everything."""
     n, r = dist.get_world_size(), dist.get_rank()
@@ -413,9 +420,7 @@ def ring_through_files(q, k, v, causal):
         for op in [dist.isend(kv, (r + 1) % n), dist.irecv(recv, (r - 1) % n)]:
             op.wait()
         kv = recv  # every rank wrote its file before its first send: all are there after the ring
-    t = q.shape[2]
-    whole = torch.cat([torch.load(_kv_file(j)) for j in range(n)], 3)
-    return _attend(q, whole, torch.arange(r * t, (r + 1) * t), torch.arange(n * t), causal)
+    return _attend_from_files(q, n, r, causal)
 
 
 def ring_own_block_every_hop(q, k, v, causal):
@@ -426,9 +431,7 @@ def ring_own_block_every_hop(q, k, v, causal):
         recv = torch.empty_like(torch.stack([k, v]))
         for op in [dist.isend(torch.stack([k, v]), (r + 1) % n), dist.irecv(recv, (r - 1) % n)]:
             op.wait()
-    t = q.shape[2]
-    whole = torch.cat([torch.load(_kv_file(j)) for j in range(n)], 3)
-    return _attend(q, whole, torch.arange(r * t, (r + 1) * t), torch.arange(n * t), causal)
+    return _attend_from_files(q, n, r, causal)
 
 
 def ring_kv_apart(q, k, v, causal):
@@ -438,7 +441,7 @@ def ring_kv_apart(q, k, v, causal):
     o, lse = torch.zeros_like(q), torch.full(q.shape[:3], float("-inf"), dtype=q.dtype)
     for s in range(n):
         j = (r - s) % n
-        o, lse = merge_ok(o, lse, *_attend(q, torch.stack([k, v]), torch.arange(r * t, (r + 1) * t),
+        o, lse = merge_ok(o, lse, *attend(q, torch.stack([k, v]), torch.arange(r * t, (r + 1) * t),
                                            torch.arange(j * t, (j + 1) * t), causal))
         if s < n - 1:
             nk, nvt = torch.empty_like(k), torch.empty_like(v.transpose(-1, -2).contiguous())

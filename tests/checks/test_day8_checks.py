@@ -621,15 +621,7 @@ def torch_prune_pair(fc1, fc2, n_keep):
 def torch_ln_structured_rows(fc1, fc2, n_keep):
     mask = torch.nn.utils.prune.LnStructured(amount=fc1.out_features - n_keep, n=2, dim=0).compute_mask(
         fc1.weight.detach(), torch.ones_like(fc1.weight))
-    return prune_pair_keep(fc1, fc2, mask[:, 0].nonzero().flatten())
-
-
-def prune_pair_keep(fc1, fc2, keep):
-    a, b = torch.nn.Linear(fc1.in_features, len(keep)), torch.nn.Linear(len(keep), fc2.out_features)
-    with torch.no_grad():
-        a.weight.copy_(fc1.weight[keep]), a.bias.copy_(fc1.bias[keep])
-        b.weight.copy_(fc2.weight[:, keep]), b.bias.copy_(fc2.bias)
-    return a, b
+    return _prune_pair(fc1, fc2, mask[:, 0].nonzero().flatten())
 
 
 def torch_mask_2to4(w):

@@ -15,13 +15,12 @@ no meter), as a notebook's check and through the grader's sandbox.
 
 from __future__ import annotations
 
-import types
-
 import pytest
 
 from dlo.checks import day5
 from dlo.grading.trusted import LocalSandbox
 from tests.checks.conftest import load_solution
+from tests.student_cell import student_cell
 
 pytestmark = [pytest.mark.usefixtures("one_thread"),
               pytest.mark.trust]  # a hostile class's evidence: its own CI step, pytest -m trust
@@ -83,9 +82,7 @@ class DisguisedDDP(torch.nn.Module):
 
 @pytest.fixture(scope="module")
 def student():
-    ns = {"__name__": "meters_student"}
-    exec(compile(DISGUISED, "student cell", "exec"), ns)
-    return types.SimpleNamespace(**ns)
+    return student_cell(DISGUISED, "meters_student")
 
 
 def test_a_rewritten_comm_meter_fails_a_notebook_s_check(student):
@@ -153,8 +150,7 @@ def test_ddp_in_zero_s_clothes_with_its_state_out_of_the_meters_sight_fails():
     all-gather of the gradients (ZeRO-1's bytes: counters and sockets agree) and keeps AdamW's moments in numpy
     passed check_zero1 with every meter untouched. The parameters tell: ZeRO-1's all-gather of the updated
     shards overwrites a disturbed copy (`day5.verify_in_sync`); a rank that updates everything keeps it."""
-    ns = {"__name__": "meters_student"}
-    exec(compile(GATHERED, "student cell", "exec"), ns)
+    ns = vars(student_cell(GATHERED, "meters_student"))
     with pytest.raises(AssertionError, match=r"zero1: rank 1's copy of the parameters was disturbed .* differs from "
                                              r"rank 0's by up to 0\.5"):
         day5.check_zero1(ns["GatheredGradients"])
@@ -180,8 +176,7 @@ class OwnGroup(ZeRO1):
 
 
 def test_an_engine_on_a_group_of_its_own_is_counted():
-    ns = {"__name__": "meters_student", **vars(load_solution("day5_fsdp"))}
-    exec(compile(OWN_GROUP, "student cell", "exec"), ns)
+    ns = vars(student_cell(OWN_GROUP, "meters_student", **vars(load_solution("day5_fsdp"))))
     day5.check_zero1(ns["OwnGroup"])
 
 
@@ -208,8 +203,7 @@ def parallelize_hiding(model, mesh, **kw):
 
 def test_fsdp2_bytes_the_counter_does_not_report_fail_the_check():
     """Issue 33: the FSDP2 check compared the collectives its ranks counted with nothing outside them."""
-    ns = {"__name__": "meters_student", "parallelize": load_solution("day5_fsdp").parallelize}
-    exec(compile(HIDDEN_FSDP, "student cell", "exec"), ns)
+    ns = vars(student_cell(HIDDEN_FSDP, "meters_student", parallelize=load_solution("day5_fsdp").parallelize))
     with pytest.raises(AssertionError, match=r"fsdp2: the ranks' sockets sent [\d,]+ bytes, the collectives counted"):
         day5.check_fsdp2(ns["parallelize_hiding"])
 

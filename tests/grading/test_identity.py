@@ -26,6 +26,7 @@ from dlo.grading.forbid import ForbiddenCall, forbidden, plan
 from dlo.grading.trusted import LocalSandbox
 from tests.checks.conftest import REPO, load_solution
 from tests.forked import in_a_fork
+from tests.student_cell import student_cell
 
 pytestmark = pytest.mark.trust  # a hostile class's evidence: its own CI step, pytest -m trust
 
@@ -153,9 +154,7 @@ def sandbox(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def student():
-    ns = {"__name__": "identity_student"}
-    exec(compile(STUDENT, "student cell", "exec"), ns)
-    return types.SimpleNamespace(**ns)
+    return student_cell(STUDENT, "identity_student")
 
 
 CLONES = ["clone", "wrapped", "by_marshal", "by_source", "by_function_source", "by_reload", "by_gc", "by_class"]

@@ -13,7 +13,6 @@ import os
 import platform
 import subprocess
 import sys
-import types
 
 import pytest
 import torch
@@ -23,6 +22,7 @@ from dlo.grading import noexec
 from dlo.grading.api import check
 from dlo.grading.trusted import LocalSandbox
 from tests.forked import in_a_fork
+from tests.student_cell import student_cell
 
 pytestmark = pytest.mark.trust  # a hostile class's evidence: its own CI step, pytest -m trust
 
@@ -45,9 +45,7 @@ needs_seccomp = pytest.mark.skipif(platform.system() != "Linux" or platform.mach
 
 @pytest.fixture(scope="module")
 def student():
-    ns = {"__name__": "noexec_student"}
-    exec(compile(STUDENT, "student cell", "exec"), ns)
-    return types.SimpleNamespace(**ns)
+    return student_cell(STUDENT, "noexec_student")
 
 
 def test_the_escape_passes_where_nothing_is_armed(student):
@@ -136,9 +134,17 @@ def test_a_compiled_function_runs_as_written_where_its_compiler_cannot_start():
 
 
 @pytest.mark.parametrize("arch", sorted(noexec.ARCHES))
-def test_the_filter_is_whole_instructions(arch):
+def test_every_path_through_the_filter_ends_in_a_return(arch):
+    """Whole sock_filter instructions (8 bytes), every jump inside the program, the last a return: the kernel
+    refuses a program that runs off its end, and this one is only ever loaded on the machine it was made for."""
+    import struct
+
     code = noexec.program(arch)
-    assert len(code) % 8 == 0 and len(code) // 8 == 9
+    steps = list(struct.iter_unpack("=HBBI", code))
+    assert len(code) == 8 * len(steps)
+    jumps = [(i, jt, jf) for i, (code, jt, jf, _) in enumerate(steps) if code & 0x07 == 0x05]  # BPF_JMP
+    assert jumps and all(i + 1 + max(jt, jf) < len(steps) for i, jt, jf in jumps)
+    assert steps[-1][0] == noexec.RET_K
 
 
 def student_holds_the_fork_server():

@@ -229,16 +229,15 @@ def test_a_deadline_passing_while_a_check_opens_does_not_leave_the_runner_out_of
 
 def _sleepers() -> list[int]:
     """The sleepers alive (a killed one stays a zombie until whoever adopted it reaps it: not counted)."""
-    out = []
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                head, tail = f.read().rsplit(")", 1)
-        except (OSError, ValueError):
-            continue
-        if head.split("(", 1)[1] == SLEEPER and tail.split()[0] != "Z":
-            out.append(int(entry))
-    return out
+    return [pid for pid in map(int, filter(str.isdigit, os.listdir("/proc")))
+            if reaper.comm(pid) == SLEEPER and _alive(pid)]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return reaper.stat_fields(pid)[0] != "Z"
+    except OSError:  # gone meanwhile
+        return False
 
 
 # ----------------------------------------------------------------------------- bubblewrap

@@ -26,8 +26,8 @@ def _shape(code, code_type=None, type_=None, len_=None, range_=None, bytes_=None
     it defines), in order, each an opcode and its argument. Names, constants, lines, file and docstring are
     left out, and so is what the same source compiles to differently in another module: 3.11 loads a method
     of an imported module with LOAD_ATTR where the import is in the same file and LOAD_METHOD elsewhere (one
-    opcode here), the module itself then with or without LOAD_GLOBAL's push-NULL bit (the low bit of its
-    argument, dropped, as 3.12's method bit of LOAD_ATTR: `flagged`), with other inline caches, so other jump
+    opcode here), the module itself then with or without LOAD_GLOBAL's push-NULL bit (a global's argument is
+    dropped whole, `outer`; 3.12's method bit of LOAD_ATTR too, `flagged`), with other inline caches, so other jump
     distances (jump arguments left out, as are caches, EXTENDED_ARG and PUSH_NULL: a red team ran a
     reference's unchanged source, compiled on its own, for 13 of 16 points on Day 8, 2026-12-02). The same text
     compiled with optimize=2 leaves a NOP where its docstring was, and indented into a def of the student's its
@@ -81,7 +81,7 @@ def _size(code, skipped=(), len_=None):
 _SKIPPED = tuple(dict.fromkeys(dis.opmap.get(name, 0) for name in ("CACHE", "EXTENDED_ARG", "PUSH_NULL", "NOP",
                                                                     "COPY_FREE_VARS", "MAKE_CELL")))
 _OUTER = frozenset(dis.opmap[name] for name in ("LOAD_GLOBAL", "LOAD_DEREF", "LOAD_CLASSDEREF") if name in dis.opmap)
-_FLAGGED = frozenset(dis.opmap[op] for op in ("LOAD_GLOBAL",) + (("LOAD_ATTR",) if sys.version_info >= (3, 12) else ()))
+_FLAGGED = frozenset((dis.opmap["LOAD_ATTR"],) if sys.version_info >= (3, 12) else ())  # its method bit
 shape = types.FunctionType(_shape.__code__, {"__builtins__": {}}, "shape",
                            (types.CodeType, type, len, range, bytes, frozenset(dis.hasjrel + dis.hasjabs), _SKIPPED,
                             dis.opmap.get("LOAD_METHOD", -1), dis.opmap["LOAD_ATTR"], _FLAGGED, _OUTER,

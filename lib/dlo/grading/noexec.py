@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import os
 import platform
 import struct
 import sys
@@ -88,8 +89,6 @@ def deny_exec() -> str | None:
 
 def _compile_as_written() -> None:
     """torch.compile's compilers are programs: where they cannot start, the function runs as written."""
-    import os
-
     os.environ["TORCHDYNAMO_SUPPRESS_ERRORS"] = "1"  # read when torch._dynamo is first imported
     dynamo = sys.modules.get("torch._dynamo")
     if dynamo is not None:  # imported already: its config read the environment then

@@ -27,11 +27,11 @@ import contextlib
 import os
 import shutil
 import signal
-import stat
 import sys
 import time
 from pathlib import Path
 
+from dlo.grading import files
 from dlo.grading.api import stub_message
 from dlo.grading.remote import CheckTimeout, Remote, Runner, RunnerDied, apply_after, materialise, rebuild_error
 from dlo.grading.wire_request import Callback, Ref, dump_request
@@ -243,19 +243,15 @@ class SandboxBackend:
         return Remote(self, Ref("cap", str(path)), label)
 
     def _copy_in(self, path: Path) -> Path:
-        """The kernel's regular file copied where the runner reads it (a link, a socket or a FIFO is no capture)."""
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-        try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise OSError(f"{path.name} is not a regular file")
+        """The kernel's regular file copied where the runner reads it (a link, a socket or a FIFO is no capture:
+        `files.open_file` refuses them)."""
+        with files.opened_dir(path.parent) as folder, os.fdopen(files.open_file(path.name, folder), "rb") as src:
             self._copies += 1
             dest = self.captures / f"{self._copies}-{path.name}"
-            with os.fdopen(os.dup(fd), "rb") as src, open(dest, "wb") as out:
+            with open(dest, "wb") as out:
                 shutil.copyfileobj(src, out)
-            os.chmod(dest, 0o644)
-            return dest
-        finally:
-            os.close(fd)
+        os.chmod(dest, 0o644)
+        return dest
 
     def left(self) -> float:
         return CLOSE_TIMEOUT if self.deadline is None else max(0.0, self.deadline - time.monotonic())
