@@ -1,12 +1,16 @@
-"""Memory counted outside the rank (issue 33): Days 5 and 6's meters live in the rank, the kernel's count does not.
+"""Memory counted outside the rank (issue 33): Days 5 and 6's meters live in the rank, Day 10's ring check has none,
+the kernel's count sees all three.
 
 The ZeRO-2 check measures what a rank keeps during backward, and the 1F1B check what the first stage's forwards
 saved, with meters in the rank's own process, which count tensors (`dlo.measure.held_bytes`, `live_bytes`,
 `dlo.checks.saved`). A ZeRO-2 that also keeps every full gradient, or a 1F1B that also keeps each micro-batch's
-activations, as bytes, passes them: the notebook's check on the tests' reused ranks shows it below. Where the
-ranks are launched for the check (a notebook's launch, the grader's sandbox) the launcher reads each rank's memory
-from /proc on a large case, the course's own engine first (`dlo.checks.rank_count`), and that count sees it.
-Honest work stays far under the allowance.
+activations, as bytes, passes them; Day 10's ring check sees what each hop carries, which a rank that keeps every
+block it passed on and attends once at the end satisfies (a red team's). The notebook's check on the tests' reused
+ranks shows each below. Where the ranks are launched for the check (a notebook's launch, the grader's sandbox) the
+launcher reads each rank's memory from /proc on a large case, the course's own engine first
+(`dlo.checks.rank_count`), and that count sees it. Honest work stays far under the allowance (Day 10, 2026-12-02,
+in K/V blocks above the mark on rank 0: the course's ring 4.5, the solution 4.7, a double-buffered ring sending K
+and V apart 4.6, a ring keeping every block and attending at the end 8.6, allowed 6.5).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import pytest
 from dlo.checks.day5 import check_zero2
 from dlo.checks.day6 import check_one_f_one_b_step
 from dlo.checks.day6_count import count_parts, count_worker, verify_count
+from dlo.checks.day10 import check_ring_forward
 from dlo.grading.api import check, on_ranks
 from dlo.grading.jail import probe
 from tests.checks.conftest import load_solution
@@ -55,24 +60,63 @@ def keeping_activations_as_bytes(step):
             for h in hooks:
                 h.remove()
     return one_f_one_b_keeping
+
+def keeping_every_block(merge):
+    import math
+
+    import torch
+    import torch.distributed as dist
+
+    def attend_one(q, kv, r, j, causal):
+        t = q.shape[2]
+        s = q @ kv[0].transpose(-2, -1) / math.sqrt(q.shape[-1])
+        if causal:
+            s = s.masked_fill(torch.arange(j * t, (j + 1) * t)[None, :] > torch.arange(r * t, (r + 1) * t)[:, None],
+                              float("-inf"))
+        lse = torch.logsumexp(s, -1)
+        return torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse).unsqueeze(-1)) @ kv[1], lse
+
+    def ring_keeping_all(q, k, v, causal):
+        """A ring that passes the right block at each hop, keeps every block it received and attends to them one by
+        one after the last hop, merged with the instructors' merge: right values, right messages."""
+        n, r = dist.get_world_size(), dist.get_rank()
+        kv = torch.stack([k, v])
+        kept = [(r, kv)]
+        for s in range(1, n):
+            recv = torch.empty_like(kv)
+            for op in [dist.isend(kv, (r + 1) % n), dist.irecv(recv, (r - 1) % n)]:
+                op.wait()
+            kv = recv
+            kept.append(((r - s) % n, kv))
+        del kv, recv
+        o, lse = torch.zeros_like(q), torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype)
+        while kept:
+            j, block = kept.pop(0)
+            o, lse = merge(o, lse, *attend_one(q, block, r, j, causal))
+        return o, lse
+    return ring_keeping_all
 '''
 
 
 COUNTED = r"as the kernel counts it outside your code"
 MATCH = {"zero2": r"rank \d's resident memory rose by \d+ MiB, " + COUNTED,
-         "1f1b": r"rank 0's resident memory rose by \d+ MiB during your step, " + COUNTED}
-CHECK = {"zero2": check_zero2, "1f1b": check_one_f_one_b_step}
+         "1f1b": r"rank 0's resident memory rose by \d+ MiB during your step, " + COUNTED,
+         "ring": r"rank \d's resident memory rose by \d+ MiB during your forward, " + COUNTED}
+CHECK = {"zero2": check_zero2, "1f1b": check_one_f_one_b_step, "ring": check_ring_forward}
 DAYS = list(CHECK)
 
 
 @pytest.fixture(scope="module")
 def student():
-    """Per day: (the instructors' answer, the same keeping its state as bytes); and the instructors' GPipe."""
+    """Per check: (the instructors' answer, the same keeping its state as bytes or every block); and the
+    instructors' GPipe."""
     ns = {"__name__": "rank_count_student"}
     exec(compile(STUDENT, "student cell", "exec"), ns)
     zero2, pipeline = load_solution("day5_fsdp").ZeRO2, load_solution("day6_pipeline")
+    ring = load_solution("day10_context_experts")
     return {"zero2": (zero2, ns["keeping_gradients_as_bytes"](zero2)),
             "1f1b": (pipeline.one_f_one_b_step, ns["keeping_activations_as_bytes"](pipeline.one_f_one_b_step)),
+            "ring": (ring.ring_attention_forward, ns["keeping_every_block"](ring.merge_partials)),
             "gpipe": pipeline.gpipe_step}
 
 
