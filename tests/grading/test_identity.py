@@ -31,7 +31,7 @@ from tests.student_cell import student_cell
 pytestmark = pytest.mark.trust  # a hostile class's evidence: its own CI step, pytest -m trust
 
 STUDENT = '''
-import gc, importlib, inspect, marshal, types
+import dis, gc, importlib, inspect, marshal, types
 import torch
 import dlo.optim.reference as ref
 
@@ -59,6 +59,20 @@ def by_function_source(*args, **kwargs):  # compiled on its own: 3.11 makes `mat
 
 def by_reload(*args, **kwargs):  # a fresh module, whose functions no blocker ever saw
     return importlib.reload(ref).adamw_step(*args, **kwargs)
+
+def _maker(c):
+    return c
+
+# hand-edited bytecode: MAKE_FUNCTION on whatever code object is passed, with no audit event for what it makes
+_maker_code = _maker.__code__.replace(co_code=bytes([dis.opmap["RESUME"], 0, dis.opmap["LOAD_FAST"], 0,
+                                                     dis.opmap["MAKE_FUNCTION"], 0, dis.opmap["RETURN_VALUE"], 0]),
+                                      co_stacksize=1)
+
+def by_make_function(*args, **kwargs):  # the reference's module run from its own file's code, made by hand
+    g = {"__name__": "mine", "__builtins__": __builtins__}
+    module = compile(open(inspect.getfile(ref)).read(), inspect.getfile(ref), "exec", dont_inherit=True)
+    types.FunctionType(_maker_code, g)(module)()
+    return inspect.unwrap(g["adamw_step"])(*args, **kwargs)
 
 def by_gc(*args, **kwargs):  # the original function object, wherever the collector finds it
     gc.unfreeze()  # what a process froze (dlo.distributed._worker, dlo.harness.warm) is out of get_objects' sight
@@ -157,12 +171,13 @@ def student():
     return student_cell(STUDENT, "identity_student")
 
 
-CLONES = ["clone", "wrapped", "by_marshal", "by_source", "by_function_source", "by_reload", "by_gc", "by_class"]
+CLONES = ["clone", "wrapped", "by_marshal", "by_source", "by_function_source", "by_reload", "by_gc", "by_class",
+          "by_make_function"]
 
 
 @pytest.mark.parametrize("fn", CLONES)
 def test_a_copy_of_the_reference_is_refused_in_the_sandbox(student, sandbox, fn):
-    with pytest.raises(ForbiddenCall, match=r"adamw_step: .*(off limits|copy of)"):
+    with pytest.raises(ForbiddenCall, match=r"adamw_step: .*(off limits|copy of|did not compile)"):
         sandbox.run(day1.check_adamw_step, getattr(student, fn), trials=2, steps=2)
 
 

@@ -33,6 +33,7 @@ rewriting the interpreter's memory.
 
 from __future__ import annotations
 
+import dis
 import sys
 import types
 import warnings
@@ -118,13 +119,36 @@ def burn(pairs: Iterable[tuple[types.FunctionType, object]]) -> list[tuple[types
 
 # ----------------------------------------------------------------------------- the audit hook
 
+def _made_by_hand(code, load_const, extended_arg, make_function, code_type, type_, len_) -> bool:
+    """Whether `code` makes a function from a code object that is not its own constant: CPython's compiler
+    puts a LOAD_CONST of the code right before every MAKE_FUNCTION (all 359,951 of them in the standard
+    library's, torch's and dlo's 15,906 files, 3.11), so only hand-edited bytecode does otherwise. Such code
+    turns any code object on the stack (a forbidden module's, compiled from its file; an original kept by the
+    grader) into a function with no audit event: a red team's Day 9 (2026-12-02), 11/11. Bound as the hook is."""
+    raw = code.co_code
+    i = raw.find(make_function)
+    while i >= 0:
+        if i % 2 == 0:  # an opcode, not an argument byte
+            if i < 2 or raw[i - 2] != load_const:
+                return True
+            arg, j, shift = raw[i - 1], i - 4, 8
+            while j >= 0 and raw[j] == extended_arg:
+                arg, j, shift = arg | raw[j + 1] << shift, j - 2, shift + 8
+            if arg >= len_(code.co_consts) or type_(code.co_consts[arg]) is not code_type:
+                return True
+        i = raw.find(make_function, i + 1)
+    return False
+
+
 def _audit(event, args, watched, ids, shapes, labels, protected, error, prefix, code_type, type_, id_, getattr_,
-           len_, shape_, kept, library_, sizes, size_):
+           len_, shape_, kept, library_, sizes, size_, by_hand, containers):
     """The hook's body. Every name it uses is a parameter bound to a default (`arm_for_good`): no global or
     builtin lookup that the student's code could rebind. `kept` holds the forbidden originals alive, so
     that their ids stay theirs. A library module imported while the check runs (torch imports
     `torch._dynamo` at a first optimizer) may hold a generic idiom with a forbidden reference's bytecode
-    (torch's `no_sync`: save a flag, set it, yield, restore): its code is not the student's (`library_`)."""
+    (torch's `no_sync`: save a flag, set it, yield, restore): its code is not the student's (`library_`).
+    Code that makes functions from code objects it did not compile (`by_hand`) is refused whatever they are:
+    the functions it would make are never seen here."""
     if event not in watched:
         return
     if event == "object.__setattr__":
@@ -151,9 +175,14 @@ def _audit(event, args, watched, ids, shapes, labels, protected, error, prefix, 
             if not library:
                 raise error(f"{prefix}this code is a copy of {labels.get(key, 'a forbidden reference')}, off "
                             f"limits while this check runs: the exercise asks for your own implementation")
+        if by_hand(c):
+            raise error(f"{prefix}this code makes a function from a code object it did not compile (hand-edited "
+                        f"bytecode), refused while this check runs: write the exercise in Python")
         for k in c.co_consts:
             if type_(k) is code_type:
                 todo.append(k)
+            elif type_(k) in containers:  # the compiler never puts a code there; hand-made code may
+                todo += [x for x in k if type_(x) is code_type]
 
 
 def _library_module(code, roots, own_files, shape_, open_, compile_, str_, type_, error_) -> bool:
@@ -186,9 +215,15 @@ def library_module(codes: Codes):
                               (roots, own, shape, open, compile, str, type, Exception))
 
 
+by_hand = types.FunctionType(_made_by_hand.__code__, {"__builtins__": {}}, "by_hand",
+                             (dis.opmap["LOAD_CONST"], dis.opmap["EXTENDED_ARG"], dis.opmap["MAKE_FUNCTION"],
+                              types.CodeType, type, len))
+
+
 def _state(codes: Codes, protected: frozenset, error, exercise: str) -> tuple:
     return (WATCHED, codes.ids, codes.shapes, dict(codes.labels), protected, error, f"{exercise}: ",
-            types.CodeType, type, id, getattr, len, shape, codes.kept, library_module(codes), codes.sizes, size)
+            types.CodeType, type, id, getattr, len, shape, codes.kept, library_module(codes), codes.sizes, size,
+            by_hand, (tuple, frozenset))
 
 
 def arm_for_good(codes: Codes, protected: frozenset, error, exercise: str) -> None:
@@ -196,8 +231,8 @@ def arm_for_good(codes: Codes, protected: frozenset, error, exercise: str) -> No
     builtins: it could not look one up): the originals it keeps can be reached, never run again; its own
     code and defaults, and the `protected` functions', cannot be changed."""
     hook = types.FunctionType(_audit.__code__, {"__builtins__": {}}, "dlo_forbidden_code",
-                              _state(codes, protected | {id(_audit.__code__), id(_library_module.__code__)}, error,
-                                     exercise))
+                              _state(codes, protected | {id(_audit.__code__), id(_library_module.__code__),
+                                                         id(_made_by_hand.__code__)}, error, exercise))
     sys.addaudithook(hook)
 
 
