@@ -16,7 +16,8 @@ code itself is blocked, for as long as the check runs:
   it so). Renaming variables, moving lines, stripping the docstring or pickling change no bytecode, and
   `shape` leaves out what compiling the same text in another file changes (3.11's LOAD_METHOD for a method
   of a module imported elsewhere; a def's annotations under `from __future__ import annotations`: the
-  functions a reference defines count on their own).
+  functions a reference defines count on their own). It also refuses code that makes functions from code
+  objects it did not compile (hand-edited bytecode: `_made_by_hand`), whose functions it would never see.
 
 Where the student's code runs for the rest of a process (the sandboxed runner's session child, the
 ranks of a launch) the hook is armed `for_good`: its state lives in its own default arguments
