@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import copy
 
+import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from dlo.checks.day4_accum import check_accumulation_step
@@ -41,12 +43,34 @@ from dlo.checks.day4_train import (
     param_list,
     rows_per_rank,
     single_process,
+    torch_names,
 )
 from dlo.grading.api import case_seed, check, on_ranks, verify_wire
 from dlo.grading.compare import ok
 from dlo.measure import CommCounter, tensor_bytes
 
-DDP = ("torch.nn.parallel.DistributedDataParallel", "dlo.distributed.ddp.*")
+# the autograd engine's graph task on this thread (-1 outside backward), taken at import (`dlo.measure.comm`'s own
+# copy records each collective's): the step's backward is named by its first node, in the check's own hook
+_GRAPH_TASK = torch._C._current_graph_task_id
+
+_HOOKS = "torch.distributed.algorithms.ddp_comm_hooks"
+_HOOK_MODULES = ("default_hooks", "quantization_hooks", "powerSGD_hook", "mixed_precision_hooks",
+                 "optimizer_overlap_hooks", "debugging_hooks", "post_localSGD_hook", "ddp_zero_hook")
+# torch DDP's engine and start-up beside its Python class (a red team, 2026-12-02: torch's C++ Reducer with its
+# bucket assignment did exercise 3, torch.distributed.utils._sync_module_states and the default comm hook's
+# _allreduce_fut exercise 2): the Reducer, its bucketing and coalesced broadcast, DDP's start-up sync, its comm
+# hooks (public and private) and the composable replicate() over DDP or FSDP
+TORCH_DDP = ("torch.nn.parallel.DistributedDataParallel",) + tuple(
+    f"torch.distributed.{n}" for n in ("Reducer", "_compute_bucket_assignment_by_size", "_broadcast_coalesced")
+    if hasattr(dist, n)) + torch_names("torch.distributed.utils", (
+        "_sync_module_states", "_sync_params_and_buffers", "_verify_param_shape_across_processes")) + (
+    f"{_HOOKS}.**",) + tuple(n for m in ("", *_HOOK_MODULES) for n in torch_names(
+        f"{_HOOKS}.{m}".rstrip("."), private=True)) + torch_names(
+    "torch.distributed.algorithms._comm_hooks.default_hooks", private=True) + (
+    "torch.distributed.algorithms._comm_hooks.default_hooks.*",) + tuple(
+    f"torch.distributed._composable.{m}.replicate" for m in ("replicate", "replicate_with_fsdp")
+    if torch_names(f"torch.distributed._composable.{m}", ("replicate",)))
+DDP = TORCH_DDP + ("dlo.distributed.ddp.*",)
 
 __all__ = ["COLLECTIVES", "POINT_TO_POINT", "check_accumulation_step", "check_all_reduce_metrics", "check_bucket_ddp",
            "check_naive_ddp", "check_ring_all_reduce", "check_shard_indices", "one_neighbour"]
@@ -56,23 +80,29 @@ __all__ = ["COLLECTIVES", "POINT_TO_POINT", "check_accumulation_step", "check_al
 
 def _naive_worker(mine: dict, broadcast_parameters, all_reduce_gradients):
     """`mine`: this rank's part (`ddp_parts`). What the student's two functions communicate is counted
-    (`CommCounter`, phases "broadcast" and "step s"); the rank's sockets are compared with it after."""
+    (`CommCounter`, phases "broadcast" and "step s": which call a record came from, by its place in the count, not by
+    the counter's label, which the student's code can reach); the rank's sockets are compared with it after."""
     net = mine["net"]  # each rank starts from its own random weights
     with CommCounter() as rec:
-        rec.phase = "broadcast"
         broadcast_parameters(net)
+    spans = [("broadcast", 0, len(rec.calls))]
     start, buffers, grads = param_list(net), buffer_list(net), None
     opt = checks_optimizer(net, mine["lr"])
     for s, (x, y) in enumerate(mine["batches"]):
         F.cross_entropy(net(x), y).backward()
+        first = len(rec.calls)
         with rec:
-            rec.phase = f"step {s}"
             all_reduce_gradients(net)
+        spans.append((f"step {s}", first, len(rec.calls)))
         if s == 0:
             grads = [None if p.grad is None else p.grad.clone() for p in net.parameters()]
         opt.step()
         opt.zero_grad()
-    return {"start": start, "buffers": buffers, "grads": grads, "params": param_list(net), "records": rec.records()}
+    records = rec.records()
+    for phase, a, b in spans:
+        for r in records[a:b]:
+            r["phase"] = phase
+    return {"start": start, "buffers": buffers, "grads": grads, "params": param_list(net), "records": records}
 
 
 def _naive_comm(records: list, steps: int, psi_b: int, state_b: int, where: str) -> None:
@@ -147,7 +177,10 @@ def _bucket_worker(mine: dict, cls, frozen: bool = False):
 
 def _bucket_run(mine: dict, cls, cap_mb: float) -> dict:
     """One model at one cap. Counted (`CommCounter`): the construction, and per step backward and
-    finish_gradient_synchronization, as (kind, bytes, async, phase); all of it is compared with the sockets."""
+    finish_gradient_synchronization, as (kind, bytes, async, during backward); all of it is compared with the
+    sockets. During backward: launched in the step's own backward pass (the graph task the engine runs when the loss's
+    node starts it, the same for every hook of it); not a phase label, which the student's code can reach and set
+    (a red team, 2026-12-02), nor another backward started in finish_gradient_synchronization."""
     with CommCounter() as rec:
         rec.phase = "construction"
         model = cls(copy.deepcopy(mine["net"]), bucket_cap_mb=cap_mb)
@@ -155,14 +188,16 @@ def _bucket_run(mine: dict, cls, cap_mb: float) -> dict:
     opt = checks_optimizer(model, mine["lr"])
     calls = []
     for x, y in mine["batches"]:
-        loss = F.cross_entropy(model(x), y)
+        loss, task = F.cross_entropy(model(x), y), []
+        loss.grad_fn.register_prehook(lambda _, task=task: task.append(_GRAPH_TASK()))  # this backward's, at its start
         first = len(rec.calls)
         with rec:
             rec.phase = "backward"
             loss.backward()
             rec.phase = "after backward"
             model.finish_gradient_synchronization()
-        calls.append([(c.kind, c.nbytes, c.async_op, c.phase) for c in rec.calls[first:]])
+        during = task[0] if len(task) == 1 else None  # None: the loss's node never ran (or twice): no call counts
+        calls.append([(c.kind, c.nbytes, c.async_op, c.graph_task == during) for c in rec.calls[first:]])
         opt.step()
         opt.zero_grad()
     return {"cap_mb": cap_mb, "buffers": buffers, "calls": calls, "params": param_list(model), "records": rec.records()}
@@ -172,12 +207,14 @@ def _bucket_comm(step_calls: list, cap_mb: float, n_params: int, psi_b: int, her
     """One step's messages (`_bucket_run`): one async all-reduce per bucket, launched from the hooks during
     backward, carrying every gradient once (Psi float64 values: the buckets' buffers together); nothing else,
     and nothing after backward but waiting on the handles."""
-    reduces = [(is_async, phase == "backward") for kind, _, is_async, phase in step_calls if kind == "all_reduce"]
+    reduces = [(is_async, during) for kind, _, is_async, during in step_calls if kind == "all_reduce"]
     if not all(is_async and during for is_async, during in reduces):
         raise AssertionError(f"bucket DDP: every bucket's all-reduce must be launched with async_op=True "
-                             f"from the gradient hooks, during backward (calls as (async, during "
-                             f"backward): {reduces}) ({here})")
-    other = sorted({(kind, phase) for kind, _, _, phase in step_calls if kind != "all_reduce"})
+                             f"from the gradient hooks, during loss.backward() (calls as (async, during "
+                             f"backward): {reduces}; during backward is read from autograd's engine at the call) "
+                             f"({here})")
+    other = sorted({(kind, "during backward" if during else "after backward")
+                    for kind, _, _, during in step_calls if kind != "all_reduce"})
     if other:
         raise AssertionError(f"bucket DDP: {', '.join(f'{k} {p}' for k, p in other)}: the gradients travel in the "
                              f"buckets' all-reduces only, and finish_gradient_synchronization() only waits on "

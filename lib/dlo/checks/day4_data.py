@@ -3,7 +3,8 @@
 The sampler needs no communication and runs in the grading process; the metrics run on `world_size` fresh
 ranks (`dlo.grading.api.on_ranks`, gloo), each given only its own sums. The exercise specifies one answer:
 the strided slice perm[rank::world_size] of torch.randperm(n) seeded by seed + epoch, as Python ints; the
-metrics as a tuple of two Python floats.
+metrics as a tuple of two Python floats, from an all-reduce that took in each rank's own sums (copied as it ran,
+`dlo.checks.day7_comms.CommTap`), the ranks' sockets agreeing (`verify_wire`).
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ import random
 
 import torch
 
-from dlo.grading.api import case_seed, check, on_ranks
+from dlo.checks.day7_comms import CommTap
+from dlo.grading.api import case_seed, check, on_ranks, verify_wire
 from dlo.grading.compare import ok
 
 SAMPLERS = ("dlo.distributed.data.shard_indices", "dlo.distributed.data.ShardSampler",
@@ -42,9 +44,11 @@ def check_shard_indices(fn, seed: int = 0, trials: int = 6) -> None:
         if [_ints(fn(n, r, w, seed=s, epoch=e)) for r in range(w)] != [_ints(sh) for sh in shards]:
             raise AssertionError(f"{name}: two calls with the same arguments gave different shards; draw the "
                                  f"permutation from a generator seeded with seed and epoch ({where})")
-        if n >= 10 and _ints(fn(n, 0, w, seed=s, epoch=e + 1)) == _ints(shards[0]):
-            raise AssertionError(f"{name}: epoch {e + 1} gives the same shard as epoch {e}: reshuffle per epoch "
-                                 f"({where})")
+        # every rank's shard at once (the whole permutation): rank 0's alone is the same in two epochs of a right
+        # answer in ~1.5% of submissions (a false negative, 2026-12-02); the whole, once in n! >= 3.6M at n >= 10
+        if n >= 10 and [_ints(fn(n, r, w, seed=s, epoch=e + 1)) for r in range(w)] == [_ints(sh) for sh in shards]:
+            raise AssertionError(f"{name}: epoch {e + 1} gives the same shards as epoch {e} on every rank: reshuffle "
+                                 f"per epoch (seed the generator with seed + epoch) ({where})")
         _same_shards(name, shards, n, w, s, e, where)
     ok(name, f"{trials} trials, seed={seed}")
 
@@ -80,12 +84,32 @@ def _metrics_case(seed: int, w: int):
 
 
 def _metrics_worker(mine: tuple, fn):
-    """`mine`: this rank's own (loss_sum, correct, count)."""
-    got = fn(*mine)
+    """`mine`: this rank's own (loss_sum, correct, count). What the call sent is counted, and what it put into each
+    collective copied as it ran (`CommTap`): the right floats from a channel beside the process group (files)
+    reduce nothing."""
+    with CommTap() as tap:
+        got = fn(*mine)
     if not isinstance(got, tuple) or len(got) != 2 or any(type(g) is not float for g in got):
         kinds = ", ".join(type(g).__name__ for g in got) if isinstance(got, (tuple, list)) else ""
         return {"bad": f"{type(got).__name__}({kinds}): {got!r}"[:200]}
-    return {"got": list(got)}
+    return {"got": list(got), "records": tap.records(), "inputs": tap.inputs}
+
+
+def _metrics_comm(res: dict, mine: tuple, where: str) -> None:
+    """One rank's messages: all-reduces only, which between them took in this rank's three sums (a 1e-6 margin:
+    float32 sums are named by the comparison before)."""
+    kinds = sorted({rec["kind"] for rec in res["records"]})
+    if kinds != ["all_reduce"]:
+        raise AssertionError(f"all_reduce_metrics: the rank made {', '.join(kinds) or 'no collective'}; the sums "
+                             f"travel in dist.all_reduce of one float64 tensor (loss_sum, correct, count), not beside "
+                             f"torch.distributed (a file) nor in another collective ({where})")
+    sent = torch.cat([t.reshape(-1).to(torch.float64) for t in res["inputs"]])
+    missing = [label for label, v in zip(("loss_sum", "correct", "count"), mine)
+               if not bool(((sent - float(v)).abs() <= 1e-6 * (1 + abs(float(v)))).any())]
+    if missing:
+        raise AssertionError(f"all_reduce_metrics: the all-reduce did not take in this rank's {', '.join(missing)} "
+                             f"(it reduced {sent.tolist()[:6]}); all-reduce the rank's own sums, "
+                             f"torch.tensor([loss_sum, correct, count], dtype=torch.float64), then divide ({where})")
 
 
 @check(forbid=("dlo.distributed.data.all_reduce_metrics",))
@@ -108,4 +132,7 @@ def check_all_reduce_metrics(fn, seed: int = 0, world_size: int = 2) -> None:
                 raise AssertionError(f"all_reduce_metrics: {label} {g:.6g}, expected {wnt:.6g}: all-reduce the sums "
                                      f"and the counts, then divide (a mean of per-rank means weights small shards "
                                      f"too much) ({where})")
+    for r, (res, mine) in enumerate(zip(got, zip(losses, corrects, counts))):  # the right numbers; then how
+        _metrics_comm(res, mine, f"world_size={world_size}, counts={counts}, rank {r}")
+    verify_wire("all_reduce_metrics", [res["records"] for res in got], world_size, f"world_size={world_size}")
     ok("all_reduce_metrics", f"{world_size} ranks, seed={seed}")

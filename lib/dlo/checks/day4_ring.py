@@ -40,6 +40,12 @@ COLLECTIVES = tuple(f"torch.distributed.{n}" for n in (
     f"_c10d_functional::{op}*" for op in ("all_", "reduce_scatter", "broadcast")) + (
     "_c10d_functional_autograd::*",)
 
+# the library's other rings and point-to-point machinery (a red team, 2026-12-02: Day 7's collective matmul,
+# async_tp.matmul_reduce_scatter then all_gather_matmul with a 1x1 identity, passed the chunks round the ring)
+LIBRARY_RINGS = tuple(f"dlo.distributed.{m}.*" for m in (
+    "collectives", "async_tp", "context_parallel", "tp_comms", "ulysses", "expert_parallel", "pipeline",
+    "pipeline_comms"))
+
 
 def _ring_case(seed: int, trials: int, w: int):
     """Per trial: the shape, and every rank's input (rank r draws from its own generator)."""
@@ -79,7 +85,7 @@ def _ring_worker(mine: list, fn):
     return out
 
 
-@check(forbid=COLLECTIVES, hint=POINT_TO_POINT)
+@check(forbid=COLLECTIVES + LIBRARY_RINGS, hint=POINT_TO_POINT)
 def check_ring_all_reduce(fn, seed: int = 0, world_size: int = 2, trials: int = 6) -> None:
     """`fn(tensor)` sums tensor over the ranks (in place, or returns the sum) with point-to-point
     messages only; compared with the sum of the ranks' inputs on random float64 tensors of odd sizes,

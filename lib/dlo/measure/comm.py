@@ -31,6 +31,18 @@ _OPS = {
 }
 
 
+# the autograd engine's graph task running on this thread (-1: none), taken at import: whether a collective was
+# launched during a backward is read from the engine at the call, not from a label the caller can set (a red team,
+# 2026-12-02: a bucketed DDP that all-reduced after backward relabelled the counter's phase "backward")
+_GRAPH_TASK = torch._C._current_graph_task_id
+
+
+def graph_task() -> int:
+    """The id of the backward pass (the autograd engine's graph task) this thread is running, -1 outside one:
+    distinct for each backward, the same for every hook of one."""
+    return _GRAPH_TASK()
+
+
 def collective_kind(func) -> str | None:
     """The kind (a key of the table above: "all_reduce", ..., "send", "recv") of a dispatcher op, or
     None for an op that is not a collective or a point-to-point message."""
@@ -49,6 +61,7 @@ class CommCall:
     async_op: bool = False  # launched asynchronously (a Work handle to wait on; functional ones always are)
     phase: object = None
     peer: int | None = None  # send / recv: the other rank (in the group), None for collectives
+    graph_task: int = -1  # the backward pass running when it was launched (`graph_task`), -1 outside backward
 
 
 def _group_size(args, default: int) -> int:
@@ -97,10 +110,11 @@ class CommCounter(TorchDispatchMode):
     """Record every collective this rank issues inside the block (a thread-local dispatch mode).
 
     `calls` lists CommCall records; `phase` is a free label copied into each call (set it to
-    "forward"/"backward" around the parts of a step). Summaries: `count(kind)`, `bytes(kind)` (payload)
-    and `sent(kind)` (ring-model bytes this rank sends), `by_kind()`; by phase: `tally(records())`,
-    `comm_bytes(records(), kind, phase)`. Functional collectives report
-    their input; `all_gather_into_tensor`'s payload is scaled by the group size to the output's.
+    "forward"/"backward" around the parts of a step): the caller's to set, so the student's code can set it too;
+    `graph_task`, the backward pass running at the call, is read from autograd's engine. Summaries: `count(kind)`,
+    `bytes(kind)` (payload) and `sent(kind)` (ring-model bytes this rank sends), `by_kind()`; by phase:
+    `tally(records())`, `comm_bytes(records(), kind, phase)`. Functional collectives report their input;
+    `all_gather_into_tensor`'s payload is scaled by the group size to the output's.
     """
 
     def __init__(self, world_size: int | None = None):
@@ -133,7 +147,7 @@ class CommCounter(TorchDispatchMode):
             # send/recv_: (tensors, group, peer, tag); recv_any_source_: (tensors, group, tag): no peer known
             peer = args[2] if name in ("send", "recv_") and len(args) > 2 and isinstance(args[2], int) else None
             self.calls.append(CommCall(op, kind, nbytes, _sent(kind, nbytes, world_size), world_size,
-                                       _async_op(func, args, kwargs), self.phase, peer))
+                                       _async_op(func, args, kwargs), self.phase, peer, _GRAPH_TASK()))
         return func(*args, **kwargs)
 
     def count(self, kind: str | None = None) -> int:
@@ -155,11 +169,12 @@ class CommCounter(TorchDispatchMode):
         return out
 
     def records(self) -> list[dict]:
-        """Each call as plain data ({"kind", "bytes", "sent", "async", "phase", "group", "op"}; group: the
-        ranks of its process group; op: the dispatcher op): what a rank returns across a process boundary or
-        the grader's wire, and what `tally`, `comm_bytes` and `gloo_wire_bytes` read."""
+        """Each call as plain data ({"kind", "bytes", "sent", "async", "phase", "group", "op", "graph_task"};
+        group: the ranks of its process group; op: the dispatcher op; graph_task: the backward pass it was
+        launched in, -1 outside one): what a rank returns across a process boundary or the grader's wire, and what
+        `tally`, `comm_bytes` and `gloo_wire_bytes` read."""
         return [{"kind": c.kind, "bytes": c.nbytes, "sent": c.sent, "async": c.async_op, "phase": c.phase,
-                 "group": c.world_size, "op": c.op} for c in self.calls]
+                 "group": c.world_size, "op": c.op, "graph_task": c.graph_task} for c in self.calls]
 
     def by_kind(self, field: str | None = None) -> dict:
         """{kind: {"calls", "bytes", "sent"}} over everything recorded; {kind: that number} given a field."""
