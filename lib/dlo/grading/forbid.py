@@ -215,13 +215,14 @@ _THREAD_STARTERS = (("_thread", "start_new_thread"), ("_thread", "start_new"), (
 
 
 @contextlib.contextmanager
-def no_threads(exercise: str) -> Iterator[None]:
+def no_threads(exercise: str, where: str = " on the ranks") -> Iterator[None]:
     """Starting a Python thread raises ForbiddenCall inside the block, and a thread that appeared
-    anyway fails the check at its end. On a rank the grader counts collectives (`CommCounter`) and
-    saved tensors (`SavedTensorMeter`) on the thread that calls the student's code (both are
-    thread-local): work moved to another thread would be invisible to them."""
-    message = (f"{exercise}: starting a thread is off limits while this check runs on the ranks: the grader "
-               f"counts the collectives and the tensors saved for backward on the thread that calls your code; "
+    anyway fails the check at its end. The grader counts collectives (`CommCounter`), saved tensors
+    (`SavedTensorMeter`) and operators (its dispatch modes) on the thread that calls the student's code
+    (all thread-local): work moved to another thread would be invisible to them (a red team's Day 3 kept a
+    whole graph so, 2026-12-02). Used on the ranks and, for good, in the sandbox's session child."""
+    message = (f"{exercise}: starting a thread is off limits while this check runs{where}: the grader counts the "
+               f"collectives, the tensors saved for backward and the operators on the thread that calls your code; "
                f"run everything there")
 
     def refuse(*args, **kwargs):

@@ -96,6 +96,10 @@ class Session:
         if not self.ran_student:  # loading the captures below may run the student's code (__reduce__)
             self.ran_student = True
             disown_fork_server()  # nor may that code ask the ranks' fork server for unguarded ranks
+            # nor start a thread, for good: the meters and watches are the calling thread's (no ranks are
+            # launched from here once the student's code ran, `ranks`: their launcher's threads are not needed)
+            self._threads = forbid.no_threads(self.name, "")  # held: a collected generator would restore them
+            self._threads.__enter__()
         args, kwargs = self.resolve(req.get("args", ())), self.resolve(req.get("kwargs", {}))
         if op == "call":
             value = self.resolve(req["target"])(*args, **kwargs)
