@@ -18,6 +18,11 @@ from dlo.grading.compare import assert_close, fmt, name_slip, need_dtype, ok, sa
 from dlo.models import moe
 
 ROUTE = ("dlo.models.moe.*", "dlo.distributed.expert_parallel.*")
+# the slips' helpers do the exercises' work with one thing changed (the capacity rule in any order; a stable sort by
+# expert; a gated index_add), and every checks module is loaded where the student's code runs (reachable through gc)
+OWN = "dlo.checks.day10_moe."
+ROUTE_SLIPS = (OWN + "_kept_with", OWN + "_route_slips")
+DISPATCH_SLIPS = (OWN + "_dispatch_slips", OWN + "_combine_slips")
 
 
 def _reference_route(logits: torch.Tensor, top_k: int, factor: float) -> tuple[torch.Tensor, ...]:
@@ -73,7 +78,7 @@ def integer_factor(rng, E: int, top_k: int) -> tuple[float, int]:
     raise AssertionError(f"no exact capacity factor for E={E}, k={top_k}")  # not reached for E 3..7, k 1..3
 
 
-@check(forbid=ROUTE, hint="softmax, topk and a count per expert in plain torch")
+@check(forbid=ROUTE + ROUTE_SLIPS, hint="softmax, topk and a count per expert in plain torch")
 def check_route(fn, seed: int = 0, trials: int = 6) -> None:
     """`fn(logits (S, E), top_k, capacity_factor) -> (experts (S, k) int64, gates (S, k), kept (S, k) bool)`."""
     name, rng = "route", random.Random(case_seed(seed))
@@ -141,7 +146,8 @@ def _combine_slips(y, experts, gates, kept, routing, S) -> dict:
             "permutation": wrong_order}
 
 
-@check(forbid=ROUTE, hint="index with the kept assignments and a stable sort by expert (torch.argsort(stable=True))")
+@check(forbid=ROUTE + DISPATCH_SLIPS,
+       hint="index with the kept assignments and a stable sort by expert (torch.argsort(stable=True))")
 def check_dispatch_combine(dispatch_fn, combine_fn, seed: int = 0, trials: int = 6) -> None:
     """`dispatch_fn(x, experts, kept, n_experts) -> (rows (A, dim), counts (E,))`; `combine_fn(y, experts, gates,
     kept, n_tokens) -> out (S, dim)`. Against `dlo.models.moe.dispatch` / `combine` on the same routing."""

@@ -24,6 +24,7 @@ import torch
 from dlo.checks import day10_count
 from dlo.checks.day4 import COLLECTIVES, one_neighbour
 from dlo.checks.day7_comms import CommTap
+from dlo.checks.rank_count import every_rank
 from dlo.distributed import context_parallel as cp
 from dlo.grading.api import case_seed, check, on_ranks, verify_wire, wire_sent
 from dlo.grading.compare import assert_close, fmt, ok
@@ -137,7 +138,11 @@ def check_ring_forward(fn, seed: int = 0, world_size: int = 2) -> None:
     c = _ring_case(case_seed(seed), n)
     t = c["q"].shape[2] // n
     parts = [{x: c[x][:, :, r * t:(r + 1) * t].clone() for x in ("q", "k", "v")} for r in range(n)]
-    got = on_ranks(_ring_worker, n, fn, MASKS, per_rank=parts)
+    got = every_rank(name, on_ranks(_ring_worker, n, fn, MASKS, per_rank=parts), n, fmt(c["where"]), of=list)
+    for r, res in enumerate(got):  # a call per mask, or the calls up to the one that went wrong (its "error")
+        if len(res) != len(MASKS) and not (res and isinstance(res[-1], dict) and "error" in res[-1]):
+            raise AssertionError(f"{name}: rank {r} returned {len(res)} of {len(MASKS)} calls' results (causal, then "
+                                 f"not): the grader got no result to check for the rest ({fmt(c['where'])})")
     for i, causal in enumerate(MASKS):
         _verify(name, {**c, "causal": causal}, n, [res[min(i, len(res) - 1)] for res in got])
     verify_wire(name, [[rec for call in res for rec in call["records"]] for res in got], n, fmt(c["where"]))

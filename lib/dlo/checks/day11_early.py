@@ -91,7 +91,9 @@ def _history(rng: random.Random, t: int) -> tuple[list[float], int, float, str]:
     return out, patience, min_delta, mode
 
 
-@check(forbid=EARLY, hint="count the evaluations without improvement yourself")
+# _rule with every switch at its default is the exercise's rule, and every checks module is loaded where the
+# student's code runs (the runner imports dlo.checks; reachable through gc): off limits there
+@check(forbid=EARLY + ("dlo.checks.day11_early._rule",), hint="count the evaluations without improvement yourself")
 def check_early_stop(early_stop_fn, seed: int = 0, trials: int = 12) -> None:
     """`early_stop_fn(history, patience, min_delta, mode) -> (stop, best_epoch)` against dlo's EarlyStopping."""
     name, rng = "early_stop", random.Random(case_seed(seed))

@@ -140,7 +140,9 @@ def _bad_spaces(rng: random.Random) -> list[tuple[dict, str]]:
     return out
 
 
-@check(forbid=SPACE, hint="write the draws with numpy's Generator yourself")
+# _space_slips: each slip is the right draw but in one kind (no log_uniform: the int slip's; no int: the log slip's),
+# and this module is loaded where the student's code runs (the types' worker; reachable through gc): off limits there
+@check(forbid=SPACE + ("dlo.checks.day11_space._space_slips",), hint="write the draws with numpy's Generator yourself")
 def check_sample_config(sample_fn, seed: int = 0, trials: int = 6) -> None:
     """`sample_fn(spec, seed, i) -> config` equal to `dlo.tuning.space.Space(spec).config(seed, i)`; a bad
     spec raises ValueError."""
@@ -166,7 +168,13 @@ def check_sample_config(sample_fn, seed: int = 0, trials: int = 6) -> None:
                                      f"names in the order written) ({case})")
             if isinstance(got, dict):   # the types as made, not as the wire delivers them
                 types = run_student(_types_worker, sample_fn, copy.deepcopy(spec), s, i)
-                wrong = _wrong_type(spec, want, types) if isinstance(types, list) else None
+                if not isinstance(types, list) or len(types) != len(want):
+                    n = len(types) if isinstance(types, list) else 0
+                    raise AssertionError(f"{name}: the grader got the types of {n} of the config's {len(want)} values "
+                                         f"as your code made them (a second call returned "
+                                         f"{types if isinstance(types, str) else 'a list'}): return the same dict of "
+                                         f"Python values every time ({case})")
+                wrong = _wrong_type(spec, want, types)
                 if wrong:
                     raise AssertionError(f"{name}: {wrong} ({case})")
             if _same(got, want):

@@ -130,6 +130,24 @@ def _replaced(got: dict) -> str | None:
     return None
 
 
+def _complete(name: str, got: dict, ref: nn.Module, case: str) -> None:
+    """Every module's class and mode, every parameter's flag and every tensor before and after, as the model made here
+    has them: a record left out of the reply is a module, a flag or a tensor the check would not look at."""
+    modules, tensors = [n for n, _ in _walk(ref)], set(_tensors(ref))
+    params = set(_tensors(ref, ("_parameters",)))
+    before, after = got["classes"]
+    for what, have, want in (("classes before the call", set(before), set(modules)),
+                             ("classes after it", set(after), set(modules)), ("modes", set(got["modes"]), set(modules)),
+                             ("requires_grad flags", set(got["grad"]), params),
+                             ("tensors before the training", set(got["before"]), tensors),
+                             ("tensors after it", set(got["after"]), tensors)):
+        if have != want:
+            raise AssertionError(f"{name}: the grader got the {what} of {len(have & want)} of the model's {len(want)} "
+                                 f"(missing: {sorted(want - have)[:3]}; unknown: {sorted(have - want)[:3]}): "
+                                 f"modules and their tensors stay as they are, only their flags and modes change "
+                                 f"({case})")
+
+
 @check(forbid=TRANSFER, hint="set requires_grad and the BatchNorm layers' mode yourself")
 def check_freeze(freeze_fn, seed: int = 0, trials: int = 3) -> None:
     """`freeze_fn(module) -> int`: no parameter of `module` trains, its BatchNorm statistics stay, the other
@@ -149,6 +167,7 @@ def check_freeze(freeze_fn, seed: int = 0, trials: int = 3) -> None:
         want_modes = {n: m.training for n, m in ref.named_modules()}
         got = run_student(_freeze_worker, freeze_fn, model, x, y, t)
         case = f"case {t}: {sum(p.numel() for p in ref.parameters())} parameters, {want_count} of them in features"
+        _complete(name, got, ref, case)
         replaced = _replaced(got)
         if replaced:
             raise AssertionError(f"{name}: {replaced}: the freeze must not replace the modules' classes or "

@@ -206,7 +206,7 @@ def check_accumulate_gradients(fn, seed: int = 0, trials: int = 5) -> None:
         after = student_memory() if before is not None else None
         seen, got = res["seen"], res["loss"]
         hp = dict(batch=batch, micro_batches=k)
-        if k > 1 and (len(seen) < 2 or max(seen) > math.ceil(batch / k) or sum(seen) != batch):
+        if (k > 1 and (len(seen) < 2 or max(seen) > math.ceil(batch / k))) or sum(seen) != batch:
             raise AssertionError(f"{name}: expected about {k} forward passes on micro-batches of <= "
                                  f"{math.ceil(batch / k)} samples covering the batch once, saw sizes {seen} "
                                  f"({fmt(hp)})")
@@ -216,6 +216,11 @@ def check_accumulate_gradients(fn, seed: int = 0, trials: int = 5) -> None:
             raise AssertionError(f"{name}: must return the whole-batch mean loss as a detached tensor ({fmt(hp)})")
         # rtol 1e-6: the loss is only logged, so a float32 running sum is acceptable here.
         assert_close(name, "returned loss (mean over the whole batch)", got, want.detach(), hp, rtol=1e-6)
+        names = [n for n, _ in ref.named_parameters()]
+        if [g[0] if isinstance(g, (list, tuple)) and g else None for g in res["grads"]] != names:
+            raise AssertionError(f"{name}: the grader got the gradients of {len(res['grads'])} of the model's "
+                                 f"{len(names)} parameters ({names}): every parameter's .grad must come back "
+                                 f"({fmt(hp)})")
         for (pname, grad), r in zip(res["grads"], ref.parameters()):
             assert_close(name, f"{pname}.grad (weight each micro-batch mean loss by its share of samples)",
                          grad, r.grad, hp)

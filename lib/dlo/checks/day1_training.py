@@ -43,8 +43,13 @@ def _schedule_worker(fn, kw: dict, n: int) -> list:
 
 
 def _check_schedule(name: str, fn, kw: dict, want: list[float]) -> None:
-    """Every step, boundaries included, to SCHEDULE_RTOL."""
-    for step, (got, w) in enumerate(zip(run_student(_schedule_worker, fn, kw, len(want)), want)):
+    """Every step, boundaries included, to SCHEDULE_RTOL (every step's lr must come back: a short reply is none)."""
+    lrs = run_student(_schedule_worker, fn, kw, len(want))
+    if not isinstance(lrs, list) or len(lrs) != len(want):
+        n = len(lrs) if isinstance(lrs, list) else 0
+        raise AssertionError(f"{name}: returned {n} of {len(want)} steps' lrs: the grader got no lr for a step "
+                             f"({fmt(kw)})")
+    for step, (got, w) in enumerate(zip(lrs, want)):
         if isinstance(got, torch.Tensor) and got.numel() == 1:
             got = got.item()
         if not isinstance(got, Real):

@@ -63,6 +63,10 @@ def _same(g: torch.Tensor, w: torch.Tensor, tol: float) -> bool:
 
 
 def _compare(name: str, what: str, got: list, want: list, hp: dict, tol: float = 0.0) -> None:
+    if not isinstance(got, list) or len(got) != len(want):
+        n = len(got) if isinstance(got, list) else 0
+        raise AssertionError(f"{name}: returned {n} of {len(want)} {what}s (the input's, then each parameter's): the "
+                             f"grader got no {what} to compare for the rest ({hp})")
     for i, (g, w) in enumerate(zip(got, want)):
         if g is None or not _same(g, w, tol):
             err = "missing (None)" if g is None else f"max abs error {(g - w).abs().max().item():.3g}"
@@ -269,7 +273,11 @@ def check_offload_hooks(pack, unpack, seed: int = 0, trials: int = 4, device=Non
         xs.append((torch.randn(shape, generator=gen) * 10).to(dtype))
         cases.append((shape, dtype))
     got = run_student(_offload_worker, pack, unpack, xs, cs, str(dev))
-    for (shape, dtype), obs in zip(cases, got["trials"]):
+    trials_got = got.get("trials") if isinstance(got, dict) else None
+    n = len(trials_got) if isinstance(trials_got, list) else 0
+    if n > len(cases) or not all(isinstance(obs, dict) for obs in trials_got or []):
+        raise AssertionError(f"{name}: the grader got {n} records of pack for {len(cases)} tensors")
+    for (shape, dtype), obs in zip(cases, trials_got):
         if not obs["n_held"]:
             raise AssertionError(f"{name}: pack returned no tensor (shape {shape}, {dtype})")
         if any(not d.startswith("cpu") for d in obs["devices"]):
@@ -295,9 +303,16 @@ def check_offload_hooks(pack, unpack, seed: int = 0, trials: int = 4, device=Non
             b_dev, b_dtype, b_shape = obs["back"]
             raise AssertionError(f"{name}: unpack(pack(t)) must equal t on {dev} with dtype {dtype} and "
                                  f"shape {shape}; got {b_dev}, {b_dtype}, {tuple(b_shape)}")
+    if n < len(cases):  # every tensor passed (else the loop above named the first failure): a short reply is none
+        raise AssertionError(f"{name}: returned {n} of {len(cases)} tensors' records of pack and unpack: the grader "
+                             f"got nothing to check for the rest")
     model, x = _offload_model(cs, dev)
     model(x).pow(2).sum().backward()
     want = [p.grad.cpu() for p in model.parameters()]
+    grads = got.get("grads")
+    if not isinstance(grads, list) or len(grads) != len(want):
+        raise AssertionError(f"{name}: returned {len(grads) if isinstance(grads, list) else 0} of {len(want)} "
+                             f"gradients of the model trained under saved_tensors_hooks(pack, unpack)")
     if not all(g is not None and torch.equal(g.cpu(), w) for g, w in zip(got["grads"], want)):
         raise AssertionError(f"{name}: gradients under saved_tensors_hooks(pack, unpack) differ from plain autograd")
     ok(name, f"{trials} trials, seed={seed}")

@@ -105,6 +105,21 @@ def _load_half(load_training_state, folder: str, runs: list[dict]) -> list[dict]
     return out
 
 
+def _complete(name: str, saved, loaded, runs: list[dict]) -> None:
+    """Both halves came back whole: each run's losses before the cut, and a record of each resumed run (the load
+    half stops at a wrong step, the one record the check then reads): a short reply leaves runs unchecked."""
+    losses = saved.get("losses") if isinstance(saved, dict) else None
+    if not isinstance(losses, list) or len(losses) != len(runs):
+        n = len(losses) if isinstance(losses, list) else 0
+        raise AssertionError(f"{name}: the save half returned {n} of {len(runs)} runs' losses: the grader got no "
+                             f"record of the rest")
+    n = len(loaded) if isinstance(loaded, list) else 0
+    stopped = n and isinstance(loaded[-1], dict) and "losses" not in loaded[-1]  # a wrong step: named by the check
+    if not all(isinstance(res, dict) for res in loaded or []) or (n != len(runs) and not (stopped and n < len(runs))):
+        raise AssertionError(f"{name}: the load half returned {n} of {len(runs)} resumed runs: the grader got no "
+                             f"record of the rest")
+
+
 @check(forbid=TRAINING_STATE)
 def check_resume(save_training_state, load_training_state, seed: int = 0, trials: int = 3) -> None:
     """`save_training_state(path, *, model, optimizer, scheduler, scaler, loader, step)` in one process
@@ -124,6 +139,7 @@ def check_resume(save_training_state, load_training_state, seed: int = 0, trials
         runs.append(r)
     saved = on_ranks(_save_half, 1, save_training_state, runs)[0]
     loaded = run_student(_load_half, load_training_state, saved["folder"], runs)
+    _complete(name, saved, loaded, runs)
     for t, (r, (want, scale_want), res) in enumerate(zip(runs, wants, loaded)):
         hp = dict(trial=t, steps=r["steps"], interrupted_after=r["cut"], batch=rng_batch(r["data_seed"]))
         if res["step"] != r["cut"]:

@@ -50,6 +50,7 @@ from dlo.checks.day5_zero import (
     verify_every_byte,
     verify_training,
 )
+from dlo.checks.rank_count import every_rank
 from dlo.distributed.zero import memory_per_rank
 from dlo.grading.api import case_seed, check, on_ranks, verify_wire, wire_sent
 from dlo.grading.compare import DTYPE, assert_number, ok
@@ -142,6 +143,7 @@ def check_zero1(cls, seed: int = 0, world_size: int = 2, steps: int = 3) -> None
     res = on_ranks(zero_worker, world_size, cls, 1, steps, {},
                    per_rank=[rank_part(c, secret, r, world_size, steps) for r in range(world_size)])
     where = f"world_size={world_size}, seed={seed}"
+    every_rank(name, res, world_size, where)
     verify_training(name, res, c, secret, steps, world_size, seed)
     verify_wire(name, [[rec for key in ("one_bucket_comm", "comm", "adamw_comm") for rec in got.get(key, ())]
                        for got in res], world_size, where)
@@ -178,6 +180,7 @@ def check_zero2(cls, seed: int = 0, world_size: int = 2, steps: int = 3) -> None
     res = on_ranks(zero_worker, world_size, cls, 2, steps, {"bucket_cap_mb": cap}, {"bucket_cap_mb": 25.0},
                    per_rank=[rank_part(c, secret, r, world_size, steps) for r in range(world_size)])
     where = f"world_size={world_size}, seed={seed}"
+    every_rank(name, res, world_size, where)
     verify_training(name, res, c, secret, steps, world_size, seed)
     verify_wire(name, [[rec for key in ("one_bucket_comm", "comm", "adamw_comm") for rec in got.get(key, ())]
                        for got in res], world_size, where)
@@ -226,6 +229,7 @@ def check_zero3(cls, seed: int = 0, world_size: int = 2, steps: int = 3) -> None
     res = on_ranks(zero_worker, world_size, cls, 3, steps, {},
                    per_rank=[rank_part(c, secret, r, world_size, steps) for r in range(world_size)])
     where = f"world_size={world_size}, seed={seed}"
+    every_rank(name, res, world_size, where)
     verify_training(name, res, c, secret, steps, world_size, seed)
     verify_wire(name, [[rec for key in ("one_bucket_comm", "comm", "adamw_comm") for rec in got.get(key, ())]
                        for got in res], world_size, where)

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dlo.checks.day5_zero import BYTES_TOL, STEP, batch, lm_loss, optimizer_for, train_on_full_batch
+from dlo.checks.rank_count import every_rank
 from dlo.grading.api import case_seed, check, on_ranks, verify_wire
 from dlo.grading.compare import DTYPE, assert_close, ok
 from dlo.measure import CommCounter, comm_bytes
@@ -156,7 +157,16 @@ def _fsdp_worker(mine: dict, fn, steps: int):
             "bf16": _fsdp_run(fn, mine, "sgd", 1, (torch.bfloat16, torch.float32), "none", False)}
 
 
+def _every_block(name: str, s: dict, n_layers: int, where: str) -> None:
+    """One flag per block: an empty list would pass `all(...)` and name no block."""
+    for key in ("blocks_sharded", "blocks_checkpointed"):
+        if len(s[key]) != n_layers:
+            raise AssertionError(f"{name}: the grader got {key} of {len(s[key])} of the model's {n_layers} blocks: "
+                                 f"model.layers holds every block, parallelized in place ({where})")
+
+
 def _check_fsdp_structure(name: str, s: dict, n_layers: int, where: str) -> None:
+    _every_block(name, s, n_layers, where)
     if not all(s["blocks_sharded"]):
         hint = (" (each block is checkpoint-wrapped around an FSDP module: wrap for activation checkpointing "
                 "first, then fully_shard)" if all(s["blocks_checkpointed"]) else "")
@@ -183,6 +193,7 @@ def _check_flags_honoured(name: str, run: dict, n_layers: int, where: str) -> No
     """A run with ac_mode="none", compile=False: no wrapper, no compile, each block's forward once (a
     parallelize that checkpoints and compiles whatever it is told passed when only the "full" run was read)."""
     s = run["structure"]
+    _every_block(name, s, n_layers, where)
     wrapped = [i for i, b in enumerate(s["blocks_checkpointed"]) if b]
     if wrapped:
         raise AssertionError(f"{name}: with ac_mode='none' blocks {wrapped} are wrapped with checkpoint_wrapper: "
@@ -222,6 +233,7 @@ def check_fsdp2(fn, seed: int = 0, world_size: int = 2, steps: int = 3) -> None:
     cfg, c = llama_case(secret)
     res = on_ranks(_fsdp_worker, world_size, fn, steps, per_rank=fsdp_parts(cfg, c, secret, world_size, steps))
     where = f"world_size={world_size}, n_layers={cfg.n_layers}, seed={seed}"
+    every_rank(name, res, world_size, where)
     counted = [[rec for run in ("sgd", "adamw", "bf16") for rec in got[run]["wire"]] for got in res]
     verify_wire(name, counted, world_size, where)
     sgd, adamw = (llama_reference(cfg, c, secret, k, s, world_size) for k, s in (("sgd", 1), ("adamw", steps)))

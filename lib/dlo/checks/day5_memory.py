@@ -76,6 +76,17 @@ def verify_memory(name: str, res: list, c: dict, stage: int, n: int, where: str)
     return {"psi": psi, "want": want, "slack": slack}
 
 
+def _sampled(name: str, r: int, got: dict, what: tuple[str, ...], least: dict, where: str) -> None:
+    """Each sample list the check reads holds what the watched step takes at least (`least`: one per block's
+    forward, one at the last gradient): an empty one would say nothing was held."""
+    for key in what:
+        n = len(got["samples"][key])
+        if n < least[key]:
+            raise AssertionError(f"{name}: rank {r} returned {n} of the {least[key]} or more samples of its memory "
+                                 f"during the watched {'forward' if key == 'forward' else 'step'} ({key}): the grader "
+                                 f"got nothing to hold to the formula ({where})")
+
+
 def verify_backward(name: str, res: list, c: dict, m: dict, cap: float, where: str) -> None:
     """ZeRO-2 during backward: the rank's tensors outside the engine and the activations (`outside`, counted from
     before the student's objects existed), and what the engine holds (`backward`)."""
@@ -83,7 +94,8 @@ def verify_backward(name: str, res: list, c: dict, m: dict, cap: float, where: s
     biggest = max(p.numel() for p in tied_lm(c, 0).parameters())
     peak_allowed = m["want"] + m["slack"] + 8 * 2 * (round(cap * 2 ** 20 / 8) + biggest)
     for r, got in enumerate(res):
-        outside = max(got["samples"]["outside"], default=0)
+        _sampled(name, r, got, ("outside", "backward"), {"outside": 1, "backward": 1}, where)
+        outside = max(got["samples"]["outside"])
         if outside > in_flight:
             raise AssertionError(f"{name}: during backward rank {r} kept up to {outside:,} bytes of tensors outside "
                                  f"the engine object (a class attribute, a module global, a buffer made before "
@@ -108,7 +120,8 @@ def verify_forward(name: str, res: list, c: dict, m: dict, where: str) -> None:
     root = m["psi"] - c["n_blocks"] * unit
     allowed, in_flight = m["want"] + m["slack"] + 8 * (root + unit), backward_in_flight(c)
     for r, got in enumerate(res):
-        outside = max(got["samples"]["outside"], default=0)
+        _sampled(name, r, got, ("outside", "forward"), {"outside": 1, "forward": c["n_blocks"]}, where)
+        outside = max(got["samples"]["outside"])
         if outside > in_flight:
             raise AssertionError(f"{name}: during forward rank {r} kept up to {outside:,} bytes of tensors outside the "
                                  f"engine object (a class attribute, a module global, a closure it does not hold), "

@@ -89,8 +89,9 @@ def verify_owners(name: str, res: list, c: dict, seed: int, n: int, stage: int, 
     carried = 0
     for key, u in want.items():
         g = res[0]["drift"].get(key)
-        if g is None or g.shape != u.shape:
-            continue  # verify_in_sync names a parameter not seen
+        if g is None or g.shape != u.shape:  # rank 0's is what verify_in_sync holds the others to: all of it
+            raise AssertionError(f"{name}: after the disturbed step rank 0's {key} was not seen in its forward: the "
+                                 f"grader got no value of it to check ({where})")
         off = g.to(DTYPE) - u
         carried += int(torch.stack([(off - d[key]).abs() <= OWNED_TOL for d in drawn]).any(0).sum())
     psi = count_psi(c)

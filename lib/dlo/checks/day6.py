@@ -47,6 +47,7 @@ import torch.nn.functional as F
 from dlo.checks.day6_count import count_parts, count_worker, verify_count
 from dlo.checks.day6_order import OrderWatch, torch_order, verify_order, verify_torch_order
 from dlo.checks.day6_schedules import PIPE, check_schedules, check_split_stages
+from dlo.checks.rank_count import every_rank
 from dlo.checks.saved import HOOKS, GuardedMeter
 from dlo.distributed.pipeline import build_stages, make_stage_modules
 from dlo.distributed.pipeline_comms import P2PWatch
@@ -129,7 +130,8 @@ def _step_worker(mine: dict, fn, label: str):
 def _check_step(name: str, fn, label: str, seed: int, world_size: int, equal: bool, timeout: float) -> tuple:
     c = _case(case_seed(seed), world_size, equal)  # a secret seed when graded
     c["where"]["seed"] = seed
-    got = on_ranks(_step_worker, world_size, fn, label, timeout=timeout, per_rank=_step_parts(c, world_size))
+    got = every_rank(name, on_ranks(_step_worker, world_size, fn, label, timeout=timeout,
+                                    per_rank=_step_parts(c, world_size)), world_size, str(c["where"]))
     loss, grads = _reference(c)
     where = c["where"]
     last = got[-1]["loss"]
@@ -240,15 +242,25 @@ def check_torch_pipeline(fn, seed: int = 0, world_size: int = 2,
     name, secret = "torch_pipeline", case_seed(seed)  # a secret seed when graded
     cases = {sched: _case(secret, world_size, True, (2 if sched == "Interleaved1F1B" else 1) * world_size)
              for sched in schedules}
-    got = on_ranks(_torch_worker, world_size, fn, timeout=timeout, per_rank=_torch_parts(cases, world_size))
+    got = every_rank(name, on_ranks(_torch_worker, world_size, fn, timeout=timeout,
+                                    per_rank=_torch_parts(cases, world_size)), world_size)
     orders = {sched: torch_order(sched, world_size, c["m"], 2 if sched == "Interleaved1F1B" else 1)
               for sched, c in cases.items()}
     for sched, c in cases.items():
         v = 2 if sched == "Interleaved1F1B" else 1
         loss, grads = _reference(c)
         where = {**c["where"], "seed": seed, "schedule": sched}
+        n_stages = v * world_size
         for r, rank_out in enumerate(got):
-            res = rank_out[sched]
+            res, ids = rank_out[sched], list(range(r, n_stages, world_size))  # the stages rank r holds
+            if sorted(res["grads"]) != ids or any(len(res["grads"][s]) != len(grads[s]) for s in ids):
+                raise AssertionError(f"{name}: rank {r} returned the gradients of stages {sorted(res['grads'])} "
+                                     f"({[len(g) for g in res['grads'].values()]} parameters), it holds stages {ids} "
+                                     f"({[len(grads[s]) for s in ids]}): the grader got no gradient to check for "
+                                     f"the rest ({where})")
+            if res["last"] != (n_stages - 1 in ids):
+                raise AssertionError(f"{name}: rank {r} said it holds{'' if res['last'] else ' not'} the last stage; "
+                                     f"it holds stages {ids} of {n_stages} ({where})")
             if res["chunks"] != c["m"] * v:
                 raise AssertionError(f"{name}: torch's pipeline stages on rank {r} ran {res['chunks']} micro-batch "
                                      f"forwards, expected {c['m'] * v}: build PipelineStage(s) and call the "

@@ -17,6 +17,7 @@ import functools
 import torch
 from torch import Tensor
 
+from dlo.checks.rank_count import every_rank
 from dlo.grading.api import verify_wire
 from dlo.grading.compare import fmt
 from dlo.measure import CommCounter, collective_kind, tensors_in
@@ -92,7 +93,9 @@ def recorded(worker):
 
 
 def verified(name: str, got: list[dict], t: int, where) -> list:
-    """The ranks' results of `recorded`, once their counted bytes agree with their sockets'."""
+    """The ranks' results of `recorded`, once their counted bytes agree with their sockets' (every rank's: a short
+    list would leave ranks unchecked and their inputs out of the sums)."""
+    every_rank(name, got, t, fmt(where))
     verify_wire(name, [res["records"] for res in got], t, fmt(where))
     return [res["out"] for res in got]
 

@@ -16,6 +16,7 @@ from dlo.checks.day7_shared import (
     SwiGLU,
     assert_block_close,
     expect_comms,
+    expect_own_work,
     expect_split_work,
     fwd_bwd,
     only_blocks,
@@ -201,4 +202,5 @@ def check_tp_swiglu(cls, seed: int = 0, world_size: int = 2) -> None:
                                getattr(c["ffn"], w).weight.grad.chunk(t, dim)[r], here)
         expect_split_work(name, res["flops"], whole, t, here)
     expect_block_sums(name, got, y, dx, {**c["where"], "seed": seed})
+    expect_own_work(name, got, whole, t, {**c["where"], "seed": seed})
     ok(name, f"one all-reduce each way on {world_size} ranks, seed={seed}")

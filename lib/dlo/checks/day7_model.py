@@ -18,6 +18,7 @@ from dlo.checks.day7_shared import (
     LAYERS,
     assert_block_close,
     expect_comms,
+    expect_own_work,
     expect_split_work,
     fwd_bwd,
     only_blocks,
@@ -26,6 +27,7 @@ from dlo.checks.day7_shared import (
     reference_flops,
     seeded_gen,
 )
+from dlo.checks.rank_count import every_rank
 from dlo.grading.api import case_seed, check, on_ranks
 from dlo.grading.compare import DTYPE, assert_close, ok
 
@@ -116,6 +118,7 @@ def check_tp_attention(cls, seed: int = 0, world_size: int = 2) -> None:
                                  f"n_kv_heads (a rank needs whole KV heads), got "
                                  f"{'no error' if res['bad'] is None else repr(res['bad'])} ({here})")
     expect_block_sums(name, got, y, dx, {**c["where"], "seed": seed})
+    expect_own_work(name, got, whole, t, {**c["where"], "seed": seed})
     ok(name, f"{c['where']['n_heads']} heads / {c['where']['n_kv_heads']} KV heads on {world_size} ranks, seed={seed}")
 
 
@@ -185,7 +188,7 @@ def check_dtensor_plan(fn, seed: int = 0, world_size: int = 2) -> None:
     # rank's own chunk with src_data_rank=None), and the replicated ones (norms) whole, so no rank
     # can be given its shard alone. What stays here is the seed, and with it the case's drawing.
     part = {"model": _llama(c["cfg"], secret), "tokens": c["tokens"], "targets": c["targets"]}
-    got = on_ranks(_dtensor_worker, world_size, fn, per_rank=[part] * world_size)
+    got = every_rank(name, on_ranks(_dtensor_worker, world_size, fn, per_rank=[part] * world_size), world_size)
     c["where"]["seed"] = seed
     model = _llama(c["cfg"], secret)
     loss = F.cross_entropy(model(c["tokens"]).flatten(0, 1), c["targets"].flatten())
@@ -212,8 +215,12 @@ def check_dtensor_plan(fn, seed: int = 0, world_size: int = 2) -> None:
             hint = " (tied to output.weight: call model.tie_weights() after parallelize_module)" \
                 if pname == "tok_embeddings.weight" else ""
             assert_close(name, f"gradient of {pname}{hint}", res["grads"][pname], p.grad, here)
-        big = {n: s for n, s in res["local"].items() if n.endswith(("wq.weight", "w1.weight", "w2.weight"))}
         full_numel = {n: p.numel() for n, p in model.named_parameters()}
+        if set(res["local"]) != set(full_numel):
+            raise AssertionError(f"{name}: rank {r} returned the local shapes of {len(res['local'])} of the model's "
+                                 f"{len(full_numel)} parameters: the grader got no shape to check for the rest "
+                                 f"({here})")
+        big = {n: s for n, s in res["local"].items() if n.endswith(("wq.weight", "w1.weight", "w2.weight"))}
         unsharded = [n for n, s in big.items() if math.prod(s) != full_numel[n] // world_size]
         if unsharded:
             raise AssertionError(f"{name}: {unsharded[:3]} hold {[big[n] for n in unsharded[:3]]} on rank {r}: "

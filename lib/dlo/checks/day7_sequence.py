@@ -197,6 +197,21 @@ def _ce_worker(mine, fn):
     return out
 
 
+def _ce_records(name: str, records: list[list[dict]], cases: list[dict]) -> None:
+    """The per-trial rule below on every collective the rank's worker issued (`recorded`'s count, which
+    `verified` holds to the rank's sockets): the per-trial lists come from counters of their own, which an empty
+    reply would leave with nothing to judge."""
+    allowed = sum(4 * c["where"]["N"] * c["logits"].element_size() for c in cases)
+    for r, recs in enumerate(records):
+        other = sorted({x["kind"] for x in recs if x["kind"] != "all_reduce"})
+        total = sum(x["bytes"] for x in recs if x["kind"] == "all_reduce")
+        if other or total > allowed:
+            raise AssertionError(f"{name}: rank {r} issued {other or 'all-reduces'} of {total:,} bytes in all over the "
+                                 f"{len(cases)} trials, {allowed:,} allowed: only all-reduces of per-token numbers "
+                                 f"(max, sum of exponentials, target logit) are needed; gathering the logits is what "
+                                 f"the exercise avoids")
+
+
 @check(forbid=LAYERS + ("torch.distributed.tensor.parallel.loss_parallel",))
 def check_vocab_parallel_cross_entropy(fn, seed: int = 0, world_size: int = 2, trials: int = 3) -> None:
     """`fn(logits, target, group=None)`: the mean cross-entropy of (N, V/t) logits split by
@@ -210,13 +225,17 @@ def check_vocab_parallel_cross_entropy(fn, seed: int = 0, world_size: int = 2, t
         c["where"]["seed"] = seed
     per_rank = [[{"logits": c["logits"].chunk(t, -1)[r].clone(), "target": c["target"]} for c in cases]
                 for r in range(t)]
-    got = verified(name, on_ranks(_ce_worker, world_size, fn, per_rank=per_rank), t, cases[0]["where"])
+    raw = on_ranks(_ce_worker, world_size, fn, per_rank=per_rank)
+    got = verified(name, raw, t, cases[0]["where"])
     for trial, c in enumerate(cases):
         logits = c["logits"].clone().requires_grad_(True)
         loss = F.cross_entropy(logits, c["target"])
         loss.backward()
         N = c["where"]["N"]
         for r, rank_out in enumerate(got):
+            if not isinstance(rank_out, list) or len(rank_out) != len(cases):
+                raise AssertionError(f"{name}: rank {r} returned {len(rank_out) if isinstance(rank_out, list) else 0} "
+                                     f"of {len(cases)} trials: the grader got no result to check for the rest")
             res, here = rank_out[trial], {**c["where"], "rank": r}
             big = [(k, n) for k, n in res["calls"] if k != "all_reduce" or n > 4 * N * 8]
             if big:
@@ -233,4 +252,5 @@ def check_vocab_parallel_cross_entropy(fn, seed: int = 0, world_size: int = 2, t
                                      f"is gathering them, which the exercise avoids ({here})")
             assert_close(name, "loss", res["loss"], loss.detach(), here)
             assert_close(name, "logits gradient (this rank's classes)", res["grad"], logits.grad.chunk(t, -1)[r], here)
+    _ce_records(name, [res["records"] for res in raw], cases)
     ok(name, f"{trials} trials on {world_size} ranks, seed={seed}")

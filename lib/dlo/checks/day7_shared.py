@@ -130,6 +130,18 @@ def expect_split_work(name: str, got: int, whole: int, t: int, where) -> None:
                              f"units ({whole // t:,}), not the whole layer ({where})")
 
 
+def expect_own_work(name: str, got: list[dict], whole: int, t: int, where) -> None:
+    """Each rank's FLOPs (`res["flops"]`) at least half its share of one process's: `expect_split_work`'s bound is an
+    upper one, which a count of 0 (the matmuls run where the counter does not see them, or the count emptied)
+    satisfies. Checked after the collectives' contents, whose messages name the usual ways round it."""
+    for r, res in enumerate(got):
+        if res["flops"] < whole / t / 2:
+            raise AssertionError(f"{name}: the grader counted {res['flops']:,} FLOPs in rank {r}'s forward and "
+                                 f"backward, its 1/{t} share of the layer's is {whole // t:,}: compute this rank's "
+                                 f"heads or hidden units with torch's matmuls (F.linear, @), where the count sees them "
+                                 f"({where})")
+
+
 def param_grad(module, name: str, what: str):
     obj = module
     for part in name.split("."):

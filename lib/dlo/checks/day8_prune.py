@@ -83,7 +83,9 @@ def _schedule_slips(step: int, s_f: float, t0: int, t1: int, s_i: float) -> dict
             "no clamp: s_i before begin_step and s_f after end_step": s_f + (s_i - s_f) * (1 - raw) ** 3}
 
 
-@check(forbid=("dlo.prune.gradual_sparsity", *PRUNING))
+# _schedule_slips: its "no clamp" slip is the schedule itself between begin_step and end_step, and this module is
+# loaded where the student's code runs (the pruned pair's worker; reachable through gc): off limits there
+@check(forbid=("dlo.prune.gradual_sparsity", "dlo.checks.day8_prune._schedule_slips", *PRUNING))
 def check_gradual_sparsity(fn, seed: int = 0, trials: int = 4) -> None:
     """`fn(step, final_sparsity, begin_step, end_step, initial_sparsity) -> float`: the cubic of Zhu & Gupta
     derived from s(0) = s_i, s(1) = s_f, s'(1) = s''(1) = 0; a wrong value is named by the slip it matches."""
@@ -128,6 +130,10 @@ def check_prune_linear_pair(fn, seed: int = 0, trials: int = 4) -> None:
         hp = dict(d_in=d_in, hidden=hidden, d_out=d_out, n_keep=n_keep)
         got = run_student(_prune_pair_worker, fn, fc1, fc2, n_keep)
         want1, want2 = prune.prune_linear_pair(fc1, fc2, n_keep)
+        if not isinstance(got.get("layers"), list) or len(got["layers"]) != 2:
+            n = len(got["layers"]) if isinstance(got.get("layers"), list) else 0
+            raise AssertionError(f"{name}: returned {n} of 2 new layers (new fc1, new fc2): the grader got no layer "
+                                 f"to check for the rest ({fmt(hp)})")
         for layer, want, label in zip(got["layers"], (want1, want2), ("new fc1", "new fc2")):
             if not layer["linear"] or tuple(layer["shape"]) != tuple(want.weight.shape):
                 shape = tuple(layer["shape"]) if layer["linear"] else layer["type"]

@@ -1,5 +1,6 @@
-"""What the launcher read of each rank's memory in a counted case, for the checks that hold a student's step to
-the course's own on the same case (Day 5's ZeRO-2, Day 6's 1F1B).
+"""Each rank's reply, all of them (`every_rank`: the checks on ranks of Days 5, 6, 7 and 10), and what the launcher
+read of each rank's memory in a counted case, for the checks that hold a student's step to the course's own on the
+same case (Day 5's ZeRO-2, Day 6's 1F1B).
 
 A counted case runs on ranks the check launches (`dlo.grading.api.on_ranks`) with a worker whose
 `counted_prelude` runs the course's reference first, on each rank, before any student object exists
@@ -16,6 +17,17 @@ under it reached is not known, nor needed).
 from __future__ import annotations
 
 from dlo.grading.api import rank_memory
+
+
+def every_rank(name: str, results, world_size: int, where: str = "", of: type = dict) -> list:
+    """`results` of an `on_ranks` as the check needs them: one per rank, each a dict (a short or empty list
+    of replies came from the student's side, whose code can rewrite what the ranks' replies go through, and
+    would leave ranks unchecked)."""
+    got = len(results) if isinstance(results, list) else 0
+    if got != world_size or not all(isinstance(r, of) for r in results):
+        raise AssertionError(f"{name}: the grader got results from {got} of {world_size} ranks: each rank's "
+                             f"reply must come back whole" + (f" ({where})" if where else ""))
+    return results
 
 
 def counted_peaks(name: str, where: str) -> list[tuple[int, int]]:
