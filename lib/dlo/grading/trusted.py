@@ -80,11 +80,14 @@ class Session:
             raise AssertionError(stub_message(self.name, str(stub)))
         reply = self.request({"op": "ranks", "worker": worker, "world_size": world_size, "args": args,
                               "kwargs": kwargs, "timeout": timeout, "backend": backend, "per_rank": per_rank})
-        if type(reply) is not dict or type(reply.get("results")) is not list:
+        if type(reply) is not dict or type(reply.get("results")) is not list or len(reply["results"]) != world_size:
             raise RuntimeError("a malformed reply to a ranks request came from the sandbox")
         wire = reply.get("wire")  # measured by the session's child, which ran no student code
         self.wire = wire if type(wire) is list and len(wire) == world_size and all(
             type(b) is int for b in wire) else None
+        if self.wire is None and backend == "gloo":  # every gloo launch there is metered: a check would skip its
+            # byte and memory counts (`api.wire_sent() is None` reads as the tests' unmetered ranks), never pass so
+            raise RuntimeError(f"grader: {self.name}'s ranks in the sandbox came back without their sockets' count")
         memory = reply.get("memory")  # the ranks' memory, read there too (`api.rank_memory`)
         self.rank_memory = memory if type(memory) is list and len(memory) == world_size and all(
             type(m) is dict and all(type(v) is int for v in m.values()) for m in memory) else None
