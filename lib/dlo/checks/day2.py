@@ -16,6 +16,7 @@ Here: the precision exercises; the bf16 rounding is `dlo.checks.day2_rounding`, 
 
 from __future__ import annotations
 
+import copy
 import math
 import random
 
@@ -55,9 +56,10 @@ def _autocast_worker(fn, sub: int, dims: tuple, lr: float, dtype, scaled: bool, 
     """Train the student's step on a fresh MLP (the reference's start) on `device` with stale grads
     pre-filled; per step: the first Linear's output dtype, the returned loss, the scale and the
     parameters, on the CPU (an exception after the first step ends the run, recorded: the steps before
-    it are compared first). None where the student's side has no such device (a jail without it)."""
+    it are compared first). {"absent": device} where the student's side has no such device (a jail without
+    it): the check accepts that for a device other than the CPU only (`_step_records`)."""
     if device != "cpu" and not torch.cuda.is_available():
-        return None
+        return {"absent": device}
     model = _mlp(sub, *dims).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     scaler = torch.amp.GradScaler(device, init_scale=2.0 ** 24, growth_interval=2) if scaled else None
@@ -83,6 +85,32 @@ def _autocast_worker(fn, sub: int, dims: tuple, lr: float, dtype, scaled: bool, 
     return out
 
 
+STEP_KEYS = {"seen": list, "param_dtypes": list, "loss_ok": bool, "params": list}
+
+
+def _step_records(name: str, got, device: str, steps: int, n_params: int, where: dict) -> list | None:
+    """The worker's reply, held to what `_autocast_worker` sends whatever came back: a record of every step (or
+    of the steps up to one that raised, ending with {"error": ...}); None only for {"absent": device} on a
+    device other than the CPU, where the student's side has no such device. Anything else (no reply, a short
+    one, a record missing its fields) fails: the comparison below reads every step it is given, and only those."""
+    if device != "cpu" and type(got) is dict and got == {"absent": device}:
+        return None
+    if type(got) is not list or not got:
+        raise AssertionError(f"{name}: no record of the training steps came back from where your code ran (got "
+                             f"{type(got).__name__}); the check compares every step ({fmt(where)})")
+    *done, last = got
+    ended = type(last) is dict and set(last) == {"error"} and type(last["error"]) is str  # a step raised
+    whole = done + ([] if ended else [last])
+    if len(whole) == (len(got) - 1 if ended else steps) and len(got) <= steps and whole and all(
+            type(rec) is dict and all(type(rec.get(k)) is v for k, v in STEP_KEYS.items())
+            and len(rec["params"]) == len(rec["param_dtypes"]) == n_params
+            and isinstance(rec.get("loss"), torch.Tensor if rec["loss_ok"] else (torch.Tensor, type(None)))
+            for rec in whole):
+        return got
+    raise AssertionError(f"{name}: the record of the training steps that came back is incomplete or malformed "
+                         f"({len(got)} entries for {steps} steps); the check compares every step ({fmt(where)})")
+
+
 @check(forbid=("dlo.amp.train_step", "dlo.amp.amp_step", "dlo.amp.train_amp", "dlo.amp.precision_step"))
 def check_autocast_train_step(fn, seed: int = 0, trials: int = 4, steps: int = 3) -> None:
     """`fn(model, optimizer, x, y, *, dtype, scaler=None) -> loss` vs dlo.amp.train_step. Even trials:
@@ -106,8 +134,9 @@ def check_autocast_train_step(fn, seed: int = 0, trials: int = 4, steps: int = 3
         stale = [torch.randn(p.shape, generator=gen) for p in ref.parameters()]  # stale grads of an earlier step
         data = [(torch.randn(batch, d_in, generator=gen), torch.randint(0, n_cls, (batch,), generator=gen))
                 for _ in range(steps)]
-        got_steps = run_student(_autocast_worker, fn, sub, (d_in, hidden, n_cls), lr, dtype, t % 2 == 1, stale, data,
-                                device)
+        got_steps = run_student(_autocast_worker, fn, sub, (d_in, hidden, n_cls), lr, dtype, t % 2 == 1,
+                                copy.deepcopy(stale), copy.deepcopy(data), device)  # copies: see check_loss_scaler
+        got_steps = _step_records(name, got_steps, device, steps, len(stale), dict(trial=t, device=device))
         if got_steps is None:  # the GPU the check sees is not the student's
             devices.pop()
             continue
@@ -199,12 +228,34 @@ def _misuse_worker(cls) -> dict:
 
 def _check_misuse(name: str, cls) -> None:
     got = run_student(_misuse_worker, cls)
+    if type(got) is not dict or type(got.get("unscale_")) is not bool or type(got.get("step")) is not bool \
+            or type(got.get("get_scale")) is not str:
+        raise AssertionError(f"{name}: the record of the misuse trial (unscale_ and step twice before update()) that "
+                             f"came back from where your code ran is incomplete or malformed")
     for what in ("unscale_", "step"):
         if not got[what]:
             raise AssertionError(f"{name}: a second {what}(optimizer) before update() must raise RuntimeError, as "
                                  f"GradScaler's does (a second unscale_ would divide the gradients by S twice)")
     if got["get_scale"] != "float":
         raise AssertionError(f"{name}: get_scale() returned a {got['get_scale']}; return the scale as a Python float")
+
+
+def _scaler_records(name: str, got, steps: int, n_params: int, where: dict) -> None:
+    """The worker's reply held to what `_scaler_run` sends, whatever came back: one (scale, gradients or None,
+    parameters) per step, every step, each list one tensor per parameter. The comparison reads what it is given:
+    a short record would compare fewer steps (a red team's scaler emptied the worker's list of batches)."""
+    def tensors(ts) -> bool:  # one tensor per parameter
+        return type(ts) in (list, tuple) and len(ts) == n_params and all(isinstance(x, torch.Tensor) for x in ts)
+
+    def whole(rec) -> bool:
+        return type(rec) in (list, tuple) and len(rec) == 3 and type(rec[0]) in (float, int) \
+            and (rec[1] is None or tensors(rec[1])) and tensors(rec[2])
+
+    if type(got) not in (list, tuple) or len(got) != steps or not all(whole(rec) for rec in got):
+        count = len(got) if type(got) in (list, tuple) else type(got).__name__
+        raise AssertionError(f"{name}: the record of the {steps} steps that came back from where your scaler ran is "
+                             f"incomplete or malformed ({count} entries): every step is compared; do not touch the "
+                             f"check's data or records ({fmt(where)})")
 
 
 SCALERS = ("torch.amp.GradScaler", "torch.cuda.amp.GradScaler", "torch.amp.grad_scaler.GradScaler",
@@ -231,9 +282,13 @@ def check_loss_scaler(cls, seed: int = 0, trials: int = 4, steps: int = 12) -> N
                 for _ in range(steps)]
         bad = rng.sample(range(1, steps - 2), 3)  # never the last steps: growth after a skip is seen too
         inject = {s: (rng.randrange(n_cls * 7), v) for s, v in zip(bad, (math.inf, math.nan, -math.inf))}
-        got = run_student(_scaler_worker, cls, hp, sub, (d_in, 7, n_cls), data, inject, unscale_first, lr)
         want = _scaler_run(torch.amp.GradScaler("cpu", **hp), _mlp(sub, d_in, 7, n_cls), data, inject, unscale_first,
                            lr)
+        # the student's side gets copies: in a notebook's own check it shares the process (a red team's scaler
+        # emptied the worker's list of batches, the check's own then)
+        got = run_student(_scaler_worker, cls, hp, sub, (d_in, 7, n_cls), copy.deepcopy(data), dict(inject),
+                          unscale_first, lr)
+        _scaler_records(name, got, steps, len(want[0][2]), dict(hp, trial=t))
         for s, ((g_scale, g_grads, g_params), (w_scale, w_grads, w_params)) in enumerate(zip(got, want)):
             where = dict(hp, step=s, injected=inject.get(s, (0, "none"))[1], unscale_first=unscale_first)
             if (g_grads is None) != (w_grads is None):

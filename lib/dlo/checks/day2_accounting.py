@@ -9,66 +9,25 @@ a raw 2-D position table (indexed) and a Linear they never call: the exercise's 
 so it counts both where a FLOP count sees neither (a student measuring FLOPs instead fails there). The student's
 `matmul_params` runs in a worker (`dlo.grading.api.run_student`) on a model built there from the
 seed; the plain-number functions are called here.
+
+The model and its worker live in `dlo.checks.day2_gpt`, which holds no answer: what the student's code receives
+(`type(model).forward.__globals__`, the worker's frame) leads there. The helpers that count the answers here
+(`ANSWERS`) are in the check's forbid list too, blocked by name and by code wherever the student's code finds
+them (a frame further up, the collector): a red team returned their counts.
 """
 
 from __future__ import annotations
 
-import math
 import random
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from dlo.checks.day2_gpt import _gpt, _matmul_params_worker
 from dlo.grading.api import case_seed, check, run_student
 from dlo.grading.compare import fmt, ok
 
 # ----------------------------------------------------------------------------- matmul parameters, bytes per parameter
-
-class _GPT(nn.Module):
-    """The check's own decoder (trusted): token (+ position) embeddings, pre-norm blocks whose
-    attention is written as matmuls (FlopCounterMode counts them) with a raw (3d, d) projection
-    parameter as nn.MultiheadAttention's in_proj_weight, a head tied to the token table or not.
-    `raw`: the position table a raw 2-D parameter whose rows are indexed, and a Linear the forward
-    never calls; the rule counts both, a measurement of FLOPs neither (`_unmeasured`)."""
-
-    def __init__(self, vocab: int, d: int, layers: int, heads: int, ffn: int, tied: bool, bias: bool, pos: int,
-                 raw: bool = False):
-        super().__init__()
-        self.heads = heads
-        self.tok = nn.Embedding(vocab, d)
-        self.pos = nn.Embedding(pos, d) if pos and not raw else None
-        self.blocks = nn.ModuleList(nn.ModuleDict({
-            "ln1": nn.LayerNorm(d), "out": nn.Linear(d, d, bias=bias),
-            "ln2": nn.LayerNorm(d), "up": nn.Linear(d, ffn * d, bias=bias), "down": nn.Linear(ffn * d, d, bias=bias),
-        }) for _ in range(layers))
-        self.qkv = nn.ParameterList(nn.Parameter(torch.randn(3 * d, d) / math.sqrt(d)) for _ in range(layers))
-        self.norm, self.head = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
-        if tied:
-            self.head.weight = self.tok.weight
-        if raw:
-            self.pos_table = nn.Parameter(torch.randn(pos, d) / 10)  # indexed, never multiplied
-            self.probe = nn.Linear(d, 3)  # a head this forward never calls
-
-    def forward(self, idx):  # (B, T) -> (B, T, vocab)
-        b, t = idx.shape
-        h = self.tok(idx) + (self.pos(torch.arange(t)) if self.pos is not None else 0)  # (B, T, C)
-        if hasattr(self, "pos_table"):
-            h = h + self.pos_table[:t]
-        for blk, w_qkv in zip(self.blocks, self.qkv):
-            qkv = F.linear(blk["ln1"](h), w_qkv)  # (B, T, 3C)
-            q, k, v = qkv.view(b, t, 3, self.heads, -1).permute(2, 0, 3, 1, 4)  # 3 x (B, H, T, C / H)
-            att = torch.softmax((q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1]), dim=-1)  # (B, H, T, T)
-            h = h + blk["out"]((att @ v).transpose(1, 2).reshape(b, t, -1))
-            h = h + blk["down"](F.gelu(blk["up"](blk["ln2"](h))))
-        return self.head(self.norm(h))
-
-
-def _gpt(cfg: dict) -> _GPT:
-    torch.manual_seed(cfg["seed"])
-    return _GPT(cfg["vocab"], cfg["d"], cfg["layers"], cfg["heads"], cfg["ffn"], cfg["tied"], cfg["bias"], cfg["pos"],
-                cfg.get("raw", False))
-
 
 def _unmeasured(cfg: dict) -> dict:
     """The parameters of a `raw` model that the rule counts and FlopCounterMode does not see: {what: elements}."""
@@ -76,12 +35,6 @@ def _unmeasured(cfg: dict) -> dict:
         return {}
     return {"the raw position table indexed by position": cfg["pos"] * cfg["d"],
             "the Linear the forward never calls": 3 * cfg["d"]}
-
-
-def _matmul_params_worker(fn, cfg: dict):
-    """Call the student's matmul_params on the check's model built from cfg; return what it gave."""
-    got = fn(_gpt(cfg))
-    return got.item() if isinstance(got, torch.Tensor) and got.numel() == 1 else got
 
 
 def _hand_count(cfg: dict) -> float:
@@ -158,8 +111,13 @@ def _bytes_slip(got: float, param_dtype: torch.dtype, optimizer: str, master_dty
     return next((f" ({text})" for w, text in wrongs if w == got and w != want), "")
 
 
+# the helpers that count the expected answers: off limits to the student's code (the worker does not use them)
+ANSWERS = tuple(f"dlo.checks.day2_accounting.{f}" for f in ("_hand_count", "_unmeasured", "_state_bytes_per_param"))
+
+
 @check(forbid=("dlo.accounting.matmul_params", "dlo.accounting.training_bytes_per_param",
-               "dlo.accounting.model_state_bytes", "dlo.accounting.copy_widths", "dlo.accounting.precision_of"))
+               "dlo.accounting.model_state_bytes", "dlo.accounting.copy_widths", "dlo.accounting.precision_of",
+               *ANSWERS))
 def check_flops_accounting(matmul_params, training_bytes_per_param, seed: int = 0, trials: int = 3) -> None:
     """Two small functions, compared on random configurations with counts made here: `matmul_params(model)`
     with FlopCounterMode's count of the check's transformer (tied and untied heads), plus the parameters the rule

@@ -27,7 +27,9 @@ written out (`dlo.attention.attention_scores`). What is checked, case by case:
 Code that finds the watch (on torch's dispatch stack, or among the interpreter's objects) can rewrite what it
 counted, or stop tracemalloc. So, under `dlo grade`, a case of ~4,100 keys also has the process's memory read
 by the kernel from outside it (`_held`, `dlo.grading.api.student_memory`): a (T, T) matrix shows there,
-whatever the watch says. Left open: reductions that `_span` does not list (scatter_add, a convolution); work
+whatever the watch says. `_span` knows every softmax-like operator of torch (`SOFTMAXES`: a red team's softmax
+over all keys went through `torch._masked_softmax`). Left open: other reductions that `_span` does not list
+(scatter_add, a convolution); work
 done outside torch beside as much torch work as the attention takes, for show; a softmax over all keys a few
 query rows at a time (no (T, T) matrix) with the watch's span rewritten.
 """
@@ -66,16 +68,26 @@ FORBID = ("torch.nn.functional.scaled_dot_product_attention", "dlo.attention.*",
           "dlo.kernels.flash_attention.flash_attention", "dlo.kernels.flash_attention.flash_attention_ref",
           "dlo.kernels.flash_attention.flash_attention_blocked_ref",
           *(f"aten::{op}*" for op in ("scaled_dot_product", "_scaled_dot_product", "_flash_attention",
-                                      "_efficient_attention", "_cudnn_attention")))  # every fused kernel, at dispatch
+                                      "_efficient_attention", "_cudnn_attention")),  # every fused kernel, at dispatch
+          "aten::_nested_tensor_softmax_with_shape")  # a softmax over a nested tensor's last dimension: no dim to read
 
 
 # Operators that sum or reduce along a dimension: a softmax, its maximum and sum, or P V over all T keys
 # is one of them spanning T (`_span`). Full reductions (x.max(), x.all()) are left alone: a debugging
 # check of a whole tensor is no attention, and O itself needs a contraction over the keys.
-REDUCTIONS = frozenset(("sum", "nansum", "mean", "nanmean", "amax", "amin", "max", "min", "logsumexp", "_softmax",
-                        "_log_softmax", "_safe_softmax", "prod", "argmax", "argmin", "topk", "sort", "kthvalue",
-                        "median", "nanmedian", "mode", "var", "std", "var_mean", "std_mean", "norm",
-                        "linalg_vector_norm", "cumsum", "cumprod", "cummax", "cummin", "logcumsumexp"))
+# Every softmax-like operator this torch has is one (the composite ones, softmax, log_softmax and special_*, reach
+# the watch as `_softmax` / `_log_softmax` / `logsumexp` / `_logcumsumexp`; a red team's exact softmax over all T
+# keys a few rows at a time went through `_masked_softmax`, which the list lacked); their backward operators read
+# `grad_output` and `output` instead of `self`, and `_masked_softmax`'s dim=None is the last dimension (`LAST_DIM`).
+SOFTMAXES = ("_softmax", "_log_softmax", "_safe_softmax", "_masked_softmax", "_sparse_softmax", "_sparse_log_softmax",
+             "_softmax_backward_data", "_log_softmax_backward_data", "_masked_softmax_backward",
+             "_sparse_softmax_backward_data", "_sparse_log_softmax_backward_data", "softmax", "log_softmax",
+             "special_softmax", "special_log_softmax", "logsumexp", "special_logsumexp", "logcumsumexp",
+             "_logcumsumexp")
+LAST_DIM = frozenset(("_masked_softmax", "_masked_softmax_backward"))
+REDUCTIONS = frozenset(("sum", "nansum", "mean", "nanmean", "amax", "amin", "max", "min", *SOFTMAXES, "prod", "argmax",
+                        "argmin", "topk", "sort", "kthvalue", "median", "nanmedian", "mode", "var", "std", "var_mean",
+                        "std_mean", "norm", "linalg_vector_norm", "cumsum", "cumprod", "cummax", "cummin"))
 CONTRACTIONS = frozenset(("mm", "bmm", "addmm", "baddbmm", "addbmm", "mv", "addmv", "dot", "vdot", "_addmm_activation"))
 # What q k^T and P V take, however written (a matmul, or a broadcast product summed; einsum multiplies without
 # a sum where the contracted dimension is 1: a last key block of one key): a contraction's multiply-adds, a
@@ -84,6 +96,7 @@ SUMS, PRODUCTS = frozenset(("sum", "nansum", "mean")), frozenset(("mul", "mul_")
 
 
 _PLANS: dict = {}  # an operator -> where its operand and dim are (`_plan`), read once per operator
+OPERANDS = ("self", "grad_output")  # a reduction's operand: the backward operators' is the incoming gradient
 
 
 def _plan(func) -> tuple | None:
@@ -94,8 +107,8 @@ def _plan(func) -> tuple | None:
         where = lambda n: (args.index(n), n)  # noqa: E731
         if name in CONTRACTIONS:
             _PLANS[func] = (where(next(n for n in ("mat1", "batch1", "mat", "self") if n in args)), None)
-        elif name in REDUCTIONS and "dim" in args and "self" in args:
-            _PLANS[func] = (where("self"), where("dim"))
+        elif name in REDUCTIONS and "dim" in args and any(n in args for n in OPERANDS):
+            _PLANS[func] = (where(next(n for n in OPERANDS if n in args)), where("dim"))
         else:
             _PLANS[func] = None
     return _PLANS[func]
@@ -114,6 +127,8 @@ def _span(func, args: tuple, kwargs: dict) -> int:
     if dim_at is None:
         return x.shape[-1]
     dim = args[dim_at[0]] if dim_at[0] < len(args) else kwargs.get(dim_at[1])
+    if dim is None and func.overloadpacket.__name__ in LAST_DIM:
+        dim = -1
     dims = [] if dim is None else [dim] if isinstance(dim, int) else list(dim)
     return int(torch.Size(x.shape[d] for d in dims).numel()) if dims else 0  # no dim: a full reduction, not counted
 
