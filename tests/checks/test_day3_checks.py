@@ -196,7 +196,7 @@ def load_lenient(path, *, model, optimizer, scheduler, scaler, loader):
 
 
 @pytest.mark.parametrize("missing,match", [("numpy", "resumed losses differ .* from step 8 on"),
-                                           ("python", "resumed losses differ .* from step 8 on"),
+                                           ("python", "resumed losses differ .* from step 10 on"),
                                            ("scheduler", "resumed losses differ .* from step 10 on"),
                                            ("scaler", "the AMP scaler's scale after the resumed run"),
                                            ("loader", "resumed losses differ .* from step 8 on")])

@@ -20,7 +20,9 @@ another process than the save (`dlo.checks.day3_resume`, re-exported here).
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import hashlib
 import random
 import weakref
 
@@ -136,6 +138,9 @@ def check_checkpoint_function(Checkpoint, seed: int = 0, trials: int = 4, device
     hooks are off limits. Runs on `device` (default: CUDA when available, else CPU)."""
     name, cs, dev = "checkpoint_function", case_seed(seed), _device(device)  # cs: a secret seed when graded
     rng = random.Random(cs)
+    # under `dlo grade`: the session's memory once torch has run the large case's operations there and before
+    # anything of the student's was loaded in it (`_baseline`): no allocation of the student's precedes it
+    base = _baseline() if student_memory() is not None else None
     for t in range(trials + 1):
         d, p = rng.choice([3, 6, 11]), rng.choice([0.2, 0.5])
         hp = dict(trial=t, features=d, dropout=p, batch=rng.choice([1, 4, 7]), two_inputs=t % 2 == 1)
@@ -148,7 +153,8 @@ def check_checkpoint_function(Checkpoint, seed: int = 0, trials: int = 4, device
         gate = torch.rand(hp["batch"], d, device=on, dtype=DTYPE)  # an input that needs no grad
         fn = (lambda a, g, block=block: block(a) * g) if hp["two_inputs"] else block
         args = (x, gate) if hp["two_inputs"] else (x,)
-        torch.manual_seed(cs * 100 + t)
+        run_seed = rng.randrange(2 ** 63)  # the trial's torch seed: drawn from cs, which stays here
+        torch.manual_seed(run_seed)
         want_y = fn(*args)
         grad_out = torch.randn_like(want_y)  # a draw between forward and backward, as a training loop may make
         want_y.backward(grad_out)
@@ -156,8 +162,7 @@ def check_checkpoint_function(Checkpoint, seed: int = 0, trials: int = 4, device
         # a callback under `dlo grade` (it runs here); none in a notebook's check, where the count is not judged
         counted = t == trials and student_memory() is not None
         mark = (lambda marks=marks: marks.append(student_memory())) if counted else None
-        got = run_student(_checkpoint_worker, Checkpoint, block, x, gate, hp["two_inputs"], cs * 100 + t, grad_out,
-                          mark)
+        got = run_student(_checkpoint_worker, Checkpoint, block, x, gate, hp["two_inputs"], run_seed, grad_out, mark)
         if not got["grad_fn"]:
             raise AssertionError(f"{name}: Checkpoint.apply must return a tensor with a grad_fn ({hp}); got "
                                  f"{got['type']}{' without grad_fn' if got['type'] == 'Tensor' else ''}")
@@ -181,42 +186,101 @@ def check_checkpoint_function(Checkpoint, seed: int = 0, trials: int = 4, device
             raise AssertionError(f"{name}: after backward the global RNG is in another state than without "
                                  f"checkpointing: restore the saved state inside torch.random.fork_rng() ({hp})")
         if counted:
-            _kept(name, marks, hp)
+            _kept(name, marks, base, hp)
     ok(name, f"{trials + 1} trials, seed={seed}")
 
 
-def _kept(name: str, marks: list, hp: dict) -> None:
+def _warm_worker(block: nn.Module, x: torch.Tensor) -> bool:
+    """The large case's operations, forward and backward, run once in the session before anything of the
+    student's is loaded there (no student object among this request's arguments): what torch makes at its
+    first operations (thread pools, kernels' buffers) is then in the baseline read after it (`_baseline`).
+    Large blocks are returned at free from here on (`steady_malloc`): what stays resident is what is alive."""
+    steady_malloc()
+    block(x).sum().backward()
+    return True
+
+
+def _baseline():
+    """The kernel's count of the check's session after `_warm_worker`, before the student's objects load in it
+    (under `dlo grade` the session is the check's own process, and the warm-up is its first request). Memory
+    the student's code allocates later (in an earlier trial, at loading) and frees during the large case's
+    forward lowers the reading just before that forward, never this one: the large case's memory after its
+    forward is held to both (`_kept`)."""
+    block = _block(random.Random(0), 16, 0.5, KEPT_HIDDEN).to(DTYPE).train()
+    run_student(_warm_worker, block, torch.zeros(2053, 16, dtype=DTYPE, requires_grad=True))
+    return student_memory()
+
+
+def _kept(name: str, marks: list, base, hp: dict) -> None:
     """The kernel's count of the student's process just before and just after the large case's forward, read
     outside it under `dlo grade` (`student_memory`, called back from the worker): fn's activations kept for
     backward (each batch x KEPT_HIDDEN float64, ~64 MiB) stay resident, however the meters were rewritten;
-    a checkpoint keeps its inputs and output (~0.25 MiB). Half an activation is allowed."""
+    a checkpoint keeps its inputs and output (~0.25 MiB). Half an activation is allowed above the reading
+    before the forward, and one above `base`, read before the student's objects loaded (`_baseline`): a
+    "ballast" allocated earlier and freed during the forward hides kept activations from the first, not
+    from the second."""
     if len(marks) != 2:
         raise AssertionError(f"{name}: the grader's memory readings around your forward did not both run ({hp})")
     one = hp["batch"] * KEPT_HIDDEN * DTYPE.itemsize
     assert_held(name, *marks, one // 2, f"more than half of one of fn's activations ({one / 2 ** 20:.0f} MiB) "
                 f"kept after the forward: keep only the inputs, recompute fn in backward", hp, peak=False)
+    grew = marks[1].rss - base.rss
+    if grew > one:
+        raise AssertionError(f"{name}: after the forward your process held {grew / 2 ** 20:.0f} MiB more than "
+                             f"before any of your code was loaded in it, as the kernel counts it (outside your code), "
+                             f"over the {one / 2 ** 20:.0f} MiB allowed (one of fn's activations): fn's activations "
+                             f"kept after the forward, or memory your code holds beside them; keep only the inputs, "
+                             f"recompute fn in backward ({hp})")
 
 
 # ----------------------------------------------------------------------------- CPU offload hooks
 
-def _packed(pack, x: torch.Tensor) -> tuple[object, dict]:
-    """pack(x) and what it holds: the tensors it reaches, whether one is x's memory, and whether x's
-    memory outlives x (pack kept it somewhere else: a global, a closure); the caller drops x first."""
+class Parcel:
+    """Tensors for a worker that takes them out (`take`). The request that brought them holds only this box,
+    emptied then: once the worker lets a tensor go, nothing in the student's process holds its values (a list
+    among the worker's arguments stays in the request, which the session's frames and gc reach)."""
+
+    def __init__(self, items: list):
+        self.items = list(items)
+
+    def take(self) -> list:
+        items, self.items = self.items, []
+        return items
+
+
+def _digest(t: torch.Tensor) -> str:
+    """sha256 of a CPU tensor's elements as bytes, in order: whether a tensor holds given values, without
+    holding them (a host copy, or its bytes in a uint8 buffer, has the original's)."""
+    flat = t.detach().contiguous().reshape(-1)
+    return hashlib.sha256(flat.view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def _packed(pack, src: torch.Tensor, dev: str) -> tuple[object, dict]:
+    """pack(x), x a copy of `src` on `dev` (the caller hands over its only reference to `src`, let go here: then
+    pack's x is the one tensor in this process with these values), and what pack's result holds: the tensors it
+    reaches, whether one is x's memory, a digest of each host tensor (`_digest`: compared with the values on the
+    trusted side), and whether x's memory outlives x (pack kept it somewhere else: a global, a closure)."""
+    x = src.to(dev, copy=True)
+    del src
     alive = weakref.ref(x.untyped_storage())
     ptr, nbytes = x.untyped_storage().data_ptr(), x.untyped_storage().nbytes()
-    dev, before = x.device, device_allocated(x.device)  # x's own block included
+    xdev, before = x.device, device_allocated(x.device)  # x's own block included
+    meta = [str(x.device), str(x.dtype), list(x.shape)]  # what unpack's result must be besides the values
     packed = pack(x)
+    if xdev.type == "cuda":  # a non_blocking copy into pinned memory (allowed) has landed before it is read
+        torch.cuda.synchronize(xdev)
     held = reachable_tensors(packed)
     host = {h.untyped_storage().data_ptr(): h.untyped_storage().nbytes() for h in held if h.device.type == "cpu"}
     obs = {"n_held": len(held), "devices": [str(h.device) for h in held], "nbytes": nbytes,
-           "same_storage": any(h.untyped_storage().data_ptr() == ptr for h in held), "host_bytes": sum(host.values())}
+           "same_storage": any(h.untyped_storage().data_ptr() == ptr for h in held), "host_bytes": sum(host.values()),
+           "host_values": [[str(h.dtype), _digest(h)] for h in held if h.device.type == "cpu"][:16], "meta": meta}
     del x, held
     if alive() is not None:
         gc.collect()  # a reference cycle of pack's own, not yet collected
     obs["kept"] = alive() is not None
     # x's block is free now: what the device holds beyond `before` less x is what pack put there
     # (a clone kept in a global, unpack's fast path), which a reachable-tensor walk of `packed` cannot see
-    obs["device_kept"] = max(0, device_allocated(dev) - before + nbytes) if dev.type == "cuda" else 0
+    obs["device_kept"] = max(0, device_allocated(xdev) - before + nbytes) if xdev.type == "cuda" else 0
     return packed, obs
 
 
@@ -228,28 +292,33 @@ def device_allocated(dev: torch.device) -> int:
     return torch.cuda.memory_allocated(dev)
 
 
-def _offload_worker(pack, unpack, xs: list, seed: int, dev: str) -> dict:
-    """pack/unpack on each tensor (stopping at the first one that goes wrong: what went wrong), then
-    the gradients of a small model trained under saved_tensors_hooks(pack, unpack)."""
-    trials = []
-    for src in xs:
-        want = src.to(dev)
-        packed, obs = _packed(pack, src.to(dev, copy=True))  # a tensor nothing else holds: pack must let it go
+def _offload_worker(pack, unpack, parcel: Parcel, seed: int, dev: str) -> dict:
+    """pack/unpack on each tensor (stopping at the first pack that goes wrong: what went wrong), then the
+    gradients of a small model trained under saved_tensors_hooks(pack, unpack). The tensors come in a
+    `Parcel`: each is handed to pack as the one tensor with its values here, and unpack runs when nothing but
+    pack's result holds them; what unpack gives back is compared on the trusted side (this worker holds no
+    expected value)."""
+    srcs, trials, backs = parcel.take(), [], []
+    del parcel
+    while srcs:
+        packed, obs = _packed(pack, srcs.pop(0), dev)
         trials.append(obs)
         if (not obs["n_held"] or any(not d.startswith("cpu") for d in obs["devices"]) or obs["same_storage"]
                 or obs["kept"] or obs["host_bytes"] < obs["nbytes"] or obs["device_kept"] >= obs["nbytes"] / 2):
-            return {"trials": trials}
+            return {"trials": trials, "backs": backs}
         back = unpack(packed)
-        obs["back_ok"] = (isinstance(back, torch.Tensor) and back.device == want.device and back.dtype == want.dtype
-                          and back.shape == want.shape and torch.equal(back, want))
+        del packed
         obs["back"] = [str(getattr(back, "device", None)), str(getattr(back, "dtype", None)),
                        list(getattr(back, "shape", ()))]
-        if not obs["back_ok"]:
-            return {"trials": trials}
+        if not isinstance(back, torch.Tensor) or obs["back"] != obs["meta"]:  # its values: judged on the trusted side
+            return {"trials": trials, "backs": backs}
+        backs.append(back.detach().to("cpu", copy=True).as_subclass(torch.Tensor)
+                     if isinstance(back, torch.Tensor) else None)
+        del back
     model, x = _offload_model(seed, torch.device(dev))
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         model(x).pow(2).sum().backward()
-    return {"trials": trials, "grads": [p.grad for p in model.parameters()]}
+    return {"trials": trials, "backs": backs, "grads": [p.grad for p in model.parameters()]}
 
 
 def _offload_model(seed: int, dev: torch.device):
@@ -258,11 +327,31 @@ def _offload_model(seed: int, dev: torch.device):
     return model, torch.randn(5, 7, device=dev, dtype=DTYPE)
 
 
+def _holds(values, x: torch.Tensor) -> bool:
+    """Whether one of pack's host tensors (`values`: [dtype, digest] each, `_packed`) held x's values: its bytes
+    (a copy, or a uint8 buffer of x's bytes), or x converted to its dtype where that loses nothing."""
+    if not isinstance(values, list):
+        return False
+    for item in values:
+        if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], str)):
+            continue
+        dtype, digest = getattr(torch, item[0].removeprefix("torch."), None), item[1]
+        if digest == _digest(x):
+            return True
+        if isinstance(dtype, torch.dtype) and dtype != x.dtype:
+            with contextlib.suppress(RuntimeError, TypeError):
+                y = x.to(dtype)
+                if torch.equal(y.to(x.dtype), x) and digest == _digest(y):
+                    return True
+    return False
+
+
 @check(forbid=OFFLOAD)
 def check_offload_hooks(pack, unpack, seed: int = 0, trials: int = 4, device=None) -> None:
     """`pack(t)` returns a host-memory copy (plus whatever unpack needs); `unpack(pack(t))` gives t back
     on its device with its dtype and values; a model trained under the hooks gets identical grads.
-    Tensors live on `device` (default: CUDA when available, else CPU)."""
+    Tensors live on `device` (default: CUDA when available, else CPU). When unpack runs, nothing in the
+    student's process holds t's values but pack's result (`Parcel`); they are compared here."""
     name, cs = "offload_hooks", case_seed(seed)  # a secret seed when graded
     rng, gen = random.Random(cs), torch.Generator().manual_seed(cs)
     dev = _device(device)
@@ -272,12 +361,15 @@ def check_offload_hooks(pack, unpack, seed: int = 0, trials: int = 4, device=Non
         dtype = [torch.float32, torch.float64, torch.bfloat16, torch.int64][t % 4]
         xs.append((torch.randn(shape, generator=gen) * 10).to(dtype))
         cases.append((shape, dtype))
-    got = run_student(_offload_worker, pack, unpack, xs, cs, str(dev))
+    model_seed = rng.randrange(2 ** 31)  # the model's: cs, from which the tensors follow, stays here
+    got = run_student(_offload_worker, pack, unpack, Parcel(xs), model_seed, str(dev))
     trials_got = got.get("trials") if isinstance(got, dict) else None
+    backs = got.get("backs") if isinstance(got, dict) else None
     n = len(trials_got) if isinstance(trials_got, list) else 0
     if n > len(cases) or not all(isinstance(obs, dict) for obs in trials_got or []):
         raise AssertionError(f"{name}: the grader got {n} records of pack for {len(cases)} tensors")
-    for (shape, dtype), obs in zip(cases, trials_got):
+    want_dev = str(torch.empty(0, device=dev).device)  # "cuda:0" for "cuda", as a tensor's device reads
+    for t, ((shape, dtype), obs) in enumerate(zip(cases, trials_got)):
         if not obs["n_held"]:
             raise AssertionError(f"{name}: pack returned no tensor (shape {shape}, {dtype})")
         if any(not d.startswith("cpu") for d in obs["devices"]):
@@ -299,14 +391,30 @@ def check_offload_hooks(pack, unpack, seed: int = 0, trials: int = 4, device=Non
         if obs["host_bytes"] < obs["nbytes"]:
             raise AssertionError(f"{name}: pack's host tensors hold {obs['host_bytes']} bytes, the tensor has "
                                  f"{obs['nbytes']}: copy all of it to host memory (shape {shape}, {dtype})")
-        if not obs["back_ok"]:
-            b_dev, b_dtype, b_shape = obs["back"]
+        if not _holds(obs.get("host_values"), xs[t]):
+            raise AssertionError(f"{name}: none of the host tensors pack returned holds the tensor's values (shape "
+                                 f"{shape}, {dtype}): pack must copy t into host memory (an empty buffer of the "
+                                 f"right size is not a copy), and unpack bring that copy back")
+        b_dev, b_dtype, b_shape = obs.get("back") or [None, None, []]
+        if obs.get("back") == obs.get("meta") and not (isinstance(backs, list) and t < len(backs)):
+            k = len(backs) if isinstance(backs, list) else 0  # the worker recorded a tensor it did not send
+            raise AssertionError(f"{name}: returned {k} of {len(cases)} tensors' records of what unpack gave back: "
+                                 f"the grader got nothing to compare with t for the rest")
+        back = backs[t] if isinstance(backs, list) and t < len(backs) else None
+        if not (isinstance(back, torch.Tensor) and b_dev == want_dev and back.dtype == dtype
+                and tuple(back.shape) == shape):
+            got_dtype = back.dtype if isinstance(back, torch.Tensor) else b_dtype
+            got_shape = tuple(back.shape) if isinstance(back, torch.Tensor) else tuple(b_shape or ())
             raise AssertionError(f"{name}: unpack(pack(t)) must equal t on {dev} with dtype {dtype} and "
-                                 f"shape {shape}; got {b_dev}, {b_dtype}, {tuple(b_shape)}")
+                                 f"shape {shape}; got {b_dev}, {got_dtype}, {got_shape}")
+        if not torch.equal(back, xs[t]):
+            raise AssertionError(f"{name}: unpack(pack(t)) has t's device, dtype and shape but other values (shape "
+                                 f"{shape}, {dtype}): unpack must bring back the values pack copied; when it "
+                                 f"runs, nothing but pack's result holds them")
     if n < len(cases):  # every tensor passed (else the loop above named the first failure): a short reply is none
         raise AssertionError(f"{name}: returned {n} of {len(cases)} tensors' records of pack and unpack: the grader "
                              f"got nothing to check for the rest")
-    model, x = _offload_model(cs, dev)
+    model, x = _offload_model(model_seed, dev)
     model(x).pow(2).sum().backward()
     want = [p.grad.cpu() for p in model.parameters()]
     grads = got.get("grads")

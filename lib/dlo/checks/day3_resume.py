@@ -62,14 +62,15 @@ def _train_step(o: dict) -> float:
 
 
 def _save_half(save_training_state, runs: list[dict]) -> dict:
-    """On a rank of its own (a process that ends with it): each run's first `cut` steps, then the student's
-    save into a new folder; the losses and the folder (removed here if anything goes wrong)."""
+    """On a rank of its own (a process that ends with it): each run's first `cut` steps from its secret seeds
+    (the RNGs' and the model's initial weights', which never reach the load's process), then the student's save
+    into a new folder; the losses and the folder (removed here if anything goes wrong)."""
     folder = tempfile.mkdtemp(prefix="dlo-resume-")
     try:
         losses = []
         for i, r in enumerate(runs):
             seed_everything(r["seed"])
-            o = _objects(1, r["data_seed"])
+            o = _objects(r["init"], r["data_seed"])
             losses.append([_train_step(o) for _ in range(r["cut"])])
             save_training_state(Path(folder) / f"state-{i}.pt", step=r["cut"], **o)
     except BaseException:
@@ -78,14 +79,16 @@ def _save_half(save_training_state, runs: list[dict]) -> dict:
     return {"folder": folder, "losses": losses}
 
 
-def _load_half(load_training_state, folder: str, runs: list[dict]) -> list[dict]:
-    """In a process where the save never ran: a new "job" per run (other RNG states and weights, the
-    loader at its start), the student's load from the file, the remaining steps. Stops at a wrong step."""
+def _load_half(load_training_state, folder: str, jobs: list[dict]) -> list[dict]:
+    """In a process where the save never ran: a new "job" per run (other RNG states and weights, the loader at
+    its start), the student's load from the file, the remaining steps. `jobs` holds what a restarted job knows
+    (the data's seed, its own seed, how many steps are left), none of the interrupted run's seeds: nothing here
+    can replay the first half, only the file brings its state. Stops at a load that raises."""
     out = []
     try:
-        for i, r in enumerate(runs):
-            seed_everything(r["new_seed"])
-            o = _objects(2, r["data_seed"])
+        for i, job in enumerate(jobs):
+            seed_everything(job["new_seed"])
+            o = _objects(job["new_seed"], job["data_seed"])
             try:
                 step = load_training_state(Path(folder) / f"state-{i}.pt", **o)
             except NotImplementedError:
@@ -94,28 +97,25 @@ def _load_half(load_training_state, folder: str, runs: list[dict]) -> list[dict]
                 raise AssertionError(f"resume: load_training_state raised {type(e).__name__}: {e}; the save ran in "
                                      f"another process, which has ended (as before a restart): everything the load "
                                      f"needs must come from the file at `path`") from e
-            if step != r["cut"]:
-                plain = isinstance(step, (int, float, str)) or step is None
-                out.append({"step": step if plain else type(step).__name__})
-                break
-            losses = [_train_step(o) for _ in range(r["steps"] - r["cut"])]
-            out.append({"step": step, "losses": losses, "scale": float(o["scaler"].get_scale())})
+            plain = isinstance(step, (int, float, str)) or step is None
+            losses = [_train_step(o) for _ in range(job["rest"])]
+            out.append({"step": step if plain else type(step).__name__, "losses": losses,
+                        "scale": float(o["scaler"].get_scale())})
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     return out
 
 
 def _complete(name: str, saved, loaded, runs: list[dict]) -> None:
-    """Both halves came back whole: each run's losses before the cut, and a record of each resumed run (the load
-    half stops at a wrong step, the one record the check then reads): a short reply leaves runs unchecked."""
+    """Both halves came back whole: each run's losses before the cut, and a record of each resumed run: a short
+    reply leaves runs unchecked."""
     losses = saved.get("losses") if isinstance(saved, dict) else None
     if not isinstance(losses, list) or len(losses) != len(runs):
         n = len(losses) if isinstance(losses, list) else 0
         raise AssertionError(f"{name}: the save half returned {n} of {len(runs)} runs' losses: the grader got no "
                              f"record of the rest")
     n = len(loaded) if isinstance(loaded, list) else 0
-    stopped = n and isinstance(loaded[-1], dict) and "losses" not in loaded[-1]  # a wrong step: named by the check
-    if not all(isinstance(res, dict) for res in loaded or []) or (n != len(runs) and not (stopped and n < len(runs))):
+    if not all(isinstance(res, dict) for res in loaded or []) or n != len(runs):
         raise AssertionError(f"{name}: the load half returned {n} of {len(runs)} resumed runs: the grader got no "
                              f"record of the rest")
 
@@ -131,14 +131,17 @@ def check_resume(save_training_state, load_training_state, seed: int = 0, trials
     runs, wants = [], []
     for t in range(trials):
         steps, data_seed = rng.choice([9, 12]), rng.randrange(1000)
-        r = dict(steps=steps, data_seed=data_seed, cut=rng.randrange(2, steps - 2), seed=(cs * 10 + t) % 2 ** 32,
-                 new_seed=12345 + t)
+        # the interrupted run's RNG seed and its model's initialisation seed, drawn from cs (which stays here):
+        # the save's rank gets them, the load's process never (a new job: seeds of its own, `_load_half`)
+        r = dict(steps=steps, data_seed=data_seed, cut=rng.randrange(2, steps - 2), seed=rng.randrange(2 ** 32),
+                 init=rng.randrange(2 ** 63), new_seed=12345 + t)
         seed_everything(r["seed"])
-        o = _objects(1, data_seed)
+        o = _objects(r["init"], data_seed)
         wants.append(([_train_step(o) for _ in range(steps)], o["scaler"].get_scale()))
         runs.append(r)
     saved = on_ranks(_save_half, 1, save_training_state, runs)[0]
-    loaded = run_student(_load_half, load_training_state, saved["folder"], runs)
+    jobs = [dict(data_seed=r["data_seed"], new_seed=r["new_seed"], rest=r["steps"] - r["cut"]) for r in runs]
+    loaded = run_student(_load_half, load_training_state, saved["folder"], jobs)
     _complete(name, saved, loaded, runs)
     for t, (r, (want, scale_want), res) in enumerate(zip(runs, wants, loaded)):
         hp = dict(trial=t, steps=r["steps"], interrupted_after=r["cut"], batch=rng_batch(r["data_seed"]))
