@@ -332,6 +332,22 @@ def test_an_object_whose_lookup_raises_is_no_grader_error():
     assert identity.copy_in(attention, found.codes, found.originals) is None
 
 
+def test_a_student_s_named_tuple_is_no_copy_of_a_forbidden_one():
+    """Every named tuple's _make, _replace, __repr__ and __getnewargs__ are one code, made in collections' file:
+    Day 4's ring list names a module that holds a named tuple, and took every student's for a copy (2026-12-02)."""
+    from collections import namedtuple
+
+    from dlo.checks import day4_ring
+
+    Bucket = namedtuple("Bucket", ["start", "stop"])
+
+    def buckets(sizes):
+        return [Bucket(0, s)._replace(stop=s) for s in sizes]
+
+    found = plan(day4_ring.check_ring_all_reduce.forbid, "ring_all_reduce")
+    assert identity.copy_in(buckets, found.codes, found.originals) is None
+
+
 def test_no_check_burns_what_a_metaclass_put_in_a_forbidden_class():
     """Day 8's list named torch.ao.quantization.utils.*, whose enums hold Enum.__new__ in their own dict: burned
     with them, it broke every enum made while the check ran (an independent student's checks failed with

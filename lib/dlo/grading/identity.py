@@ -43,6 +43,7 @@ from collections.abc import Iterable
 from dlo.grading.bytecode import Codes, nested, shape, size
 
 WATCHED = frozenset(("function.__new__", "exec", "object.__setattr__"))
+_GENERATED = ("<string>",)  # the file of the methods a dataclass generates for the class itself
 FUNCTION_STATE = ("__code__", "__defaults__", "__kwdefaults__")
 
 
@@ -57,10 +58,13 @@ def implementations(obj) -> list[types.FunctionType]:
     if isinstance(obj, type):  # its own functions (a class attribute that is a class is not its code): those its
         # body or its module made, not another module's that a metaclass put in its dict (an Enum's has Enum.__new__:
         # burning it broke every enum made while a check ran, 2026-12-02)
-        own = obj.__qualname__ + "."
+        # nor what a factory of another file made for it (a named tuple's _make, _replace, __repr__: one code for
+        # every named tuple, a student's too: a Day 4 list naming a module with one refused them all, 2026-12-02)
+        own, home = obj.__qualname__ + ".", getattr(sys.modules.get(obj.__module__), "__file__", None)
         return [f for v in list(vars(obj).values()) if isinstance(v, (types.FunctionType, staticmethod, classmethod,
                                                                       property)) for f in implementations(v)
-                if f.__qualname__.startswith(own) or f.__module__ == obj.__module__ or "<locals>" in f.__qualname__]
+                if (f.__qualname__.startswith(own) or f.__module__ == obj.__module__ or "<locals>" in f.__qualname__)
+                and (home is None or original(f).co_filename in (home, *_GENERATED))]
     out, seen = [], set()
     while isinstance(obj, types.FunctionType) and id(obj) not in seen:
         seen.add(id(obj))
