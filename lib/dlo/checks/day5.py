@@ -33,10 +33,18 @@ import torch.distributed as dist
 
 from dlo.checks.day5_count import count_part, count_worker, verify_count
 from dlo.checks.day5_fsdp import check_fsdp2
-from dlo.checks.day5_memory import ALLOWED, memory_slack, verify_backward, verify_forward, verify_memory
+from dlo.checks.day5_memory import (
+    ALLOWED,
+    memory_slack,
+    verify_backward,
+    verify_forward,
+    verify_memory,
+    verify_unit_backward,
+)
 from dlo.checks.day5_sync import verify_in_sync, verify_owners
 from dlo.checks.day5_worker import build_engine, rank_part, zero_worker
 from dlo.checks.day5_zero import (
+    BYTES_TOL,
     STEP,
     batch,
     case,
@@ -211,9 +219,9 @@ def check_zero2(cls, seed: int = 0, world_size: int = 2, steps: int = 3) -> None
     verify_backward(name, res, c, m, cap, where)
     counted = ""
     if wire_sent() is not None:  # ranks the launcher reads (not the tests' reused ones): the kernel's count too
-        part = count_part(secret)
-        on_ranks(count_worker, world_size, cls, per_rank=[part] * world_size)
-        counted = f"; {verify_count(name, part, where)}"
+        big = count_part(secret, world_size)
+        counted = on_ranks(count_worker, world_size, cls, per_rank=big["parts"])
+        counted = f"; {verify_count(name, big, counted, world_size, where)}"
     ok(name, f"{steps} steps on {world_size} ranks, buckets reduce-scattered during backward, peak "
              f"{max(res[0]['samples']['backward']):,} bytes{counted}, seed={seed}")
 
@@ -222,8 +230,8 @@ def check_zero2(cls, seed: int = 0, world_size: int = 2, steps: int = 3) -> None
 def check_zero3(cls, seed: int = 0, world_size: int = 2, steps: int = 3) -> None:
     """`cls(module, optimizer_cls, units=[blocks], **optimizer_kwargs)`: parameters sharded; each
     unit all-gathered just before its forward and freed after, gathered again for its backward,
-    gradients reduce-scattered (3 Psi per step); 1/N of everything held between steps, little
-    more during forward; parameters equal to one process."""
+    gradients reduce-scattered per unit during backward (3 Psi per step); 1/N of everything held between
+    steps, little more during forward and backward; parameters equal to one process."""
     name, secret = "zero3", case_seed(seed)  # the case's seed: secret when graded
     c = case(secret)
     res = on_ranks(zero_worker, world_size, cls, 3, steps, {},
@@ -250,8 +258,26 @@ def check_zero3(cls, seed: int = 0, world_size: int = 2, steps: int = 3) -> None
         if len(gathers) < c["n_blocks"]:
             raise AssertionError(f"{name}: {len(gathers)} all-gathers in forward for {c['n_blocks']} units: gather "
                                  f"each unit just before it runs, not the whole model at once ({where})")
+        _reduced_in_backward(name, got, c, psi_b, padding_bytes(c, world_size), where)
     verify_every_byte(name, res, 3, psi_b, steps, where, padding_bytes(c, world_size))
     m = verify_memory(name, res, c, 3, world_size, where)
     verify_forward(name, res, c, m, where)
+    verify_unit_backward(name, res, c, m, where)
     ok(name, f"{steps} steps on {world_size} ranks, 3 Psi = {3 * psi_b:,} bytes per step, {res[0]['held']:,} bytes "
              f"held (formula {m['want']:,}), seed={seed}")
+
+
+def _reduced_in_backward(name: str, got: dict, c: dict, psi_b: int, pad_b: int, where: str) -> None:
+    """ZeRO-3's reduce-scatters, one per unit (the blocks and the root), launched in the step's own backward pass (the
+    graph task the loss's node started, read by the rank's counter at each call: not a phase label, which the
+    student's code can set). A ZeRO-3 that kept every gradient and reduce-scattered them all in step() passed the
+    step's byte total (a red team's, 2026-12-02)."""
+    task = got.get("backward_task")
+    rs = [x for x in got["comm"] if x["kind"] == "reduce_scatter" and task is not None and x["graph_task"] == task]
+    reduced = sum(x["bytes"] for x in rs)
+    units = c["n_blocks"] + 1
+    if len(rs) < units or abs(reduced - psi_b) > BYTES_TOL * psi_b + pad_b:
+        raise AssertionError(f"{name}: {len(rs)} reduce-scatter(s) carrying {reduced / psi_b:.3f} Psi were launched "
+                             f"during backward, for {units} units (the blocks and the root) and Psi of gradients: "
+                             f"reduce-scatter each unit's gradients from a gradient hook as soon as its last one "
+                             f"arrives, in backward, not in step() ({where})")

@@ -58,17 +58,56 @@ def llama_reference(cfg, c: dict, seed: int, kind: str, steps: int, world_size: 
     return {k: p.detach().clone() for k, p in model.named_parameters()}
 
 
-def _structure(model, compiled: list) -> dict:
+def _structure(model, compiled: list, returned: list) -> dict:
+    """What parallelize built; `returned`: what the stand-in for torch.compile returned, each block holding one
+    (`model.layers[name]` is it, or `nn.Module.compile` set it as the block's compiled call)."""
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor, Shard
 
     layers = list(model.layers.values())
-    return {"root": isinstance(model, FSDPModule),
+    ids = {id(r) for r in returned}
+    return {"blocks_compiled": [id(b) in ids or id(b.__dict__.get("_compiled_call_impl")) in ids for b in layers],
+            "root": isinstance(model, FSDPModule),
             "blocks_sharded": [isinstance(b, FSDPModule) for b in layers],
             "blocks_checkpointed": [hasattr(b, "_checkpoint_wrapped_module") for b in layers],
             "tied": model.output.weight is model.tok_embeddings.weight,
             "shard0": all(isinstance(p, DTensor) and tuple(p.placements) == (Shard(0),) for p in model.parameters()),
             "compiled": compiled}
+
+
+class Compiled(nn.Module):
+    """What the check's stand-in for torch.compile returns for a module: the module under `_orig_mod` (as torch's
+    `OptimizedModule` keeps it, attributes read through), its forward run as it is, each call counted. The check
+    looks for it where the exercise applies it (`model.layers[name]`) and counts that the step's forward went
+    through it: a parallelize that called torch.compile and dropped its result passed when the stand-in returned
+    its argument (a red team's, 2026-12-02)."""
+
+    def __init__(self, module: nn.Module, calls: list):
+        super().__init__()
+        self._orig_mod = module
+        object.__setattr__(self, "_calls", calls)
+
+    def forward(self, *args, **kwargs):
+        self._calls[0] += 1
+        return self._orig_mod(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            modules = self.__dict__.get("_modules")
+            if name.startswith("__") or modules is None or "_orig_mod" not in modules:
+                raise
+            return getattr(modules["_orig_mod"], name)
+
+
+def _compiled_calls(fn, calls: list):
+    """The stand-in's result for a function or a bound method (`nn.Module.compile` compiles its module's
+    `_call_impl`): fn, its calls counted."""
+    def compiled(*args, **kwargs):
+        calls[0] += 1
+        return fn(*args, **kwargs)
+    return compiled
 
 
 def _counting(forward, calls: list):
@@ -96,13 +135,15 @@ def _fsdp_run(fn, mine, kind, steps, policy, ac_mode, compile_):
 
     n, c = dist.get_world_size(), mine["c"]
     model = copy.deepcopy(mine["model"])
-    compiled, real = [], torch.compile
+    compiled, returned, compiled_calls, real = [], [], [0], torch.compile
 
     def recording_compile(obj=None, *args, **kwargs):  # compiling costs minutes on a CPU: record instead
         target = getattr(obj, "__self__", obj)
         compiled.append({"checkpointed": hasattr(target, "_checkpoint_wrapped_module"),
                          "sharded": isinstance(target, FSDPModule), "type": type(target).__name__})
-        return obj
+        returned.append(Compiled(obj, compiled_calls) if isinstance(obj, nn.Module) else
+                        _compiled_calls(obj, compiled_calls) if callable(obj) else obj)
+        return returned[-1]
     torch.compile = recording_compile
     try:
         with CommCounter() as setup:  # the wire check below needs every byte the rank sends, setup included
@@ -112,7 +153,7 @@ def _fsdp_run(fn, mine, kind, steps, policy, ac_mode, compile_):
         torch.compile = real
     wire = setup.records()
     model = ret if isinstance(ret, nn.Module) else model
-    out = {"structure": _structure(model, compiled)}
+    out = {"structure": _structure(model, compiled, returned)}
     ffn_calls, dtypes = [0], []
     for name, m in model.named_modules():
         if name.endswith("feed_forward"):  # wrap forward: module hooks do not fire during recomputation
@@ -133,6 +174,7 @@ def _fsdp_run(fn, mine, kind, steps, policy, ac_mode, compile_):
             opt.zero_grad()
         if s == 0:
             out["comm"], out["ffn_calls"], out["dtypes"] = comm.records(), ffn_calls[0], sorted(set(dtypes))
+            out["compiled_calls"] = compiled_calls[0]
         out.setdefault("other", set()).update(other_comms(comm.records()))
         wire += comm.records()
     with CommCounter() as gather:
@@ -187,6 +229,13 @@ def _check_fsdp_structure(name: str, s: dict, n_layers: int, where: str) -> None
     if len(comp) != n_layers or not all(x["checkpointed"] and not x["sharded"] for x in comp):
         raise AssertionError(f"{name}: with compile=True, torch.compile each block once, after activation "
                              f"checkpointing and before fully_shard (torchtitan's order); seen: {comp} ({where})")
+    held = s.get("blocks_compiled")
+    if not isinstance(held, list) or len(held) != n_layers or not all(held):
+        missing = [i for i, b in enumerate(held) if not b] if isinstance(held, list) else "?"
+        raise AssertionError(f"{name}: with compile=True model.layers does not hold what torch.compile returned for "
+                             f"blocks {missing}: torch.compile(block) returns a new module, which replaces the block "
+                             f"(model.layers.register_module(name, torch.compile(block))); the block it was given "
+                             f"still runs uncompiled ({where})")
 
 
 def _check_flags_honoured(name: str, run: dict, n_layers: int, where: str) -> None:
@@ -254,6 +303,10 @@ def check_fsdp2(fn, seed: int = 0, world_size: int = 2, steps: int = 3) -> None:
         if n_fwd != cfg.n_layers + 1 or n_rs != cfg.n_layers + 1:
             raise AssertionError(f"{name}: {n_fwd} all-gathers in forward and {n_rs} reduce-scatters per step; one "
                                  f"unit per block plus the root makes {cfg.n_layers + 1} of each ({where})")
+        if got["sgd"].get("compiled_calls") != cfg.n_layers:
+            raise AssertionError(f"{name}: the compiled blocks were called {got['sgd'].get('compiled_calls')} times "
+                                 f"in a step's forward; expected {cfg.n_layers}: the model's forward runs each block "
+                                 f"through what torch.compile returned ({where})")
         if got["sgd"]["ffn_calls"] != 2 * cfg.n_layers:
             raise AssertionError(f"{name}: the blocks' feed-forward ran {got['sgd']['ffn_calls']} times in a step with "
                                  f"activation checkpointing; expected {2 * cfg.n_layers} (forward, then recomputed "

@@ -1,6 +1,7 @@
 """What a ZeRO rank keeps, against the ZeRO paper's formulas (`dlo.distributed.zero.memory_per_rank`): after
-the step (`verify_memory`), during ZeRO-2's backward (`verify_backward`) and during ZeRO-3's forward
-(`verify_forward`), from the samples the worker took on the rank (`dlo.checks.day5_worker`).
+the step (`verify_memory`), during ZeRO-2's backward (`verify_backward`), during ZeRO-3's forward
+(`verify_forward`) and its backward (`verify_unit_backward`), from the samples the worker took on the rank
+(`dlo.checks.day5_worker`).
 
 Two meters, both on the rank (what they cannot see: lib/dlo/grading/README.md): `held_bytes`, walked from
 the engine, and `live_bytes`, every tensor of the rank. The rank's tensors are counted from before the
@@ -134,3 +135,26 @@ def verify_forward(name: str, res: list, c: dict, m: dict, where: str) -> None:
             raise AssertionError(f"{name}: after the forward of a unit rank {r} held up to {peak:,} bytes ({allowed:,} "
                                  f"allowed: the shards, the root and one unit): free each unit's gathered parameters "
                                  f"after its forward ({where})")
+
+
+def verify_unit_backward(name: str, res: list, c: dict, m: dict, where: str) -> None:
+    """ZeRO-3 during backward: what the engine holds after each gradient (`backward`). A unit is gathered again when
+    backward reaches it and freed once its gradients are reduce-scattered, so the engine holds the shards, the root
+    (gathered for the whole backward), the unit being computed, one more (a prefetch) and one unit's gradients. A
+    ZeRO-3 that gathered every unit again and kept it, with every full gradient, until the step passed the forward's
+    samples and the step's byte totals (a red team's, 2026-12-02: 8.9-9.8 units above the formula and its slack,
+    the solution 0.55-0.78; allowed the root and 3 units)."""
+    model = tied_lm(c, 0)
+    unit = count_parameters(model.blocks[0])
+    root = m["psi"] - c["n_blocks"] * unit
+    allowed = m["want"] + m["slack"] + 8 * (root + 3 * unit)
+    n_grads = len(list(model.parameters()))
+    for r, got in enumerate(res):
+        _sampled(name, r, got, ("backward",), {"backward": n_grads}, where)
+        peak = max(got["samples"]["backward"])
+        if peak > allowed:
+            raise AssertionError(f"{name}: during backward rank {r} held up to {peak:,} bytes ({allowed:,} allowed: "
+                                 f"the shards, the root, two gathered units and one unit's gradients; the whole model "
+                                 f"is {8 * m['psi']:,}): reduce-scatter each unit's gradients as soon as its last one "
+                                 f"arrives, drop them (p.grad = None) and free the unit's gathered parameters, during "
+                                 f"backward ({where})")

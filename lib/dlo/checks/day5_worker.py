@@ -1,6 +1,7 @@
 """The trusted worker of the Day 5 ZeRO checks: it runs a student's engine on each rank and records what it
 observes - the parameters the modules hold during a forward, the collectives of each phase
-(`dlo.measure.CommCounter`: calls, payload bytes, async, forward/backward/step), and the bytes the engine
+(`dlo.measure.CommCounter`: calls, payload bytes, async, forward/backward/step, and the graph task of the SGD
+step's own backward: `backward_task`), and the bytes the engine
 holds (`dlo.measure.held_bytes`) and the rank keeps (`dlo.measure.live_bytes`) after the step and during
 backward or forward. A module-level function of a checks module (the sandboxed grader loads it by reference);
 it returns plain data only. The model, the data and the comparisons are `dlo.checks.day5_zero`'s.
@@ -20,6 +21,7 @@ from dlo.checks.day5_sync import disturbance, disturbed_step
 from dlo.checks.day5_zero import TiedLM, batch, lm_loss, optimizer_for, seen_parameters, settled_growth, tied_lm
 from dlo.grading.compare import DTYPE
 from dlo.measure import CommCounter, held_bytes, live_bytes
+from dlo.measure.comm import graph_task
 
 
 def build_engine(cls, stage: int, model, opt_cls, kw, extra: dict):
@@ -75,9 +77,11 @@ def zero_worker(mine: dict, cls, stage: int, steps: int, extra: dict, one_bucket
         comm.phase = "start"
         out["start"] = seen_parameters(model, lambda: engine(probe))
         comm.phase = "forward"
-        loss = lm_loss(engine, *batches[0])
+        loss, task = lm_loss(engine, *batches[0]), []
+        loss.grad_fn.register_prehook(lambda _: task.append(graph_task()))  # this backward's, at its start
         comm.phase = "backward"
         loss.backward()
+        out["backward_task"] = task[0] if len(task) == 1 else None  # None: the loss's node never ran (or twice)
         comm.phase = "step"
         engine.step()
         comm.phase = "after"
