@@ -15,15 +15,14 @@ case on 6 ranks is counted outside them too (`dlo.checks.day10_count`).
 
 from __future__ import annotations
 
-import os
 import random
-import re
 
 import torch
 
 from dlo.checks import day10_count
 from dlo.checks.day4 import COLLECTIVES, one_neighbour
 from dlo.checks.day7_comms import CommTap
+from dlo.checks.day7_shared import torch_defined
 from dlo.checks.rank_count import every_rank
 from dlo.distributed import context_parallel as cp
 from dlo.grading.api import case_seed, check, on_ranks, verify_wire, wire_sent
@@ -40,24 +39,10 @@ _CP_NAMES = (  # torch's context parallelism doing exercises 1-3's work: its mer
 
 
 def _defined(module: str, names=_CP_NAMES, star: bool = True) -> tuple[str, ...]:
-    """`module.name` for each of `names` that this torch's source of `module` defines at top level, and
-    "module.*" (its public names; "module.**" for a package): torch's private context-parallel helpers moved
+    """torch's context-parallel helpers of `module` this torch defines (`day7_shared.torch_defined`): they moved
     between releases (2.6: experimental._attention; 2.13: experimental._context_parallel._attention and
-    _load_balancer), and a forbidden name that does not resolve stops the check. Read from the source, not
-    imported: DTensor costs a second at every import of the checks (the grader resolves them when it blocks)."""
-    path = os.path.join(torch.__path__[0], *module.split(".")[1:])
-    package = os.path.isdir(path)
-    try:
-        with open(os.path.join(path, "__init__.py") if package else path + ".py") as f:
-            text = f.read()
-    except OSError:
-        return ()
-    # "module.*" / "**" block public names only: the private classes that do the work are named one by one
-    found = tuple(f"{module}.{n}" for n in names if re.search(rf"^(?:class|def) {n}\b", text, re.M))
-    if package or not star:
-        return found + ((f"{module}.**",) if star else ())
-    # "module.*" of a module that defines no public name (2.13's _attention re-exports) stands for nothing
-    return found + ((f"{module}.*",) if re.search(r"^(?:class|def) [A-Za-z]", text, re.M) else ())
+    _load_balancer), and a forbidden name that does not resolve stops the check."""
+    return torch_defined(module, names, star)
 
 
 TORCH_CP = (_defined(f"{_EXPERIMENTAL}._attention") + _defined(f"{_EXPERIMENTAL}._context_parallel")
