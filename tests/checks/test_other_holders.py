@@ -1,4 +1,4 @@
-"""The same work under another holder (a red-team audit, 2026-12-03): for Days 1, 6, 7, 8, 10 and 11 every library
+"""The same work under another holder (a red-team audit, 2026-12-02): for Days 1, 6, 7, 8, 10 and 11 every library
 and torch function doing a graded exercise's work was called from a student's function under the exercise's check.
 Those that passed are off limits now; each test shows such a delegating function fails with "is off limits" and the
 instructors' solution still passes.
@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dlo.checks import day7
+from dlo.grading.forbid import ForbiddenCall, forbidden
 from tests.checks.conftest import load_solution
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -183,3 +184,16 @@ def test_the_collective_matmul_is_off_limits_in_sequence_parallelism(sol):
 def test_loss_parallel_privates_are_off_limits_in_the_cross_entropy():
     with pytest.raises(AssertionError, match="loss._log_softmax is off limits"):
         day7.check_vocab_parallel_cross_entropy(STUDENT.ce_loss_parallel_privates)
+
+
+def test_torch_s_cross_layer_equalization_is_off_limits_in_smoothing():
+    """Day 8's smoothing factors at alpha = 0.5 are torch's cross-layer equalization's scale (the root of the ranges'
+    ratio): the check forbids the module, and still passes the solution."""
+    from torch.ao.quantization import _equalize
+
+    from dlo.checks import day8_smooth
+
+    with pytest.raises(ForbiddenCall, match="_equalize"):
+        with forbidden(day8_smooth.check_smoothing_factors.forbid, "smoothing_factors"):
+            _equalize.cross_layer_equalization(nn.Linear(3, 3), nn.Linear(3, 3))
+    day8_smooth.check_smoothing_factors(load_solution("day8_quantization_pruning").smoothing_factors)
