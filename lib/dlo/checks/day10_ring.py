@@ -22,8 +22,8 @@ import torch
 from dlo.checks import day10_count
 from dlo.checks.day4 import COLLECTIVES, one_neighbour
 from dlo.checks.day7_comms import CommTap
-from dlo.checks.day7_shared import torch_defined
 from dlo.checks.rank_count import every_rank
+from dlo.checks.torch_source import torch_defined
 from dlo.distributed import context_parallel as cp
 from dlo.grading.api import case_seed, check, on_ranks, verify_wire, wire_sent
 from dlo.grading.compare import assert_close, fmt, ok
@@ -39,7 +39,7 @@ _CP_NAMES = (  # torch's context parallelism doing exercises 1-3's work: its mer
 
 
 def _defined(module: str, names=_CP_NAMES, star: bool = True) -> tuple[str, ...]:
-    """torch's context-parallel helpers of `module` this torch defines (`day7_shared.torch_defined`): they moved
+    """torch's context-parallel helpers of `module` this torch defines (`dlo.checks.torch_source`): they moved
     between releases (2.6: experimental._attention; 2.13: experimental._context_parallel._attention and
     _load_balancer), and a forbidden name that does not resolve stops the check."""
     return torch_defined(module, names, star)

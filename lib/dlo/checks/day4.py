@@ -43,8 +43,8 @@ from dlo.checks.day4_train import (
     param_list,
     rows_per_rank,
     single_process,
-    torch_names,
 )
+from dlo.checks.torch_source import torch_defined
 from dlo.grading.api import case_seed, check, on_ranks, verify_wire
 from dlo.grading.compare import ok
 from dlo.measure import CommCounter, tensor_bytes
@@ -62,14 +62,14 @@ _HOOK_MODULES = ("default_hooks", "quantization_hooks", "powerSGD_hook", "mixed_
 # hooks (public and private) and the composable replicate() over DDP or FSDP
 TORCH_DDP = ("torch.nn.parallel.DistributedDataParallel",) + tuple(
     f"torch.distributed.{n}" for n in ("Reducer", "_compute_bucket_assignment_by_size", "_broadcast_coalesced")
-    if hasattr(dist, n)) + torch_names("torch.distributed.utils", (
-        "_sync_module_states", "_sync_params_and_buffers", "_verify_param_shape_across_processes")) + (
-    f"{_HOOKS}.**",) + tuple(n for m in ("", *_HOOK_MODULES) for n in torch_names(
-        f"{_HOOKS}.{m}".rstrip("."), private=True)) + torch_names(
-    "torch.distributed.algorithms._comm_hooks.default_hooks", private=True) + (
+    if hasattr(dist, n)) + torch_defined("torch.distributed.utils", (
+        "_sync_module_states", "_sync_params_and_buffers", "_verify_param_shape_across_processes"), star=False) + (
+    f"{_HOOKS}.**",) + tuple(n for m in ("", *_HOOK_MODULES) for n in torch_defined(
+        f"{_HOOKS}.{m}".rstrip("."), star=False, private=True)) + torch_defined(
+    "torch.distributed.algorithms._comm_hooks.default_hooks", star=False, private=True) + (
     "torch.distributed.algorithms._comm_hooks.default_hooks.*",) + tuple(
     f"torch.distributed._composable.{m}.replicate" for m in ("replicate", "replicate_with_fsdp")
-    if torch_names(f"torch.distributed._composable.{m}", ("replicate",)))
+    if torch_defined(f"torch.distributed._composable.{m}", ("replicate",), star=False))
 DDP = TORCH_DDP + ("dlo.distributed.ddp.*",)
 
 __all__ = ["COLLECTIVES", "POINT_TO_POINT", "check_accumulation_step", "check_all_reduce_metrics", "check_bucket_ddp",

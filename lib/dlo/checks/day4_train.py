@@ -5,9 +5,7 @@ reference (one process on the whole batch) and the comparisons.
 
 from __future__ import annotations
 
-import os
 import random
-import re
 
 import torch
 import torch.nn.functional as F
@@ -17,22 +15,6 @@ from dlo.grading.compare import DTYPE, assert_close
 
 TOL = 1e-10  # float64: correct code agrees to ~1e-15, a slip is off by >= 1e-3
 SMALL_CAP = 50 * 8 / 2 ** 20  # 50 doubles, in MB: a few buckets for the checks' MLP
-
-
-def torch_names(module: str, names: tuple[str, ...] = (), private: bool = False) -> tuple[str, ...]:
-    """`module.name` for each of `names` that this torch's source of `module` defines at top level (with `private`,
-    every private function and class it defines too): a forbidden name that does not resolve stops the check, and
-    torch's private helpers come and go between releases. Read from the source, not imported (the grader imports
-    what it blocks, when it blocks)."""
-    path = os.path.join(os.path.dirname(torch.__file__), *module.split(".")[1:])
-    try:
-        with open(os.path.join(path, "__init__.py") if os.path.isdir(path) else path + ".py") as f:
-            text = f.read()
-    except OSError:
-        return ()
-    found = re.findall(r"^(?:class|def) (_[A-Za-z0-9]\w*)\b", text, re.M) if private else []
-    found += [n for n in names if re.search(rf"^(?:class|def) {n}\b", text, re.M)]
-    return tuple(f"{module}.{n}" for n in dict.fromkeys(found))
 
 
 def close_enough(name: str, what: str, got, want, where: str) -> None:

@@ -112,13 +112,17 @@ def verify_backward(name: str, res: list, c: dict, m: dict, cap: float, where: s
                                  f"bucket's full gradients (and p.grad) once its reduce-scatter is done ({where})")
 
 
+def _unit_and_root(c: dict, m: dict) -> tuple[int, int]:
+    """ZeRO-3's units: the parameters of one block, and of the root (embedding, final norm: the rest)."""
+    unit = count_parameters(tied_lm(c, 0).blocks[0])
+    return unit, m["psi"] - c["n_blocks"] * unit
+
+
 def verify_forward(name: str, res: list, c: dict, m: dict, where: str) -> None:
     """ZeRO-3 during forward: what the engine holds after each unit's forward (`forward`), and the rank's tensors
     outside the engine and the activations after the last unit's (`outside`): a gathered copy kept where the
     walk from the engine does not go counts too."""
-    model = tied_lm(c, 0)
-    unit = count_parameters(model.blocks[0])
-    root = m["psi"] - c["n_blocks"] * unit
+    unit, root = _unit_and_root(c, m)
     allowed, in_flight = m["want"] + m["slack"] + 8 * (root + unit), backward_in_flight(c)
     for r, got in enumerate(res):
         _sampled(name, r, got, ("outside", "forward"), {"outside": 1, "forward": c["n_blocks"]}, where)
@@ -144,11 +148,9 @@ def verify_unit_backward(name: str, res: list, c: dict, m: dict, where: str) -> 
     ZeRO-3 that gathered every unit again and kept it, with every full gradient, until the step passed the forward's
     samples and the step's byte totals (a red team's, 2026-12-02: 8.9-9.8 units above the formula and its slack,
     the solution 0.55-0.78; allowed the root and 3 units)."""
-    model = tied_lm(c, 0)
-    unit = count_parameters(model.blocks[0])
-    root = m["psi"] - c["n_blocks"] * unit
+    unit, root = _unit_and_root(c, m)
     allowed = m["want"] + m["slack"] + 8 * (root + 3 * unit)
-    n_grads = len(list(model.parameters()))
+    n_grads = len(list(tied_lm(c, 0).parameters()))
     for r, got in enumerate(res):
         _sampled(name, r, got, ("backward",), {"backward": n_grads}, where)
         peak = max(got["samples"]["backward"])

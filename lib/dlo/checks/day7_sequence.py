@@ -24,9 +24,9 @@ from dlo.checks.day7_shared import (
     param_grad,
     reference,
     seeded_gen,
-    torch_defined,
 )
 from dlo.checks.saved import HOOKS, GuardedMeter
+from dlo.checks.torch_source import torch_defined
 from dlo.grading.api import case_seed, check, on_ranks
 from dlo.grading.compare import DTYPE, assert_close, ok
 from dlo.measure import CommCounter, SavedTensorMeter
@@ -35,7 +35,7 @@ SP = tuple(COMMS + n for n in ("gather_from_sp", "reduce_scatter_to_sp", "all_ga
                                "all_gather_linear", "GatherFromSequenceParallel.apply",
                                "ReduceScatterToSequenceParallel.apply", "AllGatherLinear.apply"))
 # other holders of gather_fn's and scatter_fn's work, each an all-gather with a reduce-scatter as its backward or the
-# reverse (a red-team audit of 2026-12-03: each passed the check): torch's autograd-aware collectives
+# reverse (a red-team audit of 2026-12-02: each passed the check): torch's autograd-aware collectives
 # (`torch.cat(torch.distributed.nn.functional.all_gather(x), 1)`, funcol's `all_gather_tensor_autograd(x, 1, group)`
 # and their operators) and Day 7's collective matmuls with an identity weight (`async_tp.matmul_reduce_scatter`)
 SP += torch_defined("torch.distributed.nn.functional", (
