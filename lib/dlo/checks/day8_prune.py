@@ -154,8 +154,14 @@ def check_prune_linear_pair(fn, seed: int = 0, trials: int = 4) -> None:
 
 # ----------------------------------------------------------------------------- exercise 5
 
+# the library's Triton 2:4 by its kernel and helper, not only its launcher: a red team launched _sparse24_kernel itself
+# in Triton's interpreter, 2026-12-02; compile_cases hands the kernel out too
+TRITON_24 = ("dlo.kernels.sparse24._sparse24_kernel", "dlo.kernels.sparse24._beats",
+             "dlo.kernels.sparse24.compile_cases")
+
+
 @check(forbid=("dlo.prune.mask_2to4", "dlo.prune.is_2to4", "dlo.kernels.sparse24.sparse24",
-               "dlo.kernels.sparse24.sparse24_ref", "dlo.kernels.sparse24.decompress24",
+               "dlo.kernels.sparse24.sparse24_ref", "dlo.kernels.sparse24.decompress24", *TRITON_24,
                "torch.sparse.to_sparse_semi_structured", "aten::_sparse_semi_structured*", "aten::_cslt_*",
                *PRUNING))
 def check_mask_2to4(mask_fn, valid_fn, seed: int = 0, trials: int = 4) -> None:
