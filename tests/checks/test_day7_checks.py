@@ -151,7 +151,7 @@ def test_dtensor_plan_rejects_plain_tensor_parallelism(sol, ranks):
                 "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
                 "feed_forward.w2": RowwiseParallel()})
         return model
-    with pytest.raises(AssertionError, match="forward \\(CommDebugMode\\)"):
+    with pytest.raises(AssertionError, match="forward \\(the grader's count\\)"):
         day7.check_dtensor_plan(no_sequence_parallel)
 
 
@@ -363,6 +363,145 @@ def test_saved_tensor_hooks_are_forbidden_in_sequence_parallel(sol):
     rule (the grader's meter saw nothing of the forward). Its own ranks: a forbidden call ends a pool."""
     with pytest.raises(AssertionError, match="off limits"):
         day7.check_sequence_parallel(sol.gather_from_sp, sol.reduce_scatter_to_sp, saves_two_shards_more(sol, True))
+
+
+# ----------------------------------------------------------------------------- red team: torch's DTensor, 2026-12-03
+# DTensor places the collectives and writes their backward: each passed its check on real collectives (20/20 on Day
+# 7 with the exercise 6 plan below). Real launches: a forbidden call on a rank ends the tests' pool.
+
+def dtensor_cheats():
+    """The red team's exercises 1-5 on DTensor (made here: a rank unpickles them by value)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+    def mesh(group):
+        return DeviceMesh.from_group(group if group is not None else dist.group.WORLD, "cpu")
+
+    def f(x, group=None):
+        return DTensor.from_local(x, mesh(group), [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
+
+    def g(x, group=None):
+        m = mesh(group)
+        return DTensor.from_local(x, m, [Partial()], run_check=False).redistribute(m, [Replicate()]).to_local()
+
+    def gather_sp(x, group=None):
+        m = mesh(group)
+        return DTensor.from_local(x, m, [Shard(1)], run_check=False).redistribute(m, [Replicate()]).to_local(
+            grad_placements=[Partial()])
+
+    def scatter_sp(x, group=None):
+        m = mesh(group)
+        return DTensor.from_local(x, m, [Partial()], run_check=False).redistribute(m, [Shard(1)]).to_local()
+
+    def ce(logits, target, group=None):
+        m, r, vt = mesh(group), dist.get_rank(group), logits.shape[-1]
+        z = DTensor.from_local(logits, m, [Shard(1)], run_check=False)
+        z = z - z.detach().amax(dim=-1, keepdim=True).redistribute(m, [Replicate()])
+        s = z.exp().sum(-1).redistribute(m, [Replicate()])
+        local = target - r * vt
+        hit = (local >= 0) & (local < vt)
+        onehot = torch.zeros_like(logits)
+        onehot[hit.nonzero().squeeze(-1), local[hit]] = 1.0
+        zt = (z * DTensor.from_local(onehot, m, [Shard(1)], run_check=False)).sum(-1).redistribute(m, [Replicate()])
+        return (s.log() - zt).to_local().mean()
+
+    return f, g, gather_sp, scatter_sp, ce
+
+
+def dtensor_swiglu(sol):
+    f, g = dtensor_cheats()[:2]
+
+    class DTensorSwiGLU(sol.TensorParallelSwiGLU):
+        def forward(self, x):
+            x = f(x, self.group)
+            return g(self.w2(F.silu(self.w1(x)) * self.w3(x)), self.group)
+    return DTensorSwiGLU
+
+
+def library_f_g_swiglu(sol):
+    class LibraryFG(sol.TensorParallelSwiGLU):
+        def forward(self, x):  # the course's own f and g (dlo.distributed.tp_comms)
+            from dlo.distributed.tp_comms import copy_to_tp, reduce_from_tp
+            x = copy_to_tp(x, self.group)
+            return reduce_from_tp(self.w2(F.silu(self.w1(x)) * self.w3(x)), self.group)
+    return LibraryFG
+
+
+def dtensor_attention(sol):
+    f, g = dtensor_cheats()[:2]
+
+    class DTensorAttention(sol.TensorParallelAttention):
+        def forward(self, x, cos, sin):
+            return g(sol.Attention.forward(self, f(x, self.group), cos, sin), self.group)
+    return DTensorAttention
+
+
+def dtensor_sequence_parallel(sol):
+    gather_sp, scatter_sp = dtensor_cheats()[2:4]
+
+    class DTensorSP(sol.SequenceParallelMLP):
+        def forward(self, x):
+            h = gather_sp(self.norm(x), self.group)
+            return x + scatter_sp(self.w2(F.silu(self.w1(h)) * self.w3(h)), self.group)
+    return gather_sp, scatter_sp, DTensorSP
+
+
+FORBIDDEN_HOLDERS = [
+    ("linears: DTensor's f and g", lambda sol: (day7.check_tp_linears, (
+        *dtensor_cheats()[:2], sol.ColumnParallelLinear, sol.RowParallelLinear)), "_c10d_functional::all_reduce"),
+    ("swiglu: DTensor's f and g", lambda sol: (day7.check_tp_swiglu, (dtensor_swiglu(sol),)),
+     "_c10d_functional::all_reduce"),
+    ("swiglu: the library's f and g", lambda sol: (day7.check_tp_swiglu, (library_f_g_swiglu(sol),)),
+     "dlo.distributed.tp_comms.copy_to_tp"),
+    ("attention: DTensor's f and g", lambda sol: (day7.check_tp_attention, (dtensor_attention(sol),)),
+     "_c10d_functional::all_reduce"),
+    ("sequence parallel: DTensor's redistributes", lambda sol: (day7.check_sequence_parallel,
+                                                                 dtensor_sequence_parallel(sol)),
+     "_c10d_functional::all_gather_into_tensor"),
+    ("cross-entropy: DTensor's reductions", lambda sol: (day7.check_vocab_parallel_cross_entropy,
+                                                         (dtensor_cheats()[4],)), "_c10d_functional::all_reduce"),
+]
+
+
+@pytest.mark.parametrize("case", FORBIDDEN_HOLDERS, ids=[c[0] for c in FORBIDDEN_HOLDERS])
+def test_dtensor_and_the_library_f_g_are_forbidden(sol, case):
+    """Red team (Day 7, 2026-12-03): each passed its check (the DTensor ones on real collectives, their counts and
+    payloads right). Honest code's collectives are torch.distributed's, `c10d::` operators: the accept tests."""
+    _, build, phrase = case
+    check, args = build(sol)
+    with pytest.raises(AssertionError, match=re.escape(phrase) + " is off limits"):
+        check(*args)
+
+
+def test_dtensor_plan_counts_are_the_graders():
+    """Red team (Day 7, 2026-12-03): plain Megatron TP, no sequence parallelism, with CommDebugMode's
+    get_comm_counts patched to return torchtitan's counts: loss, gradients and shards right, 3/3. The grader counts
+    (and reads what the all-gathers carried) itself. A real launch: the patch would outlive the test on pooled ranks."""
+    def patched(model, tp_mesh):
+        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor.debug import CommDebugMode
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+        parallelize_module(model, tp_mesh, {
+            "tok_embeddings": RowwiseParallel(input_layouts=Replicate()),
+            "output": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)})
+        model.tie_weights()
+        for block in model.layers.values():
+            parallelize_module(block, tp_mesh, {
+                "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
+                "attention.wv": ColwiseParallel(), "attention.wo": RowwiseParallel(),
+                "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
+                "feed_forward.w2": RowwiseParallel()})
+        L, calls = len(model.layers), []
+        fwd = {"all_gather_into_tensor": 2 * L + 1, "reduce_scatter_tensor": 2 * L + 1, "all_reduce": 3}
+        bwd = {"all_gather_into_tensor": 2 * L + 1, "reduce_scatter_tensor": 2 * L + 1}
+
+        def get_comm_counts(self):
+            calls.append(1)
+            return dict(fwd if len(calls) % 2 == 1 else bwd)
+        CommDebugMode.get_comm_counts = get_comm_counts
+        return model
+    with pytest.raises(AssertionError, match="forward \\(the grader's count\\): collectives \\{'all_reduce'"):
+        day7.check_dtensor_plan(patched)
 
 
 def test_linears_reject_the_library(sol, ranks):

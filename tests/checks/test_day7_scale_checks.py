@@ -200,3 +200,21 @@ def test_a_numpy_integer_is_a_whole_number(sol):
     import numpy as np
 
     day7_scale.check_comm_compute(lambda *a, **k: np.int64(sol.fsdp_min_tokens(*a, **k)), sol.tp_comm_ratio, seed=0)
+
+
+def test_a_search_over_day4s_cost_model_fails(sol):
+    """Red team (2026-12-03): no formula, a binary search for the smallest T over Day 4's `allreduce_time` (an
+    all-gather is half an all-reduce) passed; Day 4's alpha-beta model is off limits while the check runs."""
+    from dlo.distributed.collectives import allreduce_time
+
+    def searched(layer_params, world_size, peak_flops, link_bytes_per_s, alpha=0.0, param_bytes=2):
+        need = allreduce_time(layer_params * param_bytes, world_size, alpha, 1.0 / link_bytes_per_s) / 2
+        lo, hi, per = 0, 1, 2 * layer_params / peak_flops
+        while hi * per < need * (1 - 1e-12):
+            hi *= 2
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if mid * per >= need * (1 - 1e-12) else (mid + 1, hi)
+        return lo
+    with pytest.raises(AssertionError, match="allreduce_time is off limits"):
+        day7_scale.check_comm_compute(searched, sol.tp_comm_ratio)

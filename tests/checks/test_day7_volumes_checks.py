@@ -146,3 +146,25 @@ def test_a_numpy_integer_is_a_whole_number(sol):
     import numpy as np
 
     day7_volumes.check_pp_bucket(sol.pp_p2p_bytes, lambda *a, **k: np.int64(sol.ddp_bucket_bytes(*a, **k)), seed=0)
+
+
+def test_a_search_over_day4s_cost_model_fails(sol):
+    """Red team (2026-12-03): the bucket found by a binary search over Day 4's `allreduce_time`, without the
+    formula, passed; Day 4's alpha-beta model is off limits while the check runs."""
+    from dlo.distributed.collectives import allreduce_time
+
+    def searched(world_size, alpha, link_bytes_per_s, latency_share=0.1):
+        if not 0 < latency_share <= 1:
+            raise ValueError("latency_share outside (0, 1]")
+        f, lat = latency_share, allreduce_time(0, world_size, alpha, 1.0 / link_bytes_per_s)
+        ok = lambda n: (1 - f) * lat * (1 - 1e-12) <= f * allreduce_time(n, world_size, 0.0,  # noqa: E731
+                                                                            1.0 / link_bytes_per_s)
+        lo, hi = 0, 1
+        while not ok(hi):
+            hi *= 2
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if ok(mid) else (mid + 1, hi)
+        return lo
+    with pytest.raises(AssertionError, match="allreduce_time is off limits"):
+        day7_volumes.check_pp_bucket(sol.pp_p2p_bytes, searched)

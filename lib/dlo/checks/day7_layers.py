@@ -10,6 +10,7 @@ import torch
 
 from dlo.checks.day7_comms import SUMS_GRAD, expect_block_sums, expect_blocks, expect_sum, recorded, verified
 from dlo.checks.day7_shared import (
+    DTENSOR,
     F_G,
     LAYERS,
     SWIGLU_SPLIT,
@@ -75,7 +76,7 @@ def _linears_worker(mine, f, g, col_cls, row_cls):
     return out
 
 
-@check(forbid=LAYERS + F_G)
+@check(forbid=LAYERS + F_G + DTENSOR)
 def check_tp_linears(f, g, column_cls, row_cls, seed: int = 0, world_size: int = 2) -> None:
     """`f(x, group=None)` (identity forward, all-reduce backward), `g(x, group=None)` (all-reduce
     forward, identity backward), `ColumnParallelLinear(linear, group=None, gather_output=False)` and
@@ -176,7 +177,7 @@ def _mlp_worker(mine, cls):
     return res
 
 
-@check(forbid=LAYERS)
+@check(forbid=LAYERS + F_G + DTENSOR)  # F_G: the library's f and g (a red team, 2026-12-03)
 def check_tp_swiglu(cls, seed: int = 0, world_size: int = 2) -> None:
     """`cls(ffn, group=None)` splits a SwiGLU feed-forward (w1, w3 by output features, w2 by input
     features) and computes w2(silu(w1 x) * w3 x) with exactly one all-reduce in forward and one in

@@ -12,8 +12,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from dlo.checks.day7_comms import expect_block_sums, recorded, verified
+from dlo.checks.day7_comms import CommTap, expect_block_sums, expect_blocks, recorded, verified
 from dlo.checks.day7_shared import (
+    DTENSOR,
     F_G,
     LAYERS,
     assert_block_close,
@@ -82,7 +83,7 @@ def _attention_worker(mine, cls):
     return res
 
 
-@check(forbid=LAYERS + F_G)
+@check(forbid=LAYERS + F_G + DTENSOR)
 def check_tp_attention(cls, seed: int = 0, world_size: int = 2) -> None:
     """`cls(attention, group=None)` splits a Llama `Attention` by heads (wq, wk, wv by output features:
     rank r keeps query heads [r H/t, (r+1) H/t) and KV heads [r Hkv/t, (r+1) Hkv/t); wo by input
@@ -142,34 +143,62 @@ def _llama(cfg, seed: int):
     return model
 
 
+class _PlanTap(CommTap):
+    """`CommTap` that lets DTensor's own dispatch run first (as CommDebugMode does): a mode sees an operator on
+    DTensors before DTensor desugars it, and a collective DTensor issues inside that (loss_parallel's all-reduces)
+    would run with the mode set aside; returned NotImplemented, DTensor runs it with the mode still on."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(getattr(t, "__module__", "").startswith("torch.distributed.tensor") for t in types):
+            return NotImplemented
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
 def _dtensor_worker(mine, fn):
     """`mine`: the Llama to parallelize, the tokens and targets (the same on every rank), drawn on the
-    grader's side from its seed."""
-    import warnings
-
+    grader's side from its seed. The collectives of forward and backward are the grader's count (`CommTap`, with
+    what this rank put into each), not CommDebugMode's: torch's class in the rank's process is the student's to
+    patch (a red team's plan without sequence parallelism set `CommDebugMode.get_comm_counts` to return
+    torchtitan's counts, 2026-12-03). Not `recorded`: parallelize_module and the mesh send bytes beside the
+    counter (measured: 139,968 bytes on the sockets, 90,112 counted plus 31,680 of headers, for the solution), so
+    the sockets cannot back this count; what the all-gathers carried does (`check_dtensor_plan`)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor.debug import CommDebugMode
     from torch.distributed.tensor.parallel import loss_parallel
 
     c, model = mine, mine["model"]
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     fn(model, mesh)
     full = lambda z: z.full_tensor() if isinstance(z, DTensor) else z  # noqa: E731
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # CommDebugMode's module hooks warn about inputs without grad
-        with CommDebugMode() as fwd:
-            logits = model(c["tokens"])
-            with loss_parallel():
-                loss = F.cross_entropy(logits.flatten(0, 1), c["targets"].flatten())
-        with CommDebugMode() as bwd, loss_parallel():
-            loss.backward()
-    counts = [{str(k).split(".")[-1]: v for k, v in m.get_comm_counts().items()} for m in (fwd, bwd)]
+    with _PlanTap() as fwd:
+        logits = model(c["tokens"])
+        with loss_parallel():
+            loss = F.cross_entropy(logits.flatten(0, 1), c["targets"].flatten())
+    with _PlanTap() as bwd, loss_parallel():
+        loss.backward()
     return {"loss": full(loss).detach(), "sharded_logits": isinstance(logits, DTensor),
             "grads": {n: None if p.grad is None else full(p.grad).detach() for n, p in model.named_parameters()},
             "local": {n: tuple((p.to_local() if isinstance(p, DTensor) else p).shape)
                       for n, p in model.named_parameters()},
-            "fwd": counts[0], "bwd": counts[1]}
+            "fwd": fwd.by_kind("calls"), "bwd": bwd.by_kind("calls"),
+            "gathered": [v for call, v in zip(fwd.calls, fwd.inputs) if call.kind == "all_gather"]}
+
+
+def _normed(model, tokens) -> list:
+    """The outputs of the norms that sequence parallelism all-gathers, in the forward's order: each block's
+    attention_norm and ffn_norm, then the final norm (one process, the grader's model)."""
+    out, hooks = [], []
+    for block in model.layers.values():
+        hooks += [block.attention_norm.register_forward_hook(lambda m, i, o: out.append(o.detach())),
+                  block.ffn_norm.register_forward_hook(lambda m, i, o: out.append(o.detach()))]
+    hooks.append(model.norm.register_forward_hook(lambda m, i, o: out.append(o.detach())))
+    try:
+        with torch.no_grad():
+            model(tokens)
+    finally:
+        for h in hooks:
+            h.remove()
+    return out
 
 
 @check(forbid=("dlo.distributed.tensor_parallel.apply_tp", "dlo.distributed.tensor_parallel.llama_tp_plan",
@@ -177,10 +206,11 @@ def _dtensor_worker(mine, fn):
 def check_dtensor_plan(fn, seed: int = 0, world_size: int = 2) -> None:
     """`fn(model, tp_mesh)` parallelizes a Llama in place with `parallelize_module` (tensor and sequence
     parallelism, logits left sharded by vocabulary for `loss_parallel`). One step's loss and every
-    gradient against one process, and the collectives of forward and backward counted by
-    CommDebugMode against torchtitan's plan: per block one all-gather and one reduce-scatter around
-    the attention and around the MLP, one more of each for the embedding and the output, and the
-    three all-reduces of the vocabulary-parallel loss."""
+    gradient against one process, and the collectives of forward and backward, counted by the grader on the
+    ranks (`CommTap`), against torchtitan's plan: per block one all-gather and one
+    reduce-scatter around the attention and around the MLP, one more of each for the embedding and the
+    output, and the three all-reduces of the vocabulary-parallel loss; each forward all-gather carries the
+    rank's sequence shard of the norm before it (sequence parallelism: the norms ran on Shard(1))."""
     name, secret = "dtensor_plan", case_seed(seed)  # a secret seed when graded
     c = _dtensor_case(secret, world_size)
     # The model is whole on every rank, unlike the other exercises' layers: parallelize_module
@@ -188,26 +218,30 @@ def check_dtensor_plan(fn, seed: int = 0, world_size: int = 2) -> None:
     # rank's own chunk with src_data_rank=None), and the replicated ones (norms) whole, so no rank
     # can be given its shard alone. What stays here is the seed, and with it the case's drawing.
     part = {"model": _llama(c["cfg"], secret), "tokens": c["tokens"], "targets": c["targets"]}
-    got = every_rank(name, on_ranks(_dtensor_worker, world_size, fn, per_rank=[part] * world_size), world_size)
     c["where"]["seed"] = seed
+    got = every_rank(name, on_ranks(_dtensor_worker, world_size, fn, per_rank=[part] * world_size), world_size)
     model = _llama(c["cfg"], secret)
     loss = F.cross_entropy(model(c["tokens"]).flatten(0, 1), c["targets"].flatten())
     loss.backward()
     L = c["cfg"].n_layers
-    want_fwd = {"all_gather_into_tensor": 2 * L + 1, "reduce_scatter_tensor": 2 * L + 1, "all_reduce": 3}
-    want_bwd = {"all_gather_into_tensor": 2 * L + 1, "reduce_scatter_tensor": 2 * L + 1}
+    want_fwd = {"all_gather": 2 * L + 1, "reduce_scatter": 2 * L + 1, "all_reduce": 3}
+    want_bwd = {"all_gather": 2 * L + 1, "reduce_scatter": 2 * L + 1}
     for r, res in enumerate(got):
         here = {**c["where"], "rank": r}
         if not res["sharded_logits"]:
             raise AssertionError(f"{name}: the model returned plain logits; keep them a DTensor sharded on the "
                                  f"vocabulary (output: ColwiseParallel(..., output_layouts=Shard(-1), "
                                  f"use_local_output=False)) so that loss_parallel needs no all-gather ({here})")
-        expect_comms(name, "forward (CommDebugMode)", res["fwd"], want_fwd,
+        expect_comms(name, "forward (the grader's count)", res["fwd"], want_fwd,
                      "sequence parallelism: the norms on Shard(1), PrepareModuleInput all-gathers before the "
                      "attention and the MLP, wo and w2 reduce-scatter (output_layouts=Shard(1)), the embedding "
                      "reduce-scatters, the output all-gathers its input; loss_parallel all-reduces 3 times", here)
-        expect_comms(name, "backward (CommDebugMode)", res["bwd"], want_bwd,
+        expect_comms(name, "backward (the grader's count)", res["bwd"], want_bwd,
                      "the conjugates of the forward's all-gathers and reduce-scatters", here)
+        gathered = len(res["gathered"]) if isinstance(res["gathered"], list) else 0
+        if gathered != 2 * L + 1:
+            raise AssertionError(f"{name}: rank {r} returned what {gathered} forward all-gathers carried, "
+                                 f"its count says {2 * L + 1}: the grader got nothing to check for the rest ({here})")
         assert_close(name, "loss", res["loss"], loss.detach(), here)
         for pname, p in model.named_parameters():
             if res["grads"].get(pname) is None:
@@ -225,4 +259,12 @@ def check_dtensor_plan(fn, seed: int = 0, world_size: int = 2) -> None:
         if unsharded:
             raise AssertionError(f"{name}: {unsharded[:3]} hold {[big[n] for n in unsharded[:3]]} on rank {r}: "
                                  f"each rank should keep 1/{world_size} of them ({here})")
+    normed = _normed(_llama(c["cfg"], secret), c["tokens"])
+    for i, h in enumerate(normed):
+        which = "the final norm" if i == 2 * L else f"block {i // 2}'s {('attention_norm', 'ffn_norm')[i % 2]}"
+        expect_blocks(name, f"forward all-gather {i + 1} of {2 * L + 1}", [res["gathered"][i] for res in got],
+                      list(h.chunk(world_size, 1)), f"the output of {which} on its sequence shard",
+                      "sequence parallelism: SequenceParallel() on the norms (Shard(1)), PrepareModuleInput "
+                      "all-gathers their output before the attention and the MLP, the output layer's input is "
+                      "Shard(1)", c["where"])
     ok(name, f"{L} blocks on {world_size} ranks, seed={seed}")

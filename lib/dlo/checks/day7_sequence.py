@@ -13,6 +13,7 @@ from torch import nn
 from dlo.checks.day7_comms import CommTap, expect_blocks, expect_sum, recorded, verified
 from dlo.checks.day7_shared import (
     COMMS,
+    DTENSOR,
     F_G,
     LAYERS,
     SWIGLU_SPLIT,
@@ -108,7 +109,7 @@ def _saved(fn, x, params) -> int:
         return meter.peak
 
 
-@check(forbid=LAYERS + F_G + SP + HOOKS)
+@check(forbid=LAYERS + F_G + SP + HOOKS + DTENSOR)
 def check_sequence_parallel(gather_fn, scatter_fn, cls, seed: int = 0, world_size: int = 2) -> None:
     """`gather_fn(x, group=None)`: all-gather along the sequence (dim 1) forward, reduce-scatter
     backward; `scatter_fn(x, group=None)`: reduce-scatter along dim 1 forward, all-gather backward;
@@ -228,7 +229,7 @@ def _ce_records(name: str, records: list[list[dict]], cases: list[dict]) -> None
                                  f"the exercise avoids")
 
 
-@check(forbid=LAYERS + ("torch.distributed.tensor.parallel.loss_parallel",) + VOCAB_CE)
+@check(forbid=LAYERS + ("torch.distributed.tensor.parallel.loss_parallel",) + VOCAB_CE + DTENSOR)
 def check_vocab_parallel_cross_entropy(fn, seed: int = 0, world_size: int = 2, trials: int = 3) -> None:
     """`fn(logits, target, group=None)`: the mean cross-entropy of (N, V/t) logits split by
     vocabulary (rank r holds classes [r V/t, (r+1) V/t)) against global targets (N,), differentiable,
