@@ -135,7 +135,11 @@ def _promotion_case(rng: random.Random, t: int) -> tuple[list[dict], int, int, s
     return results, rungs[k], eta, promoted, mode
 
 
-@check(forbid=SEARCH, hint="rank the rung's results yourself (sorted with a key)")
+# _slips: its "promoted a trial already promoted" entry is the right ranking with the promoted ids still in, and
+# _reference_promote is the answer; every checks module is loaded where the student's code runs (the runner's
+# session reaches the real one through its frames: a red team called _slips so, 2026-12-03): off limits there
+@check(forbid=SEARCH + ("dlo.checks.day11._slips", "dlo.checks.day11._reference_promote"),
+       hint="rank the rung's results yourself (sorted with a key)")
 def check_promote(promote_fn, seed: int = 0, trials: int = 8) -> None:
     """`promote_fn(results, rung, eta, promoted, mode) -> [trial ids]` against `dlo.tuning.search.promotable`."""
     name, rng = "promote", random.Random(case_seed(seed))

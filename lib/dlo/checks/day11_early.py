@@ -13,7 +13,9 @@ from dlo.grading.api import case_seed, check
 from dlo.grading.compare import ok
 from dlo.tuning.early import EarlyStopping
 
-EARLY = ("dlo.tuning.early.*",)
+# torch's ReduceLROnPlateau counts the evaluations without improvement (patience - 1, threshold=min_delta,
+# threshold_mode="abs": its lr drops where the rule stops; a red team, 2026-12-03); its methods go with the class
+EARLY = ("dlo.tuning.early.*", "torch.optim.lr_scheduler.ReduceLROnPlateau")
 
 
 def _reference(history: list[float], patience: int, min_delta: float, mode: str) -> tuple[bool, int | None]:
@@ -93,7 +95,9 @@ def _history(rng: random.Random, t: int) -> tuple[list[float], int, float, str]:
 
 # _rule with every switch at its default is the exercise's rule, and every checks module is loaded where the
 # student's code runs (the runner imports dlo.checks; reachable through gc): off limits there
-@check(forbid=EARLY + ("dlo.checks.day11_early._rule",), hint="count the evaluations without improvement yourself")
+# (_reference is dlo's EarlyStopping stepped through the history: the answer)
+@check(forbid=EARLY + ("dlo.checks.day11_early._rule", "dlo.checks.day11_early._reference"),
+       hint="count the evaluations without improvement yourself")
 def check_early_stop(early_stop_fn, seed: int = 0, trials: int = 12) -> None:
     """`early_stop_fn(history, patience, min_delta, mode) -> (stop, best_epoch)` against dlo's EarlyStopping."""
     name, rng = "early_stop", random.Random(case_seed(seed))

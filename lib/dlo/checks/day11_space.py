@@ -15,6 +15,7 @@ import numpy as np
 from dlo.errors import BadInput
 from dlo.grading.api import case_seed, check, run_student
 from dlo.grading.compare import ok
+from dlo.grading.forbid import ForbiddenCall
 from dlo.tuning.space import Space
 
 SPACE = ("dlo.tuning.space.*",)
@@ -101,10 +102,17 @@ def _types_worker(sample_fn, spec: dict, seed: int, i: int) -> list[str] | str:
     return [f"{type(v).__module__}.{type(v).__qualname__}" for v in config.values()]
 
 
-def _wrong_type(spec: dict, want: dict, types: list[str]) -> str | None:
+def _wrong_type(spec: dict, want: dict, types: list[str], values: dict) -> str | None:
     """What the text says of a value's type and the student's broke: an int draw is a Python int, a choice the
-    value itself (a float draw is any float: the text says no more)."""
+    value itself (a float draw is any float: the text says no more). Only where the value is the right one
+    (`values`: the config as it came): another value is a wrong draw, named as such."""
     for (key, w), ((kind, _),), got in zip(want.items(), (s.items() for s in spec.values()), types):
+        try:
+            right = bool(values.get(key) == w)
+        except Exception:  # noqa: BLE001 (a value of the student's that does not compare: no right value)
+            right = False
+        if not right:
+            continue
         if kind == "int" and got != "builtins.int":
             return (f"{key!r} (an int draw) is a {got}: return a Python int, int(rng.integers(lo, hi + 1)), as the "
                     f"table says")
@@ -142,60 +150,96 @@ def _bad_spaces(rng: random.Random) -> list[tuple[dict, str]]:
 
 # _space_slips: each slip is the right draw but in one kind (no log_uniform: the int slip's; no int: the log slip's),
 # and this module is loaded where the student's code runs (the types' worker; reachable through gc): off limits there
+def _calls(rng: random.Random, trials: int) -> list[tuple]:
+    """The check's calls in the order made: ("good", spec, seed, i) for each of the `trials` spaces at three i (one
+    0, one in 1-50, one in 51-5000, in any order), ("bad", spec, what, seed, i) for each bad spec, every bad one at
+    a random place among the good ones with its (seed, i) drawn as a good call's. All the bad specs after the last
+    good call, the good ones' i in rising bands, let a red team's stateful function refuse every new (seed, i)
+    after a large i (2026-12-03): now neither the order nor i nor seed tells a bad spec's call from a good one's."""
+    good = []
+    for t in range(trials):
+        # seed 0 among the good cases too: a bad spec is no (seed, i) of its own (`sample_fn(spec, 0, 0)` let a
+        # red team refuse every call at seed 0, 2026-11-30)
+        spec, s = _space_case(rng), 0 if t == 0 else rng.randrange(1000)
+        good += [("good", spec, s, i) for i in rng.sample([0, rng.randint(1, 50), rng.randint(51, 5000)], 3)]
+    # a good space's three calls stay apart as well as together: the whole list shuffled, the bad ones in it
+    bad = [("bad", spec, what, rng.randrange(1000), rng.choice([0, rng.randint(1, 50), rng.randint(51, 5000)]))
+           for spec, what in _bad_spaces(rng)]
+    calls = good + bad
+    rng.shuffle(calls)
+    return calls
+
+
+def _good_call(name: str, sample_fn, spec: dict, s: int, i: int) -> None:
+    """One valid spec at (seed s, trial i): the config equal to Space(spec).config(s, i), twice the same, its values'
+    types as the student's code made them."""
+    case = f"spec={spec}, seed={s}, i={i}"
+    try:
+        got = sample_fn({k: {kk: list(vv) for kk, vv in v.items()} for k, v in spec.items()}, s, i)
+    except ValueError as err:
+        raise AssertionError(f"{name}: raised ValueError ({err}) for a valid spec: refuse a spec by its "
+                             f"kinds and values only ({case})") from None
+    again = sample_fn({k: {kk: list(vv) for kk, vv in v.items()} for k, v in spec.items()}, s, i)
+    if got != again:
+        raise AssertionError(f"{name}: not reproducible: two calls with the same (seed, i) gave {got} and "
+                             f"{again} ({case}); draw from np.random.default_rng([seed, i]) only")
+    want = Space(spec).config(s, i)
+    if isinstance(got, dict) and list(got) != list(want):
+        raise AssertionError(f"{name}: the config's keys are {list(got)}, expected {list(want)} (the "
+                             f"names in the order written) ({case})")
+    if isinstance(got, dict):   # the types as made, not as the wire delivers them
+        types = run_student(_types_worker, sample_fn, copy.deepcopy(spec), s, i)
+        if not isinstance(types, list) or len(types) != len(want):
+            n = len(types) if isinstance(types, list) else 0
+            raise AssertionError(f"{name}: the grader got the types of {n} of the config's {len(want)} values "
+                                 f"as your code made them (a second call returned "
+                                 f"{types if isinstance(types, str) else 'a list'}): return the same dict of "
+                                 f"Python values every time ({case})")
+        wrong = _wrong_type(spec, want, types, got)
+        if wrong:
+            raise AssertionError(f"{name}: {wrong} ({case})")
+    if _same(got, want):
+        return
+    for mistake, wrong in _space_slips(spec, s, i).items():
+        if _same(got, wrong) and not _same(wrong, want):
+            raise AssertionError(f"{name}: {mistake} ({case}): expected {want}, got {got}")
+    raise AssertionError(f"{name}: expected {want}, got {got} ({case})")
+
+
+def _bad_call(name: str, sample_fn, spec, what: str, s: int, i: int) -> str | None:
+    """One bad spec: refused with ValueError; else what the student's function did instead (None: refused)."""
+    try:
+        Space(spec)
+        raise AssertionError(f"the reference accepts {spec}")  # a broken case: never reached
+    except BadInput:
+        pass
+    try:
+        sample_fn(spec, s, i)
+    except ValueError:
+        return None
+    except ForbiddenCall:
+        raise
+    except Exception as err:  # noqa: BLE001 (what the student raised is the message)
+        return (f"{name}: a spec with {what} ({spec}) must raise ValueError before any draw, it raised "
+                f"{type(err).__name__}: {err}")
+    return f"{name}: a spec with {what} ({spec}) must raise ValueError, it returned a config"
+
+
+# _space_slips: each slip is the right draw but in one kind (no log_uniform: the int slip's; no int: the log slip's),
+# and this module is loaded where the student's code runs (the types' worker; reachable through gc): off limits there
 @check(forbid=SPACE + ("dlo.checks.day11_space._space_slips",), hint="write the draws with numpy's Generator yourself")
 def check_sample_config(sample_fn, seed: int = 0, trials: int = 6) -> None:
     """`sample_fn(spec, seed, i) -> config` equal to `dlo.tuning.space.Space(spec).config(seed, i)`; a bad
     spec raises ValueError."""
     name, rng = "sample_config", random.Random(case_seed(seed))
-    for t in range(trials):
-        # seed 0 among the good cases too: a bad spec is no (seed, i) of its own (`sample_fn(spec, 0, 0)` let a
-        # red team refuse every call at seed 0, 2026-11-30)
-        spec, s = _space_case(rng), 0 if t == 0 else rng.randrange(1000)
-        for i in (0, rng.randint(1, 50), rng.randint(51, 5000)):
-            case = f"spec={spec}, seed={s}, i={i}"
-            try:
-                got = sample_fn({k: {kk: list(vv) for kk, vv in v.items()} for k, v in spec.items()}, s, i)
-            except ValueError as err:
-                raise AssertionError(f"{name}: raised ValueError ({err}) for a valid spec: refuse a spec by its "
-                                     f"kinds and values only ({case})") from None
-            again = sample_fn({k: {kk: list(vv) for kk, vv in v.items()} for k, v in spec.items()}, s, i)
-            if got != again:
-                raise AssertionError(f"{name}: not reproducible: two calls with the same (seed, i) gave {got} and "
-                                     f"{again} ({case}); draw from np.random.default_rng([seed, i]) only")
-            want = Space(spec).config(s, i)
-            if isinstance(got, dict) and list(got) != list(want):
-                raise AssertionError(f"{name}: the config's keys are {list(got)}, expected {list(want)} (the "
-                                     f"names in the order written) ({case})")
-            if isinstance(got, dict):   # the types as made, not as the wire delivers them
-                types = run_student(_types_worker, sample_fn, copy.deepcopy(spec), s, i)
-                if not isinstance(types, list) or len(types) != len(want):
-                    n = len(types) if isinstance(types, list) else 0
-                    raise AssertionError(f"{name}: the grader got the types of {n} of the config's {len(want)} values "
-                                         f"as your code made them (a second call returned "
-                                         f"{types if isinstance(types, str) else 'a list'}): return the same dict of "
-                                         f"Python values every time ({case})")
-                wrong = _wrong_type(spec, want, types)
-                if wrong:
-                    raise AssertionError(f"{name}: {wrong} ({case})")
-            if _same(got, want):
-                continue
-            for mistake, wrong in _space_slips(spec, s, i).items():
-                if _same(got, wrong) and not _same(wrong, want):
-                    raise AssertionError(f"{name}: {mistake} ({case}): expected {want}, got {got}")
-            raise AssertionError(f"{name}: expected {want}, got {got} ({case})")
-    bad_spaces = _bad_spaces(rng)
-    for spec, what in bad_spaces:
-        try:
-            Space(spec)
-            raise AssertionError(f"the reference accepts {spec}")  # a broken case: never reached
-        except BadInput:
-            pass
-        try:
-            sample_fn(spec, rng.randrange(1000), rng.randint(0, 5000))
-        except ValueError:
-            continue
-        except Exception as err:  # noqa: BLE001 (what the student raised is the message)
-            raise AssertionError(f"{name}: a spec with {what} ({spec}) must raise ValueError before any draw, "
-                                 f"it raised {type(err).__name__}: {err}") from None
-        raise AssertionError(f"{name}: a spec with {what} ({spec}) must raise ValueError, it returned a config")
-    ok(name, f"{trials} spaces x 3 trials each against Space.config, {len(bad_spaces)} bad specs refused")
+    calls, unrefused = _calls(rng, trials), []
+    for call in calls:
+        if call[0] == "good":
+            _good_call(name, sample_fn, *call[1:])
+        else:   # said after the good ones, as when they came last: a wrong draw is named before a missing refusal
+            unrefused.append(_bad_call(name, sample_fn, *call[1:]))
+    first = next((m for m in unrefused if m is not None), None)
+    if first is not None:
+        raise AssertionError(first)
+    bad = len(unrefused)
+    ok(name, f"{trials} spaces x 3 trials each against Space.config, {bad} bad specs refused, in one random order")

@@ -1,8 +1,11 @@
 """Day 11's freezing check (its discriminative learning rates: `dlo.checks.day11_groups`).
 
 The student's function acts on modules, so it runs in a worker (`run_student`) on models made here; the worker
-trains two steps and returns plain data (the tensors before and after, the flags, the modules' classes). The
-reference is `dlo.tuning.transfer.freeze` on an identical copy of each model.
+returns plain data: what the call set (each parameter's requires_grad, each module's mode), the modules' classes
+and the count. The check sets those flags and modes on its own copy of the model and trains that copy two steps
+here: what moved is decided on this side, never read from the student's process (whose reply can be forged: a red
+team rewrote the worker's tensors on their way out, 2026-12-03). The reference is `dlo.tuning.transfer.freeze` on
+another copy.
 """
 
 from __future__ import annotations
@@ -22,8 +25,8 @@ TRANSFER = ("dlo.tuning.transfer.*",)
 # What the freeze worker reads with, taken when this module is imported: the worker runs in the student's process
 # after the student's code, which once rebound torch.equal, made Parameter.requires_grad a property and swapped
 # each BatchNorm's class for one whose `training` lied to the worker (a red team, 2026-12-01). The C getter of
-# the flag, the C clone and the instance dicts are out of its reach (TensorBase is immutable); the comparisons
-# (torch.equal) are the check's, on its side.
+# the flag, the C clone and the instance dicts are out of its reach (TensorBase is immutable). Whatever it reads,
+# the reply can still be rewritten on its way out: what moved is the check's, trained on its side (`_trained`).
 _DICT = object.__getattribute__
 _TYPE, _ID, _ITEMS, _DICT_GET = type, id, dict.items, dict.get
 _QUALNAME, _MODULE = type.__dict__["__qualname__"].__get__, type.__dict__["__module__"].__get__
@@ -87,8 +90,10 @@ def _classes(model: nn.Module) -> dict:
 
 
 def _freeze_worker(freeze_fn, model: nn.Module, x: torch.Tensor, y: torch.Tensor, seed: int) -> dict:
-    """The student's freeze on the features, then two SGD steps on every parameter: the raw tensors before and after
-    (the check compares them), the flags and modes as the instance dicts and C getters hold them."""
+    """The student's freeze on the features: the flags and modes it left, as the instance dicts and C getters hold
+    them, and the modules' classes before and after. Then two SGD steps on every parameter here, whose only use is
+    the wording of a failure (`stilled`: the parameters that kept still in the student's process although their
+    flag says they train, a hook that zeroes their gradient); the check trains its own copy to decide."""
     classes = _classes(model)
     count = freeze_fn(_DICT(model, "__dict__")["_modules"]["0"])
     classes = [classes, _classes(model)]
@@ -97,7 +102,6 @@ def _freeze_worker(freeze_fn, model: nn.Module, x: torch.Tensor, y: torch.Tensor
     with _NO_OVERRIDES():
         grad = {k: _REQUIRES_GRAD(p) for k, p in params.items()}
     before = _copies(model)
-    # all of them: requires_grad must keep the frozen ones still
     opt = _SGD(list({_ID(p): p for p in params.values()}.values()), lr=0.5)
     _SEED(seed)
     for _ in range(2):
@@ -105,8 +109,43 @@ def _freeze_worker(freeze_fn, model: nn.Module, x: torch.Tensor, y: torch.Tensor
         opt.zero_grad()
         loss.backward()
         opt.step()
-    return {"count": count, "classes": classes, "modes": modes, "grad": grad, "before": before,
-            "after": _copies(model)}
+    after = _copies(model)
+    stilled = sorted(k for k, g in grad.items() if g and k in before and k in after and _EQUAL(before[k], after[k]))
+    return {"count": count, "classes": classes, "modes": modes, "grad": grad, "stilled": stilled}
+
+
+def _flag(value) -> bool:
+    """A flag or mode of the reply as a bool: anything else is no flag (the reply is the student's to shape)."""
+    if value is True or value is False:
+        return value
+    raise AssertionError(f"freeze: the grader got {value!r} for a requires_grad flag or a module's mode, not a "
+                         f"bool: modules and their tensors stay as they are, only their flags and modes change")
+
+
+def _trained(model: nn.Module, grad: dict, modes: dict, x: torch.Tensor, y: torch.Tensor, seed: int) -> dict:
+    """The check's own copy of the model with the flags and modes the student's call left (`grad`, `modes`) set on
+    it, trained two SGD steps here as the worker trained the student's: {tensor name: whether it moved}."""
+    params = _tensors(model, ("_parameters",))
+    flags: dict[int, bool] = {}
+    for k, p in params.items():
+        flag = _flag(grad[k])
+        if flags.setdefault(id(p), flag) != flag:   # one tensor under two names (two BatchNorms share a weight)
+            raise AssertionError(f"freeze: the grader got two requires_grad flags for one tensor ({k} and the other "
+                                 f"name of it): a tensor has one flag")
+        p.requires_grad_(flag)
+    for n, m in _walk(model):
+        m.training = _flag(modes[n])
+    before = _copies(model)
+    opt = _SGD(list({id(p): p for p in params.values()}.values()), lr=0.5)
+    with torch.random.fork_rng(devices=[]):
+        _SEED(seed)
+        for _ in range(2):
+            loss = _CROSS_ENTROPY(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    after = _copies(model)
+    return {k: not _EQUAL(v, after[k]) for k, v in before.items()}
 
 
 def _replaced(got: dict) -> str | None:
@@ -125,22 +164,23 @@ def _replaced(got: dict) -> str | None:
     gone = [n for n, m in got["modes"].items() if m is None]
     if gone:
         return f"module {gone[0]} has no `training` attribute of its own any more"
-    if set(got["before"]) != set(got["after"]):
-        return "a parameter or buffer of the model was added or removed during the training after the freeze"
     return None
 
 
 def _complete(name: str, got: dict, ref: nn.Module, case: str) -> None:
-    """Every module's class and mode, every parameter's flag and every tensor before and after, as the model made here
-    has them: a record left out of the reply is a module, a flag or a tensor the check would not look at."""
-    modules, tensors = [n for n, _ in _walk(ref)], set(_tensors(ref))
-    params = set(_tensors(ref, ("_parameters",)))
-    before, after = got["classes"]
+    """Every module's class and mode and every parameter's flag, as the model made here has them: a record left out
+    of the reply is a module or a flag the check would not look at."""
+    if not isinstance(got, dict) or not {"count", "classes", "modes", "grad", "stilled"} <= set(got):
+        raise AssertionError(f"{name}: the grader got no record of the model after your call ({case})")
+    modules, params = [n for n, _ in _walk(ref)], set(_tensors(ref, ("_parameters",)))
+    classes = got["classes"]
+    if not isinstance(classes, list) or len(classes) != 2 or not all(isinstance(c, dict) for c in classes) \
+            or not all(isinstance(got[k], dict) for k in ("modes", "grad")) or not isinstance(got["stilled"], list):
+        raise AssertionError(f"{name}: the grader got a malformed record of the model after your call ({case})")
+    before, after = classes
     for what, have, want in (("classes before the call", set(before), set(modules)),
                              ("classes after it", set(after), set(modules)), ("modes", set(got["modes"]), set(modules)),
-                             ("requires_grad flags", set(got["grad"]), params),
-                             ("tensors before the training", set(got["before"]), tensors),
-                             ("tensors after it", set(got["after"]), tensors)):
+                             ("requires_grad flags", set(got["grad"]), params)):
         if have != want:
             raise AssertionError(f"{name}: the grader got the {what} of {len(have & want)} of the model's {len(want)} "
                                  f"(missing: {sorted(want - have)[:3]}; unknown: {sorted(have - want)[:3]}): "
@@ -162,7 +202,7 @@ def check_freeze(freeze_fn, seed: int = 0, trials: int = 3) -> None:
             p.requires_grad_(False)                   # frozen before: still counted, still frozen
         x = torch.randn(rng.choice([6, 10]), 2, 5, 5)
         y = torch.randint(0, model[1].out_features, (x.shape[0],))
-        ref = copy.deepcopy(model)
+        ref, mine = copy.deepcopy(model), copy.deepcopy(model)   # mine: trained here with the student's flags
         want_count = freeze(ref[0])
         want_modes = {n: m.training for n, m in ref.named_modules()}
         got = run_student(_freeze_worker, freeze_fn, model, x, y, t)
@@ -173,12 +213,14 @@ def check_freeze(freeze_fn, seed: int = 0, trials: int = 3) -> None:
             raise AssertionError(f"{name}: {replaced}: the freeze must not replace the modules' classes or "
                                  f"attributes; set requires_grad=False on the parameters and call .eval() on the "
                                  f"BatchNorm layers, nothing else ({case})")
-        # compared here, not where the student's code ran (a red team's torch.equal said nothing moved there)
-        changed = {k: not _EQUAL(v, got["after"][k]) for k, v in got["before"].items()}
+        # trained here, with the flags and modes the call left: what the student's process says moved decides
+        # nothing (a red team's freeze did nothing and rewrote the worker's tensors and flags on the wire)
+        changed = _trained(mine, got["grad"], got["modes"], x, y, t)
         moved = [k for k, c in changed.items() if c and k.startswith("0.")]
         stats = [k for k in moved if "running" in k or "num_batches" in k]
         weights = [k for k in moved if k not in stats]
-        if weights:
+        hooked = [k for k in weights if k in got["stilled"]]   # still there: only the wording
+        if weights and len(hooked) < len(weights):
             raise AssertionError(f"{name}: frozen parameters still updated by the optimizer ({', '.join(weights[:3])}"
                                  f"): set requires_grad=False on every parameter of the module, biases and nested "
                                  f"blocks included ({case})")
