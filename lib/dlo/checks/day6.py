@@ -16,11 +16,15 @@
    the bytes saved since the step began k micro-batches' (the meter's `made`: no forward hidden). 1F1B must
    also keep at most p micro-batches of activations alive on the first stage, and, where the check launches
    the ranks, raise the first stage's memory as the kernel counts it (read outside the rank) by at most one
-   micro-batch more than the course's 1F1B on a larger case (`dlo.checks.day6_count`). Saved-tensor hooks are
+   micro-batch more than the course's 1F1B on a larger case (`dlo.checks.day6_count`), whose loss and gradients
+   are checked too (a step that skipped it kept the reference's count). Saved-tensor hooks are
    off limits in both (a step's own would hide its activations from the meter);
 5. the same model through torch.distributed.pipelining (GPipe, 1F1B, interleaved 1F1B): losses
    and gradients equal to one process, hence to the student's own engines of 3 and 4, and the order
-   of each rank's forward and backward chunks that of the asked schedule (torch's own lists).
+   of each rank's forward and backward chunks that of the asked schedule (torch's own lists), recorded
+   only for torch's own stages holding the modules given, once each chunk ran, with what the module was
+   given in each forward chunk compared with the grader's own micro-batch at that stage (a red team forged
+   the record by calling the recording wrappers with a stand-in stage, beside a whole-batch pipeline).
 
 The CoAtNet runs in eval mode: BatchNorm then uses its running statistics, so samples are
 independent and a pipeline equals one process exactly; in training mode each micro-batch would be
@@ -30,7 +34,8 @@ receive (`dlo.distributed.pipeline_comms.P2PWatch`) in the message.
 
 Checks 1 and 2 live in `dlo.checks.day6_schedules` (re-exported here), 3-5 in this module, what they
 read of a schedule's order in `dlo.checks.day6_order`. Forbidden while the student's code runs: the
-library's schedules (1), partition (2) and engines (3-5), saved-tensor hooks (3, 4).
+library's schedules (1, 5) and torch's order builders (1), partition (2) and engines (3-5), saved-tensor hooks
+(3, 4).
 torch's own schedules are kept out of exercises 3 and 4 by checking that the step did not import
 torch.distributed.pipelining (nothing else in a check's rank does), rather than by a `forbid` entry:
 resolving one would import that package on every rank of every check, seconds each.
@@ -46,7 +51,7 @@ import torch.nn.functional as F
 
 from dlo.checks.day6_count import count_parts, count_worker, verify_count
 from dlo.checks.day6_order import OrderWatch, torch_order, verify_order, verify_torch_order
-from dlo.checks.day6_schedules import PIPE, check_schedules, check_split_stages
+from dlo.checks.day6_schedules import PIPE, SCHED, check_schedules, check_split_stages
 from dlo.checks.rank_count import every_rank
 from dlo.checks.saved import HOOKS, GuardedMeter
 from dlo.distributed.pipeline import build_stages, make_stage_modules
@@ -180,8 +185,8 @@ def check_one_f_one_b_step(fn, seed: int = 0, world_size: int = 2, timeout: floa
     counted = ""
     if wire_sent() is not None:  # ranks the launcher reads (not the tests' reused ones): the kernel's count too
         case = count_parts(case_seed(seed), world_size)
-        on_ranks(count_worker, world_size, fn, timeout=timeout, per_rank=case["parts"])
-        counted = f"; {verify_count(name, case, world_size, c['where'])}"
+        res = on_ranks(count_worker, world_size, fn, timeout=timeout, per_rank=case["parts"])
+        counted = f"; {verify_count(name, case, world_size, c['where'], res)}"
     ok(name, f"loss and gradients equal one process, at most {alive:.0f} of {m} micro-batches alive on stage "
              f"0{counted}, {world_size} ranks, seed={seed}")
 
@@ -199,39 +204,103 @@ def _torch_parts(cases: dict, p: int) -> list[dict]:
     return parts
 
 
+def _probe(t, seed: int = 6) -> float | None:
+    """w . t for a tensor t, w drawn from `seed` (the same on both sides): what a rank returns of a chunk's input."""
+    if not isinstance(t, torch.Tensor) or t.is_meta:
+        return None
+    with torch.no_grad():
+        flat = t.detach().reshape(-1).to(DTYPE)
+        return float(flat @ torch.randn(flat.numel(), generator=torch.Generator().manual_seed(seed), dtype=DTYPE))
+
+
 def _torch_worker(mine: dict, fn):
-    """Rank r's torch steps; each stage's forward and backward chunks recorded in the order they ran."""
+    """Rank r's torch steps; each stage's forward and backward chunks recorded in the order they ran: only a
+    chunk of a real torch stage (`_PipelineStageBase`) holding one of the given modules, recorded once it ran (a
+    red team called the recording wrappers with a stand-in holding only `stage_index`, 2026-12-02), a forward
+    with what the module was given in it (`_probe`, compared with the grader's own micro-batch there)."""
     from torch.distributed.pipelining import stage as pp_stage
 
     r, base = dist.get_rank(), pp_stage._PipelineStageBase
-    order, originals = [], {k: getattr(base, f"{k}ward_one_chunk") for k in ("for", "back")}
+    order, running, given = [], [], {}  # given: stage id -> its module, for the case being run
+    originals = {k: getattr(base, f"{k}ward_one_chunk") for k in ("for", "back")}
 
     def recorded(kind, original):
         def run(self, chunk, *args, **kwargs):
-            order.append([kind, int(self.stage_index), int(chunk)])
-            return original(self, chunk, *args, **kwargs)
+            s = getattr(self, "stage_index", None)
+            real = isinstance(self, base) and isinstance(s, int) and given.get(s) is not None \
+                and getattr(self, "submod", None) is given[s]
+            if not real:
+                return original(self, chunk, *args, **kwargs)
+            running.append([kind, int(s), int(chunk), []])
+            try:
+                out = original(self, chunk, *args, **kwargs)
+            finally:
+                act = running.pop()
+            seen = act.pop()
+            order.append(act + [seen[0] if kind == "F" and len(seen) == 1 else None])
+            return out
         return run
 
+    def seen(module, args):  # the module's input, inside a forward chunk of its own stage
+        if running and running[-1][0] == "F" and given.get(running[-1][1]) is module and args:
+            running[-1][3].append(_probe(args[0]))
+
     base.forward_one_chunk, base.backward_one_chunk = recorded("F", originals["for"]), recorded("B", originals["back"])
-    out = {}
+    out, hooks = {}, []
     try:
         for name, part in mine.items():
             last = part["y"] is not None
             order.clear()
+            given.clear()
+            given.update(zip(part["ids"], part["mods"]))
+            hooks = [mod.register_forward_pre_hook(seen) for mod in part["mods"]]
             with P2PWatch(f"rank {r}, your torch.distributed.pipelining {name} step"):
                 losses = fn(part["mods"], part["ids"], part["n_stages"], part["x"], part["y"], F.cross_entropy,
                             part["m"], name)
+            for h in hooks:
+                h.remove()
             out[name] = {"losses": [float(torch.as_tensor(x).detach()) for x in losses] if last and losses is not None
                          else None,
                          "last": last, "grads": {s: [q.grad for q in m.parameters()]
                                                  for s, m in zip(part["ids"], part["mods"])},
-                         "chunks": sum(1 for k, _, _ in order if k == "F"), "order": [list(a) for a in order]}
+                         "chunks": sum(1 for a in order if a[0] == "F"), "order": [list(a) for a in order]}
     finally:
         base.forward_one_chunk, base.backward_one_chunk = originals["for"], originals["back"]
     return out
 
 
-@check(forbid=ENGINES)
+def _chunk_inputs(c: dict) -> list[list[float]]:
+    """Per stage, `_probe` of its input for each micro-batch (torch's split: tensor_split of the batch), here."""
+    mods, out = make_stage_modules(list(c["model"].blocks), c["bounds"]), []
+    with torch.no_grad():
+        hs = list(c["x"].tensor_split(c["m"]))
+        for mod in mods:
+            out.append([_probe(h) for h in hs])
+            hs = [mod(h) for h in hs]
+    return out
+
+
+def _verify_chunks(name: str, r: int, order: list, want: list[list[float]], where: dict) -> None:
+    """Each forward chunk torch's stages ran on rank r was given that micro-batch's input at that stage."""
+    for a in order:
+        if not (isinstance(a, list) and len(a) == 4 and isinstance(a[1], int) and isinstance(a[2], int)):
+            raise AssertionError(f"{name}: rank {r}'s record of torch's chunks holds {a!r}, not what the grader "
+                                 f"records ([kind, stage, micro-batch, probe]) ({where})")
+        if a[0] != "F":
+            continue
+        _, s, chunk, got = a
+        if not (0 <= s < len(want) and 0 <= chunk < len(want[s])):
+            raise AssertionError(f"{name}: torch's stage {s} on rank {r} ran micro-batch {chunk}, which the case does "
+                                 f"not have ({where})")
+        if got is None:
+            raise AssertionError(f"{name}: in its forward of micro-batch {chunk}, torch's stage {s} on rank {r} did "
+                                 f"not call its module once: the stage runs the module you gave it ({where})")
+        assert_close(name, f"the input of stage {s}'s module in torch's forward of micro-batch {chunk} on rank {r} "
+                     f"(its projection on a random vector): torch's stages run the micro-batches themselves", got,
+                     want[s][chunk], where)
+
+
+@check(forbid=ENGINES + (SCHED + "*",))
 def check_torch_pipeline(fn, seed: int = 0, world_size: int = 2,
                          schedules: tuple = ("GPipe", "1F1B", "Interleaved1F1B"), timeout: float = 2 * TIMEOUT) -> None:
     """`fn(stage_modules, stage_ids, n_stages, x, y, loss_fn, n_microbatches, schedule)`: build a
@@ -246,6 +315,7 @@ def check_torch_pipeline(fn, seed: int = 0, world_size: int = 2,
                                     per_rank=_torch_parts(cases, world_size)), world_size)
     orders = {sched: torch_order(sched, world_size, c["m"], 2 if sched == "Interleaved1F1B" else 1)
               for sched, c in cases.items()}
+    inputs = {sched: _chunk_inputs(c) for sched, c in cases.items()}
     for sched, c in cases.items():
         v = 2 if sched == "Interleaved1F1B" else 1
         loss, grads = _reference(c)
@@ -266,6 +336,7 @@ def check_torch_pipeline(fn, seed: int = 0, world_size: int = 2,
                                      f"forwards, expected {c['m'] * v}: build PipelineStage(s) and call the "
                                      f"schedule's step ({where})")
             verify_torch_order(name, sched, r, res["order"], orders[sched][r], where)
+            _verify_chunks(name, r, res["order"], inputs[sched], where)
             if res["last"]:
                 if not res["losses"] or len(res["losses"]) != c["m"]:
                     raise AssertionError(f"{name}: return the {c['m']} micro-batch losses (schedule.step(..., "

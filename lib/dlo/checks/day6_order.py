@@ -178,7 +178,7 @@ def torch_order(schedule: str, p: int, m: int, v: int) -> list[list[tuple[str, i
 
 
 def verify_torch_order(name: str, schedule: str, r: int, order: list, want: list, where: dict) -> None:
-    got = [(k, s) for k, s, _ in order]
+    got = [tuple(a[:2]) if isinstance(a, (list, tuple)) else a for a in order]  # [kind, stage, chunk, probe]
     if got != want:
         show = lambda acts: " ".join(f"{k}{s}" for k, s in acts)  # noqa: E731
         i = next((j for j, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))

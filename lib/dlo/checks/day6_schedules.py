@@ -28,7 +28,12 @@ SCHEDULES = tuple(SCHED + n for n in ("gpipe_schedule", "one_f_one_b_schedule", 
     PIPE + n for n in ("gpipe_schedule", "one_f_one_b_schedule", "interleaved_schedule", "zero_bubble_schedule",
                        "simulate", "bubble_fraction", "bubble_formula")) + (
     TORCH_PP + "_schedule_visualizer.get_schedule_ops", TORCH_PP + "schedules.ScheduleGPipe._get_pipeline_order",
-    TORCH_PP + "schedules.Schedule1F1B._get_pipeline_order")
+    TORCH_PP + "schedules.Schedule1F1B._get_pipeline_order") + tuple(
+    # torch's private order builders: a red team's lists came from _get_1f1b_rank_ops (2026-12-02)
+    TORCH_PP + "schedules." + n for n in ("_get_1f1b_rank_ops", "_get_warmup_ops") + tuple(
+        f"{cls}._calculate_single_rank_operations" for cls in (
+            "ScheduleLoopedBFS", "ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble",
+            "ScheduleDualPipeV")) + ("ScheduleInterleavedZeroBubble._add_bubbles_to_actions",))
 
 
 # ----------------------------------------------------------------------------- 1. schedules
