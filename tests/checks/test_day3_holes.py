@@ -7,7 +7,7 @@ and the solution notebook still passes every changed check.
    Kept here as numpy arrays, which no tensor meter sees (the red team's graph was hidden from them by a thread,
    now refused, or by rewriting them).
 2. Offload: pack returned an uninitialised host buffer of the right size; unpack took the original from the
-   worker's frame (`want`) or found it with gc. The tensors now reach the worker in a `day3.Parcel`, each handed
+   worker's frame (`want`) or found it with gc. The tensors now reach the worker in a `day3_offload.Parcel`, each handed
    to pack as the one tensor with its values in the process, unpack's result is compared on the trusted side, and
    pack's host tensors must hold the values (a digest of each, compared there).
 3. Resume: load_training_state replayed the interrupted run from the case (its seed) taken from the caller's frame
