@@ -5,10 +5,8 @@ C. quantize (2 points) and mask24 (2 points): the library's Triton kernels launc
    @triton.jit helpers and `compile_cases` (which hands the kernels out) are forbidden by name: the module
    attribute, its `__dict__` and a launcher's `__globals__` (one dict) give the blocker.
 D. fake_quant (2 points): torch's test-suite references (torch.testing._internal.common_quantized, importable once
-   a student stubs expecttest). The names are in `day8.TORCH_TESTING_*`; they block the cheat where the grader can
-   import the module (shown here with the stub), and the checks list them only where expecttest is installed:
-   without it the grader could not resolve them and the check would stop for everyone. Still open here (the
-   strict xfail), until the grader resolves such names itself.
+   a student stubs expecttest). Running any module of torch's test suite is now refused in every check, whatever
+   the route of the import (dlo.grading.identity's audit hook meets the module's code at `exec`).
 
 The kernels run in the interpreter on CPU (tests/conftest.py sets TRITON_INTERPRET=1 without a GPU).
 """
@@ -18,7 +16,6 @@ from __future__ import annotations
 import importlib
 import sys
 import types
-import unittest
 
 import pytest
 import torch
@@ -195,48 +192,13 @@ def fake_quant_ste(x, scale, bits):
 '''
 
 
-INSTALLED = day8.torch_testing(("expecttest",)) == ("expecttest",)
-
-
-@pytest.fixture
-def expecttest_stub(monkeypatch):
-    """expecttest stubbed as the cheat stubs it, taken out of sys.modules after the test."""
-    if not INSTALLED:
-        stub = types.ModuleType("expecttest")
-        stub.TestCase = unittest.TestCase
-        monkeypatch.setitem(sys.modules, "expecttest", stub)
-
-
-@pytest.fixture
-def torch_testing_importable(expecttest_stub):
-    """torch's test suite imported as the cheat imports it, so that its names resolve."""
-    importlib.import_module("torch.testing._internal.common_quantized")
-    importlib.import_module("torch.testing._internal.common_quantization")
-
-
 @pytest.mark.slow
-def test_torch_testing_references_blocked_once_importable(torch_testing_importable):
+def test_fake_quant_torch_testing_refused(monkeypatch):
+    """The cheat imports the suite inside its call (expecttest stubbed), as a graded run meets it: refused. (A
+    module imported before the check is not run again; in the sandbox, nothing of the suite was imported.)"""
+    for name in [m for m in sys.modules if m.startswith("torch.testing._internal.common")]:
+        monkeypatch.delitem(sys.modules, name)
     cell = student_cell(FAKE_QUANT_CELL, "day8_fake_quant_cheat")
-    x, scale = torch.randn(3, 5, dtype=torch.float64, requires_grad=True), torch.tensor(0.1, dtype=torch.float64)
-    cell.fake_quant_ste(x, scale, 4).sum().backward()  # unchecked, the cheat works
-    names = day8.TORCH_TESTING_QUANT + day8.TORCH_TESTING_FAKE_QUANT
-    with forbidden(names, "fake_quant_ste"), pytest.raises(ForbiddenCall):
-        cell.fake_quant_ste(x, scale, 4)
-
-
-def test_torch_testing_names_listed_where_they_resolve():
-    """Listed in the checks exactly where the grader can import them (expecttest installed): a name that does not
-    resolve would stop the check for every student."""
-    listed = set(day8.TORCH_TESTING_FAKE_QUANT) <= set(day8.check_fake_quant_ste.forbid)
-    assert listed == INSTALLED
-    assert (set(day8.TORCH_TESTING_QUANT) <= set(day8.check_quantize.forbid)) == listed
-
-
-@pytest.mark.slow
-@pytest.mark.xfail(not INSTALLED, strict=True,
-                   reason="open: the grader cannot import torch.testing._internal without expecttest "
-                          "(dlo.grading.targets), so the checks do not list its references")
-def test_fake_quant_torch_testing_refused(expecttest_stub):
-    cell = student_cell(FAKE_QUANT_CELL, "day8_fake_quant_cheat")
-    with pytest.raises(ForbiddenCall):
+    with pytest.raises(AssertionError, match="torch's test suite"):
         day8.check_fake_quant_ste(cell.fake_quant_ste, seed=0)
+    monkeypatch.delitem(sys.modules, "expecttest", raising=False)

@@ -6,7 +6,8 @@ checks forbid DDP, the audit hook refused that import as "a copy of DistributedD
 notebook kernel's `check_naive_ddp` failed for every student, the instructors' solution included. The hook
 now lets a library module's own code through (under the interpreter's prefixes or dlo's package, read from
 its file), and still refuses a copy compiled under a library file's name and a reload of the reference's
-own module.
+own module. (Since 2026-12-02 `no_sync`, 27 instructions, is below `bytecode.SUBSTANTIAL` and a shape keeps the
+attribute names a code uses: the module here holds a copy of the course's `all_reduce_gradients` instead.)
 """
 
 from __future__ import annotations
@@ -18,24 +19,21 @@ import pytest
 
 from dlo.grading.forbid import ForbiddenCall, forbidden
 
-DDP = ("torch.nn.parallel.DistributedDataParallel",)
+# a substantial forbidden reference (33 instructions) whose code a library could hold: DDP's `no_sync` (27) no
+# longer is one (bytecode.SUBSTANTIAL, 2026-12-02)
+DDP = ("dlo.distributed.ddp.all_reduce_gradients",)
 
 IDIOM = '''
-import contextlib
+import torch.distributed as dist
 
 
-class Wrapping:
-    """Not DDP: a flag switched off for the duration of a block, as any library does."""
-
-    @contextlib.contextmanager
-    def enable(self):
-        """Docstrings are not bytecode."""
-        old_enabled = self.enabled
-        self.enabled = False
-        try:
-            yield
-        finally:
-            self.enabled = old_enabled
+def average_gradients(model):
+    """Not the course's: every .grad averaged over the ranks, as a library might write it."""
+    n = dist.get_world_size()
+    for q in model.parameters():
+        if q.grad is not None:
+            dist.all_reduce(q.grad)
+            q.grad.div_(n)
 '''
 
 
@@ -51,20 +49,20 @@ def library(tmp_path, monkeypatch):
 
 def test_the_idiom_is_a_copy_of_ddp_by_bytecode(library):
     """The premise: compiled anywhere else (a student's cell), the same code is refused."""
-    with forbidden(DDP, "naive_ddp"), pytest.raises(ForbiddenCall, match="copy of torch.nn.parallel"):
+    with forbidden(DDP, "naive_ddp"), pytest.raises(ForbiddenCall, match="copy of dlo.distributed.ddp"):
         exec(compile(IDIOM, "student cell", "exec"), {})
 
 
 def test_a_library_module_imported_during_a_check_is_let_through(library):
     with forbidden(DDP, "naive_ddp"):
         module = importlib.import_module("dlo_test_idiom_lib")
-    assert module.Wrapping.enable
+    assert callable(module.average_gradients)
 
 
 def test_a_copy_compiled_under_a_library_file_s_name_is_refused(library):
     """The file is genuine, the code is not what it compiles to (an extra line): the student's."""
     fake = compile(IDIOM + "\nEXTRA = 1\n", str(library / "dlo_test_idiom_lib.py"), "exec")
-    with forbidden(DDP, "naive_ddp"), pytest.raises(ForbiddenCall, match="copy of torch.nn.parallel"):
+    with forbidden(DDP, "naive_ddp"), pytest.raises(ForbiddenCall, match="copy of dlo.distributed.ddp"):
         exec(fake, {})
 
 

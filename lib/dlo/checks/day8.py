@@ -16,7 +16,6 @@ The pruning and 2:4 checks (exercises 4 and 5) live in `dlo.checks.day8_prune`, 
 
 from __future__ import annotations
 
-import importlib.util
 import random
 
 import torch
@@ -34,20 +33,6 @@ from dlo.checks.day8_smooth import check_smoothing_factors  # noqa: F401 (the no
 from dlo.grading.api import case_seed, check, run_student
 from dlo.grading.compare import assert_close, expect_value_error, fmt, name_slip, ok, same
 
-
-def torch_testing(names: tuple[str, ...]) -> tuple[str, ...]:
-    """`names` of torch's test suite (torch.testing._internal) where the grader can block them. Its modules import
-    expecttest, which this environment lacks: a student stubs it in sys.modules and imports them at call time; the
-    grader, resolving a forbidden name before any student code runs, cannot import them, and a name that does not
-    resolve stops the check for everyone. So they are forbidden only where expecttest is installed, until the
-    grader resolves such names itself (dlo.grading.targets)."""
-    try:
-        installed = importlib.util.find_spec("expecttest") is not None
-    except ValueError:  # a stub in sys.modules (no spec): a student's, not an installed expecttest
-        installed = False
-    return names if installed else ()
-
-
 RTOL, ATOL = 1e-5, 1e-6  # float32 references: correct code agrees to a few ulps
 CALIBRATION_RTOL = 1e-10  # calibrate_range works in float64: float32's interpolation is off by ~1e-7
 # torch's quantization that does an exercise's work under names no one lists: its observers and fake quantizers,
@@ -60,27 +45,18 @@ TORCH_QUANT = ("torch.ao.quantization.observer.*", "torch.ao.quantization.fake_q
 # compile_cases hands the kernel out too
 TRITON_QUANT = ("dlo.kernels.quantize._quantize_kernel", "dlo.kernels.quantize._codes",
                 "dlo.kernels.quantize._round_half_even", "dlo.kernels.quantize.compile_cases")
-# torch's test suite: numpy and torch references of its quantizers and fake quantizer (a red team's fake_quant
-# called the last two, expecttest stubbed, 2026-12-02): forbidden only where the grader can import them (torch_testing)
-TORCH_TESTING_QUANT = ("torch.testing._internal.common_quantized._quantize",
-                       "torch.testing._internal.common_quantized._dequantize",
-                       "torch.testing._internal.common_quantized._requantize",
-                       "torch.testing._internal.common_quantized._calculate_dynamic_qparams",
-                       "torch.testing._internal.common_quantized._calculate_dynamic_per_channel_qparams",
-                       "torch.testing._internal.common_quantization._group_quantize_tensor",
-                       "torch.testing._internal.common_quantization._group_quantize_tensor_symmetric",
-                       "torch.testing._internal.common_quantization._dynamically_quantize_per_channel")
-TORCH_TESTING_FAKE_QUANT = ("torch.testing._internal.common_quantized._fake_quantize_per_channel_affine_reference",
-                            "torch.testing._internal.common_quantized._fake_quantize_per_channel_affine_grad_reference")
+# torch's test suite (torch.testing._internal) holds references of its quantizers and fake quantizer (a red team's
+# fake_quant called common_quantized's, expecttest stubbed, 2026-12-02): running any of its modules is refused in every
+# check (dlo.grading.identity's audit hook), whatever the route of the import
 QUANT = ("dlo.quant.quantize", "dlo.quant.dequantize", "dlo.quant.group_view", "dlo.quant.quantize_affine",
          "dlo.quant.dequantize_affine", "dlo.quant.scale_zero_point", "dlo.quant.fake_quantize_tensor",
          "dlo.kernels.quantize.quantize_weight", "dlo.kernels.quantize.quantize_ref",
          "dlo.kernels.quantize.dequantize_weight", *TRITON_QUANT, "torch.quantize_per_tensor",
          "torch.quantize_per_channel", "aten::quantize_per_*", "aten::*fake_quant*",  # torch's quantizers, at dispatch
-         *TORCH_QUANT, *torch_testing(TORCH_TESTING_QUANT))
+         *TORCH_QUANT)
 # a fake quantizer is a quantizer and a dequantizer: all of QUANT, and the fake ones
 FAKE_QUANT = ("dlo.quant.fake_quant", "dlo.quant.FakeQuantSTE", "torch.fake_quantize_per_tensor_affine",
-              "torch.fake_quantize_per_channel_affine", *QUANT, *torch_testing(TORCH_TESTING_FAKE_QUANT))
+              "torch.fake_quantize_per_channel_affine", *QUANT)
 OBSERVERS = ("dlo.quant.MinMaxObserver", "dlo.quant.PercentileObserver", "dlo.quant.quantiles",
              "dlo.quant._make_observer", "dlo.quant.OBSERVERS", *TORCH_QUANT)
 

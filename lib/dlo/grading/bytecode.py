@@ -15,12 +15,14 @@ import sys
 import types
 from collections.abc import Iterable
 
-SUBSTANTIAL = 24  # instructions: a code at least this long matches by bytecode, a shorter one only by identity
+# instructions: a code at least this long matches by bytecode, a shorter one only by identity. 24 refused an honest
+# `is_2to4` (31, the reference's own idiom, Day 8's red team, 2026-12-02)
+SUBSTANTIAL = 32
 
 
 def _shape(code, code_type=None, type_=None, len_=None, range_=None, bytes_=None, jumps=frozenset(), skipped=(),
            method=-1, attr=-1, flagged=frozenset(), outer=frozenset(), load_global=-1, load_const=-1,
-           named=frozenset()):
+           named=frozenset(), attributes=frozenset(), extended=-1):
     """What a copy of `code` keeps whatever was renamed, moved or stripped, or where it was compiled: the
     instructions of `code` and of every code among its constants (the functions, comprehensions and lambdas
     it defines), in order, each an opcode and its argument. Names, constants, lines, file and docstring are
@@ -33,17 +35,30 @@ def _shape(code, code_type=None, type_=None, len_=None, range_=None, bytes_=None
     compiled with optimize=2 leaves a NOP where its docstring was, and indented into a def of the student's its
     globals become free variables (LOAD_DEREF, COPY_FREE_VARS): another red team's Day 1 (2026-12-02), so a
     name read from outside the function is one opcode with no argument here, and NOPs and cells are left out.
+    The attributes and methods a code reads, sets and imports are kept by name (`attributes`): a copy has the
+    same, while an honest answer as short as a reference matched it instruction for instruction through other
+    methods (Day 8's red team, 2026-12-02: its own `is_2to4` refused as a copy; that one is below `SUBSTANTIAL`).
     Made with no builtins and its helpers bound (`shape`), so that the audit hook can call it."""
     parts, todo = [], [code]
     while todo:
         c = todo.pop()
-        raw, out, consts, names = c.co_code, [], {}, {}
+        raw, out, consts, names, kept, ext = c.co_code, [], {}, {}, [], 0
         for i in range_(0, len_(raw), 2):
             op, arg = raw[i], raw[i + 1]
+            if op == extended:
+                ext = (ext | arg) << 8
+                continue
+            index, ext = ext | arg, 0
             if op in skipped:
                 continue
             if op == method:
                 op = attr
+            if op in attributes:  # 3.12's LOAD_ATTR carries its method bit below the name's index
+                index = index >> 1 if op in flagged else index
+                name = c.co_names[index] if index < len_(c.co_names) else ""
+                if name[:1] == "_" and name[1:2] != "_" and "__" in name[2:]:  # mangled: a copy's class is another
+                    name = "__" + name[1:].split("__", 1)[1]
+                kept.append(name)
             if op in flagged:
                 arg = arg & 254
             if op in outer:  # a global, or a free variable of a def the same text was indented into
@@ -57,7 +72,7 @@ def _shape(code, code_type=None, type_=None, len_=None, range_=None, bytes_=None
                 arg = names.setdefault(arg, len_(names)) & 255
             out.append(op)
             out.append(0 if op in jumps else arg)
-        parts.append(bytes_(out))
+        parts.append(bytes_(out) + b"\xfe\xfe" + "\x00".join(kept).encode())
         for k in c.co_consts:
             if type_(k) is code_type:
                 todo.append(k)
@@ -82,11 +97,14 @@ _SKIPPED = tuple(dict.fromkeys(dis.opmap.get(name, 0) for name in ("CACHE", "EXT
                                                                     "COPY_FREE_VARS", "MAKE_CELL")))
 _OUTER = frozenset(dis.opmap[name] for name in ("LOAD_GLOBAL", "LOAD_DEREF", "LOAD_CLASSDEREF") if name in dis.opmap)
 _FLAGGED = frozenset((dis.opmap["LOAD_ATTR"],) if sys.version_info >= (3, 12) else ())  # its method bit
+# read, set, deleted or imported by name: LOAD_METHOD is read as LOAD_ATTR by then
+_ATTRIBUTES = frozenset(dis.opmap[name] for name in ("LOAD_ATTR", "STORE_ATTR", "DELETE_ATTR", "IMPORT_FROM"))
 shape = types.FunctionType(_shape.__code__, {"__builtins__": {}}, "shape",
                            (types.CodeType, type, len, range, bytes, frozenset(dis.hasjrel + dis.hasjabs), _SKIPPED,
                             dis.opmap.get("LOAD_METHOD", -1), dis.opmap["LOAD_ATTR"], _FLAGGED, _OUTER,
                             dis.opmap["LOAD_GLOBAL"], dis.opmap["LOAD_CONST"],
-                            frozenset(dis.hasname) - {dis.opmap["LOAD_GLOBAL"]}))
+                            frozenset(dis.hasname) - {dis.opmap["LOAD_GLOBAL"]}, _ATTRIBUTES,
+                            dis.opmap["EXTENDED_ARG"]))
 size = types.FunctionType(_size.__code__, {"__builtins__": {}}, "size", (_SKIPPED, len))
 
 

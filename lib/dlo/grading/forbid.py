@@ -33,8 +33,8 @@ from dlo.grading import bytecode, identity, noexec, ops
 from dlo.grading.seal import is_sealed_now, sealed
 from dlo.grading.targets import forbidden_targets, private_targets, resolve
 
-__all__ = ["ForbiddenCall", "Guarded", "blocker", "forbidden", "forbidden_targets", "no_threads", "plan",
-           "private_targets", "resolve"]
+__all__ = ["SERIALISED_CODE", "ForbiddenCall", "Guarded", "blocker", "forbidden", "forbidden_targets", "no_threads",
+           "plan", "private_targets", "resolve"]
 
 
 class ForbiddenCall(AssertionError):
@@ -73,11 +73,25 @@ def blocker(path: str, exercise: str, hint: str = "") -> _Blocked:
     return _Blocked(path, exercise, hint)
 
 
+# Off limits in every check: TorchScript and exported programs run code that is no Python code object, so neither
+# names, burning nor the audit hook see a reference in them. A red team scripted and traced Day 8's references
+# where no check ran, kept the serialised bytes in a global and loaded them at call time (7 + 5 points, 2026-12-02).
+# A student's exercise needs none of them; the compiled path the course teaches is torch.compile.
+SERIALISED_CODE = ("torch.jit.script", "torch.jit.trace", "torch.jit.trace_module", "torch.jit.load",
+                   "torch.jit.freeze", "torch.jit.CompilationUnit", "torch._C.import_ir_module",
+                   "torch._C.import_ir_module_from_buffer", "torch._C._import_ir_module_from_package",
+                   "torch._C._jit_script_compile", "torch._C._jit_script_class_compile",
+                   "torch._C._create_function_from_trace", "torch._C._create_function_from_trace_with_dict",
+                   "torch.export.load", "torch.package.PackageImporter")
+
+
 class Plan:
     """What blocking one check's `forbid` list takes, found before anything is blocked (`plan`): the
-    functions to burn with their blockers, their code (`bytecode.Codes`), the operators to refuse."""
+    functions to burn with their blockers, their code (`bytecode.Codes`), the operators to refuse. Every
+    list also blocks `SERIALISED_CODE`."""
 
     def __init__(self, paths: tuple[str, ...], exercise: str, hint: str):
+        paths = (*paths, *(p for p in SERIALISED_CODE if p not in paths))
         self.names = [p for p in paths if not ops.is_op_pattern(p)]
         self.private = private_targets(tuple(self.names))
         objects = []  # (object, label) of every forbidden name, alias and private helper

@@ -47,10 +47,25 @@ _GENERATED = ("<string>",)  # the file of the methods a dataclass generates for 
 FUNCTION_STATE = ("__code__", "__defaults__", "__kwdefaults__")
 
 
+def kernel_function(obj) -> types.FunctionType | None:
+    """The Python function behind a Triton kernel (`@triton.jit`, and an autotuner or heuristics around one),
+    else None: Triton's interpreter runs that function, so a kernel is implemented by it (a red team launched
+    Day 8's quantization kernel directly in the interpreter, its launcher forbidden, 2026-12-02)."""
+    for _ in range(4):  # an autotuner's `fn` is the kernel, whose `fn` is the function
+        if not type(obj).__module__.startswith("triton."):
+            return None
+        obj = getattr(obj, "fn", None)
+        if isinstance(obj, types.FunctionType):
+            return obj
+    return None
+
+
 def implementations(obj) -> list[types.FunctionType]:
     """The plain functions that implement `obj`: a function and what it wraps (`__wrapped__`, through
     decorators), a class's own methods (static, class and property functions included) and what they
-    wrap. Inherited methods are the base class's, never the forbidden class's."""
+    wrap, a Triton kernel's function (`kernel_function`). Inherited methods are the base class's, never the
+    forbidden class's."""
+    obj = kernel_function(obj) or obj
     if isinstance(obj, (staticmethod, classmethod)):
         obj = obj.__func__
     if isinstance(obj, property):
@@ -153,7 +168,7 @@ def _audit(event, args, watched, ids, shapes, labels, protected, error, prefix, 
     `torch._dynamo` at a first optimizer) may hold a generic idiom with a forbidden reference's bytecode
     (torch's `no_sync`: save a flag, set it, yield, restore): its code is not the student's (`library_`).
     Code that makes functions from code objects it did not compile (`by_hand`) is refused whatever they are:
-    the functions it would make are never seen here."""
+    the functions it would make are never seen here. So is running a module of torch's test suite."""
     if event not in watched:
         return
     if event == "object.__setattr__":
@@ -166,6 +181,14 @@ def _audit(event, args, watched, ids, shapes, labels, protected, error, prefix, 
         code = args[2]
     else:
         code = args[0] if len_(args) else None
+    if event == "exec" and type_(code) is code_type and type_(code.co_filename) is type_("") \
+            and "/torch/testing/_internal/" in code.co_filename and not code.co_filename.endswith(
+                ("/_internal/__init__.py", "/_internal/distributed/__init__.py", "/_internal/distributed/fake_pg.py")):
+        # a module of torch's own test suite run (imported by any route): its references of the exercises' work
+        # (a red team's fake quantizer called common_quantized's, expecttest stubbed, 2026-12-02); dlo.plan's fake
+        # process group is the one module of it the checks' workers import
+        raise error(f"{prefix}torch's test suite ({code.co_filename.split('/torch/testing/')[-1]}) holds reference "
+                    f"implementations: off limits while this check runs; the exercise asks for your own")
     todo = [code] if type_(code) is code_type else []
     library = None  # decided once, at the first match: is `code` a library module's, read from its file?
     while todo:

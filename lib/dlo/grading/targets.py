@@ -17,6 +17,7 @@ import sys
 import types
 
 from dlo.grading import ops
+from dlo.grading.identity import kernel_function
 from dlo.grading.seal import PACKAGES
 
 
@@ -118,7 +119,8 @@ def _code_names(code) -> set[str]:
 
 
 def _functions_of(obj) -> list:
-    """The plain functions of a module-level function or class (its own methods, unwrapped)."""
+    """The plain functions of a module-level function, Triton kernel or class (its own methods, unwrapped)."""
+    obj = kernel_function(obj) or obj
     if isinstance(obj, types.FunctionType):
         return [obj]
     if not isinstance(obj, type):
@@ -184,7 +186,8 @@ def _private_targets(paths) -> list[tuple[object, str, str]]:
     out = []
     for name, forbidden_objs in by_module.items():
         module = sys.modules[name]
-        defined = {a: v for a, v in vars(module).items() if isinstance(v, (type, types.FunctionType))
+        defined = {a: v for a, v in vars(module).items() if (isinstance(v, (type, types.FunctionType))
+                                                              or kernel_function(v) is not None)
                    and getattr(v, "__module__", None) == name}
         private = {a for a in defined if a.startswith("_") and not a.startswith("__")}
         ids = {id(o) for o in forbidden_objs}
