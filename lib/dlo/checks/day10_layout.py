@@ -5,11 +5,12 @@ tokens on 16 H100, where context parallelism wins; an 8-expert top-2 MoE built o
 where expert parallelism wins; the 8B and 70B at 8,192 tokens of Day 7), on the 70B at 8,192 tokens on 32 H200
 (only a layout with pipeline parallelism is fastest there), on the 70B on 40 H100 (every valid layout's pp is
 a multiple of 5), on the 8B at 131,072 tokens on 16 H100 in nodes of 4 (every layout that fits spans nodes with
-tp x cp), then seeded models (dense and MoE, of other depths), sequence lengths, GPU counts (with a factor 3),
-GPUs, usable memories, batches and nodes of 4 or 8 GPUs (`dlo.layout.Model` measured once per model and length, about a
-second each), and accepts any valid layout that fits (`dlo.layout.fits`) and is as fast
-(`dlo.layout.step_time`) as the reference `dlo.layout.search`'s, whose search and enumeration are off limits
-(the memory and time models are the student's tools). Where no layout fits (Llama 3.1 70B on 8 H100: its
+tp x cp), then seeded models (dense and MoE, of other depths and K/V head counts), sequence lengths (not powers of
+2), GPU counts (8-160 in steps of 4), GPUs, usable memories, batches and nodes of 4 or 8 GPUs (`dlo.layout.Model`
+measured once per model, about a second each, its activations scaled to the length), and accepts any valid
+layout that fits (`dlo.layout.fits`) and is as fast (`dlo.layout.step_time`) as the reference
+`dlo.layout.search`'s, whose search and enumeration are off limits (the memory and time models are the student's
+tools). Where no layout fits (Llama 3.1 70B on 8 H100: its
 model states alone need 140 GB per GPU), the search must raise ValueError.
 
 A wrong answer is named: the check searches here, on its own side, as the usual slips would (context, expert or
@@ -32,28 +33,58 @@ MOE = (("llama3.2-3b", 8, 2), ("llama3.1-8b", 8, 2), ("llama3.2-3b", 16, 4))
 
 
 @functools.lru_cache(maxsize=None)
-def layout_model(name: str, seq: int, n_experts: int = 0, top_k: int = 0, layers: int = 0):
+def layout_model(name: str, seq: int, n_experts: int = 0, top_k: int = 0, layers: int = 0, kv_heads: int = 0):
     """`dlo.layout.Model.measure`, once per process for each model and sequence length; with `layers`, the same
-    model that many blocks deep (every count of `Model` is per block: only `layers` changes)."""
+    model that many blocks deep (every count of `Model` is per block: only `layers` changes); with `kv_heads`, the
+    same model with that many K/V heads (its K and V projections' parameters with them) at any length `seq`, its
+    activations scaled from one measurement at 4,096 tokens (a block's and the head's saved bytes are linear in
+    the length: 132,200 and 537,612 bytes a token for Llama 3.2 3B at 4,096, 8,192 and 12,288, 2026-12-02)."""
     from dlo.layout import Model
 
+    if kv_heads:
+        base = layout_model(name, BASE_SEQ, n_experts, top_k)
+        head_dim = base.hidden // base.heads
+        return dataclasses.replace(base, seq=seq, act_layer=base.act_layer * seq // BASE_SEQ,
+                                   act_head=round(base.act_head * seq / BASE_SEQ), layers=layers or base.layers,
+                                   kv_heads=kv_heads,
+                                   layer_params=base.layer_params + 2 * base.hidden * head_dim * (kv_heads
+                                                                                                - base.kv_heads))
     if layers:
         return dataclasses.replace(layout_model(name, seq, n_experts, top_k), layers=layers)
     return Model.measure(name, seq, n_experts, top_k)
 
 
-def _depths(layers: int) -> list[int]:
-    """Depths within 25% of `layers` with at least 6 divisors (pipeline stages of 3 or 5 layers' multiples)."""
-    return [n for n in range(layers * 3 // 4, layers * 5 // 4 + 1) if sum(n % d == 0 for d in range(1, n + 1)) >= 6]
+BASE_SEQ = 4096
+
+
+def _depths(layers: int, spread: float = 0.25) -> list[int]:
+    """Depths within `spread` of `layers` with at least 6 divisors (pipeline stages of 3 or 5 layers' multiples)."""
+    return [n for n in range(int(layers * (1 - spread)), int(layers * (1 + spread)) + 1)
+            if sum(n % d == 0 for d in range(1, n + 1)) >= 6]
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+GPUS = {big: list(range(24 if big else 8, 161 if big else 129, 4)) for big in (False, True)}  # 8 .. 128 (the
+# 70B: 24 .. 160) in steps of 4: 12, 20, 28, 44 ... (factors 3, 5, 7, 11) as well as powers of 2
 
 
 def _cases(rng: random.Random, trials: int) -> list[tuple]:
-    """((name, seq, n_experts, top_k[, layers]), Cluster, batch): the notebook's cases, then seeded ones.
+    """((name, seq, n_experts, top_k[, layers, kv_heads]), Cluster, batch): the notebook's cases, then seeded ones.
 
-    The seeded ones are drawn from a space no table covers: a depth of their own, GPU counts with a factor 3 (12,
-    24, 48, 96: no search over powers of 2 only finds their layouts), a usable memory anywhere in 60-100% of the
-    GPU's. A red team answered every case of the former generator (420 of them: five models, powers of 2, three
-    memories) from a table the library's search had filled before the check, 2026-11-30."""
+    The seeded ones are drawn from a space no table covers: a depth of their own (within 50% of the model's), a
+    K/V head count of their own (any divisor of the query heads: tp must divide it), a length of any multiple of 8
+    (64 for the long ones: whether 2 cp divides it depends on the length's factors), any GPU count in 8-128 in
+    steps of 4 (24-160 for the 70B), a batch of 1-6 x gpus / f (f a divisor of the GPUs), a usable memory anywhere
+    in 60-100% of the GPU's. A red team answered every case of the generator before from a table the library's
+    search had filled before the check (420 cases of five models, powers of 2 and three memories, 2026-11-30);
+    another from the library's enumeration keyed by GPUs, depth, experts and batch (536 keys, 385k layouts, 6 MB,
+    8 s), the K/V heads (always 8) and the lengths (powers of 2) filtered by hand (2026-12-02). Measured
+    (2026-12-02): that table now needs 41,123 keys of ~1,300 layouts (830 MiB of int16, 12 min on a core), one
+    keyed by everything the enumeration reads 708,372; the reference's search of a case takes 0.35 s at most.
+    """
     from dlo.layout import Cluster
 
     out = [(("llama3.1-8b", 131072, 0, 0), Cluster("H100 SXM", 16), 16),
@@ -73,16 +104,20 @@ def _cases(rng: random.Random, trials: int) -> list[tuple]:
         kind = rng.choice(["dense", "long", "moe"])
         if kind == "moe":
             name, n_experts, top_k = rng.choice(MOE)
-            key = (name, rng.choice([4096, 8192]), n_experts, top_k)
+            seq = 8 * rng.randrange(384, 1537)  # 3,072 .. 12,296 tokens
         else:
-            key = (rng.choice(DENSE[:2]) if kind == "long" else rng.choice(DENSE),
-                   rng.choice([32768, 65536, 131072]) if kind == "long" else rng.choice([4096, 8192]), 0, 0)
-        depth = rng.choice(_depths(layout_model(*key).layers))
-        gpus = rng.choice([24, 32, 48, 64, 96, 128] if key[0] == "llama3.1-70b" else [8, 12, 16, 24, 32, 48, 64])
+            name, n_experts, top_k = rng.choice(DENSE[:2]) if kind == "long" else rng.choice(DENSE), 0, 0
+            seq = 64 * rng.randrange(384, 2561) if kind == "long" else 8 * rng.randrange(384, 1537)
+        base = layout_model(name, BASE_SEQ, n_experts, top_k)
+        depth = rng.choice(_depths(base.layers, 0.5))
+        kv_heads = rng.choice([d for d in _divisors(base.heads) if d >= 2])  # GQA: they divide the heads
+        gpus = rng.choice(GPUS[name == "llama3.1-70b"])
         gpu, mem = rng.choice([("A100 80GB SXM", 80.0), ("H100 SXM", 80.0), ("H200 SXM", 141.0)])
-        batch = max(1, gpus * rng.choice([1, 2]) // (8 if kind == "long" else 1))
+        # dp must divide the batch: a multiple of gpus / f, f one of the GPUs' divisors (4 .. 32 for long sequences)
+        f = rng.choice([d for d in _divisors(gpus) if (4 <= d <= 32 if kind == "long" else d <= 8)])
+        batch = gpus // f * rng.randrange(1, 7)
         mem, per_node = round(mem * rng.uniform(0.6, 1.0), 1), rng.choice([4, 8])
-        out.append(((*key, depth), Cluster(gpu, gpus, mem, per_node), batch))
+        out.append(((name, seq, n_experts, top_k, depth, kv_heads), Cluster(gpu, gpus, mem, per_node), batch))
     return out
 
 

@@ -10,7 +10,9 @@ mismatch is named by simulating the usual slips on the same shards here (a causa
 local positions, a hop short, the blocks' owners counted the wrong way round the ring, no rescale).
 A rank that passes the right blocks but keeps them all and attends once at the end satisfies all of that (at
 N = 3 it holds no more than a double-buffered ring does): where the launcher reads the ranks' memory, a large
-case on 6 ranks is counted outside them too (`dlo.checks.day10_count`).
+case on 6 ranks is counted outside them too (`dlo.checks.day10_count`), its shape drawn from the seed and its
+result checked like the small cases' (a digest of each rank's output against one process, the bytes its sockets
+sent against the ring's).
 """
 
 from __future__ import annotations
@@ -133,8 +135,9 @@ def check_ring_forward(fn, seed: int = 0, world_size: int = 2) -> None:
     verify_wire(name, [[rec for call in res for rec in call["records"]] for res in got], n, fmt(c["where"]))
     counted = ""
     if wire_sent() is not None:  # ranks the launcher reads (not the tests' reused ones): the kernel's count too
-        on_ranks(day10_count.count_worker, day10_count.RANKS, fn, per_rank=day10_count.count_parts(case_seed(seed)))
-        counted = f"; {day10_count.verify_count(name, f'seed={seed}')}"
+        large = day10_count.count_case(case_seed(seed))
+        res = on_ranks(day10_count.count_worker, day10_count.RANKS, fn, per_rank=day10_count.count_parts(large))
+        counted = f"; {day10_count.verify_count(name, f'seed={seed}', res, large)}"
     ok(name, f"{n} ranks, T={c['where']['T']}, causal and not{counted}, seed={seed}")
 
 
