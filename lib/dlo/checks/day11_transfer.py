@@ -102,6 +102,14 @@ def _freeze_worker(freeze_fn, model: nn.Module, x: torch.Tensor, y: torch.Tensor
     with _NO_OVERRIDES():
         grad = {k: _REQUIRES_GRAD(p) for k, p in params.items()}
     before = _copies(model)
+    _two_steps(model, params, x, y, seed)
+    after = _copies(model)
+    stilled = sorted(k for k, g in grad.items() if g and k in before and k in after and _EQUAL(before[k], after[k]))
+    return {"count": count, "classes": classes, "modes": modes, "grad": grad, "stilled": stilled}
+
+
+def _two_steps(model: nn.Module, params: dict, x: torch.Tensor, y: torch.Tensor, seed: int) -> None:
+    """Two SGD steps on `params` (each tensor once), the same in the worker and on the check's copy."""
     opt = _SGD(list({_ID(p): p for p in params.values()}.values()), lr=0.5)
     _SEED(seed)
     for _ in range(2):
@@ -109,9 +117,6 @@ def _freeze_worker(freeze_fn, model: nn.Module, x: torch.Tensor, y: torch.Tensor
         opt.zero_grad()
         loss.backward()
         opt.step()
-    after = _copies(model)
-    stilled = sorted(k for k, g in grad.items() if g and k in before and k in after and _EQUAL(before[k], after[k]))
-    return {"count": count, "classes": classes, "modes": modes, "grad": grad, "stilled": stilled}
 
 
 def _flag(value) -> bool:
@@ -136,14 +141,8 @@ def _trained(model: nn.Module, grad: dict, modes: dict, x: torch.Tensor, y: torc
     for n, m in _walk(model):
         m.training = _flag(modes[n])
     before = _copies(model)
-    opt = _SGD(list({id(p): p for p in params.values()}.values()), lr=0.5)
     with torch.random.fork_rng(devices=[]):
-        _SEED(seed)
-        for _ in range(2):
-            loss = _CROSS_ENTROPY(model(x), y)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
+        _two_steps(model, params, x, y, seed)
     after = _copies(model)
     return {k: not _EQUAL(v, after[k]) for k, v in before.items()}
 
